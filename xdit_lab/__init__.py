@@ -1,0 +1,13 @@
+"""xdit_lab: hybrid-parallel inference of Diffusion Transformers, from notebook cells to torchrun."""
+
+from .comm import CommLog, CommRecord, comm_log
+from .config import CostEstimate, ParallelConfig, ParallelConfigError
+from .distributed import init_distributed, shutdown_distributed
+from .mesh import RankMesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommLog", "CommRecord", "comm_log", "CostEstimate", "ParallelConfig", "ParallelConfigError",
+    "init_distributed", "shutdown_distributed", "RankMesh",
+]

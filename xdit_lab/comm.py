@@ -1,0 +1,182 @@
+"""Every collective of the package, counted.
+
+All communication goes through these functions, each naming the mesh group it runs on
+("ulysses", "ring", "sp", "pipefusion", "cfg", "dp"). Each call appends a `CommRecord` to the
+logs opened with `comm_log()`, so notebook views and benchmarks read what really moved:
+
+    with xdit_lab.comm_log() as log:
+        ...
+    log.bytes_by_group()   # {"ulysses": 49152, ...}
+
+`bytes` is the size of the tensor handed to the call on this rank; `bytes_out` is what must
+leave this rank for the call to complete, in the direct model: an all-to-all keeps its own
+1/N, an all-gather sends its shard to N-1 peers, a send sends everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    group: str
+    group_size: int
+    dtype: str
+    elements: int
+    bytes: int
+    bytes_out: int
+    tag: str = ""
+
+
+class CommLog:
+    def __init__(self):
+        self.records: list[CommRecord] = []
+
+    def __len__(self):
+        return len(self.records)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def filter(self, *, op: str | None = None, group: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records if (op is None or r.op == op) and (group is None or r.group == group)]
+
+    def bytes_by_group(self, field: str = "bytes_out") -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for r in self.records:
+            totals[r.group] = totals.get(r.group, 0) + getattr(r, field)
+        return totals
+
+    def summary(self) -> list[dict]:
+        """Small, picklable rows (one per record) for views gathered from many ranks."""
+        return [asdict(r) for r in self.records]
+
+
+_OPEN_LOGS: list[CommLog] = []
+
+
+@contextlib.contextmanager
+def comm_log():
+    """Record every collective issued inside the block (nested logs each see all records)."""
+    log = CommLog()
+    _OPEN_LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _OPEN_LOGS.remove(log)
+
+
+def _record(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int, tag: str = ""):
+    if not _OPEN_LOGS:
+        return
+    record = CommRecord(op=op, group=group, group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
+                        elements=tensor.numel(), bytes=tensor.numel() * tensor.element_size(),
+                        bytes_out=bytes_out, tag=tag)
+    for log in _OPEN_LOGS:
+        log.records.append(record)
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+
+def all_to_all(x: torch.Tensor, mesh, group: str, *, scatter_dim: int, gather_dim: int, tag: str = "") -> torch.Tensor:
+    """Split `x` into N equal chunks along scatter_dim, send chunk j to group rank j, and
+    concatenate the chunks received along gather_dim (N = the group size)."""
+    n = mesh.group_size(group)
+    if n == 1:
+        return x
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all_to_all over {group}: dim {scatter_dim} of size {x.shape[scatter_dim]} "
+                         f"does not divide by the group size {n}")
+    # Chunks go out along dim 0; gloo also needs the input contiguous.
+    chunks = x.movedim(scatter_dim, 0)
+    chunks = chunks.reshape(n, chunks.shape[0] // n, *chunks.shape[1:]).contiguous()
+    received = torch.empty_like(chunks)
+    _record("all_to_all", group, n, chunks, chunks.numel() * chunks.element_size() * (n - 1) // n, tag)
+    dist.all_to_all_single(received, chunks, group=mesh.group(group))
+    # received[j] is my chunk of group rank j's tensor: lay them side by side along gather_dim.
+    return torch.cat([part.movedim(0, scatter_dim) for part in received.unbind(0)], dim=gather_dim)
+
+
+def all_gather(x: torch.Tensor, mesh, group: str, *, dim: int, sizes: list[int] | None = None,
+               tag: str = "") -> torch.Tensor:
+    """Concatenate every group rank's `x` along `dim`, in group-rank order.
+
+    `sizes` gives each rank's length along dim when they differ (as torch.tensor_split gives
+    them); shards are padded to the longest for the transfer and trimmed after."""
+    n = mesh.group_size(group)
+    if n == 1:
+        return x
+    longest = max(sizes) if sizes else x.shape[dim]
+    padded = x
+    if x.shape[dim] < longest:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    padded = padded.contiguous()
+    out = [torch.empty_like(padded) for _ in range(n)]
+    _record("all_gather", group, n, padded, padded.numel() * padded.element_size() * (n - 1), tag)
+    dist.all_gather(out, padded, group=mesh.group(group))
+    if sizes:
+        out = [part.narrow(dim, 0, size) for part, size in zip(out, sizes)]
+    return torch.cat(out, dim=dim)
+
+
+def all_reduce(x: torch.Tensor, mesh, group: str, *, op=dist.ReduceOp.SUM, tag: str = "") -> torch.Tensor:
+    """In-place all-reduce of `x` over the group; returns x."""
+    n = mesh.group_size(group)
+    if n == 1:
+        return x
+    _record("all_reduce", group, n, x, 2 * x.numel() * x.element_size() * (n - 1) // n, tag)
+    dist.all_reduce(x, op=op, group=mesh.group(group))
+    return x
+
+
+def all_gather_object(obj, mesh, group: str, *, tag: str = "") -> list:
+    """Gather a small picklable object from every group rank (for consistency checks)."""
+    n = mesh.group_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=mesh.group(group))
+    _record("all_gather_object", group, n, torch.empty(0, dtype=torch.uint8), 0, tag)
+    return out
+
+
+def broadcast(x: torch.Tensor, mesh, group: str, *, src_group_rank: int = 0, tag: str = "") -> torch.Tensor:
+    n = mesh.group_size(group)
+    if n == 1:
+        return x
+    src = mesh.group_ranks(group)[src_group_rank]
+    sent = x.numel() * x.element_size() * (n - 1) if mesh.rank == src else 0
+    _record("broadcast", group, n, x, sent, tag)
+    dist.broadcast(x, src=src, group=mesh.group(group))
+    return x
+
+
+# ---- point to point ---------------------------------------------------------------------------------
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], mesh, group: str,
+             *, tag: str = "") -> list:
+    """Start sends and receives together (batch_isend_irecv); return the requests to wait on.
+
+    `sends` and `recvs` pair a tensor with a global peer rank. Receives are filled in place."""
+    ops = []
+    pg = mesh.group(group)
+    for tensor, peer in sends:
+        tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
+        _record("send", group, mesh.group_size(group), tensor, tensor.numel() * tensor.element_size(), tag)
+        ops.append(dist.P2POp(dist.isend, tensor, peer, group=pg))
+    for tensor, peer in recvs:
+        ops.append(dist.P2POp(dist.irecv, tensor, peer, group=pg))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def wait(requests: list) -> None:
+    for request in requests:
+        request.wait()

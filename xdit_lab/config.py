@@ -1,0 +1,239 @@
+"""ParallelConfig: the five parallel degrees, the rules they obey, and a cost model to rank them.
+
+A hybrid-parallel run splits `world_size` ranks into a grid of
+    dp × cfg × pipefusion × ring × ulysses
+The most common mistake is arithmetic: the degrees do not multiply to the number of
+processes. `validate()` names every broken rule at once and, on a world-size mismatch,
+lists the configurations that do fit. `options()` enumerates every valid configuration and
+ranks it with the cost model below.
+
+Cost model (per rank, per denoising step and per image branch, from the published cost table
+of these methods; p = tokens per image, hs = hidden size, L = transformer layers, P = parameter
+bytes, N = the method's degree):
+    Ulysses      (4/N)·p·hs·L   four all-to-alls (q, k, v, out), each moving (N-1)/N of a shard
+    Ring         2·p·hs·L       K and V blocks travel the whole ring
+    PipeFusion   2·p·hs         one patch activation handed to the next stage, and back
+    CFG, DP      ~0             only the final noise prediction is gathered
+    parameters   P per rank under sequence/CFG/data parallelism, P/N under PipeFusion
+In a hybrid, Ring passes K/V that Ulysses has already split by heads (so ÷ulysses), Ulysses
+works on the ring's share of the sequence (so ÷ring), and each PipeFusion stage holds
+L/pipefusion layers. A rank carries ceil(batch/dp) images, times two CFG branches unless cfg
+splits them; work and traffic scale with that. Communication is reported in units of p·hs (elements), so the table
+needs no hidden size; pass `hidden_size` and `dtype_bytes` to get bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+DEGREES = ("dp", "cfg", "pipefusion", "ring", "ulysses")  # slowest-varying rank first
+
+
+class ParallelConfigError(ValueError):
+    """A parallel configuration that cannot run; the message lists every violated rule."""
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    work_fraction: float  # transformer compute per rank, in single-image forwards (lower is faster)
+    comm_p_hs: float  # elements moved per rank per step, in units of p·hs
+    params_fraction: float  # parameter bytes per rank, as a fraction of the whole model P
+
+    def comm_bytes(self, seq_len: int, hidden_size: int, dtype_bytes: int = 2) -> float:
+        return self.comm_p_hs * seq_len * hidden_size * dtype_bytes
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    cfg: int = 1
+    pipefusion: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    num_patches: int | None = None  # PipeFusion patches; None means one per stage
+    warmup_steps: int = 1  # synchronous full-image steps before PipeFusion runs on stale K/V
+
+    def __post_init__(self):
+        for name in (*DEGREES, "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ParallelConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if self.num_patches is not None and (
+            not isinstance(self.num_patches, int) or isinstance(self.num_patches, bool)
+        ):
+            raise ParallelConfigError(f"num_patches must be an int or None, got {self.num_patches!r}")
+
+    # ---- derived sizes ---------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cfg * self.pipefusion * self.ring * self.ulysses
+
+    @property
+    def sp_degree(self) -> int:
+        """Sequence-parallel degree: ranks that share one image's tokens within a stage."""
+        return self.ulysses * self.ring
+
+    @property
+    def patches(self) -> int:
+        return self.num_patches if self.num_patches is not None else self.pipefusion
+
+    def spelled(self) -> str:
+        """The product written out, e.g. 'cfg 2 × ulysses 2 = 4' (degrees of 1 left out)."""
+        used = [f"{name} {getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
+        return f"{' × '.join(used) or 'serial'} = {self.world_size}"
+
+    def short(self) -> str:
+        """Compact form for tables: 'cfg2·ulysses2', or 'serial'."""
+        used = [f"{name}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
+        return "·".join(used) or "serial"
+
+    def replace(self, **changes) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- rules ---------------------------------------------------------------------------
+    def problems(self, world_size=None, *, num_heads=None, num_layers=None, seq_len=None,
+                 available_devices=None) -> list[str]:
+        """Every rule this configuration breaks, as sentences (empty when it is valid).
+
+        `available_devices` (default: the visible GPUs) only shapes the advice on a world-size
+        mismatch, e.g. "or run on 2 of your 4 GPUs"."""
+        found = []
+        below_one = [f"{name}={getattr(self, name)}" for name in DEGREES if getattr(self, name) < 1]
+        if below_one:
+            found.append(f"every degree must be at least 1, got {', '.join(below_one)}")
+        if self.cfg not in (1, 2):
+            found.append(f"cfg must be 1 or 2 (the unconditional and conditional branch), got {self.cfg}")
+        if self.warmup_steps < 0:
+            found.append(f"warmup_steps must be 0 or more, got {self.warmup_steps}")
+        if self.num_patches is not None and self.num_patches < max(self.pipefusion, 1):
+            found.append(
+                f"num_patches {self.num_patches} is below the {self.pipefusion} PipeFusion stages: "
+                f"every stage needs a patch in flight; use num_patches >= {self.pipefusion}"
+            )
+        if below_one:  # the size rules below need positive degrees
+            return found
+        if num_heads is not None and num_heads % self.ulysses:
+            fits = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            found.append(
+                f"{num_heads} attention heads do not divide by ulysses {self.ulysses}; "
+                f"ulysses degrees that fit: {', '.join(map(str, fits))}"
+            )
+        if num_layers is not None and num_layers < self.pipefusion:
+            found.append(
+                f"{num_layers} transformer layers cannot fill {self.pipefusion} PipeFusion stages; "
+                f"use pipefusion <= {num_layers}"
+            )
+        if seq_len is not None:
+            tokens_per_patch_shard = self.patches * self.sp_degree
+            if seq_len < tokens_per_patch_shard:
+                found.append(
+                    f"{seq_len} image tokens cannot give each of {self.patches} patch(es) × "
+                    f"{self.sp_degree} sequence-parallel ranks a token"
+                )
+        if world_size is not None and world_size != self.world_size:
+            found.append(self._world_size_message(world_size, available_devices, num_heads, num_layers, seq_len))
+        return found
+
+    def validate(self, world_size=None, *, num_heads=None, num_layers=None, seq_len=None,
+                 available_devices=None) -> "ParallelConfig":
+        """Raise ParallelConfigError naming every violated rule; return self when valid."""
+        found = self.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len,
+                              available_devices=available_devices)
+        if found:
+            lines = "\n".join(f"  - {p}" for p in found)
+            raise ParallelConfigError(f"ParallelConfig({self._fields()}) cannot run:\n{lines}")
+        return self
+
+    def _fields(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def _world_size_message(self, world_size, available_devices, num_heads, num_layers, seq_len) -> str:
+        devices = available_devices if available_devices is not None else _visible_gpus()
+        unit = "GPUs" if available_devices is None else "devices"
+        shape = dict(num_heads=num_heads, num_layers=num_layers, seq_len=seq_len)
+        text = f"the degrees multiply to {self.spelled()} ranks, but the world size is {world_size}."
+        fits = [c.short() for c in ParallelConfig.options(world_size, **shape)] if world_size >= 1 else []
+        if fits:
+            shown = ", ".join(fits[:8]) + (f" and {len(fits) - 8} more" if len(fits) > 8 else "")
+            text += f" Configurations that fit {world_size} ranks (best first): {shown}"
+            text += f", or run on {world_size} of your {devices} {unit}." if devices > world_size else "."
+        if self.world_size < world_size:
+            text += (
+                f" A smaller configuration may run on a subset of the devices: this one can run on "
+                f"{self.world_size} of your {world_size} ranks (RankMesh uses the first "
+                f"{self.world_size}; the others stay idle)."
+            )
+        elif devices >= self.world_size:
+            text += (
+                f" Or keep this configuration and launch {self.world_size} ranks: you have {devices} {unit} "
+                f"(torchrun --nproc_per_node {self.world_size})."
+            )
+        else:
+            text += f" Or keep this configuration on {self.world_size} ranks (torchrun --nproc_per_node {self.world_size})."
+        return text
+
+    # ---- cost model and enumeration ---------------------------------------------------------
+    def cost(self, num_layers: int | None = None, *, batch: int = 1, use_cfg: bool = True) -> CostEstimate:
+        """Per-rank work, communication and parameter share of one denoising step (table above).
+
+        `batch` prompts, each run twice (unconditional and conditional) when `use_cfg`: without
+        CFG parallelism a rank carries both branches, so its work and traffic double."""
+        layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
+        branches = 2 if (use_cfg or self.cfg == 2) else 1
+        images_per_rank = -(-batch // self.dp) * branches / self.cfg
+        u, r, n = self.ulysses, self.ring, self.pipefusion
+        per_image = 0.0
+        if u > 1:
+            per_image += (4 / u) * (1 / r) * (layers / n)
+        if r > 1:
+            per_image += 2 * ((r - 1) / r) * (1 / u) * (layers / n)
+        if n > 1:
+            per_image += 2 / (u * r)
+        return CostEstimate(
+            work_fraction=images_per_rank / (u * r * n),
+            comm_p_hs=images_per_rank * per_image,
+            params_fraction=1 / n,
+        )
+
+    @staticmethod
+    def options(world_size, *, num_heads=None, num_layers=None, seq_len=None, use_cfg=True, batch=1,
+                num_patches=None, warmup_steps=1) -> list["ParallelConfig"]:
+        """Every valid configuration for `world_size` ranks, best first.
+
+        Ranked by the cost model for `batch` prompts: least compute per rank (the speed-up), then
+        least communication per rank per step, then least parameter memory per rank, then fewest
+        parallel dimensions (simpler to run and to debug). `use_cfg=False` (no guidance) leaves
+        out cfg 2."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ParallelConfigError(f"world_size must be a positive int, got {world_size!r}")
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        found = []
+        for dp, cfg, pipefusion, ring in itertools.product(divisors, (1, 2) if use_cfg else (1,), divisors, divisors):
+            rest, leftover = divmod(world_size, dp * cfg * pipefusion * ring)
+            if leftover or rest < 1:
+                continue
+            patches = None if num_patches is None else max(num_patches, pipefusion)
+            config = ParallelConfig(dp=dp, cfg=cfg, pipefusion=pipefusion, ulysses=rest, ring=ring,
+                                    num_patches=patches, warmup_steps=warmup_steps)
+            if not config.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len):
+                found.append(config)
+
+        def rank_key(c: ParallelConfig):
+            cost = c.cost(num_layers, batch=batch, use_cfg=use_cfg)
+            dims = sum(getattr(c, n) > 1 for n in DEGREES)
+            # remaining ties: prefer cfg, then Ulysses (fast links), over data parallel
+            return (round(cost.work_fraction, 9), round(cost.comm_p_hs, 9), cost.params_fraction, dims,
+                    c.dp, -c.cfg, -c.ulysses, -c.ring)
+
+        return sorted(found, key=rank_key)
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install must not hide the configuration error
+        return 0

@@ -1,0 +1,118 @@
+"""init_distributed: join (or start) the torch.distributed world with sane defaults.
+
+torchrun, the test harness and the Lab's engines all come through here, so every process gets
+the same choices: nccl with one GPU per rank when CUDA is there, gloo otherwise; a timeout of
+minutes (a lost rank must not hang a notebook for torch's default 30 minutes); and one torch
+thread per rank when several CPU ranks share the cores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *, rank: int | None = None,
+                     world_size: int | None = None, local_rank: int | None = None,
+                     local_world_size: int | None = None, master_addr: str | None = None,
+                     master_port: int | None = None) -> DistributedInfo:
+    """Initialise torch.distributed from torchrun's environment or from explicit arguments.
+
+    Explicit arguments win over RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT. Calling it again in an initialised process returns the current world."""
+    if dist.is_initialized():
+        return current_info()
+    rank = rank if rank is not None else _env_int("RANK", 0)
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
+    local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", rank)
+    local_world_size = local_world_size if local_world_size is not None else _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size} ranks")
+    if timeout_s is None or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl":
+        if not cuda:
+            raise ValueError("backend 'nccl' needs CUDA GPUs; none is visible. Use backend='gloo' on CPU.")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # CPU ranks on one host share its cores; more threads than cores only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+    os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
+    if master_addr:
+        os.environ["MASTER_ADDR"] = master_addr
+    if master_port is not None:
+        os.environ["MASTER_PORT"] = str(master_port)
+    if "MASTER_PORT" not in os.environ:
+        if world_size > 1:
+            raise ValueError("MASTER_PORT is not set: launch with torchrun or pass master_port=")
+        os.environ["MASTER_PORT"] = str(free_port())
+
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    _STATE.update(local_rank=local_rank, device=device, timeout_s=timeout_s)
+    return current_info()
+
+
+_STATE: dict = {}
+
+
+def current_info() -> DistributedInfo:
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call xdit_lab.init_distributed() first")
+    device = _STATE.get("device") or (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+    return DistributedInfo(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        local_rank=_STATE.get("local_rank", dist.get_rank()), backend=dist.get_backend(), device=device,
+        timeout_s=_STATE.get("timeout_s", DEFAULT_TIMEOUT_S),
+    )
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.clear()
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

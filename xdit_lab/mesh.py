@@ -1,0 +1,155 @@
+"""RankMesh: the one object that owns the process groups of a ParallelConfig.
+
+Ranks are laid out as a grid dp × cfg × pipefusion × ring × ulysses with ulysses varying
+fastest (xDiT's tp-sp-pp-cfg-dp order): Ulysses' all-to-alls stay on neighbouring ranks, the
+fast links of a GPU box, while Ring and PipeFusion, which pass point-to-point messages, go
+further. For 8 ranks with ulysses 2, ring 2, cfg 2:
+
+    rank:     0 1 2 3 4 5 6 7
+    ulysses:  0 1 0 1 0 1 0 1
+    ring:     0 0 1 1 0 0 1 1
+    cfg:      0 0 0 0 1 1 1 1
+
+Groups are made here and nowhere else. Every rank of the world must build the mesh (torch's
+`new_group` is collective); a configuration smaller than the world runs on its first
+`config.world_size` ranks and the rest are idle (`mesh.active` is False there).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+
+import torch.distributed as dist
+
+from .config import DEGREES, ParallelConfig, ParallelConfigError
+
+# Named groups: the five degrees, plus "sp", the ulysses × ring ranks that share one image's tokens.
+GROUP_NAMES = (*DEGREES, "sp")
+_GROUP_DIMS = {name: (name,) for name in DEGREES} | {"sp": ("ring", "ulysses")}
+
+
+class RankMesh:
+    def __init__(self, config: ParallelConfig, *, rank: int | None = None, world_size: int | None = None,
+                 timeout_s: float | None = None):
+        if rank is None or world_size is None:
+            if not dist.is_initialized():
+                raise RuntimeError("RankMesh needs torch.distributed: call xdit_lab.init_distributed() first")
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        found = config.problems()
+        if config.world_size > world_size:
+            found.append(config._world_size_message(world_size, None, None, None, None))
+        if found:
+            raise ParallelConfigError("cannot build a RankMesh:\n" + "\n".join(f"  - {p}" for p in found))
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.active = rank < config.world_size
+        self.shape = {name: getattr(config, name) for name in DEGREES}
+        self.coords = self.coords_of(rank) if self.active else None
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._group_ranks: dict[str, list[int]] = {}
+        if dist.is_initialized():
+            self._build_groups(timeout_s)
+
+    # ---- coordinates -------------------------------------------------------------------
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """Grid coordinates of a rank, e.g. {'dp': 0, 'cfg': 1, 'pipefusion': 0, 'ring': 0, 'ulysses': 1}."""
+        if not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank {rank} is not in this mesh of {self.config.world_size} ranks")
+        coords = {}
+        for name in reversed(DEGREES):  # ulysses first: it varies fastest
+            rank, coords[name] = divmod(rank, self.shape[name])
+        return {name: coords[name] for name in DEGREES}
+
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at the given coordinates (missing ones taken from this rank's)."""
+        where = {**(self.coords or {}), **coords}
+        rank = 0
+        for name in DEGREES:
+            rank = rank * self.shape[name] + where[name]
+        return rank
+
+    def __getattr__(self, name):
+        # mesh.ulysses_rank, mesh.ring_rank, ... : this rank's coordinate in each dimension
+        if name.endswith("_rank") and name[: -len("_rank")] in DEGREES:
+            return self.coords[name[: -len("_rank")]] if self.coords else None
+        raise AttributeError(name)
+
+    # ---- groups --------------------------------------------------------------------------
+    def _members(self, name: str) -> list[list[int]]:
+        """All groups of one name, each a list of global ranks, in a fixed order."""
+        varying = _GROUP_DIMS[name]
+        fixed = [d for d in DEGREES if d not in varying]
+        groups = []
+        for fixed_coords in itertools.product(*(range(self.shape[d]) for d in fixed)):
+            base = dict(zip(fixed, fixed_coords))
+            members = [self.rank_of(**base, **dict(zip(varying, vc)))
+                       for vc in itertools.product(*(range(self.shape[d]) for d in varying))]
+            groups.append(sorted(members))
+        return groups
+
+    def _build_groups(self, timeout_s):
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        # Every process calls new_group for every group, in the same order (it is collective).
+        for name in GROUP_NAMES:
+            for members in self._members(name):
+                group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+                if self.rank in members:
+                    self._groups[name] = group
+                    self._group_ranks[name] = members
+
+    def group(self, name: str):
+        """The process group of this rank for `name`, or None when its degree is 1."""
+        self._check_name(name)
+        return self._groups.get(name)
+
+    def group_ranks(self, name: str) -> list[int]:
+        """Global ranks in this rank's group `name`, in group-rank order."""
+        self._check_name(name)
+        return self._group_ranks.get(name, [self.rank])
+
+    def group_size(self, name: str) -> int:
+        self._check_name(name)
+        if name == "sp":
+            return self.config.sp_degree
+        return self.shape[name]
+
+    def group_rank(self, name: str) -> int:
+        """This rank's index inside its group `name` (for "sp": ring-major, ulysses fastest)."""
+        return self.group_ranks(name).index(self.rank)
+
+    def _check_name(self, name: str):
+        if name not in GROUP_NAMES:
+            raise ValueError(f"unknown group {name!r}; groups are {', '.join(GROUP_NAMES)}")
+        if not self.active:
+            raise RuntimeError(f"rank {self.rank} is idle in this mesh of {self.config.world_size} ranks")
+
+    # ---- pipeline neighbours -------------------------------------------------------------------
+    @property
+    def pipeline_prev(self) -> int:
+        """Global rank of the previous PipeFusion stage (wrapping: stage 0's previous is the last)."""
+        return self.rank_of(pipefusion=(self.coords["pipefusion"] - 1) % self.shape["pipefusion"])
+
+    @property
+    def pipeline_next(self) -> int:
+        """Global rank of the next PipeFusion stage (the last stage's next is stage 0)."""
+        return self.rank_of(pipefusion=(self.coords["pipefusion"] + 1) % self.shape["pipefusion"])
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pipefusion"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pipefusion"] == self.shape["pipefusion"] - 1
+
+    def __str__(self) -> str:
+        if not self.active:
+            return f"idle (rank {self.rank} of {self.world_size}; the configuration uses {self.config.world_size})"
+        c = self.coords
+        return (f"dp{c['dp']} cfg{c['cfg']} pp{c['pipefusion']} ring{c['ring']} ulysses{c['ulysses']} "
+                f"(rank {self.rank} of {self.config.world_size})")
+
+    __repr__ = __str__

@@ -16,6 +16,7 @@ leave this rank for the call to complete, in the direct model: an all-to-all kee
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -84,23 +85,28 @@ def _record(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int
 
 # ---- collectives ---------------------------------------------------------------------------------
 
-def all_to_all(x: torch.Tensor, mesh, group: str, *, scatter_dim: int, gather_dim: int, tag: str = "") -> torch.Tensor:
-    """Split `x` into N equal chunks along scatter_dim, send chunk j to group rank j, and
-    concatenate the chunks received along gather_dim (N = the group size)."""
+def all_to_all(chunks: list[torch.Tensor], recv_shapes: list[tuple], mesh, group: str, *,
+               tag: str = "") -> list[torch.Tensor]:
+    """Send chunks[j] to group rank j; return the tensors received, in group-rank order.
+
+    recv_shapes[j] is the shape of what group rank j sends here: shapes may differ between
+    ranks (uneven sequence shards), so nothing is padded. One all_to_all_single call moves
+    everything, flattened (gloo also needs contiguous input)."""
     n = mesh.group_size(group)
+    if len(chunks) != n or len(recv_shapes) != n:
+        raise ValueError(f"all_to_all over {group} needs {n} chunks and {n} receive shapes, "
+                         f"got {len(chunks)} and {len(recv_shapes)}")
     if n == 1:
-        return x
-    if x.shape[scatter_dim] % n:
-        raise ValueError(f"all_to_all over {group}: dim {scatter_dim} of size {x.shape[scatter_dim]} "
-                         f"does not divide by the group size {n}")
-    # Chunks go out along dim 0; gloo also needs the input contiguous.
-    chunks = x.movedim(scatter_dim, 0)
-    chunks = chunks.reshape(n, chunks.shape[0] // n, *chunks.shape[1:]).contiguous()
-    received = torch.empty_like(chunks)
-    _record("all_to_all", group, n, chunks, chunks.numel() * chunks.element_size() * (n - 1) // n, tag)
-    dist.all_to_all_single(received, chunks, group=mesh.group(group))
-    # received[j] is my chunk of group rank j's tensor: lay them side by side along gather_dim.
-    return torch.cat([part.movedim(0, scatter_dim) for part in received.unbind(0)], dim=gather_dim)
+        return [chunks[0]]
+    me = mesh.group_rank(group)
+    send = torch.cat([c.reshape(-1) for c in chunks])
+    recv_sizes = [math.prod(shape) for shape in recv_shapes]
+    received = send.new_empty(sum(recv_sizes))
+    sent_away = sum(c.numel() for j, c in enumerate(chunks) if j != me) * send.element_size()
+    _record("all_to_all", group, n, send, sent_away, tag)
+    dist.all_to_all_single(received, send, output_split_sizes=recv_sizes,
+                           input_split_sizes=[c.numel() for c in chunks], group=mesh.group(group))
+    return [part.view(shape) for part, shape in zip(received.split(recv_sizes), recv_shapes)]
 
 
 def all_gather(x: torch.Tensor, mesh, group: str, *, dim: int, sizes: list[int] | None = None,

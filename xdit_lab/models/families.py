@@ -1,0 +1,94 @@
+"""One small adapter per diffusers DiT family: where tokens are sharded and gathered, where
+text sits, and what kind each attention module is. No forward is copied: diffusers' model runs
+unchanged and `parallel.py` takes over at the places named here.
+
+Attention kinds (matched on the module's qualified name):
+    self        image tokens only: sequence-parallel
+    cross       image queries, text keys/values (PixArt): local, no communication
+    joint_first text tokens before image tokens in q/k/v (Flux, CogVideoX)
+    joint_last  text tokens after image tokens (SD3)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+SUPPORTED_DIFFUSERS = ("0.42", "0.43")  # tested range: >= first, < second
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    family: str
+    class_name: str
+    shard_at: str  # submodule whose output holds the whole image tokens [B, S, C] (positions added)
+    gather_at: str  # submodule whose output holds this rank's tokens, before unpatchify
+    attention: dict = field(default_factory=dict)  # qualified-name regex -> kind
+    text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor
+    rotary_at: str | None = None  # Flux: pos_embed gives (cos, sin) rows for [text; image]
+    rotary_kwarg: str | None = None  # CogVideoX: forward kwarg with the image rotary tables
+    unbatched: tuple = ()  # forward arguments without a batch dimension
+    not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
+
+    def attention_kind(self, qualified_name: str) -> str | None:
+        for pattern, kind in self.attention.items():
+            if re.search(pattern, qualified_name):
+                return kind
+        return None
+
+
+FAMILIES = {
+    adapter.class_name: adapter
+    for adapter in (
+        FamilyAdapter("PixArt", "PixArtTransformer2DModel", shard_at="pos_embed", gather_at="proj_out",
+                      attention={r"\.attn1$": "self", r"\.attn2$": "cross"}),
+        FamilyAdapter("SD3", "SD3Transformer2DModel", shard_at="pos_embed", gather_at="proj_out",
+                      attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"}),
+        FamilyAdapter("Flux", "FluxTransformer2DModel", shard_at="x_embedder", gather_at="proj_out",
+                      attention={r"^transformer_blocks\.\d+\.attn$": "joint_first",
+                                 r"^single_transformer_blocks\.\d+\.attn$": "joint_first"},
+                      rotary_at="pos_embed", unbatched=("img_ids", "txt_ids")),
+        FamilyAdapter("CogVideoX", "CogVideoXTransformer3DModel", shard_at="patch_embed", gather_at="proj_out",
+                      attention={r"\.attn1$": "joint_first"}, text_before_image_at_shard=True,
+                      rotary_kwarg="image_rotary_emb", unbatched=("image_rotary_emb",)),
+        FamilyAdapter("DiT", "DiTTransformer2DModel", shard_at="pos_embed", gather_at="proj_out_2",
+                      attention={r"\.attn1$": "self"}),
+    )
+}
+
+
+def adapter_for(transformer) -> FamilyAdapter:
+    name = type(transformer).__name__
+    if name not in FAMILIES:
+        raise TypeError(f"xdit_lab cannot parallelize {name}; supported transformers: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def check_diffusers_version(version: str | None = None) -> None:
+    """Raise when the installed diffusers is outside the range these adapters were tested on."""
+    from packaging.version import Version
+
+    if version is None:
+        import diffusers
+
+        version = diffusers.__version__
+    low, high = SUPPORTED_DIFFUSERS
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(
+            f"diffusers {version} is installed, but xdit_lab's model adapters support diffusers >= {low}, < {high} "
+            f"(module names and attention layouts change between releases). "
+            f"Install a supported release: pip install 'diffusers>={low},<{high}'"
+        )
+
+
+def image_tokens_at_default_size(transformer) -> int | None:
+    """Image tokens at the model's configured sample size (for setup-time shape checks)."""
+    cfg = transformer.config
+    sample, patch = cfg.get("sample_size"), cfg.get("patch_size") or 1
+    if type(transformer).__name__ == "CogVideoXTransformer3DModel":
+        frames = (cfg.sample_frames - 1) // cfg.temporal_compression_ratio + 1
+        frames = -(-frames // (cfg.get("patch_size_t") or 1))
+        return frames * (cfg.sample_height // patch) * (cfg.sample_width // patch)
+    if type(transformer).__name__ == "FluxTransformer2DModel" or not isinstance(sample, int):
+        return None  # Flux takes packed tokens of any length
+    return (sample // patch) ** 2

@@ -142,3 +142,21 @@ def test_local_attention_lse_merge_is_exact():
 def test_shard_sizes_follow_tensor_split():
     for total, parts in [(32, 4), (37, 4), (5, 2), (7, 3)]:
         assert shard_sizes(total, parts) == [len(c) for c in torch.arange(total).tensor_split(parts)]
+
+
+def test_backend_is_reported_and_can_be_overridden():
+    from xdit_lab.attention import attention_backend, set_attention_backend
+
+    assert attention_backend("cpu") == "cpu_flash"
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    try:
+        set_attention_backend("math")
+        assert attention_backend("cpu") == "math"
+        out, lse = local_attention(q, k, v)
+    finally:
+        set_attention_backend(None)
+    assert (out - F.scaled_dot_product_attention(q, k, v)).abs().max() < 1e-6
+    assert torch.allclose(lse, local_attention(q, k, v)[1], atol=1e-5)
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'; choose one of flash_attn"):
+        set_attention_backend("fast")

@@ -11,6 +11,7 @@ Attention kinds (matched on the module's qualified name):
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -64,8 +65,10 @@ def adapter_for(transformer) -> FamilyAdapter:
     return FAMILIES[name]
 
 
+@functools.lru_cache(maxsize=None)
 def check_diffusers_version(version: str | None = None) -> None:
-    """Raise when the installed diffusers is outside the range these adapters were tested on."""
+    """Raise when the installed diffusers is outside the range these adapters were tested on
+    (checked once per process and version)."""
     from packaging.version import Version
 
     if version is None:

@@ -23,7 +23,7 @@ def _group_sums(config):
 
 def _expected_members(config, rank, name):
     """Brute force: ranks whose coordinates equal this rank's in every dimension outside the group."""
-    varying = {"sp": ("ring", "ulysses")}.get(name, (name,))
+    varying = {"sp": ("ring", "ulysses"), "world": DEGREES}.get(name, (name,))
     sizes = [getattr(config, d) for d in DEGREES]
 
     def coords(r):

@@ -6,6 +6,8 @@ from .config import CostEstimate, ParallelConfig, ParallelConfigError
 from .distributed import init_distributed, shutdown_distributed
 from .mesh import RankMesh
 from .models import parallelize
+from .pipeline import ParallelPipeline, load_pipeline
+from .session import DenoiseSession
 
 __version__ = "0.1.0"
 
@@ -13,4 +15,5 @@ __all__ = [
     "attention_backend", "set_attention_backend", "sp_attention",
     "CommLog", "CommRecord", "comm_log", "CostEstimate", "ParallelConfig", "ParallelConfigError",
     "init_distributed", "shutdown_distributed", "RankMesh", "parallelize",
+    "ParallelPipeline", "load_pipeline", "DenoiseSession",
 ]

@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from .config import DEGREES, ParallelConfig, ParallelConfigError
 
-# Named groups: the five degrees, plus "sp", the ulysses × ring ranks that share one image's tokens.
-GROUP_NAMES = (*DEGREES, "sp")
-_GROUP_DIMS = {name: (name,) for name in DEGREES} | {"sp": ("ring", "ulysses")}
+# Named groups: the five degrees, "sp" (the ulysses × ring ranks that share one image's tokens)
+# and "world" (every rank of the configuration, which may be a subset of the processes).
+GROUP_NAMES = (*DEGREES, "sp", "world")
+_GROUP_DIMS = {name: (name,) for name in DEGREES} | {"sp": ("ring", "ulysses"), "world": DEGREES}
 
 
 class RankMesh:
@@ -114,6 +115,8 @@ class RankMesh:
         self._check_name(name)
         if name == "sp":
             return self.config.sp_degree
+        if name == "world":
+            return self.config.world_size
         return self.shape[name]
 
     def group_rank(self, name: str) -> int:

@@ -213,11 +213,13 @@ def _split_batch(state, arguments: dict):
         count = total // 2
         start = mesh.group_rank("cfg") * count
     dp_sizes = shard_sizes(count, config.dp)
-    if min(dp_sizes) == 0:
-        raise ValueError(f"a batch of {count} per CFG branch cannot feed dp {config.dp}: every data-parallel group "
-                         f"needs a sample; use dp <= {count}")
+    mine = dp_sizes[mesh.group_rank("dp")]
     start += sum(dp_sizes[:mesh.group_rank("dp")])
-    local = slice(start, start + dp_sizes[mesh.group_rank("dp")])
+    if mine == 0:
+        # Fewer samples than dp groups: this group computes a stand-in (the branch's last sample)
+        # so that every collective still lines up; the batch gather drops it (its size is 0).
+        start, mine = start - 1, 1
+    local = slice(start, start + mine)
     if (local.start, local.stop) != (0, total):
         for name, value in list(arguments.items()):
             if name not in state.adapter.unbatched and name not in state.adapter.not_batched_dicts:

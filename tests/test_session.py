@@ -1,0 +1,158 @@
+"""DenoiseSession, batched prompts, input consistency, timings and clear errors (tiny PixArt)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from xdit_lab import ParallelConfig, RankMesh, load_pipeline
+from xdit_lab.memory import CorruptWeightsError, MemoryPlanError
+from xdit_lab.testing import RankFailure, run_on_ranks
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
+
+KWARGS = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=3)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+
+
+def _step_by_step(folder, config):
+    pipe = load_pipeline(folder, config, progress=False)
+    session = pipe.session(["a red cat", "a dog"], negative_prompt="photo", seed=3, **KWARGS)
+    seen = []
+    while not session.done:
+        seen.append((session.step_index, float(session.timestep)))
+        session.step()
+    stepped = session.result(output_type="latent")
+    called = pipe(["a red cat", "a dog"], negative_prompt="photo", seed=3, output_type="latent", **KWARGS)
+    return dict(seen=seen, equal=torch.equal(stepped.images, called.images), latents=tuple(session.latents.shape),
+                timings=called.timings, steps_logged=len(called.comm_per_step))
+
+
+def test_stepping_gives_exactly_the_call(folder):
+    for out in run_on_ranks(_step_by_step, 2, folder, ParallelConfig(cfg=2)):
+        assert out["equal"]
+        assert [i for i, _ in out["seen"]] == [0, 1, 2]
+        assert len({t for _, t in out["seen"]}) == 3  # a new timestep each step
+        timings = out["timings"]
+        assert len(timings["steps"]) == 3 and out["steps_logged"] == 3
+        assert timings["encode"] > 0 and timings["decode"] >= 0
+
+
+def _batched(folder, config):
+    prompts = ["a 1", "a 2", "a 3"]
+    negatives = ["red", "blue", "green"]
+    pipe = load_pipeline(folder, config, progress=False)
+    batch = pipe(prompts, negative_prompt=negatives, generator=[torch.Generator().manual_seed(10 + i) for i in range(3)],
+                 output_type="latent", **KWARGS).images
+    alone = [pipe(p, negative_prompt=n, generator=torch.Generator().manual_seed(10 + i), output_type="latent",
+                  **KWARGS).images[0] for i, (p, n) in enumerate(zip(prompts, negatives))]
+    return [((batch[i] - alone[i]).abs().max().item(), 1e-4 * max(1.0, alone[i].abs().max().item()))
+            for i in range(3)]
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(dp=2), ParallelConfig(cfg=2, dp=2)], ids=lambda c: c.short())
+def test_image_i_belongs_to_prompt_i(folder, config):
+    """3 prompts over dp 2 (2 + 1 per group): sample i equals prompt i generated on its own."""
+    for rank_rows in run_on_ranks(_batched, config.world_size, folder, config, timeout_s=240):
+        for i, (error, bound) in enumerate(rank_rows):
+            assert error <= bound, f"sample {i}: {error:.3g} > {bound:.3g}"
+
+
+def _mismatched(folder):
+    import torch.distributed as dist
+
+    pipe = load_pipeline(folder, ParallelConfig(ulysses=2), progress=False)
+    prompt = "a red cat" if dist.get_rank() == 0 else "a blue cat"
+    try:
+        pipe.session(prompt, seed=0, **KWARGS)
+    except ValueError as error:
+        return str(error)
+
+
+def test_ranks_with_different_inputs_fail_clearly(folder):
+    messages = run_on_ranks(_mismatched, 2, folder)
+    assert all(m and "ranks hold different inputs (prompts)" in m for m in messages)
+
+
+def _latent_skips_vae(folder):
+    pipe = load_pipeline(folder, ParallelConfig(), progress=False)
+
+    def no_vae(*args, **kwargs):
+        raise AssertionError("the VAE ran for output_type='latent'")
+
+    pipe.diffusers_pipeline.vae.decode = no_vae
+    out = pipe("a cat", seed=0, output_type="latent", **KWARGS)
+    return tuple(out.images.shape)
+
+
+def test_latent_output_skips_the_vae(folder):
+    assert run_on_ranks(_latent_skips_vae, 1, folder)[0][1] == 4  # [batch, latent channels, h, w]
+
+
+def _error(fn, *args):
+    try:
+        fn(*args)
+    except Exception as error:  # the test checks type and message
+        return type(error).__name__, str(error)
+    return None
+
+
+def _errors(folder, tmp):
+    from pathlib import Path
+
+    tmp = Path(tmp)
+    config = ParallelConfig()
+    out = {"missing": _error(load_pipeline, tmp / "nowhere", config)}
+    unsupported = tmp / "unsupported"
+    shutil.copytree(folder, unsupported)
+    index = json.loads((unsupported / "model_index.json").read_text())
+    (unsupported / "model_index.json").write_text(json.dumps(index | {"_class_name": "StableDiffusionPipeline"}))
+    out["unsupported"] = _error(load_pipeline, unsupported, config)
+    truncated = tmp / "truncated"
+    shutil.copytree(folder, truncated)
+    weights = next((truncated / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])
+    out["truncated"] = _error(load_pipeline, truncated, config)
+    out["memory"] = _error(lambda: load_pipeline(folder, config, memory_limit_bytes=10_000))
+    pipe = load_pipeline(folder, ParallelConfig(), progress=False)
+    out["negatives"] = _error(lambda: pipe(["a", "b"], negative_prompt=["x"], **KWARGS))
+    out["size"] = _error(lambda: pipe("a", height=30, width=32, **{k: v for k, v in KWARGS.items()
+                                                                    if k not in ("height", "width")}))
+    out["option"] = _error(lambda: pipe("a", strength=0.5, **KWARGS))
+    return out
+
+
+def test_clear_errors(folder, tmp_path):
+    out = run_on_ranks(_errors, 1, folder, str(tmp_path))[0]
+    assert out["missing"][0] == "FileNotFoundError" and "no pipeline folder at" in out["missing"][1]
+    assert "does not run StableDiffusionPipeline; supported pipelines: PixArtAlphaPipeline" in out["unsupported"][1]
+    assert out["truncated"][0] == CorruptWeightsError.__name__ and "truncated" in out["truncated"][1]
+    assert out["memory"][0] == MemoryPlanError.__name__
+    assert "per rank" in out["memory"][1] and "transformer" in out["memory"][1] and "pipefusion" in out["memory"][1]
+    assert "2 prompts but 1 negative prompts" in out["negatives"][1]
+    assert "height 30 not a multiple of 4" in out["size"][1] and "Sizes that fit serial: 4, 8" in out["size"][1]
+    assert "do not take strength" in out["option"][1]
+
+
+def _mmap_fails(folder):
+    import safetensors.torch
+
+    real = safetensors.torch.load_file
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("Unable to mmap 1234 bytes from file")
+
+    safetensors.torch.load_file = failing  # the file system refuses mmap; plain reads still work
+    try:
+        pipe = load_pipeline(folder, ParallelConfig(), progress=False)
+    finally:
+        safetensors.torch.load_file = real
+    return tuple(pipe("a cat", seed=0, output_type="latent", **KWARGS).images.shape)
+
+
+def test_mmap_failure_falls_back_to_plain_reads(folder):
+    assert run_on_ranks(_mmap_fails, 1, folder)[0][0] == 1

@@ -1,0 +1,138 @@
+"""The memory plan: bytes per component per rank, computed from safetensors headers before
+anything is loaded, and checked against the memory each rank really has.
+
+A safetensors file starts with an 8-byte little-endian header length and a JSON header giving
+every tensor's dtype, shape and byte range, so sizes are known without reading weights, and a
+truncated file is caught here (the header promises more bytes than the file holds) instead of
+deep inside a loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+FLOATS = {"F64", "F32", "F16", "BF16"}
+
+
+class CorruptWeightsError(ValueError):
+    """A safetensors file that cannot be what it claims to be."""
+
+
+class MemoryPlanError(MemoryError):
+    """The plan does not fit the memory a rank has; the message holds the numbers."""
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The tensor table of a safetensors file, checked against the file's size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptWeightsError(f"{path} is not a safetensors file: {size} bytes, shorter than its header")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CorruptWeightsError(f"{path} is truncated or corrupt: its header claims {header_len:,} bytes but "
+                                      f"the file has {size:,}; save or copy it again")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CorruptWeightsError(f"{path} has a corrupt safetensors header ({error}); save or copy it again") from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    data_end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    if 8 + header_len + data_end > size:
+        raise CorruptWeightsError(f"{path} is truncated: its header promises {data_end:,} bytes of tensors, the file "
+                                  f"holds {size - 8 - header_len:,}; save or copy it again")
+    return tensors
+
+
+def tensor_bytes(info: dict, dtype: torch.dtype | None) -> int:
+    count = 1
+    for dim in info["shape"]:
+        count *= dim
+    element = DTYPE_BYTES.get(info["dtype"], 4)
+    if dtype is not None and info["dtype"] in FLOATS:  # floats are cast to the requested dtype on load
+        element = torch.empty(0, dtype=dtype).element_size()
+    return count * element
+
+
+@dataclass
+class MemoryPlan:
+    component_bytes: dict[str, int]  # whole component, as loaded
+    per_rank_bytes: dict[str, int]  # what one rank holds
+    ranks_per_host: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_per_rank(self) -> int:
+        return sum(self.per_rank_bytes.values())
+
+    def table(self) -> str:
+        lines = [f"  {'component':<16} {'whole':>12} {'per rank':>12}"]
+        for name, whole in self.component_bytes.items():
+            lines.append(f"  {name:<16} {_human(whole):>12} {_human(self.per_rank_bytes[name]):>12}")
+        lines.append(f"  {'total':<16} {_human(sum(self.component_bytes.values())):>12} {_human(self.total_per_rank):>12}")
+        return "\n".join(lines)
+
+
+def plan_memory(folder: Path, components: list[str], *, dtype: torch.dtype | None, pipefusion: int = 1,
+                ranks_per_host: int = 1) -> MemoryPlan:
+    """Bytes of every component's safetensors, and what one rank holds of them (the transformer's
+    blocks are split over PipeFusion stages; everything else is whole on every rank)."""
+    whole, per_rank = {}, {}
+    for name in components:
+        files = sorted((folder / name).glob("*.safetensors"))
+        whole[name] = sum(tensor_bytes(info, dtype) for f in files for info in read_safetensors_header(f).values())
+        per_rank[name] = whole[name] // pipefusion if name == "transformer" else whole[name]
+    return MemoryPlan(whole, per_rank, ranks_per_host)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory for one rank: free GPU memory, or the host's available RAM shared by its ranks."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | None = None, config=None) -> None:
+    """Fail before loading when one rank's share does not fit, with the numbers and what to change."""
+    if limit_bytes is None:
+        limit_bytes = available_bytes(device)
+        if device.type == "cpu":
+            limit_bytes //= max(1, plan.ranks_per_host)  # CPU ranks on one host share its RAM
+    if plan.total_per_rank <= limit_bytes:
+        return
+    advice = ["load in bfloat16 (torch_dtype=torch.bfloat16) to halve float32 weights"]
+    transformer = plan.component_bytes.get("transformer", 0)
+    if transformer:
+        stages = max(2, -(-transformer // max(1, limit_bytes - (plan.total_per_rank - plan.per_rank_bytes["transformer"]))))
+        advice.append(f"PipeFusion splits the transformer ({_human(transformer)}) over stages: pipefusion {stages} "
+                      f"holds about {_human(transformer // stages)} of it per rank")
+    if device.type == "cpu" and plan.ranks_per_host > 1:
+        advice.append(f"run fewer ranks per host ({plan.ranks_per_host} share this host's memory now)")
+    where = f"{device}" + (f" under {config.short()}" if config is not None else "")
+    raise MemoryPlanError(
+        f"the pipeline needs {_human(plan.total_per_rank)} per rank on {where}, but only {_human(limit_bytes)} is "
+        f"available per rank:\n{plan.table()}\nTo fit: " + "; or ".join(advice) + ".")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

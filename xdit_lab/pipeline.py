@@ -1,0 +1,157 @@
+"""load_pipeline: a diffusers pipeline folder, planned, loaded and parallelized on this rank.
+
+    pipe = load_pipeline("path/to/pixart", ParallelConfig(cfg=2, ulysses=2))
+    images = pipe(["a red cat", "a blue dog"], seed=0).images
+
+Before any weight is read, the memory plan (bytes per component per rank, from the
+safetensors headers) is checked against the memory this rank has; a corrupt or truncated file
+is named. Ranks left idle by a configuration smaller than the world load nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ParallelConfig
+from .distributed import current_info
+from .memory import check_plan, plan_memory
+from .mesh import RankMesh
+from .models import parallelize
+from .pipelines import recipe_for
+from .pipelines.base import Request
+from .session import DenoiseSession
+
+BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
+
+
+def resolve_folder(name_or_path) -> Path:
+    folder = BUNDLED.get(str(name_or_path), Path(name_or_path)).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no pipeline folder at {folder}: pass a local diffusers pipeline folder "
+                                f"(with model_index.json) or a bundled name ({', '.join(BUNDLED)})")
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(f"{folder} has no model_index.json: it is not a diffusers pipeline folder")
+    return folder
+
+
+def read_model_index(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "model_index.json").read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{folder / 'model_index.json'} is not valid JSON ({error})") from None
+
+
+def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None = None,
+                  torch_dtype: torch.dtype = torch.float32, memory_limit_bytes: int | None = None,
+                  progress: bool = True, **from_pretrained_kwargs) -> "ParallelPipeline":
+    """Load a PixArt-α/Σ, SD3, Flux.1 or CogVideoX pipeline folder and parallelize it on this rank.
+
+    Call on every rank after init_distributed. `memory_limit_bytes` overrides the memory a rank
+    is assumed to have (default: free GPU memory, or available RAM shared by this host's ranks)."""
+    folder = resolve_folder(name_or_path)
+    index = read_model_index(folder)
+    recipe = recipe_for(index.get("_class_name", "?"))
+    info = current_info()
+    mesh = mesh or RankMesh(config)
+    components = [name for name, value in index.items()
+                  if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()]
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    plan = plan_memory(folder, components, dtype=torch_dtype, pipefusion=config.pipefusion,
+                       ranks_per_host=min(local_ranks, config.world_size))
+    check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
+    if not mesh.active:
+        return ParallelPipeline(None, recipe, config, mesh, info.device, plan, folder)
+
+    from diffusers import DiffusionPipeline
+
+    try:
+        inner = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch_dtype, **from_pretrained_kwargs)
+    except (OSError, RuntimeError) as error:
+        if not _mentions_mmap(error):
+            raise
+        # mmap can fail on some file systems or under address-space limits: read the files instead.
+        try:
+            inner = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch_dtype, disable_mmap=True,
+                                                      **from_pretrained_kwargs)
+        except Exception as retry_error:
+            raise MemoryError(f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "
+                              f"Memory plan per rank:\n{plan.table()}\nUse fewer ranks per host, bfloat16, or "
+                              f"PipeFusion to hold less per rank") from retry_error
+    inner.set_progress_bar_config(disable=True)
+    inner.to(info.device)
+    parallelize(inner.transformer, config, mesh)
+    return ParallelPipeline(inner, recipe, config, mesh, info.device, plan, folder, progress=progress)
+
+
+def _mentions_mmap(error: BaseException | None) -> bool:
+    """Loaders wrap the original error ("Unable to mmap N bytes"): look down the whole chain."""
+    while error is not None:
+        if "mmap" in str(error).lower():
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class ParallelPipeline:
+    """A diffusers pipeline whose transformer runs under a ParallelConfig; call it like diffusers'."""
+
+    def __init__(self, diffusers_pipeline, recipe, config, mesh, device, plan, folder, *, progress=True):
+        self.diffusers_pipeline, self.recipe, self.config, self.mesh = diffusers_pipeline, recipe, config, mesh
+        self.device, self.memory_plan, self.folder, self.progress = device, plan, folder, progress
+
+    @property
+    def active(self) -> bool:
+        return self.diffusers_pipeline is not None
+
+    def session(self, prompt, negative_prompt=None, num_inference_steps=None, guidance_scale=None, height=None,
+                width=None, generator=None, seed=None, progress=False, **options) -> DenoiseSession:
+        """Prepare a generation and return it unstarted: step() it, or run() it."""
+        if not self.active:
+            raise RuntimeError(f"rank {self.mesh.rank} is idle under {self.config.short()}: only ranks with "
+                               f"pipe.active run generations")
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        negatives = None if negative_prompt is None else (
+            [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt))
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompt must be a string or a non-empty list of strings")
+        if negatives is not None and len(negatives) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(negatives)} negative prompts: give one negative per "
+                             f"prompt, a single string for all, or None")
+        if generator is not None and seed is not None:
+            raise ValueError("pass either generator= or seed=, not both")
+        defaults = self.recipe.defaults
+        request = Request(
+            prompts=prompts, negatives=negatives,
+            num_inference_steps=num_inference_steps or defaults["num_inference_steps"],
+            guidance_scale=defaults["guidance_scale"] if guidance_scale is None else guidance_scale,
+            height=height, width=width, seed=seed, generator=generator,
+            options=self.recipe.check_options(options))
+        self.check_size(request)
+        return DenoiseSession(self, request, progress=progress)
+
+    def __call__(self, prompt, negative_prompt=None, num_inference_steps=None, guidance_scale=None, height=None,
+                 width=None, generator=None, output_type="pil", return_dict=True, seed=None, **options):
+        session = self.session(prompt, negative_prompt, num_inference_steps, guidance_scale, height, width,
+                               generator, seed, progress=self.progress, **options)
+        return session.run().result(output_type=output_type, return_dict=return_dict)
+
+    def check_size(self, request: Request) -> None:
+        """Height and width must tile into whole patches, and give every rank tokens to hold."""
+        multiple, default = self.recipe.size_multiple(self.diffusers_pipeline)
+        height, width = request.height or default[0], request.width or default[1]
+        sp = self.config.sp_degree * self.config.patches
+        bad = [f"{name} {value}" for name, value in (("height", height), ("width", width)) if value % multiple]
+        tokens = (height // multiple) * (width // multiple) * self.recipe.token_frames(self.diffusers_pipeline, request)
+        if bad or tokens < sp:
+            smallest = multiple
+            while (smallest // multiple) ** 2 * self.recipe.token_frames(self.diffusers_pipeline, request) < sp:
+                smallest += multiple
+            fits = ", ".join(str(smallest + i * multiple) for i in range(4))
+            why = (f"{' and '.join(bad)} not a multiple of {multiple} (VAE downsampling × patch size)" if bad
+                   else f"{tokens} tokens cannot be shared by {sp} sequence shards × patches")
+            raise ValueError(f"image size {height}×{width} does not fit: {why}. Sizes that fit {self.config.short()}: "
+                             f"{fits}, ...")

@@ -1,0 +1,19 @@
+"""Family recipes: what each diffusers pipeline does around its transformer."""
+
+from .base import Prepared, Recipe, Request
+from .cogvideox import CogVideoXRecipe
+from .flux import FluxRecipe
+from .pixart import PixArtRecipe
+from .sd3 import SD3Recipe
+
+RECIPES = {name: recipe for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), CogVideoXRecipe())
+           for name in recipe.pipeline_classes}
+
+
+def recipe_for(pipeline_class: str) -> Recipe:
+    if pipeline_class not in RECIPES:
+        raise ValueError(f"xdit_lab does not run {pipeline_class}; supported pipelines: {', '.join(RECIPES)}")
+    return RECIPES[pipeline_class]
+
+
+__all__ = ["Prepared", "Recipe", "Request", "RECIPES", "recipe_for"]

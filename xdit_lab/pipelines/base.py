@@ -1,0 +1,105 @@
+"""What a family's pipeline adds around the transformer, reusing the diffusers pipeline's own
+methods (encode_prompt, prepare_latents, the scheduler, the VAE): a Recipe.
+
+The denoising loop itself lives in session.py and is the same for every family; a recipe only
+answers the questions that differ: how prompts become conditioning for the batch
+[unconditional; conditional], how latents and timesteps are prepared, which keyword arguments
+the transformer takes, how the scheduler steps, and how latents become images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Request:
+    """Everything one generation depends on; identical on every rank (checked by hash)."""
+
+    prompts: list[str]
+    negatives: list[str] | None
+    num_inference_steps: int
+    guidance_scale: float
+    height: int | None
+    width: int | None
+    seed: int | None  # a CPU generator seeded with this, unless `generator` is given
+    generator: torch.Generator | list | None = None
+    options: dict = field(default_factory=dict)  # family-specific pipeline arguments
+
+
+@dataclass
+class Prepared:
+    """Conditioning, latents and schedule of one generation, on one rank."""
+
+    conditioning: dict  # transformer kwargs for the batch [uncond; cond] (or cond alone)
+    do_cfg: bool
+    guidance_scale: float
+    latents: torch.Tensor | None = None
+    timesteps: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)  # scheduler kwargs and family state (sizes, ids)
+
+
+class Recipe:
+    family = ""
+    pipeline_classes: tuple[str, ...] = ()
+    output_class = None  # diffusers' output dataclass of the family's pipeline
+    defaults = dict(num_inference_steps=20, guidance_scale=4.5)
+    options: dict = {}  # supported pipeline-specific arguments and their defaults
+
+    def check_options(self, options: dict) -> dict:
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise TypeError(f"{self.family} pipelines here do not take {', '.join(unknown)}; "
+                            f"supported extra arguments: {', '.join(sorted(self.options)) or 'none'}")
+        return {**self.options, **options}
+
+    def size_multiple(self, pipe) -> tuple[int, tuple[int, int]]:
+        """(what height and width must be multiples of, the default (height, width)) in pixels."""
+        config = pipe.transformer.config
+        default = config.sample_size * pipe.vae_scale_factor
+        return pipe.vae_scale_factor * config.patch_size, (default, default)
+
+    def token_frames(self, pipe, request: Request) -> int:
+        """Token planes per sample (frames, for video)."""
+        return 1
+
+    def encode(self, pipe, request: Request, device) -> Prepared:
+        raise NotImplementedError
+
+    def prepare(self, pipe, request: Request, prepared: Prepared, device) -> None:
+        raise NotImplementedError
+
+    def model_kwargs(self, pipe, prepared: Prepared, model_input: torch.Tensor, t: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def scale_model_input(self, pipe, model_input, t):
+        return pipe.scheduler.scale_model_input(model_input, t)
+
+    def guide(self, pipe, prepared: Prepared, noise: torch.Tensor, step_index: int) -> torch.Tensor:
+        if prepared.do_cfg:
+            uncond, cond = noise.chunk(2)
+            noise = uncond + prepared.guidance_scale * (cond - uncond)
+        return noise
+
+    def scheduler_step(self, pipe, prepared: Prepared, noise, t, latents, step_index: int) -> torch.Tensor:
+        return pipe.scheduler.step(noise, t, latents, **prepared.extra.get("step_kwargs", {}), return_dict=False)[0]
+
+    def decode(self, pipe, prepared: Prepared, latents: torch.Tensor, output_type: str):
+        raise NotImplementedError
+
+    def wrap_output(self, images):
+        return self.output_class(images=images)
+
+
+def negatives_or_empty(request: Request) -> list[str]:
+    return request.negatives if request.negatives is not None else [""] * len(request.prompts)
+
+
+def generator_of(request: Request):
+    if request.generator is not None:
+        return request.generator
+    if request.seed is not None:
+        return torch.Generator("cpu").manual_seed(request.seed)
+    return None

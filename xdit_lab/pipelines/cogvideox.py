@@ -1,0 +1,87 @@
+"""CogVideoX: T5 text, video latents [B, F, C, H, W], joint attention, DDIM or DPM schedulers."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import CogVideoXDPMScheduler
+from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
+from diffusers.pipelines.cogvideo.pipeline_output import CogVideoXPipelineOutput
+
+from .base import Prepared, Recipe, generator_of, negatives_or_empty
+
+
+class CogVideoXRecipe(Recipe):
+    family = "CogVideoX"
+    pipeline_classes = ("CogVideoXPipeline",)
+    output_class = CogVideoXPipelineOutput
+    defaults = dict(num_inference_steps=50, guidance_scale=6.0)
+    options = dict(num_frames=None, eta=0.0, max_sequence_length=226)
+
+    def size_multiple(self, pipe):
+        config = pipe.transformer.config
+        scale = pipe.vae_scale_factor_spatial
+        return scale * config.patch_size, (config.sample_height * scale, config.sample_width * scale)
+
+    def token_frames(self, pipe, request):
+        config = pipe.transformer.config
+        frames = request.options.get("num_frames") or config.sample_frames
+        latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
+        return -(-latent_frames // (config.patch_size_t or 1))
+
+    def encode(self, pipe, request, device):
+        do_cfg = request.guidance_scale > 1.0
+        embeds, negative_embeds = pipe.encode_prompt(
+            request.prompts, negatives_or_empty(request), do_classifier_free_guidance=do_cfg,
+            num_videos_per_prompt=1, max_sequence_length=request.options["max_sequence_length"], device=device)
+        if do_cfg:
+            embeds = torch.cat([negative_embeds, embeds])
+        return Prepared(conditioning=dict(encoder_hidden_states=embeds), do_cfg=do_cfg,
+                        guidance_scale=request.guidance_scale)
+
+    def prepare(self, pipe, request, prepared, device):
+        config = pipe.transformer.config
+        height = request.height or config.sample_height * pipe.vae_scale_factor_spatial
+        width = request.width or config.sample_width * pipe.vae_scale_factor_spatial
+        frames = request.options["num_frames"] or config.sample_frames
+        latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
+        extra_frames = 0
+        if config.patch_size_t is not None and latent_frames % config.patch_size_t:
+            extra_frames = config.patch_size_t - latent_frames % config.patch_size_t
+            frames += extra_frames * pipe.vae_scale_factor_temporal
+        generator = generator_of(request)
+        prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
+        embeds = prepared.conditioning["encoder_hidden_states"]
+        prepared.latents = pipe.prepare_latents(len(request.prompts), config.in_channels, frames, height, width,
+                                                embeds.dtype, device, generator, None)
+        prepared.extra.update(step_kwargs=pipe.prepare_extra_step_kwargs(generator, request.options["eta"]),
+                              extra_frames=extra_frames, dtype=embeds.dtype, old_pred_original_sample=None)
+        if config.use_rotary_positional_embeddings:
+            prepared.conditioning["image_rotary_emb"] = pipe._prepare_rotary_positional_embeddings(
+                height, width, prepared.latents.size(1), device)
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        return dict(hidden_states=model_input, timestep=t.expand(model_input.shape[0]), return_dict=False,
+                    **prepared.conditioning)
+
+    def guide(self, pipe, prepared, noise, step_index):
+        return super().guide(pipe, prepared, noise.float(), step_index)
+
+    def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
+        step_kwargs = prepared.extra["step_kwargs"]
+        if not isinstance(pipe.scheduler, CogVideoXDPMScheduler):
+            latents = pipe.scheduler.step(noise, t, latents, **step_kwargs, return_dict=False)[0]
+        else:  # a multistep scheduler: it carries the previous prediction from step to step
+            previous_t = prepared.timesteps[step_index - 1] if step_index > 0 else None
+            latents, prepared.extra["old_pred_original_sample"] = pipe.scheduler.step(
+                noise, prepared.extra["old_pred_original_sample"], t, previous_t, latents, **step_kwargs,
+                return_dict=False)
+        return latents.to(prepared.extra["dtype"])
+
+    def decode(self, pipe, prepared, latents, output_type):
+        if output_type == "latent":
+            return latents
+        video = pipe.decode_latents(latents[:, prepared.extra["extra_frames"]:])
+        return pipe.video_processor.postprocess_video(video=video, output_type=output_type)
+
+    def wrap_output(self, images):
+        return self.output_class(frames=images)

@@ -1,0 +1,81 @@
+"""PixArt-α and PixArt-Σ: T5 text, cross-attention, learned sigma, DPM-Solver by default."""
+
+from __future__ import annotations
+
+import torch
+from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
+    ASPECT_RATIO_256_BIN, ASPECT_RATIO_512_BIN, ASPECT_RATIO_1024_BIN, retrieve_timesteps)
+from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
+
+from .base import Prepared, Recipe, generator_of, negatives_or_empty
+
+BINS = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
+
+
+class PixArtRecipe(Recipe):
+    family = "PixArt"
+    pipeline_classes = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
+    output_class = ImagePipelineOutput
+    defaults = dict(num_inference_steps=20, guidance_scale=4.5)
+    options = dict(eta=0.0, use_resolution_binning=True, clean_caption=True, max_sequence_length=None)
+
+    def encode(self, pipe, request, device):
+        options = request.options
+        do_cfg = request.guidance_scale > 1.0
+        kwargs = {} if options["max_sequence_length"] is None else {"max_sequence_length": options["max_sequence_length"]}
+        embeds, mask, negative_embeds, negative_mask = pipe.encode_prompt(
+            request.prompts, do_cfg, negative_prompt=negatives_or_empty(request), num_images_per_prompt=1,
+            device=device, clean_caption=options["clean_caption"], **kwargs)
+        if do_cfg:
+            embeds, mask = torch.cat([negative_embeds, embeds]), torch.cat([negative_mask, mask])
+        return Prepared(conditioning=dict(encoder_hidden_states=embeds, encoder_attention_mask=mask),
+                        do_cfg=do_cfg, guidance_scale=request.guidance_scale)
+
+    def prepare(self, pipe, request, prepared, device):
+        sample_size = pipe.transformer.config.sample_size
+        height = request.height or sample_size * pipe.vae_scale_factor
+        width = request.width or sample_size * pipe.vae_scale_factor
+        prepared.extra["size"] = (height, width)
+        if request.options["use_resolution_binning"]:
+            if sample_size not in BINS:
+                raise ValueError(f"resolution binning needs a sample size of 32, 64 or 128, not {sample_size}; "
+                                 f"pass use_resolution_binning=False")
+            height, width = pipe.image_processor.classify_height_width_bin(height, width, ratios=BINS[sample_size])
+        generator = generator_of(request)
+        prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
+        if hasattr(pipe.scheduler, "set_begin_index"):
+            pipe.scheduler.set_begin_index(0)
+        embeds = prepared.conditioning["encoder_hidden_states"]
+        prepared.latents = pipe.prepare_latents(len(request.prompts), pipe.transformer.config.in_channels, height,
+                                                width, embeds.dtype, device, generator, None)
+        prepared.extra["step_kwargs"] = pipe.prepare_extra_step_kwargs(generator, request.options["eta"])
+        added = {"resolution": None, "aspect_ratio": None}
+        if sample_size == 128:  # PixArt-α 1024 takes micro-conditions
+            rows = embeds.shape[0]
+            added = {"resolution": torch.tensor([height, width]).repeat(rows, 1).to(embeds),
+                     "aspect_ratio": torch.tensor([float(height / width)]).repeat(rows, 1).to(embeds)}
+        prepared.conditioning["added_cond_kwargs"] = added
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        timestep = (t if t.dim() else t[None]).to(model_input.device).expand(model_input.shape[0])
+        return dict(hidden_states=model_input, timestep=timestep, return_dict=False, **prepared.conditioning)
+
+    def guide(self, pipe, prepared, noise, step_index):
+        noise = super().guide(pipe, prepared, noise, step_index)
+        if pipe.transformer.config.out_channels // 2 == pipe.transformer.config.in_channels:
+            noise = noise.chunk(2, dim=1)[0]  # learned sigma: keep the noise half
+        return noise
+
+    def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
+        # diffusers' PixArt takes the predicted original sample when there is a single step
+        pick = 1 if len(prepared.timesteps) == 1 else 0
+        return pipe.scheduler.step(noise, t, latents, **prepared.extra["step_kwargs"], return_dict=False)[pick]
+
+    def decode(self, pipe, prepared, latents, output_type):
+        if output_type == "latent":
+            return latents
+        image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        if tuple(image.shape[-2:]) != prepared.extra["size"]:  # resolution binning changed the size
+            height, width = prepared.extra["size"]
+            image = pipe.image_processor.resize_and_crop_tensor(image, width, height)
+        return pipe.image_processor.postprocess(image, output_type=output_type)

@@ -1,0 +1,174 @@
+"""DenoiseSession: the one denoising loop, one step at a time.
+
+`pipe(...)` is a session run to the end, so stepping in a notebook and running in production
+execute the same code:
+
+    session = pipe.session("a handwritten 7", num_inference_steps=20, seed=0)
+    session.step()            # exactly one scheduler step, on every rank
+    session.latents           # the whole latents (every rank holds them)
+    session.run()             # the remaining steps
+    images = session.result(output_type="pil")
+
+Each step: duplicate the latents for the [unconditional; conditional] batch, run the
+(parallelized) transformer, combine the two predictions with the guidance scale, and step the
+scheduler. What differs between families (conditioning, timesteps, decoding) comes from the
+family's recipe; the loop does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+
+import torch
+
+from . import comm
+from .pipelines.base import Prepared, Request
+
+
+class PhaseTimings:
+    """Wall-clock seconds per phase: encode, prepare, each denoising step, decode."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.encode = self.prepare = self.decode = 0.0
+        self.steps: list[float] = []
+
+    @contextlib.contextmanager
+    def measure(self, phase: str):
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()  # GPU work is asynchronous: time what ran, not what was queued
+        elapsed = time.perf_counter() - start
+        if phase == "step":
+            self.steps.append(elapsed)
+        else:
+            setattr(self, phase, getattr(self, phase) + elapsed)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def as_dict(self) -> dict:
+        return dict(encode=self.encode, prepare=self.prepare, steps=list(self.steps),
+                    denoise=sum(self.steps), decode=self.decode)
+
+
+class DenoiseSession:
+    def __init__(self, pipe, request: Request, *, progress: bool = False):
+        self.pipe, self.request, self.recipe = pipe, request, pipe.recipe
+        self.timings = PhaseTimings(pipe.device)
+        self.comm_per_step: list[dict[str, int]] = []  # bytes out of this rank, per group, per step
+        self.progress = progress
+        self.step_index = 0
+        inner = pipe.diffusers_pipeline
+        with torch.no_grad():
+            with self.timings.measure("encode"):
+                self.prepared: Prepared = self.recipe.encode(inner, request, pipe.device)
+            with self.timings.measure("prepare"):
+                self.recipe.prepare(inner, request, self.prepared, pipe.device)
+        check_same_inputs(pipe.mesh, request, self.prepared)
+
+    # ---- state ------------------------------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        return len(self.prepared.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.num_steps
+
+    @property
+    def timestep(self):
+        """The timestep the next step() runs at (None when done)."""
+        return None if self.done else self.prepared.timesteps[self.step_index]
+
+    @property
+    def latents(self) -> torch.Tensor:
+        """The whole current latents (every rank holds the full batch)."""
+        return self.prepared.latents
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def step(self) -> "DenoiseSession":
+        """Run exactly one scheduler step on all ranks."""
+        if self.done:
+            raise RuntimeError(f"all {self.num_steps} steps are done; call result() or start a new session")
+        inner, prepared, recipe = self.pipe.diffusers_pipeline, self.prepared, self.recipe
+        t = prepared.timesteps[self.step_index]
+        with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log:
+            latents = prepared.latents
+            model_input = torch.cat([latents, latents]) if prepared.do_cfg else latents
+            model_input = recipe.scale_model_input(inner, model_input, t)
+            noise = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))[0]
+            noise = recipe.guide(inner, prepared, noise, self.step_index)
+            prepared.latents = recipe.scheduler_step(inner, prepared, noise, t, latents, self.step_index)
+        self.comm_per_step.append(log.bytes_by_group())
+        self.step_index += 1
+        return self
+
+    def run(self) -> "DenoiseSession":
+        """Run the remaining steps (with a progress bar on the first rank when asked)."""
+        bar = None
+        if self.progress and self.pipe.mesh.rank == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.num_steps, initial=self.step_index, desc="denoising")
+        while not self.done:
+            self.step()
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()
+        return self
+
+    def result(self, output_type: str = "pil", return_dict: bool = True):
+        """Decode the latents (skipped for output_type="latent") into the family's output type."""
+        if output_type not in ("pil", "np", "pt", "latent"):
+            raise ValueError(f"output_type must be 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
+        if not self.done:
+            raise RuntimeError(f"{self.num_steps - self.step_index} of {self.num_steps} steps remain: call run() first")
+        with torch.no_grad(), self.timings.measure("decode"):
+            images = self.recipe.decode(self.pipe.diffusers_pipeline, self.prepared, self.prepared.latents, output_type)
+        if not return_dict:
+            return (images,)
+        output = self.recipe.wrap_output(images)
+        output.timings = self.timings.as_dict()  # an attribute beside the diffusers fields
+        output.comm_per_step = list(self.comm_per_step)
+        return output
+
+
+def _digest(value) -> str:
+    h = hashlib.sha256()
+    if isinstance(value, torch.Tensor):
+        h.update(str((value.dtype, tuple(value.shape))).encode())
+        h.update(value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value):
+            h.update(key.encode())
+            h.update(_digest(value[key]).encode())
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            h.update(_digest(item).encode())
+    else:
+        h.update(repr(value).encode())
+    return h.hexdigest()[:16]
+
+
+def check_same_inputs(mesh, request: Request, prepared: Prepared) -> None:
+    """All-gather a hash of every input and raise on every rank if any rank differs."""
+    fields = dict(prompts=request.prompts, negatives=request.negatives, steps=request.num_inference_steps,
+                  guidance=request.guidance_scale, size=(request.height, request.width),
+                  options=sorted(request.options.items()), latents=prepared.latents)
+    # Text embeddings are left out: GPU kernels need not be bit-reproducible across devices.
+    mine = {name: _digest(value) for name, value in fields.items()}
+    everyone = comm.all_gather_object(mine, mesh, "world", tag="input_hash")
+    differing = sorted({name for other in everyone for name in mine if other[name] != mine[name]})
+    if differing:
+        ranks = mesh.group_ranks("world")
+        detail = "; ".join(f"{name}: " + ", ".join(f"rank {r} {h[name][:8]}" for r, h in zip(ranks, everyone))
+                           for name in differing)
+        raise ValueError(f"ranks hold different inputs ({', '.join(differing)}): {detail}. Every rank must get the "
+                         f"same prompts, negatives, seed, sizes and options: pass them from one place (the CLI or "
+                         f"the Lab), and seed with seed=N or a CPU generator")

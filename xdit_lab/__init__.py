@@ -1,19 +1,28 @@
-"""xdit_lab: hybrid-parallel inference of Diffusion Transformers, from notebook cells to torchrun."""
+"""xdit_lab: hybrid-parallel inference of Diffusion Transformers, from notebook cells to torchrun.
 
-from .attention import attention_backend, set_attention_backend, sp_attention
+The light pieces (configuration, mesh, communication) import at once; the ones that pull in
+diffusers' pipelines load on first use, so `xdit-lab plan` starts in a moment."""
+
+import importlib
+
 from .comm import CommLog, CommRecord, comm_log
 from .config import CostEstimate, ParallelConfig, ParallelConfigError
 from .distributed import init_distributed, shutdown_distributed
 from .mesh import RankMesh
-from .models import parallelize
-from .pipeline import ParallelPipeline, load_pipeline
-from .session import DenoiseSession
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "attention_backend", "set_attention_backend", "sp_attention",
-    "CommLog", "CommRecord", "comm_log", "CostEstimate", "ParallelConfig", "ParallelConfigError",
-    "init_distributed", "shutdown_distributed", "RankMesh", "parallelize",
-    "ParallelPipeline", "load_pipeline", "DenoiseSession",
-]
+_LAZY = {
+    "attention_backend": "attention", "set_attention_backend": "attention", "sp_attention": "attention",
+    "parallelize": "models", "ParallelPipeline": "pipeline", "load_pipeline": "pipeline",
+    "DenoiseSession": "session",
+}
+
+__all__ = ["CommLog", "CommRecord", "comm_log", "CostEstimate", "ParallelConfig", "ParallelConfigError",
+           "init_distributed", "shutdown_distributed", "RankMesh", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'xdit_lab' has no attribute {name!r}")

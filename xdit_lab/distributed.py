@@ -67,7 +67,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     else:
         device = torch.device("cpu")
         # CPU ranks on one host share its cores; more threads than cores only thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+        torch.set_num_threads(max(1, usable_cpu_cores() // max(1, local_world_size)))
 
     os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
     if master_addr:
@@ -107,6 +107,14 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE.clear()
+
+
+def usable_cpu_cores() -> int:
+    """CPU cores this process may run on. In a container limited to a few cores (a cpuset),
+    os.cpu_count() still reports the whole host; the affinity mask reports the cores we have."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def free_port() -> int:

@@ -1,0 +1,100 @@
+"""xdit-lab plan: the table it prints is options()'s ranking; bad input exits 2 without a traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xdit_lab import ParallelConfig
+from xdit_lab.cli import main
+from xdit_lab.distributed import usable_cpu_cores
+
+
+def _run(*args: str, script: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI as a user would: the installed console script, or `python -m xdit_lab.cli`."""
+    command = [str(Path(sys.executable).with_name("xdit-lab"))] if script else [sys.executable, "-m", "xdit_lab.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+
+
+def _table(stdout: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the printed table (rows start with their rank number)."""
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("#"))
+    rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
+    return header.split(), rows
+
+
+def test_plan_rows_match_options():
+    result = _run("plan", "--world-size", "4", "--heads", "4", "--top", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Parallel configurations for 4 ranks (--world-size); heads 4,")
+    header, rows = _table(result.stdout)
+    assert header[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "uly", "work/rank"]
+    expected = ParallelConfig.options(4, num_heads=4)
+    assert [row[1] for row in rows] == [c.short() for c in expected]
+    assert [int(row[0]) for row in rows] == list(range(1, len(expected) + 1))
+    for row, c in zip(rows, expected):
+        assert [int(x) for x in row[2:7]] == [c.dp, c.cfg, c.pipefusion, c.ring, c.ulysses]
+        cost = c.cost(None)
+        assert float(row[7]) == pytest.approx(cost.work_fraction, rel=1e-2)
+        assert float(row[8]) == pytest.approx(cost.comm_p_hs, rel=1e-2)
+        assert row[9] == ("1" if c.pipefusion == 1 else f"1/{c.pipefusion}")
+    assert "p·hs" in result.stdout and "ParallelConfig" in result.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(not Path(sys.executable).with_name("xdit-lab").exists(), reason="package not installed")
+def test_console_script_is_installed():
+    result = _run("plan", "--world-size", "2", "--no-cfg", script=True)
+    assert result.returncode == 0, result.stderr
+    assert [row[1] for row in _table(result.stdout)[1]] == [c.short() for c in ParallelConfig.options(2, use_cfg=False)]
+
+
+def test_bad_world_size_exits_2_without_traceback():
+    result = _run("plan", "--world-size", "0")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "argument --world-size: must be at least 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--heads", "four"], "argument --heads: expected a whole number, got 'four'"),
+    (["plan", "--top", "-1"], "argument --top: must be at least 0, got -1"),
+    (["plan", "--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    (["plan", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_bad_input_exits_2_with_a_message(args, message, capsys):
+    with pytest.raises(SystemExit) as exited:  # in-process: argparse's own exit, as the script would see it
+        main(args)
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+def test_bytes_column_top_and_no_cfg(capsys):
+    assert main(["plan", "--world-size", "8", "--heads", "24", "--seq-len", "4096", "--hidden-size", "1152",
+                 "--no-cfg", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    header, rows = _table(out)
+    assert "bytes" in header and len(rows) == 3
+    options = ParallelConfig.options(8, num_heads=24, seq_len=4096, use_cfg=False)
+    assert f"... {len(options) - 3} more (--top 0 shows all {len(options)})" in out
+    best = options[0].cost(None, use_cfg=False).comm_bytes(4096, 1152)
+    assert f"{best / 1e6:.1f} MB" in " ".join(rows[0])
+    assert all(row[3] == "1" for row in rows)  # the cfg column: --no-cfg leaves out cfg 2
+
+
+def test_default_world_size_is_the_local_machine(capsys):
+    import torch
+
+    assert main(["plan"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        assert f"for {torch.cuda.device_count()} ranks (this machine: " in first and "CUDA GPU" in first
+    else:
+        cores = usable_cpu_cores()
+        assert first.startswith(f"Parallel configurations for {cores} ranks (this machine: no CUDA GPU visible, "
+                                f"so {cores} CPU core")
+        assert cores <= (os.cpu_count() or cores)

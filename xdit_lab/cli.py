@@ -1,0 +1,142 @@
+"""xdit-lab: the command-line driver.
+
+    xdit-lab plan [--world-size N] [--heads H] [--layers L] [--seq-len S] [--hidden-size HS]
+                  [--batch B] [--no-cfg] [--top K]
+
+`plan` ranks every parallel configuration that fits N ranks with ParallelConfig's cost model
+(see xdit_lab/config.py) and prints it as a table. `run` and `demo` will join as further
+subcommands; each subcommand is one function registered in `_build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import DEGREES, ParallelConfig, ParallelConfigError, _visible_gpus
+from .distributed import usable_cpu_cores
+
+_DEGREE_HEADERS = {"dp": "dp", "cfg": "cfg", "pipefusion": "pf", "ring": "ring", "ulysses": "uly"}
+
+
+def _count(minimum: int):
+    """argparse type for a whole number >= minimum, with a message naming the bad value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def local_world_size() -> tuple[int, str]:
+    """Ranks this machine can run, and why: its visible CUDA GPUs, else its usable CPU cores."""
+    gpus = _visible_gpus()
+    if gpus:
+        return gpus, f"{gpus} visible CUDA GPU{'s' if gpus > 1 else ''}"
+    cores = usable_cpu_cores()
+    return cores, f"no CUDA GPU visible, so {cores} CPU core{'s' if cores > 1 else ''}"
+
+
+def _number(x: float) -> str:
+    """Short, exact-looking numbers for the table: 0.5, 56, 0.333."""
+    return f"{x:.3g}" if x < 1000 else f"{x:,.0f}"
+
+
+def _bytes(n: float) -> str:
+    """Decimal units, as network bandwidths are quoted: '18.9 MB'."""
+    units = ["B", "KB", "MB", "GB", "TB"]
+    i = 0
+    while n >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _shows_bytes(args) -> bool:
+    return args.seq_len is not None and args.hidden_size is not None
+
+
+def plan_table(args, world_size: int) -> tuple[list[list[str]], int]:
+    """The ranking as rows of strings, header first, and how many configurations fit in all
+    (kept apart from printing, for callers that want the rows)."""
+    configs = ParallelConfig.options(world_size, num_heads=args.heads, num_layers=args.layers,
+                                     seq_len=args.seq_len, use_cfg=not args.no_cfg, batch=args.batch)
+    show_bytes = _shows_bytes(args)
+    header = ["#", "config", *(_DEGREE_HEADERS[d] for d in DEGREES), "work/rank", "comm/rank/step (p·hs)"]
+    header += ["comm bytes"] if show_bytes else []
+    header += ["params/rank"]
+    rows = [header]
+    for i, c in enumerate(configs[: args.top or None], start=1):
+        cost = c.cost(args.layers, batch=args.batch, use_cfg=not args.no_cfg)
+        row = [str(i), c.short(), *(str(getattr(c, d)) for d in DEGREES), _number(cost.work_fraction),
+               _number(cost.comm_p_hs)]
+        if show_bytes:
+            row.append(_bytes(cost.comm_bytes(args.seq_len, args.hidden_size)))
+        row.append(f"1/{c.pipefusion}" if c.pipefusion > 1 else "1")
+        rows.append(row)
+    return rows, len(configs)
+
+
+def _format(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    # the configuration name reads best left-aligned, numbers right-aligned
+    return "\n".join("  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in
+                               enumerate(zip(row, widths))).rstrip() for row in rows)
+
+
+def cmd_plan(args) -> int:
+    if args.world_size is None:
+        world_size, why = local_world_size()
+        source = f"this machine: {why}"
+    else:
+        world_size, source = args.world_size, "--world-size"
+    layers = args.layers if args.layers is not None else "28 (cost-model default)"
+    shape = f"heads {args.heads or 'any'}, layers {layers}, seq_len {args.seq_len or 'any'}, batch {args.batch}, " \
+            f"CFG {'off' if args.no_cfg else 'on'}"
+    print(f"Parallel configurations for {world_size} ranks ({source}); {shape}")
+    rows, total = plan_table(args, world_size)
+    print(_format(rows))
+    if total > len(rows) - 1:
+        print(f"... {total - (len(rows) - 1)} more (--top 0 shows all {total})")
+    print("Units: work = single-image transformer forwards per rank per step (lower is faster); comm = elements "
+          "moved per rank per step in units of p·hs (p tokens per image, hs hidden size)"
+          + (", bytes at 2 bytes per element (bf16)" if _shows_bytes(args) else "")
+          + "; params = share of the model's weights per rank. Ranked by work, then comm, then params; "
+          "cost model: see the docstring of xdit_lab.config (ParallelConfig).")
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xdit-lab", description="Hybrid-parallel inference of Diffusion Transformers.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    plan = commands.add_parser("plan", help="rank the parallel configurations that fit N ranks",
+                               description="Rank every valid ParallelConfig for N ranks with the cost model.")
+    plan.add_argument("--world-size", type=_count(1), metavar="N",
+                      help="number of ranks (default: visible CUDA GPUs, else CPU cores)")
+    plan.add_argument("--heads", type=_count(1), metavar="H", help="attention heads (Ulysses must divide them)")
+    plan.add_argument("--layers", type=_count(1), metavar="L", help="transformer layers (default 28 for costs)")
+    plan.add_argument("--seq-len", type=_count(1), metavar="S", help="image tokens per image (p)")
+    plan.add_argument("--hidden-size", type=_count(1), metavar="HS", help="hidden size; with --seq-len, shows bytes")
+    plan.add_argument("--batch", type=_count(1), default=1, metavar="B", help="prompts per step (default 1)")
+    plan.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (one branch, no cfg 2)")
+    plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
+    plan.set_defaults(handler=cmd_plan)
+    # later: commands.add_parser("run", ...) and commands.add_parser("demo", ...)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)  # bad arguments: argparse prints usage + message, exits 2
+    try:
+        return args.handler(args)
+    except ParallelConfigError as error:  # a rule the arguments break: say it, no traceback
+        parser.exit(2, f"xdit-lab {args.command}: error: {error}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -109,6 +109,48 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _option(text: str) -> tuple[str, object]:
+    """--option key=value, the value read as JSON when it parses (false, 8, 1.5), else as text."""
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def cmd_run(args) -> int:
+    from .distributed import shutdown_distributed
+    from .memory import CorruptWeightsError, MemoryPlanError
+    from .run import run_generation
+
+    config = ParallelConfig(dp=args.dp, cfg=args.cfg, pipefusion=args.pipefusion, ulysses=args.ulysses,
+                            ring=args.ring, num_patches=args.num_patches, warmup_steps=args.warmup_steps)
+    negatives = args.negative_prompt
+    if negatives and len(negatives) == 1:
+        negatives = negatives[0]  # one negative prompt for every prompt
+    try:
+        report = run_generation(args.model, args.prompt, config, args.output, negative_prompts=negatives,
+                                steps=args.steps, guidance_scale=args.guidance, seed=args.seed, height=args.height,
+                                width=args.width, dtype=args.dtype, output_type=args.output_type,
+                                progress=not args.no_progress, timeout_s=args.timeout, options=dict(args.option))
+    except (ParallelConfigError, ValueError, TypeError, FileNotFoundError, MemoryPlanError,
+            CorruptWeightsError) as error:  # the user's input: say what is wrong, no traceback
+        print(f"xdit-lab run: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown_distributed()
+    if report is not None:
+        t = report["timings"]
+        print(f"{report['pipeline']} under {report['config_short']}: encode {t['encode']:.2f} s, "
+              f"denoise {t['denoise']:.2f} s ({len(t['steps'])} steps), decode {t['decode']:.2f} s")
+        print(f"wrote {', '.join(report['outputs'])} and report.json to {args.output}")
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xdit-lab", description="Hybrid-parallel inference of Diffusion Transformers.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -125,7 +167,31 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (one branch, no cfg 2)")
     plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
     plan.set_defaults(handler=cmd_plan)
-    # later: commands.add_parser("run", ...) and commands.add_parser("demo", ...)
+
+    run = commands.add_parser("run", help="generate with a pipeline folder (launch with torchrun)",
+                              description="Generate images on every rank that torchrun starts; the first rank writes "
+                                          "the images and report.json.")
+    run.add_argument("--model", required=True, help="a diffusers pipeline folder, or a bundled name (digits)")
+    run.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    run.add_argument("--negative-prompt", action="append", help="one per --prompt, or one for all")
+    for degree in DEGREES:
+        run.add_argument(f"--{degree}", type=_count(1), default=1, help=f"{degree} degree (default 1)")
+    run.add_argument("--num-patches", type=_count(1), help="PipeFusion patches (default: one per stage)")
+    run.add_argument("--warmup-steps", type=_count(0), default=1, help="PipeFusion synchronous steps (default 1)")
+    run.add_argument("--steps", type=_count(1), help="denoising steps (default: the family's)")
+    run.add_argument("--guidance", type=float, help="guidance scale (default: the family's)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--height", type=_count(1))
+    run.add_argument("--width", type=_count(1))
+    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    run.add_argument("--output", required=True, help="folder for the images and report.json")
+    run.add_argument("--output-type", choices=["pil", "latent"], default="pil",
+                     help="latent: skip the VAE and save latents.pt (for timing the transformer alone)")
+    run.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                     help="a pipeline argument of the family, e.g. use_resolution_binning=false")
+    run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.set_defaults(handler=cmd_run)
     return parser
 
 

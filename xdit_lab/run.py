@@ -1,0 +1,88 @@
+"""The production run: what `xdit-lab run` does on every rank that torchrun starts.
+
+    torchrun --nproc_per_node 4 -m xdit_lab.cli run --model PATH --prompt "a cat" \\
+        --ulysses 2 --cfg 2 --steps 20 --seed 0 --output out/
+
+It goes through the same load_pipeline and DenoiseSession as a notebook. The first rank of
+the configuration writes the images and `report.json` (configuration, timings per phase,
+memory per rank, bytes communicated per group); every file is written to a temporary name and
+renamed, so a failed run leaves no half-written file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import comm
+from .config import ParallelConfig
+from .distributed import current_info, init_distributed
+from .memory import rank_memory
+from .pipeline import load_pipeline
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def atomic_write(path: Path, write) -> Path:
+    """Call write(temporary_path), then rename it to `path`: readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(temporary))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def run_generation(model: str, prompts: list[str], config: ParallelConfig, output_dir, *, negative_prompts=None,
+                   steps=None, guidance_scale=None, seed: int = 0, height=None, width=None, dtype: str = "float32",
+                   output_type: str = "pil", progress: bool = True, timeout_s: float = 600,
+                   options: dict | None = None) -> dict | None:
+    """Generate on this rank; the configuration's first rank writes the outputs and returns the report."""
+    init_distributed(timeout_s=timeout_s)
+    pipe = load_pipeline(model, config, torch_dtype=DTYPES[dtype], progress=progress)
+    if not pipe.active:
+        return None  # a configuration smaller than the world: this rank sits out
+    with comm.comm_log() as log:
+        result = pipe(prompts, negative_prompt=negative_prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
+                      height=height, width=width, seed=seed, output_type=output_type, **(options or {}))
+    mine = dict(rank=current_info().rank, mesh=str(pipe.mesh), device=str(pipe.device), memory=rank_memory(pipe),
+                bytes_out_by_group=log.bytes_by_group(), timings=result.timings)
+    ranks = comm.all_gather_object(mine, pipe.mesh, "world", tag="report")
+    if pipe.mesh.group_rank("world") != 0:
+        return None
+    files = _write_outputs(result, pipe.recipe, Path(output_dir), output_type)
+    report = dict(model=str(model), pipeline=type(pipe.diffusers_pipeline).__name__, config=config.__dict__,
+                  config_short=config.short(), prompts=prompts, negative_prompts=negative_prompts, seed=seed,
+                  steps=len(result.timings["steps"]), dtype=dtype, outputs=files, timings=result.timings,
+                  memory_plan={"per_rank_bytes": pipe.memory_plan.per_rank_bytes,
+                               "component_bytes": pipe.memory_plan.component_bytes},
+                  ranks=ranks)
+    atomic_write(Path(output_dir) / "report.json", lambda p: p.write_text(json.dumps(report, indent=2, default=str)))
+    return report
+
+
+def _write_outputs(result, recipe, output_dir: Path, output_type: str) -> list[str]:
+    images = result.frames if hasattr(result, "frames") else result.images
+    written = []
+    if output_type == "latent":
+        path = atomic_write(output_dir / "latents.pt", lambda p: torch.save(images.cpu(), p))
+        return [path.name]
+    for i, image in enumerate(images):
+        if isinstance(image, list):  # a video: its frames as one animated GIF
+            name = f"{i:03d}.gif"
+            atomic_write(output_dir / name, lambda p, frames=image: frames[0].save(
+                p, format="GIF", save_all=True, append_images=frames[1:], duration=125, loop=0))
+        else:
+            name = f"{i:03d}.png"
+            atomic_write(output_dir / name, lambda p, picture=image: picture.save(p, format="PNG"))
+        written.append(name)
+    return written

@@ -24,6 +24,7 @@ import time
 import torch
 
 from . import comm
+from .models.pipelined import reset_stale_state
 from .pipelines.base import Prepared, Request
 
 
@@ -64,6 +65,7 @@ class DenoiseSession:
         self.progress = progress
         self.step_index = 0
         inner = pipe.diffusers_pipeline
+        reset_stale_state(inner.transformer)  # PipeFusion warms up again for every generation
         with torch.no_grad():
             with self.timings.measure("encode"):
                 self.prepared: Prepared = self.recipe.encode(inner, request, pipe.device)

@@ -37,7 +37,9 @@ class ParallelState:
         self.text_len = 0
         self.image_len = None  # whole image tokens, set where they are sharded
         self.attention_kind = None  # kind of the attention module running now
+        self.attention_name = None  # and its qualified name
         self.shard = None  # (start, stop) of this rank's image tokens, for views
+        self.pipefusion = None  # a PipeFusion stage (models/pipelined.py) takes over tokens and attention
 
     def take_image_shard(self, tokens: torch.Tensor, dim: int = 1) -> torch.Tensor:
         sp = self.mesh.group_size("sp")
@@ -59,11 +61,10 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
     adapter = adapter_for(transformer)
     if getattr(transformer, "_xdit_lab_state", None) is not None:
         raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
-    if config.pipefusion != 1:
-        raise ParallelConfigError(f"parallelize handles dp, cfg, ulysses and ring; pipefusion {config.pipefusion} "
-                                  f"needs the PipeFusion runner")
     heads = transformer.config.get("num_attention_heads")
-    config.validate(num_heads=heads, seq_len=image_tokens_at_default_size(transformer))
+    blocks = getattr(transformer, "transformer_blocks", None)
+    config.validate(num_heads=heads, num_layers=len(blocks) if blocks is not None else None,
+                    seq_len=image_tokens_at_default_size(transformer))
     mesh = mesh or RankMesh(config)
     if mesh.config != config:
         raise ValueError(f"mesh was built for {mesh.config.short()}, not {config.short()}")
@@ -72,21 +73,11 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
                          f"ranks): only ranks with mesh.active run the model")
 
     state = ParallelState(adapter, mesh)
-    handles = [_hook_output(transformer, adapter.shard_at, functools.partial(_shard_tokens, state)),
-               _hook_output(transformer, adapter.gather_at, functools.partial(_gather_tokens, state))]
-    if adapter.rotary_at:
-        handles.append(_hook_output(transformer, adapter.rotary_at, functools.partial(_shard_rotary, state)))
-    known = 0
-    for name, module in transformer.named_modules():
-        kind = adapter.attention_kind(name)
-        if kind:
-            known += 1
-            handles.append(module.register_forward_pre_hook(functools.partial(_enter_attention, state, kind)))
-            handles.append(module.register_forward_hook(functools.partial(_leave_attention, state)))
-    if not known:
-        raise TypeError(f"no attention modules of {type(transformer).__name__} matched the {adapter.family} adapter; "
-                        f"this diffusers release may have renamed them")
+    if config.pipefusion > 1:
+        from .pipelined import apply_pipefusion
 
+        return apply_pipefusion(transformer, config, mesh, state)
+    install_hooks(transformer, state)
     original_forward = transformer.forward
     signature = inspect.signature(original_forward)
 
@@ -108,9 +99,28 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
         return _gather_batch(state, output, dp_sizes)
 
     transformer.forward = parallel_forward
+    return transformer
+
+
+def install_hooks(transformer, state) -> None:
+    """Shard, rotary and gather hooks at the adapter's places; attention modules marked by kind."""
+    adapter = state.adapter
+    handles = [_hook_output(transformer, adapter.shard_at, functools.partial(_shard_tokens, state)),
+               _hook_output(transformer, adapter.gather_at, functools.partial(_gather_tokens, state))]
+    if adapter.rotary_at:
+        handles.append(_hook_output(transformer, adapter.rotary_at, functools.partial(_shard_rotary, state)))
+    known = 0
+    for name, module in transformer.named_modules():
+        kind = adapter.attention_kind(name)
+        if kind:
+            known += 1
+            handles.append(module.register_forward_pre_hook(functools.partial(_enter_attention, state, kind, name)))
+            handles.append(module.register_forward_hook(functools.partial(_leave_attention, state)))
+    if not known:
+        raise TypeError(f"no attention modules of {type(transformer).__name__} matched the {adapter.family} adapter; "
+                        f"this diffusers release may have renamed them")
     transformer._xdit_lab_state = state
     transformer._xdit_lab_handles = handles
-    return transformer
 
 
 def _hook_output(root, path: str, fn):
@@ -123,6 +133,8 @@ def _hook_output(root, path: str, fn):
 def _shard_tokens(state, tokens):
     if not state.in_forward:
         return tokens
+    if state.pipefusion is not None:
+        return state.pipefusion.shard(tokens)
     if state.adapter.text_before_image_at_shard:
         text, image = tokens[:, :state.text_len], tokens[:, state.text_len:]
         return torch.cat([text, state.take_image_shard(image)], dim=1)
@@ -144,14 +156,16 @@ def _shard_rotary(state, tables):
 def _gather_tokens(state, tokens):
     if not state.in_forward:
         return tokens
+    if state.pipefusion is not None:
+        return state.pipefusion.gather(tokens)
     sizes = shard_sizes(state.image_len, state.mesh.group_size("sp"))
     return comm.all_gather(tokens.contiguous(), state.mesh, "sp", dim=1, sizes=sizes, tag="tokens")
 
 
 # ---- attention: hand SDPA calls of known modules to sp_attention -----------------------------------
 
-def _enter_attention(state, kind, _module, _args):
-    state.attention_kind = kind
+def _enter_attention(state, kind, name, _module, _args):
+    state.attention_kind, state.attention_name = kind, name
 
 
 def _leave_attention(state, _module, _args, _output):
@@ -185,6 +199,8 @@ class _AttentionInterceptor(TorchFunctionMode):
 
 def _joint_or_self(state, kind, query, key, value, scale):
     mesh, text = state.mesh, state.text_len
+    if state.pipefusion is not None:
+        return state.pipefusion.attend(kind, query, key, value, scale)
     if kind == "self" or text == 0:
         return sp_attention(query, key, value, mesh, seq_len=state.image_len, scale=scale)
     if kind == "joint_first":

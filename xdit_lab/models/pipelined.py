@@ -1,0 +1,177 @@
+"""PipeFusion on a diffusers transformer: this rank runs one stage of blocks, patch by patch.
+
+One call of the transformer is one diffusion step, as in the serial model, so the denoising
+loop does not change. Inside the call, every stage runs the model's own forward once per patch
+(once for the whole image during warmup):
+  - the embeddings are computed from the whole latent and this rank keeps its tokens of the
+    patch (the shard hook); a later stage replaces them with the activations the previous
+    stage sent, at its first block
+  - attention reads the stale K/V buffers (pipefusion.py)
+  - a stage that is not the last stops after its last block and sends the activations on
+    (isend: the next patch is computed while they travel); the last stage finishes the forward
+The last stage's noise prediction for the whole image is then broadcast to the other stages,
+so every rank steps the scheduler on the same values (one step per diffusion step, which is
+what multistep schedulers such as DPM-Solver need). The pipeline drains at the end of each
+call, so `DenoiseSession.step()` is one diffusion step on every rank; the bubble is
+(stages-1)/(patches+stages-1) of a step, smaller with more patches.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+from .. import comm
+from ..config import ParallelConfigError
+from ..pipefusion import PatchLayout, StaleKV, patch_ranges, stage_ranges, stale_attention
+from .parallel import ParallelState, _AttentionInterceptor, _gather_batch, _split_batch, install_hooks
+
+PIPEFUSION_FAMILIES = ("PixArt", "DiT")
+
+
+class _StageDone(Exception):
+    """Raised after a non-last stage's last block: the rest of the forward belongs to later stages."""
+
+    def __init__(self, hidden):
+        super().__init__("stage done")
+        self.hidden = hidden
+
+
+class PipeFusionStage:
+    """This rank's stage: its patch layout, stale K/V buffers and the step counter."""
+
+    def __init__(self, state: ParallelState, config, blocks: tuple[int, int]):
+        self.state, self.mesh, self.config = state, state.mesh, config
+        self.blocks = blocks  # [start, stop) of the model's blocks held here
+        self.step = 0  # transformer calls since reset: the diffusion step
+        self.layout = None
+        self.grid = None
+        self.buffers: dict[str, StaleKV] = {}
+        self.active: list[int] = []
+        self.incoming = None
+
+    def reset(self) -> None:
+        """A new generation: warm up again with empty buffers."""
+        self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
+
+    def begin_step(self, rows: int, cols: int) -> list[list[int]]:
+        if self.grid != (rows, cols):  # a new image size: new patches, new buffers
+            self.grid, self.buffers = (rows, cols), {}
+            self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
+        patches = len(self.layout.patches)
+        return [list(range(patches))] if self.step < self.config.warmup_steps else [[p] for p in range(patches)]
+
+    # ---- hooks called by models/parallel.py ----------------------------------------------------------
+    def shard(self, tokens):
+        self.state.image_len = tokens.shape[1]
+        index = self.layout.rank_tokens(self.active, self.mesh.group_rank("sp")).to(tokens.device)
+        return tokens.index_select(1, index)
+
+    def gather(self, tokens):
+        sizes = self.layout.rank_sizes(self.active)
+        gathered = comm.all_gather(tokens.contiguous(), self.mesh, "sp", dim=1, sizes=sizes, tag="tokens")
+        full = tokens.new_zeros(tokens.shape[0], self.state.image_len, tokens.shape[2])
+        full[:, self.layout.gather_order(self.active).to(tokens.device)] = gathered
+        return full
+
+    def attend(self, kind, query, key, value, scale):
+        if kind != "self":
+            raise NotImplementedError(f"PipeFusion here handles self-attention; {kind} attention is not staged yet")
+        name = self.state.attention_name
+        if name not in self.buffers:
+            self.buffers[name] = StaleKV(self.layout, self.mesh.group_size("ulysses"), self.mesh.group_rank("ring"))
+        out, _ = stale_attention(query, key, value, self.mesh, self.buffers[name], self.active, self.step, scale=scale)
+        return out
+
+    def take_incoming(self, _module, args, kwargs):
+        if args:
+            return (self.incoming, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.incoming}
+
+    def hand_over(self, _module, _args, output):
+        raise _StageDone(output)
+
+    def staleness(self) -> dict:
+        """Small summary for views: per layer of this stage, the step that wrote each patch."""
+        return dict(stage=self.mesh.coords["pipefusion"], blocks=self.blocks, step=self.step,
+                    patches=self.layout.patches if self.layout else None,
+                    written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()})
+
+
+def apply_pipefusion(transformer, config, mesh, state: ParallelState):
+    if state.adapter.family not in PIPEFUSION_FAMILIES:
+        raise ParallelConfigError(f"PipeFusion runs {', '.join(PIPEFUSION_FAMILIES)} models so far, not "
+                                  f"{state.adapter.family}; use ulysses, ring, cfg and dp for it")
+    blocks = list(transformer.transformer_blocks)
+    start, stop = stage_ranges(len(blocks), config.pipefusion)[mesh.coords["pipefusion"]]
+    transformer.transformer_blocks = torch.nn.ModuleList(blocks[start:stop])  # the other stages' blocks go
+    del blocks
+    stage = PipeFusionStage(state, config, (start, stop))
+    state.pipefusion = stage
+    install_hooks(transformer, state)
+    if not mesh.is_first_stage:
+        transformer.transformer_blocks[0].register_forward_pre_hook(stage.take_incoming, with_kwargs=True)
+    if not mesh.is_last_stage:
+        transformer.transformer_blocks[-1].register_forward_hook(stage.hand_over)
+    hidden_size = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    dtype = next(transformer.parameters()).dtype
+    patch = transformer.config.patch_size
+    original_forward = transformer.forward
+    signature = inspect.signature(original_forward)
+
+    @functools.wraps(original_forward)
+    def pipefusion_forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        _, dp_sizes = _split_batch(state, bound.arguments)
+        latents = bound.arguments["hidden_states"]
+        rows, cols = latents.shape[-2] // patch, latents.shape[-1] // patch
+        patch_sets = stage.begin_step(rows, cols)
+        sp_rank = mesh.group_rank("sp")
+        receives = []
+        if not mesh.is_first_stage:  # post every receive now: they fill while earlier patches compute
+            for active in patch_sets:
+                tokens = sum(stage.layout.chunk_len(p, sp_rank) for p in active)
+                buffer = latents.new_empty((latents.shape[0], tokens, hidden_size), dtype=dtype)
+                receives.append((buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, "pipefusion")))
+        sends, noise = [], None
+        for i, active in enumerate(patch_sets):
+            stage.active = active
+            if receives:
+                comm.wait(receives[i][1])
+                stage.incoming = receives[i][0]
+            state.in_forward, state.attention_kind = True, None
+            try:
+                with _AttentionInterceptor(state):
+                    output = original_forward(*bound.args, **bound.kwargs)
+            except _StageDone as done:
+                sends += comm.exchange([(done.hidden, mesh.pipeline_next)], [], mesh, "pipefusion", tag="patch")
+                continue
+            finally:
+                state.in_forward, state.attention_kind = False, None
+            sample = output[0] if isinstance(output, tuple) else output.sample
+            noise = sample if noise is None else noise
+            if len(active) == 1:  # keep this patch's rows of the prediction
+                first, last = stage.layout.patches[active[0]]
+                band = slice(first // cols * patch, last // cols * patch)
+                noise[..., band, :] = sample[..., band, :]
+        comm.wait(sends)
+        if noise is None:  # not the last stage: the prediction comes from there
+            channels = transformer.config.out_channels
+            noise = latents.new_empty((latents.shape[0], channels, *latents.shape[-2:]))
+        comm.broadcast(noise, mesh, "pipefusion", src_group_rank=config.pipefusion - 1, tag="noise")
+        stage.step += 1
+        output = (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
+        return _gather_batch(state, output, dp_sizes)
+
+    transformer.forward = pipefusion_forward
+    return transformer
+
+
+def reset_stale_state(transformer) -> None:
+    """Start a new generation: PipeFusion warms up again (a no-op for other strategies)."""
+    state = getattr(transformer, "_xdit_lab_state", None)
+    if state is not None and state.pipefusion is not None:
+        state.pipefusion.reset()

@@ -89,3 +89,89 @@ def test_stage_and_patch_splits():
 def test_more_stages_than_blocks_is_refused():
     with pytest.raises(ParallelConfigError, match="2 transformer layers cannot fill 4 PipeFusion stages"):
         ParallelConfig(pipefusion=4).validate(4, num_layers=2)
+
+
+def _pipeline_steps(folder, config):
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab import load_pipeline
+    from xdit_lab.tiny import tiny_pipeline_kwargs
+
+    kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=4)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    expected = reference(["a red cat", "a dog"], negative_prompt=["", "photo"], output_type="latent",
+                         generator=torch.Generator().manual_seed(0), **kwargs).images
+    pipe = load_pipeline(folder, config, progress=False)
+    session = pipe.session(["a red cat", "a dog"], negative_prompt=["", "photo"], seed=0, **kwargs)
+    while not session.done:
+        session.step()
+    stepped = session.result(output_type="latent").images
+    called = pipe(["a red cat", "a dog"], negative_prompt=["", "photo"], seed=0, output_type="latent", **kwargs).images
+    error = (stepped - expected).abs().max().item()
+    try:
+        pipe("a cat", seed=0, height=4, width=16, **{k: v for k, v in kwargs.items() if k not in ("height", "width")})
+        too_many_patches = None
+    except ValueError as e:
+        too_many_patches = str(e)
+    return dict(error=error, bound=1e-4 * max(1.0, expected.abs().max().item()), same=torch.equal(stepped, called),
+                plan=pipe.memory_plan.per_rank_bytes["transformer"] * 2 - pipe.memory_plan.component_bytes["transformer"],
+                too_many_patches=too_many_patches)
+
+
+def test_pipeline_with_dpm_solver_through_session_and_call(tmp_path):
+    """DPM-Solver (multistep) through DenoiseSession.step() and pipe(...): equal to diffusers' own
+    pipeline when every step is a warmup step."""
+    from xdit_lab.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    config = ParallelConfig(pipefusion=2, warmup_steps=4)
+    for out in run_on_ranks(_pipeline_steps, 2, folder, config, timeout_s=180):
+        assert out["error"] <= out["bound"], out["error"]
+        assert out["same"]
+        assert abs(out["plan"]) <= 1  # the memory plan gives each stage half of the transformer
+        assert "fewer than the 2 PipeFusion patches" in out["too_many_patches"]
+
+
+def _stage_loading(folder):
+    import torch.distributed as dist
+
+    from xdit_lab import load_pipeline
+    from xdit_lab.loading import read_tensors
+    from xdit_lab.memory import read_safetensors_header
+
+    pipe = load_pipeline(folder, ParallelConfig(pipefusion=2, warmup_steps=9), progress=False)
+    transformer = pipe.diffusers_pipeline.transformer
+    file = next((folder / "transformer").glob("*.safetensors"))
+    keys = [k for k in read_safetensors_header(file) if k.startswith(f"transformer_blocks.{dist.get_rank()}.")]
+    on_disk = read_tensors(file, keys)
+    loaded = dict(transformer.transformer_blocks[0].named_parameters())
+    same = all(torch.equal(on_disk[k], loaded[k.split(".", 2)[2]]) for k in keys)
+    return dict(blocks=len(transformer.transformer_blocks), same=same,
+                block_bytes=sum(p.numel() * 4 for p in transformer.transformer_blocks.parameters()))
+
+
+def test_each_stage_materialises_only_its_blocks(tmp_path):
+    from xdit_lab.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    out = run_on_ranks(_stage_loading, 2, folder)
+    assert [o["blocks"] for o in out] == [1, 1]  # the tiny model has 2 blocks: one per stage
+    assert all(o["same"] for o in out)  # stage r holds block r's weights as saved
+
+
+def test_plain_reads_when_mmap_is_refused(tmp_path, monkeypatch):
+    import safetensors
+    from safetensors.torch import save_file
+
+    from xdit_lab.loading import read_tensors
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2).to(torch.bfloat16)}
+    save_file(tensors, tmp_path / "w.safetensors")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Unable to mmap 1234 bytes")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)  # a file system that refuses mmap
+    read = read_tensors(tmp_path / "w.safetensors", ["a", "c", "b"])
+    assert all(torch.equal(read[k], tensors[k]) for k in tensors)

@@ -18,9 +18,11 @@ import torch
 
 from .config import ParallelConfig
 from .distributed import current_info
+from .loading import load_stage_transformer
 from .memory import check_plan, plan_memory
 from .mesh import RankMesh
 from .models import parallelize
+from .pipefusion import stage_ranges
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
@@ -68,6 +70,12 @@ def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None
 
     from diffusers import DiffusionPipeline
 
+    if config.pipefusion > 1 and "transformer" in components:
+        # a stage materialises only its own blocks (plus embeddings and output layers)
+        transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
+        blocks = stage_ranges(transformer_config["num_layers"], config.pipefusion)[mesh.coords["pipefusion"]]
+        from_pretrained_kwargs["transformer"] = load_stage_transformer(
+            folder / "transformer", index["transformer"][1], blocks, torch_dtype)
     try:
         inner = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch_dtype, **from_pretrained_kwargs)
     except (OSError, RuntimeError) as error:
@@ -146,6 +154,11 @@ class ParallelPipeline:
         sp = self.config.sp_degree * self.config.patches
         bad = [f"{name} {value}" for name, value in (("height", height), ("width", width)) if value % multiple]
         tokens = (height // multiple) * (width // multiple) * self.recipe.token_frames(self.diffusers_pipeline, request)
+        rows = height // multiple
+        if self.config.pipefusion > 1 and not bad and rows < self.config.patches:
+            raise ValueError(f"image height {height} gives {rows} token rows, fewer than the {self.config.patches} "
+                             f"PipeFusion patches (row bands); use a height of at least "
+                             f"{self.config.patches * multiple} or fewer patches")
         if bad or tokens < sp:
             smallest = multiple
             while (smallest // multiple) ** 2 * self.recipe.token_frames(self.diffusers_pipeline, request) < sp:

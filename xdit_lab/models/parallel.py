@@ -62,8 +62,7 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
     if getattr(transformer, "_xdit_lab_state", None) is not None:
         raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
     heads = transformer.config.get("num_attention_heads")
-    blocks = getattr(transformer, "transformer_blocks", None)
-    config.validate(num_heads=heads, num_layers=len(blocks) if blocks is not None else None,
+    config.validate(num_heads=heads, num_layers=transformer.config.get("num_layers"),
                     seq_len=image_tokens_at_default_size(transformer))
     mesh = mesh or RankMesh(config)
     if mesh.config != config:

@@ -105,10 +105,15 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState):
     if state.adapter.family not in PIPEFUSION_FAMILIES:
         raise ParallelConfigError(f"PipeFusion runs {', '.join(PIPEFUSION_FAMILIES)} models so far, not "
                                   f"{state.adapter.family}; use ulysses, ring, cfg and dp for it")
-    blocks = list(transformer.transformer_blocks)
-    start, stop = stage_ranges(len(blocks), config.pipefusion)[mesh.coords["pipefusion"]]
-    transformer.transformer_blocks = torch.nn.ModuleList(blocks[start:stop])  # the other stages' blocks go
-    del blocks
+    start, stop = stage_ranges(transformer.config.num_layers, config.pipefusion)[mesh.coords["pipefusion"]]
+    loaded = getattr(transformer, "_xdit_lab_stage_blocks", None)
+    if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
+        blocks = list(transformer.transformer_blocks)
+        transformer.transformer_blocks = torch.nn.ModuleList(blocks[start:stop])
+        del blocks
+    elif loaded[:2] != (start, stop):
+        raise ValueError(f"this transformer holds blocks {loaded[:2]}, but stage {mesh.coords['pipefusion']} of "
+                         f"{config.pipefusion} runs blocks {(start, stop)}")
     stage = PipeFusionStage(state, config, (start, stop))
     state.pipefusion = stage
     install_hooks(transformer, state)

@@ -79,3 +79,20 @@ def test_run_failure_leaves_no_partial_file(folder, tmp_path):
     assert proc.returncode != 0
     assert "height 30 not a multiple of 4" in out
     assert not output.exists() or not any(output.iterdir())
+
+
+def test_torchrun_pipefusion_matches_cfg_parallel(folder, tmp_path):
+    """PipeFusion through the CLI, every step a warmup step: the images of cfg 2 (up to rounding),
+    and each stage reports half of the transformer's parameters."""
+    reference, staged = tmp_path / "cfg", tmp_path / "pipefusion"
+    _finish(_torchrun("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "xdit_lab.cli",
+                      *_run_args(folder, reference, "--cfg", "2")))
+    _finish(_torchrun("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "xdit_lab.cli",
+                      *_run_args(folder, staged, "--pipefusion", "2", "--warmup-steps", "3")))
+    for a, b in zip(_images(reference), _images(staged)):
+        assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
+    full = json.loads((reference / "report.json").read_text())["ranks"][0]["memory"]["parameter_bytes"]["transformer"]
+    report = json.loads((staged / "report.json").read_text())
+    assert report["config"]["pipefusion"] == 2
+    assert all(r["memory"]["parameter_bytes"]["transformer"] < full for r in report["ranks"])
+    assert all(r["bytes_out_by_group"].get("pipefusion", 0) > 0 for r in report["ranks"])

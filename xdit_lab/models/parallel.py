@@ -83,22 +83,26 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
     @functools.wraps(original_forward)
     def parallel_forward(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        batch, dp_sizes = _split_batch(state, bound.arguments)
+        dp_sizes = _split_batch(state, bound.arguments)
         tables = bound.arguments.get(adapter.rotary_kwarg) if adapter.rotary_kwarg else None
         if tables is not None:  # rows are image tokens only: keep this rank's
             bound.arguments[adapter.rotary_kwarg] = tuple(state.take_image_shard(t, dim=0) for t in tables)
         text = bound.arguments.get("encoder_hidden_states")
         state.text_len = text.shape[1] if text is not None and text.dim() >= 2 else 0
-        state.in_forward, state.attention_kind = True, None
-        try:
-            with _AttentionInterceptor(state):
-                output = original_forward(*bound.args, **bound.kwargs)
-        finally:
-            state.in_forward, state.attention_kind = False, None
-        return _gather_batch(state, output, dp_sizes)
+        return _gather_batch(state, run_forward(state, original_forward, bound), dp_sizes)
 
     transformer.forward = parallel_forward
     return transformer
+
+
+def run_forward(state, forward, bound):
+    """The model's own forward, with the hooks active and attention handed to the kernels."""
+    state.in_forward, state.attention_kind = True, None
+    try:
+        with _AttentionInterceptor(state):
+            return forward(*bound.args, **bound.kwargs)
+    finally:
+        state.in_forward, state.attention_kind = False, None
 
 
 def install_hooks(transformer, state) -> None:
@@ -239,7 +243,7 @@ def _split_batch(state, arguments: dict):
         for name, value in list(arguments.items()):
             if name not in state.adapter.unbatched and name not in state.adapter.not_batched_dicts:
                 arguments[name] = _take_batch(value, total, local)
-    return total, dp_sizes
+    return dp_sizes
 
 
 def _take_batch(value, total, local):

@@ -27,7 +27,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from .. import comm
 from ..config import ParallelConfigError
 from ..pipefusion import PatchLayout, StaleKV, patch_ranges, stage_ranges, stale_attention
-from .parallel import ParallelState, _AttentionInterceptor, _gather_batch, _split_batch, install_hooks
+from .parallel import ParallelState, _gather_batch, _split_batch, install_hooks, run_forward
 
 PIPEFUSION_FAMILIES = ("PixArt", "DiT")
 
@@ -130,7 +130,7 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState):
     @functools.wraps(original_forward)
     def pipefusion_forward(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        _, dp_sizes = _split_batch(state, bound.arguments)
+        dp_sizes = _split_batch(state, bound.arguments)
         latents = bound.arguments["hidden_states"]
         rows, cols = latents.shape[-2] // patch, latents.shape[-1] // patch
         patch_sets = stage.begin_step(rows, cols)
@@ -147,15 +147,11 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState):
             if receives:
                 comm.wait(receives[i][1])
                 stage.incoming = receives[i][0]
-            state.in_forward, state.attention_kind = True, None
             try:
-                with _AttentionInterceptor(state):
-                    output = original_forward(*bound.args, **bound.kwargs)
+                output = run_forward(state, original_forward, bound)
             except _StageDone as done:
                 sends += comm.exchange([(done.hidden, mesh.pipeline_next)], [], mesh, "pipefusion", tag="patch")
                 continue
-            finally:
-                state.in_forward, state.attention_kind = False, None
             sample = output[0] if isinstance(output, tuple) else output.sample
             noise = sample if noise is None else noise
             if len(active) == 1:  # keep this patch's rows of the prediction

@@ -1,0 +1,192 @@
+"""Rank summaries and views from real runs: a tiny PixArt stepped twice on 2 and 4 gloo ranks.
+
+The summaries are checked against facts that can fail (shards tile the image, batch rows,
+K/V ages, bytes moved equal the closed forms, PipeFusion halves the blocks); then every view is
+drawn from them and its structure checked (axes, images, bars), not its pixels."""
+
+import numpy as np
+import pytest
+
+from xdit_lab import ParallelConfig, load_pipeline
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
+
+PF = dict(num_patches=2, warmup_steps=1)
+# name: (config, prompts, (height, width) in pixels). 12 × 20 px is a 3 × 5 token grid: 15 tokens
+# split 8 + 7 over ulysses 2, so the formula's uneven shards and padded gathers are exercised.
+CASES = {
+    "ulysses2": (ParallelConfig(ulysses=2), ["a cat", "a dog", "a car"], (12, 20)),
+    "ring2": (ParallelConfig(ring=2), ["a cat"], (16, 16)),
+    "cfg2": (ParallelConfig(cfg=2), ["a cat", "a dog"], (16, 16)),
+    "pipefusion2": (ParallelConfig(pipefusion=2, **PF), ["a cat"], (16, 16)),
+    "pipefusion2·ulysses2": (ParallelConfig(pipefusion=2, ulysses=2, **PF), ["a cat"], (16, 16)),
+    "cfg2·dp2": (ParallelConfig(cfg=2, dp=2), ["a cat", "a dog", "a car"], (16, 16)),  # dp shares 2 + 1
+}
+
+
+def _two_steps(folder, config, prompts, size):
+    from xdit_lab.lab.summaries import rank_summary
+
+    pipe = load_pipeline(folder, config, progress=False)
+    kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, height=size[0], width=size[1])
+    session = pipe.session(prompts, seed=0, **kwargs)
+    after = [rank_summary(session.step()) for _ in range(2)]
+    return dict(summaries=after, latent=session.latents[0, 0].numpy())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            config, prompts, size = CASES[name]
+            cache[name] = run_on_ranks(_two_steps, config.world_size, folder, config, prompts, size, timeout_s=240)
+        return cache[name]
+
+    return get
+
+
+def _final(runs, name):
+    return [out["summaries"][-1] for out in runs(name)]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_shards_tile_the_token_grid_once_per_group(runs, name):
+    summaries = _final(runs, name)
+    groups = {}
+    for s in summaries:  # ranks that share one image's rows (and, under PipeFusion, one stage)
+        c = s["coords"]
+        groups.setdefault((c["dp"], c["cfg"], c["pipefusion"]), []).append(s)
+        assert s["shard"]["source"] in ("ParallelState.shard", "PatchLayout")  # recorded by the run
+    config = CASES[name][0]
+    assert len(groups) == config.dp * config.cfg * config.pipefusion
+    for group in groups.values():
+        covered = sorted(t for s in group for start, stop in s["shard"]["tokens"] for t in range(start, stop))
+        assert covered == list(range(group[0]["image_tokens"]))
+    if name == "ulysses2":
+        assert [s["grid"] for s in summaries] == [[3, 5]] * 2
+        assert [s["shard"]["tokens"] for s in summaries] == [[[0, 8]], [[8, 15]]]
+    if name == "pipefusion2·ulysses2":  # each rank holds half of every patch (row band of 8 tokens)
+        assert [s["shard"]["tokens"] for s in summaries] == [[[0, 4], [8, 12]], [[4, 8], [12, 16]]] * 2
+        assert [s["shard"]["pipefusion"]["blocks"] for s in summaries] == [[0, 1], [0, 1], [1, 2], [1, 2]]
+
+
+def test_batch_rows_per_rank(runs):
+    rows = {name: [s["batch"]["rows"] for s in _final(runs, name)] for name in ("ulysses2", "cfg2", "cfg2·dp2")}
+    assert rows["ulysses2"] == [list(range(6))] * 2  # 3 prompts × [uncond; cond], every rank all rows
+    assert rows["cfg2"] == [[0, 1], [2, 3]]  # the unconditional half, the conditional half
+    assert rows["cfg2·dp2"] == [[0, 1], [3, 4], [2], [5]]  # ranks: (dp0 cfg0) (dp0 cfg1) (dp1 cfg0) (dp1 cfg1)
+    assert not any(s["batch"]["stand_in"] for s in _final(runs, "cfg2·dp2"))
+
+
+@pytest.mark.parametrize("name", ["pipefusion2", "pipefusion2·ulysses2"])
+def test_kv_ages_fresh_in_warmup_one_step_stale_after(runs, name):
+    for out in runs(name):
+        warm, pipelined = (s["staleness"] for s in out["summaries"])
+        stage = out["summaries"][0]["coords"]["pipefusion"]
+        assert warm["layers"] == pipelined["layers"] == [f"transformer_blocks.{stage}.attn1"]
+        assert not warm["pipelined"] and pipelined["pipelined"]
+        for layer in warm["layers"]:
+            assert warm["written_step"][layer] == [0, 0] and warm["age"][layer] == [0, 0]
+            # step 1 rewrote both patches; patch 0 read patch 1's K/V from step 0 before it was rewritten
+            assert pipelined["written_step"][layer] == [1, 1]
+            assert pipelined["read_age"][layer] == [[0, 1], [0, 0]]
+            assert pipelined["age"][layer] == [0, 1]
+    assert all(s["staleness"] is None for s in _final(runs, "ulysses2"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_measured_bytes_equal_the_closed_forms(runs, name):
+    from xdit_lab.lab.summaries import expected_bytes_per_step
+
+    for s in _final(runs, name):
+        assert len(s["comm"]["measured"]) == 2
+        for step, (measured, expected) in enumerate(zip(s["comm"]["measured"], s["comm"]["expected"])):
+            assert {g: n for g, n in measured.items() if n} == expected, f"rank {s['rank']} step {step}"
+        assert expected_bytes_per_step(s) == s["comm"]["expected"][-1]  # from the summary alone
+
+
+def test_closed_forms_by_hand(runs):
+    """A few numbers worked out on paper, so the formula is not only checked against itself."""
+    f32 = 4
+    # ulysses 2, batch 6, 4 heads × 16, 2 layers, shards 8 + 7: q/k/v send 2 of 4 heads of the own
+    # shard, o sends 2 heads of the other rank's tokens; then the token gather padded to 8 × 32 features
+    u = [s["comm"]["measured"][-1] for s in _final(runs, "ulysses2")]
+    assert u[0]["ulysses"] == 2 * (3 * 6 * 2 * 8 * 16 + 6 * 2 * 7 * 16) * f32
+    assert u[1]["ulysses"] == 2 * (3 * 6 * 2 * 7 * 16 + 6 * 2 * 8 * 16) * f32
+    assert u[0]["sp"] == u[1]["sp"] == 6 * 8 * 32 * f32
+    # ring 2: one K/V block [2, B 2, 4, 8, 16] sent per layer
+    assert all(s["comm"]["measured"][-1]["ring"] == 2 * 2 * 2 * 4 * 8 * 16 * f32 for s in _final(runs, "ring2"))
+    # pipefusion 2, pipelined step: stage 0 sends two patches of [2, 8, 64]; stage 1 broadcasts [2, 8, 8, 8]
+    pf = [s["comm"]["measured"][-1] for s in _final(runs, "pipefusion2")]
+    assert pf == [{"pipefusion": 2 * 2 * 8 * 64 * f32}, {"pipefusion": 2 * 8 * 8 * 8 * f32}]
+
+
+def test_memory_pipefusion_holds_half_the_blocks(runs):
+    whole = _final(runs, "ring2")[0]["memory"]
+    for name, ulysses in (("pipefusion2", 1), ("pipefusion2·ulysses2", 2)):
+        for s in _final(runs, name):
+            memory = s["memory"]
+            assert memory["transformer_block_bytes"] * 2 == whole["transformer_block_bytes"]
+            assert memory["parameter_bytes"]["transformer"] == (whole["parameter_bytes"]["transformer"]
+                                                                - whole["transformer_block_bytes"] // 2)
+            assert memory["parameter_bytes"]["vae"] == whole["parameter_bytes"]["vae"]
+            # one layer's K and V for the whole image: [B 2, 4/ulysses heads, 16 tokens, 16] float32, twice
+            assert memory["kv_buffer_bytes"] == 2 * 2 * (4 // ulysses) * 16 * 16 * 4
+    assert whole["kv_buffer_bytes"] == 0
+    assert all(s["memory"]["activation_source"].startswith("session") for s in _final(runs, "ring2"))
+
+
+def _visible_axes(fig):
+    return [ax for ax in fig.axes if ax.get_visible()]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_views_draw_from_the_summaries(runs, name, tmp_path):
+    from matplotlib.patches import Rectangle
+
+    from xdit_lab.lab.views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness, shard_map
+
+    outs = runs(name)
+    summaries = [out["summaries"][-1] for out in outs]
+    config = CASES[name][0]
+
+    shards = draw_shards(summaries)
+    panels = _visible_axes(shards)
+    assert len(panels) == config.dp * config.cfg * config.pipefusion
+    for ax in panels:  # each panel shows a rank in every token: the grid is tiled
+        owner = np.asarray(ax.images[0].get_array())
+        assert owner.shape == tuple(summaries[0]["grid"]) and owner.min() >= 0
+    assert np.array_equal(np.asarray(panels[0].images[0].get_array()), shard_map(
+        [s for s in summaries if (s["coords"]["dp"], s["coords"]["cfg"], s["coords"]["pipefusion"]) == (0, 0, 0)]))
+    assert len(shards.legends[0].get_texts()) == config.world_size
+    assert "x[" in shards._suptitle.get_text()
+
+    stale = draw_staleness(summaries)
+    if config.pipefusion > 1:
+        assert len(stale.axes) == 2  # heatmap and colour bar
+        ages = np.asarray(stale.axes[0].images[0].get_array())
+        assert ages.shape == (2, 2) and ages.tolist() == [[0, 1], [0, 1]]  # (stage, layer) × patch
+    else:
+        assert len(stale.axes) == 1 and not stale.axes[0].images
+
+    memory = draw_memory(summaries)
+    segments = len(summaries[0]["memory"]["parameter_bytes"]) + 2
+    assert len([p for p in memory.axes[0].patches if isinstance(p, Rectangle)]) == config.world_size * segments
+
+    comm = draw_comm(summaries)
+    groups = {g for s in summaries for g, n in s["comm"]["measured"][-1].items() if n}
+    assert len(_visible_axes(comm)) == config.world_size
+    for ax in _visible_axes(comm):
+        assert len(ax.patches) == 2 * len(groups)  # measured and formula per group
+        assert not [t for t in ax.texts if t.get_text() == "≠"]  # no mismatch marked
+
+    latent = draw_latent(outs[0]["latent"], step=2, title="channel 0")
+    assert len(latent.axes) == 2 and "step 2" in latent.axes[0].get_title()
+    assert len(draw_latent(np.zeros((4, 4, 3)), step=0).axes) == 1
+
+    for view, fig in (("shards", shards), ("staleness", stale), ("memory", memory), ("comm", comm), ("latent", latent)):
+        fig.savefig(tmp_path / f"{view}.png", dpi=80)
+        assert (tmp_path / f"{view}.png").stat().st_size > 1000

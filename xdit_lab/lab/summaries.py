@@ -1,0 +1,256 @@
+"""rank_summary: what one rank holds and moved, as a small picklable dict for the views.
+
+Called on every rank (a Lab engine, or a torchrun process) after any step of a DenoiseSession.
+Everything is read from the objects that own it (the mesh, ParallelState, the PipeFusion stage,
+the session's comm log); nothing large travels: lists of ints, floats and strings only.
+
+    summary = rank_summary(session)
+    summary["shard"]["tokens"]      # [[start, stop), ...] image tokens this rank computes
+    summary["comm"]["measured"][-1] # bytes out of this rank per group, last step
+    expected_bytes_per_step(summary) == summary["comm"]["measured"][-1]   # the closed forms
+
+Keys (exact): rank, mesh, coords, device, family, config, step, num_steps, timestep, grid,
+image_tokens, shapes, shard, batch, staleness, memory, comm. See rank_summary's docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import ParallelConfig
+from ..memory import rank_memory
+from ..models.parallel import _split_batch
+from ..pipefusion import PatchLayout, patch_ranges
+from ..sharding import shard_range, shard_sizes
+
+
+def rank_summary(session) -> dict:
+    """This rank's picture after the session's last step (or before the first: comm is then empty).
+
+    rank, mesh (str), coords {dp, cfg, pipefusion, ring, ulysses}, device, family, config (the
+    ParallelConfig's fields), step (steps done), num_steps, timestep (of the last step done, or
+    None), grid [rows, cols] of image tokens, image_tokens, shapes (what expected_bytes_per_step
+    needs), shard, batch, staleness (None without PipeFusion), memory, comm {measured, expected}:
+    one {group: bytes out of this rank} per step done."""
+    pipe, mesh, config = session.pipe, session.pipe.mesh, session.pipe.config
+    transformer = pipe.diffusers_pipeline.transformer
+    state = transformer._xdit_lab_state
+    stage = state.pipefusion
+    rows, cols = token_grid(session)
+    step = session.step_index
+    summary = dict(
+        rank=mesh.rank, mesh=str(mesh), coords=dict(mesh.coords), device=str(pipe.device),
+        family=state.adapter.family, config=dataclasses.asdict(config), step=step, num_steps=session.num_steps,
+        timestep=float(session.prepared.timesteps[step - 1]) if step else None,
+        grid=[rows, cols], image_tokens=rows * cols,
+        shapes=_shapes(session, transformer, state, rows, cols),
+        shard=_shard(mesh, config, state, stage, rows, cols),
+        batch=_batch(session, state),
+        staleness=_staleness(stage, config) if stage is not None else None,
+        memory=_memory(pipe, session, stage),
+    )
+    measured = [dict(step_bytes) for step_bytes in session.comm_per_step]
+    expected = [expected_bytes_per_step(config, summary["shapes"], coords=summary["coords"], step=i)
+                for i in range(len(measured))]
+    summary["comm"] = dict(measured=measured, expected=expected)
+    return summary
+
+
+def token_grid(session) -> tuple[int, int]:
+    """(rows, cols) of image tokens: latent height and width over the transformer's patch size."""
+    latents, transformer = session.latents, session.pipe.diffusers_pipeline.transformer
+    patch = transformer.config.get("patch_size") or 1
+    if latents.dim() == 4:  # PixArt, SD3, DiT: [B, C, H, W]
+        return latents.shape[-2] // patch, latents.shape[-1] // patch
+    if latents.dim() == 5:  # CogVideoX: [B, F, C, H, W]; tokens frame-major, so frames stack as row blocks
+        return latents.shape[1] * (latents.shape[-2] // patch), latents.shape[-1] // patch
+    # Flux: packed tokens [B, S, C]; rows from the image height and the size a token covers
+    multiple = session.recipe.size_multiple(session.pipe.diffusers_pipeline)[0]
+    rows = session.prepared.extra["size"][0] // multiple
+    return rows, latents.shape[1] // rows
+
+
+def _shapes(session, transformer, state, rows, cols) -> dict:
+    """Sizes the communication formulas need, read from the model this rank holds."""
+    kinds = [state.adapter.attention_kind(name) for name, _ in transformer.named_modules()]
+    gather = transformer.get_submodule(state.adapter.gather_at)
+    config = transformer.config
+    return dict(
+        batch=session.latents.shape[0] * (2 if session.prepared.do_cfg else 1),  # [uncond; cond] rows
+        rows=rows, cols=cols, heads=config.num_attention_heads, head_dim=config.attention_head_dim,
+        self_layers=kinds.count("self"),  # this rank's sequence-parallel attention layers (a stage: its own)
+        joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
+        text_len=state.text_len,  # joint text tokens of the last forward (0 for PixArt's cross-attention)
+        proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
+        dtype_bytes=next(transformer.parameters()).element_size())
+
+
+def _shard(mesh, config, state, stage, rows, cols) -> dict:
+    """The image tokens this rank computes: one range under USP, one piece of every patch under PipeFusion."""
+    sp, sp_rank = config.sp_degree, mesh.group_rank("sp")
+    if stage is None:
+        recorded = state.shard is not None and state.image_len == rows * cols
+        start, stop = state.shard if recorded else shard_range(rows * cols, sp, sp_rank)
+        return dict(sp_size=sp, sp_rank=sp_rank, tokens=[[start, stop]], pipefusion=None,
+                    source="ParallelState.shard" if recorded else "computed (no forward yet)")
+    recorded = stage.layout is not None and stage.grid == (rows, cols)
+    layout = stage.layout if recorded else PatchLayout(patch_ranges(rows, cols, config.patches), sp)
+    pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
+    return dict(sp_size=sp, sp_rank=sp_rank, tokens=pieces,
+                pipefusion=dict(stage=mesh.coords["pipefusion"], blocks=list(stage.blocks),
+                                patches=[list(p) for p in layout.patches], patch_tokens=pieces),
+                source="PatchLayout" if recorded else "computed (no forward yet)")
+
+
+def _batch(session, state) -> dict:
+    """Rows of the model's batch [uncond; cond] this rank computes, by the forward's own split.
+
+    _split_batch is run on a stand-in batch of row numbers, so the answer is the code's, not a copy."""
+    total = session.latents.shape[0] * (2 if session.prepared.do_cfg else 1)
+    arguments = {"hidden_states": torch.arange(total)}
+    mesh = state.mesh
+    cfg_half = mesh.group_rank("cfg") if mesh.config.cfg == 2 else None  # 0: unconditional, 1: conditional
+    try:
+        dp_sizes = _split_batch(state, arguments)
+    except ValueError as error:  # cfg 2 without guidance: the forward would refuse too
+        return dict(total=total, rows=None, stand_in=False, cfg_half=cfg_half, error=str(error))
+    return dict(total=total, rows=arguments["hidden_states"].tolist(),
+                stand_in=dp_sizes[mesh.group_rank("dp")] == 0,  # computed but dropped by the gather
+                cfg_half=cfg_half, error=None)
+
+
+def _staleness(stage, config) -> dict:
+    """Per attention layer of this stage: the step that last wrote each patch's K/V, and how old
+    the K/V were that the last step read.
+
+    read_age[q][p]: age in steps of patch p's K/V when patch q attended in the last step. A warmup
+    step runs all patches at once (every age 0). A pipelined step runs patches in order, each
+    writing its own K/V before it attends: p <= q read fresh (0), p > q read what the previous
+    step wrote (1, since every step rewrites every patch). age[p] = the oldest any patch read."""
+    info = stage.staleness()
+    last = info["step"] - 1  # the diffusion step the buffers were last written in
+    pipelined = last >= config.warmup_steps
+    start = stage.blocks[0]
+    written, ages, reads = {}, {}, {}
+    for name, steps in sorted(info["written_step"].items(), key=lambda kv: _global_name(kv[0], start)):
+        name = _global_name(name, start)
+        matrix = [[None if w is None else (last - w if w < last else int(pipelined and p > q))
+                   for p, w in enumerate(steps)] for q in range(len(steps))]
+        written[name], reads[name] = list(steps), matrix
+        ages[name] = [max((row[p] for row in matrix if row[p] is not None), default=None) for p in range(len(steps))]
+    return dict(stage=info["stage"], blocks=list(info["blocks"]), step=last, pipelined=pipelined,
+                patches=[list(p) for p in info["patches"] or []], layers=list(written), written_step=written,
+                age=ages, read_age=reads)
+
+
+def _global_name(name: str, start: int) -> str:
+    """A stage numbers its blocks from 0: name them as the whole model does (block start + i)."""
+    parts = name.split(".")
+    if len(parts) > 1 and parts[0] == "transformer_blocks" and parts[1].isdigit():
+        parts[1] = str(start + int(parts[1]))
+    return ".".join(parts)
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _memory(pipe, session, stage) -> dict:
+    figures = rank_memory(pipe)
+    params = figures.pop("parameter_bytes")
+    total = figures.pop("parameter_total")
+    transformer = pipe.diffusers_pipeline.transformer
+    blocks = sum(p.numel() * p.element_size() for name in ("transformer_blocks", "single_transformer_blocks")
+                 for p in getattr(transformer, name, torch.nn.ModuleList()).parameters())
+    kv = sum(_tensor_bytes([b.keys, b.values]) for b in stage.buffers.values()) if stage is not None else 0
+    if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
+        activations = max(0, figures["max_allocated"] - total - kv)
+        source = "CUDA peak allocated − parameters − KV buffers"
+    else:  # no allocator peak on CPU: the tensors the session keeps between steps
+        activations = _tensor_bytes([session.prepared.latents, session.prepared.conditioning])
+        source = "session latents + conditioning tensors (CPU)"
+    return dict(parameter_bytes=params, parameter_total=total, transformer_block_bytes=blocks,
+                kv_buffer_bytes=kv, activation_bytes=activations, activation_source=source, process=figures)
+
+
+# ---- the closed forms -----------------------------------------------------------------------------------
+
+def expected_bytes_per_step(config, shapes: dict | None = None, *, coords: dict | None = None,
+                            step: int | None = None) -> dict[str, int]:
+    """Bytes out of one rank in one denoising step, per group, as the closed forms give them.
+
+    Pass a rank summary (its last step by default), or a ParallelConfig (or its fields), the
+    summary's `shapes`, the rank's `coords` and the step index. With b = this rank's batch rows,
+    h = heads, d = head_dim, e = bytes per element, per sequence-parallel attention layer:
+      ulysses     4 all-to-alls: q, k, v send (N-1)/N of b·h·S_me·d; o sends b·(h/N)·(S_group - S_me)·d
+                  (= 4·(N-1)/N of the local q, k, v, o for even shards); joint text: gather of b·(h/N)·T·d
+      ring        N-1 sends of the K/V block held [2, b, h/ulysses, block, d]; joint text: a float32
+                  gather of the text partials with their LSE [b, h/ulysses, T, d+1]
+      sp          the token gather before unpatchify, padded to the longest shard
+      pipefusion  per patch a non-last stage sends [b, tokens, hidden]; the last stage broadcasts
+                  the noise prediction [b, sample] to the other stages
+      dp, cfg     the output gather (dp pads to the largest share)
+    Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
+    at a time after), its queries are that set's tokens and Ring passes the whole stale buffer.
+    Exact for the code as written (checked in tests/test_lab_views.py); one dtype is assumed for
+    activations, noise and output (the session runs in one dtype)."""
+    if isinstance(config, dict) and "shapes" in config:  # a rank summary
+        summary = config
+        config, shapes, coords = summary["config"], summary["shapes"], summary["coords"]
+        step = summary["step"] - 1 if step is None else step
+    if isinstance(config, dict):
+        config = ParallelConfig(**config)
+    c, s, e = config, shapes, shapes["dtype_bytes"]
+    step = 0 if step is None else step
+    u, r, sp = c.ulysses, c.ring, c.sp_degree
+    my_u, my_r = coords["ulysses"], coords["ring"]
+    sp_rank = my_r * u + my_u
+    per_branch = s["batch"] // c.cfg
+    dp_sizes = shard_sizes(per_branch, c.dp)
+    b = max(dp_sizes[coords["dp"]], 1)  # a dp group without samples computes one stand-in
+    tokens, h, d, text = s["rows"] * s["cols"], s["heads"], s["head_dim"], s["text_len"]
+    sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
+    last_stage = coords["pipefusion"] == c.pipefusion - 1
+
+    if c.pipefusion == 1:  # one forward over this rank's shard; Ring passes the shards themselves
+        forwards = [shard_sizes(tokens, sp)]
+        kv_sizes = forwards[0]
+    else:
+        layout = PatchLayout(patch_ranges(s["rows"], s["cols"], c.patches), sp)
+        patch_sets = [list(range(c.patches))] if step < c.warmup_steps else [[p] for p in range(c.patches)]
+        forwards = [layout.rank_sizes(active) for active in patch_sets]
+        kv_sizes = layout.rank_sizes(list(range(c.patches)))  # the buffer: every patch
+    joint = s["joint_layers"] if text else 0
+    layers = s["self_layers"] + s["joint_layers"]
+
+    out = dict.fromkeys(("ulysses", "ring", "sp", "pipefusion", "dp", "cfg"), 0)
+    for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
+        group = sizes[my_r * u:(my_r + 1) * u]
+        me = group[my_u]
+        if u > 1:
+            qkv = 3 * b * (h - h // u) * me * d
+            o = b * (h // u) * (sum(group) - me) * d
+            out["ulysses"] += layers * (qkv + o) * e + joint * b * (h // u) * text * d * (u - 1) * e
+        if r > 1:
+            blocks = [sum(kv_sizes[i * u:(i + 1) * u]) for i in range(r)]
+            held = sum(blocks[(my_r - k) % r] for k in range(r - 1))  # the block held at each of N-1 sends
+            out["ring"] += layers * 2 * b * (h // u) * held * d * e + joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
+        if c.pipefusion > 1 and not last_stage:
+            out["pipefusion"] += b * sizes[sp_rank] * h * d * e  # this patch's activations to the next stage
+        elif sp > 1:
+            out["sp"] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
+    if c.pipefusion > 1 and last_stage:
+        out["pipefusion"] += b * sample * e * (c.pipefusion - 1)
+    if c.dp > 1:
+        out["dp"] += max(dp_sizes) * sample * e * (c.dp - 1)
+    if c.cfg > 1:
+        out["cfg"] += per_branch * sample * e * (c.cfg - 1)
+    return {group: n for group, n in out.items() if n}

@@ -1,0 +1,290 @@
+"""Views: pure functions from rank summaries (lab/summaries.py, one per rank) to matplotlib Figures.
+
+They use `matplotlib.figure.Figure` directly, never pyplot's global state, so they work the same
+in a notebook (a Figure displays itself), in tests and under the Agg backend; save with
+`fig.savefig(path)`. Every rank has one colour in every view (`rank_color`).
+
+    draw_shards(summaries)     which rank computes which image token, per cfg/dp group and stage
+    draw_staleness(summaries)  PipeFusion: age in steps of the K/V each patch read, per stage and layer
+    draw_memory(summaries)     bytes per rank: parameters by component, K/V buffers, activations
+    draw_comm(summaries)       bytes out per step per group: measured beside the closed form
+    draw_latent(image, step)   one latent channel or an RGB image
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.colors import BoundaryNorm, ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+GROUP_ORDER = ("ulysses", "ring", "sp", "pipefusion", "dp", "cfg")
+
+
+def rank_color(rank: int, world_size: int):
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if world_size <= 10 else "tab20"]
+    return cmap(rank % cmap.N)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _scale(largest: float) -> tuple[float, str]:
+    """A unit for an axis whose largest value is `largest` bytes."""
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if largest >= 1024 ** power:
+            return 1024 ** power, unit
+    return 1, "B"
+
+
+def _by_rank(summaries) -> list[dict]:
+    summaries = [s for s in summaries if s is not None]  # idle ranks report nothing
+    if not summaries:
+        raise ValueError("no rank summaries to draw (are all ranks idle, or has no session started?)")
+    return sorted(summaries, key=lambda s: s["rank"])
+
+
+def _short(summary) -> str:
+    c, config = summary["coords"], summary["config"]
+    names = {"pipefusion": "pp"}  # as RankMesh prints it
+    used = [f"{names.get(name, name)} {c[name]}" for name in ("dp", "cfg", "pipefusion", "ring", "ulysses")
+            if config[name] > 1]
+    return " · ".join(used) or "serial"
+
+
+def notation(config: dict) -> str:
+    """The activation layout in the x[B, S/sp, H, D] notation, with numbers, e.g. x[B/2, S/4, H, D]."""
+    batch_split = config["cfg"] * config["dp"]
+    sp = config["ulysses"] * config["ring"]
+    batch = f"B/{batch_split}" if batch_split > 1 else "B"
+    if config["pipefusion"] > 1:
+        patches = config["num_patches"] or config["pipefusion"]
+        seq = f"S/({patches} patches × {sp})" if sp > 1 else f"S/{patches} patches"
+    else:
+        seq = f"S/{sp}" if sp > 1 else "S"
+    return f"x[{batch}, {seq}, H, D]"
+
+
+def _explain(config: dict) -> str:
+    """One line on what moves, for the shards view's title."""
+    parts = []
+    if config["ulysses"] > 1:
+        parts.append(f"attention on q[B, H/{config['ulysses']}, S, D] after the Ulysses all-to-all")
+    if config["ring"] > 1:
+        parts.append(f"K/V blocks travel a ring of {config['ring']}")
+    if config["pipefusion"] > 1:
+        parts.append(f"blocks L/{config['pipefusion']} per stage, patches are row bands")
+    if config["cfg"] > 1 or config["dp"] > 1:
+        parts.append("batch rows split over cfg × dp (one panel each)")
+    return "; ".join(parts) or "one rank holds everything"
+
+
+# ---- shards ---------------------------------------------------------------------------------------------
+
+def shard_map(group: list[dict]) -> np.ndarray:
+    """rows × cols of the rank that computes each token (-1: none) for ranks sharing one image."""
+    rows, cols = group[0]["grid"]
+    owner = np.full(rows * cols, -1)
+    for s in group:
+        for start, stop in s["shard"]["tokens"]:
+            owner[start:stop] = s["rank"]
+    return owner.reshape(rows, cols)
+
+
+def draw_shards(summaries) -> Figure:
+    """The image's token grid coloured by the rank that computes each token: one panel per
+    (dp, cfg, PipeFusion stage), since those ranks each cover the whole grid for their rows/blocks."""
+    summaries = _by_rank(summaries)
+    world = max(s["rank"] for s in summaries) + 1
+    config = summaries[0]["config"]
+    panels: dict[tuple, list[dict]] = {}
+    for s in summaries:
+        c = s["coords"]
+        panels.setdefault((c["dp"], c["cfg"], c["pipefusion"]), []).append(s)
+    keys = sorted(panels)
+    ncols = min(len(keys), 4)
+    nrows = -(-len(keys) // ncols)
+    rows, cols = summaries[0]["grid"]
+    fig = Figure(figsize=(3.4 * ncols + 0.6, 3.4 * nrows * rows / max(cols, 1) + 1.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    cmap = ListedColormap([rank_color(r, world) for r in range(world)]).with_extremes(bad="white")
+    norm = BoundaryNorm(np.arange(-0.5, world + 0.5), world)
+    for ax, key in zip(axes, keys):
+        group = panels[key]
+        owner = shard_map(group)
+        ax.imshow(np.ma.masked_less(owner, 0), cmap=cmap, norm=norm, interpolation="nearest")
+        if owner.size <= 400:  # small grids: the rank in every token, as JAX's sharding pictures do
+            for (i, j), r in np.ndenumerate(owner):
+                ax.text(j, i, "·" if r < 0 else str(r), ha="center", va="center", fontsize=8, color="white")
+        ax.set_xticks([]), ax.set_yticks([])
+        ax.set_xlabel(f"{cols} token columns"), ax.set_ylabel(f"{rows} token rows")
+        batch = group[0]["batch"]
+        branch = {0: " (uncond)", 1: " (cond)"}.get(batch["cfg_half"], "")
+        title = f"dp {key[0]} · cfg {key[1]}{branch}: batch rows {batch['rows']}"
+        title += " (stand-in, dropped)" if batch["stand_in"] else ""
+        pf = group[0]["shard"]["pipefusion"]
+        if pf is not None:
+            a, b = pf["blocks"]
+            title += f"\nstage {pf['stage']}: " + (f"block {a}" if b == a + 1 else f"blocks {a}–{b - 1}")
+            for p, (start, stop) in enumerate(pf["patches"]):
+                top, bottom = start // cols, stop // cols
+                ax.axhline(bottom - 0.5, color="black", linewidth=2)
+                ax.text(cols - 0.4, (top + bottom - 1) / 2, f" patch {p}", va="center", ha="left", fontsize=8)
+        ax.set_title(title, fontsize=9)
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    handles = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}: {_short(s)}") for s in summaries]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=8, frameon=False)
+    fig.suptitle(f"{notation(config)}   {summaries[0]['grid'][0]}×{summaries[0]['grid'][1]} = "
+                 f"{summaries[0]['image_tokens']} image tokens\n{_explain(config)}", fontsize=10)
+    return fig
+
+
+# ---- staleness ----------------------------------------------------------------------------------------
+
+def draw_staleness(summaries) -> Figure:
+    """Rows: (stage, attention layer); columns: patches; colour: age in steps of the patch's K/V
+    when the last step read it (the oldest any patch saw; 0 = fresh)."""
+    summaries = _by_rank(summaries)
+    stages = {}
+    for s in summaries:  # every rank of a stage has the same ages (only its heads or ring part differ)
+        if s["staleness"] is not None and s["staleness"]["layers"]:
+            stages.setdefault(s["staleness"]["stage"], s["staleness"])
+    fig = Figure(figsize=(6.4, 1.6 + 0.45 * sum(len(st["layers"]) for st in stages.values())), layout="constrained")
+    if not stages:
+        ax = fig.subplots()
+        ax.axis("off")
+        why = ("no PipeFusion in this configuration: every attention reads fresh K/V"
+               if summaries[0]["staleness"] is None else "no PipeFusion step has run yet")
+        ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True)
+        return fig
+    labels, ages = [], []
+    for stage in sorted(stages):
+        info = stages[stage]
+        for layer in info["layers"]:
+            labels.append(f"stage {stage} · {layer.replace('transformer_blocks.', 'block ')}")
+            ages.append([np.nan if a is None else a for a in info["age"][layer]])
+    ages = np.array(ages, dtype=float)
+    ax = fig.subplots()
+    top = max(1.0, float(np.nanmax(ages)) if np.isfinite(ages).any() else 1.0)
+    image = ax.imshow(ages, cmap="Reds", vmin=0, vmax=top, aspect="auto", interpolation="nearest")
+    for (i, j), age in np.ndenumerate(ages):
+        ax.text(j, i, "–" if np.isnan(age) else f"{age:.0f}", ha="center", va="center", fontsize=9,
+                color="white" if age > top / 2 else "black")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    patches = next(iter(stages.values()))["patches"]
+    ax.set_xticks(range(ages.shape[1]), [f"patch {p}\ntokens {a}–{b - 1}" for p, (a, b) in enumerate(patches)],
+                  fontsize=8)
+    fig.colorbar(image, ax=ax, label="oldest K/V read (steps)", ticks=range(int(top) + 1))
+    info = next(iter(stages.values()))
+    kind = ("pipelined: patch p reads later patches' K/V from the step before" if info["pipelined"]
+            else "warmup: all patches at once, every K/V fresh")
+    ax.set_title(f"Stale K/V in step {info['step'] + 1} of {summaries[0]['num_steps']}\n{kind}", fontsize=9)
+    return fig
+
+
+# ---- memory ---------------------------------------------------------------------------------------------
+
+def draw_memory(summaries) -> Figure:
+    """Stacked bars per rank: parameters by component, PipeFusion K/V buffers, activations."""
+    summaries = _by_rank(summaries)
+    components = sorted({name for s in summaries for name in s["memory"]["parameter_bytes"]})
+    segments = [(f"params: {name}", [s["memory"]["parameter_bytes"].get(name, 0) for s in summaries])
+                for name in components]
+    segments.append(("K/V buffers (PipeFusion)", [s["memory"]["kv_buffer_bytes"] for s in summaries]))
+    segments.append(("activations", [s["memory"]["activation_bytes"] for s in summaries]))
+    totals = np.sum([values for _, values in segments], axis=0)
+    unit, name = _scale(float(totals.max()))
+    fig = Figure(figsize=(max(5.6, 1.6 + 1.1 * len(summaries)), 4.8), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(summaries))
+    bottom = np.zeros(len(summaries))
+    import matplotlib
+
+    colours = matplotlib.colormaps["Set2"]
+    for i, (label, values) in enumerate(segments):
+        values = np.asarray(values, dtype=float) / unit
+        ax.bar(x, values, bottom=bottom, label=label, color=colours(i % colours.N), width=0.6)
+        bottom += values
+    for xi, total in zip(x, totals):
+        ax.text(xi, total / unit, _human(total), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"rank {s['rank']}\n{_short(s)}" for s in summaries], fontsize=8)
+    ax.set_ylabel(name)
+    ax.set_ylim(0, totals.max() / unit * 1.12)
+    fig.legend(fontsize=8, loc="outside lower center", ncols=3, frameon=False)
+    ax.set_title(f"Memory per rank ({summaries[0]['device']})\nactivations: "
+                 f"{summaries[0]['memory']['activation_source']}", fontsize=9)
+    return fig
+
+
+# ---- communication ------------------------------------------------------------------------------------
+
+def draw_comm(summaries, step: int = -1) -> Figure:
+    """Bytes out of each rank in one step (default: the last), per group: measured (solid)
+    beside the closed form of expected_bytes_per_step (hatched). A mismatch is marked '≠'."""
+    summaries = _by_rank(summaries)
+    world = max(s["rank"] for s in summaries) + 1
+    steps = [(s["comm"]["measured"][step], s["comm"]["expected"][step]) if s["comm"]["measured"] else ({}, {})
+             for s in summaries]
+    groups = [g for g in GROUP_ORDER if any(m.get(g) or e.get(g) for m, e in steps)]
+    largest = max([1] + [v for m, e in steps for v in (*m.values(), *e.values())])
+    unit, name = _scale(largest)
+    ncols = min(len(summaries), 4)
+    nrows = -(-len(summaries) // ncols)
+    width = max(5.0, 1.0 + (0.9 + 0.6 * max(len(groups), 1)) * ncols)
+    fig = Figure(figsize=(width, 1.2 + 2.8 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True).ravel()
+    x = np.arange(len(groups))
+    for ax, s, (measured, expected) in zip(axes, summaries, steps):
+        colour = rank_color(s["rank"], world)
+        m = np.array([measured.get(g, 0) for g in groups], dtype=float)
+        e = np.array([expected.get(g, 0) for g in groups], dtype=float)
+        ax.bar(x - 0.2, m / unit, width=0.4, color=colour, label="measured")
+        ax.bar(x + 0.2, e / unit, width=0.4, facecolor="white", edgecolor=colour, hatch="//", label="formula")
+        for xi, mi, ei in zip(x, m, e):
+            if mi != ei:
+                ax.text(xi, max(mi, ei) / unit, "≠", ha="center", va="bottom", color="red", fontsize=12)
+        ax.set_xticks(x, groups, fontsize=8)
+        ax.set_title(f"rank {s['rank']}: {_short(s)}", fontsize=9)
+        ax.set_ylim(0, largest / unit * 1.15)
+    for ax in axes[len(summaries):]:
+        ax.set_visible(False)
+    axes[0].set_ylabel(f"{name} out of the rank")
+    if groups:
+        axes[0].legend(fontsize=8, frameon=False)
+    which = summaries[0]["step"] + step if step < 0 else step  # 0-based index of the step drawn
+    when = f"step {which + 1} of {summaries[0]['num_steps']}" if summaries[0]["step"] else "no step run yet"
+    fig.suptitle(f"Bytes out of each rank per group, {when}\n"
+                 f"measured (solid) beside the closed form (hatched)", fontsize=10)
+    return fig
+
+
+# ---- latents --------------------------------------------------------------------------------------------
+
+def draw_latent(image, step: int | None = None, *, title: str | None = None) -> Figure:
+    """An H×W array (one latent channel, with a colour bar) or an H×W×3 image (scaled to [0, 1])."""
+    image = np.asarray(image, dtype=float)
+    if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
+        raise ValueError(f"draw_latent takes an H×W or H×W×3 array, got shape {image.shape}")
+    aspect = image.shape[0] / image.shape[1]
+    fig = Figure(figsize=(4.2, 0.8 + 3.4 * min(max(aspect, 0.4), 2.0)), layout="constrained")
+    ax = fig.subplots()
+    if image.ndim == 2:
+        shown = ax.imshow(image, cmap="viridis", interpolation="nearest")
+        fig.colorbar(shown, ax=ax, fraction=0.046 * min(aspect, 1.0), pad=0.04)
+    else:
+        low, high = image.min(), image.max()
+        if low < 0 or high > 1:  # latents decode to any range: stretch to the displayable one
+            image = (image - low) / (high - low) if high > low else np.zeros_like(image)
+        ax.imshow(image, interpolation="nearest")
+    ax.set_xticks([]), ax.set_yticks([])
+    heading = [t for t in (f"step {step}" if step is not None else None, title) if t]
+    ax.set_title(" · ".join(heading) or f"{image.shape[0]}×{image.shape[1]}", fontsize=10)
+    return fig

@@ -1,0 +1,202 @@
+"""The notebook Lab on 2 CPU engines: ranks, distributed init, the tiny PixArt under CFG and on a
+subset, stepping, the same images as `xdit-lab run`, clear errors, and recovery after a crash.
+
+One cluster serves the whole module (starting one takes ~7 s); every call has a timeout, and the
+fixture stops the cluster even when a test fails."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import ipyparallel as ipp
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from xdit_lab import ParallelConfig
+from xdit_lab.distributed import free_port
+from xdit_lab.lab import Lab, LabError
+from xdit_lab.lab import engine
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
+
+PROMPTS = ["a red cat", "a blue dog"]
+# The arguments of tests/test_run_cli.py, spelled for pipe.session(...)
+KWARGS = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=3, guidance_scale=3.0, seed=7)
+
+
+@pytest.fixture(scope="module")
+def ipython_dir(tmp_path_factory):
+    """Cluster files go to a fresh IPython directory, not the user's ~/.ipython."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("ipython")
+        patch.setenv("IPYTHONDIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+
+
+@pytest.fixture(scope="module")
+def lab(ipython_dir):
+    with Lab(n=2, timeout_s=60, collective_timeout_s=30) as lab:
+        yield lab
+
+
+@pytest.fixture
+def cfg2(lab, folder):
+    if lab.config != ParallelConfig(cfg=2):
+        lab.load(folder, ParallelConfig(cfg=2), progress=False)
+    return lab
+
+
+def test_rank_table_and_distributed_init(lab):
+    assert [row["rank"] for row in lab.ranks] == [0, 1]
+    assert [row["engine"] for row in lab.ranks] == sorted(lab.client.ids)
+    assert {row["backend"] for row in lab.ranks} == {"gloo"} and {row["device"] for row in lab.ranks} == {"cpu"}
+    assert [row["local_rank"] for row in lab.ranks] == [0, 1]
+    assert len({row["pid"] for row in lab.ranks}) == 2
+    text = lab.table()
+    assert text.splitlines()[1].split() == ["rank", "engine", "host", "local_rank", "device", "pid", "role"]
+    assert str(lab.ranks[1]["pid"]) in text and "<table>" in lab._repr_html_()
+    # torch.distributed agrees with the Lab's rank table, and every engine runs one torch thread
+    assert lab.call(dist.get_rank, state=False) == {0: 0, 1: 1}
+    assert lab.call(dist.get_world_size, state=False) == {0: 2, 1: 2}
+    assert lab.call(torch.get_num_threads, state=False) == {0: 1, 1: 1}
+
+
+def test_stepping_equals_run(cfg2):
+    stepped = cfg2.session(PROMPTS, **KWARGS)
+    assert (stepped.step_index, stepped.done, stepped.num_steps) == (0, False, 3)
+    timesteps = []
+    while not stepped.done:
+        timesteps.append(float(stepped.timestep))
+        stepped.step()
+    assert len(set(timesteps)) == 3 and stepped.step_index == 3 and stepped.timestep is None
+    latents = stepped.latents
+    assert tuple(latents.shape) == (2, 4, 8, 8)
+    stepped_images = stepped.result(output_type="np").images
+
+    ran = cfg2.session(PROMPTS, **KWARGS).run()
+    assert torch.equal(ran.latents, latents)
+    output = ran.result(output_type="np")
+    assert np.array_equal(output.images, stepped_images)
+    assert len(output.timings["steps"]) == 3 and len(output.comm_per_step) == 3
+    summaries = ran.summaries()  # rank_summary(session) from every active rank, when that module exists
+    if importlib.util.find_spec("xdit_lab.lab.summaries") is None:
+        assert summaries == []
+    else:
+        assert [s["rank"] for s in summaries] == [0, 1] and {s["step"] for s in summaries} == {3}
+    with pytest.raises(LabError, match="newer lab.session"):
+        stepped.step()  # its engines' session was replaced by `ran`
+
+
+def test_lab_images_equal_the_torchrun_cli(cfg2, folder, tmp_path):
+    output = tmp_path / "cli"
+    args = ["run", "--model", str(folder), "--output", str(output), "--steps", "3", "--seed", "7", "--height", "16",
+            "--width", "16", "--guidance", "3.0", "--no-progress", "--cfg", "2",
+            "--option", "use_resolution_binning=false", "--option", "clean_caption=false",
+            "--option", "max_sequence_length=8"]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    # Two cores for the two ranks, so each runs one torch thread as the engines do (thread counts
+    # can change the order of float sums, and the comparison below is exact).
+    pin = None
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))[:2]
+        pin = lambda: os.sched_setaffinity(0, cores)  # noqa: E731
+    cli = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                            str(free_port()), "-m", "xdit_lab.cli", *args], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, preexec_fn=pin)
+    try:
+        images = cfg2.session(PROMPTS, **KWARGS).run().result().images  # the Lab works while torchrun starts
+        out, _ = cli.communicate(timeout=180)
+    finally:
+        cli.kill()
+    assert cli.returncode == 0, out[-4000:]
+    assert np.asarray(images[0]).std() > 0  # not a blank image that any two runs would agree on
+    for i, image in enumerate(images):
+        assert np.array_equal(np.asarray(image), np.asarray(Image.open(output / f"{i:03d}.png")))
+
+
+def test_a_config_on_a_subset_of_the_engines(lab, folder):
+    lab.load(folder, ParallelConfig(cfg=2), progress=False)
+    reference = lab.session(PROMPTS, **KWARGS).run().result(output_type="latent").images
+    lab.configure(ParallelConfig())
+    assert [row["role"] for row in lab.ranks] == ["serial", "idle"] and "idle" in lab.table()
+    session = lab.session(PROMPTS, **KWARGS).run()
+    serial = session.result(output_type="latent").images
+    if importlib.util.find_spec("xdit_lab.lab.summaries") is not None:
+        assert [s["rank"] for s in session.summaries()] == [0]  # the idle engine has no session
+    assert serial.shape == reference.shape
+    assert (serial - reference).abs().max() <= 1e-4 * max(1.0, reference.abs().max().item())
+
+
+def test_a_remote_error_is_a_short_lab_error(cfg2):
+    with pytest.raises(LabError) as caught:
+        cfg2.session(PROMPTS, **dict(KWARGS, height=30))
+    message = str(caught.value)
+    assert "ranks 0, 1" in message and "height 30 not a multiple of 4" in message
+    assert "Traceback" not in message and len(message.splitlines()) <= 4
+    assert "ValueError" in caught.value.tracebacks()
+    assert cfg2.session(PROMPTS, **KWARGS).step().step_index == 1  # the Lab is still usable
+
+
+def test_a_config_larger_than_the_engines_is_refused_before_any_call(lab, folder):
+    with pytest.raises(ValueError, match="world size is 2"):
+        lab.load(folder, ParallelConfig(cfg=2, ulysses=2))
+
+
+def test_stuck_rank_and_dead_engine_then_restart(cfg2):
+    before = cfg2.session(PROMPTS, **KWARGS).run().latents
+    # Rank 0 alone enters a barrier: it waits for rank 1, and the Lab stops waiting after 2 s.
+    with pytest.raises(LabError, match=r"rank 0 \(engine \d+ on .*\): no answer after 2 s") as caught:
+        cfg2.call(dist.barrier, ranks=[0], state=False, timeout_s=2)
+    assert "collective" in str(caught.value)
+    with pytest.raises(LabError, match="rank 0 .* is still busy"):
+        cfg2.session(PROMPTS, **KWARGS)
+
+    old_engines = [row["engine"] for row in cfg2.ranks]
+    crash = cfg2.client[old_engines[1]].apply_async(engine.crash)  # the process ends, as on a segfault
+    with pytest.raises(ipp.error.RemoteError):
+        crash.get(timeout=30)  # the controller has seen the engine die
+    deadline = time.monotonic() + 30
+    while old_engines[1] in cfg2.client.ids and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(LabError, match=r"rank 1 \(engine \d+ on .*\): the engine is gone") as caught:
+        cfg2.session(PROMPTS, **KWARGS)
+    assert "lab.restart()" in str(caught.value)
+
+    cfg2.restart()
+    assert [row["rank"] for row in cfg2.ranks] == [0, 1]
+    assert not set(row["engine"] for row in cfg2.ranks) & set(old_engines)
+    assert cfg2.config == ParallelConfig(cfg=2)  # reloaded after the restart
+    session = cfg2.session(PROMPTS, **KWARGS).step()
+    assert session.step_index == 1
+    assert torch.equal(session.run().latents, before)
+
+
+def test_connect_to_a_running_cluster(ipython_dir):
+    """A cluster started elsewhere (here: by ipyparallel directly, as ipcluster or an MPI/SSH/Slurm
+    launcher would) is joined with Lab(cluster_id=...), and lab.stop() leaves it running."""
+    cluster = ipp.Cluster(n=1, cluster_id=f"xdit-lab-test-{os.getpid()}", controller_ip="127.0.0.1", log_level=30)
+    try:
+        cluster.start_cluster_sync()
+        for _ in range(2):  # connecting again works: the first Lab left the process group on stop
+            with Lab(cluster_id=cluster.cluster_id, timeout_s=60, collective_timeout_s=30) as lab:
+                assert lab.world_size == 1 and lab.ranks[0]["backend"] == "gloo"
+                assert lab.call(dist.get_world_size, state=False) == {0: 1}
+            assert not lab.owns_cluster
+        client = cluster.connect_client_sync()
+        try:
+            client.wait_for_engines(1, timeout=30)
+            assert len(client.ids) == 1
+        finally:
+            client.close()
+    finally:
+        cluster.stop_cluster_sync()

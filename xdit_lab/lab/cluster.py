@@ -1,0 +1,314 @@
+"""Lab: one ipyparallel engine per rank, driven from notebook cells.
+
+    from xdit_lab import ParallelConfig
+    from xdit_lab.lab import Lab
+
+    with Lab(n=2) as lab:                        # 2 CPU engines; Lab() = one engine per visible GPU
+        lab                                      # the rank table: rank, engine, host, device, pid
+        lab.load("path/to/pixart", ParallelConfig(cfg=2))
+        session = lab.session("a red cat", seed=0, num_inference_steps=20)
+        session.step()                           # exactly one scheduler step, on every engine
+        image = session.run().result().images[0]
+        lab.configure(ParallelConfig(ulysses=2)) # another strategy on the same engines
+
+Every call runs the same `load_pipeline` and `DenoiseSession` code as `xdit-lab run` on each
+engine (see engine.py), in one non-blocking apply to all engines followed by a wait with a
+finite timeout: a rank that waits in a collective for a rank that has not been called yet
+would hang. Failures come back as one `LabError` naming the rank, the engine and the remote
+error text; `lab.restart()` replaces the engines and reloads the last pipeline.
+
+Ranks are assigned here, not taken from ipyparallel: engine ids are registration order and
+survive nothing (a restart gives new ids), so the engines are sorted by id, numbered 0..n-1,
+and the mapping is kept (`lab.ranks`). The rank-0 engine's host is the master address.
+
+Engines on several hosts come from ipyparallel's own launchers; start the cluster there and
+connect (every host needs this package installed and the model folder at the same path):
+
+    ipcluster start -n 16 --engines=MPI --ip=0.0.0.0 --cluster-id=dit     # or --engines=Slurm
+    lab = Lab(connect=True, cluster_id="dit")
+
+    cluster = ipyparallel.Cluster(engine_launcher_class="ssh", controller_ip="0.0.0.0",
+                                  cluster_id="dit", config=config)  # c.SSHEngineSetLauncher.engines =
+    cluster.start_cluster_sync()                                    #   {"node1": 8, "node2": 8}
+    lab = Lab(cluster_id="dit")
+
+Pass `master_addr=` when the rank-0 engine's host name does not resolve from the other hosts.
+`lab.stop()` leaves a connected cluster running (it only leaves the process group);
+`ipcluster stop --cluster-id=dit` ends it. On GPUs each engine takes the GPU of its local rank
+(engines sorted by id on each host), as under torchrun.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import ipyparallel as ipp
+
+from ..distributed import usable_cpu_cores
+from . import engine
+from .errors import LabError, describe_failures
+from .labsession import LabSession
+from .table import html_table, text_table
+
+GRACE_S = 5.0  # after one rank fails, how long its peers get to fail too before we report
+
+
+class Lab:
+    """n engines started here (default: one per visible GPU, else one per CPU core; CPU engines run
+    one torch thread each), listening on `ip`; or, with connect=True or a cluster_id, the engines of
+    a running cluster. `timeout_s` bounds every call to the engines (methods take their own
+    timeout_s too); `collective_timeout_s` is torch.distributed's timeout on the engines.
+    `engine_env` adds environment variables to started engines."""
+
+    def __init__(self, n: int | None = None, *, cluster_id: str | None = None, profile: str | None = None,
+                 connect: bool = False, timeout_s: float = 120, collective_timeout_s: float = 300,
+                 ip: str = "127.0.0.1", engine_env: dict | None = None, backend: str | None = None,
+                 master_addr: str | None = None):
+        self.timeout_s, self.collective_timeout_s = timeout_s, collective_timeout_s
+        self.profile, self.cluster_id, self.backend, self.master_addr = profile, cluster_id, backend, master_addr
+        self.cluster, self.client = None, None
+        self.owns_cluster = not (connect or cluster_id is not None)
+        self.ranks: list[dict] = []        # one row per rank: engine, host, local_rank, device, pid
+        self.loaded = None                 # (name_or_path, config, kwargs) of the last load, for restart
+        self.session_token = 0             # bumped by every new session, load and restart
+        self._pending: list[tuple] = []    # calls that timed out and may still be running
+        self._stopped = False
+        self.n = n                         # engines to use (None when connecting: all that are there)
+        try:
+            if self.owns_cluster:
+                self._start_cluster(n, ip, engine_env)
+            else:
+                self.client = ipp.Client(profile=profile, cluster_id=cluster_id, timeout=timeout_s)
+            self._setup(self._wait_for_engines(self.n, exclude=()))
+        except BaseException:
+            self.stop()  # never leave engines behind a failed start
+            raise
+
+    # ---- starting, stopping, restarting ---------------------------------------------------------
+    def _start_cluster(self, n, ip, engine_env):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        n = n or gpus or usable_cpu_cores()
+        if gpus and n > gpus:
+            raise ValueError(f"{n} engines but {gpus} visible GPUs: one engine per GPU (n <= {gpus}), or hide the "
+                             f"GPUs (CUDA_VISIBLE_DEVICES='') for CPU engines")
+        # One thread per CPU engine from the start (torch reads these at import); init sets it again.
+        self._engine_env = {**({} if gpus else {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+                            **(engine_env or {})}
+        profile = {"profile": self.profile} if self.profile else {}  # else ipyparallel's default profile
+        self.cluster = ipp.Cluster(n=n, controller_ip=ip, log_level=30, **profile)
+        self.cluster_id = self.cluster.cluster_id
+        self.cluster.start_controller_sync()
+        self.cluster.start_engines_sync(n, environment=self._engine_env)
+        self.client = self.cluster.connect_client_sync()
+        self.n = n
+
+    def _wait_for_engines(self, n, exclude) -> list[int]:
+        """Engine ids to use: n of them not in `exclude` (n None: all registered, at least one)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            ids = sorted(set(self.client.ids) - set(exclude))
+            if (len(ids) >= n) if n else ids:
+                return ids[:n] if n else ids
+            if time.monotonic() > deadline:
+                raise LabError(f"only {len(ids)} of {n or 'any'} engines registered within {self.timeout_s:g} s "
+                               f"(cluster {self.cluster_id!r}); check the engines' logs in the profile's log folder")
+            time.sleep(0.2)
+
+    def _setup(self, engine_ids: list[int]) -> None:
+        """Ranks by sorted engine id, local ranks per host, then torch.distributed on all engines at once."""
+        self.ranks = [dict(engine=eid) for eid in engine_ids]
+        who = self._wait([(eid, self.client[eid].apply_async(engine.describe)) for eid in engine_ids], "describe")
+        for rank, row in enumerate(self.ranks):
+            row.update(rank=rank, **who[row["engine"]])
+            same_host = [r for r in self.ranks[:rank] if r["host"] == row["host"]]
+            row["local_rank"] = len(same_host)
+        for row in self.ranks:
+            row["local_world_size"] = sum(r["host"] == row["host"] for r in self.ranks)
+        pushes = []
+        for row in self.ranks:  # each engine's own entry of the table, as the state dict in its namespace
+            entry = dict(rank=row["rank"], world_size=self.world_size, local_rank=row["local_rank"],
+                         local_world_size=row["local_world_size"])
+            pushes.append((row["engine"], self.client[row["engine"]].push({engine.STATE_NAME: entry}, block=False)))
+        self._wait(pushes, "push ranks")
+        single_host = len({row["host"] for row in self.ranks}) == 1
+        master = self.master_addr or ("127.0.0.1" if single_host else self.ranks[0]["host"])
+        # A port free on the rank-0 host (checked on its loopback; the store listens on every interface).
+        port = self.call(engine.pick_port, ranks=[0], state=False, what="pick a port")[0]
+        joined = self.call(engine.init, master, port, self.collective_timeout_s, self.backend,
+                           what="init_distributed")
+        for row in self.ranks:
+            row.update(joined[row["rank"]], master=f"{master}:{port}")
+
+    def stop(self) -> None:
+        """Leave the process group on every engine; stop the cluster if this Lab started it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            if self.client is not None and self.ranks:  # (call refuses at once if an engine is gone or busy)
+                self.call(engine.shutdown, timeout_s=min(30, self.timeout_s), what="stop")
+        except LabError:
+            pass  # engines that are gone or stuck are stopped below anyway
+        finally:
+            if self.client is not None:
+                self.client.close()
+            if self.owns_cluster and self.cluster is not None:
+                self.cluster.stop_cluster_sync()
+
+    def restart(self) -> "Lab":
+        """Stop the engines, start fresh ones, join them again and reload the last pipeline."""
+        if self._stopped:
+            raise LabError("this Lab is stopped: make a new one")
+        old = [row["engine"] for row in self.ranks] + list(self.client.ids)
+        self._pending.clear()
+        self.session_token += 1  # sessions of the old engines are gone with them
+        if self.owns_cluster:
+            self.cluster.stop_engines_sync()
+            self.cluster.start_engines_sync(self.n, environment=self._engine_env)
+        else:
+            try:
+                cluster = ipp.Cluster.from_file(profile=self.profile, cluster_id=self.cluster_id or "")
+                cluster.restart_engines_sync()
+            except Exception as error:
+                raise LabError(f"cannot restart the engines of cluster {self.cluster_id!r}, which this Lab did not "
+                               f"start ({type(error).__name__}: {error}); restart them where they were started "
+                               f"(ipcluster) and connect a new Lab") from None
+        self._setup(self._wait_for_engines(self.n or len(self.ranks), exclude=old))
+        if self.loaded is not None:
+            self.load(*self.loaded[:2], **self.loaded[2])
+        return self
+
+    def __enter__(self) -> "Lab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- pipelines and sessions -------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def load(self, name_or_path, config, *, timeout_s: float | None = None, **kwargs) -> "Lab":
+        """load_pipeline(name_or_path, config, **kwargs) on every engine (idle ones under a smaller config)."""
+        if config.world_size > self.world_size:
+            config.validate(self.world_size)  # raises, listing the configurations that fit
+        config.validate(config.world_size)
+        self.session_token += 1
+        for row in self.ranks:
+            row["role"] = ""  # the engines drop their pipeline first: until this load succeeds, none
+        roles = self.call(engine.load, str(name_or_path), config, kwargs, timeout_s=timeout_s, what="load")
+        for row in self.ranks:  # the table shows where each rank sits in the new grid
+            coords = roles[row["rank"]]["coords"]
+            used = [f"{name}={value}" for name, value in (coords or {}).items() if getattr(config, name) > 1]
+            row["role"] = ("·".join(used) or "serial") if coords else "idle"
+        self.loaded = (str(name_or_path), config, kwargs)
+        return self
+
+    def configure(self, config, *, timeout_s: float | None = None) -> "Lab":
+        """Another ParallelConfig on the same engines: a new mesh, the last pipeline loaded again."""
+        if self.loaded is None:
+            raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) first")
+        return self.load(self.loaded[0], config, timeout_s=timeout_s, **self.loaded[2])
+
+    @property
+    def config(self):
+        return None if self.loaded is None else self.loaded[1]
+
+    def session(self, prompt, *args, timeout_s: float | None = None, **kwargs) -> LabSession:
+        """pipe.session(prompt, ...) on every active engine; step it, run it, fetch the result."""
+        if self.loaded is None:
+            raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) first")
+        self.session_token += 1
+        progress = self.call(engine.start_session, (prompt, *args), kwargs, timeout_s=timeout_s,
+                             what="session")[0]
+        return LabSession(self, self.session_token, progress)
+
+    # ---- calling the engines ------------------------------------------------------------------------
+    def call(self, fn, *args, ranks=None, state: bool = True, timeout_s: float | None = None,
+             what: str | None = None) -> dict:
+        """fn(engine_state, *args) on the engines of `ranks` (default: all) in one non-blocking apply;
+        returns {rank: result}. Raises LabError on a remote error, a dead engine or the timeout."""
+        what = what or fn.__name__
+        self._check_usable(what)
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        targets = [self.ranks[r]["engine"] for r in ranks]
+        head = (ipp.Reference(engine.STATE_NAME),) if state else ()
+        # split() gives one AsyncResult per engine; a one-engine list view would answer [result]
+        view = self.client[targets if len(targets) > 1 else targets[0]]
+        parts = view.apply_async(fn, *head, *args).split()
+        by_engine = self._wait(list(zip(targets, parts)), what, timeout_s)
+        return {self.ranks[r]["rank"]: by_engine[e] for r, e in zip(ranks, targets)}
+
+    def _check_usable(self, what):
+        if self._stopped:
+            raise LabError(f"lab.{what}: this Lab is stopped; make a new one")
+        gone = [row for row in self.ranks if row["engine"] not in self.client.ids]
+        if gone:
+            raise LabError(describe_failures(what, [dict(row, error="the engine is gone (its process ended or it "
+                                                                 "unregistered)") for row in gone]))
+        self._pending = [(row, part, name, t) for row, part, name, t in self._pending if not part.done()]
+        if self._pending:
+            row, _, name, started = self._pending[0]
+            raise LabError(f"lab.{what}: rank {row['rank']} (engine {row['engine']}) is still busy with {name}, "
+                           f"started {time.monotonic() - started:.0f} s ago; wait for it, or lab.restart()")
+
+    def _wait(self, calls: list[tuple[int, object]], what: str, timeout_s=None) -> dict:
+        """Wait for every (engine_id, AsyncResult), with a finite timeout; {engine_id: result} or LabError."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
+        parts = [part for _, part in calls]
+        rows = {row["engine"]: row for row in self.ranks}
+        try:
+            done, pending = concurrent.futures.wait(parts, timeout, concurrent.futures.FIRST_EXCEPTION)
+            if pending and any(part.exception() is not None for part in done):
+                # One rank failed; its peers may now wait in a collective for it. Let them fail too, briefly.
+                remaining = max(0.0, timeout - (time.monotonic() - started))
+                concurrent.futures.wait(pending, min(GRACE_S, remaining))
+        except BaseException:  # e.g. the notebook's stop button: remember who is still working
+            self._pending += [(rows.get(e, dict(engine=e)), p, f"lab.{what}", started) for e, p in calls if not p.done()]
+            raise
+        waited = time.monotonic() - started
+        failures, results = [], {}
+        for eid, part in calls:
+            row = rows.get(eid, dict(engine=eid))
+            if not part.done():
+                failures.append(dict(row, error=f"no answer after {waited:.0f} s"))
+                self._pending.append((row, part, f"lab.{what}", started))
+            elif part.exception() is not None:
+                error = part.exception()
+                failures.append(dict(row, error=f"{getattr(error, 'ename', type(error).__name__)}: "
+                                                f"{getattr(error, 'evalue', error)}",
+                                     traceback=getattr(error, "traceback", None)))
+            else:
+                results[eid] = part.result()
+        if failures:
+            timed_out = any(f["error"].startswith("no answer") for f in failures)
+            raise LabError(describe_failures(what, failures, collective_timeout_s=(
+                self.collective_timeout_s if timed_out else None)), failures)
+        return results
+
+    # ---- the rank table --------------------------------------------------------------------------
+    COLUMNS = ("rank", "engine", "host", "local_rank", "device", "pid", "role")
+
+    def _rows(self) -> list[list[str]]:
+        return [[str(row.get(c, "")) for c in self.COLUMNS] for row in self.ranks]
+
+    def _title(self) -> str:
+        backend = self.ranks[0].get("backend", "?") if self.ranks else "?"
+        config = f", {self.config.short()}" if self.config else ""
+        state = "stopped" if self._stopped else f"{self.world_size} ranks, {backend}{config}"
+        return f"Lab (cluster {self.cluster_id!r}, {state})"
+
+    def table(self) -> str:
+        """The rank table: which engine (and host, device, process) is which rank, and its role."""
+        return text_table(self.COLUMNS, self._rows(), self._title())
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        return html_table(self.COLUMNS, self._rows(), self._title())

@@ -1,0 +1,141 @@
+"""What the Lab runs on each engine: small functions over one state dict in the engine's namespace.
+
+The Lab pushes a dict named `_xdit_lab` into every engine's namespace (its rank, world size,
+local rank) and then applies these functions with `Reference("_xdit_lab")` as the first
+argument, so the pipeline and the session live on the engine between calls, and a notebook
+cell run again finds them there. Nothing here owns any math: it calls the same
+`init_distributed`, `load_pipeline` and `DenoiseSession` as `xdit-lab run` under torchrun.
+
+Only small things travel back: most functions answer from rank 0 alone (the latents and the
+images are the same on every rank of a configuration), and idle ranks answer None.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+
+STATE_NAME = "_xdit_lab"
+
+
+def describe() -> dict:
+    """Who this engine is: host and process, before it has a rank."""
+    return dict(host=socket.gethostname(), pid=os.getpid())
+
+
+def pick_port() -> int:
+    from xdit_lab.distributed import free_port
+
+    return free_port()
+
+
+def init(state: dict, master_addr: str, master_port: int, timeout_s: float, backend: str | None) -> dict:
+    """Join the torch.distributed world (every engine enters this in the same non-blocking apply)."""
+    import torch
+
+    from xdit_lab.distributed import init_distributed
+
+    # What torchrun would have set: load_pipeline's memory plan reads LOCAL_WORLD_SIZE.
+    for name in ("rank", "world_size", "local_rank", "local_world_size"):
+        os.environ[name.upper()] = str(state[name])
+    info = init_distributed(backend, timeout_s, rank=state["rank"], world_size=state["world_size"],
+                            local_rank=state["local_rank"], local_world_size=state["local_world_size"],
+                            master_addr=master_addr, master_port=master_port)
+    if info.device.type == "cpu":
+        torch.set_num_threads(1)  # engines share the host's cores; extra threads only contend
+    state.update(pipe=None, session=None)
+    return dict(backend=info.backend, device=str(info.device))
+
+
+def shutdown(state: dict) -> None:
+    """Drop the pipeline and leave the process group (the engine itself keeps running)."""
+    from xdit_lab.distributed import shutdown_distributed
+
+    state.update(pipe=None, session=None)
+    shutdown_distributed()
+
+
+def load(state: dict, name_or_path, config, kwargs: dict) -> dict:
+    """load_pipeline on every engine; idle ranks of a smaller configuration get an inactive pipeline."""
+    from xdit_lab.pipeline import load_pipeline
+
+    state.update(pipe=None, session=None)  # free the old pipeline before loading the next
+    pipe = load_pipeline(name_or_path, config, **kwargs)
+    state["pipe"] = pipe
+    return dict(active=pipe.active, coords=pipe.mesh.coords)
+
+
+def start_session(state: dict, args: tuple, kwargs: dict):
+    state["session"] = None
+    pipe = state.get("pipe")
+    if pipe is None:
+        raise RuntimeError("no pipeline is loaded on this engine: call lab.load(...) first")
+    if pipe.active:
+        state["session"] = pipe.session(*args, **kwargs)
+    return progress(state)
+
+
+def progress(state: dict):
+    """Where the session stands, from rank 0 only (every active rank is at the same step)."""
+    session = state.get("session")
+    if state["rank"] != 0 or session is None:
+        return None
+    timestep = session.timestep
+    return dict(step_index=session.step_index, num_steps=session.num_steps, done=session.done,
+                timestep=_to_cpu(timestep))
+
+
+def step(state: dict):
+    if state.get("session") is not None:
+        state["session"].step()
+    return progress(state)
+
+
+def run(state: dict):
+    if state.get("session") is not None:
+        state["session"].run()
+    return progress(state)
+
+
+def result(state: dict, output_type: str, return_dict: bool):
+    """Decode on every active rank (the same code as pipe(...)); only rank 0's output travels back."""
+    session = state.get("session")
+    if session is None:
+        return None
+    output = session.result(output_type=output_type, return_dict=return_dict)
+    if state["rank"] != 0:
+        return None
+    if not return_dict:
+        return tuple(_to_cpu(item) for item in output)
+    return dict(fields={key: _to_cpu(value) for key, value in output.items()}, output_class=type(output),
+                timings=output.timings, comm_per_step=output.comm_per_step)
+
+
+def latents(state: dict):
+    session = state.get("session")
+    return None if session is None else session.latents.detach().to("cpu")
+
+
+def summaries(state: dict):
+    """rank_summary(session) on this rank, when xdit_lab.lab.summaries exists (else the marker 'absent')."""
+    if importlib.util.find_spec("xdit_lab.lab.summaries") is None:
+        return "absent"
+    from xdit_lab.lab.summaries import rank_summary
+
+    session = state.get("session")
+    return None if session is None else rank_summary(session)
+
+
+def crash(code: int = 1) -> None:
+    """End this engine's process at once, as a segfault or an out-of-memory kill would (for tests)."""
+    os._exit(code)
+
+
+def _to_cpu(value):
+    """GPU tensors would drag CUDA into the notebook's process: hand back CPU copies."""
+    if hasattr(value, "detach") and hasattr(value, "to"):
+        return value.detach().to("cpu")
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    return value

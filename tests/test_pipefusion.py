@@ -175,3 +175,19 @@ def test_plain_reads_when_mmap_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors, "safe_open", refuse)  # a file system that refuses mmap
     read = read_tensors(tmp_path / "w.safetensors", ["a", "c", "b"])
     assert all(torch.equal(read[k], tensors[k]) for k in tensors)
+
+
+def _uneven_split():
+    model = tiny_transformer("pixart", layers=LAYERS)
+    inputs = tiny_inputs("pixart", 2, height=8, width=8)
+    with torch.no_grad():
+        reference = model(**inputs).sample
+        model = parallelize(model, ParallelConfig(pipefusion=2, warmup_steps=5), stage_split=[1, 3])
+        error = (model(**inputs).sample - reference).abs().max().item()
+    return len(model.transformer_blocks), error
+
+
+def test_stage_split_can_be_overridden():
+    results = run_on_ranks(_uneven_split, 2)
+    assert [blocks for blocks, _ in results] == [1, 3]
+    assert all(error < 1e-4 for _, error in results)

@@ -49,11 +49,13 @@ def read_model_index(folder: Path) -> dict:
 
 def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None = None,
                   torch_dtype: torch.dtype = torch.float32, memory_limit_bytes: int | None = None,
-                  progress: bool = True, **from_pretrained_kwargs) -> "ParallelPipeline":
+                  progress: bool = True, stage_split: list[int] | None = None,
+                  **from_pretrained_kwargs) -> "ParallelPipeline":
     """Load a PixArt-α/Σ, SD3, Flux.1 or CogVideoX pipeline folder and parallelize it on this rank.
 
     Call on every rank after init_distributed. `memory_limit_bytes` overrides the memory a rank
-    is assumed to have (default: free GPU memory, or available RAM shared by this host's ranks)."""
+    is assumed to have (default: free GPU memory, or available RAM shared by this host's ranks).
+    `stage_split` gives PipeFusion's blocks per stage when the balanced split is not wanted."""
     folder = resolve_folder(name_or_path)
     index = read_model_index(folder)
     recipe = recipe_for(index.get("_class_name", "?"))
@@ -73,7 +75,8 @@ def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None
     if config.pipefusion > 1 and "transformer" in components:
         # a stage materialises only its own blocks (plus embeddings and output layers)
         transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
-        blocks = stage_ranges(transformer_config["num_layers"], config.pipefusion)[mesh.coords["pipefusion"]]
+        stages = stage_ranges(transformer_config["num_layers"], config.pipefusion, stage_split)
+        blocks = stages[mesh.coords["pipefusion"]]
         from_pretrained_kwargs["transformer"] = load_stage_transformer(
             folder / "transformer", index["transformer"][1], blocks, torch_dtype)
     try:
@@ -91,7 +94,7 @@ def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None
                               f"PipeFusion to hold less per rank") from retry_error
     inner.set_progress_bar_config(disable=True)
     inner.to(info.device)
-    parallelize(inner.transformer, config, mesh)
+    parallelize(inner.transformer, config, mesh, stage_split=stage_split)
     return ParallelPipeline(inner, recipe, config, mesh, info.device, plan, folder, progress=progress)
 
 

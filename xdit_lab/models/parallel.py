@@ -53,10 +53,12 @@ class ParallelState:
         return tokens.narrow(dim, self.shard[0], self.shard[1] - self.shard[0])
 
 
-def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: RankMesh | None = None):
+def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: RankMesh | None = None, *,
+                stage_split: list[int] | None = None):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
 
-    Call it on every rank after init_distributed. Every rank returns the same full output."""
+    Call it on every rank after init_distributed. Every rank returns the same full output.
+    `stage_split` overrides PipeFusion's balanced split: blocks per stage, e.g. [10, 9, 9]."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if getattr(transformer, "_xdit_lab_state", None) is not None:
@@ -75,7 +77,7 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
     if config.pipefusion > 1:
         from .pipelined import apply_pipefusion
 
-        return apply_pipefusion(transformer, config, mesh, state)
+        return apply_pipefusion(transformer, config, mesh, state, stage_split)
     install_hooks(transformer, state)
     original_forward = transformer.forward
     signature = inspect.signature(original_forward)

@@ -101,11 +101,12 @@ class PipeFusionStage:
                     written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()})
 
 
-def apply_pipefusion(transformer, config, mesh, state: ParallelState):
+def apply_pipefusion(transformer, config, mesh, state: ParallelState, stage_split: list[int] | None = None):
     if state.adapter.family not in PIPEFUSION_FAMILIES:
         raise ParallelConfigError(f"PipeFusion runs {', '.join(PIPEFUSION_FAMILIES)} models so far, not "
                                   f"{state.adapter.family}; use ulysses, ring, cfg and dp for it")
-    start, stop = stage_ranges(transformer.config.num_layers, config.pipefusion)[mesh.coords["pipefusion"]]
+    stages = stage_ranges(transformer.config.num_layers, config.pipefusion, stage_split)
+    start, stop = stages[mesh.coords["pipefusion"]]
     loaded = getattr(transformer, "_xdit_lab_stage_blocks", None)
     if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
         blocks = list(transformer.transformer_blocks)

@@ -1,0 +1,79 @@
+"""The embedded digits model: the trainer runs, the committed pipeline loads with stock diffusers
+and draws the digit it is asked for, and the classifier that judges it reads real digits."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+
+from diffusers import PixArtAlphaPipeline  # noqa: E402
+
+from xdit_lab.digits import (DIGITS_DIR, call_kwargs, classify, digit_accuracy, draw_digits,  # noqa: E402
+                             prompt_for, train_digits)
+from xdit_lab.digits.classifier import fit_classifier, to_digit_features  # noqa: E402
+from xdit_lab.digits.components import MAX_TOKENS, load_digit_images  # noqa: E402
+from xdit_lab.digits.train import Recipe  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The CI box has two cores shared by several jobs; one thread keeps timings steady.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_training_smoke_run_saves_a_stock_pipeline(tmp_path):
+    summary = train_digits(tmp_path, steps=3, batch_size=16, log_every=0, recipe=Recipe(vae_steps=2))
+    assert summary["steps"] == 3 and np.isfinite(summary["final_loss"])
+    assert summary["parameters"]["transformer"] > 1_000_000
+    weights = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors"))
+    assert weights == ["text_encoder/model.safetensors", "transformer/diffusion_pytorch_model.safetensors",
+                       "vae/diffusion_pytorch_model.safetensors"]
+
+    pipe = PixArtAlphaPipeline.from_pretrained(tmp_path)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(prompt_for(3), generator=torch.Generator().manual_seed(0), output_type="np",
+                 **call_kwargs(num_inference_steps=2)).images
+    assert image.shape == (1, 16, 16, 3) and np.isfinite(image).all()
+
+
+def test_prompts_and_null_caption_tokenize_as_trained():
+    pipe = PixArtAlphaPipeline.from_pretrained(DIGITS_DIR)
+    ids = pipe.tokenizer([prompt_for(7), ""], padding="max_length", max_length=MAX_TOKENS).input_ids
+    vocab = pipe.tokenizer.get_vocab()
+    assert ids[0][:4] == [vocab["a"], vocab["handwritten"], vocab["7"], vocab["</s>"]]
+    assert ids[1][0] == vocab["</s>"]          # the negative prompt "" is the null caption of training
+    assert pipe.tokenizer.unk_token_id not in ids[0]
+
+
+def test_committed_model_draws_the_prompted_digits():
+    pipe = PixArtAlphaPipeline.from_pretrained(DIGITS_DIR)       # stock diffusers, nothing of ours inside
+    pipe.set_progress_bar_config(disable=True)
+    digits = [d for d in range(10) for _ in range(5)]               # 50 images: seeds 0-4 for each digit
+    seeds = [s for _ in range(10) for s in range(5)]
+    images = draw_digits(pipe, digits, seeds)
+    accuracy = digit_accuracy(images, digits)
+    assert accuracy >= 0.9, (accuracy, classify(images).tolist())
+    # Each image comes from its own generator, so one redrawn alone matches its place in the batch.
+    alone = draw_digits(pipe, [7], [3])
+    np.testing.assert_allclose(alone[0], images[7 * 5 + 3], atol=2e-3)
+
+def test_classifier_reads_held_out_real_digits():
+    images, labels = load_digit_images()                            # 16 x 16 in [-1, 1], as the generator sees them
+    order = np.random.default_rng(0).permutation(len(labels))
+    train, test = order[:1300], order[1300:]
+    model = fit_classifier(to_digit_features(images[train]), labels[train].numpy())
+    assert digit_accuracy(images[test], labels[test].numpy(), model) > 0.95
+
+    # The same image as torch [-1, 1], numpy [0, 1] HWC, uint8 and PIL reads as the same digit.
+    from PIL import Image
+    few = images[test[:8]]
+    hwc = ((few.permute(0, 2, 3, 1).numpy() + 1) / 2).astype(np.float32)
+    uint8 = (hwc * 255).round().astype(np.uint8)
+    pil = [Image.fromarray(im) for im in uint8]
+    expected = classify(few)
+    for variant in (hwc, uint8, pil):
+        assert (classify(variant) == expected).all()

@@ -1,0 +1,61 @@
+"""Drawing digits with stock diffusers, and scoring them: the calls the model card's figures come from."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .classifier import classify
+from .components import DIGITS_DIR, MAX_TOKENS, PIXELS, prompt_for
+
+# The call the model card measured. The sampler itself is whatever scheduler the folder holds.
+NUM_INFERENCE_STEPS = 20
+GUIDANCE_SCALE = 2.0
+
+
+def load_digits_pipeline(folder=None):
+    """`PixArtAlphaPipeline.from_pretrained` on the committed model (or `folder`), float32 on CPU."""
+    from diffusers import PixArtAlphaPipeline
+
+    pipe = PixArtAlphaPipeline.from_pretrained(str(folder or DIGITS_DIR))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def call_kwargs(**overrides) -> dict:
+    """Keyword arguments for `pipe(...)` that a 16-pixel PixArt needs (no 256-px binning, no caption
+    cleaning, a short token budget), plus the measured steps and guidance; `overrides` win."""
+    kwargs = dict(height=PIXELS, width=PIXELS, num_inference_steps=NUM_INFERENCE_STEPS,
+                  guidance_scale=GUIDANCE_SCALE, negative_prompt="", use_resolution_binning=False,
+                  clean_caption=False, max_sequence_length=MAX_TOKENS)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def draw_digits(pipe, digits, seeds, output_type="np", **overrides):
+    """One image per (digit, seed) pair, each from its own `torch.Generator().manual_seed(seed)`.
+
+    The generators make an image independent of what else is in the batch, so a sample can be
+    redrawn alone (or by a parallel run) and compared.
+    """
+    import torch
+
+    digits, seeds = list(digits), list(seeds)
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    return pipe(prompt=[prompt_for(d) for d in digits], generator=generators,
+                output_type=output_type, **call_kwargs(**overrides)).images
+
+
+def measure_accuracy(pipe, per_digit: int = 10, **overrides) -> dict:
+    """Draw `per_digit` images of each digit (seeds 0..per_digit-1) and let the classifier read them."""
+    digits = [d for d in range(10) for _ in range(per_digit)]
+    seeds = [s for _ in range(10) for s in range(per_digit)]
+    t0 = time.perf_counter()
+    images = draw_digits(pipe, digits, seeds, **overrides)
+    seconds = time.perf_counter() - t0
+    predicted = classify(images)
+    correct = predicted == np.asarray(digits)
+    return {"accuracy": float(correct.mean()), "images": len(digits), "seconds": round(seconds, 2),
+            "per_digit": [float(correct[d * per_digit:(d + 1) * per_digit].mean()) for d in range(10)],
+            "predicted": predicted.tolist()}

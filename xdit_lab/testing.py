@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import time
 import traceback
@@ -47,7 +48,9 @@ def _child(fn, rank, world_size, port, backend, timeout_s, env, args, kwargs, re
             value = fn(*args, **kwargs)
         finally:
             shutdown_distributed()
-        results.put((rank, True, value))
+        # Plain pickle: tensors travel by value. (torch's queue reducers would pass a file
+        # descriptor that dies with this process, which may exit before the parent reads it.)
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including KeyboardInterrupt and SystemExit
         results.put((rank, False, traceback.format_exc()))
 
@@ -86,7 +89,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120, backend: st
                 if died and trouble_since is None:
                     trouble_since = time.monotonic()
                 continue
-            outcomes[rank] = (ok, value)
+            outcomes[rank] = (ok, pickle.loads(value) if ok else value)
             if not ok and trouble_since is None:
                 trouble_since = time.monotonic()
     finally:

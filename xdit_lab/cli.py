@@ -122,6 +122,15 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _quiet_loading() -> None:
+    """Loading bars from diffusers and transformers, once per rank, only clutter a run's output."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def cmd_run(args) -> int:
     from .distributed import shutdown_distributed
     from .memory import CorruptWeightsError, MemoryPlanError
@@ -129,6 +138,8 @@ def cmd_run(args) -> int:
 
     config = ParallelConfig(dp=args.dp, cfg=args.cfg, pipefusion=args.pipefusion, ulysses=args.ulysses,
                             ring=args.ring, num_patches=args.num_patches, warmup_steps=args.warmup_steps)
+    if args.no_progress:
+        _quiet_loading()
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
         negatives = negatives[0]  # one negative prompt for every prompt
@@ -148,6 +159,18 @@ def cmd_run(args) -> int:
         print(f"{report['pipeline']} under {report['config_short']}: encode {t['encode']:.2f} s, "
               f"denoise {t['denoise']:.2f} s ({len(t['steps'])} steps), decode {t['decode']:.2f} s")
         print(f"wrote {', '.join(report['outputs'])} and report.json to {args.output}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import config_from_args, print_report, run_demo
+
+    try:
+        report = run_demo(config_from_args(args), args.ranks, args.output, steps=args.steps, seed=args.seed)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"xdit-lab demo: error: {error}", file=sys.stderr)
+        return 2
+    print_report(report)
     return 0
 
 
@@ -192,6 +215,19 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=cmd_run)
+
+    demo = commands.add_parser("demo", help="draw the ten digits with the bundled model under a parallel strategy",
+                               description="Spawn local ranks (CPU) or use the visible GPUs, draw the digits 0-9 "
+                                           "with the bundled model, and write a grid PNG and a per-rank report.")
+    demo.add_argument("--ranks", type=_count(1), help="processes to start (default: the strategy's, or 2 on CPU)")
+    for degree in DEGREES:
+        demo.add_argument(f"--{degree}", type=_count(1), help=f"{degree} degree")
+    demo.add_argument("--num-patches", type=_count(1), help="PipeFusion patches (default: one per stage)")
+    demo.add_argument("--warmup-steps", type=_count(0), default=1, help="PipeFusion synchronous steps (default 1)")
+    demo.add_argument("--steps", type=_count(1), help="denoising steps (default: the model card's)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--output", default="outputs/demo", help="folder for the grid, images and report.json")
+    demo.set_defaults(handler=cmd_demo)
     return parser
 
 

@@ -80,13 +80,13 @@ def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None
         from_pretrained_kwargs["transformer"] = load_stage_transformer(
             folder / "transformer", index["transformer"][1], blocks, torch_dtype)
     try:
-        inner = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch_dtype, **from_pretrained_kwargs)
+        inner = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype, **from_pretrained_kwargs)
     except (OSError, RuntimeError) as error:
         if not _mentions_mmap(error):
             raise
         # mmap can fail on some file systems or under address-space limits: read the files instead.
         try:
-            inner = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch_dtype, disable_mmap=True,
+            inner = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype, disable_mmap=True,
                                                       **from_pretrained_kwargs)
         except Exception as retry_error:
             raise MemoryError(f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "

@@ -11,33 +11,14 @@ figures (tests/test_pipefusion.py).
 
 import argparse
 import itertools
-import time
-
-import torch
 
 from xdit_lab import ParallelConfig
+from xdit_lab.digits.sample import generate_parallel
 from xdit_lab.testing import run_on_ranks
 
 
-def generate(config: ParallelConfig, per_digit: int):
-    """Latents and the classifier's readings of per_digit images of each digit, seeds 0..per_digit-1."""
-    from xdit_lab import load_pipeline
-    from xdit_lab.digits import call_kwargs, classify, prompt_for
-
-    digits = [d for d in range(10) for _ in range(per_digit)]
-    generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per_digit)]
-    pipe = load_pipeline("digits", config, progress=False)
-    start = time.perf_counter()
-    session = pipe.session([prompt_for(d) for d in digits], generator=generators, **call_kwargs())
-    session.run()
-    latents = session.latents.clone()
-    images = session.result(output_type="np").images
-    return dict(latents=latents, read=classify(images).tolist(), digits=digits,
-                seconds=time.perf_counter() - start)
-
-
 def measure(config: ParallelConfig, per_digit: int, serial=None) -> dict:
-    out = run_on_ranks(generate, config.world_size, config, per_digit, timeout_s=1800)[0]
+    out = run_on_ranks(generate_parallel, config.world_size, config, per_digit, timeout_s=1800)[0]
     accuracy = sum(r == d for r, d in zip(out["read"], out["digits"])) / len(out["digits"])
     deviation = None
     if serial is not None:

@@ -59,3 +59,22 @@ def measure_accuracy(pipe, per_digit: int = 10, **overrides) -> dict:
     return {"accuracy": float(correct.mean()), "images": len(digits), "seconds": round(seconds, 2),
             "per_digit": [float(correct[d * per_digit:(d + 1) * per_digit].mean()) for d in range(10)],
             "predicted": predicted.tolist()}
+
+
+def generate_parallel(config, per_digit: int = 10) -> dict:
+    """On a rank of `config`: per_digit images of each digit (seeds 0..per_digit-1, one generator
+    each) through load_pipeline; the final latents and what the classifier reads."""
+    import torch
+
+    from ..pipeline import load_pipeline
+
+    digits = [d for d in range(10) for _ in range(per_digit)]
+    generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per_digit)]
+    pipe = load_pipeline("digits", config, progress=False)
+    t0 = time.perf_counter()
+    session = pipe.session([prompt_for(d) for d in digits], generator=generators, **call_kwargs())
+    session.run()
+    latents = session.latents.clone()
+    images = session.result(output_type="np").images
+    return {"latents": latents, "read": classify(images).tolist(), "digits": digits,
+            "seconds": time.perf_counter() - t0}

@@ -68,7 +68,7 @@ def make_scheduler(kind: str, recipe: Recipe = Recipe()):
     raise ValueError(f"unknown sampler {kind!r}")
 
 
-def _train_vae(vae, images, recipe: Recipe, gen: torch.Generator) -> float:
+def _train_vae(vae, images, recipe: Recipe, gen: torch.Generator) -> None:
     opt = torch.optim.AdamW(vae.parameters(), lr=recipe.vae_lr, weight_decay=0.0)
     for _ in range(recipe.vae_steps):
         batch = images[torch.randint(0, len(images), (recipe.vae_batch_size,), generator=gen)]
@@ -80,8 +80,6 @@ def _train_vae(vae, images, recipe: Recipe, gen: torch.Generator) -> float:
         loss.backward()
         opt.step()
     vae.eval().requires_grad_(False)
-    with torch.no_grad():
-        return F.mse_loss(vae.decode(vae.encode(images).latent_dist.mode()).sample, images).item()
 
 
 def _save_pipeline(pipe, folder) -> None:
@@ -113,10 +111,11 @@ def train_digits(output_dir, *, steps: int = 1500, seed: int = 0, batch_size: in
 
         # 1. VAE, then the (posterior) latents of every digit, scaled to unit variance.
         vae = build_vae(seed)
-        vae_mse = _train_vae(vae, images, recipe, gen)
+        _train_vae(vae, images, recipe, gen)
         with torch.no_grad():
             posterior = vae.encode(images).latent_dist
             lat_mean, lat_std = posterior.mean, posterior.std
+            vae_mse = F.mse_loss(vae.decode(lat_mean).sample, images).item()
         scaling = 1.0 / (lat_mean + lat_std * torch.randn(lat_mean.shape, generator=gen)).std().item()
         vae.register_to_config(scaling_factor=scaling)
         t_vae = time.perf_counter() - t_start

@@ -77,8 +77,8 @@ class MemoryPlan:
     def table(self) -> str:
         lines = [f"  {'component':<16} {'whole':>12} {'per rank':>12}"]
         for name, whole in self.component_bytes.items():
-            lines.append(f"  {name:<16} {_human(whole):>12} {_human(self.per_rank_bytes[name]):>12}")
-        lines.append(f"  {'total':<16} {_human(sum(self.component_bytes.values())):>12} {_human(self.total_per_rank):>12}")
+            lines.append(f"  {name:<16} {human_bytes(whole):>12} {human_bytes(self.per_rank_bytes[name]):>12}")
+        lines.append(f"  {'total':<16} {human_bytes(sum(self.component_bytes.values())):>12} {human_bytes(self.total_per_rank):>12}")
         return "\n".join(lines)
 
 
@@ -120,17 +120,18 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     transformer = plan.component_bytes.get("transformer", 0)
     if transformer:
         stages = max(2, -(-transformer // max(1, limit_bytes - (plan.total_per_rank - plan.per_rank_bytes["transformer"]))))
-        advice.append(f"PipeFusion splits the transformer ({_human(transformer)}) over stages: pipefusion {stages} "
-                      f"holds about {_human(transformer // stages)} of it per rank")
+        advice.append(f"PipeFusion splits the transformer ({human_bytes(transformer)}) over stages: pipefusion {stages} "
+                      f"holds about {human_bytes(transformer // stages)} of it per rank")
     if device.type == "cpu" and plan.ranks_per_host > 1:
         advice.append(f"run fewer ranks per host ({plan.ranks_per_host} share this host's memory now)")
     where = f"{device}" + (f" under {config.short()}" if config is not None else "")
     raise MemoryPlanError(
-        f"the pipeline needs {_human(plan.total_per_rank)} per rank on {where}, but only {_human(limit_bytes)} is "
+        f"the pipeline needs {human_bytes(plan.total_per_rank)} per rank on {where}, but only {human_bytes(limit_bytes)} is "
         f"available per rank:\n{plan.table()}\nTo fit: " + "; or ".join(advice) + ".")
 
 
-def _human(n: int) -> str:
+def human_bytes(n: float) -> str:
+    """'1.5 MiB': binary units, as memory is reported."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

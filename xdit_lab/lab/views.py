@@ -18,6 +18,8 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from ..memory import human_bytes
+
 GROUP_ORDER = ("ulysses", "ring", "sp", "pipefusion", "dp", "cfg")
 
 
@@ -26,14 +28,6 @@ def rank_color(rank: int, world_size: int):
 
     cmap = matplotlib.colormaps["tab10" if world_size <= 10 else "tab20"]
     return cmap(rank % cmap.N)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _scale(largest: float) -> tuple[float, str]:
@@ -214,7 +208,7 @@ def draw_memory(summaries) -> Figure:
         ax.bar(x, values, bottom=bottom, label=label, color=colours(i % colours.N), width=0.6)
         bottom += values
     for xi, total in zip(x, totals):
-        ax.text(xi, total / unit, _human(total), ha="center", va="bottom", fontsize=8)
+        ax.text(xi, total / unit, human_bytes(total), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, [f"rank {s['rank']}\n{_short(s)}" for s in summaries], fontsize=8)
     ax.set_ylabel(name)
     ax.set_ylim(0, totals.max() / unit * 1.12)

@@ -16,13 +16,7 @@ from xdit_lab.digits.components import MAX_TOKENS, load_digit_images  # noqa: E4
 from xdit_lab.digits.train import Recipe  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The CI box has two cores shared by several jobs; one thread keeps timings steady.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_training_smoke_run_saves_a_stock_pipeline(tmp_path):

@@ -41,6 +41,7 @@ Pass `master_addr=` when the rank-0 engine's host name does not resolve from the
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 
 import ipyparallel as ipp
@@ -156,6 +157,10 @@ class Lab:
             if self.client is not None:
                 self.client.close()
             if self.owns_cluster and self.cluster is not None:
+                # Stopped engines exit with code 1, which ipyparallel reports as a warning with each
+                # engine's whole log. Expected here: quiet this cluster's own logger (not a shared one).
+                if self.cluster.log.name.endswith(str(self.cluster_id)):
+                    self.cluster.log.setLevel(logging.ERROR)
                 self.cluster.stop_cluster_sync()
 
     def restart(self) -> "Lab":
@@ -226,6 +231,12 @@ class Lab:
         progress = self.call(engine.start_session, (prompt, *args), kwargs, timeout_s=timeout_s,
                              what="session")[0]
         return LabSession(self, self.session_token, progress)
+
+    def explorer(self, **kwargs):
+        """The ipywidgets panel over this Lab (explorer_widgets.Explorer; kwargs go to its controller)."""
+        from .explorer_widgets import Explorer  # here: ipywidgets is only needed for the panel
+
+        return Explorer(self, **kwargs)
 
     # ---- calling the engines ------------------------------------------------------------------------
     def call(self, fn, *args, ranks=None, state: bool = True, timeout_s: float | None = None,

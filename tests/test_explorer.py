@@ -1,0 +1,162 @@
+"""The explorer: which configurations it offers (pure, for 2 and 4 engines), why it refuses one,
+and step / run / reset / apply_config on a real 2-engine Lab with the tiny PixArt, through the
+controller and through the widgets (without a browser: the buttons' handlers are called).
+
+One cluster serves the module (starting one takes ~7 s; the whole module runs in ~30 s)."""
+
+import pytest
+
+from xdit_lab import ParallelConfig
+from xdit_lab.lab import Lab
+from xdit_lab.lab.explorer import ExplorerController, ModelShape, explain, valid_configs
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
+
+# The digits model's sizes: 4 heads, 4 layers, a 16-pixel image in an 8 × 8 token grid.
+DIGITS = ModelShape(family="PixArt", num_heads=4, num_layers=4, rows=8, cols=8, use_cfg=True)
+KWARGS = dict(tiny_pipeline_kwargs("pixart"), guidance_scale=3.0)
+
+
+def shorts(configs):
+    return [c.short() for c in configs]
+
+
+# ---- what is offered, without engines ------------------------------------------------------------------
+
+def test_two_engines_offer_every_pair_then_serial():
+    offered = valid_configs(2, DIGITS)
+    assert shorts(offered) == ["cfg2", "pipefusion2", "ring2", "ulysses2", "dp2", "serial"]
+    assert all(not explain(c, 2, DIGITS) for c in offered)
+
+
+def test_four_engines_offer_hybrids_and_subsets():
+    offered = valid_configs(4, DIGITS)
+    sizes = [c.world_size for c in offered]
+    assert sizes == sorted(sizes, reverse=True) and set(sizes) == {1, 2, 3, 4}  # all ranks first, then subsets
+    assert {"ring3", "pipefusion3", "dp3"} <= set(shorts(offered)) and "ulysses3" not in shorts(offered)  # 4 heads
+    hybrids = {"cfg2·ulysses2", "cfg2·pipefusion2", "ulysses4", "pipefusion4", "cfg2·ring2", "cfg2"}
+    assert hybrids <= set(shorts(offered))
+    assert all(not explain(c, 4, DIGITS) for c in offered)
+    # a model with 2 heads cannot split them 4 ways; without guidance there is no cfg branch to split
+    assert "ulysses4" not in shorts(valid_configs(4, ModelShape("PixArt", 2, 4, 8, 8, True)))
+    assert not [c for c in valid_configs(4, ModelShape("PixArt", 4, 4, 8, 8, use_cfg=False)) if c.cfg > 1]
+    # PipeFusion only where the family supports it
+    assert not [c for c in valid_configs(4, ModelShape("SD3", 4, 4, 8, 8, True)) if c.pipefusion > 1]
+
+
+@pytest.mark.parametrize("config, engines, expected", [
+    (ParallelConfig(cfg=2, dp=2), 2, ["world size is 2", "cfg2, pipefusion2", "Lab(n=4)"]),
+    (ParallelConfig(ulysses=3), 4, ["4 attention heads do not divide by ulysses 3"]),
+    (ParallelConfig(cfg=3), 4, ["cfg must be 1 or 2"]),
+    (ParallelConfig(pipefusion=2, num_patches=1), 2, ["num_patches 1 is below the 2 PipeFusion stages"]),
+    (ParallelConfig(pipefusion=2, num_patches=9), 2, ["9 PipeFusion patches are row bands, but the image has 8"]),
+    (ParallelConfig(pipefusion=8), 8, ["4 transformer layers cannot fill 8 PipeFusion stages"]),
+])
+def test_an_invalid_choice_is_explained(config, engines, expected):
+    text = "\n".join(explain(config, engines, DIGITS))
+    for phrase in expected:
+        assert phrase in text
+
+
+def test_cfg_without_guidance_is_explained():
+    text = "\n".join(explain(ParallelConfig(cfg=2), 2, ModelShape("PixArt", 4, 4, 8, 8, use_cfg=False)))
+    assert "guidance_scale <= 1" in text
+
+
+# ---- on a real 2-engine Lab -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:  # cluster files in a fresh IPython directory
+        patch.setenv("IPYTHONDIR", str(tmp_path_factory.mktemp("ipython")))
+        folder = save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+        with Lab(n=2, timeout_s=60, collective_timeout_s=30) as lab:
+            lab.load(folder, ParallelConfig(cfg=2), progress=False)
+            yield lab
+
+
+@pytest.fixture
+def controller(lab):
+    if lab.config != ParallelConfig(cfg=2):
+        lab.configure(ParallelConfig(cfg=2))
+    return ExplorerController(lab, prompt="a red cat; a blue dog", steps=3, session_kwargs=KWARGS)
+
+
+def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
+    # the tiny PixArt: 4 heads, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
+    assert controller.shape == ModelShape(family="PixArt", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True)
+    assert shorts(controller.options()) == ["cfg2", "pipefusion2", "ring2", "ulysses2", "dp2", "serial"]
+    assert controller.choices()["num_patches"] == [None, 1, 2, 3, 4]
+
+
+def test_reset_step_run(controller):
+    frame = controller.reset()
+    assert frame.error is None and "step 0 of 3" in frame.status
+    assert list(frame.figures) == ["shards", "memory", "comm", "latent"]  # no staleness without PipeFusion
+    frame = controller.step()
+    assert frame.error is None and "cfg2 on 2 of 2 ranks; step 1 of 3" in frame.status
+    latent = frame.figures["latent"].axes[0]
+    assert latent.get_images()[0].get_array().shape == (16, 16 * 2 + 1, 3)  # two prompts side by side
+    frame = controller.run()
+    assert "step 3 of 3 (done)" in frame.status
+    frame = controller.step()
+    assert "all 3 steps are done" in frame.error and not frame.figures
+    controller.set_request(steps=2, seed=1)
+    assert "seed 0" in controller.status()  # the running session keeps its own until reset
+    assert "step 0 of 2" in controller.reset().status and "seed 1" in controller.status()
+
+
+def test_apply_config_pipefusion_then_an_invalid_one(controller, lab):
+    frame = controller.apply_config(cfg=1, pipefusion=2, num_patches=2)
+    assert frame.error is None and lab.config == ParallelConfig(pipefusion=2, num_patches=2)
+    frame = controller.step()
+    assert list(frame.figures) == ["shards", "staleness", "memory", "comm", "latent"]
+    frame = controller.apply_config(ParallelConfig(cfg=2, dp=2))
+    assert "dp2·cfg2 cannot run here" in frame.error and "Lab(n=4)" in frame.error
+    assert lab.config == ParallelConfig(pipefusion=2, num_patches=2)  # nothing was loaded
+    assert "step 2 of 3" in controller.step().status  # the session survives the refusal
+    frame = controller.apply_config(ParallelConfig())
+    assert frame.error is None and "serial on 1 of 2 ranks" in frame.status
+
+
+def test_an_engine_error_becomes_the_frame_error(controller):
+    controller.session_kwargs = dict(KWARGS, height=30)
+    frame = controller.reset()
+    assert "ranks 0, 1" in frame.error and "height 30 not a multiple of 4" in frame.error
+    assert "error.tracebacks()" not in frame.error and "ValueError" in frame.details
+    assert "\x1b[" not in frame.details  # colour codes stripped for the panel
+    controller.session_kwargs = KWARGS
+    assert controller.step().error is None  # a new session is started, the Lab is still usable
+
+
+def test_a_cell_session_replaces_the_explorers(controller, lab):
+    controller.step()
+    lab.session("a cat", seed=0, num_inference_steps=2, **KWARGS)  # the Lab moved on from a cell
+    frame = controller.step()
+    assert frame.error is None and "step 1 of 3" in frame.status  # a new generation, not a LabError
+
+
+def test_the_widgets(lab):
+    from xdit_lab.lab import Explorer
+
+    panel = lab.explorer(steps=2, session_kwargs=KWARGS)
+    assert isinstance(panel, Explorer)
+    assert "step 0 of 2" in panel.status.value and len(panel.views.children) == 4
+    assert "<table>" in panel.table.value and panel.configs.value == ParallelConfig(cfg=2)
+    panel.buttons["step"].click()
+    assert "step 1 of 2" in panel.status.value and not panel.error.value
+    # a manual choice that cannot run is explained and cannot be applied
+    panel.pickers["dp"].value = 2
+    assert "cannot run" in panel.verdict.value and "Lab(n=4)" in panel.verdict.value
+    assert panel.apply_button.disabled
+    # a valid configuration from the list is loaded at once
+    panel.configs.value = ParallelConfig(ulysses=2)
+    assert lab.config == ParallelConfig(ulysses=2) and "ulysses2 on 2 of 2 ranks; step 0" in panel.status.value
+    assert panel.pickers["ulysses"].value == 2 and panel.pickers["dp"].value == 1 and not panel.apply_button.disabled
+    # a new prompt takes effect on the next Step, as a new generation
+    panel.prompt.value = "a green car"
+    panel.buttons["run"].click()
+    assert "step 2 of 2 (done)" in panel.status.value and panel.controller.prompt == "a green car"
+    # an unexpected error in a callback is shown in the panel, not lost
+    panel.controller.step = lambda: {}["boom"]
+    panel.buttons["step"].click()
+    assert "KeyError" in panel.error.value and not panel.buttons["step"].disabled

@@ -11,6 +11,7 @@ subcommands; each subcommand is one function registered in `_build_parser`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from .config import DEGREES, ParallelConfig, ParallelConfigError, _visible_gpus
@@ -122,32 +123,25 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
-def _quiet_loading() -> None:
-    """Loading bars from diffusers and transformers, once per rank, only clutter a run's output."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-
-
 def cmd_run(args) -> int:
     from .distributed import shutdown_distributed
     from .memory import CorruptWeightsError, MemoryPlanError
+    from .pipeline import loading_bars_hidden
     from .run import run_generation
 
     config = ParallelConfig(dp=args.dp, cfg=args.cfg, pipefusion=args.pipefusion, ulysses=args.ulysses,
                             ring=args.ring, num_patches=args.num_patches, warmup_steps=args.warmup_steps)
-    if args.no_progress:
-        _quiet_loading()
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
         negatives = negatives[0]  # one negative prompt for every prompt
+    bars = loading_bars_hidden() if args.no_progress else contextlib.nullcontext()
     try:
-        report = run_generation(args.model, args.prompt, config, args.output, negative_prompts=negatives,
-                                steps=args.steps, guidance_scale=args.guidance, seed=args.seed, height=args.height,
-                                width=args.width, dtype=args.dtype, output_type=args.output_type,
-                                progress=not args.no_progress, timeout_s=args.timeout, options=dict(args.option))
+        with bars:
+            report = run_generation(args.model, args.prompt, config, args.output, negative_prompts=negatives,
+                                    steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
+                                    height=args.height, width=args.width, dtype=args.dtype,
+                                    output_type=args.output_type, progress=not args.no_progress,
+                                    timeout_s=args.timeout, options=dict(args.option))
     except (ParallelConfigError, ValueError, TypeError, FileNotFoundError, MemoryPlanError,
             CorruptWeightsError) as error:  # the user's input: say what is wrong, no traceback
         print(f"xdit-lab run: error: {error}", file=sys.stderr)

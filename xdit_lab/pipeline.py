@@ -10,6 +10,7 @@ is named. Ranks left idle by a configuration smaller than the world load nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,25 @@ from .pipelines.base import Request
 from .session import DenoiseSession
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
+
+
+@contextlib.contextmanager
+def loading_bars_hidden():
+    """diffusers' and transformers' loading bars off inside the block: printed once per rank (or
+    for a model that loads in a blink) they only clutter the output. Restored afterwards."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    modules = (diffusers_logging, transformers_logging)
+    were_enabled = [module.is_progress_bar_enabled() for module in modules]
+    for module in modules:
+        module.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for module, enabled in zip(modules, were_enabled):
+            if enabled:
+                module.enable_progress_bar()
 
 
 def resolve_folder(name_or_path) -> Path:

@@ -18,7 +18,10 @@ def load_digits_pipeline(folder=None):
     """`PixArtAlphaPipeline.from_pretrained` on the committed model (or `folder`), float32 on CPU."""
     from diffusers import PixArtAlphaPipeline
 
-    pipe = PixArtAlphaPipeline.from_pretrained(str(folder or DIGITS_DIR))
+    from ..pipeline import loading_bars_hidden
+
+    with loading_bars_hidden():  # a 5 MB model: the bars would only clutter a notebook
+        pipe = PixArtAlphaPipeline.from_pretrained(str(folder or DIGITS_DIR))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -190,3 +190,10 @@ def test_views_draw_from_the_summaries(runs, name, tmp_path):
     for view, fig in (("shards", shards), ("staleness", stale), ("memory", memory), ("comm", comm), ("latent", latent)):
         fig.savefig(tmp_path / f"{view}.png", dpi=80)
         assert (tmp_path / f"{view}.png").stat().st_size > 1000
+
+
+def test_batch_rows_are_written_as_ranges():
+    from xdit_lab.lab.views import spans
+
+    assert spans([3, 0, 1, 2, 7, 9, 10]) == "0–3, 7, 9–10"
+    assert spans(range(10, 20)) == "10–19" and spans([5]) == "5" and spans([]) == "none"

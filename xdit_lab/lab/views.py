@@ -80,6 +80,17 @@ def _explain(config: dict) -> str:
     return "; ".join(parts) or "one rank holds everything"
 
 
+def spans(numbers) -> str:
+    """Sorted ints as ranges, e.g. [0, 1, 2, 3, 7] -> "0–3, 7" (a batch of 10 fits a title)."""
+    parts, numbers = [], sorted(numbers)
+    for n in numbers:
+        if parts and n == parts[-1][1] + 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in parts) or "none"
+
+
 # ---- shards ---------------------------------------------------------------------------------------------
 
 def shard_map(group: list[dict]) -> np.ndarray:
@@ -121,7 +132,7 @@ def draw_shards(summaries) -> Figure:
         ax.set_xlabel(f"{cols} token columns"), ax.set_ylabel(f"{rows} token rows")
         batch = group[0]["batch"]
         branch = {0: " (uncond)", 1: " (cond)"}.get(batch["cfg_half"], "")
-        title = f"dp {key[0]} · cfg {key[1]}{branch}: batch rows {batch['rows']}"
+        title = f"dp {key[0]} · cfg {key[1]}{branch}: batch rows {'?' if batch['rows'] is None else spans(batch['rows'])}"
         title += " (stand-in, dropped)" if batch["stand_in"] else ""
         pf = group[0]["shard"]["pipefusion"]
         if pf is not None:

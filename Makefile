@@ -11,7 +11,7 @@ CPU_TORCH ?= torch==2.13.0
 # The notebooks' kernel ("xdit-lab" in their metadata), installed into .venv so nbval finds it there.
 KERNEL := $(VENV)/share/jupyter/kernels/xdit-lab/kernel.json
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test notebooks clean
 
 setup: $(STAMP) $(KERNEL)
 
@@ -28,9 +28,18 @@ $(KERNEL): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/xdit-lab demo
 
-# The whole test suite. (The notebooks join under nbval once they are committed with their outputs.)
+# The whole test suite: pytest, then every tutorial and notebook re-run by nbval, its outputs
+# compared with the committed ones (after tutorials/nbval_sanitize.cfg's rewrites).
+NOTEBOOKS := tutorials notebooks
 test: $(STAMP) $(KERNEL)
 	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg $(NOTEBOOKS)
+
+# After changing a notebook: run it and save it with its outputs, as nbval will compare them
+# (NB="tutorials/02_ulysses.ipynb ..."; default: every tutorial and notebook).
+NB ?= $(wildcard tutorials/*.ipynb notebooks/*.ipynb)
+notebooks: $(STAMP) $(KERNEL)
+	$(BIN)/python -m xdit_lab.notebooks $(NB)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -115,7 +115,8 @@ def _pipeline_steps(folder, config):
     except ValueError as e:
         too_many_patches = str(e)
     return dict(error=error, bound=1e-4 * max(1.0, expected.abs().max().item()), same=torch.equal(stepped, called),
-                plan=pipe.memory_plan.per_rank_bytes["transformer"] * 2 - pipe.memory_plan.component_bytes["transformer"],
+                plan=pipe.memory_plan.per_rank_bytes["transformer"],
+                held=sum(t.numel() * t.element_size() for t in pipe.diffusers_pipeline.transformer.state_dict().values()),
                 too_many_patches=too_many_patches)
 
 
@@ -129,7 +130,7 @@ def test_pipeline_with_dpm_solver_through_session_and_call(tmp_path):
     for out in run_on_ranks(_pipeline_steps, 2, folder, config, timeout_s=180):
         assert out["error"] <= out["bound"], out["error"]
         assert out["same"]
-        assert abs(out["plan"]) <= 1  # the memory plan gives each stage half of the transformer
+        assert out["plan"] == out["held"]  # the plan: this stage's blocks and the shared embeddings, exactly
         assert "fewer than the 2 PipeFusion patches" in out["too_many_patches"]
 
 
@@ -210,3 +211,18 @@ def test_stale_kv_on_the_digits_model_stays_close_to_serial():
     assert 1e-4 < deviation < 0.05  # stale (not exact), and close
     accuracy = sum(r == d for r, d in zip(staged["read"], staged["digits"])) / len(staged["digits"])
     assert accuracy >= 0.9
+
+
+def test_memory_plan_counts_the_largest_stage_and_the_shared_tensors():
+    from xdit_lab.digits import DIGITS_DIR
+    from xdit_lab.memory import plan_memory, read_safetensors_header, tensor_bytes
+
+    header = read_safetensors_header(DIGITS_DIR / "transformer" / "diffusion_pytorch_model.safetensors")
+    sizes = {key: tensor_bytes(info, torch.float32) for key, info in header.items()}
+    blocks = [sum(v for k, v in sizes.items() if k.startswith(f"transformer_blocks.{i}.")) for i in range(4)]
+    shared = sum(sizes.values()) - sum(blocks)
+    assert min(blocks) > 0 and shared > 0
+    even = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, pipefusion=2)
+    assert even.per_rank_bytes["transformer"] == shared + blocks[0] + blocks[1]
+    uneven = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, pipefusion=2, stage_split=[1, 3])
+    assert uneven.per_rank_bytes["transformer"] == shared + sum(blocks[1:])  # the larger stage is planned

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,16 +83,40 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+BLOCK_KEY = re.compile(r"^transformer_blocks\.(\d+)\.")  # the blocks PipeFusion splits (PixArt, DiT)
+
+
 def plan_memory(folder: Path, components: list[str], *, dtype: torch.dtype | None, pipefusion: int = 1,
-                ranks_per_host: int = 1) -> MemoryPlan:
-    """Bytes of every component's safetensors, and what one rank holds of them (the transformer's
-    blocks are split over PipeFusion stages; everything else is whole on every rank)."""
+                ranks_per_host: int = 1, stage_split: list[int] | None = None) -> MemoryPlan:
+    """Bytes of every component's safetensors, and what one rank holds of them: under PipeFusion a
+    stage holds its transformer blocks (the largest stage's share is planned) plus every tensor
+    outside the blocks (embeddings, output layers); every other component is whole on every rank."""
     whole, per_rank = {}, {}
     for name in components:
-        files = sorted((folder / name).glob("*.safetensors"))
-        whole[name] = sum(tensor_bytes(info, dtype) for f in files for info in read_safetensors_header(f).values())
-        per_rank[name] = whole[name] // pipefusion if name == "transformer" else whole[name]
+        tensors = {key: tensor_bytes(info, dtype) for f in sorted((folder / name).glob("*.safetensors"))
+                   for key, info in read_safetensors_header(f).items()}
+        whole[name] = sum(tensors.values())
+        per_rank[name] = whole[name]
+        if name == "transformer" and pipefusion > 1:
+            per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
     return MemoryPlan(whole, per_rank, ranks_per_host)
+
+
+def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list[int] | None) -> int:
+    from .pipefusion import stage_ranges  # here: pipefusion imports the attention kernels
+
+    blocks: dict[int, int] = {}
+    shared = 0
+    for key, size in tensors.items():
+        match = BLOCK_KEY.match(key)
+        if match:
+            blocks[int(match.group(1))] = blocks.get(int(match.group(1)), 0) + size
+        else:
+            shared += size
+    if len(blocks) < stages:  # not a layout PipeFusion can split; load_pipeline refuses it later
+        return shared + sum(blocks.values())
+    ranges = stage_ranges(len(blocks), stages, stage_split)
+    return shared + max(sum(blocks.get(i, 0) for i in range(start, stop)) for start, stop in ranges)
 
 
 def available_bytes(device: torch.device) -> int:

@@ -85,7 +85,7 @@ def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None
                   if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()]
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     plan = plan_memory(folder, components, dtype=torch_dtype, pipefusion=config.pipefusion,
-                       ranks_per_host=min(local_ranks, config.world_size))
+                       ranks_per_host=min(local_ranks, config.world_size), stage_split=stage_split)
     check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
     if not mesh.active:
         return ParallelPipeline(None, recipe, config, mesh, info.device, plan, folder)

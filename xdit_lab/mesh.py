@@ -79,8 +79,9 @@ class RankMesh:
         raise AttributeError(name)
 
     # ---- groups --------------------------------------------------------------------------
-    def _members(self, name: str) -> list[list[int]]:
-        """All groups of one name, each a list of global ranks, in a fixed order."""
+    def all_groups(self, name: str) -> list[list[int]]:
+        """All groups of one name, each a list of global ranks, in a fixed order (from the
+        coordinates alone: no process group is needed)."""
         varying = _GROUP_DIMS[name]
         fixed = [d for d in DEGREES if d not in varying]
         groups = []
@@ -95,7 +96,7 @@ class RankMesh:
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         # Every process calls new_group for every group, in the same order (it is collective).
         for name in GROUP_NAMES:
-            for members in self._members(name):
+            for members in self.all_groups(name):
                 group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
                 if self.rank in members:
                     self._groups[name] = group

@@ -5,11 +5,11 @@ from __future__ import annotations
 import html
 
 
-def text_table(columns, rows: list[list[str]], title: str) -> str:
+def text_table(columns, rows: list[list[str]], title: str | None = None) -> str:
     cells = [list(columns)] + rows
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
-    return "\n".join([title] + lines)
+    return "\n".join(([title] if title else []) + lines)
 
 
 def html_table(columns, rows: list[list[str]], title: str) -> str:

@@ -45,7 +45,8 @@ def _by_rank(summaries) -> list[dict]:
     return sorted(summaries, key=lambda s: s["rank"])
 
 
-def _short(summary) -> str:
+def role(summary) -> str:
+    """Where a rank sits in the grid, the degrees above 1 only: 'cfg 1 · ulysses 0', or 'serial'."""
     c, config = summary["coords"], summary["config"]
     names = {"pipefusion": "pp"}  # as RankMesh prints it
     used = [f"{names.get(name, name)} {c[name]}" for name in ("dp", "cfg", "pipefusion", "ring", "ulysses")
@@ -145,7 +146,7 @@ def draw_shards(summaries) -> Figure:
         ax.set_title(title, fontsize=9)
     for ax in axes[len(keys):]:
         ax.set_visible(False)
-    handles = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}: {_short(s)}") for s in summaries]
+    handles = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}: {role(s)}") for s in summaries]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=8, frameon=False)
     fig.suptitle(f"{notation(config)}   {summaries[0]['grid'][0]}×{summaries[0]['grid'][1]} = "
                  f"{summaries[0]['image_tokens']} image tokens\n{_explain(config)}", fontsize=10)
@@ -220,7 +221,7 @@ def draw_memory(summaries) -> Figure:
         bottom += values
     for xi, total in zip(x, totals):
         ax.text(xi, total / unit, human_bytes(total), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"rank {s['rank']}\n{_short(s)}" for s in summaries], fontsize=8)
+    ax.set_xticks(x, [f"rank {s['rank']}\n{role(s)}" for s in summaries], fontsize=8)
     ax.set_ylabel(name)
     ax.set_ylim(0, totals.max() / unit * 1.12)
     fig.legend(fontsize=8, loc="outside lower center", ncols=3, frameon=False)
@@ -257,7 +258,7 @@ def draw_comm(summaries, step: int = -1) -> Figure:
             if mi != ei:
                 ax.text(xi, max(mi, ei) / unit, "≠", ha="center", va="bottom", color="red", fontsize=12)
         ax.set_xticks(x, groups, fontsize=8)
-        ax.set_title(f"rank {s['rank']}: {_short(s)}", fontsize=9)
+        ax.set_title(f"rank {s['rank']}: {role(s)}", fontsize=9)
         ax.set_ylim(0, largest / unit * 1.15)
     for ax in axes[len(summaries):]:
         ax.set_visible(False)

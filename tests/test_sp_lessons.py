@@ -1,0 +1,115 @@
+"""The sequence-parallel lesson demos (xdit_lab/lab/sp_lessons.py) on 4 real gloo ranks, and the link model.
+
+One 4-rank run makes every demo (ulysses 2 leaves ranks 2 and 3 idle); the checks are facts that
+can fail: who holds which (token, head), which K/V block sits where at each ring step, the error
+after each LSE merge, bytes against hand-written sizes."""
+
+import pytest
+from matplotlib.figure import Figure
+
+from xdit_lab import ParallelConfig
+from xdit_lab.lab import link_model
+from xdit_lab.lab import sp_lessons as sp
+from xdit_lab.lab.measure import bytes_match
+from xdit_lab.testing import run_on_ranks
+
+ULYSSES2, RING4, USP = ParallelConfig(ulysses=2), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)
+
+
+def _demos():
+    return dict(
+        ulysses2=sp.ulysses_exchange({}, ULYSSES2, tokens=8, heads=4),
+        usp_exchange=sp.ulysses_exchange({}, USP, tokens=8, heads=4),
+        ring4=sp.ring_passes({}, RING4, tokens=16, heads=2, head_dim=8),
+        ring4_zero=sp.ring_passes({}, RING4, tokens=16, heads=2, head_dim=8, zero_lse=True),
+        usp_ring=sp.ring_passes({}, USP, tokens=16, heads=4, head_dim=8),
+    )
+
+
+@pytest.fixture(scope="module")
+def demos():
+    per_rank = run_on_ranks(_demos, 4, timeout_s=120)
+    return {name: [rank[name] for rank in per_rank] for name in per_rank[0]}
+
+
+def test_ulysses_exchange_trades_tokens_for_heads(demos):
+    results = demos["ulysses2"]
+    assert results[2] is None and results[3] is None  # idle outside the 2-rank configuration
+    r0, r1 = results[:2]
+    assert r0["before"] == [[t, h] for t in range(4) for h in range(4)]
+    assert sorted({t for t, _ in r1["before"]}) == [4, 5, 6, 7]
+    assert sorted({t for t, _ in r0["after"]}) == list(range(8)) and sorted({h for _, h in r0["after"]}) == [0, 1]
+    assert sorted({h for _, h in r1["after"]}) == [2, 3]
+    assert r0["shape_before"] == [1, 4, 4, 2] and r0["shape_after"] == [1, 2, 8, 2]
+    assert sp.exchange_check(results) == dict(before_once=True, after_once=True, after_whole_rows=True,
+                                              round_trip=True)
+    # two all-to-alls of x[1, 4, 4, 2] float32 (128 B), half of each leaving the rank
+    assert r0["all_to_alls"] == 2 and r0["bytes_out"] == {"ulysses": 128}
+    fig = sp.draw_ulysses_exchange(results)
+    assert isinstance(fig, Figure) and len(fig.axes) == 4
+
+
+def test_ulysses_inside_ring_gathers_the_ring_block(demos):
+    results = demos["usp_exchange"]  # ranks 0, 1 share ring block tokens 0–3; ranks 2, 3 tokens 4–7
+    assert [sorted({t for t, _ in r["after"]}) for r in results] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert [sorted({h for _, h in r["after"]}) for r in results] == [[0, 1], [2, 3]] * 2
+    assert all(sp.exchange_check(results).values())
+
+
+def test_ring_schedule_and_merge_errors(demos):
+    results, zero = demos["ring4"], demos["ring4_zero"]
+    for r in results:  # step t: the block that started t ranks back
+        assert [s["block"] for s in r["steps"]] == [(r["rank"] - t) % 4 for t in range(4)]
+        assert r["steps"][1]["tokens"] == [4 * ((r["rank"] - 1) % 4), 4 * ((r["rank"] - 1) % 4) + 4]
+        errors = [s["error"] for s in r["steps"]]
+        assert errors[0] > 1e-2 and errors[-1] < 1e-5 and r["final_error"] < 1e-5
+        assert r["sends"] == 3 and r["bytes_out"] == {"ring": 3 * 2 * 2 * 4 * 8 * 4}  # 3 × K,V [1, 2, 4, 8] fp32
+    assert all(r["final_error"] > 1e-2 for r in zero)  # a zero LSE weighs every block alike: wrong
+    assert isinstance(sp.draw_ring_schedule(results), Figure)
+    lines = sp.draw_merge_errors(results, zero).axes[0].lines
+    assert len([line for line in lines if line.get_label().startswith("rank")]) == 8  # 4 ranks × 2 runs
+
+
+def test_ring_under_usp_passes_head_split_blocks(demos):
+    results = demos["usp_ring"]
+    assert [[s["origin_rank"] for s in r["steps"]] for r in results] == [[0, 2], [1, 3], [2, 0], [3, 1]]
+    assert all(r["final_error"] < 1e-5 and set(r["bytes_out"]) == {"ulysses", "ring"} for r in results)
+
+
+def _summary(rank, measured, expected):
+    return dict(rank=rank, step=2, num_steps=20, comm=dict(measured=[{}, measured], expected=[{}, expected]))
+
+
+def test_bytes_match():
+    good = [_summary(0, {"ring": 10, "sp": 4}, {"ring": 10, "sp": 4}), _summary(1, {"ring": 10}, {"ring": 10})]
+    assert bytes_match(good) is True
+    assert bytes_match([_summary(0, {"ring": 10}, {"ring": 12})]) is False
+
+
+def test_bytes_at_a_pixart_size_and_link_times():
+    shapes = link_model.dit_shapes()  # 4096 tokens, 16 heads × 72, 28 layers, batch 2, 2-byte elements
+    assert (shapes["rows"], shapes["cols"], shapes["head_dim"]) == (64, 64, 72)
+    per_layer = 2 * 1024 * 1152 * 2  # one rank's shard of one tensor, bytes: batch 2 × 1024 tokens × hidden
+    u4 = link_model.bytes_per_rank(ParallelConfig(ulysses=4), shapes)
+    assert u4[0]["ulysses"] == 28 * 4 * per_layer * 3 // 4  # q, k, v, o; 3/4 of each leaves
+    r4 = link_model.bytes_per_rank(ParallelConfig(ring=4), shapes)
+    assert r4[0]["ring"] == 28 * 3 * 2 * per_layer  # K and V, three hops
+    fast, slow = 300e9, 25e9
+    one_box = link_model.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=4, fast_bytes_per_s=fast,
+                              slow_bytes_per_s=slow)
+    assert one_box["links"] == {"ulysses": "fast", "sp": "fast"}
+    assert one_box["groups"]["ulysses"] == pytest.approx(u4[0]["ulysses"] / fast)
+    usp = ParallelConfig(ulysses=2, ring=2)
+    two_boxes = link_model.comm_seconds(usp, link_model.bytes_per_rank(usp, shapes), ranks_per_node=2, fast_bytes_per_s=fast,
+                                slow_bytes_per_s=slow)
+    assert two_boxes["links"] == {"ulysses": "fast", "ring": "slow", "sp": "mixed"}  # ulysses varies fastest
+    spread = link_model.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=2, fast_bytes_per_s=fast,
+                             slow_bytes_per_s=slow)
+    assert spread["groups"]["ulysses"] == pytest.approx(u4[0]["ulysses"] * 2 / 3 / slow)  # 2 of 3 peers far
+    rows = link_model.link_rows([ParallelConfig(ulysses=4), ParallelConfig(ring=4), usp], shapes,
+                        {"one box": dict(ranks_per_node=4, fast_bytes_per_s=fast, slow_bytes_per_s=slow),
+                         "two boxes": dict(ranks_per_node=2, fast_bytes_per_s=fast, slow_bytes_per_s=slow)})
+    assert [r["config"] for r in rows] == ["ulysses4", "ring4", "ring2·ulysses2"] * 2
+    text = link_model.link_table(rows)
+    assert text.count("<- least") == 2
+    assert len(link_model.draw_link_times(rows).axes) == 2

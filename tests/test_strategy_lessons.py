@@ -1,0 +1,112 @@
+"""strategy_lessons: the tables and measurements tutorials 05-07 print, from real 2-rank runs of the
+digits model (one step each), and the accuracy figures on known tensors."""
+
+import copy
+
+import pytest
+import torch
+
+from xdit_lab import ParallelConfig, load_pipeline
+from xdit_lab.lab.measure import comm_rows, comm_table, compare_to_serial, significant
+from xdit_lab.lab.strategy_lessons import (batch_table, bytes_by_config, quality_row, quality_table, rank_timings,
+                                           timing_table)
+from xdit_lab.testing import run_on_ranks
+
+PROMPTS = ["a handwritten 3", "a handwritten 7", "a handwritten 1"]
+
+
+CASES = {"cfg2": (ParallelConfig(cfg=2), 2.0), "dp2": (ParallelConfig(dp=2), 1.0)}  # dp2 unguided: 3 rows, 2 + 1
+
+
+def _one_step_each(cases):
+    """One step of each (config, guidance) on the same 2 ranks (one spawn for all: the test stays fast)."""
+    import torch.distributed as dist
+
+    from xdit_lab.digits import call_kwargs
+    from xdit_lab.lab.summaries import rank_summary
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, (config, guidance_scale) in cases.items():
+        pipe = load_pipeline("digits", config, progress=False)
+        session = pipe.session(PROMPTS, seed=0, **call_kwargs(num_inference_steps=2, guidance_scale=guidance_scale))
+        session.step()
+        out[name] = dict(summary=rank_summary(session),
+                         timings=rank_timings(dict(rank=dist.get_rank(), session=session)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    per_rank = run_on_ranks(_one_step_each, 2, CASES, timeout_s=120)
+    return {name: [answer[name] for answer in per_rank] for name in CASES}
+
+
+def _summaries(runs, name):
+    return [out["summary"] for out in runs[name]]
+
+
+def test_batch_table_names_each_ranks_rows_and_branch(runs):
+    cfg = batch_table(_summaries(runs, "cfg2"), PROMPTS)
+    assert "rank 0 (cfg 0): rows 0–2 of 6" in cfg and "rank 1 (cfg 1): rows 3–5 of 6" in cfg
+    assert "3:cond 'a handwritten 3'" in cfg and "0:uncond 'a handwritten 3'" in cfg
+    dp = batch_table(_summaries(runs, "dp2"), PROMPTS)  # no guidance: one row per prompt, split 2 + 1
+    assert "rank 0 (dp 0): rows 0–1 of 3" in dp and "rank 1 (dp 1): rows 2 of 3" in dp
+    assert "2:prompt 'a handwritten 1'" in dp
+
+
+def test_comm_rows_and_table_agree_with_the_summaries(runs):
+    for name, group in (("cfg2", "cfg"), ("dp2", "dp")):
+        summaries = _summaries(runs, name)
+        rows = comm_rows(summaries)
+        assert [(r["rank"], r["group"]) for r in rows] == [(0, group), (1, group)]
+        for r, s in zip(rows, summaries):
+            assert r["measured"] == s["comm"]["measured"][-1][group] == r["formula"] > 0
+        table = comm_table(summaries)
+        assert table.splitlines()[0].split() == ["rank", "role", "group", "measured", "B", "formula", "B", "equal"]
+        assert table.count("True") == 2 and f"{rows[0]['measured']:,}" in table
+        wrong = copy.deepcopy(summaries[0])
+        wrong["comm"]["expected"][-1][group] += 1
+        assert "False" in comm_table([wrong])
+    # the dp gather pads rank 1's single row to rank 0's two: both send two rows' bytes
+    dp_rows = comm_rows(_summaries(runs, "dp2"))
+    assert dp_rows[0]["measured"] == dp_rows[1]["measured"] == 2 * 4 * 16 * 16 * 4
+
+
+def test_bytes_by_config_one_row_per_rank_with_parameters(runs):
+    table = bytes_by_config({name: _summaries(runs, name) for name in ("cfg2", "dp2")})
+    lines = table.splitlines()
+    assert lines[0].split() == ["config", "rank", "role", "ulysses", "ring", "sp", "pipefusion", "dp", "cfg",
+                                "total", "B", "params", "B"]
+    assert len(lines) == 5 and "≠" not in table
+    params = _summaries(runs, "cfg2")[0]["memory"]["parameter_bytes"]["transformer"]
+    assert all(line.endswith(f"{params:,}") for line in lines[1:])
+    assert comm_table([]) == "no bytes moved in this step"
+
+
+def test_rank_timings_and_table(runs):
+    timings = {rank: out["timings"] for rank, out in enumerate(runs["cfg2"])}
+    assert [t["rank"] for t in timings.values()] == [0, 1]
+    assert all(t["steps"] == 1 and t["denoise"] > 0 and t["per_step"] == t["denoise"] for t in timings.values())
+    assert rank_timings(dict(rank=1, session=None)) is None
+    lines = timing_table({"cfg2": {**timings, 2: None}}).splitlines()
+    assert lines[0].split() == ["config", "rank", "denoise", "s", "ms/step"] and len(lines) == 3
+
+
+def test_compare_to_serial_and_quality_rows():
+    serial = torch.tensor([[3.0, -4.0], [0.0, 0.0]])
+    parallel = serial + torch.tensor([[0.0, 0.5], [0.0, 0.0]])
+    figures = compare_to_serial(parallel, serial)
+    assert figures["max_relative"] == pytest.approx(0.5 / 4) and figures["relative_l2"] == pytest.approx(0.5 / 5)
+    with pytest.raises(ValueError, match="differ in shape"):
+        compare_to_serial(serial, serial[0])
+    assert significant(0.031249) == "3.1e-02" and significant(1234.0, 3) == "1.23e+03"
+    same = quality_row("serial", serial, serial, [1, 2, 3, 4], [1, 2, 3, 5])
+    assert same == dict(name="serial", accuracy_pct=75, relative_l2="0", images=4)
+    off = quality_row("pf", parallel, serial, [1], [1])
+    assert off["relative_l2"] == "1.0e-01" and off["accuracy_pct"] == 100
+    with pytest.raises(ValueError, match="readings"):
+        quality_row("x", serial, serial, [1, 2], [1])
+    table = quality_table([same, off]).splitlines()
+    assert table[0].split()[:3] == ["configuration", "images", "accuracy"] and table[2].split() == ["pf", "1", "100",
+                                                                                                     "1.0e-01"]

@@ -1,0 +1,105 @@
+"""Measurements and tables for the strategy tutorials (05 CFG/DP, 06 PipeFusion, 07 hybrid).
+
+Pure functions over what a run already hands back (rank summaries from lab/summaries.py, latents,
+the classifier's readings), plus one small engine-side function (`rank_timings`). Every table is
+text with integers or rounded figures, so a notebook can print it in a checked cell.
+
+    batch_table(summaries, prompts)      which rank computes which rows of the [uncond; cond] batch
+    compare_to_serial(latents, serial)   max relative difference and relative L2 of the latents
+    quality_row(...)                     classifier accuracy (%) and relative L2 (2 significant figures)
+    bytes_by_config(runs)                one row per (configuration, rank): bytes per group, parameters
+    lab.call(rank_timings)               each rank's wall-clock seconds (encode, denoise, per step)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .measure import compare_to_serial, significant
+from .table import text_table
+from .views import GROUP_ORDER, role, spans
+
+
+# ---- accuracy against the serial run --------------------------------------------------------------
+
+def quality_row(name: str, latents, serial_latents, read, digits) -> dict:
+    """One line of an accuracy table: the share of images the classifier read as prompted (whole
+    percent) and the latents' relative L2 from serial (2 significant figures, '0' when equal)."""
+    read, digits = np.asarray(read, dtype=int), np.asarray(digits, dtype=int)
+    if read.shape != digits.shape:
+        raise ValueError(f"{read.size} readings but {digits.size} prompted digits")
+    l2 = compare_to_serial(latents, serial_latents)["relative_l2"]
+    return dict(name=name, accuracy_pct=int(round(100 * float((read == digits).mean()))),
+                relative_l2=significant(l2) if l2 > 0 else "0", images=int(digits.size))
+
+
+def quality_table(rows: list[dict]) -> str:
+    """quality_row results as aligned text."""
+    return text_table(["configuration", "images", "accuracy %", "rel. L2 vs serial"],
+                  [[r["name"], str(r["images"]), str(r["accuracy_pct"]), r["relative_l2"]] for r in rows])
+
+
+# ---- who computes which rows ------------------------------------------------------------------------
+
+def batch_table(summaries, prompts: list[str]) -> str:
+    """One line per rank: the rows of the model's batch it computes, as (branch, prompt) pairs.
+
+    The session runs [unconditional rows; conditional rows] when guidance is on, one row per
+    prompt otherwise; the rows come from the forward's own split (summary["batch"]["rows"])."""
+    lines = []
+    n = len(prompts)
+    for s in sorted((s for s in summaries if s is not None), key=lambda s: s["rank"]):
+        batch = s["batch"]
+        doubled = batch["total"] == 2 * n
+        parts = []
+        for row in batch["rows"] or []:
+            branch = ("uncond" if row < n else "cond") if doubled else "prompt"
+            parts.append(f"{row}:{branch} {prompts[row % n]!r}")
+        note = " (a stand-in row, computed and dropped)" if batch["stand_in"] else ""
+        lines.append(f"rank {s['rank']} ({role(s)}): rows {spans(batch['rows'] or [])} of {batch['total']}{note}\n    "
+                     + "\n    ".join(parts))
+    return "\n".join(lines)
+
+
+# ---- communication ------------------------------------------------------------------------------------
+
+def bytes_by_config(runs: dict, step: int = -1) -> str:
+    """One row per (configuration, rank): bytes out per group in one step ('measured' or
+    'measured≠formula' when they disagree), and the transformer parameter bytes the rank holds.
+    `runs` maps a configuration's name to its ranks' summaries."""
+    header = ["config", "rank", "role", *GROUP_ORDER, "total B", "params B"]
+    body = []
+    for name, summaries in runs.items():
+        for s in sorted((s for s in summaries if s is not None), key=lambda s: s["rank"]):
+            measured = s["comm"]["measured"][step] if s["comm"]["measured"] else {}
+            expected = s["comm"]["expected"][step] if s["comm"]["expected"] else {}
+            cells = []
+            for group in GROUP_ORDER:
+                m, e = measured.get(group, 0), expected.get(group, 0)
+                cells.append("-" if not (m or e) else f"{m:,}" if m == e else f"{m:,}≠{e:,}")
+            params = s["memory"]["parameter_bytes"].get("transformer", 0)
+            body.append([name, str(s["rank"]), role(s), *cells, f"{sum(measured.values()):,}", f"{params:,}"])
+    return text_table(header, body)
+
+
+# ---- time per rank (runs on the engines) -----------------------------------------------------------
+
+def rank_timings(state: dict) -> dict | None:
+    """Engine side, for lab.call: this rank's PhaseTimings of its session, in seconds (None when idle)."""
+    session = state.get("session")
+    if session is None:
+        return None
+    timings = session.timings.as_dict()
+    return dict(rank=state["rank"], encode=timings["encode"], denoise=timings["denoise"],
+                steps=len(timings["steps"]), per_step=timings["denoise"] / max(len(timings["steps"]), 1))
+
+
+def timing_table(timings_by_config: dict) -> str:
+    """`{config name: lab.call(rank_timings)}` as text: denoise seconds and ms per step, per rank."""
+    body = []
+    for name, by_rank in timings_by_config.items():
+        for rank in sorted(by_rank):
+            t = by_rank[rank]
+            if t is not None:
+                body.append([name, str(rank), f"{t['denoise']:.2f}", f"{1000 * t['per_step']:.1f}"])
+    return text_table(["config", "rank", "denoise s", "ms/step"], body)

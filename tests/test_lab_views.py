@@ -195,5 +195,5 @@ def test_views_draw_from_the_summaries(runs, name, tmp_path):
 def test_batch_rows_are_written_as_ranges():
     from xdit_lab.lab.views import spans
 
-    assert spans([3, 0, 1, 2, 7, 9, 10]) == "0–3, 7, 9–10"
+    assert spans([3, 0, 1, 2, 7, 9, 10]) == "0–3, 7, 9–10" and spans([1, 1, 0, 0]) == "0–1"
     assert spans(range(10, 20)) == "10–19" and spans([5]) == "5" and spans([]) == "none"

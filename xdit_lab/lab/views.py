@@ -82,8 +82,8 @@ def _explain(config: dict) -> str:
 
 
 def spans(numbers) -> str:
-    """Sorted ints as ranges, e.g. [0, 1, 2, 3, 7] -> "0–3, 7" (a batch of 10 fits a title)."""
-    parts, numbers = [], sorted(numbers)
+    """Distinct ints as sorted ranges, e.g. [3, 0, 1, 2, 2, 7] -> "0–3, 7" (a batch of 10 fits a title)."""
+    parts, numbers = [], sorted(set(numbers))
     for n in numbers:
         if parts and n == parts[-1][1] + 1:
             parts[-1][1] = n

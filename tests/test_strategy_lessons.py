@@ -8,8 +8,8 @@ import torch
 
 from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.lab.measure import comm_rows, comm_table, compare_to_serial, significant
-from xdit_lab.lab.strategy_lessons import (batch_table, bytes_by_config, quality_row, quality_table, rank_timings,
-                                           timing_table)
+from xdit_lab.lab import engine
+from xdit_lab.lab.strategy_lessons import batch_table, bytes_by_config, quality_row, quality_table, timing_table
 from xdit_lab.testing import run_on_ranks
 
 PROMPTS = ["a handwritten 3", "a handwritten 7", "a handwritten 1"]
@@ -32,7 +32,7 @@ def _one_step_each(cases):
         session = pipe.session(PROMPTS, seed=0, **call_kwargs(num_inference_steps=2, guidance_scale=guidance_scale))
         session.step()
         out[name] = dict(summary=rank_summary(session),
-                         timings=rank_timings(dict(rank=dist.get_rank(), session=session)))
+                         timings=engine.timings(dict(rank=dist.get_rank(), session=session)))
     return out
 
 
@@ -86,11 +86,12 @@ def test_bytes_by_config_one_row_per_rank_with_parameters(runs):
 
 def test_rank_timings_and_table(runs):
     timings = {rank: out["timings"] for rank, out in enumerate(runs["cfg2"])}
-    assert [t["rank"] for t in timings.values()] == [0, 1]
-    assert all(t["steps"] == 1 and t["denoise"] > 0 and t["per_step"] == t["denoise"] for t in timings.values())
-    assert rank_timings(dict(rank=1, session=None)) is None
+    assert list(timings) == [0, 1]
+    assert all(len(t["steps"]) == 1 and t["denoise"] > 0 and t["steps"][0] == t["denoise"] for t in timings.values())
+    assert engine.timings(dict(rank=1, session=None)) is None
     lines = timing_table({"cfg2": {**timings, 2: None}}).splitlines()
     assert lines[0].split() == ["config", "rank", "denoise", "s", "ms/step"] and len(lines) == 3
+    assert lines[1].split()[3] == f"{1000 * timings[0]['denoise']:.1f}"  # one step: ms/step is the denoise time
 
 
 def test_compare_to_serial_and_quality_rows():

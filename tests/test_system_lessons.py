@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from xdit_lab import ParallelConfig
+from xdit_lab.lab import engine
 from xdit_lab.lab import system_lessons as lessons
 from xdit_lab.lab.measure import max_relative_difference
 from xdit_lab.testing import run_on_ranks
@@ -53,7 +54,7 @@ def _on_two_ranks():
     state["session"] = session
     calls = [lessons.vae_decoder_calls(state)]
     session.run()
-    timings = lessons.session_timings(state)
+    timings = engine.timings(state)
     reference = session.result(output_type="latent").images
     calls.append(lessons.vae_decoder_calls(state))
     session.result(output_type="np")

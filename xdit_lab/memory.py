@@ -86,25 +86,14 @@ class MemoryPlan:
 BLOCK_KEY = re.compile(r"^transformer_blocks\.(\d+)\.")  # the blocks PipeFusion splits (PixArt, DiT)
 
 
-def plan_memory(folder: Path, components: list[str], *, dtype: torch.dtype | None, pipefusion: int = 1,
-                ranks_per_host: int = 1, stage_split: list[int] | None = None) -> MemoryPlan:
-    """Bytes of every component's safetensors, and what one rank holds of them: under PipeFusion a
-    stage holds its transformer blocks (the largest stage's share is planned) plus every tensor
-    outside the blocks (embeddings, output layers); every other component is whole on every rank."""
-    whole, per_rank = {}, {}
-    for name in components:
-        tensors = {key: tensor_bytes(info, dtype) for f in sorted((folder / name).glob("*.safetensors"))
-                   for key, info in read_safetensors_header(f).items()}
-        whole[name] = sum(tensors.values())
-        per_rank[name] = whole[name]
-        if name == "transformer" and pipefusion > 1:
-            per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
-    return MemoryPlan(whole, per_rank, ranks_per_host)
+def component_tensor_bytes(folder: Path, dtype: torch.dtype | None) -> dict[str, int]:
+    """Bytes of every tensor in a component folder's safetensors, as loaded in `dtype`, from the headers alone."""
+    return {key: tensor_bytes(info, dtype) for f in sorted(Path(folder).glob("*.safetensors"))
+            for key, info in read_safetensors_header(f).items()}
 
 
-def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list[int] | None) -> int:
-    from .pipefusion import stage_ranges  # here: pipefusion imports the attention kernels
-
+def block_bytes(tensors: dict[str, int]) -> tuple[dict[int, int], int]:
+    """A transformer's tensor bytes split into {block index: bytes} and the bytes outside the blocks."""
     blocks: dict[int, int] = {}
     shared = 0
     for key, size in tensors.items():
@@ -113,6 +102,27 @@ def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list
             blocks[int(match.group(1))] = blocks.get(int(match.group(1)), 0) + size
         else:
             shared += size
+    return blocks, shared
+
+
+def plan_memory(folder: Path, components: list[str], *, dtype: torch.dtype | None, pipefusion: int = 1,
+                ranks_per_host: int = 1, stage_split: list[int] | None = None) -> MemoryPlan:
+    """Bytes of every component's safetensors, and what one rank holds of them: under PipeFusion a
+    stage holds its transformer blocks (the largest stage's share is planned) plus every tensor
+    outside the blocks (embeddings, output layers); every other component is whole on every rank."""
+    whole, per_rank = {}, {}
+    for name in components:
+        tensors = component_tensor_bytes(folder / name, dtype)
+        whole[name] = per_rank[name] = sum(tensors.values())
+        if name == "transformer" and pipefusion > 1:
+            per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
+    return MemoryPlan(whole, per_rank, ranks_per_host)
+
+
+def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list[int] | None) -> int:
+    from .pipefusion import stage_ranges  # here: pipefusion imports the attention kernels
+
+    blocks, shared = block_bytes(tensors)
     if len(blocks) < stages:  # not a layout PipeFusion can split; load_pipeline refuses it later
         return shared + sum(blocks.values())
     ranges = stage_ranges(len(blocks), stages, stage_split)

@@ -12,7 +12,6 @@ images are the same on every rank of a configuration), and idle ranks answer Non
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 
@@ -118,13 +117,17 @@ def latents(state: dict):
 
 
 def summaries(state: dict):
-    """rank_summary(session) on this rank, when xdit_lab.lab.summaries exists (else the marker 'absent')."""
-    if importlib.util.find_spec("xdit_lab.lab.summaries") is None:
-        return "absent"
+    """rank_summary(session) on this rank (None when idle or before a session)."""
     from xdit_lab.lab.summaries import rank_summary
 
     session = state.get("session")
     return None if session is None else rank_summary(session)
+
+
+def timings(state: dict):
+    """This rank's PhaseTimings as they stand, in seconds (None when idle or before a session)."""
+    session = state.get("session")
+    return None if session is None else session.timings.as_dict()
 
 
 def crash(code: int = 1) -> None:

@@ -43,10 +43,14 @@ class LabSession:
         return output
 
     def summaries(self, *, timeout_s: float | None = None) -> list[dict]:
-        """xdit_lab.lab.summaries.rank_summary(session) of every active rank, in rank order
-        (empty where that module is not installed)."""
+        """xdit_lab.lab.summaries.rank_summary(session) of every active rank, in rank order."""
         answers = self._call(engine.summaries, what="summaries", timeout_s=timeout_s)
-        return [answers[rank] for rank in sorted(answers) if answers[rank] not in (None, "absent")]
+        return [answers[rank] for rank in sorted(answers) if answers[rank] is not None]
+
+    def timings(self, *, timeout_s: float | None = None) -> dict:
+        """{rank: its PhaseTimings so far, as a dict of seconds}, idle ranks left out."""
+        answers = self._call(engine.timings, what="timings", timeout_s=timeout_s)
+        return {rank: answer for rank, answer in answers.items() if answer is not None}
 
     # ---- state -------------------------------------------------------------------------------------
     @property

@@ -1,14 +1,14 @@
 """Measurements and tables for the strategy tutorials (05 CFG/DP, 06 PipeFusion, 07 hybrid).
 
 Pure functions over what a run already hands back (rank summaries from lab/summaries.py, latents,
-the classifier's readings), plus one small engine-side function (`rank_timings`). Every table is
+the classifier's readings). Every table is
 text with integers or rounded figures, so a notebook can print it in a checked cell.
 
     batch_table(summaries, prompts)      which rank computes which rows of the [uncond; cond] batch
     compare_to_serial(latents, serial)   max relative difference and relative L2 of the latents
     quality_row(...)                     classifier accuracy (%) and relative L2 (2 significant figures)
     bytes_by_config(runs)                one row per (configuration, rank): bytes per group, parameters
-    lab.call(rank_timings)               each rank's wall-clock seconds (encode, denoise, per step)
+    timing_table(session timings)        denoise seconds and ms per step, per configuration and rank
 """
 
 from __future__ import annotations
@@ -84,22 +84,13 @@ def bytes_by_config(runs: dict, step: int = -1) -> str:
 
 # ---- time per rank (runs on the engines) -----------------------------------------------------------
 
-def rank_timings(state: dict) -> dict | None:
-    """Engine side, for lab.call: this rank's PhaseTimings of its session, in seconds (None when idle)."""
-    session = state.get("session")
-    if session is None:
-        return None
-    timings = session.timings.as_dict()
-    return dict(rank=state["rank"], encode=timings["encode"], denoise=timings["denoise"],
-                steps=len(timings["steps"]), per_step=timings["denoise"] / max(len(timings["steps"]), 1))
-
-
 def timing_table(timings_by_config: dict) -> str:
-    """`{config name: lab.call(rank_timings)}` as text: denoise seconds and ms per step, per rank."""
+    """`{config name: session.timings()}` as text: denoise seconds and ms per step, per rank."""
     body = []
     for name, by_rank in timings_by_config.items():
         for rank in sorted(by_rank):
             t = by_rank[rank]
             if t is not None:
-                body.append([name, str(rank), f"{t['denoise']:.2f}", f"{1000 * t['per_step']:.1f}"])
+                per_step = t["denoise"] / max(len(t["steps"]), 1)
+                body.append([name, str(rank), f"{t['denoise']:.2f}", f"{1000 * per_step:.1f}"])
     return text_table(["config", "rank", "denoise s", "ms/step"], body)

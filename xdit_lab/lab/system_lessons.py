@@ -11,7 +11,6 @@ PhaseTimings and DenoiseSession.
     mmap_refused()                      a context in which safetensors refuses mmap (as some file systems do)
     mmap_demo(path)                     one safetensors file read through mmap, then with mmap refused
     load_with_mmap_refused(state, ...)  (engine) load_pipeline with mmap refused, then generate
-    session_timings(state)              (engine) this rank's PhaseTimings now, e.g. after run(), before result()
     vae_decoder_calls(state)            (engine) how often the VAE's decoder ran on this rank
     timed_lab_runs(lab, prompts, ...)   warm-up runs, then timed runs of a Lab session
     phase_medians(timings)              the median of every phase over runs
@@ -27,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,26 +34,17 @@ from pathlib import Path
 
 import torch
 
-_BLOCK_KEY = re.compile(r"^(single_)?transformer_blocks\.(\d+)\.")
-
-
 # ---- 08: memory and loading ---------------------------------------------------------------------------
 
 def header_block_bytes(folder, component: str = "transformer", dtype: torch.dtype | None = torch.float32) -> dict:
     """From the safetensors headers of `folder/component` alone (no weight read): the component's
     bytes, the bytes of its transformer blocks, and of each block, as loaded in `dtype`."""
-    from ..memory import read_safetensors_header, tensor_bytes
+    from ..memory import block_bytes, component_tensor_bytes
 
-    whole, per_block = 0, {}
-    for file in sorted((Path(folder) / component).glob("*.safetensors")):
-        for key, info in read_safetensors_header(file).items():
-            size = tensor_bytes(info, dtype)
-            whole += size
-            match = _BLOCK_KEY.match(key)
-            if match:
-                name = f"{match.group(1) or ''}transformer_blocks.{match.group(2)}"
-                per_block[name] = per_block.get(name, 0) + size
-    return dict(component_bytes=whole, block_bytes=sum(per_block.values()), per_block=per_block)
+    tensors = component_tensor_bytes(Path(folder) / component, dtype)
+    blocks, _ = block_bytes(tensors)
+    return dict(component_bytes=sum(tensors.values()), block_bytes=sum(blocks.values()),
+                per_block={f"transformer_blocks.{i}": size for i, size in sorted(blocks.items())})
 
 
 def rank_weights(state: dict) -> dict:
@@ -177,12 +166,6 @@ def load_with_mmap_refused(state: dict, name_or_path, config, prompts, seed: int
 
 
 # ---- 09: measuring -----------------------------------------------------------------------------------------
-
-def session_timings(state: dict):
-    """(engine) This rank's PhaseTimings as they stand (encode, prepare, steps, denoise, decode)."""
-    session = state.get("session")
-    return None if session is None else session.timings.as_dict()
-
 
 def vae_decoder_calls(state: dict) -> int | None:
     """(engine) How many times the VAE's decoder has run on this rank since this pipeline was loaded

@@ -27,18 +27,13 @@ def default_config(ranks: int) -> ParallelConfig:
 
 
 def _demo_rank(config, output, steps, seed):
-    from .digits.sample import call_kwargs
     from .digits.components import prompt_for
     from .pipeline import loading_bars_hidden
     from .run import run_generation
 
-    kwargs = call_kwargs()
-    options = {k: kwargs[k] for k in ("use_resolution_binning", "clean_caption", "max_sequence_length")}
-    with loading_bars_hidden():
-        return run_generation("digits", [prompt_for(d) for d in range(10)], config, output, negative_prompts="",
-                              steps=steps or kwargs["num_inference_steps"], guidance_scale=kwargs["guidance_scale"],
-                              seed=seed, height=kwargs["height"], width=kwargs["width"], progress=False,
-                              options=options)
+    with loading_bars_hidden():  # size, steps, guidance and negative prompt: the model folder's own
+        return run_generation("digits", [prompt_for(d) for d in range(10)], config, output, steps=steps, seed=seed,
+                              progress=False)
 
 
 def run_demo(config: ParallelConfig | None = None, ranks: int | None = None, output="outputs/demo", *,

@@ -3,6 +3,12 @@
     pipe = load_pipeline("path/to/pixart", ParallelConfig(cfg=2, ulysses=2))
     images = pipe(["a red cat", "a blue dog"], seed=0).images
 
+A folder may carry its own call defaults in `call_defaults.json` beside `model_index.json`
+(the bundled digits model does: its 16-pixel size, no resolution binning, its token budget,
+steps, guidance and negative prompt). `pipe(...)`, `pipe.session(...)`, the Lab, the CLI and the
+explorer all start from them; an argument the caller passes wins. A stock diffusers folder has
+no such file and keeps the family's diffusers defaults.
+
 Before any weight is read, the memory plan (bytes per component per rank, from the
 safetensors headers) is checked against the memory this rank has; a corrupt or truncated file
 is named. Ranks left idle by a configuration smaller than the world load nothing.
@@ -16,9 +22,10 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .config import ParallelConfig
-from .distributed import current_info
+from .distributed import current_info, init_distributed
 from .loading import load_stage_transformer
 from .memory import check_plan, plan_memory
 from .mesh import RankMesh
@@ -29,6 +36,8 @@ from .pipelines.base import Request
 from .session import DenoiseSession
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
+CALL_DEFAULTS = "call_defaults.json"  # a folder's own defaults for pipe(...), beside model_index.json
+CALL_ARGUMENTS = ("negative_prompt", "num_inference_steps", "guidance_scale", "height", "width")
 
 
 @contextlib.contextmanager
@@ -67,18 +76,43 @@ def read_model_index(folder: Path) -> dict:
         raise ValueError(f"{folder / 'model_index.json'} is not valid JSON ({error})") from None
 
 
-def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None = None,
+def read_call_defaults(folder: Path, recipe) -> dict:
+    """The folder's own call defaults (`call_defaults.json`), checked against what its pipeline takes;
+    {} when the folder has none."""
+    path = folder / CALL_DEFAULTS
+    if not path.is_file():
+        return {}
+    try:
+        defaults = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    allowed = (*CALL_ARGUMENTS, *recipe.options)
+    unknown = sorted(set(defaults) - set(allowed)) if isinstance(defaults, dict) else None
+    if unknown is None or unknown:
+        raise ValueError(f"{path} must be a JSON object of {recipe.family} call arguments ({', '.join(allowed)}); "
+                         f"it has {unknown if unknown is not None else type(defaults).__name__}")
+    return defaults
+
+
+def load_pipeline(name_or_path, config: ParallelConfig | None = None, *, mesh: RankMesh | None = None,
                   torch_dtype: torch.dtype = torch.float32, memory_limit_bytes: int | None = None,
                   progress: bool = True, stage_split: list[int] | None = None,
                   **from_pretrained_kwargs) -> "ParallelPipeline":
     """Load a PixArt-α/Σ, SD3, Flux.1 or CogVideoX pipeline folder and parallelize it on this rank.
 
-    Call on every rank after init_distributed. `memory_limit_bytes` overrides the memory a rank
-    is assumed to have (default: free GPU memory, or available RAM shared by this host's ranks).
-    `stage_split` gives PipeFusion's blocks per stage when the balanced split is not wanted."""
+    Call on every rank. `config` defaults to one rank (serial); without torch.distributed
+    initialised, the world is joined here as `init_distributed()` would (a world of one in a
+    plain Python process, torchrun's world under torchrun). `memory_limit_bytes` overrides the
+    memory a rank is assumed to have (default: free GPU memory, or available RAM shared by this
+    host's ranks). `stage_split` gives PipeFusion's blocks per stage when the balanced split is
+    not wanted."""
+    config = ParallelConfig() if config is None else config
     folder = resolve_folder(name_or_path)
     index = read_model_index(folder)
     recipe = recipe_for(index.get("_class_name", "?"))
+    call_defaults = {**recipe.defaults, **read_call_defaults(folder, recipe)}
+    if not dist.is_initialized():
+        init_distributed()
     info = current_info()
     mesh = mesh or RankMesh(config)
     components = [name for name, value in index.items()
@@ -88,7 +122,7 @@ def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None
                        ranks_per_host=min(local_ranks, config.world_size), stage_split=stage_split)
     check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
     if not mesh.active:
-        return ParallelPipeline(None, recipe, config, mesh, info.device, plan, folder)
+        return ParallelPipeline(None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults)
 
     from diffusers import DiffusionPipeline
 
@@ -115,7 +149,8 @@ def load_pipeline(name_or_path, config: ParallelConfig, *, mesh: RankMesh | None
     inner.set_progress_bar_config(disable=True)
     inner.to(info.device)
     parallelize(inner.transformer, config, mesh, stage_split=stage_split)
-    return ParallelPipeline(inner, recipe, config, mesh, info.device, plan, folder, progress=progress)
+    return ParallelPipeline(inner, recipe, config, mesh, info.device, plan, folder, progress=progress,
+                            call_defaults=call_defaults)
 
 
 def _mentions_mmap(error: BaseException | None) -> bool:
@@ -128,11 +163,16 @@ def _mentions_mmap(error: BaseException | None) -> bool:
 
 
 class ParallelPipeline:
-    """A diffusers pipeline whose transformer runs under a ParallelConfig; call it like diffusers'."""
+    """A diffusers pipeline whose transformer runs under a ParallelConfig; call it like diffusers'.
 
-    def __init__(self, diffusers_pipeline, recipe, config, mesh, device, plan, folder, *, progress=True):
+    `call_defaults`: what an argument left out of `pipe(...)` / `pipe.session(...)` becomes (the
+    family's steps and guidance, overlaid with the folder's `call_defaults.json`)."""
+
+    def __init__(self, diffusers_pipeline, recipe, config, mesh, device, plan, folder, *, progress=True,
+                 call_defaults: dict | None = None):
         self.diffusers_pipeline, self.recipe, self.config, self.mesh = diffusers_pipeline, recipe, config, mesh
         self.device, self.memory_plan, self.folder, self.progress = device, plan, folder, progress
+        self.call_defaults = dict(recipe.defaults if call_defaults is None else call_defaults)
 
     @property
     def active(self) -> bool:
@@ -144,6 +184,8 @@ class ParallelPipeline:
         if not self.active:
             raise RuntimeError(f"rank {self.mesh.rank} is idle under {self.config.short()}: only ranks with "
                                f"pipe.active run generations")
+        defaults = self.call_defaults
+        negative_prompt = defaults.get("negative_prompt") if negative_prompt is None else negative_prompt
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         negatives = None if negative_prompt is None else (
             [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt))
@@ -154,13 +196,14 @@ class ParallelPipeline:
                              f"prompt, a single string for all, or None")
         if generator is not None and seed is not None:
             raise ValueError("pass either generator= or seed=, not both")
-        defaults = self.recipe.defaults
         request = Request(
             prompts=prompts, negatives=negatives,
             num_inference_steps=num_inference_steps or defaults["num_inference_steps"],
             guidance_scale=defaults["guidance_scale"] if guidance_scale is None else guidance_scale,
-            height=height, width=width, seed=seed, generator=generator,
-            options=self.recipe.check_options(options))
+            height=height or defaults.get("height"), width=width or defaults.get("width"), seed=seed,
+            generator=generator,
+            options=self.recipe.check_options({**{k: v for k, v in defaults.items() if k in self.recipe.options},
+                                               **options}))
         self.check_size(request)
         return DenoiseSession(self, request, progress=progress)
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
 from .classifier import classify
 from .components import DIGITS_DIR, MAX_TOKENS, PIXELS, prompt_for
 
-# The call the model card measured. The sampler itself is whatever scheduler the folder holds.
-NUM_INFERENCE_STEPS = 20
-GUIDANCE_SCALE = 2.0
+# The call the model card measured; the trainer writes it into the folder as call_defaults.json,
+# which load_pipeline("digits") reads. The sampler itself is whatever scheduler the folder holds.
+CALL_DEFAULTS = dict(height=PIXELS, width=PIXELS, num_inference_steps=20, guidance_scale=2.0, negative_prompt="",
+                     use_resolution_binning=False, clean_caption=False, max_sequence_length=MAX_TOKENS)
 
 
 def load_digits_pipeline(folder=None):
@@ -26,12 +29,12 @@ def load_digits_pipeline(folder=None):
     return pipe
 
 
-def call_kwargs(**overrides) -> dict:
-    """Keyword arguments for `pipe(...)` that a 16-pixel PixArt needs (no 256-px binning, no caption
-    cleaning, a short token budget), plus the measured steps and guidance; `overrides` win."""
-    kwargs = dict(height=PIXELS, width=PIXELS, num_inference_steps=NUM_INFERENCE_STEPS,
-                  guidance_scale=GUIDANCE_SCALE, negative_prompt="", use_resolution_binning=False,
-                  clean_caption=False, max_sequence_length=MAX_TOKENS)
+def call_kwargs(folder=None, **overrides) -> dict:
+    """Keyword arguments for a stock diffusers `pipe(...)` on the digits model: the folder's own
+    call_defaults.json (16 pixels, no 256-px binning, no caption cleaning, a short token budget,
+    the measured steps and guidance); `overrides` win. `load_pipeline("digits")` applies the same
+    file by itself, so a parallel pipeline needs none of these."""
+    kwargs = json.loads((Path(folder or DIGITS_DIR) / "call_defaults.json").read_text())
     kwargs.update(overrides)
     return kwargs
 
@@ -75,7 +78,7 @@ def generate_parallel(config, per_digit: int = 10) -> dict:
     generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per_digit)]
     pipe = load_pipeline("digits", config, progress=False)
     t0 = time.perf_counter()
-    session = pipe.session([prompt_for(d) for d in digits], generator=generators, **call_kwargs())
+    session = pipe.session([prompt_for(d) for d in digits], generator=generators)  # the folder's defaults
     session.run()
     latents = session.latents.clone()
     images = session.result(output_type="np").images

@@ -85,7 +85,11 @@ def _train_vae(vae, images, recipe: Recipe, gen: torch.Generator) -> None:
 
 
 def _save_pipeline(pipe, folder) -> None:
+    from .sample import CALL_DEFAULTS
+
     pipe.save_pretrained(folder, safe_serialization=True)
+    # the call this model is made for travels with it: load_pipeline("digits") reads it
+    (Path(folder) / "call_defaults.json").write_text(json.dumps(CALL_DEFAULTS, indent=2) + "\n")
     # transformers 5 records its fast tokenizer class as "TokenizersBackend", a name 4.x lacks;
     # "PreTrainedTokenizerFast" loads the same tokenizer.json in both.
     for name in ("model_index.json", "tokenizer/tokenizer_config.json"):

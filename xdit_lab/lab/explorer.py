@@ -38,15 +38,15 @@ def model_shape(state: dict, height, width) -> dict:
     pipe = state.get("pipe")
     if pipe is None or not pipe.active:
         raise RuntimeError("no pipeline is loaded on this engine: call lab.load(...) first")
-    inner = pipe.diffusers_pipeline
+    inner, defaults = pipe.diffusers_pipeline, pipe.call_defaults
     multiple, default = pipe.recipe.size_multiple(inner)
+    height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
     return dict(family=inner.transformer._xdit_lab_state.adapter.family,
                 num_heads=config["num_attention_heads"], num_layers=config["num_layers"],
-                rows=(height or default[0]) // multiple, cols=(width or default[1]) // multiple,
-                guidance_scale=pipe.recipe.defaults["guidance_scale"],
-                num_inference_steps=pipe.recipe.defaults["num_inference_steps"])
+                rows=height // multiple, cols=width // multiple,
+                guidance_scale=defaults["guidance_scale"], num_inference_steps=defaults["num_inference_steps"])
 
 
 def preview(state: dict, limit: int):
@@ -131,22 +131,18 @@ class Frame:
 class ExplorerController:
     """State and actions of the explorer, without widgets.
 
-    `session_kwargs` are the pipeline's call arguments (default: the bundled digits model's
-    `call_kwargs()` when "digits" is loaded); `prompt` may hold several prompts separated by ';'."""
+    `session_kwargs` are extra call arguments for `lab.session(...)`; what they leave out is the
+    loaded pipeline's own default (`pipe.call_defaults`: the model folder's, then the family's).
+    `prompt` may hold several prompts separated by ';'."""
 
     def __init__(self, lab, *, prompt: str | None = None, steps: int | None = None, seed: int = 0,
                  session_kwargs: dict | None = None, preview_limit: int = 4, timeout_s: float | None = None):
         if lab.loaded is None:
             raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) before the explorer")
         self.lab, self.seed, self.preview_limit, self.timeout_s = lab, seed, preview_limit, timeout_s
-        digits = lab.loaded[0] == "digits"
-        if session_kwargs is None and digits:
-            from ..digits import call_kwargs
-
-            session_kwargs = call_kwargs()
         self.session_kwargs = dict(session_kwargs or {})
         default_steps = self.session_kwargs.pop("num_inference_steps", None)
-        self.prompt = prompt or ("a handwritten 7" if digits else "a red cat")
+        self.prompt = prompt or ("a handwritten 7" if lab.loaded[0] == "digits" else "a red cat")
         self.session, self.session_seed = None, None
         answer = lab.call(model_shape, self.session_kwargs.get("height"), self.session_kwargs.get("width"),
                           ranks=[0], what="explorer.model_shape")[0]

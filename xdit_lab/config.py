@@ -17,9 +17,13 @@ bytes, N = the method's degree):
     parameters   P per rank under sequence/CFG/data parallelism, P/N under PipeFusion
 In a hybrid, Ring passes K/V that Ulysses has already split by heads (so ÷ulysses), Ulysses
 works on the ring's share of the sequence (so ÷ring), and each PipeFusion stage holds
-L/pipefusion layers. A rank carries ceil(batch/dp) images, times two CFG branches unless cfg
-splits them; work and traffic scale with that. Communication is reported in units of p·hs (elements), so the table
-needs no hidden size; pass `hidden_size` and `dtype_bytes` to get bytes.
+L/pipefusion layers. The model's batch is every prompt's rows, twice with guidance
+([unconditional; conditional]); cfg 2 takes one half, and dp splits what is left by rows, as the
+forward does (models/parallel.py), so a rank carries ceil(batch·branches / (cfg·dp)) rows, at
+least one (a dp group without rows computes a stand-in). At batch 1 with guidance, dp 2 and cfg 2
+therefore do the same work. Work and traffic scale with the rows. Communication is reported in
+units of p·hs (elements), so the table needs no hidden size; pass `hidden_size` and `dtype_bytes`
+to get bytes.
 """
 
 from __future__ import annotations
@@ -178,11 +182,12 @@ class ParallelConfig:
     def cost(self, num_layers: int | None = None, *, batch: int = 1, use_cfg: bool = True) -> CostEstimate:
         """Per-rank work, communication and parameter share of one denoising step (table above).
 
-        `batch` prompts, each run twice (unconditional and conditional) when `use_cfg`: without
-        CFG parallelism a rank carries both branches, so its work and traffic double."""
+        `batch` prompts, each run twice (unconditional and conditional) when `use_cfg`. The rows
+        are split over cfg, then dp, exactly as the forward splits them: the busiest rank's rows
+        count (tests/test_cost_model.py counts them on real ranks)."""
         layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
         branches = 2 if (use_cfg or self.cfg == 2) else 1
-        images_per_rank = -(-batch // self.dp) * branches / self.cfg
+        images_per_rank = max(1, -(-(batch * branches) // (self.cfg * self.dp)))
         u, r, n = self.ulysses, self.ring, self.pipefusion
         per_image = 0.0
         if u > 1:

@@ -1,0 +1,81 @@
+"""The cost model's work per rank equals the work the ranks really do.
+
+`ParallelConfig.cost().work_fraction` claims how many single-image transformer forwards the
+busiest rank runs per denoising step. Here the ranks count them: a hook on every transformer block
+adds up rows × image tokens entering it, and one forward of one image through the whole model is
+image tokens × layers. One spawned run on 4 ranks covers every degree (and a few hybrids), with
+guidance on and off, for 1 and 3 prompts; configurations smaller than 4 ranks leave the rest idle.
+"""
+
+import torch
+
+from xdit_lab import ParallelConfig, load_pipeline
+from xdit_lab.digits.components import prompt_for
+from xdit_lab.testing import run_on_ranks
+
+CONFIGS = [ParallelConfig(dp=2), ParallelConfig(cfg=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2),
+           ParallelConfig(pipefusion=2), ParallelConfig(dp=4), ParallelConfig(ulysses=4), ParallelConfig(pipefusion=4),
+           ParallelConfig(cfg=2, dp=2), ParallelConfig(dp=2, ulysses=2), ParallelConfig(cfg=2, pipefusion=2),
+           ParallelConfig(pipefusion=2, ring=2)]
+CALLS = [(guidance, batch) for guidance in (2.0, 1.0) for batch in (1, 3)]
+STEPS = 2  # with PipeFusion's one warmup step: one whole-image step, then one patch at a time
+
+
+def _count_forwards(configs, calls):
+    """On every rank: per (config, guidance, batch), single-image forwards of this rank per step."""
+    counted = {}
+    for config in configs:
+        pipe = load_pipeline("digits", config, progress=False)
+        if not pipe.active:
+            continue
+        transformer = pipe.diffusers_pipeline.transformer
+        tokens = [0]
+
+        def count(_module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            tokens[0] += hidden.shape[0] * hidden.shape[1]
+
+        hooks = [block.register_forward_pre_hook(count, with_kwargs=True) for block in transformer.transformer_blocks]
+        layers, image_tokens = transformer.config.num_layers, 64  # 8 × 8 tokens at the folder's 16 pixels
+        for guidance, batch in calls:
+            if config.cfg == 2 and guidance <= 1:
+                continue  # refused: there is no second branch to split
+            session = pipe.session([prompt_for(d) for d in range(batch)], seed=0, guidance_scale=guidance,
+                                   num_inference_steps=STEPS)
+            per_step = []
+            for _ in range(STEPS):
+                tokens[0] = 0
+                session.step()
+                per_step.append(tokens[0] / (image_tokens * layers))
+            counted[(config.short(), guidance, batch)] = per_step
+        for hook in hooks:
+            hook.remove()
+        del pipe
+    return counted
+
+
+def test_cost_model_work_equals_the_forwards_counted_on_the_ranks(one_thread):
+    ranks = run_on_ranks(_count_forwards, 4, CONFIGS, CALLS, timeout_s=600)
+    checked = 0
+    for config in CONFIGS:
+        for guidance, batch in CALLS:
+            key = (config.short(), guidance, batch)
+            counts = [rank[key] for rank in ranks if key in rank]
+            if config.cfg == 2 and guidance <= 1:
+                assert not counts
+                continue
+            assert len(counts) == config.world_size, key
+            busiest = max(max(per_step) for per_step in counts)
+            assert all(per_step[0] == per_step[1] for per_step in counts), (key, counts)  # warmup or not
+            claimed = config.cost(4, batch=batch, use_cfg=guidance > 1).work_fraction
+            assert busiest == claimed, f"{key}: ranks run {busiest} forwards per step, the cost model says {claimed}"
+            checked += 1
+    assert checked == len(CONFIGS) * len(CALLS) - 2 * sum(c.cfg == 2 for c in CONFIGS)
+
+
+def test_dp_with_guidance_at_batch_one_costs_what_cfg_costs():
+    """The case the cost model got wrong: dp 2 splits the doubled batch [uncond; cond]."""
+    dp, cfg = ParallelConfig(dp=2).cost(4, batch=1), ParallelConfig(cfg=2).cost(4, batch=1)
+    assert dp.work_fraction == cfg.work_fraction == 1
+    ranked = [c.short() for c in ParallelConfig.options(2, num_heads=4, num_layers=4)]
+    assert ranked.index("dp2") < ranked.index("pipefusion2")

@@ -1,11 +1,13 @@
-"""xdit-lab: the command-line driver.
+"""xdit-lab: the command-line driver, one function per subcommand (registered in `_build_parser`).
 
     xdit-lab plan [--world-size N] [--heads H] [--layers L] [--seq-len S] [--hidden-size HS]
                   [--batch B] [--no-cfg] [--top K]
+    torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompt TEXT [--cfg 2 --ulysses 2 ...]
+    xdit-lab demo [--ranks N] [--cfg 2 ...]
 
 `plan` ranks every parallel configuration that fits N ranks with ParallelConfig's cost model
-(see xdit_lab/config.py) and prints it as a table. `run` and `demo` will join as further
-subcommands; each subcommand is one function registered in `_build_parser`.
+(see xdit_lab/config.py) and prints it as a table. `run` generates on every rank torchrun starts
+(xdit_lab/run.py); `demo` spawns local ranks and draws the bundled model's ten digits (demo.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Tiny diffusers transformers with random weights, for tests, benchmarks and tutorials.
 
-Every family at a size that runs in milliseconds on a CPU (configs from STACK-FACTS), seeded so
+Every family at a size that runs in milliseconds on a CPU (the smallest configurations each family's
+constructor accepts: heads × head_dim 4 × 16, two layers, text width 32), seeded so
 that every rank builds identical weights, plus matching inputs: `tiny_inputs(family, batch)`
 returns the keyword arguments of the model's forward.
 

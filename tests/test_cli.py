@@ -31,7 +31,7 @@ def test_plan_rows_match_options():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Parallel configurations for 4 ranks (--world-size); heads 4,")
     header, rows = _table(result.stdout)
-    assert header[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "uly", "work/rank"]
+    assert header[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "work/rank"]
     expected = ParallelConfig.options(4, num_heads=4)
     assert [row[1] for row in rows] == [c.short() for c in expected]
     assert [int(row[0]) for row in rows] == list(range(1, len(expected) + 1))

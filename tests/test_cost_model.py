@@ -78,4 +78,4 @@ def test_dp_with_guidance_at_batch_one_costs_what_cfg_costs():
     dp, cfg = ParallelConfig(dp=2).cost(4, batch=1), ParallelConfig(cfg=2).cost(4, batch=1)
     assert dp.work_fraction == cfg.work_fraction == 1
     ranked = [c.short() for c in ParallelConfig.options(2, num_heads=4, num_layers=4)]
-    assert ranked.index("dp2") < ranked.index("pipefusion2")
+    assert ranked.index("dp2") < ranked.index("pf2")

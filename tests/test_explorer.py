@@ -24,7 +24,7 @@ def shorts(configs):
 
 def test_two_engines_offer_every_pair_then_serial():
     offered = valid_configs(2, DIGITS)
-    assert shorts(offered) == ["cfg2", "dp2", "pipefusion2", "ring2", "ulysses2", "serial"]
+    assert shorts(offered) == ["cfg2", "dp2", "pf2", "ring2", "ulysses2", "serial"]
     assert all(not explain(c, 2, DIGITS) for c in offered)
 
 
@@ -32,8 +32,8 @@ def test_four_engines_offer_hybrids_and_subsets():
     offered = valid_configs(4, DIGITS)
     sizes = [c.world_size for c in offered]
     assert sizes == sorted(sizes, reverse=True) and set(sizes) == {1, 2, 3, 4}  # all ranks first, then subsets
-    assert {"ring3", "pipefusion3", "dp3"} <= set(shorts(offered)) and "ulysses3" not in shorts(offered)  # 4 heads
-    hybrids = {"cfg2·ulysses2", "cfg2·pipefusion2", "ulysses4", "pipefusion4", "cfg2·ring2", "cfg2"}
+    assert {"ring3", "pf3", "dp3"} <= set(shorts(offered)) and "ulysses3" not in shorts(offered)  # 4 heads
+    hybrids = {"cfg2·ulysses2", "cfg2·pf2", "ulysses4", "pf4", "cfg2·ring2", "cfg2"}
     assert hybrids <= set(shorts(offered))
     assert all(not explain(c, 4, DIGITS) for c in offered)
     # a model with 2 heads cannot split them 4 ways; without guidance there is no cfg branch to split
@@ -44,7 +44,7 @@ def test_four_engines_offer_hybrids_and_subsets():
 
 
 @pytest.mark.parametrize("config, engines, expected", [
-    (ParallelConfig(cfg=2, dp=2), 2, ["world size is 2", "cfg2, dp2, pipefusion2", "Lab(n=4)"]),
+    (ParallelConfig(cfg=2, dp=2), 2, ["world size is 2", "cfg2, dp2, pf2", "Lab(n=4)"]),
     (ParallelConfig(ulysses=3), 4, ["4 attention heads do not divide by ulysses 3"]),
     (ParallelConfig(cfg=3), 4, ["cfg must be 1 or 2"]),
     (ParallelConfig(pipefusion=2, num_patches=1), 2, ["num_patches 1 is below the 2 PipeFusion stages"]),
@@ -84,7 +84,7 @@ def controller(lab):
 def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
     # the tiny PixArt: 4 heads, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
     assert controller.shape == ModelShape(family="PixArt", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True)
-    assert shorts(controller.options()) == ["cfg2", "dp2", "pipefusion2", "ring2", "ulysses2", "serial"]
+    assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ring2", "ulysses2", "serial"]
     assert controller.choices()["num_patches"] == [None, 1, 2, 3, 4]
 
 

@@ -59,7 +59,7 @@ def test_rank_order_and_str():
     config = ParallelConfig(dp=1, cfg=2, ulysses=2, ring=2)  # 8 ranks; mesh math needs no processes
     mesh = RankMesh(config, rank=5, world_size=8)
     assert mesh.coords == {"dp": 0, "cfg": 1, "pipefusion": 0, "ring": 0, "ulysses": 1}
-    assert str(mesh) == "dp0 cfg1 pp0 ring0 ulysses1 (rank 5 of 8)"
+    assert str(mesh) == "dp0 cfg1 pf0 ring0 ulysses1 (rank 5 of 8)"
     assert [RankMesh(config, rank=r, world_size=8).coords["ulysses"] for r in range(8)] == [0, 1] * 4
     assert [RankMesh(config, rank=r, world_size=8).coords["ring"] for r in range(8)] == [0, 0, 1, 1] * 2
     assert [RankMesh(config, rank=r, world_size=8).coords["cfg"] for r in range(8)] == [0] * 4 + [1] * 4

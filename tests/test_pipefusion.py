@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from xdit_lab import ParallelConfig, ParallelConfigError, comm_log, parallelize
-from xdit_lab.pipefusion import patch_ranges, stage_ranges
+from xdit_lab.models import parallel_state
+from xdit_lab.sharding import patch_ranges, stage_ranges
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
@@ -26,7 +27,7 @@ def _steps(config, family="pixart"):
                 out = model(**x).sample
             rows.append(dict(error=(out - ref).abs().max().item(), bound=1e-4 * max(1.0, ref.abs().max().item()),
                              records=log.summary()))
-    stage = model._xdit_lab_state.pipefusion
+    stage = parallel_state(model).strategy
     return dict(rows=rows, staleness=stage.staleness(),
                 block_params=sum(p.numel() for p in model.transformer_blocks.parameters()), whole=whole_params)
 

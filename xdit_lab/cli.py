@@ -16,10 +16,9 @@ import argparse
 import contextlib
 import sys
 
-from .config import DEGREES, ParallelConfig, ParallelConfigError, _visible_gpus
+from .config import DEGREES, SHORT, ParallelConfig, ParallelConfigError, _visible_gpus
 from .distributed import usable_cpu_cores
 
-_DEGREE_HEADERS = {"dp": "dp", "cfg": "cfg", "pipefusion": "pf", "ring": "ring", "ulysses": "uly"}
 
 
 def _count(minimum: int):
@@ -68,7 +67,7 @@ def plan_table(args, world_size: int) -> tuple[list[list[str]], int]:
     configs = ParallelConfig.options(world_size, num_heads=args.heads, num_layers=args.layers,
                                      seq_len=args.seq_len, use_cfg=not args.no_cfg, batch=args.batch)
     show_bytes = _shows_bytes(args)
-    header = ["#", "config", *(_DEGREE_HEADERS[d] for d in DEGREES), "work/rank", "comm/rank/step (p·hs)"]
+    header = ["#", "config", *(SHORT[d] for d in DEGREES), "work/rank", "comm/rank/step (p·hs)"]
     header += ["comm bytes"] if show_bytes else []
     header += ["params/rank"]
     rows = [header]

@@ -32,7 +32,11 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-DEGREES = ("dp", "cfg", "pipefusion", "ring", "ulysses")  # slowest-varying rank first
+# The five degrees, slowest-varying rank first; this order is used everywhere (fields, mesh, tables).
+DP, CFG, PIPEFUSION, RING, ULYSSES = "dp", "cfg", "pipefusion", "ring", "ulysses"
+DEGREES = (DP, CFG, PIPEFUSION, RING, ULYSSES)
+# The one short form of each degree, for compact names, tables and mesh coordinates: 'cfg2·pf2'.
+SHORT = {DP: "dp", CFG: "cfg", PIPEFUSION: "pf", RING: "ring", ULYSSES: "ulysses"}
 
 
 class ParallelConfigError(ValueError):
@@ -54,8 +58,8 @@ class ParallelConfig:
     dp: int = 1
     cfg: int = 1
     pipefusion: int = 1
-    ulysses: int = 1
     ring: int = 1
+    ulysses: int = 1
     num_patches: int | None = None  # PipeFusion patches; None means one per stage
     warmup_steps: int = 1  # synchronous full-image steps before PipeFusion runs on stale K/V
 
@@ -89,8 +93,8 @@ class ParallelConfig:
         return f"{' × '.join(used) or 'serial'} = {self.world_size}"
 
     def short(self) -> str:
-        """Compact form for tables: 'cfg2·ulysses2', or 'serial'."""
-        used = [f"{name}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
+        """Compact form for tables: 'cfg2·pf2·ulysses2', or 'serial' (SHORT names each degree)."""
+        used = [f"{SHORT[name]}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
         return "·".join(used) or "serial"
 
     def replace(self, **changes) -> "ParallelConfig":

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .sharding import stage_ranges
+
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 FLOATS = {"F64", "F32", "F16", "BF16"}
@@ -120,8 +122,6 @@ def plan_memory(folder: Path, components: list[str], *, dtype: torch.dtype | Non
 
 
 def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list[int] | None) -> int:
-    from .pipefusion import stage_ranges  # here: pipefusion imports the attention kernels
-
     blocks, shared = block_bytes(tensors)
     if len(blocks) < stages:  # not a layout PipeFusion can split; load_pipeline refuses it later
         return shared + sum(blocks.values())

@@ -22,12 +22,15 @@ import itertools
 
 import torch.distributed as dist
 
-from .config import DEGREES, ParallelConfig, ParallelConfigError
+from .config import CFG, DEGREES, DP, PIPEFUSION, RING, SHORT, ULYSSES, ParallelConfig, ParallelConfigError
 
-# Named groups: the five degrees, "sp" (the ulysses × ring ranks that share one image's tokens)
-# and "world" (every rank of the configuration, which may be a subset of the processes).
-GROUP_NAMES = (*DEGREES, "sp", "world")
-_GROUP_DIMS = {name: (name,) for name in DEGREES} | {"sp": ("ring", "ulysses"), "world": DEGREES}
+# Named groups: the five degrees, SP (the ring × ulysses ranks that share one image's tokens) and
+# WORLD (every rank of the configuration, which may be a subset of the processes). Code names a
+# group by these constants; the strings are what comm records and views show.
+SP, WORLD = "sp", "world"
+GROUP_NAMES = (*DEGREES, SP, WORLD)
+_GROUP_DIMS = {name: (name,) for name in DEGREES} | {SP: (RING, ULYSSES), WORLD: DEGREES}
+__all__ = ["RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSES", "SP", "WORLD"]
 
 
 class RankMesh:
@@ -114,14 +117,14 @@ class RankMesh:
 
     def group_size(self, name: str) -> int:
         self._check_name(name)
-        if name == "sp":
+        if name == SP:
             return self.config.sp_degree
-        if name == "world":
+        if name == WORLD:
             return self.config.world_size
         return self.shape[name]
 
     def group_rank(self, name: str) -> int:
-        """This rank's index inside its group `name` (for "sp": ring-major, ulysses fastest)."""
+        """This rank's index inside its group `name` (for SP: ring-major, ulysses fastest)."""
         return self.group_ranks(name).index(self.rank)
 
     def _check_name(self, name: str):
@@ -134,26 +137,25 @@ class RankMesh:
     @property
     def pipeline_prev(self) -> int:
         """Global rank of the previous PipeFusion stage (wrapping: stage 0's previous is the last)."""
-        return self.rank_of(pipefusion=(self.coords["pipefusion"] - 1) % self.shape["pipefusion"])
+        return self.rank_of(pipefusion=(self.coords[PIPEFUSION] - 1) % self.shape[PIPEFUSION])
 
     @property
     def pipeline_next(self) -> int:
         """Global rank of the next PipeFusion stage (the last stage's next is stage 0)."""
-        return self.rank_of(pipefusion=(self.coords["pipefusion"] + 1) % self.shape["pipefusion"])
+        return self.rank_of(pipefusion=(self.coords[PIPEFUSION] + 1) % self.shape[PIPEFUSION])
 
     @property
     def is_first_stage(self) -> bool:
-        return self.coords["pipefusion"] == 0
+        return self.coords[PIPEFUSION] == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.coords["pipefusion"] == self.shape["pipefusion"] - 1
+        return self.coords[PIPEFUSION] == self.shape[PIPEFUSION] - 1
 
     def __str__(self) -> str:
         if not self.active:
             return f"idle (rank {self.rank} of {self.world_size}; the configuration uses {self.config.world_size})"
-        c = self.coords
-        return (f"dp{c['dp']} cfg{c['cfg']} pp{c['pipefusion']} ring{c['ring']} ulysses{c['ulysses']} "
-                f"(rank {self.rank} of {self.config.world_size})")
+        coords = " ".join(f"{SHORT[name]}{self.coords[name]}" for name in DEGREES)
+        return f"{coords} (rank {self.rank} of {self.config.world_size})"
 
     __repr__ = __str__

@@ -30,10 +30,11 @@ from .loading import load_stage_transformer
 from .memory import check_plan, plan_memory
 from .mesh import RankMesh
 from .models import parallelize
-from .pipefusion import stage_ranges
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
+from .sharding import stage_ranges
+from .mesh import PIPEFUSION
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
 CALL_DEFAULTS = "call_defaults.json"  # a folder's own defaults for pipe(...), beside model_index.json
@@ -130,7 +131,7 @@ def load_pipeline(name_or_path, config: ParallelConfig | None = None, *, mesh: R
         # a stage materialises only its own blocks (plus embeddings and output layers)
         transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
         stages = stage_ranges(transformer_config["num_layers"], config.pipefusion, stage_split)
-        blocks = stages[mesh.coords["pipefusion"]]
+        blocks = stages[mesh.coords[PIPEFUSION]]
         from_pretrained_kwargs["transformer"] = load_stage_transformer(
             folder / "transformer", index["transformer"][1], blocks, torch_dtype)
     try:

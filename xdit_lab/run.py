@@ -23,6 +23,7 @@ from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .memory import rank_memory
 from .pipeline import load_pipeline
+from .mesh import WORLD
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,8 +57,8 @@ def run_generation(model: str, prompts: list[str], config: ParallelConfig, outpu
                       height=height, width=width, seed=seed, output_type=output_type, **(options or {}))
     mine = dict(rank=current_info().rank, mesh=str(pipe.mesh), device=str(pipe.device), memory=rank_memory(pipe),
                 bytes_out_by_group=log.bytes_by_group(), timings=result.timings)
-    ranks = comm.all_gather_object(mine, pipe.mesh, "world", tag="report")
-    if pipe.mesh.group_rank("world") != 0:
+    ranks = comm.all_gather_object(mine, pipe.mesh, WORLD, tag="report")
+    if pipe.mesh.group_rank(WORLD) != 0:
         return None
     files = _write_outputs(result, pipe.recipe, Path(output_dir), output_type)
     report = dict(model=str(model), pipeline=type(pipe.diffusers_pipeline).__name__, config=config.__dict__,

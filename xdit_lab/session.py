@@ -24,8 +24,9 @@ import time
 import torch
 
 from . import comm
-from .models.pipelined import reset_stale_state
+from .models import parallel_state
 from .pipelines.base import Prepared, Request
+from .mesh import WORLD
 
 
 class PhaseTimings:
@@ -65,7 +66,7 @@ class DenoiseSession:
         self.progress = progress
         self.step_index = 0
         inner = pipe.diffusers_pipeline
-        reset_stale_state(inner.transformer)  # PipeFusion warms up again for every generation
+        parallel_state(inner.transformer).strategy.reset()  # e.g. PipeFusion warms up again
         with torch.no_grad():
             with self.timings.measure("encode"):
                 self.prepared: Prepared = self.recipe.encode(inner, request, pipe.device)
@@ -165,10 +166,10 @@ def check_same_inputs(mesh, request: Request, prepared: Prepared) -> None:
                   options=sorted(request.options.items()), latents=prepared.latents)
     # Text embeddings are left out: GPU kernels need not be bit-reproducible across devices.
     mine = {name: _digest(value) for name, value in fields.items()}
-    everyone = comm.all_gather_object(mine, mesh, "world", tag="input_hash")
+    everyone = comm.all_gather_object(mine, mesh, WORLD, tag="input_hash")
     differing = sorted({name for other in everyone for name in mine if other[name] != mine[name]})
     if differing:
-        ranks = mesh.group_ranks("world")
+        ranks = mesh.group_ranks(WORLD)
         detail = "; ".join(f"{name}: " + ", ".join(f"rank {r} {h[name][:8]}" for r, h in zip(ranks, everyone))
                            for name in differing)
         raise ValueError(f"ranks hold different inputs ({', '.join(differing)}): {detail}. Every rank must get the "

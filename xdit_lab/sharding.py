@@ -1,5 +1,16 @@
-"""How a sequence is cut into shards: contiguous chunks in group-rank order, sized as
-torch.tensor_split sizes them (the first `total % parts` shards get one extra token)."""
+"""Index math: how tokens and blocks are cut between ranks. No communication, no model.
+
+A sequence shard is a contiguous chunk in group-rank order, sized as torch.tensor_split sizes
+them (the first `total % parts` shards get one extra token). PipeFusion adds two cuts on top:
+blocks into stages (contiguous runs of blocks), and the image into patches (row bands), each
+patch then sharded over the sequence-parallel ranks the same way. For a 4 × 4 token grid, 2
+patches and 2 sp ranks:
+
+    token rows 0-1: patch 0   sp rank 0 holds tokens 0-3,  sp rank 1 tokens 4-7
+    token rows 2-3: patch 1   sp rank 0 holds tokens 8-11, sp rank 1 tokens 12-15
+
+so a rank owns the same part of every patch, side by side.
+"""
 
 from __future__ import annotations
 
@@ -22,3 +33,54 @@ def take_shard(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tenso
     """Shard `index` of `parts` along `dim` (a view, no copy)."""
     start, stop = shard_range(x.shape[dim], parts, index)
     return x.narrow(dim, start, stop - start)
+
+
+# ---- PipeFusion: blocks into stages, the image into patches ---------------------------------------------
+
+
+def stage_ranges(num_blocks: int, stages: int, split: list[int] | None = None) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) block ranges per stage: balanced by count, or `split` block counts."""
+    counts = split if split is not None else shard_sizes(num_blocks, stages)
+    if len(counts) != stages or sum(counts) != num_blocks or min(counts) < 1:
+        raise ValueError(
+            f"a stage split must give each of {stages} stages at least one of the {num_blocks} blocks, got {counts}"
+        )
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return [(start, start + count) for start, count in zip(starts, counts)]
+
+
+def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int) -> list[tuple[int, int]]:
+    """Token ranges of `num_patches` row bands of a grid_rows × grid_cols token grid."""
+    if num_patches > grid_rows:
+        raise ValueError(
+            f"{num_patches} patches are more than the {grid_rows} token rows of the image; "
+            f"use num_patches <= {grid_rows}"
+        )
+    rows = shard_sizes(grid_rows, num_patches)
+    starts = [sum(rows[:i]) for i in range(num_patches)]
+    return [(start * grid_cols, (start + count) * grid_cols) for start, count in zip(starts, rows)]
+
+
+class PatchLayout:
+    """Which tokens each sequence-parallel rank holds when some patches are processed."""
+
+    def __init__(self, patches: list[tuple[int, int]], sp: int):
+        self.patches, self.sp = patches, sp
+
+    def chunk(self, patch: int, sp_rank: int) -> tuple[int, int]:
+        start, stop = self.patches[patch]
+        return tuple(start + i for i in shard_range(stop - start, self.sp, sp_rank))
+
+    def chunk_len(self, patch: int, sp_rank: int) -> int:
+        start, stop = self.chunk(patch, sp_rank)
+        return stop - start
+
+    def rank_tokens(self, active: list[int], sp_rank: int) -> torch.Tensor:
+        return torch.cat([torch.arange(*self.chunk(p, sp_rank)) for p in active])
+
+    def rank_sizes(self, active: list[int]) -> list[int]:
+        return [sum(self.chunk_len(p, i) for p in active) for i in range(self.sp)]
+
+    def gather_order(self, active: list[int]) -> torch.Tensor:
+        """Token positions of an all-gather over sp ranks of their rank_tokens (in rank order)."""
+        return torch.cat([self.rank_tokens(active, i) for i in range(self.sp)])

@@ -92,6 +92,19 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     return out, lse.float()
 
 
+def joint_local_attention(q, k, v, *, joint=None, scale=None):
+    """Attention over the whole (gathered) sequence on one rank, image and text in one call.
+
+    joint: optional (q, k, v) of text tokens, appended after the image tokens. Returns
+    (image_out, text_out or None)."""
+    if joint is None:
+        return local_attention(q, k, v, scale=scale)[0], None
+    image_len = q.shape[2]
+    q, k, v = (torch.cat([image, text], dim=2) for image, text in zip((q, k, v), joint))
+    out = local_attention(q, k, v, scale=scale)[0]
+    return out[:, :, :image_len], out[:, :, image_len:]
+
+
 def _math_attention(q, k, v, scale):
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale

@@ -20,6 +20,7 @@ import torch
 
 from .. import comm
 from .local import local_attention, merge_attention
+from ..mesh import RING
 
 
 def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=None):
@@ -27,8 +28,8 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
     length, in ring order. joint: optional (q, k, v) of replicated text tokens.
     Returns (out [B, H, S_me, D], joint_out or None)."""
     n = len(block_sizes)
-    me = mesh.group_rank("ring")
-    members = mesh.group_ranks("ring")
+    me = mesh.group_rank(RING)
+    members = mesh.group_ranks(RING)
     send_to, recv_from = members[(me + 1) % n], members[(me - 1) % n]
     batch, heads, _, head_dim = k.shape
 
@@ -42,7 +43,7 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
         requests = []
         if step + 1 < n:  # start moving the next block before computing on this one
             incoming = kv.new_empty((2, batch, heads, block_sizes[(source - 1) % n], head_dim))
-            requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, "ring", tag="kv")
+            requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, RING, tag="kv")
         if kv.shape[3] and q.shape[2]:
             out, lse = merge_attention(out, lse, *local_attention(q, kv[0], kv[1], scale=scale))
         comm.wait(requests)
@@ -65,7 +66,7 @@ def _joint_queries(joint, k, v, mesh, scale):
         part_lse = text_q.new_full(text_q.shape[:3], float("-inf"), dtype=torch.float32)
     # out and lse travel together: lse as one extra feature column (float32 keeps it exact)
     packed = torch.cat([part_out.float(), part_lse.unsqueeze(-1)], dim=-1)
-    gathered = comm.all_gather(packed.unsqueeze(0), mesh, "ring", dim=0, tag="joint_partial")
+    gathered = comm.all_gather(packed.unsqueeze(0), mesh, RING, dim=0, tag="joint_partial")
     out, lse = local_attention(text_q, text_k, text_v, scale=scale)
     for block in gathered:  # fixed ring order: the same floating-point sums on every rank
         if torch.isfinite(block[..., -1]).any():

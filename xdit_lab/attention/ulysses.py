@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..mesh import ULYSSES
 
 
 def seq_to_heads(x: torch.Tensor, mesh, seq_sizes: list[int], *, tag: str = "") -> torch.Tensor:
@@ -27,16 +28,16 @@ def seq_to_heads(x: torch.Tensor, mesh, seq_sizes: list[int], *, tag: str = "") 
     per_rank = heads // n
     chunks = list(x.split(per_rank, dim=1))  # chunk j: the heads that group rank j will own
     recv_shapes = [(batch, per_rank, size, head_dim) for size in seq_sizes]
-    return torch.cat(comm.all_to_all(chunks, recv_shapes, mesh, "ulysses", tag=tag), dim=2)
+    return torch.cat(comm.all_to_all(chunks, recv_shapes, mesh, ULYSSES, tag=tag), dim=2)
 
 
 def heads_to_seq(x: torch.Tensor, mesh, seq_sizes: list[int], *, tag: str = "") -> torch.Tensor:
     """x[B, H/N, S, D] -> x[B, H, S_me, D]: scatter the sequence, gather heads."""
     batch, per_rank, _, head_dim = x.shape
-    me = mesh.group_rank("ulysses")
+    me = mesh.group_rank(ULYSSES)
     chunks = list(x.split(seq_sizes, dim=2))  # chunk j: the tokens that group rank j owns
     recv_shapes = [(batch, per_rank, seq_sizes[me], head_dim)] * len(seq_sizes)
-    return torch.cat(comm.all_to_all(chunks, recv_shapes, mesh, "ulysses", tag=tag), dim=1)
+    return torch.cat(comm.all_to_all(chunks, recv_shapes, mesh, ULYSSES, tag=tag), dim=1)
 
 
 def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None, scale=None):
@@ -46,7 +47,7 @@ def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None,
     joint=..., scale=...)` computes attention on the gathered tensors and returns
     (out, joint_out); it is local attention, or Ring attention when Ulysses runs inside Ring."""
     n = len(seq_sizes)
-    me = mesh.group_rank("ulysses")
+    me = mesh.group_rank(ULYSSES)
     per_rank = q.shape[1] // n
     q, k, v = (seq_to_heads(t, mesh, seq_sizes, tag=name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
     if joint is not None:  # replicated text: every rank already has every head
@@ -54,5 +55,5 @@ def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None,
     out, joint_out = inner(q, k, v, joint=joint, scale=scale)
     out = heads_to_seq(out, mesh, seq_sizes, tag="out")
     if joint_out is not None:
-        joint_out = comm.all_gather(joint_out, mesh, "ulysses", dim=1, tag="joint_out")
+        joint_out = comm.all_gather(joint_out, mesh, ULYSSES, dim=1, tag="joint_out")
     return out, joint_out

@@ -19,9 +19,10 @@ import torch
 
 from .. import comm
 from ..sharding import shard_sizes
-from .local import local_attention
+from .local import joint_local_attention, local_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
+from ..mesh import RING, SP, ULYSSES
 
 
 def sp_attention(q, k, v, mesh, *, joint_q=None, joint_k=None, joint_v=None, seq_len: int | None = None,
@@ -36,13 +37,13 @@ def sp_attention(q, k, v, mesh, *, joint_q=None, joint_k=None, joint_v=None, seq
     if not kv_sharded:  # cross-attention: every query row sees the whole text locally
         return local_attention(q, k, v, scale=scale)[0]
 
-    ulysses, ring = mesh.group_size("ulysses"), mesh.group_size("ring")
+    ulysses, ring = mesh.group_size(ULYSSES), mesh.group_size(RING)
     sizes = _sp_shard_sizes(q, mesh, seq_len)
-    ring_rank = mesh.group_rank("ring")
+    ring_rank = mesh.group_rank(RING)
     ulysses_sizes = sizes[ring_rank * ulysses:(ring_rank + 1) * ulysses]
     block_sizes = [sum(sizes[i * ulysses:(i + 1) * ulysses]) for i in range(ring)]
 
-    inner = _local_joint if ring == 1 else (
+    inner = joint_local_attention if ring == 1 else (
         lambda q_, k_, v_, *, joint, scale: ring_attention(q_, k_, v_, mesh, block_sizes, joint=joint, scale=scale))
     if ulysses > 1:
         out, joint_out = ulysses_attention(q, k, v, mesh, ulysses_sizes, inner, joint=joint, scale=scale)
@@ -51,27 +52,17 @@ def sp_attention(q, k, v, mesh, *, joint_q=None, joint_k=None, joint_v=None, seq
     return out if joint is None else (out, joint_out)
 
 
-def _local_joint(q, k, v, *, joint=None, scale=None):
-    """Attention over the whole (gathered) sequence on one rank: image and text in one call."""
-    if joint is None:
-        return local_attention(q, k, v, scale=scale)[0], None
-    image_len = q.shape[2]
-    q, k, v = (torch.cat([image, text], dim=2) for image, text in zip((q, k, v), joint))
-    out = local_attention(q, k, v, scale=scale)[0]
-    return out[:, :, :image_len], out[:, :, image_len:]
-
-
 def _sp_shard_sizes(q, mesh, seq_len):
-    sp = mesh.group_size("sp")
+    sp = mesh.group_size(SP)
     if seq_len is None:
         local = torch.tensor([q.shape[2]], dtype=torch.int64)
-        sizes = [int(s) for s in comm.all_gather(local, mesh, "sp", dim=0, tag="shard_sizes")] if sp > 1 else [q.shape[2]]
+        sizes = [int(s) for s in comm.all_gather(local, mesh, SP, dim=0, tag="shard_sizes")] if sp > 1 else [q.shape[2]]
         if sizes != shard_sizes(sum(sizes), sp):
             raise ValueError(f"sequence shards {sizes} are not a tensor_split of {sum(sizes)} tokens over "
                              f"{sp} sequence-parallel ranks; shard with xdit_lab.sharding.take_shard")
         return sizes
     sizes = shard_sizes(seq_len, sp)
-    if q.shape[2] != sizes[mesh.group_rank("sp")]:
+    if q.shape[2] != sizes[mesh.group_rank(SP)]:
         raise ValueError(f"this rank holds {q.shape[2]} tokens, but shard {mesh.group_rank('sp')} of {seq_len} tokens "
                          f"over {sp} sequence-parallel ranks has {sizes[mesh.group_rank('sp')]}")
     if min(sizes) == 0:
@@ -102,7 +93,7 @@ def _check_inputs(q, k, v, mesh, joint_q, joint_k, joint_v, kv_sharded):
                 any(t.shape[0] != q.shape[0] or t.shape[1] != q.shape[1] or t.shape[3] != q.shape[3] for t in joint):
             raise ValueError(f"joint q/k/v {[tuple(t.shape) for t in joint]} must match q's batch, heads and "
                              f"head_dim {tuple(q.shape)} and share one text length")
-    ulysses = mesh.group_size("ulysses")
+    ulysses = mesh.group_size(ULYSSES)
     heads = q.shape[1]
     if kv_sharded and heads % ulysses:
         fits = [d for d in range(1, heads + 1) if heads % d == 0]

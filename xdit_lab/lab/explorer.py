@@ -35,6 +35,8 @@ def model_shape(state: dict, height, width) -> dict:
     """The sizes the rules need, from the pipeline this engine holds (rank 0 is always active)."""
     import json
 
+    from ..models import parallel_state
+
     pipe = state.get("pipe")
     if pipe is None or not pipe.active:
         raise RuntimeError("no pipeline is loaded on this engine: call lab.load(...) first")
@@ -43,7 +45,7 @@ def model_shape(state: dict, height, width) -> dict:
     height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
-    return dict(family=inner.transformer._xdit_lab_state.adapter.family,
+    return dict(family=parallel_state(inner.transformer).adapter.family,
                 num_heads=config["num_attention_heads"], num_layers=config["num_layers"],
                 rows=height // multiple, cols=width // multiple,
                 guidance_scale=defaults["guidance_scale"], num_inference_steps=defaults["num_inference_steps"])
@@ -105,14 +107,13 @@ def explain(config: ParallelConfig, engines: int, shape: ModelShape) -> list[str
 
 def _extra_problems(config: ParallelConfig, shape: ModelShape) -> list[str]:
     """Rules that depend on the model and the call, which ParallelConfig alone cannot know."""
-    from ..models.pipelined import PIPEFUSION_FAMILIES  # here, not at the top: it imports diffusers
+    from ..models.families import adapter_named  # here, not at the top: models imports diffusers
 
     found = []
     if config.cfg == 2 and not shape.use_cfg:
         found.append("cfg 2 splits the unconditional and conditional branches, but guidance_scale <= 1 runs "
                      "only one; use cfg 1 or a guidance scale above 1")
-    if config.pipefusion > 1 and shape.family not in PIPEFUSION_FAMILIES:
-        found.append(f"PipeFusion runs {', '.join(PIPEFUSION_FAMILIES)} models so far, not {shape.family}")
+    found += adapter_named(shape.family).problems(config)
     if config.pipefusion > 1 and config.patches > shape.rows:
         found.append(f"{config.patches} PipeFusion patches are row bands, but the image has {shape.rows} token rows")
     return found

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from ..memory import human_bytes
 from .table import text_table
 from .views import GROUP_ORDER
+from ..mesh import RING
 
 
 def dit_shapes(tokens: int = 4096, hidden: int = 1152, heads: int = 16, layers: int = 28, batch: int = 2,
@@ -66,7 +67,7 @@ def comm_seconds(config, bytes_by_rank: dict, *, ranks_per_node: int, fast_bytes
         total = 0.0
         for group, sent in per_group.items():
             members = _members(mesh, rank, group)
-            if group == "ring":
+            if group == RING:
                 hops = list(zip(members, members[1:] + members[:1]))
                 slow = any(node(a) != node(b) for a, b in hops)
                 seconds, link = sent / (slow_bytes_per_s if slow else fast_bytes_per_s), ("slow" if slow else "fast")

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 
 from .measure import max_relative_difference
 from .views import rank_color, spans
+from ..mesh import RING, SP, ULYSSES
 
 # ---- engine side ----------------------------------------------------------------------------------------
 
@@ -45,9 +46,9 @@ def _sp_layout(mesh, tokens: int):
     """Every sp rank's token count, this rank's first token, and its ring block's ulysses shards."""
     from ..sharding import shard_sizes
 
-    u = mesh.group_size("ulysses")
-    sizes = shard_sizes(tokens, mesh.group_size("sp"))
-    sp_rank, ring_rank = mesh.group_rank("sp"), mesh.group_rank("ring")
+    u = mesh.group_size(ULYSSES)
+    sizes = shard_sizes(tokens, mesh.group_size(SP))
+    sp_rank, ring_rank = mesh.group_rank(SP), mesh.group_rank(RING)
     return sizes, sum(sizes[:sp_rank]), sizes[ring_rank * u:(ring_rank + 1) * u]
 
 
@@ -71,7 +72,7 @@ def ulysses_exchange(state, config, tokens: int = 8, heads: int = 4) -> dict | N
     if not mesh.active:
         return None
     sizes, start, group_sizes = _sp_layout(mesh, tokens)
-    mine = sizes[mesh.group_rank("sp")]
+    mine = sizes[mesh.group_rank(SP)]
     x = torch.empty(1, heads, mine, 2)
     x[..., 0] = torch.arange(start, start + mine, dtype=torch.float32)  # token index, the same for every head
     x[..., 1] = torch.arange(heads, dtype=torch.float32).unsqueeze(-1)  # head index, the same for every token
@@ -132,12 +133,12 @@ def ring_passes(state, config, tokens: int = 16, heads: int = 2, head_dim: int =
     q_all, k_all, v_all = (torch.randn(1, heads, tokens, head_dim, generator=generator).to(device) for _ in range(3))
     reference = local_attention(q_all, k_all, v_all)[0]
     sizes, start, _ = _sp_layout(mesh, tokens)
-    u, r = mesh.group_size("ulysses"), mesh.group_size("ring")
-    mine = slice(start, start + sizes[mesh.group_rank("sp")])
+    u, r = mesh.group_size(ULYSSES), mesh.group_size(RING)
+    mine = slice(start, start + sizes[mesh.group_rank(SP)])
     # After the Ulysses all-to-all a ring rank holds its ring block's tokens for heads/u heads.
     block_ranges = [(sum(sizes[:i * u]), sum(sizes[:(i + 1) * u])) for i in range(r)]
-    my_heads = slice(mesh.group_rank("ulysses") * heads // u, (mesh.group_rank("ulysses") + 1) * heads // u)
-    ring_rank = mesh.group_rank("ring")
+    my_heads = slice(mesh.group_rank(ULYSSES) * heads // u, (mesh.group_rank(ULYSSES) + 1) * heads // u)
+    ring_rank = mesh.group_rank(RING)
     queries = slice(*block_ranges[ring_rank])
     target = reference[:, my_heads, queries]
     steps = []
@@ -147,7 +148,7 @@ def ring_passes(state, config, tokens: int = 16, heads: int = 2, head_dim: int =
             found = [i for i, (a, b) in enumerate(block_ranges) if tensor.shape[2] == b - a
                      and torch.equal(tensor, k_all[:, my_heads, a:b])]
             steps.append(dict(step=len(steps), block=found[0] if found else None,
-                              origin_rank=mesh.group_ranks("ring")[found[0]] if found else None,
+                              origin_rank=mesh.group_ranks(RING)[found[0]] if found else None,
                               tokens=list(block_ranges[found[0]]) if found else None))
         else:
             steps[-1]["error"] = max_relative_difference(tensor, target)

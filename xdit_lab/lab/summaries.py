@@ -21,9 +21,8 @@ import torch
 
 from ..config import ParallelConfig
 from ..memory import rank_memory
-from ..models.parallel import _split_batch
-from ..pipefusion import PatchLayout, patch_ranges
-from ..sharding import shard_range, shard_sizes
+from ..models import PipeFusionStage, parallel_state, split_batch
+from ..sharding import PatchLayout, patch_ranges, shard_range, shard_sizes
 
 
 def rank_summary(session) -> dict:
@@ -36,8 +35,8 @@ def rank_summary(session) -> dict:
     one {group: bytes out of this rank} per step done."""
     pipe, mesh, config = session.pipe, session.pipe.mesh, session.pipe.config
     transformer = pipe.diffusers_pipeline.transformer
-    state = transformer._xdit_lab_state
-    stage = state.pipefusion
+    state = parallel_state(transformer)
+    stage = state.strategy if isinstance(state.strategy, PipeFusionStage) else None
     rows, cols = token_grid(session)
     step = session.step_index
     summary = dict(
@@ -91,10 +90,11 @@ def _shard(mesh, config, state, stage, rows, cols) -> dict:
     """The image tokens this rank computes: one range under USP, one piece of every patch under PipeFusion."""
     sp, sp_rank = config.sp_degree, mesh.group_rank("sp")
     if stage is None:
-        recorded = state.shard is not None and state.image_len == rows * cols
-        start, stop = state.shard if recorded else shard_range(rows * cols, sp, sp_rank)
+        shard = state.strategy.shard_range
+        recorded = shard is not None and state.image_len == rows * cols
+        start, stop = shard if recorded else shard_range(rows * cols, sp, sp_rank)
         return dict(sp_size=sp, sp_rank=sp_rank, tokens=[[start, stop]], pipefusion=None,
-                    source="ParallelState.shard" if recorded else "computed (no forward yet)")
+                    source="SequenceShards.shard_range" if recorded else "computed (no forward yet)")
     recorded = stage.layout is not None and stage.grid == (rows, cols)
     layout = stage.layout if recorded else PatchLayout(patch_ranges(rows, cols, config.patches), sp)
     pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
@@ -107,13 +107,13 @@ def _shard(mesh, config, state, stage, rows, cols) -> dict:
 def _batch(session, state) -> dict:
     """Rows of the model's batch [uncond; cond] this rank computes, by the forward's own split.
 
-    _split_batch is run on a stand-in batch of row numbers, so the answer is the code's, not a copy."""
+    split_batch is run on a stand-in batch of row numbers, so the answer is the code's, not a copy."""
     total = session.latents.shape[0] * (2 if session.prepared.do_cfg else 1)
     arguments = {"hidden_states": torch.arange(total)}
     mesh = state.mesh
     cfg_half = mesh.group_rank("cfg") if mesh.config.cfg == 2 else None  # 0: unconditional, 1: conditional
     try:
-        dp_sizes = _split_batch(state, arguments)
+        dp_sizes = split_batch(state, arguments)
     except ValueError as error:  # cfg 2 without guidance: the forward would refuse too
         return dict(total=total, rows=None, stand_in=False, cfg_half=cfg_half, error=str(error))
     return dict(total=total, rows=arguments["hidden_states"].tolist(),

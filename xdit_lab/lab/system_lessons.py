@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from ..config import DEGREES
 
 # ---- 08: memory and loading ---------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ def run_argv(model, prompts, config, output, *, seed: int = 0, negative_prompt=N
     if negative_prompt is not None:
         for negative in [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt:
             argv += ["--negative-prompt", negative]
-    for name in ("dp", "cfg", "pipefusion", "ring", "ulysses"):
+    for name in DEGREES:
         if getattr(config, name) > 1:
             argv += [f"--{name}", str(getattr(config, name))]
     if config.pipefusion > 1:

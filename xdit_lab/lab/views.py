@@ -18,9 +18,11 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from ..config import DEGREES, SHORT
 from ..memory import human_bytes
+from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES
 
-GROUP_ORDER = ("ulysses", "ring", "sp", "pipefusion", "dp", "cfg")
+GROUP_ORDER = (ULYSSES, RING, SP, PIPEFUSION, DP, CFG)
 
 
 def rank_color(rank: int, world_size: int):
@@ -48,19 +50,18 @@ def _by_rank(summaries) -> list[dict]:
 def role(summary) -> str:
     """Where a rank sits in the grid, the degrees above 1 only: 'cfg 1 · ulysses 0', or 'serial'."""
     c, config = summary["coords"], summary["config"]
-    names = {"pipefusion": "pp"}  # as RankMesh prints it
-    used = [f"{names.get(name, name)} {c[name]}" for name in ("dp", "cfg", "pipefusion", "ring", "ulysses")
+    used = [f"{SHORT[name]} {c[name]}" for name in DEGREES
             if config[name] > 1]
     return " · ".join(used) or "serial"
 
 
 def notation(config: dict) -> str:
     """The activation layout in the x[B, S/sp, H, D] notation, with numbers, e.g. x[B/2, S/4, H, D]."""
-    batch_split = config["cfg"] * config["dp"]
-    sp = config["ulysses"] * config["ring"]
+    batch_split = config[CFG] * config[DP]
+    sp = config[ULYSSES] * config[RING]
     batch = f"B/{batch_split}" if batch_split > 1 else "B"
-    if config["pipefusion"] > 1:
-        patches = config["num_patches"] or config["pipefusion"]
+    if config[PIPEFUSION] > 1:
+        patches = config["num_patches"] or config[PIPEFUSION]
         seq = f"S/({patches} patches × {sp})" if sp > 1 else f"S/{patches} patches"
     else:
         seq = f"S/{sp}" if sp > 1 else "S"
@@ -70,13 +71,13 @@ def notation(config: dict) -> str:
 def _explain(config: dict) -> str:
     """One line on what moves, for the shards view's title."""
     parts = []
-    if config["ulysses"] > 1:
+    if config[ULYSSES] > 1:
         parts.append(f"attention on q[B, H/{config['ulysses']}, S, D] after the Ulysses all-to-all")
-    if config["ring"] > 1:
+    if config[RING] > 1:
         parts.append(f"K/V blocks travel a ring of {config['ring']}")
-    if config["pipefusion"] > 1:
+    if config[PIPEFUSION] > 1:
         parts.append(f"blocks L/{config['pipefusion']} per stage, patches are row bands")
-    if config["cfg"] > 1 or config["dp"] > 1:
+    if config[CFG] > 1 or config[DP] > 1:
         parts.append("batch rows split over cfg × dp (one panel each)")
     return "; ".join(parts) or "one rank holds everything"
 
@@ -113,7 +114,7 @@ def draw_shards(summaries) -> Figure:
     panels: dict[tuple, list[dict]] = {}
     for s in summaries:
         c = s["coords"]
-        panels.setdefault((c["dp"], c["cfg"], c["pipefusion"]), []).append(s)
+        panels.setdefault((c[DP], c[CFG], c[PIPEFUSION]), []).append(s)
     keys = sorted(panels)
     ncols = min(len(keys), 4)
     nrows = -(-len(keys) // ncols)
@@ -135,7 +136,7 @@ def draw_shards(summaries) -> Figure:
         branch = {0: " (uncond)", 1: " (cond)"}.get(batch["cfg_half"], "")
         title = f"dp {key[0]} · cfg {key[1]}{branch}: batch rows {'?' if batch['rows'] is None else spans(batch['rows'])}"
         title += " (stand-in, dropped)" if batch["stand_in"] else ""
-        pf = group[0]["shard"]["pipefusion"]
+        pf = group[0]["shard"][PIPEFUSION]
         if pf is not None:
             a, b = pf["blocks"]
             title += f"\nstage {pf['stage']}: " + (f"block {a}" if b == a + 1 else f"blocks {a}–{b - 1}")

@@ -1,6 +1,6 @@
 """One small adapter per diffusers DiT family: where tokens are sharded and gathered, where
-text sits, and what kind each attention module is. No forward is copied: diffusers' model runs
-unchanged and `parallel.py` takes over at the places named here.
+text sits, what kind each attention module is, and which degrees it supports. No forward is
+copied: diffusers' model runs unchanged and hooks.py takes over at the places named here.
 
 Attention kinds (matched on the module's qualified name):
     self        image tokens only: sequence-parallel
@@ -14,6 +14,9 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
+
+from ..config import DEGREES
+from ..mesh import PIPEFUSION
 
 SUPPORTED_DIFFUSERS = ("0.42", "0.43")  # tested range: >= first, < second
 
@@ -30,6 +33,7 @@ class FamilyAdapter:
     rotary_kwarg: str | None = None  # CogVideoX: forward kwarg with the image rotary tables
     unbatched: tuple = ()  # forward arguments without a batch dimension
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
+    supports: frozenset = frozenset(DEGREES) - {PIPEFUSION}  # degrees that may be above 1
 
     def attention_kind(self, qualified_name: str) -> str | None:
         for pattern, kind in self.attention.items():
@@ -37,12 +41,25 @@ class FamilyAdapter:
                 return kind
         return None
 
+    def problems(self, config) -> list[str]:
+        """The degrees of `config` above 1 that this family cannot run, as sentences."""
+        return [
+            f"{'PipeFusion' if degree == PIPEFUSION else degree} runs {', '.join(supporting(degree))} models so far, "
+            f"not {self.family}; use {', '.join(d for d in DEGREES if d in self.supports)} for it"
+            for degree in DEGREES
+            if getattr(config, degree) > 1 and degree not in self.supports
+        ]
+
+
+def supporting(degree: str) -> list[str]:
+    return [adapter.family for adapter in FAMILIES.values() if degree in adapter.supports]
+
 
 FAMILIES = {
     adapter.class_name: adapter
     for adapter in (
         FamilyAdapter("PixArt", "PixArtTransformer2DModel", shard_at="pos_embed", gather_at="proj_out",
-                      attention={r"\.attn1$": "self", r"\.attn2$": "cross"}),
+                      attention={r"\.attn1$": "self", r"\.attn2$": "cross"}, supports=frozenset(DEGREES)),
         FamilyAdapter("SD3", "SD3Transformer2DModel", shard_at="pos_embed", gather_at="proj_out",
                       attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"}),
         FamilyAdapter("Flux", "FluxTransformer2DModel", shard_at="x_embedder", gather_at="proj_out",
@@ -53,9 +70,17 @@ FAMILIES = {
                       attention={r"\.attn1$": "joint_first"}, text_before_image_at_shard=True,
                       rotary_kwarg="image_rotary_emb", unbatched=("image_rotary_emb",)),
         FamilyAdapter("DiT", "DiTTransformer2DModel", shard_at="pos_embed", gather_at="proj_out_2",
-                      attention={r"\.attn1$": "self"}),
+                      attention={r"\.attn1$": "self"}, supports=frozenset(DEGREES)),
     )
 }
+
+
+def adapter_named(family: str) -> FamilyAdapter:
+    """The adapter of a family by its short name ("PixArt", "Flux", ...)."""
+    for adapter in FAMILIES.values():
+        if adapter.family == family:
+            return adapter
+    raise KeyError(f"no family {family!r}; families: {', '.join(a.family for a in FAMILIES.values())}")
 
 
 def adapter_for(transformer) -> FamilyAdapter:

@@ -1,0 +1,86 @@
+"""PipeFusion's attention: a patch's queries over K/V that are partly fresh and partly stale.
+
+When patch p of an image attends, the K/V of patches not yet processed in this step are the ones
+the previous step left behind (one step stale). Every attention layer of a stage keeps a
+full-sequence K/V buffer; a patch overwrites its own slice with fresh K/V and reads the rest as
+they are:
+
+    stale_kv[layer]   patch 0 | patch 1 | patch 2 | patch 3
+    step t, patch 2:  fresh t | fresh t | fresh t | stale t-1    (written step per slice)
+
+With sequence parallelism inside a stage, the buffer holds K/V after the Ulysses all-to-all (for
+heads/ulysses), ordered ulysses-rank-major, patch-minor; with ring > 1 each ring rank holds its
+part of every patch and the buffers travel the ring. The schedule that decides which patches run
+when is in models/pipefusion.py; the index math in sharding.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..sharding import PatchLayout
+from .local import joint_local_attention
+from .ring import ring_attention
+from .ulysses import heads_to_seq, seq_to_heads
+from ..mesh import RING, ULYSSES
+
+
+class StaleKV:
+    """One attention layer's K/V for the whole sequence (this rank's part), with the step that
+    last wrote each (ulysses-source, patch) slice."""
+
+    def __init__(self, layout: PatchLayout, ulysses: int, ring_rank: int):
+        self.layout, self.ulysses, self.ring_rank = layout, ulysses, ring_rank
+        self.keys = self.values = None
+        patches = range(len(layout.patches))
+        sources = [ring_rank * ulysses + j for j in range(ulysses)]  # sp ranks this buffer gathers
+        self.offsets, offset = {}, 0
+        for j, source in enumerate(sources):
+            for p in patches:
+                self.offsets[(j, p)] = (offset, layout.chunk_len(p, source))
+                offset += layout.chunk_len(p, source)
+        self.length = offset
+        self.written_step = [None] * len(layout.patches)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, active: list[int], step: int) -> None:
+        """keys/values [B, H, n, D] after the Ulysses all-to-all: ulysses-source-major, patch-minor."""
+        if self.keys is None or self.keys.shape[0] != keys.shape[0]:
+            shape = (keys.shape[0], keys.shape[1], self.length, keys.shape[3])
+            self.keys, self.values = keys.new_zeros(shape), values.new_zeros(shape)
+        position = 0
+        for j in range(self.ulysses):
+            for p in active:
+                start, length = self.offsets[(j, p)]
+                self.keys[:, :, start:start + length] = keys[:, :, position:position + length]
+                self.values[:, :, start:start + length] = values[:, :, position:position + length]
+                position += length
+        for p in active:
+            self.written_step[p] = step
+
+
+def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int, *, joint=None, scale=None):
+    """Attention of the active patches' queries over the whole sequence: fresh K/V for the active
+    patches, the buffer's (possibly stale) K/V for the rest. q, k, v: this rank's tokens of the
+    active patches [B, H, n, D]. Returns (out, joint_out)."""
+    layout, ulysses = buffer.layout, mesh.group_size(ULYSSES)
+    ring = mesh.group_size(RING)
+    sources = [buffer.ring_rank * ulysses + j for j in range(ulysses)]
+    seq_sizes = [sum(layout.chunk_len(p, s) for p in active) for s in sources]
+    if ulysses > 1:
+        q, k, v = (seq_to_heads(t, mesh, seq_sizes, tag=name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+        if joint is not None:
+            me, per_rank = mesh.group_rank(ULYSSES), q.shape[1]
+            joint = tuple(t.narrow(1, me * per_rank, per_rank) for t in joint)
+    buffer.write(k, v, active, step)
+    if ring == 1:
+        out, joint_out = joint_local_attention(q, buffer.keys, buffer.values, joint=joint, scale=scale)
+    else:
+        block_sizes = [sum(layout.chunk_len(p, r * ulysses + j) for j in range(ulysses)
+                           for p in range(len(layout.patches))) for r in range(ring)]
+        out, joint_out = ring_attention(q, buffer.keys, buffer.values, mesh, block_sizes, joint=joint, scale=scale)
+    if ulysses > 1:
+        out = heads_to_seq(out, mesh, seq_sizes, tag="out")
+        if joint_out is not None:
+            joint_out = comm.all_gather(joint_out, mesh, ULYSSES, dim=1, tag="joint_out")
+    return out, joint_out

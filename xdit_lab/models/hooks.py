@@ -1,0 +1,191 @@
+"""The hook machinery every strategy shares: diffusers' model runs unchanged, and xdit_lab takes
+over at the places the family adapter (families.py) names:
+
+  1. the forward's inputs: the batch [uncond; cond] is split over the cfg group, then over dp
+  2. the patch embedding's output: the strategy keeps this rank's tokens         strategy.shard
+  3. rotary tables (Flux): the strategy keeps the rows of its tokens             strategy.shard_rotary
+  4. every F.scaled_dot_product_attention call inside a known attention module:
+     the strategy attends, told the module's kind (self, cross, joint)          strategy.attend
+  5. the last projection's output, before unpatchify: tokens come back whole    strategy.gather
+     and the forward's output is gathered over dp and cfg, so every rank returns the full batch
+
+How tokens are split is the strategy's alone: one contiguous shard per sequence-parallel rank
+(sequence.py), or a PipeFusion stage's patches (pipefusion.py). The hooks below never ask which.
+`parallel_state(module)` is the one way to read what a parallelized module knows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .. import comm
+from ..mesh import CFG, DP
+from ..sharding import shard_sizes
+
+
+class ParallelState:
+    """What one parallelized module knows: its adapter, the mesh, the token strategy, and what the
+    forward running now has seen (the text length, the whole image length, the attention module)."""
+
+    def __init__(self, adapter, mesh):
+        self.adapter, self.mesh = adapter, mesh
+        self.strategy = None  # SequenceShards or PipeFusionStage, set by parallelize
+        self.in_forward = False
+        self.text_len = 0  # joint text tokens of the running forward
+        self.image_len = None  # whole image tokens, set where they are sharded
+        self.attention_kind = None  # kind of the attention module running now
+        self.attention_name = None  # and its qualified name
+
+
+STATE_ATTRIBUTE = "_xdit_lab_state"
+
+
+def parallel_state(module) -> ParallelState | None:
+    """The ParallelState of a module that `parallelize` made parallel, else None."""
+    return getattr(module, STATE_ATTRIBUTE, None)
+
+
+def install_hooks(transformer, state: ParallelState) -> None:
+    """Shard, rotary and gather hooks at the adapter's places; attention modules marked by kind."""
+    adapter = state.adapter
+    _hook_output(transformer, adapter.shard_at, functools.partial(_when_running, state, "shard"))
+    _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
+    if adapter.rotary_at:
+        _hook_output(transformer, adapter.rotary_at, functools.partial(_when_running, state, "shard_rotary"))
+    known = 0
+    for name, module in transformer.named_modules():
+        kind = adapter.attention_kind(name)
+        if kind:
+            known += 1
+            module.register_forward_pre_hook(functools.partial(_enter_attention, state, kind, name))
+            module.register_forward_hook(functools.partial(_leave_attention, state))
+    if not known:
+        raise TypeError(
+            f"no attention modules of {type(transformer).__name__} matched the {adapter.family} adapter; "
+            f"this diffusers release may have renamed them"
+        )
+    setattr(transformer, STATE_ATTRIBUTE, state)
+
+
+def _hook_output(root, path: str, fn):
+    root.get_submodule(path).register_forward_hook(lambda _module, _inputs, output: fn(output))
+
+
+def _when_running(state, method: str, value):
+    """A hooked module also runs outside a parallel forward (e.g. a probe): leave it alone then."""
+    return getattr(state.strategy, method)(value) if state.in_forward else value
+
+
+def _enter_attention(state, kind, name, _module, _args):
+    state.attention_kind, state.attention_name = kind, name
+
+
+def _leave_attention(state, _module, _args, _output):
+    state.attention_kind = None
+
+
+def run_forward(state: ParallelState, forward, bound):
+    """The model's own forward, with the hooks active and attention handed to the strategy."""
+    text = bound.arguments.get("encoder_hidden_states")
+    state.text_len = text.shape[1] if text is not None and text.dim() >= 2 else 0
+    state.in_forward, state.attention_kind = True, None
+    try:
+        with AttentionInterceptor(state):
+            return forward(*bound.args, **bound.kwargs)
+    finally:
+        state.in_forward, state.attention_kind = False, None
+
+
+# ---- attention: hand SDPA calls of known modules to the strategy -----------------------------------------
+
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class AttentionInterceptor(TorchFunctionMode):
+    """Every F.scaled_dot_product_attention inside the forward: cross-attention runs as it is (image
+    queries against whole text keys are exact on a shard); self and joint go to the strategy."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        kind = self.state.attention_kind
+        if kind is None:
+            raise RuntimeError(
+                f"attention outside the modules the {self.state.adapter.family} adapter knows: "
+                f"its tokens may be sharded, so it cannot run unchanged; extend the adapter"
+            )
+        if kind == "cross":
+            return func(*args, **kwargs)
+        query, key, value, mask, dropout_p, is_causal, scale, _ = _sdpa_arguments(*args, **kwargs)
+        if mask is not None or is_causal or dropout_p:
+            raise NotImplementedError(f"{kind} attention with a mask, causal or dropout is not sequence-parallel yet")
+        return self.state.strategy.attend(kind, query, key, value, scale)
+
+
+# ---- batch: split over cfg and dp on the way in, gather on the way out ----------------------------------
+
+
+def split_batch(state: ParallelState, arguments: dict) -> list[int]:
+    """Keep this rank's rows of every batched forward argument (in place); returns the dp shard sizes.
+
+    cfg 2 takes its half of [uncond; cond]; dp then splits what is left by rows (uneven splits as
+    torch.tensor_split makes them). A dp group without rows computes a stand-in (the branch's last
+    row) so that every collective still lines up; gather_batch drops it."""
+    mesh, config = state.mesh, state.mesh.config
+    hidden = arguments.get("hidden_states")
+    if hidden is None:
+        raise ValueError("the forward needs hidden_states")
+    total = hidden.shape[0]
+    start, count = 0, total
+    if config.cfg == 2:
+        if total % 2:
+            raise ValueError(
+                f"cfg 2 splits the batch [unconditional; conditional] in halves, but the batch has "
+                f"{total} samples; pass both branches, or use cfg 1"
+            )
+        count = total // 2
+        start = mesh.group_rank(CFG) * count
+    dp_sizes = shard_sizes(count, config.dp)
+    mine = dp_sizes[mesh.group_rank(DP)]
+    start += sum(dp_sizes[: mesh.group_rank(DP)])
+    if mine == 0:
+        start, mine = start - 1, 1
+    local = slice(start, start + mine)
+    if (local.start, local.stop) != (0, total):
+        for name, value in list(arguments.items()):
+            if name not in state.adapter.unbatched and name not in state.adapter.not_batched_dicts:
+                arguments[name] = _take_batch(value, total, local)
+    return dp_sizes
+
+
+def _take_batch(value, total, local):
+    if isinstance(value, torch.Tensor):
+        return value[local] if value.dim() >= 1 and value.shape[0] == total else value
+    if isinstance(value, dict):
+        return {k: _take_batch(v, total, local) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return type(value)(_take_batch(v, total, local) for v in value)
+    return value
+
+
+def gather_batch(state: ParallelState, output, dp_sizes: list[int]):
+    """Every rank's rows of the forward's output, gathered over dp (dropping stand-ins), then cfg."""
+    mesh = state.mesh
+    sample = output[0] if isinstance(output, tuple) else output.sample
+    sample = comm.all_gather(sample.contiguous(), mesh, DP, dim=0, sizes=dp_sizes, tag="sample")
+    sample = comm.all_gather(sample, mesh, CFG, dim=0, tag="sample")
+    if isinstance(output, tuple):
+        return (sample, *output[1:])
+    output.sample = sample
+    return output

@@ -1,0 +1,181 @@
+"""PipeFusion: this rank runs one stage of the blocks, patch by patch, on partly stale K/V.
+
+Each of N stages holds L/N contiguous blocks; the image's tokens are cut into M patches (row
+bands). Stage s runs patch p as soon as stage s-1 hands it over, so N stages work on N different
+patches at once and only patch activations cross between stages:
+
+    time →        t0        t1        t2        t3
+    stage 0    patch 0   patch 1   patch 2   patch 3
+    stage 1              patch 0   patch 1   patch 2   patch 3
+
+When a patch attends, the K/V of patches not yet processed in this step are the previous step's
+(attention/stale.py keeps them). The first `warmup_steps` run the whole image at once, so every
+K/V is fresh; with warmup_steps >= num_inference_steps the result equals serial attention.
+
+One call of the transformer is one diffusion step, as in the serial model, so the denoising loop
+does not change. Inside the call every stage runs the model's own forward once per patch (once
+for the whole image during warmup):
+  - the embeddings are computed from the whole latent and this rank keeps its tokens of the
+    patch (shard); a later stage replaces them with the activations the previous stage sent,
+    at its first block
+  - a stage that is not the last stops after its last block and sends the activations on (the
+    next patch is computed while they travel); the last stage finishes the forward
+The last stage's noise prediction for the whole image is then broadcast to the other stages, so
+every rank steps the scheduler on the same values (multistep schedulers such as DPM-Solver need
+that). The pipeline drains at the end of each call, so `DenoiseSession.step()` is one diffusion
+step on every rank; the bubble is (N-1)/(M+N-1) of a step, smaller with more patches.
+Within a stage, tokens may also be split over ulysses × ring: every patch is sharded over them
+the same way (sharding.PatchLayout).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+from .. import comm
+from ..attention.stale import StaleKV, stale_attention
+from ..mesh import PIPEFUSION, RING, SP, ULYSSES
+from ..sharding import PatchLayout, patch_ranges, stage_ranges
+
+
+class _StageDone(Exception):
+    """Raised after a non-last stage's last block: the rest of the forward belongs to later stages."""
+
+    def __init__(self, hidden):
+        super().__init__("stage done")
+        self.hidden = hidden
+
+
+class PipeFusionStage:
+    """The token strategy of PipeFusion: this rank's stage, its patch layout, stale K/V buffers and
+    the step counter."""
+
+    def __init__(self, state, config, blocks: tuple[int, int], model_config, dtype: torch.dtype):
+        self.state, self.mesh, self.config = state, state.mesh, config
+        self.blocks = blocks  # [start, stop) of the model's blocks held here
+        self.dtype = dtype  # of the activations a stage hands over (the model's)
+        self.hidden_size = model_config.num_attention_heads * model_config.attention_head_dim
+        self.patch = model_config.patch_size
+        self.out_channels = model_config.out_channels
+        self.step = 0  # transformer calls since reset: the diffusion step
+        self.layout = None
+        self.grid = None
+        self.buffers: dict[str, StaleKV] = {}
+        self.active: list[int] = []
+        self.incoming = None
+
+    @classmethod
+    def apply(cls, transformer, state, config, stage_split=None) -> "PipeFusionStage":
+        """Keep this stage's blocks of `transformer` (drop the others, unless it was loaded as a stage)
+        and hook its first and last block to receive and hand over activations."""
+        mesh = state.mesh
+        stage_index = mesh.coords[PIPEFUSION]
+        start, stop = stage_ranges(transformer.config.num_layers, config.pipefusion, stage_split)[stage_index]
+        loaded = getattr(transformer, "_xdit_lab_stage_blocks", None)
+        if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
+            blocks = list(transformer.transformer_blocks)
+            transformer.transformer_blocks = torch.nn.ModuleList(blocks[start:stop])
+            del blocks
+        elif loaded[:2] != (start, stop):
+            raise ValueError(
+                f"this transformer holds blocks {loaded[:2]}, but stage {stage_index} of {config.pipefusion} runs "
+                f"blocks {(start, stop)}"
+            )
+        stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
+        if not mesh.is_first_stage:
+            transformer.transformer_blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
+        if not mesh.is_last_stage:
+            transformer.transformer_blocks[-1].register_forward_hook(stage._hand_over)
+        return stage
+
+    def reset(self) -> None:
+        """A new generation: warm up again with empty buffers."""
+        self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
+
+    # ---- one diffusion step ----------------------------------------------------------------------------
+    def forward(self, run, bound):
+        """Every patch set through this stage's blocks; the last stage's prediction, broadcast."""
+        mesh, latents = self.mesh, bound.arguments["hidden_states"]
+        rows, cols = latents.shape[-2] // self.patch, latents.shape[-1] // self.patch
+        patch_sets = self._begin_step(rows, cols)
+        receives = []
+        if not mesh.is_first_stage:  # post every receive now: they fill while earlier patches compute
+            sp_rank = mesh.group_rank(SP)
+            for active in patch_sets:
+                tokens = sum(self.layout.chunk_len(p, sp_rank) for p in active)
+                buffer = latents.new_empty((latents.shape[0], tokens, self.hidden_size), dtype=self.dtype)
+                receives.append((buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)))
+        sends, noise = [], None
+        for i, active in enumerate(patch_sets):
+            self.active = active
+            if receives:
+                comm.wait(receives[i][1])
+                self.incoming = receives[i][0]
+            try:
+                output = run()
+            except _StageDone as done:
+                sends += comm.exchange([(done.hidden, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="patch")
+                continue
+            sample = output[0] if isinstance(output, tuple) else output.sample
+            noise = sample if noise is None else noise
+            if len(active) == 1:  # keep this patch's rows of the prediction
+                first, last = self.layout.patches[active[0]]
+                band = slice(first // cols * self.patch, last // cols * self.patch)
+                noise[..., band, :] = sample[..., band, :]
+        comm.wait(sends)
+        if noise is None:  # not the last stage: the prediction comes from there
+            noise = latents.new_empty((latents.shape[0], self.out_channels, *latents.shape[-2:]))
+        comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
+        self.step += 1
+        return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
+
+    def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
+        if self.grid != (rows, cols):  # a new image size: new patches, new buffers
+            self.grid, self.buffers = (rows, cols), {}
+            self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
+        patches = len(self.layout.patches)
+        return [list(range(patches))] if self.step < self.config.warmup_steps else [[p] for p in range(patches)]
+
+    # ---- the hooks -----------------------------------------------------------------------------------
+    def shard(self, tokens):
+        self.state.image_len = tokens.shape[1]
+        index = self.layout.rank_tokens(self.active, self.mesh.group_rank(SP)).to(tokens.device)
+        return tokens.index_select(1, index)
+
+    def shard_rotary(self, tables):
+        raise NotImplementedError("PipeFusion does not slice rotary tables per patch yet")
+
+    def gather(self, tokens):
+        sizes = self.layout.rank_sizes(self.active)
+        gathered = comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
+        full = tokens.new_zeros(tokens.shape[0], self.state.image_len, tokens.shape[2])
+        full[:, self.layout.gather_order(self.active).to(tokens.device)] = gathered
+        return full
+
+    def attend(self, kind, query, key, value, scale):
+        if kind != "self":
+            raise NotImplementedError(f"PipeFusion here handles self-attention; {kind} attention is not staged yet")
+        name = self.state.attention_name
+        if name not in self.buffers:
+            self.buffers[name] = StaleKV(self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING))
+        out, _ = stale_attention(query, key, value, self.mesh, self.buffers[name], self.active, self.step, scale=scale)
+        return out
+
+    def _take_incoming(self, _module, args, kwargs):
+        if args:
+            return (self.incoming, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.incoming}
+
+    def _hand_over(self, _module, _args, output):
+        raise _StageDone(output)
+
+    def staleness(self) -> dict:
+        """Small summary for views: per layer of this stage, the step that wrote each patch."""
+        return dict(
+            stage=self.mesh.coords[PIPEFUSION],
+            blocks=self.blocks,
+            step=self.step,
+            patches=self.layout.patches if self.layout else None,
+            written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()},
+        )

@@ -1,0 +1,90 @@
+"""Sequence shards: the image tokens cut into one contiguous shard per sequence-parallel rank.
+
+The sp group is ring × ulysses (ulysses varying fastest). Each rank holds x[B, S/sp, C] through
+every block; attention sees the whole sequence through sp_attention (Ulysses, Ring or both), and
+the tokens are gathered once, before unpatchify:
+
+    embedding x[B, S, C] --keep shard--> x[B, S/sp, C] --blocks, sp_attention--> x[B, S/sp, C]
+                         --all-gather (sp)--> x[B, S, C] --unpatchify--> the model's output
+
+Text tokens of joint attention (SD3, Flux, CogVideoX) stay whole on every rank: they are split
+off q, k, v here and handed to sp_attention as joint tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..attention import sp_attention
+from ..mesh import RING, SP, ULYSSES
+from ..sharding import shard_range, shard_sizes
+
+
+class SequenceShards:
+    """The token strategy of ulysses, ring and their hybrid (and of a single rank)."""
+
+    def __init__(self, state):
+        self.state, self.mesh = state, state.mesh
+        self.shard_range = None  # (start, stop) of this rank's image tokens in the last forward
+
+    def forward(self, run, bound):
+        """One pass of the model's forward; rotary tables given as an argument (CogVideoX) hold image
+        rows only, so this rank's rows are kept before the forward sees them."""
+        kwarg = self.state.adapter.rotary_kwarg
+        tables = bound.arguments.get(kwarg) if kwarg else None
+        if tables is not None:
+            bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=0) for t in tables)
+        return run()
+
+    def reset(self) -> None:
+        """A new generation: nothing carries over between steps."""
+
+    def staleness(self):
+        return None
+
+    # ---- the hooks -----------------------------------------------------------------------------------
+    def shard(self, tokens):
+        if self.state.adapter.text_before_image_at_shard:  # CogVideoX embeds [text; image] in one tensor
+            text = self.state.text_len
+            return torch.cat([tokens[:, :text], self._take_image_shard(tokens[:, text:])], dim=1)
+        return self._take_image_shard(tokens)
+
+    def shard_rotary(self, tables):
+        """Flux: rows for [text; image]; keep the text rows and this rank's image rows."""
+        text, (start, stop) = self.state.text_len, self.shard_range
+
+        def rows(t):
+            return torch.cat([t[:text], t[text + start : text + stop]], dim=0)
+
+        return tuple(rows(t) for t in tables) if isinstance(tables, tuple) else rows(tables)
+
+    def gather(self, tokens):
+        sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))
+        return comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
+
+    def attend(self, kind, query, key, value, scale):
+        text, image_len = self.state.text_len, self.state.image_len
+        if kind == "self" or text == 0:
+            return sp_attention(query, key, value, self.mesh, seq_len=image_len, scale=scale)
+        if kind == "joint_first":
+            split = [(t[:, :, text:], t[:, :, :text]) for t in (query, key, value)]
+        else:  # joint_last
+            split = [(t[:, :, :-text], t[:, :, -text:]) for t in (query, key, value)]
+        (q, jq), (k, jk), (v, jv) = split
+        out, joint_out = sp_attention(
+            q, k, v, self.mesh, joint_q=jq, joint_k=jk, joint_v=jv, seq_len=image_len, scale=scale
+        )
+        return torch.cat([joint_out, out] if kind == "joint_first" else [out, joint_out], dim=2)
+
+    def _take_image_shard(self, tokens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        sp, total = self.mesh.group_size(SP), tokens.shape[dim]
+        if total < sp:
+            raise ValueError(
+                f"{total} image tokens cannot be split over {sp} sequence-parallel ranks "
+                f"(ulysses {self.mesh.group_size(ULYSSES)} × ring {self.mesh.group_size(RING)}); "
+                f"use a larger image or a smaller degree"
+            )
+        self.state.image_len = total
+        self.shard_range = shard_range(total, sp, self.mesh.group_rank(SP))
+        return tokens.narrow(dim, self.shard_range[0], self.shard_range[1] - self.shard_range[0])

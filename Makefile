@@ -11,7 +11,7 @@ CPU_TORCH ?= torch==2.13.0
 # The notebooks' kernel ("xdit-lab" in their metadata), installed into .venv so nbval finds it there.
 KERNEL := $(VENV)/share/jupyter/kernels/xdit-lab/kernel.json
 
-.PHONY: setup demo test notebooks clean
+.PHONY: setup demo test notebooks format clean
 
 setup: $(STAMP) $(KERNEL)
 
@@ -32,6 +32,8 @@ demo: $(STAMP)
 # compared with the committed ones (after tutorials/nbval_sanitize.cfg's rewrites).
 NOTEBOOKS := tutorials notebooks
 test: $(STAMP) $(KERNEL)
+	$(BIN)/ruff check xdit_lab tests benchmarks
+	$(BIN)/ruff format --check xdit_lab tests benchmarks
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg $(NOTEBOOKS)
 
@@ -39,7 +41,12 @@ test: $(STAMP) $(KERNEL)
 # (NB="tutorials/02_ulysses.ipynb ..."; default: every tutorial and notebook).
 NB ?= $(wildcard tutorials/*.ipynb notebooks/*.ipynb)
 notebooks: $(STAMP) $(KERNEL)
-	$(BIN)/python -m xdit_lab.notebooks $(NB)
+	$(BIN)/python -m xdit_lab.tools.notebooks $(NB)
+
+# Lint fixes and formatting, as `make test` checks them (settings in pyproject.toml).
+format: $(STAMP)
+	$(BIN)/ruff check --fix xdit_lab tests benchmarks
+	$(BIN)/ruff format xdit_lab tests benchmarks
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,9 +1,9 @@
-"""xdit_lab.notebooks: executed notebooks are saved without widget state, and only when they ran."""
+"""xdit_lab.tools.notebooks: executed notebooks are saved without widget state, and only when they ran."""
 
 import nbformat
 import pytest
 
-from xdit_lab.notebooks import WIDGET_VIEW, save_executed, strip_widgets
+from xdit_lab.tools.notebooks import WIDGET_VIEW, save_executed, strip_widgets
 
 
 def test_strip_widgets_keeps_the_other_outputs():

@@ -90,7 +90,7 @@ def adapter_for(transformer) -> FamilyAdapter:
     return FAMILIES[name]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_diffusers_version(version: str | None = None) -> None:
     """Raise when the installed diffusers is outside the range these adapters were tested on
     (checked once per process and version)."""
@@ -111,12 +111,12 @@ def check_diffusers_version(version: str | None = None) -> None:
 
 def image_tokens_at_default_size(transformer) -> int | None:
     """Image tokens at the model's configured sample size (for setup-time shape checks)."""
-    cfg = transformer.config
-    sample, patch = cfg.get("sample_size"), cfg.get("patch_size") or 1
+    model_config = transformer.config
+    sample, patch = model_config.get("sample_size"), model_config.get("patch_size") or 1
     if type(transformer).__name__ == "CogVideoXTransformer3DModel":
-        frames = (cfg.sample_frames - 1) // cfg.temporal_compression_ratio + 1
-        frames = -(-frames // (cfg.get("patch_size_t") or 1))
-        return frames * (cfg.sample_height // patch) * (cfg.sample_width // patch)
+        frames = (model_config.sample_frames - 1) // model_config.temporal_compression_ratio + 1
+        frames = -(-frames // (model_config.get("patch_size_t") or 1))
+        return frames * (model_config.sample_height // patch) * (model_config.sample_width // patch)
     if type(transformer).__name__ == "FluxTransformer2DModel" or not isinstance(sample, int):
         return None  # Flux takes packed tokens of any length
     return (sample // patch) ** 2

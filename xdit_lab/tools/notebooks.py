@@ -1,6 +1,6 @@
 """Save tutorials and notebooks executed, the way `make test` (nbval) compares them.
 
-    python -m xdit_lab.notebooks tutorials/02_ulysses.ipynb [...]     # or: make notebooks NB=...
+    python -m xdit_lab.tools.notebooks tutorials/02_ulysses.ipynb [...]     # or: make notebooks NB=...
 
 Each notebook is run top to bottom on its own kernel (the `xdit-lab` kernel the Makefile
 installs), in its own folder, and written back with its outputs, minus what cannot be kept:

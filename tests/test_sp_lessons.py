@@ -1,4 +1,4 @@
-"""The sequence-parallel lesson demos (xdit_lab/lab/sp_lessons.py) on 4 real gloo ranks, and the link model.
+"""The sequence-parallel lesson demos (xdit_lab/lessons/sequence.py) on 4 real gloo ranks, and the link model.
 
 One 4-rank run makes every demo (ulysses 2 leaves ranks 2 and 3 idle); the checks are facts that
 can fail: who holds which (token, head), which K/V block sits where at each ring step, the error
@@ -8,8 +8,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from xdit_lab import ParallelConfig
-from xdit_lab.lab import link_model
-from xdit_lab.lab import sp_lessons as sp
+from xdit_lab.lessons import links
+from xdit_lab.lessons import sequence as sp
 from xdit_lab.lab.measure import bytes_match
 from xdit_lab.testing import run_on_ranks
 
@@ -87,29 +87,29 @@ def test_bytes_match():
 
 
 def test_bytes_at_a_pixart_size_and_link_times():
-    shapes = link_model.dit_shapes()  # 4096 tokens, 16 heads × 72, 28 layers, batch 2, 2-byte elements
+    shapes = links.dit_shapes()  # 4096 tokens, 16 heads × 72, 28 layers, batch 2, 2-byte elements
     assert (shapes["rows"], shapes["cols"], shapes["head_dim"]) == (64, 64, 72)
     per_layer = 2 * 1024 * 1152 * 2  # one rank's shard of one tensor, bytes: batch 2 × 1024 tokens × hidden
-    u4 = link_model.bytes_per_rank(ParallelConfig(ulysses=4), shapes)
+    u4 = links.bytes_per_rank(ParallelConfig(ulysses=4), shapes)
     assert u4[0]["ulysses"] == 28 * 4 * per_layer * 3 // 4  # q, k, v, o; 3/4 of each leaves
-    r4 = link_model.bytes_per_rank(ParallelConfig(ring=4), shapes)
+    r4 = links.bytes_per_rank(ParallelConfig(ring=4), shapes)
     assert r4[0]["ring"] == 28 * 3 * 2 * per_layer  # K and V, three hops
     fast, slow = 300e9, 25e9
-    one_box = link_model.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=4, fast_bytes_per_s=fast,
+    one_box = links.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=4, fast_bytes_per_s=fast,
                               slow_bytes_per_s=slow)
     assert one_box["links"] == {"ulysses": "fast", "sp": "fast"}
     assert one_box["groups"]["ulysses"] == pytest.approx(u4[0]["ulysses"] / fast)
     usp = ParallelConfig(ulysses=2, ring=2)
-    two_boxes = link_model.comm_seconds(usp, link_model.bytes_per_rank(usp, shapes), ranks_per_node=2, fast_bytes_per_s=fast,
+    two_boxes = links.comm_seconds(usp, links.bytes_per_rank(usp, shapes), ranks_per_node=2, fast_bytes_per_s=fast,
                                 slow_bytes_per_s=slow)
     assert two_boxes["links"] == {"ulysses": "fast", "ring": "slow", "sp": "mixed"}  # ulysses varies fastest
-    spread = link_model.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=2, fast_bytes_per_s=fast,
+    spread = links.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=2, fast_bytes_per_s=fast,
                              slow_bytes_per_s=slow)
     assert spread["groups"]["ulysses"] == pytest.approx(u4[0]["ulysses"] * 2 / 3 / slow)  # 2 of 3 peers far
-    rows = link_model.link_rows([ParallelConfig(ulysses=4), ParallelConfig(ring=4), usp], shapes,
+    rows = links.link_rows([ParallelConfig(ulysses=4), ParallelConfig(ring=4), usp], shapes,
                         {"one box": dict(ranks_per_node=4, fast_bytes_per_s=fast, slow_bytes_per_s=slow),
                          "two boxes": dict(ranks_per_node=2, fast_bytes_per_s=fast, slow_bytes_per_s=slow)})
     assert [r["config"] for r in rows] == ["ulysses4", "ring4", "ring2·ulysses2"] * 2
-    text = link_model.link_table(rows)
+    text = links.link_table(rows)
     assert text.count("<- least") == 2
-    assert len(link_model.draw_link_times(rows).axes) == 2
+    assert len(links.draw_link_times(rows).axes) == 2

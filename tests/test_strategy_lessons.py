@@ -1,4 +1,4 @@
-"""strategy_lessons: the tables and measurements tutorials 05-07 print, from real 2-rank runs of the
+"""xdit_lab.lessons.tables: the tables and measurements tutorials 05-07 print, from real 2-rank runs of the
 digits model (one step each), and the accuracy figures on known tensors."""
 
 import copy
@@ -9,7 +9,7 @@ import torch
 from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.lab.measure import comm_rows, comm_table, compare_to_serial, significant
 from xdit_lab.lab import engine
-from xdit_lab.lab.strategy_lessons import batch_table, bytes_by_config, quality_row, quality_table, timing_table
+from xdit_lab.lessons.tables import batch_table, bytes_by_config, quality_row, quality_table, timing_table
 from xdit_lab.testing import run_on_ranks
 
 PROMPTS = ["a handwritten 3", "a handwritten 7", "a handwritten 1"]

@@ -15,9 +15,9 @@ import math
 
 from matplotlib.figure import Figure
 
+from ..lab.table import text_table
+from ..lab.views import GROUP_ORDER
 from ..memory import human_bytes
-from .table import text_table
-from .views import GROUP_ORDER
 from ..mesh import RING
 
 
@@ -37,8 +37,8 @@ def dit_shapes(tokens: int = 4096, hidden: int = 1152, heads: int = 16, layers: 
 
 def bytes_per_rank(config, shapes: dict, step: int = 0) -> dict[int, dict[str, int]]:
     """expected_bytes_per_step for every rank of `config`: {rank: {group: bytes}} (no processes needed)."""
+    from ..lab.summaries import expected_bytes_per_step
     from ..mesh import RankMesh
-    from .summaries import expected_bytes_per_step
 
     mesh = RankMesh(config, rank=0, world_size=config.world_size)  # coordinates only: no groups are made
     return {rank: expected_bytes_per_step(config, shapes, coords=mesh.coords_of(rank), step=step)

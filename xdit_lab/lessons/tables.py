@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .measure import compare_to_serial, significant
-from .table import text_table
-from .views import GROUP_ORDER, role, spans
-
+from ..lab.measure import compare_to_serial, significant
+from ..lab.table import text_table
+from ..lab.views import GROUP_ORDER, role, spans
 
 # ---- accuracy against the serial run --------------------------------------------------------------
 

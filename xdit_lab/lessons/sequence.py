@@ -12,7 +12,7 @@ floats). Views are pure functions from those results (or rank summaries) to a ma
     draw_ring_schedule(results)       rank × ring step: which K/V block each rank holds
     draw_merge_errors(results, ...)   error against full attention after each merged block
 
-When each split wins at a realistic size, on assumed links: link_model.py.
+When each split wins at a realistic size, on assumed links: links.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import numpy as np
 from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 
-from .measure import max_relative_difference
-from .views import rank_color, spans
+from ..lab.measure import max_relative_difference
+from ..lab.views import rank_color, spans
 from ..mesh import RING, SP, ULYSSES
 
 # ---- engine side ----------------------------------------------------------------------------------------

@@ -1,0 +1,24 @@
+"""Model families (tutorial 11): call arguments that run each tiny pipeline with real guidance.
+
+    family_call_kwargs(family, steps)   call arguments for a tiny pipeline, real CFG for every family
+    output_latents(output)              .frames (video) or .images of a pipeline output
+"""
+
+from __future__ import annotations
+
+
+def family_call_kwargs(family: str, steps: int = 3) -> dict:
+    """Call arguments for `save_tiny_pipeline(family)`'s pipeline, diffusers' and load_pipeline's alike:
+    the tiny size, `steps` steps, and real classifier-free guidance (Flux: true_cfg_scale, since the
+    tiny Flux has no guidance embedding), so that cfg 2 has two branches to split."""
+    from ..tiny import tiny_pipeline_kwargs
+
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=steps, guidance_scale=3.0)
+    if family == "flux":
+        kwargs["true_cfg_scale"] = 2.0
+    return kwargs
+
+
+def output_latents(output):
+    """The latents of a pipeline output called with output_type="latent": .frames for video, else .images."""
+    return output.frames if hasattr(output, "frames") else output.images

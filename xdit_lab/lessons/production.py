@@ -1,0 +1,92 @@
+"""From a notebook to production (tutorial 10): the same generation as `xdit-lab run` under torchrun.
+
+    run_argv(...), torchrun_argv(...)   `xdit-lab run` arguments from pipe(...) keyword arguments; torchrun
+    run_processes(commands, timeout_s)  start commands together, wait with a deadline, kill on timeout
+    read_run_images(folder)             the images a run wrote, as arrays, in report order
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import DEGREES
+
+_FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--height", "width": "--width"}
+
+
+def run_argv(model, prompts, config, output, *, seed: int = 0, negative_prompt=None, **call_kwargs) -> list[str]:
+    """`xdit-lab run` arguments (after the program name) for the generation that
+    `lab.session(prompts, seed=seed, negative_prompt=..., **call_kwargs)` runs under `config`:
+    steps, guidance and size have their own flags, every other pipeline argument is an --option."""
+    argv = ["run", "--model", str(model), "--output", str(output), "--seed", str(seed), "--no-progress"]
+    for prompt in [prompts] if isinstance(prompts, str) else prompts:
+        argv += ["--prompt", prompt]
+    if negative_prompt is not None:
+        for negative in [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt:
+            argv += ["--negative-prompt", negative]
+    for name in DEGREES:
+        if getattr(config, name) > 1:
+            argv += [f"--{name}", str(getattr(config, name))]
+    if config.pipefusion > 1:
+        argv += ["--warmup-steps", str(config.warmup_steps)]
+        if config.num_patches:
+            argv += ["--num-patches", str(config.num_patches)]
+    for key, value in call_kwargs.items():
+        if key in _FLAGS:
+            argv += [_FLAGS[key], str(value)]
+        else:
+            argv += ["--option", f"{key}={json.dumps(value)}"]
+    return argv
+
+
+def torchrun_argv(nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                  master_port: int) -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`, the kernel's own interpreter) with a static
+    rendezvous at master_addr:master_port, up to the module it runs: append ["-m", "xdit_lab.cli", ...]."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+            "--nproc_per_node", str(nproc_per_node), "--master_addr", master_addr, "--master_port", str(master_port)]
+
+
+def run_processes(commands: list[list[str]], timeout_s: float, *, envs: list[dict] | None = None,
+                  cpus: list[set] | None = None) -> list[dict]:
+    """Start every command at once (the nodes of one job must rendezvous), wait for all with one
+    deadline; on timeout kill them all. `envs[i]` adds environment variables to command i, `cpus[i]`
+    pins it (and its children) to those CPU cores (Linux), as a node has cores of its own. One dict
+    per command: returncode, output (stdout + stderr), timed_out."""
+    procs = []
+    for i, command in enumerate(commands):
+        env = {**os.environ, **envs[i]} if envs and envs[i] else None
+        cores = cpus[i] if cpus else None
+        pin = (lambda cores=cores: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      preexec_fn=pin))
+    deadline = time.monotonic() + timeout_s
+    results = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            results.append(dict(returncode=proc.returncode, output=out, timed_out=False))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                if other.poll() is None:
+                    other.kill()
+            out, _ = proc.communicate()
+            results.append(dict(returncode=proc.returncode, output=out, timed_out=True))
+    return results
+
+
+def read_run_images(folder) -> list:
+    """The images an `xdit-lab run` wrote to `folder`, as numpy arrays, in report.json's order."""
+    import numpy as np
+    from PIL import Image
+
+    folder = Path(folder)
+    report = json.loads((folder / "report.json").read_text())
+    return [np.asarray(Image.open(folder / name)) for name in report["outputs"]]
+
+

@@ -36,13 +36,25 @@ Pass `master_addr=` when the rank-0 engine's host name does not resolve from the
 `lab.stop()` leaves a connected cluster running (it only leaves the process group);
 `ipcluster stop --cluster-id=dit` ends it. On GPUs each engine takes the GPU of its local rank
 (engines sorted by id on each host), as under torchrun.
+
+A Lab that is never stopped still ends with the process that made it: on a normal exit (the
+kernel shut down or restarted) an atexit handler stops it; when that process is killed outright
+(nbval ends its kernels with SIGKILL, and so does an out-of-memory kill) no handler runs, and a
+small watchdog process stops the cluster this Lab started, whose engines and controller would
+otherwise outlive it (ipyparallel starts them in sessions of their own).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
+import os
+import subprocess
+import sys
 import time
+import traceback
+import weakref
 
 import ipyparallel as ipp
 
@@ -53,6 +65,37 @@ from .labsession import LabSession
 from .table import html_table, text_table
 
 GRACE_S = 5.0  # after one rank fails, how long its peers get to fail too before we report
+
+# Run as `python -c WATCHDOG <pid> <cluster file>`: once <pid> is gone (this process is no longer
+# its child), stop the cluster that the file describes, as `ipcluster stop` would. Plain Python
+# until then, so it costs a few MB, not a torch import.
+WATCHDOG = """
+import os, sys, time
+parent, cluster_file = int(sys.argv[1]), sys.argv[2]
+while os.getppid() == parent:
+    time.sleep(0.5)
+if os.path.exists(cluster_file):  # gone when the cluster was stopped properly
+    import ipyparallel
+    ipyparallel.Cluster.from_file(cluster_file=cluster_file).stop_cluster_sync()
+"""
+
+_running: "weakref.WeakSet[Lab]" = weakref.WeakSet()  # Labs not stopped yet, for the atexit handler
+
+
+def _stop_running_labs() -> None:
+    for lab in list(_running):
+        try:
+            lab.stop()
+        except Exception:  # noqa: BLE001 - at exit: say so, and go on to the next Lab
+            traceback.print_exc()
+
+
+def _stop_at_exit(lab: "Lab") -> None:
+    """Stop `lab` when this process exits, before ipyparallel's own handler would (it stops the
+    cluster too, but printing every engine's log): atexit runs the last registered first."""
+    _running.add(lab)
+    atexit.unregister(_stop_running_labs)
+    atexit.register(_stop_running_labs)
 
 
 class Lab:
@@ -75,12 +118,14 @@ class Lab:
         self.session_token = 0             # bumped by every new session, load and restart
         self._pending: list[tuple] = []    # calls that timed out and may still be running
         self._stopped = False
+        self._watchdog = None              # the process that stops our cluster if this one is killed
         self.n = n                         # engines to use (None when connecting: all that are there)
         try:
             if self.owns_cluster:
                 self._start_cluster(n, ip, engine_env)
             else:
                 self.client = ipp.Client(profile=profile, cluster_id=cluster_id, timeout=timeout_s)
+            _stop_at_exit(self)
             self._setup(self._wait_for_engines(self.n, exclude=()))
         except BaseException:
             self.stop()  # never leave engines behind a failed start
@@ -102,9 +147,20 @@ class Lab:
         self.cluster = ipp.Cluster(n=n, controller_ip=ip, log_level=30, **profile)
         self.cluster_id = self.cluster.cluster_id
         self.cluster.start_controller_sync()
+        self._watchdog = self._start_watchdog()
         self.cluster.start_engines_sync(n, environment=self._engine_env)
         self.client = self.cluster.connect_client_sync()
         self.n = n
+
+    def _start_watchdog(self) -> subprocess.Popen:
+        """The watchdog (see WATCHDOG), in a session of its own so that a signal to this process's
+        group (a kernel being killed) does not end it too; its output goes to the profile's log folder."""
+        log = os.path.join(self.cluster.profile_dir, "log", f"xdit-lab-watchdog-{self.cluster_id}.log")
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "ab") as output:
+            return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), self.cluster.cluster_file],
+                                    stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
 
     def _wait_for_engines(self, n, exclude) -> list[int]:
         """Engine ids to use: n of them not in `exclude` (n None: all registered, at least one)."""
@@ -148,6 +204,7 @@ class Lab:
         if self._stopped:
             return
         self._stopped = True
+        _running.discard(self)
         try:
             if self.client is not None and self.ranks:  # (call refuses at once if an engine is gone or busy)
                 self.call(engine.shutdown, timeout_s=min(30, self.timeout_s), what="stop")
@@ -162,6 +219,9 @@ class Lab:
                 if self.cluster.log.name.endswith(str(self.cluster_id)):
                     self.cluster.log.setLevel(logging.ERROR)
                 self.cluster.stop_cluster_sync()
+            if self._watchdog is not None:  # after the cluster: a kill during the stop is still covered
+                self._watchdog.kill()
+                self._watchdog.wait(timeout=10)
 
     def restart(self) -> "Lab":
         """Stop the engines, start fresh ones, join them again and reload the last pipeline."""

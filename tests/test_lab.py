@@ -14,6 +14,7 @@ import time
 
 import ipyparallel as ipp
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -222,8 +223,6 @@ else:
 
 
 def running(pid: int) -> bool:
-    import psutil
-
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -247,8 +246,10 @@ def test_the_engines_end_with_the_process_that_started_them(end, tmp_path):
             time.sleep(0.2)
         assert pid_file.exists(), f"the Lab did not start: {script.poll()=}"
         started = json.loads(pid_file.read_text())
-        pids = [started["controller"], *started["engines"], started["watchdog"]]
-        assert all(running(pid) for pid in pids)
+        cluster = [started["controller"], *started["engines"]]
+        children = [child.pid for pid in cluster for child in psutil.Process(pid).children(recursive=True)]
+        pids = [*cluster, *children, started["watchdog"]]
+        assert children and all(running(pid) for pid in pids)  # children: the schedulers, each engine's nanny
         if end == "kill":
             script.kill()
         _, stderr = script.communicate("exit\n", timeout=60)

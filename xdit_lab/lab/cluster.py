@@ -38,10 +38,11 @@ Pass `master_addr=` when the rank-0 engine's host name does not resolve from the
 (engines sorted by id on each host), as under torchrun.
 
 A Lab that is never stopped still ends with the process that made it: on a normal exit (the
-kernel shut down or restarted) an atexit handler stops it; when that process is killed outright
-(nbval ends its kernels with SIGKILL, and so does an out-of-memory kill) no handler runs, and a
-small watchdog process stops the cluster this Lab started, whose engines and controller would
-otherwise outlive it (ipyparallel starts them in sessions of their own).
+kernel shut down or restarted) an atexit handler stops it. When that process is killed outright
+(nbval ends its kernels with SIGKILL, so does an out-of-memory kill, and a kernel that takes too
+long to shut down) no handler runs, or not to the end, and the engines and controller, which
+ipyparallel starts in sessions of their own, would outlive it: a small watchdog process, which
+notices when the Lab's process is gone, ends them.
 """
 
 from __future__ import annotations
@@ -66,17 +67,33 @@ from .table import html_table, text_table
 
 GRACE_S = 5.0  # after one rank fails, how long its peers get to fail too before we report
 
-# Run as `python -c WATCHDOG <pid> <cluster file>`: once <pid> is gone (this process is no longer
-# its child), stop the cluster that the file describes, as `ipcluster stop` would. Plain Python
-# until then, so it costs a few MB, not a torch import.
+# The watchdog, run as `python -c WATCHDOG <cluster file>`: the Lab writes the pid of each process
+# of its cluster to its stdin, one per line. End of input means the Lab stopped, or its process
+# is gone, perhaps killed: whatever of those processes and their children still runs is ended
+# (psutil refuses a pid that now names another process), and a stale cluster file removed.
 WATCHDOG = """
-import os, sys, time
-parent, cluster_file = int(sys.argv[1]), sys.argv[2]
-while os.getppid() == parent:
-    time.sleep(0.5)
-if os.path.exists(cluster_file):  # gone when the cluster was stopped properly
-    import ipyparallel
-    ipyparallel.Cluster.from_file(cluster_file=cluster_file).stop_cluster_sync()
+import os, sys
+import psutil
+
+watched = []
+for line in sys.stdin:
+    try:
+        process = psutil.Process(int(line))
+        watched += [process, *process.children(recursive=True)]  # schedulers, an engine's nanny
+    except psutil.Error:
+        pass
+for process in watched:
+    try:
+        process.terminate()
+    except psutil.Error:
+        pass
+for process in psutil.wait_procs(watched, timeout=5)[1]:
+    try:
+        process.kill()
+    except psutil.Error:
+        pass
+if os.path.exists(sys.argv[1]):
+    os.remove(sys.argv[1])
 """
 
 _running: "weakref.WeakSet[Lab]" = weakref.WeakSet()  # Labs not stopped yet, for the atexit handler
@@ -148,6 +165,7 @@ class Lab:
         self.cluster_id = self.cluster.cluster_id
         self.cluster.start_controller_sync()
         self._watchdog = self._start_watchdog()
+        self._watch([self.cluster.controller.process.pid])
         self.cluster.start_engines_sync(n, environment=self._engine_env)
         self.client = self.cluster.connect_client_sync()
         self.n = n
@@ -158,9 +176,14 @@ class Lab:
         log = os.path.join(self.cluster.profile_dir, "log", f"xdit-lab-watchdog-{self.cluster_id}.log")
         os.makedirs(os.path.dirname(log), exist_ok=True)
         with open(log, "ab") as output:
-            return subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), self.cluster.cluster_file],
-                                    stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            return subprocess.Popen([sys.executable, "-c", WATCHDOG, self.cluster.cluster_file], stdin=subprocess.PIPE,
+                                    stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def _watch(self, pids) -> None:
+        """Hand processes of our cluster to the watchdog."""
+        if self._watchdog is not None:
+            self._watchdog.stdin.write("".join(f"{pid}\n" for pid in pids))
+            self._watchdog.stdin.flush()
 
     def _wait_for_engines(self, n, exclude) -> list[int]:
         """Engine ids to use: n of them not in `exclude` (n None: all registered, at least one)."""
@@ -198,6 +221,8 @@ class Lab:
                            what="init_distributed")
         for row in self.ranks:
             row.update(joined[row["rank"]], master=f"{master}:{port}")
+        if self.owns_cluster:  # the controller again: by now it has started its schedulers
+            self._watch([self.cluster.controller.process.pid, *(row["pid"] for row in self.ranks)])
 
     def stop(self) -> None:
         """Leave the process group on every engine; stop the cluster if this Lab started it."""
@@ -219,9 +244,12 @@ class Lab:
                 if self.cluster.log.name.endswith(str(self.cluster_id)):
                     self.cluster.log.setLevel(logging.ERROR)
                 self.cluster.stop_cluster_sync()
-            if self._watchdog is not None:  # after the cluster: a kill during the stop is still covered
-                self._watchdog.kill()
-                self._watchdog.wait(timeout=10)
+            if self._watchdog is not None:  # after the cluster: it ends what the stop left running
+                self._watchdog.stdin.close()
+                try:
+                    self._watchdog.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    self._watchdog.kill()
 
     def restart(self) -> "Lab":
         """Stop the engines, start fresh ones, join them again and reload the last pipeline."""

@@ -19,7 +19,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ import pytest
 from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
+
+from xdit_lab.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = "notebooks/explorer.ipynb"
@@ -46,12 +47,6 @@ CLEANUP_S = 30          # after the server stops: kernel, engines, controller go
 
 
 # ---- the server -------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def processes_with(marker_value: str) -> dict[int, str]:
     """pid -> command line of every process whose environment carries the marker."""

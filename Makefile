@@ -11,7 +11,7 @@ CPU_TORCH ?= torch==2.13.0
 # The notebooks' kernel ("xdit-lab" in their metadata), installed into .venv so nbval finds it there.
 KERNEL := $(VENV)/share/jupyter/kernels/xdit-lab/kernel.json
 
-.PHONY: setup demo test notebooks format clean
+.PHONY: setup demo test browser-test notebooks format clean
 
 setup: $(STAMP) $(KERNEL)
 
@@ -36,6 +36,21 @@ test: $(STAMP) $(KERNEL)
 	$(BIN)/ruff format --check xdit_lab tests benchmarks
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg $(NOTEBOOKS)
+
+# The explorer in a real browser: JupyterLab served on 127.0.0.1, notebooks/explorer.ipynb run
+# with Run All Cells, its buttons clicked (tests/browser/). Playwright drives Debian's chromium,
+# installed here when missing: Playwright's own browser download is not used.
+CHROMIUM := /usr/bin/chromium
+BROWSER_STAMP := $(VENV)/.installed-browser
+browser-test: $(STAMP) $(KERNEL) $(BROWSER_STAMP) $(CHROMIUM)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/browser/browser_explorer.py
+
+$(BROWSER_STAMP): $(STAMP)
+	$(BIN)/pip install -e '.[test,browser]'
+	touch $(BROWSER_STAMP)
+
+$(CHROMIUM):
+	apt-get update && apt-get install -y chromium
 
 # After changing a notebook: run it and save it with its outputs, as nbval will compare them
 # (NB="tutorials/02_ulysses.ipynb ..."; default: every tutorial and notebook).

@@ -141,6 +141,10 @@ def test_the_widgets(lab):
     panel = lab.explorer(steps=2, session_kwargs=KWARGS)
     assert isinstance(panel, Explorer)
     assert "step 0 of 2" in panel.status.value and len(panel.views.children) == 4
+    # CSS classes name the parts, for a browser (tests/browser) to find them
+    assert [view._dom_classes for view in panel.views.children] == [
+        (f"xdit-lab-view-{name}",) for name in ("latent", "shards", "memory", "comm")]
+    assert "xdit-lab-status" in panel.status._dom_classes and "xdit-lab-error" in panel.error._dom_classes
     assert "<table>" in panel.table.value and panel.configs.value == ParallelConfig(cfg=2)
     panel.buttons["step"].click()
     assert "step 1 of 2" in panel.status.value and not panel.error.value

@@ -5,13 +5,16 @@ One cluster serves the whole module (starting one takes ~7 s); every call has a 
 fixture stops the cluster even when a test fails."""
 
 import importlib.util
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import ipyparallel as ipp
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,3 +203,66 @@ def test_connect_to_a_running_cluster(ipython_dir):
             client.close()
     finally:
         cluster.stop_cluster_sync()
+
+
+# A Lab that is never stopped, in a process of its own that either exits or is killed outright.
+NEVER_STOPPED = """
+import json, os, sys, time
+from xdit_lab.lab import Lab
+lab = Lab(n=1, timeout_s=60)
+pids = dict(controller=lab.cluster.controller.process.pid, engines=[row["pid"] for row in lab.ranks],
+            watchdog=lab._watchdog.pid)
+with open(sys.argv[2] + ".tmp", "w") as file:
+    json.dump(pids, file)
+os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+if sys.argv[1] == "kill":
+    time.sleep(300)  # until the test kills this process
+else:
+    sys.stdin.readline()  # until the test says: exit
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("end", ["exit", "kill"])
+def test_the_engines_end_with_the_process_that_started_them(end, tmp_path):
+    """On a normal exit (a kernel shut down) the Lab's atexit handler stops it, before ipyparallel's
+    own handler would, loudly. A process killed outright (nbval kills its kernels; so does an
+    out-of-memory kill) runs no handler: the Lab's watchdog stops the engines and the controller,
+    which ipyparallel started in sessions of their own and would otherwise outlive it."""
+    pid_file = tmp_path / "pids.json"
+    script = subprocess.Popen([sys.executable, "-c", NEVER_STOPPED, end, str(pid_file)], text=True,
+                              env=dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython")),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and script.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pid_file.exists(), f"the Lab did not start: {script.poll()=}"
+        started = json.loads(pid_file.read_text())
+        cluster = [started["controller"], *started["engines"]]
+        children = [child.pid for pid in cluster for child in psutil.Process(pid).children(recursive=True)]
+        pids = [*cluster, *children, started["watchdog"]]
+        assert children and all(running(pid) for pid in pids)  # children: the schedulers, each engine's nanny
+        if end == "kill":
+            script.kill()
+        _, stderr = script.communicate("exit\n", timeout=60)
+        deadline = time.monotonic() + 30
+        while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in pids if running(pid)]
+        assert not left, f"still running 30 s after the script ended ({end}): {left} of {started}"
+        if end == "exit":
+            assert script.returncode == 0, stderr[-3000:]
+            assert "Stopping cluster" not in stderr  # ipyparallel's fallback did not have to act
+    finally:
+        script.kill()
+        for pid in pids:  # leave nothing behind, whatever happened above
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

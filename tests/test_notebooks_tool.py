@@ -25,3 +25,38 @@ def test_save_executed_writes_outputs_and_leaves_a_failed_notebook_alone(tmp_pat
     with pytest.raises(Exception, match="ZeroDivisionError"):
         save_executed(bad, timeout_s=120)
     assert bad.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["bad.ipynb", "good.ipynb"]
+
+
+def _sanitized(text: str) -> str:
+    """`text` as nbval compares it under tutorials/nbval_sanitize.cfg (nbval's own parser, its re.sub order)."""
+    from pathlib import Path
+
+    from nbval.plugin import get_sanitize_patterns
+
+    rules = get_sanitize_patterns((Path(__file__).parent.parent / "tutorials" / "nbval_sanitize.cfg").read_text())
+    assert rules, "no rules parsed from nbval_sanitize.cfg"
+    for regex, replace in rules:
+        text = __import__("re").sub(regex, replace, text)
+    return text
+
+
+@pytest.mark.parametrize("varies, blanked", [
+    ("<object at 0x7f3a12bc>", "<object at 0xADDRESS>"),
+    ("master 127.0.0.1:29500", "master 127.0.0.1:PORT"),
+    ("tcp://localhost:45123", "tcp://localhost:PORT"),
+    ("engine pid 12345 joined", "engine pid PID joined"),
+    ("Lab (cluster '1795322427-krup', 2 ranks)", "Lab (cluster CLUSTER-ID, 2 ranks)"),
+])
+def test_the_sanitizer_blanks_what_varies(varies, blanked):
+    assert _sanitized(varies) == blanked
+
+
+@pytest.mark.parametrize("kept", [
+    "<Figure size 740x500 with 2 Axes>",   # a figure size is not an address
+    "<PIL.Image.Image image mode=RGB size=640x64>",
+    "ulysses 378.0 MiB on fast 1.32 ms",   # the link model's times are computed: checked
+    "ratio 1:1000 and step 20 of 20",       # not a port
+    "cfg2 speed-up 1.63x in 0.5 s",
+])
+def test_the_sanitizer_keeps_what_is_the_lesson(kept):
+    assert _sanitized(kept) == kept

@@ -46,6 +46,8 @@ class Explorer:
         self.seed = w.IntText(value=c.seed, description="seed", layout=small)
         self.buttons = {name: w.Button(description=name.capitalize()) for name in ("step", "run", "reset")}
         self.table, self.status, self.error = w.HTML(), w.HTML(), w.HTML()
+        for name in ("table", "status", "error"):  # CSS classes name the parts (a browser test finds them)
+            getattr(self, name).add_class(f"xdit-lab-{name}")
         self.views = w.Box(layout=w.Layout(flex_flow="row wrap", align_items="flex-start"))
         self.panel = w.VBox([
             self.table, self.configs, w.HBox(list(self.pickers.values())[:4]),
@@ -155,7 +157,8 @@ class Explorer:
                                  f"{html.escape(frame.details)}</pre></details>")
         if frame.figures:  # an error frame keeps the last views on screen
             names = sorted(frame.figures, key=ORDER.index)
-            self.views.children = [w.Image(value=figure_png(frame.figures[n]), format="png") for n in names]
+            self.views.children = [w.Image(value=figure_png(frame.figures[n]), format="png")
+                                   .add_class(f"xdit-lab-view-{n}") for n in names]
 
     def _busy(self, action):
         """Run a controller action with the buttons disabled; show its frame."""

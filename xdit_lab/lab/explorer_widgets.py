@@ -17,7 +17,7 @@ import ipywidgets as w
 
 from .explorer import PICKERS, ExplorerController, config_from, current_choice
 
-LABELS = {"pipefusion": "pipefusion", "num_patches": "patches", "warmup_steps": "warmup"}
+LABELS = {"num_patches": "patches", "warmup_steps": "warmup"}  # the degrees keep their own names
 ORDER = ("latent", "shards", "staleness", "memory", "comm")  # views, left to right, top to bottom
 
 

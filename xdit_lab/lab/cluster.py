@@ -56,6 +56,7 @@ import sys
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 
 import ipyparallel as ipp
 
@@ -66,6 +67,25 @@ from .labsession import LabSession
 from .table import html_table, text_table
 
 GRACE_S = 5.0  # after one rank fails, how long its peers get to fail too before we report
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What `lab.load` was last called with: `configure` and `restart` load it again."""
+
+    name_or_path: str
+    config: object  # a ParallelConfig
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    """A call to one engine that outlived its wait (a timeout, or the notebook's stop button)."""
+
+    row: dict  # the rank table's row of the engine
+    result: object  # ipyparallel's AsyncResult
+    what: str  # e.g. "lab.session.run"
+    started: float  # time.monotonic() when it was sent
 
 # The watchdog, run as `python -c WATCHDOG <cluster file>`: the Lab writes the pid of each process
 # of its cluster to its stdin, one per line. End of input means the Lab stopped, or its process
@@ -131,9 +151,9 @@ class Lab:
         self.cluster, self.client = None, None
         self.owns_cluster = not (connect or cluster_id is not None)
         self.ranks: list[dict] = []        # one row per rank: engine, host, local_rank, device, pid
-        self.loaded = None                 # (name_or_path, config, kwargs) of the last load, for restart
+        self.loaded: Loaded | None = None  # the last load, for configure and restart
         self.session_token = 0             # bumped by every new session, load and restart
-        self._pending: list[tuple] = []    # calls that timed out and may still be running
+        self._pending: list[PendingCall] = []  # calls that timed out and may still be running
         self._stopped = False
         self._watchdog = None              # the process that stops our cluster if this one is killed
         self.n = n                         # engines to use (None when connecting: all that are there)
@@ -271,7 +291,7 @@ class Lab:
                                f"(ipcluster) and connect a new Lab") from None
         self._setup(self._wait_for_engines(self.n or len(self.ranks), exclude=old))
         if self.loaded is not None:
-            self.load(*self.loaded[:2], **self.loaded[2])
+            self.load(self.loaded.name_or_path, self.loaded.config, **self.loaded.kwargs)
         return self
 
     def __enter__(self) -> "Lab":
@@ -298,18 +318,18 @@ class Lab:
             coords = roles[row["rank"]]["coords"]
             used = [f"{name}={value}" for name, value in (coords or {}).items() if getattr(config, name) > 1]
             row["role"] = ("·".join(used) or "serial") if coords else "idle"
-        self.loaded = (str(name_or_path), config, kwargs)
+        self.loaded = Loaded(str(name_or_path), config, kwargs)
         return self
 
     def configure(self, config, *, timeout_s: float | None = None) -> "Lab":
         """Another ParallelConfig on the same engines: a new mesh, the last pipeline loaded again."""
         if self.loaded is None:
             raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) first")
-        return self.load(self.loaded[0], config, timeout_s=timeout_s, **self.loaded[2])
+        return self.load(self.loaded.name_or_path, config, timeout_s=timeout_s, **self.loaded.kwargs)
 
     @property
     def config(self):
-        return None if self.loaded is None else self.loaded[1]
+        return None if self.loaded is None else self.loaded.config
 
     def session(self, prompt, *args, timeout_s: float | None = None, **kwargs) -> LabSession:
         """pipe.session(prompt, ...) on every active engine; step it, run it, fetch the result."""
@@ -349,11 +369,12 @@ class Lab:
         if gone:
             raise LabError(describe_failures(what, [dict(row, error="the engine is gone (its process ended or it "
                                                                  "unregistered)") for row in gone]))
-        self._pending = [(row, part, name, t) for row, part, name, t in self._pending if not part.done()]
+        self._pending = [call for call in self._pending if not call.result.done()]
         if self._pending:
-            row, _, name, started = self._pending[0]
-            raise LabError(f"lab.{what}: rank {row['rank']} (engine {row['engine']}) is still busy with {name}, "
-                           f"started {time.monotonic() - started:.0f} s ago; wait for it, or lab.restart()")
+            call = self._pending[0]
+            raise LabError(f"lab.{what}: rank {call.row['rank']} (engine {call.row['engine']}) is still busy with "
+                           f"{call.what}, started {time.monotonic() - call.started:.0f} s ago; wait for it, or "
+                           f"lab.restart()")
 
     def _wait(self, calls: list[tuple[int, object]], what: str, timeout_s=None) -> dict:
         """Wait for every (engine_id, AsyncResult), with a finite timeout; {engine_id: result} or LabError."""
@@ -368,7 +389,8 @@ class Lab:
                 remaining = max(0.0, timeout - (time.monotonic() - started))
                 concurrent.futures.wait(pending, min(GRACE_S, remaining))
         except BaseException:  # e.g. the notebook's stop button: remember who is still working
-            self._pending += [(rows.get(e, dict(engine=e)), p, f"lab.{what}", started) for e, p in calls if not p.done()]
+            self._pending += [PendingCall(rows.get(e, dict(engine=e)), p, f"lab.{what}", started)
+                              for e, p in calls if not p.done()]
             raise
         waited = time.monotonic() - started
         failures, results = [], {}
@@ -376,7 +398,7 @@ class Lab:
             row = rows.get(eid, dict(engine=eid))
             if not part.done():
                 failures.append(dict(row, error=f"no answer after {waited:.0f} s"))
-                self._pending.append((row, part, f"lab.{what}", started))
+                self._pending.append(PendingCall(row, part, f"lab.{what}", started))
             elif part.exception() is not None:
                 error = part.exception()
                 failures.append(dict(row, error=f"{getattr(error, 'ename', type(error).__name__)}: "

@@ -143,7 +143,7 @@ class ExplorerController:
         self.lab, self.seed, self.preview_limit, self.timeout_s = lab, seed, preview_limit, timeout_s
         self.session_kwargs = dict(session_kwargs or {})
         default_steps = self.session_kwargs.pop("num_inference_steps", None)
-        self.prompt = prompt or ("a handwritten 7" if lab.loaded[0] == "digits" else "a red cat")
+        self.prompt = prompt or ("a handwritten 7" if lab.loaded.name_or_path == "digits" else "a red cat")
         self.session, self.session_seed = None, None
         answer = lab.call(model_shape, self.session_kwargs.get("height"), self.session_kwargs.get("width"),
                           ranks=[0], what="explorer.model_shape")[0]

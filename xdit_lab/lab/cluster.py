@@ -37,25 +37,15 @@ Pass `master_addr=` when the rank-0 engine's host name does not resolve from the
 `ipcluster stop --cluster-id=dit` ends it. On GPUs each engine takes the GPU of its local rank
 (engines sorted by id on each host), as under torchrun.
 
-A Lab that is never stopped still ends with the process that made it: on a normal exit (the
-kernel shut down or restarted) an atexit handler stops it. When that process is killed outright
-(nbval ends its kernels with SIGKILL, so does an out-of-memory kill, and a kernel that takes too
-long to shut down) no handler runs, or not to the end, and the engines and controller, which
-ipyparallel starts in sessions of their own, would outlive it: a small watchdog process, which
-notices when the Lab's process is gone, ends them.
+A Lab that is never stopped still ends with the process that made it (lifetime.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
 import os
-import subprocess
-import sys
 import time
-import traceback
-import weakref
 from dataclasses import dataclass
 
 import ipyparallel as ipp
@@ -64,6 +54,7 @@ from ..distributed import usable_cpu_cores
 from . import engine
 from .errors import LabError, describe_failures
 from .labsession import LabSession
+from .lifetime import Watchdog, forget_at_exit, stop_at_exit
 from .table import html_table, text_table
 
 GRACE_S = 5.0  # after one rank fails, how long its peers get to fail too before we report
@@ -86,54 +77,6 @@ class PendingCall:
     result: object  # ipyparallel's AsyncResult
     what: str  # e.g. "lab.session.run"
     started: float  # time.monotonic() when it was sent
-
-# The watchdog, run as `python -c WATCHDOG <cluster file>`: the Lab writes the pid of each process
-# of its cluster to its stdin, one per line. End of input means the Lab stopped, or its process
-# is gone, perhaps killed: whatever of those processes and their children still runs is ended
-# (psutil refuses a pid that now names another process), and a stale cluster file removed.
-WATCHDOG = """
-import os, sys
-import psutil
-
-watched = []
-for line in sys.stdin:
-    try:
-        process = psutil.Process(int(line))
-        watched += [process, *process.children(recursive=True)]  # schedulers, an engine's nanny
-    except psutil.Error:
-        pass
-for process in watched:
-    try:
-        process.terminate()
-    except psutil.Error:
-        pass
-for process in psutil.wait_procs(watched, timeout=5)[1]:
-    try:
-        process.kill()
-    except psutil.Error:
-        pass
-if os.path.exists(sys.argv[1]):
-    os.remove(sys.argv[1])
-"""
-
-_running: "weakref.WeakSet[Lab]" = weakref.WeakSet()  # Labs not stopped yet, for the atexit handler
-
-
-def _stop_running_labs() -> None:
-    for lab in list(_running):
-        try:
-            lab.stop()
-        except Exception:  # noqa: BLE001 - at exit: say so, and go on to the next Lab
-            traceback.print_exc()
-
-
-def _stop_at_exit(lab: "Lab") -> None:
-    """Stop `lab` when this process exits, before ipyparallel's own handler would (it stops the
-    cluster too, but printing every engine's log): atexit runs the last registered first."""
-    _running.add(lab)
-    atexit.unregister(_stop_running_labs)
-    atexit.register(_stop_running_labs)
-
 
 class Lab:
     """n engines started here (default: one per visible GPU, else one per CPU core; CPU engines run
@@ -162,7 +105,7 @@ class Lab:
                 self._start_cluster(n, ip, engine_env)
             else:
                 self.client = ipp.Client(profile=profile, cluster_id=cluster_id, timeout=timeout_s)
-            _stop_at_exit(self)
+            stop_at_exit(self)
             self._setup(self._wait_for_engines(self.n, exclude=()))
         except BaseException:
             self.stop()  # never leave engines behind a failed start
@@ -184,26 +127,12 @@ class Lab:
         self.cluster = ipp.Cluster(n=n, controller_ip=ip, log_level=30, **profile)
         self.cluster_id = self.cluster.cluster_id
         self.cluster.start_controller_sync()
-        self._watchdog = self._start_watchdog()
-        self._watch([self.cluster.controller.process.pid])
+        log = os.path.join(self.cluster.profile_dir, "log", f"xdit-lab-watchdog-{self.cluster_id}.log")
+        self._watchdog = Watchdog(self.cluster.cluster_file, log)
+        self._watchdog.watch([self.cluster.controller.process.pid])
         self.cluster.start_engines_sync(n, environment=self._engine_env)
         self.client = self.cluster.connect_client_sync()
         self.n = n
-
-    def _start_watchdog(self) -> subprocess.Popen:
-        """The watchdog (see WATCHDOG), in a session of its own so that a signal to this process's
-        group (a kernel being killed) does not end it too; its output goes to the profile's log folder."""
-        log = os.path.join(self.cluster.profile_dir, "log", f"xdit-lab-watchdog-{self.cluster_id}.log")
-        os.makedirs(os.path.dirname(log), exist_ok=True)
-        with open(log, "ab") as output:
-            return subprocess.Popen([sys.executable, "-c", WATCHDOG, self.cluster.cluster_file], stdin=subprocess.PIPE,
-                                    stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def _watch(self, pids) -> None:
-        """Hand processes of our cluster to the watchdog."""
-        if self._watchdog is not None:
-            self._watchdog.stdin.write("".join(f"{pid}\n" for pid in pids))
-            self._watchdog.stdin.flush()
 
     def _wait_for_engines(self, n, exclude) -> list[int]:
         """Engine ids to use: n of them not in `exclude` (n None: all registered, at least one)."""
@@ -242,14 +171,14 @@ class Lab:
         for row in self.ranks:
             row.update(joined[row["rank"]], master=f"{master}:{port}")
         if self.owns_cluster:  # the controller again: by now it has started its schedulers
-            self._watch([self.cluster.controller.process.pid, *(row["pid"] for row in self.ranks)])
+            self._watchdog.watch([self.cluster.controller.process.pid, *(row["pid"] for row in self.ranks)])
 
     def stop(self) -> None:
         """Leave the process group on every engine; stop the cluster if this Lab started it."""
         if self._stopped:
             return
         self._stopped = True
-        _running.discard(self)
+        forget_at_exit(self)
         try:
             if self.client is not None and self.ranks:  # (call refuses at once if an engine is gone or busy)
                 self.call(engine.shutdown, timeout_s=min(30, self.timeout_s), what="stop")
@@ -265,11 +194,7 @@ class Lab:
                     self.cluster.log.setLevel(logging.ERROR)
                 self.cluster.stop_cluster_sync()
             if self._watchdog is not None:  # after the cluster: it ends what the stop left running
-                self._watchdog.stdin.close()
-                try:
-                    self._watchdog.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    self._watchdog.kill()
+                self._watchdog.close()
 
     def restart(self) -> "Lab":
         """Stop the engines, start fresh ones, join them again and reload the last pipeline."""

@@ -81,6 +81,10 @@ class Watchdog:
                                             stdout=output, stderr=subprocess.STDOUT, text=True,
                                             start_new_session=True)
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
     def watch(self, pids) -> None:
         """Hand processes of the cluster to the watchdog."""
         self.process.stdin.write("".join(f"{pid}\n" for pid in pids))

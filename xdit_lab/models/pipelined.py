@@ -41,7 +41,12 @@ class _StageDone(Exception):
 
 
 class PipeFusionStage:
-    """This rank's stage: its patch layout, stale K/V buffers and the step counter."""
+    """This rank's stage: its patch layout, stale K/V buffers and the step counter.
+
+    `buffer_type` makes each layer's buffer; a test or a control (xdit_lab.lab.measure) may set
+    a deliberately wrong one, on a stage or on the class, to show that a bound catches it."""
+
+    buffer_type = StaleKV
 
     def __init__(self, state: ParallelState, config, blocks: tuple[int, int]):
         self.state, self.mesh, self.config = state, state.mesh, config
@@ -82,7 +87,8 @@ class PipeFusionStage:
             raise NotImplementedError(f"PipeFusion here handles self-attention; {kind} attention is not staged yet")
         name = self.state.attention_name
         if name not in self.buffers:
-            self.buffers[name] = StaleKV(self.layout, self.mesh.group_size("ulysses"), self.mesh.group_rank("ring"))
+            self.buffers[name] = self.buffer_type(self.layout, self.mesh.group_size("ulysses"),
+                                                  self.mesh.group_rank("ring"))
         out, _ = stale_attention(query, key, value, self.mesh, self.buffers[name], self.active, self.step, scale=scale)
         return out
 
@@ -95,10 +101,14 @@ class PipeFusionStage:
         raise _StageDone(output)
 
     def staleness(self) -> dict:
-        """Small summary for views: per layer of this stage, the step that wrote each patch."""
+        """Small summary for views: per layer of this stage, the step that wrote each patch and
+        what attention read in the latest step (StaleKV.reads)."""
         return dict(stage=self.mesh.coords["pipefusion"], blocks=self.blocks, step=self.step,
                     patches=self.layout.patches if self.layout else None,
-                    written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()})
+                    written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()},
+                    reads={name: [(step, list(active), list(steps)) for step, active, steps in buffer.reads]
+                           for name, buffer in self.buffers.items()},
+                    buffer=", ".join(sorted({type(b).__name__ for b in self.buffers.values()})) or None)
 
 
 def apply_pipefusion(transformer, config, mesh, state: ParallelState, stage_split: list[int] | None = None):

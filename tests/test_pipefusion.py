@@ -58,6 +58,26 @@ def test_stale_steps_deviate_and_are_recorded():
         assert written and all(steps == [STEPS - 1, STEPS - 1] for steps in written.values())
 
 
+def _dit_exact_and_stale():
+    return [_steps(ParallelConfig(pipefusion=2, warmup_steps=warmup), "dit") for warmup in (STEPS, 1)]
+
+
+def test_pipefusion_on_dit():
+    """A tiny DiTTransformer2DModel under PipeFusion 2: equal to diffusers' own forward run serially
+    when every step is a warmup step (the last stage conditions DiT's output layer with block 0's
+    embedding, as the whole model does); after warmup 1 the steps read stale K/V, deviate, and the
+    buffers record it (patch 0 read patch 1's K/V from the step before)."""
+    for rank, (exact, stale) in enumerate(run_on_ranks(_dit_exact_and_stale, 2)):
+        for step, row in enumerate(exact["rows"]):
+            assert row["error"] <= row["bound"], f"rank {rank} step {step}: {row['error']:.3g}"
+        assert stale["rows"][0]["error"] <= stale["rows"][0]["bound"]  # the warmup step
+        assert all(row["error"] > row["bound"] for row in stale["rows"][1:])
+        last = STEPS - 1
+        for reads in stale["staleness"]["reads"].values():
+            assert [(a, list(b), list(c)) for a, b, c in reads] == [(last, [0], [last, last - 1]),
+                                                                    (last, [1], [last, last])]
+
+
 def test_activations_between_stages_match_the_formula():
     """A pipelined step: each non-last stage sends every patch's activations once (B × S × hidden
     in all), the last stage broadcasts the noise prediction; no per-layer PipeFusion collective."""

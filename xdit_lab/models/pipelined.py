@@ -118,8 +118,10 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState, stage_spli
     stages = stage_ranges(transformer.config.num_layers, config.pipefusion, stage_split)
     start, stop = stages[mesh.coords["pipefusion"]]
     loaded = getattr(transformer, "_xdit_lab_stage_blocks", None)
+    block_0 = None
     if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
         blocks = list(transformer.transformer_blocks)
+        block_0 = blocks[0]
         transformer.transformer_blocks = torch.nn.ModuleList(blocks[start:stop])
         del blocks
     elif loaded[:2] != (start, stop):
@@ -128,6 +130,11 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState, stage_spli
     stage = PipeFusionStage(state, config, (start, stop))
     state.pipefusion = stage
     install_hooks(transformer, state)
+    if state.adapter.family == "DiT" and mesh.is_last_stage and start > 0:
+        if block_0 is None:
+            raise ValueError("a DiT stage loaded without block 0 cannot condition its output layer; build the "
+                             "transformer whole and let parallelize drop the other stages' blocks")
+        _output_conditioning_from_block_0(transformer, block_0)
     if not mesh.is_first_stage:
         transformer.transformer_blocks[0].register_forward_pre_hook(stage.take_incoming, with_kwargs=True)
     if not mesh.is_last_stage:
@@ -180,6 +187,28 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState, stage_spli
 
     transformer.forward = pipefusion_forward
     return transformer
+
+
+def _output_conditioning_from_block_0(transformer, block_0) -> None:
+    """DiT's output layer takes its conditioning from `transformer_blocks[0].norm1.emb`, the model's
+    block 0. On a later stage that list starts at another block, so once this stage's blocks have
+    run, that call is answered by block 0's embedding, kept here (a few small layers)."""
+    transformer._xdit_lab_block_0_emb = block_0.norm1.emb  # a registered submodule: moves with the model
+    first, last = transformer.transformer_blocks[0], transformer.transformer_blocks[-1]
+    blocks_done = [False]
+
+    def entering(_module, _args):
+        blocks_done[0] = False
+
+    def leaving(_module, _args, _output):
+        blocks_done[0] = True
+
+    def output_conditioning(_module, args, kwargs, output):
+        return transformer._xdit_lab_block_0_emb(*args, **kwargs) if blocks_done[0] else output
+
+    first.register_forward_pre_hook(entering)
+    last.register_forward_hook(leaving)
+    first.norm1.emb.register_forward_hook(output_conditioning, with_kwargs=True)
 
 
 def reset_stale_state(transformer) -> None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ipyparallel as ipp
 import numpy as np
@@ -24,6 +25,7 @@ from xdit_lab import ParallelConfig
 from xdit_lab.distributed import free_port
 from xdit_lab.lab import Lab, LabError
 from xdit_lab.lab import engine
+from xdit_lab.lessons import production
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 PROMPTS = ["a red cat", "a blue dog"]
@@ -101,27 +103,17 @@ def test_stepping_equals_run(cfg2):
 
 def test_lab_images_equal_the_torchrun_cli(cfg2, folder, tmp_path):
     output = tmp_path / "cli"
-    args = ["run", "--model", str(folder), "--output", str(output), "--steps", "3", "--seed", "7", "--height", "16",
-            "--width", "16", "--guidance", "3.0", "--no-progress", "--cfg", "2",
-            "--option", "use_resolution_binning=false", "--option", "clean_caption=false",
-            "--option", "max_sequence_length=8"]
-    for prompt in PROMPTS:
-        args += ["--prompt", prompt]
+    call = {k: v for k, v in KWARGS.items() if k != "seed"}
+    command = (production.torchrun_argv(2, master_port=free_port()) + ["-m", "xdit_lab.cli"]
+               + production.run_argv(folder, PROMPTS, ParallelConfig(cfg=2), output, seed=KWARGS["seed"], **call))
     # Two cores for the two ranks, so each runs one torch thread as the engines do (thread counts
     # can change the order of float sums, and the comparison below is exact).
-    pin = None
-    if hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))[:2]
-        pin = lambda: os.sched_setaffinity(0, cores)  # noqa: E731
-    cli = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                            str(free_port()), "-m", "xdit_lab.cli", *args], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, preexec_fn=pin)
-    try:
-        images = cfg2.session(PROMPTS, **KWARGS).run().result().images  # the Lab works while torchrun starts
-        out, _ = cli.communicate(timeout=180)
-    finally:
-        cli.kill()
-    assert cli.returncode == 0, out[-4000:]
+    cpus = [set(sorted(os.sched_getaffinity(0))[:2])] if hasattr(os, "sched_getaffinity") else None
+    with ThreadPoolExecutor(1) as pool:  # the Lab works while torchrun starts
+        cli = pool.submit(production.run_processes, [command], 180, cpus=cpus)
+        images = cfg2.session(PROMPTS, **KWARGS).run().result().images
+        (result,) = cli.result()
+    assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
     assert np.asarray(images[0]).std() > 0  # not a blank image that any two runs would agree on
     for i, image in enumerate(images):
         assert np.array_equal(np.asarray(image), np.asarray(Image.open(output / f"{i:03d}.png")))

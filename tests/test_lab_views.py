@@ -1,13 +1,18 @@
 """Rank summaries and views from real runs: a tiny PixArt stepped twice on 2 and 4 gloo ranks.
 
 The summaries are checked against facts that can fail (shards tile the image, batch rows,
-K/V ages, bytes moved equal the closed forms, PipeFusion halves the blocks); then every view is
-drawn from them and its structure checked (axes, images, bars), not its pixels."""
+K/V ages as the buffers recorded them, bytes moved equal the closed forms, PipeFusion halves the
+blocks); then every view is drawn from them and its structure checked (axes, images, bars), not
+its pixels, against expectations worked out here (which rank owns which token)."""
+
+import contextlib
 
 import numpy as np
 import pytest
 
-from xdit_lab import ParallelConfig, load_pipeline
+from xdit_lab import ParallelConfig, RankMesh, load_pipeline
+from xdit_lab.sharding import patch_ranges
+from xdit_lab.sharding import shard_range
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
@@ -20,23 +25,31 @@ CASES = {
     "cfg2": (ParallelConfig(cfg=2), ["a cat", "a dog"], (16, 16)),
     "pipefusion2": (ParallelConfig(pipefusion=2, **PF), ["a cat"], (16, 16)),
     "pipefusion2·ulysses2": (ParallelConfig(pipefusion=2, ulysses=2, **PF), ["a cat"], (16, 16)),
+    "pipefusion2·ring2": (ParallelConfig(pipefusion=2, ring=2, **PF), ["a cat"], (16, 16)),  # stale K/V travel the ring
     "cfg2·dp2": (ParallelConfig(cfg=2, dp=2), ["a cat", "a dog", "a car"], (16, 16)),  # dp shares 2 + 1
 }
 
 
-def _two_steps(folder, config, prompts, size):
+def _two_steps(folder, config, prompts, size, control=None):
+    """Two steps, a rank summary after each; under `control`'s deliberately wrong K/V buffers when named."""
+    from xdit_lab.lab.measure import wrong_stale_kv
     from xdit_lab.lab.summaries import rank_summary
 
-    pipe = load_pipeline(folder, config, progress=False)
-    kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, height=size[0], width=size[1])
-    session = pipe.session(prompts, seed=0, **kwargs)
-    after = [rank_summary(session.step()) for _ in range(2)]
+    with wrong_stale_kv(control) if control else contextlib.nullcontext():
+        pipe = load_pipeline(folder, config, progress=False)
+        kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, height=size[0], width=size[1])
+        session = pipe.session(prompts, seed=0, **kwargs)
+        after = [rank_summary(session.step()) for _ in range(2)]
     return dict(summaries=after, latent=session.latents[0, 0].numpy())
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    folder = save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+def folder(tmp_path_factory):
+    return save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
     cache = {}
 
     def get(name):
@@ -81,13 +94,14 @@ def test_batch_rows_per_rank(runs):
     assert not any(s["batch"]["stand_in"] for s in _final(runs, "cfg2·dp2"))
 
 
-@pytest.mark.parametrize("name", ["pipefusion2", "pipefusion2·ulysses2"])
+@pytest.mark.parametrize("name", ["pipefusion2", "pipefusion2·ulysses2", "pipefusion2·ring2"])
 def test_kv_ages_fresh_in_warmup_one_step_stale_after(runs, name):
     for out in runs(name):
         warm, pipelined = (s["staleness"] for s in out["summaries"])
         stage = out["summaries"][0]["coords"]["pipefusion"]
         assert warm["layers"] == pipelined["layers"] == [f"transformer_blocks.{stage}.attn1"]
         assert not warm["pipelined"] and pipelined["pipelined"]
+        assert warm["buffer"] == pipelined["buffer"] == "StaleKV"
         for layer in warm["layers"]:
             assert warm["written_step"][layer] == [0, 0] and warm["age"][layer] == [0, 0]
             # step 1 rewrote both patches; patch 0 read patch 1's K/V from step 0 before it was rewritten
@@ -97,15 +111,52 @@ def test_kv_ages_fresh_in_warmup_one_step_stale_after(runs, name):
     assert all(s["staleness"] is None for s in _final(runs, "ulysses2"))
 
 
+def test_kv_age_view_reads_what_the_buffers_recorded(runs, folder):
+    """A deliberately wrong buffer (ReadBeforeWriteKV: attention reads before the fresh K/V are
+    written, so a patch sees its own K/V from the step before) changes the K/V-age view: the ages
+    come from what each read recorded, not from a rule about which patches should be fresh. The
+    buffer ends the step with the same written steps as StaleKV, so a rule would not see it."""
+    from xdit_lab.lab.views import draw_staleness
+
+    config, prompts, size = CASES["pipefusion2"]
+    wrong = [out["summaries"][-1] for out in run_on_ranks(_two_steps, 2, folder, config, prompts, size,
+                                                          control="read before write", timeout_s=240)]
+    for s in wrong:
+        staleness = s["staleness"]
+        (layer,) = staleness["layers"]
+        assert staleness["buffer"] == "ReadBeforeWriteKV" and staleness["written_step"][layer] == [1, 1]
+        assert staleness["read_age"][layer] == [[1, 1], [0, 1]]  # each patch read its own slice one step old
+
+    def ages(summaries):
+        return np.asarray(draw_staleness(summaries).axes[0].images[0].get_array()).tolist()
+
+    assert ages(_final(runs, "pipefusion2")) == [[0, 1], [0, 1]]  # (stage, layer) × patch: patch 0 fresh
+    assert ages(wrong) == [[1, 1], [1, 1]]
+
+
+# A deliberately wrong configuration per case, on the same ranks: its closed form must differ from
+# what was measured, or the equality below would not show that the formula knows the configuration.
+WRONG = {"ulysses2": ParallelConfig(ring=2), "ring2": ParallelConfig(ulysses=2), "cfg2": ParallelConfig(dp=2),
+         "pipefusion2": ParallelConfig(ring=2), "pipefusion2·ulysses2": ParallelConfig(pipefusion=2, ring=2, **PF),
+         "pipefusion2·ring2": ParallelConfig(pipefusion=2, ulysses=2, **PF), "cfg2·dp2": ParallelConfig(cfg=2, ring=2)}
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_measured_bytes_equal_the_closed_forms(runs, name):
     from xdit_lab.lab.summaries import expected_bytes_per_step
 
+    config, wrong = CASES[name][0], WRONG[name]
     for s in _final(runs, name):
-        assert len(s["comm"]["measured"]) == 2
-        for step, (measured, expected) in enumerate(zip(s["comm"]["measured"], s["comm"]["expected"])):
-            assert {g: n for g, n in measured.items() if n} == expected, f"rank {s['rank']} step {step}"
-        assert expected_bytes_per_step(s) == s["comm"]["expected"][-1]  # from the summary alone
+        measured = s["comm"]["measured"]  # comm_log's records of what the collectives moved
+        assert len(measured) == 2 and all(measured)
+        wrong_coords = RankMesh(wrong, rank=s["rank"], world_size=config.world_size).coords
+        for step, moved in enumerate(measured):
+            moved = {g: n for g, n in moved.items() if n}
+            where = f"rank {s['rank']} step {step}"
+            assert moved == expected_bytes_per_step(config, s["shapes"], coords=s["coords"], step=step), where
+            assert moved != expected_bytes_per_step(wrong, s["shapes"], coords=wrong_coords, step=step), where
+        # every degree above 1 shows its traffic in its group (dp with one sample per group moves nothing)
+        assert {g for g in ("ulysses", "ring", "pipefusion", "cfg") if getattr(config, g) > 1} <= set(measured[-1])
 
 
 def test_closed_forms_by_hand(runs):
@@ -143,11 +194,27 @@ def _visible_axes(fig):
     return [ax for ax in fig.axes if ax.get_visible()]
 
 
+def _owners_by_hand(config, grid, dp, cfg, pf):
+    """rows × cols of the rank computing each token of one (dp, cfg, stage) panel, from the rank
+    order (ulysses fastest, then ring, pipefusion, cfg, dp) and the sequence split: one contiguous
+    shard per sp rank (ring-major), of the whole image, or of every PipeFusion patch (row band)."""
+    rows, cols = grid
+    owner = np.full(rows * cols, -1)
+    bands = patch_ranges(rows, cols, config.patches) if config.pipefusion > 1 else [(0, rows * cols)]
+    for ring in range(config.ring):
+        for ulysses in range(config.ulysses):
+            rank = (((dp * config.cfg + cfg) * config.pipefusion + pf) * config.ring + ring) * config.ulysses + ulysses
+            for first, last in bands:
+                start, stop = shard_range(last - first, config.ring * config.ulysses, ring * config.ulysses + ulysses)
+                owner[first + start:first + stop] = rank
+    return owner.reshape(rows, cols)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_views_draw_from_the_summaries(runs, name, tmp_path):
     from matplotlib.patches import Rectangle
 
-    from xdit_lab.lab.views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness, shard_map
+    from xdit_lab.lab.views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness
 
     outs = runs(name)
     summaries = [out["summaries"][-1] for out in outs]
@@ -155,12 +222,11 @@ def test_views_draw_from_the_summaries(runs, name, tmp_path):
 
     shards = draw_shards(summaries)
     panels = _visible_axes(shards)
-    assert len(panels) == config.dp * config.cfg * config.pipefusion
-    for ax in panels:  # each panel shows a rank in every token: the grid is tiled
-        owner = np.asarray(ax.images[0].get_array())
-        assert owner.shape == tuple(summaries[0]["grid"]) and owner.min() >= 0
-    assert np.array_equal(np.asarray(panels[0].images[0].get_array()), shard_map(
-        [s for s in summaries if (s["coords"]["dp"], s["coords"]["cfg"], s["coords"]["pipefusion"]) == (0, 0, 0)]))
+    keys = [(dp, cfg, pf) for dp in range(config.dp) for cfg in range(config.cfg) for pf in range(config.pipefusion)]
+    assert len(panels) == len(keys)
+    for ax, key in zip(panels, keys):  # each panel: the rank that owns each token, as worked out by hand
+        drawn = np.asarray(ax.images[0].get_array())
+        assert np.array_equal(drawn, _owners_by_hand(config, summaries[0]["grid"], *key)), f"panel {key}"
     assert len(shards.legends[0].get_texts()) == config.world_size
     assert "x[" in shards._suptitle.get_text()
 

@@ -1,17 +1,23 @@
-"""`xdit-lab run` under torchrun, on one node and on two nodes over loopback."""
+"""`xdit-lab run` under torchrun, on one node and on two nodes over loopback; its atomic writes.
+
+Command lines come from xdit_lab.lessons (run_argv, torchrun_argv, run_processes), the
+helpers tutorial 10 teaches with, so the tests launch torchrun as a user following it would."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
+from xdit_lab import ParallelConfig
 from xdit_lab.distributed import free_port
-from xdit_lab.tiny import save_tiny_pipeline
+from xdit_lab.lessons import production
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 PROMPTS = ["a red cat", "a blue dog"]
+SEED = 7
+KWARGS = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=3, guidance_scale=3.0)
 
 
 @pytest.fixture(scope="module")
@@ -19,30 +25,24 @@ def folder(tmp_path_factory):
     return save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
 
 
-def _run_args(folder, output, *extra):
-    args = ["run", "--model", str(folder), "--output", str(output), "--steps", "3", "--seed", "7",
-            "--height", "16", "--width", "16", "--guidance", "3.0", "--no-progress",
-            "--option", "use_resolution_binning=false", "--option", "clean_caption=false",
-            "--option", "max_sequence_length=8", *extra]
-    for prompt in PROMPTS:
-        args += ["--prompt", prompt]
-    return args
+def _ports(n):
+    """n distinct free ports, for torchruns started together."""
+    ports = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return list(ports)
 
 
-def _torchrun(*launcher_args, timeout=240):
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher_args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _run(folder, output, config, *extra, **overrides):
+    """`xdit-lab run` arguments for the tiny pipeline's call (KWARGS, overridden), plus `extra` flags."""
+    return ["-m", "xdit_lab.cli", *production.run_argv(folder, PROMPTS, config, output, seed=SEED,
+                                                    **dict(KWARGS, **overrides)), *extra]
 
 
-def _finish(proc, timeout=240):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
+def _succeed(commands, timeout_s=240):
+    """Run the commands together (production.run_processes); fail with the output of any that failed."""
+    for result in production.run_processes(commands, timeout_s):
+        assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
 
 
 def _images(output):
@@ -51,14 +51,11 @@ def _images(output):
 
 def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
     one_node, two_nodes = tmp_path / "one", tmp_path / "two"
-    _finish(_torchrun("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "xdit_lab.cli",
-                      *_run_args(folder, one_node, "--cfg", "2")))
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [_torchrun("--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", endpoint, "-m", "xdit_lab.cli", *_run_args(folder, two_nodes, "--cfg", "2"))
-             for rank in range(2)]
-    for node in nodes:
-        _finish(node)
+    single, shared = _ports(2)
+    config = ParallelConfig(cfg=2)
+    _succeed([production.torchrun_argv(2, master_port=single) + _run(folder, one_node, config)]
+             + [production.torchrun_argv(1, nnodes=2, node_rank=rank, master_port=shared)
+                + _run(folder, two_nodes, config) for rank in range(2)])
 
     report = json.loads((one_node / "report.json").read_text())
     assert report["config_short"] == "cfg2" and report["outputs"] == ["000.png", "001.png"]
@@ -73,26 +70,66 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
 
 def test_run_failure_leaves_no_partial_file(folder, tmp_path):
     output = tmp_path / "out"
-    proc = _torchrun("--nproc_per_node", "1", "--master_port", str(free_port()), "-m", "xdit_lab.cli",
-                     *_run_args(folder, output, "--height", "30"))
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode != 0
-    assert "height 30 not a multiple of 4" in out
+    command = production.torchrun_argv(1, master_port=free_port()) + _run(folder, output, ParallelConfig(), height=30)
+    (result,) = production.run_processes([command], timeout_s=240)
+    assert result["returncode"] != 0 and not result["timed_out"]
+    assert "height 30 not a multiple of 4" in result["output"]
     assert not output.exists() or not any(output.iterdir())
 
 
-def test_torchrun_pipefusion_matches_cfg_parallel(folder, tmp_path):
-    """PipeFusion through the CLI, every step a warmup step: the images of cfg 2 (up to rounding),
-    and each stage reports half of the transformer's parameters."""
-    reference, staged = tmp_path / "cfg", tmp_path / "pipefusion"
-    _finish(_torchrun("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "xdit_lab.cli",
-                      *_run_args(folder, reference, "--cfg", "2")))
-    _finish(_torchrun("--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "xdit_lab.cli",
-                      *_run_args(folder, staged, "--pipefusion", "2", "--warmup-steps", "3")))
-    for a, b in zip(_images(reference), _images(staged)):
-        assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
-    full = json.loads((reference / "report.json").read_text())["ranks"][0]["memory"]["parameter_bytes"]["transformer"]
-    report = json.loads((staged / "report.json").read_text())
-    assert report["config"]["pipefusion"] == 2
-    assert all(r["memory"]["parameter_bytes"]["transformer"] < full for r in report["ranks"])
-    assert all(r["bytes_out_by_group"].get("pipefusion", 0) > 0 for r in report["ranks"])
+def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
+    """`--output-type latent` writes latents.pt: under cfg 2, and under PipeFusion 2 with every step
+    a warmup step, equal to diffusers' own pipeline run serially with output_type="latent" (1e-4
+    relative). Each PipeFusion stage reports part of the transformer's parameters and sends patches."""
+    from diffusers import DiffusionPipeline
+
+    configs = {"cfg": ParallelConfig(cfg=2), "pipefusion": ParallelConfig(pipefusion=2, warmup_steps=3)}
+    _succeed([production.torchrun_argv(2, master_port=port) + _run(folder, tmp_path / name, config, "--output-type",
+                                                                 "latent")
+              for port, (name, config) in zip(_ports(len(configs)), configs.items())])
+
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        expected = reference(PROMPTS, generator=torch.Generator().manual_seed(SEED), output_type="latent",
+                             **KWARGS).images
+    for name in configs:
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        assert report["outputs"] == ["latents.pt"] and not list((tmp_path / name).glob("*.png"))
+        latents = torch.load(tmp_path / name / "latents.pt")
+        assert latents.shape == expected.shape
+        assert (latents - expected).abs().max() <= 1e-4 * expected.abs().max(), name
+    whole = json.loads((tmp_path / "cfg" / "report.json").read_text())["ranks"][0]["memory"]["parameter_bytes"]
+    staged = json.loads((tmp_path / "pipefusion" / "report.json").read_text())
+    assert staged["config"]["pipefusion"] == 2
+    assert all(r["memory"]["parameter_bytes"]["transformer"] < whole["transformer"] for r in staged["ranks"])
+    assert all(r["bytes_out_by_group"].get("pipefusion", 0) > 0 for r in staged["ranks"])
+
+
+def test_atomic_write_fault_mid_write_leaves_no_partial_file(tmp_path):
+    """A fault in the middle of a write (the writer has put part of the file down, then raises):
+    no temporary file stays behind, a new target never appears, and an existing one keeps its
+    content. An interrupt (a BaseException) cleans up the same way; a write that succeeds replaces."""
+    from xdit_lab.run import atomic_write
+
+    def half_then_fault(path):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+        assert path.stat().st_size == 4096  # the partial file is on disk when the fault hits
+        raise OSError("No space left on device (injected)")
+
+    def half_then_interrupt(path):
+        path.write_bytes(b"y" * 10)
+        raise KeyboardInterrupt
+
+    existing = tmp_path / "report.json"
+    existing.write_text('{"old": true}')
+    for target in (existing, tmp_path / "000.png"):
+        with pytest.raises(OSError, match="injected"):
+            atomic_write(target, half_then_fault)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(tmp_path / "latents.pt", half_then_interrupt)
+    assert existing.read_text() == '{"old": true}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+    atomic_write(existing, lambda path: path.write_text('{"new": true}'))
+    assert existing.read_text() == '{"new": true}' and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]

@@ -1,8 +1,9 @@
-"""xdit_lab.lab.system_lessons: the helpers of tutorials 08-11 (memory, measuring, production, families)."""
+"""xdit_lab.lessons: the helpers of tutorials 08-11 (memory, measuring, production, families)."""
 
 import json
 import os
 import sys
+import time
 import types
 
 import numpy as np
@@ -12,7 +13,7 @@ from PIL import Image
 
 from xdit_lab import ParallelConfig
 from xdit_lab.lab import engine
-from xdit_lab.lab import system_lessons as lessons
+from xdit_lab.lessons import families, loading, production, timing
 from xdit_lab.lab.measure import max_relative_difference
 from xdit_lab.testing import run_on_ranks
 
@@ -31,7 +32,7 @@ def test_header_block_bytes_match_the_loaded_model():
     from xdit_lab.digits import DIGITS_DIR
     from xdit_lab.memory import plan_memory
 
-    figures = lessons.header_block_bytes(DIGITS_DIR)
+    figures = loading.header_block_bytes(DIGITS_DIR)
     model = PixArtTransformer2DModel.from_pretrained(DIGITS_DIR / "transformer")
     blocks = sum(p.numel() * p.element_size() for p in model.transformer_blocks.parameters())
     assert figures["block_bytes"] == blocks
@@ -49,21 +50,25 @@ def _on_two_ranks():
     state = {"rank": rank}
     config = ParallelConfig(pipefusion=2)
     state["pipe"] = load_pipeline("digits", config, progress=False)
-    staged = lessons.rank_weights(state)
+    staged = loading.rank_weights(state)
     session = state["pipe"].session(PROMPTS, seed=0, **_digits_kwargs())
     state["session"] = session
-    calls = [lessons.vae_decoder_calls(state)]
-    session.run()
+    calls = [timing.vae_decoder_calls(state)]
+    walls = []  # this caller's own clock around each step, independent of PhaseTimings
+    while not session.done:
+        start = time.perf_counter()
+        session.step()
+        walls.append(time.perf_counter() - start)
     timings = engine.timings(state)
     reference = session.result(output_type="latent").images
-    calls.append(lessons.vae_decoder_calls(state))
+    calls.append(timing.vae_decoder_calls(state))
     session.result(output_type="np")
-    calls.append(lessons.vae_decoder_calls(state))
-    refused = lessons.load_with_mmap_refused(state, "digits", config, PROMPTS, 0, _digits_kwargs())
+    calls.append(timing.vae_decoder_calls(state))
+    refused = loading.load_with_mmap_refused(state, "digits", config, PROMPTS, 0, _digits_kwargs())
     same = refused["latents"] is None or torch.equal(refused["latents"], reference)
     state["pipe"] = load_pipeline("digits", ParallelConfig(), progress=False)
-    serial = lessons.rank_weights(state)
-    return dict(staged=staged, serial=serial, timings=timings, calls=calls, refusals=refused["refusals"],
+    serial = loading.rank_weights(state)
+    return dict(staged=staged, serial=serial, timings=timings, walls=walls, calls=calls, refusals=refused["refusals"],
                 same=same, latents_from=refused["latents"] is not None)
 
 
@@ -71,7 +76,7 @@ def test_engine_helpers_on_two_ranks():
     from xdit_lab.digits import DIGITS_DIR
 
     out = run_on_ranks(_on_two_ranks, 2, timeout_s=180)
-    blocks = lessons.header_block_bytes(DIGITS_DIR)["block_bytes"]
+    blocks = loading.header_block_bytes(DIGITS_DIR)["block_bytes"]
     assert [o["staged"]["blocks"] for o in out] == [[0, 2, 4], [2, 4, 4]]
     assert all(o["staged"]["block_bytes"] * 2 == blocks for o in out)
     assert all(o["staged"]["active"] and o["staged"]["parameter_bytes"]["vae"] > 0 for o in out)
@@ -82,7 +87,9 @@ def test_engine_helpers_on_two_ranks():
     # timings before decoding: every step timed, no decode yet; the VAE runs only for images
     for o in out:
         assert len(o["timings"]["steps"]) == 3 and o["timings"]["decode"] == 0.0
-        assert o["timings"]["denoise"] == sum(o["timings"]["steps"])
+        # each recorded step lies within the caller's clock around it; denoise covers every step, no more
+        assert all(0 < step <= wall for step, wall in zip(o["timings"]["steps"], o["walls"]))
+        assert max(o["timings"]["steps"]) < o["timings"]["denoise"] <= sum(o["walls"])
         assert o["calls"] == [0, 0, 1]
         # mmap refused: the stage's transformer by plain reads, the other parts by diffusers' disable_mmap retry
         assert o["refusals"]["safe_open"] >= 1 and o["refusals"]["load_file"] >= 1
@@ -95,7 +102,7 @@ def test_mmap_demo(tmp_path):
 
     tensors = {"big": torch.randn(256, 1024), "small": torch.arange(7), "half": torch.randn(5).to(torch.bfloat16)}
     save_file(tensors, tmp_path / "w.safetensors")
-    out = lessons.mmap_demo(tmp_path / "w.safetensors")
+    out = loading.mmap_demo(tmp_path / "w.safetensors")
     assert out["tensors"] == 3 and out["same_tensors"]
     assert out["tensor_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
     assert out["refusals"] == {"safe_open": 1, "load_file": 0}
@@ -113,7 +120,7 @@ def test_mmap_refused_restores_on_error():
 
     real = safetensors.torch.load_file
     with pytest.raises(KeyError):
-        with lessons.mmap_refused():
+        with loading.mmap_refused():
             raise KeyError("x")
     assert safetensors.torch.load_file is real
 
@@ -131,20 +138,20 @@ def test_timed_lab_runs_and_medians():
                                                       decode=0.0 if output_type == "latent" else 1.0))
 
     lab = types.SimpleNamespace(session=lambda prompts, seed, **kwargs: FakeSession())
-    out = lessons.timed_lab_runs(lab, PROMPTS, runs=3, warmup=2)
+    out = timing.timed_lab_runs(lab, PROMPTS, runs=3, warmup=2)
     assert [t["encode"] for t in out["warmup"]] == [0, 1] and [t["encode"] for t in out["runs"]] == [2, 3, 4]
     assert len(out["wall"]) == 3 and all(w >= 0 for w in out["wall"])
-    medians = lessons.phase_medians(out["runs"])
+    medians = timing.phase_medians(out["runs"])
     assert medians == dict(encode=3, prepare=0.0, denoise=7, decode=0.0, step=3.5)
     with pytest.raises(ValueError, match="no timed runs"):
-        lessons.phase_medians([])
+        timing.phase_medians([])
 
 
 def test_run_argv_parses_back_to_the_same_call():
     from xdit_lab.cli import _build_parser
 
     config = ParallelConfig(pipefusion=2, num_patches=4, warmup_steps=2)
-    argv = lessons.run_argv("digits", PROMPTS, config, "/tmp/out", seed=3, **_digits_kwargs())  # negative_prompt ""
+    argv = production.run_argv("digits", PROMPTS, config, "/tmp/out", seed=3, **_digits_kwargs())  # negative_prompt ""
     args = _build_parser().parse_args(argv)
     assert args.prompt == PROMPTS and args.negative_prompt == [""] and args.seed == 3
     assert (args.pipefusion, args.num_patches, args.warmup_steps, args.cfg) == (2, 4, 2, 1)
@@ -154,23 +161,23 @@ def test_run_argv_parses_back_to_the_same_call():
     assert dict(args.option) == {k: v for k, v in kwargs.items()
                                  if k not in ("num_inference_steps", "guidance_scale", "height", "width",
                                               "negative_prompt")}
-    launcher = lessons.torchrun_argv(1, nnodes=2, node_rank=1, master_port=29999)
+    launcher = production.torchrun_argv(1, nnodes=2, node_rank=1, master_port=29999)
     assert launcher[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert launcher[3:] == ["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "1",
                             "--master_addr", "127.0.0.1", "--master_port", "29999"]
 
 
 def test_run_processes_and_timeout():
-    done = lessons.run_processes([[sys.executable, "-c", "print('one')"],
+    done = production.run_processes([[sys.executable, "-c", "print('one')"],
                                   [sys.executable, "-c", "import sys; sys.exit(3)"]], timeout_s=60)
     assert [d["returncode"] for d in done] == [0, 3] and done[0]["output"].strip() == "one"
     assert not any(d["timed_out"] for d in done)
     code = "import os; print(os.environ.get('XDIT_LAB_NODE'), sorted(os.sched_getaffinity(0)))"
     cores = sorted(os.sched_getaffinity(0))
-    pinned = lessons.run_processes([[sys.executable, "-c", code]], timeout_s=60, envs=[{"XDIT_LAB_NODE": "1"}],
+    pinned = production.run_processes([[sys.executable, "-c", code]], timeout_s=60, envs=[{"XDIT_LAB_NODE": "1"}],
                                    cpus=[{cores[-1]}])
     assert pinned[0]["output"].split() == ["1", f"[{cores[-1]}]"]
-    slow = lessons.run_processes([[sys.executable, "-c", "import time; time.sleep(30)"]], timeout_s=0.5)
+    slow = production.run_processes([[sys.executable, "-c", "import time; time.sleep(30)"]], timeout_s=0.5)
     assert slow[0]["timed_out"] and slow[0]["returncode"] != 0
 
 
@@ -179,18 +186,18 @@ def test_read_run_images(tmp_path):
     for i, picture in enumerate(pictures):
         Image.fromarray(picture).save(tmp_path / f"{i:03d}.png")
     (tmp_path / "report.json").write_text(json.dumps({"outputs": ["000.png", "001.png"]}))
-    read = lessons.read_run_images(tmp_path)
+    read = production.read_run_images(tmp_path)
     assert len(read) == 2 and all(np.array_equal(a, b) for a, b in zip(read, pictures))
 
 
 def test_family_helpers():
-    kwargs = lessons.family_call_kwargs("flux", steps=2)
+    kwargs = families.family_call_kwargs("flux", steps=2)
     assert kwargs["num_inference_steps"] == 2 and kwargs["true_cfg_scale"] > 1
-    assert "true_cfg_scale" not in lessons.family_call_kwargs("sd3")
-    assert lessons.family_call_kwargs("cogvideox")["num_frames"] == 9
+    assert "true_cfg_scale" not in families.family_call_kwargs("sd3")
+    assert families.family_call_kwargs("cogvideox")["num_frames"] == 9
     video = types.SimpleNamespace(frames=torch.ones(1), images=None)
-    assert lessons.output_latents(video) is video.frames
-    assert lessons.output_latents(types.SimpleNamespace(images=torch.zeros(1))).shape == (1,)
+    assert families.output_latents(video) is video.frames
+    assert families.output_latents(types.SimpleNamespace(images=torch.zeros(1))).shape == (1,)
     reference = torch.tensor([100.0, -200.0])
     assert max_relative_difference(torch.tensor([100.0, -199.0]), reference) == pytest.approx(1 / 200)
     with pytest.raises(ValueError, match="differ in shape"):

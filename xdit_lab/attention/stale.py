@@ -28,7 +28,12 @@ from ..mesh import RING, ULYSSES
 
 class StaleKV:
     """One attention layer's K/V for the whole sequence (this rank's part), with the step that
-    last wrote each (ulysses-source, patch) slice."""
+    last wrote each (ulysses-source, patch) slice, and a record of what attention read.
+
+    `reads`: one entry per attention call of the latest step, (step, active patches, the step
+    that wrote each patch's slice of the K/V handed to attention; None: never written). A few
+    ints per call, kept on the host, so recording costs no device sync. The K/V-age view reads
+    this record, not a rule about which patch should be fresh."""
 
     def __init__(self, layout: PatchLayout, ulysses: int, ring_rank: int):
         self.layout, self.ulysses, self.ring_rank = layout, ulysses, ring_rank
@@ -42,6 +47,7 @@ class StaleKV:
                 offset += layout.chunk_len(p, source)
         self.length = offset
         self.written_step = [None] * len(layout.patches)
+        self.reads: list[tuple[int, list[int], list[int | None]]] = []
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, active: list[int], step: int) -> None:
         """keys/values [B, H, n, D] after the Ulysses all-to-all: ulysses-source-major, patch-minor."""
@@ -58,6 +64,14 @@ class StaleKV:
         for p in active:
             self.written_step[p] = step
 
+    def read(self, active: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V attention uses now (this rank's part of every patch), recorded with the step
+        that wrote each patch's slice of them."""
+        if self.reads and self.reads[-1][0] != step:  # a new step: keep only its reads
+            self.reads = []
+        self.reads.append((step, list(active), list(self.written_step)))
+        return self.keys, self.values
+
 
 def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int, *, joint=None, scale=None):
     """Attention of the active patches' queries over the whole sequence: fresh K/V for the active
@@ -73,12 +87,13 @@ def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int
             me, per_rank = mesh.group_rank(ULYSSES), q.shape[1]
             joint = tuple(t.narrow(1, me * per_rank, per_rank) for t in joint)
     buffer.write(k, v, active, step)
+    keys, values = buffer.read(active, step)
     if ring == 1:
-        out, joint_out = joint_local_attention(q, buffer.keys, buffer.values, joint=joint, scale=scale)
-    else:
+        out, joint_out = joint_local_attention(q, keys, values, joint=joint, scale=scale)
+    else:  # each ring rank's buffer holds its part of every patch, written on the same schedule
         block_sizes = [sum(layout.chunk_len(p, r * ulysses + j) for j in range(ulysses)
                            for p in range(len(layout.patches))) for r in range(ring)]
-        out, joint_out = ring_attention(q, buffer.keys, buffer.values, mesh, block_sizes, joint=joint, scale=scale)
+        out, joint_out = ring_attention(q, keys, values, mesh, block_sizes, joint=joint, scale=scale)
     if ulysses > 1:
         out = heads_to_seq(out, mesh, seq_sizes, tag="out")
         if joint_out is not None:

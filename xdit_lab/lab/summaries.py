@@ -47,7 +47,7 @@ def rank_summary(session) -> dict:
         shapes=_shapes(session, transformer, state, rows, cols),
         shard=_shard(mesh, config, state, stage, rows, cols),
         batch=_batch(session, state),
-        staleness=_staleness(stage, config) if stage is not None else None,
+        staleness=_staleness(stage) if stage is not None else None,
         memory=_memory(pipe, session, stage),
     )
     measured = [dict(step_bytes) for step_bytes in session.comm_per_step]
@@ -121,28 +121,33 @@ def _batch(session, state) -> dict:
                 cfg_half=cfg_half, error=None)
 
 
-def _staleness(stage, config) -> dict:
+def _staleness(stage) -> dict:
     """Per attention layer of this stage: the step that last wrote each patch's K/V, and how old
-    the K/V were that the last step read.
+    the K/V were that attention read in the last step, as the buffers recorded at each read.
 
-    read_age[q][p]: age in steps of patch p's K/V when patch q attended in the last step. A warmup
-    step runs all patches at once (every age 0). A pipelined step runs patches in order, each
-    writing its own K/V before it attends: p <= q read fresh (0), p > q read what the previous
-    step wrote (1, since every step rewrites every patch). age[p] = the oldest any patch read."""
+    read_age[q][p]: age in steps of patch p's K/V when patch q attended in the last step (the
+    step of the read minus the step that wrote the slice it read; None: a slice never written).
+    A warmup step runs all patches at once; a pipelined step runs them one at a time, each
+    writing its own K/V before it reads. age[p] = the oldest any patch read. Under Ring a rank
+    records its own part of every patch (every ring rank writes its part on the same schedule)."""
     info = stage.staleness()
-    last = info["step"] - 1  # the diffusion step the buffers were last written in
-    pipelined = last >= config.warmup_steps
+    last = info["step"] - 1  # the diffusion step the buffers were last used in
+    patches = len(info["patches"] or [])
     start = stage.blocks[0]
-    written, ages, reads = {}, {}, {}
+    written, ages, reads, pipelined = {}, {}, {}, False
     for name, steps in sorted(info["written_step"].items(), key=lambda kv: _global_name(kv[0], start)):
+        record = info["reads"][name]
         name = _global_name(name, start)
-        matrix = [[None if w is None else (last - w if w < last else int(pipelined and p > q))
-                   for p, w in enumerate(steps)] for q in range(len(steps))]
+        matrix = [[None] * patches for _ in range(patches)]
+        for step, active, read_steps in record:
+            for q in active:
+                matrix[q] = [None if w is None else step - w for w in read_steps]
+        pipelined = pipelined or any(len(active) < patches for _, active, _ in record)
         written[name], reads[name] = list(steps), matrix
-        ages[name] = [max((row[p] for row in matrix if row[p] is not None), default=None) for p in range(len(steps))]
+        ages[name] = [max((row[p] for row in matrix if row[p] is not None), default=None) for p in range(patches)]
     return dict(stage=info["stage"], blocks=list(info["blocks"]), step=last, pipelined=pipelined,
                 patches=[list(p) for p in info["patches"] or []], layers=list(written), written_step=written,
-                age=ages, read_age=reads)
+                age=ages, read_age=reads, buffer=info["buffer"])
 
 
 def _global_name(name: str, start: int) -> str:

@@ -158,7 +158,8 @@ def draw_shards(summaries) -> Figure:
 
 def draw_staleness(summaries) -> Figure:
     """Rows: (stage, attention layer); columns: patches; colour: age in steps of the patch's K/V
-    when the last step read it (the oldest any patch saw; 0 = fresh)."""
+    when the last step read it (the oldest any patch saw; 0 = fresh), as the buffers recorded at
+    each read (StaleKV.reads, through rank_summary)."""
     summaries = _by_rank(summaries)
     stages = {}
     for s in summaries:  # every rank of a stage has the same ages (only its heads or ring part differ)
@@ -193,6 +194,8 @@ def draw_staleness(summaries) -> Figure:
     info = next(iter(stages.values()))
     kind = ("pipelined: patch p reads later patches' K/V from the step before" if info["pipelined"]
             else "warmup: all patches at once, every K/V fresh")
+    if info.get("buffer") not in (None, "StaleKV"):  # a control's deliberately wrong buffer: say so
+        kind = f"buffer {info['buffer']}, ages as it recorded them"
     ax.set_title(f"Stale K/V in step {info['step'] + 1} of {summaries[0]['num_steps']}\n{kind}", fontsize=9)
     return fig
 

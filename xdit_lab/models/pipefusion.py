@@ -49,7 +49,12 @@ class _StageDone(Exception):
 
 class PipeFusionStage:
     """The token strategy of PipeFusion: this rank's stage, its patch layout, stale K/V buffers and
-    the step counter."""
+    the step counter.
+
+    `buffer_type` makes each layer's buffer; a test or a control (xdit_lab.lab.measure) may set a
+    deliberately wrong one, on a stage or on the class, to show that a bound catches it."""
+
+    buffer_type = StaleKV
 
     def __init__(self, state, config, blocks: tuple[int, int], model_config, dtype: torch.dtype):
         self.state, self.mesh, self.config = state, state.mesh, config
@@ -73,8 +78,10 @@ class PipeFusionStage:
         stage_index = mesh.coords[PIPEFUSION]
         start, stop = stage_ranges(transformer.config.num_layers, config.pipefusion, stage_split)[stage_index]
         loaded = getattr(transformer, "_xdit_lab_stage_blocks", None)
+        block_0 = None
         if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
             blocks = list(transformer.transformer_blocks)
+            block_0 = blocks[0]
             transformer.transformer_blocks = torch.nn.ModuleList(blocks[start:stop])
             del blocks
         elif loaded[:2] != (start, stop):
@@ -83,6 +90,11 @@ class PipeFusionStage:
                 f"blocks {(start, stop)}"
             )
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
+        if state.adapter.family == "DiT" and mesh.is_last_stage and start > 0:
+            if block_0 is None:
+                raise ValueError("a DiT stage loaded without block 0 cannot condition its output layer; build the "
+                                 "transformer whole and let parallelize drop the other stages' blocks")
+            _output_conditioning_from_block_0(transformer, block_0)
         if not mesh.is_first_stage:
             transformer.transformer_blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
         if not mesh.is_last_stage:
@@ -158,7 +170,7 @@ class PipeFusionStage:
             raise NotImplementedError(f"PipeFusion here handles self-attention; {kind} attention is not staged yet")
         name = self.state.attention_name
         if name not in self.buffers:
-            self.buffers[name] = StaleKV(self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING))
+            self.buffers[name] = self.buffer_type(self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING))
         out, _ = stale_attention(query, key, value, self.mesh, self.buffers[name], self.active, self.step, scale=scale)
         return out
 
@@ -171,11 +183,39 @@ class PipeFusionStage:
         raise _StageDone(output)
 
     def staleness(self) -> dict:
-        """Small summary for views: per layer of this stage, the step that wrote each patch."""
+        """Small summary for views: per layer of this stage, the step that wrote each patch and what
+        attention read in the latest step (StaleKV.reads)."""
         return dict(
             stage=self.mesh.coords[PIPEFUSION],
             blocks=self.blocks,
             step=self.step,
             patches=self.layout.patches if self.layout else None,
             written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()},
+            reads={name: [(step, list(active), list(steps)) for step, active, steps in buffer.reads]
+                   for name, buffer in self.buffers.items()},
+            buffer=", ".join(sorted({type(b).__name__ for b in self.buffers.values()})) or None,
         )
+
+
+def _output_conditioning_from_block_0(transformer, block_0) -> None:
+    """DiT's output layer takes its conditioning from `transformer_blocks[0].norm1.emb`, the model's
+    block 0. On a later stage that list starts at another block, so once this stage's blocks have
+    run, that call is answered by block 0's embedding, kept here (a few small layers). The hooks
+    hold that embedding, not the transformer: no reference cycle keeps a replaced model alive."""
+    block_0_emb = block_0.norm1.emb
+    transformer._xdit_lab_block_0_emb = block_0_emb  # a registered submodule: moves with the model
+    first, last = transformer.transformer_blocks[0], transformer.transformer_blocks[-1]
+    blocks_done = [False]
+
+    def entering(_module, _args):
+        blocks_done[0] = False
+
+    def leaving(_module, _args, _output):
+        blocks_done[0] = True
+
+    def output_conditioning(_module, args, kwargs, output):
+        return block_0_emb(*args, **kwargs) if blocks_done[0] else output
+
+    first.register_forward_pre_hook(entering)
+    last.register_forward_hook(leaving)
+    first.norm1.emb.register_forward_hook(output_conditioning, with_kwargs=True)

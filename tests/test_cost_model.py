@@ -7,7 +7,6 @@ image tokens × layers. One spawned run on 4 ranks covers every degree (and a fe
 guidance on and off, for 1 and 3 prompts; configurations smaller than 4 ranks leave the rest idle.
 """
 
-import torch
 
 from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.digits.components import prompt_for

@@ -9,12 +9,10 @@ pytest.importorskip("sklearn")
 
 from diffusers import PixArtAlphaPipeline  # noqa: E402
 
-from xdit_lab.digits import (DIGITS_DIR, call_kwargs, classify, digit_accuracy, draw_digits,  # noqa: E402
-                             prompt_for, train_digits)
+from xdit_lab.digits import DIGITS_DIR, call_kwargs, classify, digit_accuracy, draw_digits, prompt_for, train_digits  # noqa: E402
 from xdit_lab.digits.classifier import fit_classifier  # noqa: E402
 from xdit_lab.digits.components import MAX_TOKENS, load_digit_images  # noqa: E402
 from xdit_lab.digits.train import Recipe  # noqa: E402
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,8 +23,7 @@ from PIL import Image
 
 from xdit_lab import ParallelConfig
 from xdit_lab.distributed import free_port
-from xdit_lab.lab import Lab, LabError
-from xdit_lab.lab import engine
+from xdit_lab.lab import Lab, LabError, engine
 from xdit_lab.lessons import production
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from xdit_lab import ParallelConfig, RankMesh, load_pipeline
-from xdit_lab.sharding import patch_ranges
-from xdit_lab.sharding import shard_range
+from xdit_lab.sharding import patch_ranges, shard_range
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 

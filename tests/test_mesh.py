@@ -108,6 +108,7 @@ def test_harness_reraises_child_traceback():
 
 def _hang_rank_one():
     import time
+
     import torch.distributed as dist
 
     if dist.get_rank() == 1:

@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from xdit_lab import ParallelConfig, RankMesh, load_pipeline
+from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.memory import CorruptWeightsError, MemoryPlanError
-from xdit_lab.testing import RankFailure, run_on_ranks
+from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 KWARGS = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=3)

@@ -8,9 +8,9 @@ import pytest
 from matplotlib.figure import Figure
 
 from xdit_lab import ParallelConfig
+from xdit_lab.lab.measure import bytes_match
 from xdit_lab.lessons import links
 from xdit_lab.lessons import sequence as sp
-from xdit_lab.lab.measure import bytes_match
 from xdit_lab.testing import run_on_ranks
 
 ULYSSES2, RING4, USP = ParallelConfig(ulysses=2), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from xdit_lab import ParallelConfig, load_pipeline
-from xdit_lab.lab.measure import comm_rows, comm_table, compare_to_serial, significant
 from xdit_lab.lab import engine
+from xdit_lab.lab.measure import comm_rows, comm_table, compare_to_serial, significant
 from xdit_lab.lessons.tables import batch_table, bytes_by_config, quality_row, quality_table, timing_table
 from xdit_lab.testing import run_on_ranks
 

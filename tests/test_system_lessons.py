@@ -13,8 +13,8 @@ from PIL import Image
 
 from xdit_lab import ParallelConfig
 from xdit_lab.lab import engine
-from xdit_lab.lessons import families, loading, production, timing
 from xdit_lab.lab.measure import max_relative_difference
+from xdit_lab.lessons import families, loading, production, timing
 from xdit_lab.testing import run_on_ranks
 
 PROMPTS = ["a handwritten 3", "a handwritten 7"]

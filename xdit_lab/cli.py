@@ -20,7 +20,6 @@ from .config import DEGREES, SHORT, ParallelConfig, ParallelConfigError, _visibl
 from .distributed import usable_cpu_cores
 
 
-
 def _count(minimum: int):
     """argparse type for a whole number >= minimum, with a message naming the bad value."""
     def parse(text: str) -> int:

@@ -15,9 +15,9 @@ from .config import DEGREES, ParallelConfig
 
 def default_config(ranks: int) -> ParallelConfig:
     """The cost model's best exact strategy for `ranks` (PipeFusion trades quality, so it is opt-in)."""
-    from .digits.components import DIGITS_DIR
-
     import json
+
+    from .digits.components import DIGITS_DIR
 
     transformer = json.loads((Path(DIGITS_DIR) / "transformer" / "config.json").read_text())
     tokens = (transformer["sample_size"] // transformer["patch_size"]) ** 2

@@ -28,13 +28,12 @@ from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .loading import load_stage_transformer
 from .memory import check_plan, plan_memory
-from .mesh import RankMesh
+from .mesh import PIPEFUSION, RankMesh
 from .models import parallelize
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
 from .sharding import stage_ranges
-from .mesh import PIPEFUSION
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
 CALL_DEFAULTS = "call_defaults.json"  # a folder's own defaults for pipe(...), beside model_index.json

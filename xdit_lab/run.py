@@ -22,8 +22,8 @@ from . import comm
 from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .memory import rank_memory
-from .pipeline import load_pipeline
 from .mesh import WORLD
+from .pipeline import load_pipeline
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

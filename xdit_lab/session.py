@@ -24,9 +24,9 @@ import time
 import torch
 
 from . import comm
+from .mesh import WORLD
 from .models import parallel_state
 from .pipelines.base import Prepared, Request
-from .mesh import WORLD
 
 
 class PhaseTimings:

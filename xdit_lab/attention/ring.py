@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from .local import local_attention, merge_attention
 from ..mesh import RING
+from .local import local_attention, merge_attention
 
 
 def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=None):

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..mesh import RING, ULYSSES
 from ..sharding import PatchLayout
 from .local import joint_local_attention
 from .ring import ring_attention
 from .ulysses import heads_to_seq, seq_to_heads
-from ..mesh import RING, ULYSSES
 
 
 class StaleKV:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_sizes
 from .local import joint_local_attention, local_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from ..mesh import RING, SP, ULYSSES
 
 
 def sp_attention(q, k, v, mesh, *, joint_q=None, joint_k=None, joint_v=None, seq_len: int | None = None,

@@ -31,8 +31,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .components import (MAX_TOKENS, build_text_encoder, build_tokenizer, build_transformer, build_vae,
-                         load_digit_images, prompt_for)
+from .components import (
+    MAX_TOKENS,
+    build_text_encoder,
+    build_tokenizer,
+    build_transformer,
+    build_vae,
+    load_digit_images,
+    prompt_for,
+)
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,13 @@ class Recipe:
 
 def make_scheduler(kind: str, recipe: Recipe = Recipe()):
     """A sampling scheduler that matches the training noise schedule. kind: dpmsolver++ | ddim | ddpm | unipc | euler."""
-    from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler,
-                           UniPCMultistepScheduler)
+    from diffusers import (
+        DDIMScheduler,
+        DDPMScheduler,
+        DPMSolverMultistepScheduler,
+        EulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+    )
 
     common = dict(num_train_timesteps=1000, beta_schedule=recipe.beta_schedule, prediction_type=recipe.prediction_type)
     if kind == "dpmsolver++":

@@ -18,9 +18,8 @@ ipyparallel sends them by reference to this module, so importing it must stay ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import re
+from dataclasses import dataclass, field
 
 from ..config import DEGREES, ParallelConfig
 from .errors import LabError

@@ -21,6 +21,7 @@ import torch
 
 from ..config import ParallelConfig
 from ..memory import rank_memory
+from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES
 from ..models import PipeFusionStage, parallel_state, split_batch
 from ..sharding import PatchLayout, patch_ranges, shard_range, shard_sizes
 
@@ -88,7 +89,7 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
 
 def _shard(mesh, config, state, stage, rows, cols) -> dict:
     """The image tokens this rank computes: one range under USP, one piece of every patch under PipeFusion."""
-    sp, sp_rank = config.sp_degree, mesh.group_rank("sp")
+    sp, sp_rank = config.sp_degree, mesh.group_rank(SP)
     if stage is None:
         shard = state.strategy.shard_range
         recorded = shard is not None and state.image_len == rows * cols
@@ -99,7 +100,7 @@ def _shard(mesh, config, state, stage, rows, cols) -> dict:
     layout = stage.layout if recorded else PatchLayout(patch_ranges(rows, cols, config.patches), sp)
     pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
     return dict(sp_size=sp, sp_rank=sp_rank, tokens=pieces,
-                pipefusion=dict(stage=mesh.coords["pipefusion"], blocks=list(stage.blocks),
+                pipefusion=dict(stage=mesh.coords[PIPEFUSION], blocks=list(stage.blocks),
                                 patches=[list(p) for p in layout.patches], patch_tokens=pieces),
                 source="PatchLayout" if recorded else "computed (no forward yet)")
 
@@ -111,13 +112,13 @@ def _batch(session, state) -> dict:
     total = session.latents.shape[0] * (2 if session.prepared.do_cfg else 1)
     arguments = {"hidden_states": torch.arange(total)}
     mesh = state.mesh
-    cfg_half = mesh.group_rank("cfg") if mesh.config.cfg == 2 else None  # 0: unconditional, 1: conditional
+    cfg_half = mesh.group_rank(CFG) if mesh.config.cfg == 2 else None  # 0: unconditional, 1: conditional
     try:
         dp_sizes = split_batch(state, arguments)
     except ValueError as error:  # cfg 2 without guidance: the forward would refuse too
         return dict(total=total, rows=None, stand_in=False, cfg_half=cfg_half, error=str(error))
     return dict(total=total, rows=arguments["hidden_states"].tolist(),
-                stand_in=dp_sizes[mesh.group_rank("dp")] == 0,  # computed but dropped by the gather
+                stand_in=dp_sizes[mesh.group_rank(DP)] == 0,  # computed but dropped by the gather
                 cfg_half=cfg_half, error=None)
 
 
@@ -216,14 +217,14 @@ def expected_bytes_per_step(config, shapes: dict | None = None, *, coords: dict 
     c, s, e = config, shapes, shapes["dtype_bytes"]
     step = 0 if step is None else step
     u, r, sp = c.ulysses, c.ring, c.sp_degree
-    my_u, my_r = coords["ulysses"], coords["ring"]
+    my_u, my_r = coords[ULYSSES], coords[RING]
     sp_rank = my_r * u + my_u
     per_branch = s["batch"] // c.cfg
     dp_sizes = shard_sizes(per_branch, c.dp)
-    b = max(dp_sizes[coords["dp"]], 1)  # a dp group without samples computes one stand-in
+    b = max(dp_sizes[coords[DP]], 1)  # a dp group without samples computes one stand-in
     tokens, h, d, text = s["rows"] * s["cols"], s["heads"], s["head_dim"], s["text_len"]
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
-    last_stage = coords["pipefusion"] == c.pipefusion - 1
+    last_stage = coords[PIPEFUSION] == c.pipefusion - 1
 
     if c.pipefusion == 1:  # one forward over this rank's shard; Ring passes the shards themselves
         forwards = [shard_sizes(tokens, sp)]
@@ -236,26 +237,26 @@ def expected_bytes_per_step(config, shapes: dict | None = None, *, coords: dict 
     joint = s["joint_layers"] if text else 0
     layers = s["self_layers"] + s["joint_layers"]
 
-    out = dict.fromkeys(("ulysses", "ring", "sp", "pipefusion", "dp", "cfg"), 0)
+    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG), 0)
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
         group = sizes[my_r * u:(my_r + 1) * u]
         me = group[my_u]
         if u > 1:
             qkv = 3 * b * (h - h // u) * me * d
             o = b * (h // u) * (sum(group) - me) * d
-            out["ulysses"] += layers * (qkv + o) * e + joint * b * (h // u) * text * d * (u - 1) * e
+            out[ULYSSES] += layers * (qkv + o) * e + joint * b * (h // u) * text * d * (u - 1) * e
         if r > 1:
             blocks = [sum(kv_sizes[i * u:(i + 1) * u]) for i in range(r)]
             held = sum(blocks[(my_r - k) % r] for k in range(r - 1))  # the block held at each of N-1 sends
-            out["ring"] += layers * 2 * b * (h // u) * held * d * e + joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
+            out[RING] += layers * 2 * b * (h // u) * held * d * e + joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:
-            out["pipefusion"] += b * sizes[sp_rank] * h * d * e  # this patch's activations to the next stage
+            out[PIPEFUSION] += b * sizes[sp_rank] * h * d * e  # this patch's activations to the next stage
         elif sp > 1:
-            out["sp"] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
+            out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
     if c.pipefusion > 1 and last_stage:
-        out["pipefusion"] += b * sample * e * (c.pipefusion - 1)
+        out[PIPEFUSION] += b * sample * e * (c.pipefusion - 1)
     if c.dp > 1:
-        out["dp"] += max(dp_sizes) * sample * e * (c.dp - 1)
+        out[DP] += max(dp_sizes) * sample * e * (c.dp - 1)
     if c.cfg > 1:
-        out["cfg"] += per_branch * sample * e * (c.cfg - 1)
+        out[CFG] += per_branch * sample * e * (c.cfg - 1)
     return {group: n for group, n in out.items() if n}

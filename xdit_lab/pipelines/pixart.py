@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import torch
-from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
-    ASPECT_RATIO_256_BIN, ASPECT_RATIO_512_BIN, ASPECT_RATIO_1024_BIN, retrieve_timesteps)
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
+from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
+    ASPECT_RATIO_256_BIN,
+    ASPECT_RATIO_512_BIN,
+    ASPECT_RATIO_1024_BIN,
+    retrieve_timesteps,
+)
 
 from .base import Prepared, Recipe, generator_of, negatives_or_empty
 

@@ -169,9 +169,14 @@ def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_ou
                     block_lse: torch.Tensor):
     """Fold one block's partial result into a running (out, lse), as online softmax does.
 
-    The running output is kept in float32 so that many merges do not lose bf16 precision."""
+    The running output is kept in float32 so that many merges do not lose bf16 precision. A block
+    with lse -inf (no keys) weighs exp(-inf) = 0: merging it changes nothing, so callers need no
+    test (a host sync on a GPU) to skip it. Where both sides are -inf the total is -inf too, and
+    the weights are taken against 0 instead, giving 0 rather than exp(nan)."""
     if out is None:
         return block_out.float(), block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    reference = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # the safe exponent base
+    out = (out * torch.exp(lse - reference).unsqueeze(-1)
+           + block_out.float() * torch.exp(block_lse - reference).unsqueeze(-1))
     return out, new_lse

@@ -64,7 +64,7 @@ def _local_joint(q, k, v, *, joint=None, scale=None):
 def _sp_shard_sizes(q, mesh, seq_len):
     sp = mesh.group_size("sp")
     if seq_len is None:
-        local = torch.tensor([q.shape[2]], dtype=torch.int64)
+        local = torch.tensor([q.shape[2]], dtype=torch.int64, device=q.device)  # NCCL moves device tensors only
         sizes = [int(s) for s in comm.all_gather(local, mesh, "sp", dim=0, tag="shard_sizes")] if sp > 1 else [q.shape[2]]
         if sizes != shard_sizes(sum(sizes), sp):
             raise ValueError(f"sequence shards {sizes} are not a tensor_split of {sum(sizes)} tokens over "

@@ -22,7 +22,6 @@ from torch.overrides import TorchFunctionMode
 from xdit_lab import ParallelConfig, RankMesh, comm, parallelize
 from xdit_lab.attention import local_attention, merge_attention, set_attention_backend, sp_attention
 from xdit_lab.attention.local import attention_backend, why_not
-from xdit_lab.lab.cluster import engine_plan
 from xdit_lab.mesh import GROUP_NAMES
 from xdit_lab.sharding import take_shard
 from xdit_lab.testing import run_on_ranks
@@ -129,3 +128,70 @@ def test_ring_with_text_reads_nothing_back_to_the_host():
     for syncs, error in run_on_ranks(_ring_host_syncs, 2, 16):
         assert syncs == [], syncs
         assert error < 1e-5
+
+
+# ---- process groups: the world's timeout, destroyed when replaced ---------------------------------------
+
+def _group_timeout():
+    """Rank 1 never joins rank 0's all-reduce on their ulysses group; it stays alive, as a stuck rank does."""
+    mesh = RankMesh(ParallelConfig(ulysses=2))
+    if mesh.rank == 1:
+        time.sleep(15)
+        return None
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4), mesh, "ulysses")
+    except Exception as error:  # torch's DistBackendError / RuntimeError
+        return dict(seconds=time.monotonic() - start, error=type(error).__name__)
+    return dict(seconds=time.monotonic() - start, error=None)
+
+
+def test_mesh_groups_take_the_worlds_timeout():
+    """Before: new_group(timeout=None), torch's default of 30 minutes for gloo (10 for NCCL)."""
+    result = run_on_ranks(_group_timeout, 2, timeout_s=60, collective_timeout_s=3)[0]
+    assert result["error"] is not None and result["seconds"] < 12, result
+
+
+def _groups_closed(folder):
+    from torch.distributed.distributed_c10d import _world
+
+    from xdit_lab.memory import MemoryPlanError
+    from xdit_lab.pipeline import load_pipeline
+
+    counts = dict(start=len(_world.pg_map))
+    mesh = RankMesh(ParallelConfig(cfg=2))
+    counts["built"] = len(_world.pg_map)
+    mesh.close()
+    mesh.close()  # twice is fine
+    counts["closed"] = len(_world.pg_map)
+    try:
+        comm.all_gather(torch.ones(1), mesh, "cfg", dim=0)
+        used = None
+    except RuntimeError as error:
+        used = str(error)
+    for config in (ParallelConfig(cfg=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2)):
+        pipe = load_pipeline(folder, config, progress=False)
+        # the groups of this configuration and no more: cfg2 makes cfg and world; ulysses2 ulysses, sp, world
+        groups = sum(pipe.mesh.group_size(name) > 1 for name in GROUP_NAMES)
+        counts.setdefault("loaded", []).append(len(_world.pg_map) - counts["start"] - groups)
+        pipe.close()
+    counts["pipelines_closed"] = len(_world.pg_map)
+    try:
+        load_pipeline(folder, ParallelConfig(cfg=2), memory_limit_bytes=1, progress=False)
+    except MemoryPlanError:
+        counts["after_failed_load"] = len(_world.pg_map)
+    last = RankMesh(ParallelConfig(cfg=2))
+    dist.destroy_process_group()  # the world goes first: closing afterwards is a no-op, not an error
+    last.close()
+    return counts, used
+
+
+def test_meshes_and_pipelines_destroy_their_groups(tmp_path):
+    """Before: every load made communicators (GPU memory on NCCL) that lived until the process ended."""
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    for counts, used in run_on_ranks(_groups_closed, 2, folder, timeout_s=180):
+        assert counts["built"] > counts["start"]
+        assert counts["closed"] == counts["start"], counts
+        assert counts["pipelines_closed"] == counts["start"] == counts["after_failed_load"], counts
+        assert counts["loaded"] == [0, 0, 0], counts  # none left from the loads before
+        assert used and "was closed" in used

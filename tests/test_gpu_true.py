@@ -32,6 +32,80 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ---- diffusers' attention backends: refused or exact, never a shard-only result ----------------------
 
+def _flux_error(backend=None, config=ParallelConfig(ulysses=2)):
+    """Relative error of tiny Flux parallelized after set_attention_backend(backend), against its serial
+    forward with the default backend; and the warnings parallelize logged."""
+    model = tiny_transformer("flux", seed=0)
+    inputs = tiny_inputs("flux", 2, text_len=6)
+    with torch.no_grad():
+        reference = model(**inputs).sample
+    if backend:
+        model.set_attention_backend(backend)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("xdit_lab.models").addHandler(handler)
+    try:
+        model = parallelize(model, config, RankMesh(config))
+    finally:
+        logging.getLogger("xdit_lab.models").removeHandler(handler)
+    with torch.no_grad():
+        output = model(**inputs).sample
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    return dict(error=((output - reference).norm() / reference.norm()).item(),
+                warnings=[r.getMessage() for r in records],
+                active=_AttentionBackendRegistry._active_backend.value)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_flux_set_to_flex_attention_is_exact_under_ulysses():
+    """Before: flex never reached F.scaled_dot_product_attention, each rank attended to its own shard,
+    and the output was 1.6% off with no error."""
+    for result in run_on_ranks(_flux_error, 2, "flex", timeout_s=180):
+        assert result["error"] < 1e-4, result
+        assert any("'flex'" in w and "native backend" in w for w in result["warnings"]), result["warnings"]
+
+
+def test_diffusers_attn_backend_variable_is_exact_under_ulysses():
+    """DIFFUSERS_ATTN_BACKEND is read when diffusers is imported, so the ranks must start with it set:
+    a fresh Python process whose forkserver imports diffusers under it."""
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_gpu_true as t; "
+            "from xdit_lab.testing import run_on_ranks; "
+            "print(repr(run_on_ranks(t._flux_error, 2, None, timeout_s=180)))")
+    env = dict(os.environ, DIFFUSERS_ATTN_BACKEND="flex", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 (our own repr of floats and strings)
+    for result in results:
+        assert result["active"] == "flex", result  # the variable really was in force
+        assert result["error"] < 1e-4, result
+        assert any("'flex'" in w for w in result["warnings"]), result
+
+
+def _attention_swapped_after_parallelize():
+    """A known module's attention changed after parallelize (its processor's backend set to flex):
+    the call-time guard must raise rather than return a shard-only result."""
+    config = ParallelConfig(ulysses=2)
+    model = parallelize(tiny_transformer("flux", seed=0), config, RankMesh(config))
+    model.transformer_blocks[0].attn.processor._attention_backend = "flex"
+    try:
+        with torch.no_grad():
+            model(**tiny_inputs("flux", 2, text_len=6))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_attention_that_bypasses_the_kernels_at_call_time_raises():
+    for message in run_on_ranks(_attention_swapped_after_parallelize, 2, timeout_s=180):
+        assert message and "transformer_blocks.0.attn" in message and "own shard" in message, message
+
+
+# ---- local kernels: what each accepts, and forced backends that cannot run ------------------------------
+
 def test_backend_fallback_rules():
     cpu = [attention_backend("cpu", dtype, head_dim) for dtype in (torch.float32, torch.bfloat16, torch.float16)
            for head_dim in (16, 20, 72, 300)]
@@ -195,3 +269,50 @@ def test_meshes_and_pipelines_destroy_their_groups(tmp_path):
         assert counts["pipelines_closed"] == counts["start"] == counts["after_failed_load"], counts
         assert counts["loaded"] == [0, 0, 0], counts  # none left from the loads before
         assert used and "was closed" in used
+
+
+# ---- models are freed when replaced, without waiting for a garbage collection -------------------------
+
+def _freed_without_gc(family, config):
+    import weakref
+
+    model = parallelize(tiny_transformer(family, seed=0), config, RankMesh(config))
+    with torch.no_grad():
+        model(**tiny_inputs(family, 2))
+    watched = weakref.ref(model)
+    gc.disable()  # only reference counting: a cycle would keep it
+    try:
+        del model
+        return watched() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("family,config", [("pixart", ParallelConfig(ulysses=2)), ("flux", ParallelConfig(cfg=2)),
+                                           ("pixart", ParallelConfig(pipefusion=2))], ids=["ulysses", "cfg", "pf"])
+def test_a_parallelized_model_is_freed_by_its_last_reference(family, config):
+    """Before: transformer.forward's closure held the bound forward, a cycle through the model."""
+    assert run_on_ranks(_freed_without_gc, 2, family, config, timeout_s=120) == [True, True]
+
+
+def test_lab_configure_frees_the_old_model_and_its_groups(tmp_path, monkeypatch):
+    from xdit_lab.lab import Lab, engine
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    with Lab(n=2, backend="gloo", timeout_s=90, collective_timeout_s=30) as lab:
+        configs = [ParallelConfig(cfg=2), ParallelConfig(ulysses=2), ParallelConfig(cfg=2), ParallelConfig(ring=2)]
+        lab.load(folder, configs[0], progress=False)
+        lab.call(gc.disable, state=False)  # no collection by chance: what frees the old model is the reload
+        groups = [lab.call(engine.memory)[0]["process_groups"]]
+        for config in configs[1:]:
+            assert lab.call(engine.watch_transformer) == {0: True, 1: True}
+            lab.configure(config)
+            assert lab.call(engine.watched_alive) == {0: False, 1: False}, config
+            groups.append(lab.call(engine.memory)[0]["process_groups"])
+        session = lab.session("a red cat", **dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2), seed=0)
+        assert session.run().result(output_type="latent").images.shape[0] == 1
+    # the world's group and this configuration's, no more (before: every configure added its groups)
+    expected = [1 + sum(RankMesh(c, rank=0, world_size=2).group_size(name) > 1 for name in GROUP_NAMES)
+                for c in configs]
+    assert groups == expected

@@ -5,7 +5,11 @@ The model's own forward runs; xdit_lab takes over at five places, named by the f
   2. the patch embedding's output: image tokens are cut into this rank's sequence shard
   3. rotary tables (Flux, CogVideoX): sliced to this rank's tokens, text rows kept
   4. every F.scaled_dot_product_attention call inside a known attention module: handed to
-     sp_attention, with the text tokens (if any) split off as joint tokens
+     sp_attention, with the text tokens (if any) split off as joint tokens. diffusers can route
+     a module's attention to other kernels (`set_attention_backend("flex")`, the
+     DIFFUSERS_ATTN_BACKEND variable), which never call F.scaled_dot_product_attention: the
+     known modules are set back to diffusers' native backend here, and a known module that
+     returns without its attention reaching us raises (it would have attended to its shard only)
   5. the last projection's output (before unpatchify): tokens gathered over the sp group; the
      forward's output is gathered over dp and cfg, so every rank returns the full batch
 Weights are not copied; the module is returned with the same forward signature.
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +34,9 @@ from ..sharding import shard_range, shard_sizes
 from .families import adapter_for, check_diffusers_version, image_tokens_at_default_size
 
 
+log = logging.getLogger("xdit_lab.models")
+
+
 class ParallelState:
     """What one parallel forward knows: the mesh, the shard of this rank, the text length."""
 
@@ -38,6 +47,7 @@ class ParallelState:
         self.image_len = None  # whole image tokens, set where they are sharded
         self.attention_kind = None  # kind of the attention module running now
         self.attention_name = None  # and its qualified name
+        self.attention_reached = False  # whether its attention came through the interceptor
         self.shard = None  # (start, stop) of this rank's image tokens, for views
         self.pipefusion = None  # a PipeFusion stage (models/pipelined.py) takes over tokens and attention
 
@@ -79,8 +89,7 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
 
         return apply_pipefusion(transformer, config, mesh, state, stage_split)
     install_hooks(transformer, state)
-    original_forward = transformer.forward
-    signature = inspect.signature(original_forward)
+    original_forward, signature = own_forward(transformer)
 
     @functools.wraps(original_forward)
     def parallel_forward(*args, **kwargs):
@@ -95,6 +104,27 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
 
     transformer.forward = parallel_forward
     return transformer
+
+
+def own_forward(transformer):
+    """The model's own forward and its signature, holding the model weakly.
+
+    The parallel forward is stored on the model (`transformer.forward = ...`). Had its closure
+    held the bound forward, the model would reference itself and outlive its last user until a
+    garbage collection ran, keeping its weights (and GPU memory) through a reconfigure. So the
+    closure holds a weak reference and binds the class's forward at call time. A forward that
+    someone else already put on the instance is kept as it is."""
+    if "forward" in vars(transformer):
+        return transformer.forward, inspect.signature(transformer.forward)
+    model, function = weakref.ref(transformer), type(transformer).forward
+
+    @functools.wraps(function)
+    def forward(*args, **kwargs):
+        return function(model(), *args, **kwargs)
+
+    signature = inspect.signature(transformer.forward)  # without self
+    forward.__signature__ = signature
+    return forward, signature
 
 
 def run_forward(state, forward, bound):
@@ -114,16 +144,24 @@ def install_hooks(transformer, state) -> None:
                _hook_output(transformer, adapter.gather_at, functools.partial(_gather_tokens, state))]
     if adapter.rotary_at:
         handles.append(_hook_output(transformer, adapter.rotary_at, functools.partial(_shard_rotary, state)))
-    known = 0
+    known, replaced = 0, {}
     for name, module in transformer.named_modules():
         kind = adapter.attention_kind(name)
         if kind:
             known += 1
+            backend = _use_native_attention(module)
+            if backend is not None:
+                replaced.setdefault(backend, []).append(name)
             handles.append(module.register_forward_pre_hook(functools.partial(_enter_attention, state, kind, name)))
             handles.append(module.register_forward_hook(functools.partial(_leave_attention, state)))
     if not known:
         raise TypeError(f"no attention modules of {type(transformer).__name__} matched the {adapter.family} adapter; "
                         f"this diffusers release may have renamed them")
+    for backend, names in replaced.items():
+        log.warning("%d attention modules of %s were set to diffusers' %r attention backend, which the parallel "
+                    "kernels cannot take over; they run diffusers' native backend now, and xdit_lab's kernels do "
+                    "the attention (see xdit_lab.attention.attention_backend)", len(names), type(transformer).__name__,
+                    backend)
     transformer._xdit_lab_state = state
     transformer._xdit_lab_handles = handles
 
@@ -169,12 +207,39 @@ def _gather_tokens(state, tokens):
 
 # ---- attention: hand SDPA calls of known modules to sp_attention -----------------------------------
 
+def _use_native_attention(module) -> str | None:
+    """Point a module's diffusers attention at the native backend, the one that calls
+    F.scaled_dot_product_attention; return the backend it used before, if another.
+
+    A processor's `_attention_backend` (diffusers 0.42's dispatch: Flux and newer families)
+    wins when set; else the process-wide active backend applies, which DIFFUSERS_ATTN_BACKEND sets
+    at import and `set_attention_backend` sets too. Processors without the attribute (PixArt,
+    SD3, CogVideoX, DiT) call F.scaled_dot_product_attention themselves."""
+    processor = getattr(module, "processor", None)
+    if processor is None or not hasattr(processor, "_attention_backend"):
+        return None
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    chosen = processor._attention_backend or _AttentionBackendRegistry._active_backend
+    processor._attention_backend = AttentionBackendName.NATIVE
+    chosen = AttentionBackendName(chosen).value
+    return None if chosen == AttentionBackendName.NATIVE.value else chosen
+
+
 def _enter_attention(state, kind, name, _module, _args):
-    state.attention_kind, state.attention_name = kind, name
+    state.attention_kind, state.attention_name, state.attention_reached = kind, name, False
 
 
-def _leave_attention(state, _module, _args, _output):
-    state.attention_kind = None
+def _leave_attention(state, module, _args, _output):
+    kind, state.attention_kind = state.attention_kind, None
+    if state.in_forward and not state.attention_reached:
+        processor = getattr(module, "processor", None)
+        raise RuntimeError(
+            f"attention module {state.attention_name} ({kind}) ran without calling F.scaled_dot_product_attention, "
+            f"so its tokens were not handed to the sequence-parallel kernels and each rank would have attended to "
+            f"its own shard only. Its processor is {type(processor).__name__}"
+            f"{' with attention backend ' + repr(getattr(processor, '_attention_backend', None)) if processor else ''}; "
+            f"keep diffusers' default processors and native attention backend on a parallelized model")
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -194,6 +259,7 @@ class _AttentionInterceptor(TorchFunctionMode):
         if kind is None:
             raise RuntimeError(f"attention outside the modules the {self.state.adapter.family} adapter knows: "
                                f"its tokens may be sharded, so it cannot run unchanged; extend the adapter")
+        self.state.attention_reached = True
         if kind == "cross":  # image queries, whole text keys: exact as it is, on the local shard
             return func(*args, **kwargs)
         query, key, value, mask, dropout_p, is_causal, scale, _ = _sdpa_arguments(*args, **kwargs)

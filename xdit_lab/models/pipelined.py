@@ -19,7 +19,6 @@ call, so `DenoiseSession.step()` is one diffusion step on every rank; the bubble
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -27,7 +26,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from .. import comm
 from ..config import ParallelConfigError
 from ..pipefusion import PatchLayout, StaleKV, patch_ranges, stage_ranges, stale_attention
-from .parallel import ParallelState, _gather_batch, _split_batch, install_hooks, run_forward
+from .parallel import ParallelState, _gather_batch, _split_batch, install_hooks, own_forward, run_forward
 
 PIPEFUSION_FAMILIES = ("PixArt", "DiT")
 
@@ -141,9 +140,8 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState, stage_spli
         transformer.transformer_blocks[-1].register_forward_hook(stage.hand_over)
     hidden_size = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     dtype = next(transformer.parameters()).dtype
-    patch = transformer.config.patch_size
-    original_forward = transformer.forward
-    signature = inspect.signature(original_forward)
+    patch, channels = transformer.config.patch_size, transformer.config.out_channels
+    original_forward, signature = own_forward(transformer)  # the closure must not hold the model
 
     @functools.wraps(original_forward)
     def pipefusion_forward(*args, **kwargs):
@@ -178,7 +176,6 @@ def apply_pipefusion(transformer, config, mesh, state: ParallelState, stage_spli
                 noise[..., band, :] = sample[..., band, :]
         comm.wait(sends)
         if noise is None:  # not the last stage: the prediction comes from there
-            channels = transformer.config.out_channels
             noise = latents.new_empty((latents.shape[0], channels, *latents.shape[-2:]))
         comm.broadcast(noise, mesh, "pipefusion", src_group_rank=config.pipefusion - 1, tag="noise")
         stage.step += 1

@@ -316,3 +316,71 @@ def test_lab_configure_frees_the_old_model_and_its_groups(tmp_path, monkeypatch)
     expected = [1 + sum(RankMesh(c, rank=0, world_size=2).group_size(name) > 1 for name in GROUP_NAMES)
                 for c in configs]
     assert groups == expected
+
+
+# ---- PipeFusion: message order, index tensors, dtypes ----------------------------------------------------
+
+def _pipefusion_order(stages, steps):
+    from xdit_lab import pipefusion as pf_module
+    from xdit_lab.models import pipelined
+
+    posted, built = [], []
+    exchange = comm.exchange
+
+    def spy_exchange(sends, recvs, mesh, group, *, tag=""):  # calls through; remembers the order of posting
+        posted.extend(["send"] * len(sends) + ["recv"] * len(recvs))
+        return exchange(sends, recvs, mesh, group, tag=tag)
+
+    rank_tokens = pf_module.PatchLayout.rank_tokens
+
+    def spy_rank_tokens(self, active, sp_rank):
+        built.append(tuple(active))
+        return rank_tokens(self, active, sp_rank)
+
+    pipelined.comm.exchange, pf_module.PatchLayout.rank_tokens = spy_exchange, spy_rank_tokens
+    try:
+        config = ParallelConfig(pipefusion=stages, num_patches=4)
+        model = parallelize(tiny_transformer("pixart", seed=0, layers=stages), config, RankMesh(config))
+        inputs = tiny_inputs("pixart", 2)
+        builds = []
+        with torch.no_grad():
+            for _ in range(steps):
+                outputs = model(**inputs).sample
+                builds.append(len(built))
+    finally:
+        pipelined.comm.exchange, pf_module.PatchLayout.rank_tokens = exchange, rank_tokens
+    return dict(posted=posted, builds=builds, finite=bool(outputs.isfinite().all()))
+
+
+def test_pipefusion_middle_stage_sends_are_not_queued_behind_its_receives():
+    """On NCCL a group's point-to-point ops run in posting order on one stream. Before: the middle
+    stage posted all of a step's receives first, so patch 0 left only after the last patch arrived."""
+    per_rank = run_on_ranks(_pipefusion_order, 3, 3, 3, timeout_s=240)
+    middle = per_rank[1]["posted"]
+    assert middle.count("send") == middle.count("recv") == 1 + 4 * 2  # warmup step, then 4 patches × 2 steps
+    for i, where in enumerate(j for j, op in enumerate(middle) if op == "send"):
+        # before send i: this step's receives up to patch i+1 only (one ahead)
+        assert middle[:where].count("recv") <= i + 2, middle
+    assert all(r["finite"] for r in per_rank)
+    # token index tensors are made once per layout (warmup's whole image, then each patch), not per step
+    for r in per_rank:
+        assert r["builds"][1] == r["builds"][2], r["builds"]
+
+
+def _pipefusion_under_autocast():
+    config = ParallelConfig(pipefusion=2, num_patches=2)
+    inputs = tiny_inputs("pixart", 2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = tiny_transformer("pixart", seed=0)(**inputs).sample  # autocast's bfloat16
+        model = parallelize(tiny_transformer("pixart", seed=0), config, RankMesh(config))
+        output = model(**inputs).sample  # the first call is warmup: the whole image at once, exact
+    return str(output.dtype), ((output.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+def test_pipefusion_messages_keep_the_models_dtype_under_autocast():
+    """Before: stage 0 received the noise into a float32 buffer (the latents' dtype) while the last
+    stage broadcast autocast's bfloat16; gloo filled it with the wrong bytes: relative error 1.25 on
+    stage 0, silently (NCCL would have hung on the size mismatch)."""
+    for dtype, error in run_on_ranks(_pipefusion_under_autocast, 2, timeout_s=120):
+        assert dtype == "torch.float32"  # the model's dtype, on every stage
+        assert error < 1e-6

@@ -384,3 +384,19 @@ def test_pipefusion_messages_keep_the_models_dtype_under_autocast():
     for dtype, error in run_on_ranks(_pipefusion_under_autocast, 2, timeout_s=120):
         assert dtype == "torch.float32"  # the model's dtype, on every stage
         assert error < 1e-6
+
+
+# ---- the Lab on a GPU host, and what `make setup` installed -----------------------------------------------
+
+def test_engine_count_rule():
+    from xdit_lab.lab.cluster import engine_plan
+
+    assert engine_plan(2, 0, None, 8)[0] == 2  # no GPU: CPU engines
+    assert engine_plan(None, 0, None, 3)[0] == 3  # one per core by default
+    assert engine_plan(None, 4, None, 8) == (4, {})  # one per GPU, GPUs visible
+    assert engine_plan(2, 4, "nccl", 8) == (2, {})
+    n, env = engine_plan(4, 1, "gloo", 2)  # CPU engines on a GPU host: any number, GPUs hidden from them
+    assert n == 4 and env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "1"
+    with pytest.raises(ValueError, match=r"4 engines but 1 visible GPUs.*Lab\(n=4, backend='gloo'\)"):
+        engine_plan(4, 1, None, 2)
+    assert engine_plan(2, 0, None, 8, {"X": "1"})[1]["X"] == "1"

@@ -400,3 +400,11 @@ def test_engine_count_rule():
     with pytest.raises(ValueError, match=r"4 engines but 1 visible GPUs.*Lab\(n=4, backend='gloo'\)"):
         engine_plan(4, 1, None, 2)
     assert engine_plan(2, 0, None, 8, {"X": "1"})[1]["X"] == "1"
+
+
+def test_env_report_names_torch_and_whether_cuda_is_usable():
+    done = subprocess.run([sys.executable, "-m", "xdit_lab.env"], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"torch {torch.__version__}" in done.stdout
+    assert "CUDA usable: no" in done.stdout  # this machine has no GPU

@@ -33,25 +33,28 @@ def relative_l2(output: torch.Tensor, reference: torch.Tensor) -> float:
 
 # ---- two processes sharing one GPU over gloo, with CUDA tensors ---------------------------------------
 
-def shared_gpu_ulysses(dtype_name: str):
-    """sp_attention under ulysses 2 on CUDA tensors over gloo, with and without seq_len (the shard
-    sizes are then all-gathered: on q's device), against SDPA on the whole tensors."""
+def sp_attention_on_gpu(dtype_name: str, degrees: dict, device: str | None = None):
+    """sp_attention on CUDA tensors (`device`, else this rank's GPU) against SDPA on the whole tensors,
+    with seq_len given and without it (the shard sizes are then all-gathered: on q's device, as NCCL
+    needs). 301 image tokens: uneven shards; 7 text tokens: joint attention."""
     from xdit_lab import ParallelConfig, RankMesh
     from xdit_lab.attention import sp_attention
+    from xdit_lab.distributed import current_info
     from xdit_lab.sharding import take_shard
 
-    dtype, device = getattr(torch, dtype_name), torch.device("cuda", 0)
-    mesh = RankMesh(ParallelConfig(ulysses=2))
+    dtype, device = getattr(torch, dtype_name), torch.device(device) if device else current_info().device
+    mesh = RankMesh(ParallelConfig(**degrees))
+    sp, sp_rank = mesh.group_size("sp"), mesh.group_rank("sp")
     g = torch.Generator().manual_seed(0)
-    image = [torch.randn(2, 8, 301, 64, generator=g).to(device, dtype) for _ in range(3)]  # uneven shards
+    image = [torch.randn(2, 8, 301, 64, generator=g).to(device, dtype) for _ in range(3)]
     text = [torch.randn(2, 8, 7, 64, generator=g).to(device, dtype) for _ in range(3)]
-    q, k, v = (take_shard(t, 2, 2, mesh.group_rank("sp")) for t in image)
+    q, k, v = (take_shard(t, 2, sp, sp_rank) for t in image)
     full = F.scaled_dot_product_attention(*(torch.cat([i, t], dim=2).float() for i, t in zip(image, text)))
     errors = {}
     for name, seq_len in (("seq_len given", 301), ("seq_len gathered", None)):
         out, joint_out = sp_attention(q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2],
                                       seq_len=seq_len)
-        errors[name] = max(relative_error(out, take_shard(full[:, :, :301], 2, 2, mesh.group_rank("sp"))),
+        errors[name] = max(relative_error(out, take_shard(full[:, :, :301], 2, sp, sp_rank)),
                            relative_error(joint_out, full[:, :, 301:]))
     return dict(errors=errors, device=str(out.device), dtype=str(out.dtype))
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpu_tier import relative_error, serial_pipeline, shared_gpu_models, shared_gpu_ulysses
+from gpu_tier import relative_error, serial_pipeline, shared_gpu_models, sp_attention_on_gpu
 
 from xdit_lab.attention import local_attention, merge_attention, set_attention_backend
 from xdit_lab.attention.local import BACKENDS, _flash_attn_installed, attention_backend, why_not
@@ -146,7 +146,8 @@ def test_world_of_one_pipeline_equals_diffusers(family, dtype, tmp_path, figures
 def test_two_processes_share_the_gpu_over_gloo_ulysses(dtype, figures):
     from xdit_lab.testing import run_on_ranks
 
-    for rank, result in enumerate(run_on_ranks(shared_gpu_ulysses, 2, dtype, backend="gloo", timeout_s=180)):
+    results = run_on_ranks(sp_attention_on_gpu, 2, dtype, dict(ulysses=2), "cuda:0", backend="gloo", timeout_s=180)
+    for rank, result in enumerate(results):
         figures(**{f"rank{rank} {k}": v for k, v in result["errors"].items()})
         assert result["device"] == "cuda:0" and result["dtype"] == f"torch.{dtype}"
         assert max(result["errors"].values()) <= (1e-4 if dtype == "float32" else OUT_BOUND[dtype])

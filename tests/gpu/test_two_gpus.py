@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_tier import cli_args, cli_latents, kill_a_rank, relative_error, ring_overlap, torchrun
+from gpu_tier import cli_args, cli_latents, kill_a_rank, relative_error, ring_overlap, sp_attention_on_gpu, torchrun
 
 GPUS_NEEDED = 2
 STRATEGIES = {"ulysses2": ["--ulysses", "2"], "ring2": ["--ring", "2"], "cfg2": ["--cfg", "2"], "dp2": ["--dp", "2"],
@@ -47,6 +47,19 @@ def test_every_strategy_through_the_cli_equals_serial(family, strategy, serial, 
     assert {rank["device"] for rank in report["ranks"]} == {"cuda:0", "cuda:1"}
     assert error <= 1e-4
     assert GROUPS[strategy] <= sent  # the degree's traffic is in its group's records
+
+
+@pytest.mark.parametrize("degrees", [dict(ulysses=2), dict(ring=2)], ids=["ulysses2", "ring2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sp_attention_on_nccl_with_and_without_seq_len(degrees, dtype, figures):
+    """Without seq_len the shard sizes are all-gathered: before, from a CPU tensor, which NCCL refuses."""
+    from xdit_lab.testing import run_on_ranks
+
+    for rank, result in enumerate(run_on_ranks(sp_attention_on_gpu, 2, dtype, degrees, backend="nccl",
+                                                timeout_s=180)):
+        figures(**{f"rank{rank} {k}": v for k, v in result["errors"].items()})
+        assert result["device"] == f"cuda:{rank}" and result["dtype"] == f"torch.{dtype}"
+        assert max(result["errors"].values()) <= (1e-4 if dtype == "float32" else 3e-2)
 
 
 def test_a_dead_rank_fails_its_peer_within_the_worlds_timeout(figures):

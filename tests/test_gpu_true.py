@@ -289,7 +289,8 @@ def _freed_without_gc(family, config):
 
 
 @pytest.mark.parametrize("family,config", [("pixart", ParallelConfig(ulysses=2)), ("flux", ParallelConfig(cfg=2)),
-                                           ("pixart", ParallelConfig(pipefusion=2))], ids=["ulysses", "cfg", "pf"])
+                                           ("pixart", ParallelConfig(pipefusion=2)), ("dit", ParallelConfig(pipefusion=2))],
+                         ids=["ulysses", "cfg", "pf", "dit-pf"])
 def test_a_parallelized_model_is_freed_by_its_last_reference(family, config):
     """Before: transformer.forward's closure held the bound forward, a cycle through the model."""
     assert run_on_ranks(_freed_without_gc, 2, family, config, timeout_s=120) == [True, True]

@@ -214,7 +214,7 @@ def _output_conditioning_from_block_0(transformer, block_0) -> None:
     """DiT's output layer takes its conditioning from `transformer_blocks[0].norm1.emb`, the model's
     block 0. On a later stage that list starts at another block, so once this stage's blocks have
     run, that call is answered by block 0's embedding, kept here (a few small layers)."""
-    transformer._xdit_lab_block_0_emb = block_0.norm1.emb  # a registered submodule: moves with the model
+    emb = transformer._xdit_lab_block_0_emb = block_0.norm1.emb  # a registered submodule: moves with the model
     first, last = transformer.transformer_blocks[0], transformer.transformer_blocks[-1]
     blocks_done = [False]
 
@@ -225,7 +225,7 @@ def _output_conditioning_from_block_0(transformer, block_0) -> None:
         blocks_done[0] = True
 
     def output_conditioning(_module, args, kwargs, output):
-        return transformer._xdit_lab_block_0_emb(*args, **kwargs) if blocks_done[0] else output
+        return emb(*args, **kwargs) if blocks_done[0] else output  # not via transformer: a hook holding it is a cycle
 
     first.register_forward_pre_hook(entering)
     last.register_forward_hook(leaving)

@@ -133,7 +133,7 @@ def test_backend_fallback_rules():
 @pytest.mark.parametrize("forced", ["sdpa_flash", "sdpa_efficient", "flash_attn"])
 def test_a_forced_backend_that_cannot_run_raises_saying_why(forced, monkeypatch):
     """Before: a forced backend skipped every check and reached a CUDA-only op with CPU tensors."""
-    q = torch.randn(1, 2, 6, 8)
+    q = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv("XDIT_LAB_ATTENTION", forced)
     with pytest.raises(ValueError, match=f"'{forced}' is forced .* cannot run float32 tensors with head_dim 8 on "
                                          f"cpu: it needs CUDA tensors.*Backends that can: cpu_flash, math"):
@@ -147,7 +147,7 @@ def test_a_forced_backend_that_cannot_run_raises_saying_why(forced, monkeypatch)
         out, _ = local_attention(q, q, q)
     finally:
         set_attention_backend(None)
-    assert (out - F.scaled_dot_product_attention(q, q, q)).abs().max() < 1e-6
+    assert (out - F.scaled_dot_product_attention(q, q, q)).abs().max() < 1e-5  # float32 rounding
 
 
 # ---- Ring: the merge needs no host-side test ------------------------------------------------------------

@@ -7,18 +7,25 @@ STAMP := $(VENV)/.installed
 # Without a GPU, torch is installed first at this pin: it is the CPU build that pip finds on the
 # CI machines' disk. Any unpinned torch (or pyproject's torch>=2.4 alone) pulls a multi-GB CUDA build.
 CPU_TORCH ?= torch==2.13.0
+# On a GPU host, pin the CUDA build of torch instead of taking pip's newest (which may need a newer
+# driver than yours): make setup TORCH='torch==2.5.1' TORCH_INDEX=https://download.pytorch.org/whl/cu121
+TORCH ?=
+TORCH_INDEX ?=
 
 # The notebooks' kernel ("xdit-lab" in their metadata), installed into .venv so nbval finds it there.
 KERNEL := $(VENV)/share/jupyter/kernels/xdit-lab/kernel.json
 
 .PHONY: setup demo test browser-test notebooks format clean
+.PHONY: setup-gpu gpu-check gpu-wheels
 
 setup: $(STAMP) $(KERNEL)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install '$(CPU_TORCH)'; fi
+	if [ -n "$(TORCH)" ]; then $(BIN)/pip install '$(TORCH)' $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); fi
+	if [ -z "$(TORCH)" ] && ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install '$(CPU_TORCH)'; fi
 	$(BIN)/pip install -e '.[test]'
+	$(BIN)/python -m xdit_lab.env  # which torch this is, and whether CUDA is usable (a warning if not)
 	touch $(STAMP)
 
 $(KERNEL): $(STAMP)
@@ -31,6 +38,9 @@ demo: $(STAMP)
 # The whole test suite: pytest, then every tutorial and notebook re-run by nbval, its outputs
 # compared with the committed ones (after tutorials/nbval_sanitize.cfg's rewrites).
 NOTEBOOKS := tutorials notebooks
+# The suite runs the CPU path (gloo ranks, CPU engines), also on a GPU host: GPUs hidden from it.
+# tests/gpu is collected and skipped there; `make gpu-check` runs it.
+test: export CUDA_VISIBLE_DEVICES :=
 test: $(STAMP) $(KERNEL)
 	$(BIN)/ruff check xdit_lab tests benchmarks
 	$(BIN)/ruff format --check xdit_lab tests benchmarks
@@ -62,6 +72,35 @@ notebooks: $(STAMP) $(KERNEL)
 format: $(STAMP)
 	$(BIN)/ruff check --fix xdit_lab tests benchmarks
 	$(BIN)/ruff format xdit_lab tests benchmarks
+
+# flash-attn on a CUDA host: it compiles against the installed torch, so not in pip's build isolation.
+setup-gpu: $(STAMP)
+	$(BIN)/pip install --no-build-isolation 'flash-attn>=2.6'
+	$(BIN)/python -m xdit_lab.env --require-cuda
+
+# The GPU tier (tests/gpu) on this machine's GPUs, then its table (also in outputs/gpu-check.md).
+# Without .venv (a bare GPU machine) it uses python3 and installs what is missing from $(WHEELS)
+# (see `make gpu-wheels`), never torch: the installed torch is pinned as a constraint.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+WHEELS ?= build/wheels
+GPU_REPORT ?= outputs/gpu-check.md
+gpu-check:
+	if [ -d $(WHEELS) ]; then mkdir -p build && $(GPU_PYTHON) -c "import torch; print('torch==' + torch.__version__)" > build/torch-pin.txt && $(GPU_PYTHON) -m pip install -q --no-index --find-links $(WHEELS) -c build/torch-pin.txt $(GPU_TIER_PACKAGES); fi
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m xdit_lab.env
+	PYTHONPATH=$(CURDIR) XDIT_LAB_GPU_REPORT=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -p no:cacheprovider -v tests/gpu
+
+# Wheels for a GPU machine without network (Python 3.12, Linux x86-64): what tests/gpu needs beyond
+# torch, transformers, accelerate, safetensors and einops, at the versions in this .venv. Run it here
+# (with network), carry $(WHEELS) there; it is ignored by git (build/).
+GPU_TIER_PACKAGES := diffusers ipyparallel
+GPU_WHEEL_NAMES := diffusers importlib_metadata lazy-importer ipyparallel ipykernel ipython ipython_pygments_lexers jupyter_client \
+	jupyter_core traitlets decorator pyzmq tornado comm debugpy matplotlib-inline nest-asyncio2 jedi parso pexpect \
+	ptyprocess prompt_toolkit wcwidth stack_data executing asttokens pure_eval platformdirs
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform any -d $(WHEELS) \
+		$$($(BIN)/python -c "import sys; from importlib.metadata import version; print(' '.join(f'{n}=={version(n)}' for n in sys.argv[1:]))" $(GPU_WHEEL_NAMES))
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

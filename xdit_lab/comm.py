@@ -101,7 +101,7 @@ def all_to_all(chunks: list[torch.Tensor], recv_shapes: list[tuple], mesh, group
     me = mesh.group_rank(group)
     send = torch.cat([c.reshape(-1) for c in chunks])
     recv_sizes = [math.prod(shape) for shape in recv_shapes]
-    received = send.new_empty(sum(recv_sizes))
+    received = send.new_empty(sum(recv_sizes), dtype=send.dtype)  # every rank sends this dtype
     sent_away = sum(c.numel() for j, c in enumerate(chunks) if j != me) * send.element_size()
     _record("all_to_all", group, n, send, sent_away, tag)
     dist.all_to_all_single(received, send, output_split_sizes=recv_sizes,
@@ -123,9 +123,9 @@ def all_gather(x: torch.Tensor, mesh, group: str, *, dim: int, sizes: list[int] 
     if x.shape[dim] < longest:
         pad_shape = list(x.shape)
         pad_shape[dim] = longest - x.shape[dim]
-        padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        padded = torch.cat([x, x.new_zeros(pad_shape, dtype=x.dtype)], dim=dim)
     padded = padded.contiguous()
-    out = [torch.empty_like(padded) for _ in range(n)]
+    out = [torch.empty_like(padded, dtype=padded.dtype) for _ in range(n)]
     _record("all_gather", group, n, padded, padded.numel() * padded.element_size() * (n - 1), tag)
     dist.all_gather(out, padded, group=mesh.group(group))
     if sizes:

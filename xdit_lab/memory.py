@@ -130,9 +130,13 @@ def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list
 
 
 def available_bytes(device: torch.device) -> int:
-    """Free memory for one rank: free GPU memory, or the host's available RAM shared by its ranks."""
+    """Free memory for one rank: free GPU memory, or the host's available RAM shared by its ranks.
+
+    On CUDA the device's free memory does not count what torch's caching allocator holds for this
+    process without using it (blocks of a model freed before a reload): those are free to us too."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free = torch.cuda.mem_get_info(device)[0]
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
         with open("/proc/meminfo") as f:
             for line in f:

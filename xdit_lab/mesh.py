@@ -12,7 +12,10 @@ further. For 8 ranks with ulysses 2, ring 2, cfg 2:
 
 Groups are made here and nowhere else. Every rank of the world must build the mesh (torch's
 `new_group` is collective); a configuration smaller than the world runs on its first
-`config.world_size` ranks and the rest are idle (`mesh.active` is False there).
+`config.world_size` ranks and the rest are idle (`mesh.active` is False there). Each group gets
+the world's timeout (a lost peer raises after it, not after NCCL's default), and `close()`
+destroys them: every reconfiguration makes a new mesh, and NCCL communicators hold GPU memory
+until destroyed.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from __future__ import annotations
 import datetime
 import itertools
 
+import torch
 import torch.distributed as dist
 
 from .config import CFG, DEGREES, DP, PIPEFUSION, RING, SHORT, ULYSSES, ParallelConfig, ParallelConfigError
+from .distributed import current_info
 
 # Named groups: the five degrees, SP (the ring × ulysses ranks that share one image's tokens) and
 # WORLD (every rank of the configuration, which may be a subset of the processes). Code names a
@@ -54,8 +59,10 @@ class RankMesh:
         self.coords = self.coords_of(rank) if self.active else None
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._group_ranks: dict[str, list[int]] = {}
+        self._made: list[dist.ProcessGroup] = []  # every group this process made, in order, for close()
+        self.closed = False
         if dist.is_initialized():
-            self._build_groups(timeout_s)
+            self._build_groups(current_info().timeout_s if timeout_s is None else timeout_s)
 
     # ---- coordinates -------------------------------------------------------------------
     def coords_of(self, rank: int) -> dict[str, int]:
@@ -95,8 +102,8 @@ class RankMesh:
             groups.append(sorted(members))
         return groups
 
-    def _build_groups(self, timeout_s):
-        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    def _build_groups(self, timeout_s: float):
+        timeout = datetime.timedelta(seconds=timeout_s)
         # Every process calls new_group for every group, in the same order (it is collective).
         for name in GROUP_NAMES:
             for members in self.all_groups(name):
@@ -104,10 +111,33 @@ class RankMesh:
                 if self.rank in members:
                     self._groups[name] = group
                     self._group_ranks[name] = members
+                    if group is not None:
+                        self._made.append(group)
+
+    def close(self) -> None:
+        """Destroy this mesh's process groups (their NCCL communicators and buffers). Safe to call
+        twice, and after the world is gone; call it on every rank of the mesh, when nothing is in
+        flight on its groups. Using the mesh's groups afterwards raises."""
+        if self.closed:
+            return
+        self.closed = True
+        made, self._made = self._made, []
+        if not dist.is_initialized():
+            return  # shutting the world down destroyed every group already
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # nothing queued may still use a communicator being destroyed
+        for group in reversed(made):  # the same order on every rank
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:
+                pass  # not registered any more: the world it belonged to was shut down and made again
 
     def group(self, name: str):
         """The process group of this rank for `name`, or None when its degree is 1."""
         self._check_name(name)
+        if self.closed and self._groups.get(name) is not None:
+            raise RuntimeError(f"this mesh ({self.config.short()}) was closed: its process groups are destroyed; "
+                               f"build a new RankMesh (or load the pipeline again)")
         return self._groups.get(name)
 
     def group_ranks(self, name: str) -> list[int]:

@@ -114,7 +114,19 @@ def load_pipeline(name_or_path, config: ParallelConfig | None = None, *, mesh: R
     if not dist.is_initialized():
         init_distributed()
     info = current_info()
+    owns_mesh = mesh is None  # a mesh made here is closed with the pipeline (or if loading fails)
     mesh = mesh or RankMesh(config)
+    try:
+        return _load(folder, index, recipe, call_defaults, config, mesh, info, torch_dtype, memory_limit_bytes,
+                     progress, stage_split, from_pretrained_kwargs, owns_mesh)
+    except BaseException:
+        if owns_mesh:
+            mesh.close()
+        raise
+
+
+def _load(folder, index, recipe, call_defaults, config, mesh, info, torch_dtype, memory_limit_bytes, progress,
+          stage_split, from_pretrained_kwargs, owns_mesh) -> "ParallelPipeline":
     components = [name for name, value in index.items()
                   if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()]
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
@@ -122,7 +134,8 @@ def load_pipeline(name_or_path, config: ParallelConfig | None = None, *, mesh: R
                        ranks_per_host=min(local_ranks, config.world_size), stage_split=stage_split)
     check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
     if not mesh.active:
-        return ParallelPipeline(None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults)
+        return ParallelPipeline(None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults,
+                                owns_mesh=owns_mesh)
 
     from diffusers import DiffusionPipeline
 
@@ -150,7 +163,7 @@ def load_pipeline(name_or_path, config: ParallelConfig | None = None, *, mesh: R
     inner.to(info.device)
     parallelize(inner.transformer, config, mesh, stage_split=stage_split)
     return ParallelPipeline(inner, recipe, config, mesh, info.device, plan, folder, progress=progress,
-                            call_defaults=call_defaults)
+                            call_defaults=call_defaults, owns_mesh=owns_mesh)
 
 
 def _mentions_mmap(error: BaseException | None) -> bool:
@@ -169,10 +182,17 @@ class ParallelPipeline:
     family's steps and guidance, overlaid with the folder's `call_defaults.json`)."""
 
     def __init__(self, diffusers_pipeline, recipe, config, mesh, device, plan, folder, *, progress=True,
-                 call_defaults: dict | None = None):
+                 call_defaults: dict | None = None, owns_mesh: bool = False):
         self.diffusers_pipeline, self.recipe, self.config, self.mesh = diffusers_pipeline, recipe, config, mesh
         self.device, self.memory_plan, self.folder, self.progress = device, plan, folder, progress
         self.call_defaults = dict(recipe.defaults if call_defaults is None else call_defaults)
+        self.owns_mesh = owns_mesh
+
+    def close(self) -> None:
+        """Destroy the process groups of the mesh load_pipeline made for this pipeline (a mesh passed
+        in stays its caller's). Call it on every rank before loading a replacement; idempotent."""
+        if self.owns_mesh:
+            self.mesh.close()
 
     @property
     def active(self) -> bool:

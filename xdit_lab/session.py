@@ -67,6 +67,8 @@ class DenoiseSession:
         self.step_index = 0
         inner = pipe.diffusers_pipeline
         parallel_state(inner.transformer).strategy.reset()  # e.g. PipeFusion warms up again
+        if pipe.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pipe.device)  # the peak a session reports is its own
         with torch.no_grad():
             with self.timings.measure("encode"):
                 self.prepared: Prepared = self.recipe.encode(inner, request, pipe.device)

@@ -5,17 +5,23 @@ come with the log-sum-exp of its scores: merging two partial outputs weighs each
 exp(lse_block - lse_total). A backend that cannot return the LSE (or returns a fake zero, as
 some CPU fallbacks do) silently breaks Ring; none of ours does.
 
-Backends, chosen once per device type and reported by `attention_backend()`:
+Backends, reported by `attention_backend(device, dtype, head_dim)`:
     flash_attn      flash-attn's kernel, on CUDA when the package imports (the fastest)
-    sdpa_flash      torch's own flash kernel on CUDA (fp16/bf16, head_dim <= 256)
-    sdpa_efficient  torch's memory-efficient kernel on CUDA (any float dtype)
+    sdpa_flash      torch's own flash kernel on CUDA
+    sdpa_efficient  torch's memory-efficient kernel on CUDA
     cpu_flash       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     math            explicit scores and logsumexp: slow, exact, any device (the reference)
-Override with `set_attention_backend(name)` or the XDIT_LAB_ATTENTION environment variable.
+What each kernel accepts is written once, in `why_not(...)`, a pure function of the device
+type, dtype, head_dim and GPU compute capability: the flash kernels take float16/bfloat16 on
+Ampere or newer (capability 8.0+), torch's with head_dim a multiple of 8 up to 256. The first
+backend that accepts a call runs it (a fallback is logged with its reason, once). Force one with
+`set_attention_backend(name)` or the XDIT_LAB_ATTENTION environment variable: a forced backend
+that cannot run a call raises, saying why and which backends can.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -24,8 +30,9 @@ import torch
 log = logging.getLogger("xdit_lab.attention")
 
 BACKENDS = ("flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash", "math")
+PREFERENCE = {"cuda": ("flash_attn", "sdpa_flash", "sdpa_efficient", "math"), "cpu": ("cpu_flash", "math")}
+HALF = (torch.float16, torch.bfloat16)
 _override: str | None = None
-_chosen: dict[str, str] = {}  # device type -> backend, decided on first use
 
 
 def set_attention_backend(name: str | None) -> None:
@@ -34,35 +41,93 @@ def set_attention_backend(name: str | None) -> None:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     global _override
     _override = name
-    _chosen.clear()
+    _decide.cache_clear()
 
 
-def attention_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
-    """The backend used for tensors on `device` (decided once per device type)."""
+def why_not(backend: str, device_type: str, dtype: torch.dtype, head_dim: int | None = None,
+            capability: tuple[int, int] | None = None, flash_attn_installed: bool = False) -> str | None:
+    """Why `backend` cannot run attention on these tensors, or None when it can.
+
+    head_dim None skips the head_dim rules; capability is the GPU's (major, minor)."""
+    if backend == "math":
+        return None
+    if backend == "cpu_flash":
+        return None if device_type == "cpu" else f"it runs on CPU tensors only, not {device_type}"
+    if device_type != "cuda":
+        return f"it needs CUDA tensors, not {device_type}"
+    major, minor = capability or (0, 0)
+    if backend == "flash_attn" and not flash_attn_installed:
+        return "the flash-attn package is not installed (README: On a CUDA machine)"
+    if backend in ("flash_attn", "sdpa_flash"):
+        if dtype not in HALF:
+            return f"it takes float16 or bfloat16, not {str(dtype).replace('torch.', '')}"
+        if major < 8:
+            return f"it needs an Ampere or newer GPU (compute capability 8.0+), this one is {major}.{minor}"
+        if head_dim is not None and head_dim > 256:
+            return f"it takes head_dim up to 256, not {head_dim}"
+        if backend == "sdpa_flash" and head_dim is not None and head_dim % 8:
+            return f"torch's flash op needs head_dim a multiple of 8, not {head_dim}"
+        return None
+    if backend == "sdpa_efficient":
+        if dtype not in (torch.float32, *HALF):
+            return f"it takes float32, float16 or bfloat16, not {str(dtype).replace('torch.', '')}"
+        if dtype == torch.bfloat16 and major < 8:
+            return f"bfloat16 needs compute capability 8.0+, this GPU is {major}.{minor}"
+        # torch's own dispatcher asks this alignment of head_dim (the GEMM tiles' minimum)
+        align = 8 if (dtype in HALF and major >= 7) else 4 if major >= 8 else 1
+        if head_dim is not None and head_dim % align:
+            return f"it needs head_dim a multiple of {align} for {str(dtype).replace('torch.', '')} here, not {head_dim}"
+        return None
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def attention_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                      head_dim: int | None = None) -> str:
+    """The backend that runs attention on tensors of this device, dtype and head_dim."""
     device = torch.device(device)
     forced = _override or os.environ.get("XDIT_LAB_ATTENTION") or None
+    capability = _capability(device.index) if device.type == "cuda" else None
+    return _decide(device.type, dtype, head_dim, capability, _flash_attn_installed() if device.type == "cuda" else False,
+                   forced)
+
+
+@functools.lru_cache(maxsize=None)
+def _decide(device_type, dtype, head_dim, capability, flash_attn_installed, forced) -> str:
+    """The first backend of this device type's preference that can run the call (cached per kind of call)."""
+    where = f"{str(dtype).replace('torch.', '')} tensors with head_dim {head_dim} on {device_type}" + (
+        f" (compute capability {capability[0]}.{capability[1]})" if capability else "")
+    reasons = {name: why_not(name, device_type, dtype, head_dim, capability, flash_attn_installed)
+               for name in PREFERENCE.get(device_type, ("math",))}
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"XDIT_LAB_ATTENTION={forced!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+        why = why_not(forced, device_type, dtype, head_dim, capability, flash_attn_installed)
+        if why:
+            able = [name for name, reason in reasons.items() if reason is None]
+            raise ValueError(f"attention backend {forced!r} is forced (XDIT_LAB_ATTENTION or set_attention_backend) "
+                             f"but cannot run {where}: {why}. Backends that can: {', '.join(able)}; or unset it to "
+                             f"choose automatically")
         return forced
-    if device.type not in _chosen:
-        if device.type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
+    skipped = []
+    for name, reason in reasons.items():  # in order of preference; math always runs
+        if reason is None:
+            log.info("attention backend for %s: %s%s", where, name, f" (not {'; '.join(skipped)})" if skipped else "")
+            return name
+        skipped.append(f"{name}: {reason}")
 
-                _chosen["cuda"] = "flash_attn"
-            except ImportError:
-                _chosen["cuda"] = "sdpa_flash"
-        elif device.type == "cpu":
-            _chosen["cpu"] = "cpu_flash"
-        else:
-            _chosen[device.type] = "math"
-        log.info("attention backend for %s: %s", device.type, _chosen[device.type])
-    backend = _chosen[device.type]
-    # The flash kernels take half precision only; fall back per call, not for the whole device.
-    if backend in ("flash_attn", "sdpa_flash") and dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa_efficient"
-    return backend
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_installed() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None):
@@ -72,12 +137,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     and lse [B, H, Sq] in float32, natural log. Sk must be at least 1."""
     if k.shape[2] == 0:
         raise ValueError("local_attention needs at least one key (the CPU kernel crashes on none)")
-    backend = attention_backend(q.device, q.dtype)
+    backend = attention_backend(q.device, q.dtype, q.shape[-1])
     if backend == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[:2]
-    elif backend == "sdpa_flash" and q.shape[-1] <= 256:
+    elif backend == "sdpa_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
-    elif backend in ("sdpa_flash", "sdpa_efficient"):
+    elif backend == "sdpa_efficient":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
                                                                          scale=scale)[:2]
         lse = lse[..., : q.shape[2]]  # the efficient kernel pads its LSE to a multiple of 32 rows
@@ -117,9 +182,14 @@ def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_ou
                     block_lse: torch.Tensor):
     """Fold one block's partial result into a running (out, lse), as online softmax does.
 
-    The running output is kept in float32 so that many merges do not lose bf16 precision."""
+    The running output is kept in float32 so that many merges do not lose bf16 precision. A block
+    with lse -inf (no keys) weighs exp(-inf) = 0: merging it changes nothing, so callers need no
+    test (a host sync on a GPU) to skip it. Where both sides are -inf the total is -inf too, and
+    the weights are taken against 0 instead, giving 0 rather than exp(nan)."""
     if out is None:
         return block_out.float(), block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    reference = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # the safe exponent base
+    out = (out * torch.exp(lse - reference).unsqueeze(-1)
+           + block_out.float() * torch.exp(block_lse - reference).unsqueeze(-1))
     return out, new_lse

@@ -42,7 +42,7 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
         source = (me - step) % n  # the ring rank whose block we hold now
         requests = []
         if step + 1 < n:  # start moving the next block before computing on this one
-            incoming = kv.new_empty((2, batch, heads, block_sizes[(source - 1) % n], head_dim))
+            incoming = kv.new_empty((2, batch, heads, block_sizes[(source - 1) % n], head_dim), dtype=kv.dtype)
             requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, RING, tag="kv")
         if kv.shape[3] and q.shape[2]:
             out, lse = merge_attention(out, lse, *local_attention(q, kv[0], kv[1], scale=scale))
@@ -69,6 +69,5 @@ def _joint_queries(joint, k, v, mesh, scale):
     gathered = comm.all_gather(packed.unsqueeze(0), mesh, RING, dim=0, tag="joint_partial")
     out, lse = local_attention(text_q, text_k, text_v, scale=scale)
     for block in gathered:  # fixed ring order: the same floating-point sums on every rank
-        if torch.isfinite(block[..., -1]).any():
-            out, lse = merge_attention(out, lse, block[..., :-1], block[..., -1])
+        out, lse = merge_attention(out, lse, block[..., :-1], block[..., -1])  # an empty block's is a no-op
     return out.to(text_q.dtype)

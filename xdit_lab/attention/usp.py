@@ -55,7 +55,7 @@ def sp_attention(q, k, v, mesh, *, joint_q=None, joint_k=None, joint_v=None, seq
 def _sp_shard_sizes(q, mesh, seq_len):
     sp = mesh.group_size(SP)
     if seq_len is None:
-        local = torch.tensor([q.shape[2]], dtype=torch.int64)
+        local = torch.tensor([q.shape[2]], dtype=torch.int64, device=q.device)  # NCCL moves device tensors only
         sizes = [int(s) for s in comm.all_gather(local, mesh, SP, dim=0, tag="shard_sizes")] if sp > 1 else [q.shape[2]]
         if sizes != shard_sizes(sum(sizes), sp):
             raise ValueError(f"sequence shards {sizes} are not a tensor_split of {sum(sizes)} tokens over "

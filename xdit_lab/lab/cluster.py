@@ -78,6 +78,23 @@ class PendingCall:
     what: str  # e.g. "lab.session.run"
     started: float  # time.monotonic() when it was sent
 
+def engine_plan(n: int | None, gpus: int, backend: str | None, cpu_cores: int,
+                engine_env: dict | None = None) -> tuple[int, dict]:
+    """How many engines to start, and their environment: one per GPU (at most one per GPU: NCCL
+    refuses two ranks on one), or CPU engines over gloo when there are no GPUs or backend="gloo"
+    asks for them (any number; the GPUs are hidden from them, one torch thread each)."""
+    cpu = backend == "gloo" or not gpus
+    if not cpu and backend not in (None, "nccl"):
+        raise ValueError(f"backend {backend!r}: choose 'nccl' (one engine per GPU), 'gloo' (CPU engines) or None")
+    if not cpu and n is not None and n > gpus:
+        raise ValueError(f"{n} engines but {gpus} visible GPUs: one engine per GPU (n <= {gpus}), or CPU engines "
+                         f"with Lab(n={n}, backend='gloo')")
+    n = n or (cpu_cores if cpu else gpus)
+    # One thread per CPU engine from the start (torch reads these at import); init sets it again.
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""} if cpu else {}
+    return n, {**env, **(engine_env or {})}
+
+
 class Lab:
     """n engines started here (default: one per visible GPU, else one per CPU core; CPU engines run
     one torch thread each), listening on `ip`; or, with connect=True or a cluster_id, the engines of
@@ -116,13 +133,7 @@ class Lab:
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        n = n or gpus or usable_cpu_cores()
-        if gpus and n > gpus:
-            raise ValueError(f"{n} engines but {gpus} visible GPUs: one engine per GPU (n <= {gpus}), or hide the "
-                             f"GPUs (CUDA_VISIBLE_DEVICES='') for CPU engines")
-        # One thread per CPU engine from the start (torch reads these at import); init sets it again.
-        self._engine_env = {**({} if gpus else {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
-                            **(engine_env or {})}
+        n, self._engine_env = engine_plan(n, gpus, self.backend, usable_cpu_cores(), engine_env)
         profile = {"profile": self.profile} if self.profile else {}  # else ipyparallel's default profile
         self.cluster = ipp.Cluster(n=n, controller_ip=ip, log_level=30, **profile)
         self.cluster_id = self.cluster.cluster_id

@@ -59,7 +59,11 @@ def load(state: dict, name_or_path, config, kwargs: dict) -> dict:
     """load_pipeline on every engine; idle ranks of a smaller configuration get an inactive pipeline."""
     from xdit_lab.pipeline import load_pipeline
 
+    old = state.get("pipe")
     state.update(pipe=None, session=None)  # free the old pipeline before loading the next
+    if old is not None:
+        old.close()  # its process groups: every engine is in this call, so all close together
+    del old  # the last reference: the old model is freed here (tests/test_gpu_true.py checks it with gc off)
     pipe = load_pipeline(name_or_path, config, **kwargs)
     state["pipe"] = pipe
     return dict(active=pipe.active, coords=pipe.mesh.coords)
@@ -128,6 +132,37 @@ def timings(state: dict):
     """This rank's PhaseTimings as they stand, in seconds (None when idle or before a session)."""
     session = state.get("session")
     return None if session is None else session.timings.as_dict()
+
+
+def memory(state: dict) -> dict:
+    """This engine's device memory and process groups now, to check that reloading leaks neither."""
+    import torch
+    import torch.distributed as dist
+
+    pipe = state.get("pipe")
+    device = pipe.device if pipe is not None else None
+    figures = dict(process_groups=len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        figures.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+                       max_allocated=torch.cuda.max_memory_allocated(device))
+    return figures
+
+
+def watch_transformer(state: dict) -> bool:
+    """Keep a weak reference to the loaded transformer (for tests: does a reload free it?)."""
+    import weakref
+
+    pipe = state.get("pipe")
+    transformer = pipe.diffusers_pipeline.transformer if pipe is not None and pipe.active else None
+    state["watched"] = None if transformer is None else weakref.ref(transformer)
+    return transformer is not None
+
+
+def watched_alive(state: dict) -> bool | None:
+    """Whether the transformer watch_transformer saw still exists (None when none was watched)."""
+    watched = state.get("watched")
+    return None if watched is None else watched() is not None
 
 
 def crash(code: int = 1) -> None:

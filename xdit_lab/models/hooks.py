@@ -6,6 +6,10 @@ over at the places the family adapter (families.py) names:
   3. rotary tables (Flux): the strategy keeps the rows of its tokens             strategy.shard_rotary
   4. every F.scaled_dot_product_attention call inside a known attention module:
      the strategy attends, told the module's kind (self, cross, joint)          strategy.attend
+     diffusers can route a module's attention to other kernels (`set_attention_backend("flex")`,
+     DIFFUSERS_ATTN_BACKEND) that never call it: the known modules are set back to diffusers'
+     native backend here, and a known module whose attention did not reach us raises (it would
+     have attended to its own shard only)
   5. the last projection's output, before unpatchify: tokens come back whole    strategy.gather
      and the forward's output is gathered over dp and cfg, so every rank returns the full batch
 
@@ -17,6 +21,7 @@ How tokens are split is the strategy's alone: one contiguous shard per sequence-
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,8 @@ from torch.overrides import TorchFunctionMode
 from .. import comm
 from ..mesh import CFG, DP
 from ..sharding import shard_sizes
+
+log = logging.getLogger("xdit_lab.models")
 
 
 class ParallelState:
@@ -39,6 +46,7 @@ class ParallelState:
         self.image_len = None  # whole image tokens, set where they are sharded
         self.attention_kind = None  # kind of the attention module running now
         self.attention_name = None  # and its qualified name
+        self.attention_reached = False  # whether its attention came through the interceptor
 
 
 STATE_ATTRIBUTE = "_xdit_lab_state"
@@ -56,11 +64,14 @@ def install_hooks(transformer, state: ParallelState) -> None:
     _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
     if adapter.rotary_at:
         _hook_output(transformer, adapter.rotary_at, functools.partial(_when_running, state, "shard_rotary"))
-    known = 0
+    known, replaced = 0, {}
     for name, module in transformer.named_modules():
         kind = adapter.attention_kind(name)
         if kind:
             known += 1
+            backend = _use_native_attention(module)
+            if backend is not None:
+                replaced.setdefault(backend, []).append(name)
             module.register_forward_pre_hook(functools.partial(_enter_attention, state, kind, name))
             module.register_forward_hook(functools.partial(_leave_attention, state))
     if not known:
@@ -68,6 +79,11 @@ def install_hooks(transformer, state: ParallelState) -> None:
             f"no attention modules of {type(transformer).__name__} matched the {adapter.family} adapter; "
             f"this diffusers release may have renamed them"
         )
+    for backend, names in replaced.items():
+        log.warning("%d attention modules of %s were set to diffusers' %r attention backend, which the parallel "
+                    "kernels cannot take over; they run diffusers' native backend now, and xdit_lab's kernels do "
+                    "the attention (see xdit_lab.attention.attention_backend)", len(names), type(transformer).__name__,
+                    backend)
     setattr(transformer, STATE_ATTRIBUTE, state)
 
 
@@ -80,12 +96,41 @@ def _when_running(state, method: str, value):
     return getattr(state.strategy, method)(value) if state.in_forward else value
 
 
+def _use_native_attention(module) -> str | None:
+    """Point a module's diffusers attention at the native backend, the one that calls
+    F.scaled_dot_product_attention; return the backend it used before, if another.
+
+    A processor's `_attention_backend` (diffusers 0.42's dispatch: Flux and newer families)
+    wins when set; else the process-wide active backend applies, which DIFFUSERS_ATTN_BACKEND sets
+    at import and `set_attention_backend` sets too. Processors without the attribute (PixArt,
+    SD3, CogVideoX, DiT) call F.scaled_dot_product_attention themselves."""
+    processor = getattr(module, "processor", None)
+    if processor is None or not hasattr(processor, "_attention_backend"):
+        return None
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    chosen = processor._attention_backend or _AttentionBackendRegistry._active_backend
+    processor._attention_backend = AttentionBackendName.NATIVE
+    chosen = AttentionBackendName(chosen).value
+    return None if chosen == AttentionBackendName.NATIVE.value else chosen
+
+
 def _enter_attention(state, kind, name, _module, _args):
-    state.attention_kind, state.attention_name = kind, name
+    state.attention_kind, state.attention_name, state.attention_reached = kind, name, False
 
 
-def _leave_attention(state, _module, _args, _output):
-    state.attention_kind = None
+def _leave_attention(state, module, _args, _output):
+    kind, state.attention_kind = state.attention_kind, None
+    if state.in_forward and not state.attention_reached:
+        processor = getattr(module, "processor", None)
+        backend = getattr(processor, "_attention_backend", None)
+        raise RuntimeError(
+            f"attention module {state.attention_name} ({kind}) ran without calling F.scaled_dot_product_attention, "
+            f"so its tokens were not handed to the sequence-parallel kernels and each rank would have attended to "
+            f"its own shard only. Its processor is {type(processor).__name__}"
+            f"{' with attention backend ' + repr(backend) if processor else ''}; "
+            f"keep diffusers' default processors and native attention backend on a parallelized model"
+        )
 
 
 def run_forward(state: ParallelState, forward, bound):
@@ -125,6 +170,7 @@ class AttentionInterceptor(TorchFunctionMode):
                 f"attention outside the modules the {self.state.adapter.family} adapter knows: "
                 f"its tokens may be sharded, so it cannot run unchanged; extend the adapter"
             )
+        self.state.attention_reached = True
         if kind == "cross":
             return func(*args, **kwargs)
         query, key, value, mask, dropout_p, is_causal, scale, _ = _sdpa_arguments(*args, **kwargs)

@@ -61,15 +61,19 @@ def _parallel_forward(transformer, state):
     """The forward that replaces the module's: split the batch, let the strategy run the model's own
     forward, gather the batch. It holds the module weakly: a module replaced by a reconfigure is
     freed as soon as its last user lets go (no cycle through its own forward attribute)."""
-    module = weakref.ref(transformer)
-    own_forward = type(transformer).forward
     signature = inspect.signature(transformer.forward)
+    if "forward" in vars(transformer):  # someone else's forward already on the instance: keep it as it is
+        instance_forward = transformer.forward
+        own_forward, get_forward = instance_forward, lambda: instance_forward
+    else:
+        module, own_forward = weakref.ref(transformer), type(transformer).forward
+        get_forward = lambda: functools.partial(own_forward, module())  # noqa: E731
 
     @functools.wraps(own_forward)
     def parallel_forward(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         dp_sizes = split_batch(state, bound.arguments)
-        forward = functools.partial(own_forward, module())
+        forward = get_forward()
         output = state.strategy.forward(lambda: run_forward(state, forward, bound), bound)
         return gather_batch(state, output, dp_sizes)
 

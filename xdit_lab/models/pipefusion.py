@@ -20,6 +20,13 @@ for the whole image during warmup):
     at its first block
   - a stage that is not the last stops after its last block and sends the activations on (the
     next patch is computed while they travel); the last stage finishes the forward
+  - a stage receives one patch ahead: patch i+1's receive is posted before patch i runs, and
+    patch i's send after it. On NCCL every point-to-point op of the group runs on one stream in
+    the order posted, and a receive holds up what follows it until its data arrives: had the
+    middle stage of 3 posted all its receives first, its sends would have waited for the
+    previous stage's last patch. Now only patch i+1's receive precedes send i, and the
+    previous stage sends patch i+1 while this one computes patch i. Buffers and messages are
+    in the model's dtype on both sides.
 The last stage's noise prediction for the whole image is then broadcast to the other stages, so
 every rank steps the scheduler on the same values (multistep schedulers such as DPM-Solver need
 that). The pipeline drains at the end of each call, so `DenoiseSession.step()` is one diffusion
@@ -69,6 +76,7 @@ class PipeFusionStage:
         self.buffers: dict[str, StaleKV] = {}
         self.active: list[int] = []
         self.incoming = None
+        self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
 
     @classmethod
     def apply(cls, transformer, state, config, stage_split=None) -> "PipeFusionStage":
@@ -111,23 +119,28 @@ class PipeFusionStage:
         mesh, latents = self.mesh, bound.arguments["hidden_states"]
         rows, cols = latents.shape[-2] // self.patch, latents.shape[-1] // self.patch
         patch_sets = self._begin_step(rows, cols)
-        receives = []
-        if not mesh.is_first_stage:  # post every receive now: they fill while earlier patches compute
-            sp_rank = mesh.group_rank(SP)
-            for active in patch_sets:
-                tokens = sum(self.layout.chunk_len(p, sp_rank) for p in active)
-                buffer = latents.new_empty((latents.shape[0], tokens, self.hidden_size), dtype=self.dtype)
-                receives.append((buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)))
+        sp_rank = mesh.group_rank(SP)
+
+        def receive(active):  # patch activations from the previous stage, into a buffer of the model's dtype
+            tokens = sum(self.layout.chunk_len(p, sp_rank) for p in active)
+            buffer = latents.new_empty((latents.shape[0], tokens, self.hidden_size), dtype=self.dtype)
+            return buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)
+
+        receiving = None if mesh.is_first_stage else receive(patch_sets[0])
         sends, noise = [], None
         for i, active in enumerate(patch_sets):
             self.active = active
-            if receives:
-                comm.wait(receives[i][1])
-                self.incoming = receives[i][0]
+            if receiving is not None:
+                buffer, requests = receiving
+                if i + 1 < len(patch_sets):  # one patch ahead, posted before this patch's send (see above)
+                    receiving = receive(patch_sets[i + 1])
+                comm.wait(requests)
+                self.incoming = buffer
             try:
                 output = run()
             except _StageDone as done:
-                sends += comm.exchange([(done.hidden, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="patch")
+                hidden = done.hidden.to(self.dtype)  # what the next stage's buffer holds
+                sends += comm.exchange([(hidden, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="patch")
                 continue
             sample = output[0] if isinstance(output, tuple) else output.sample
             noise = sample if noise is None else noise
@@ -137,23 +150,34 @@ class PipeFusionStage:
                 noise[..., band, :] = sample[..., band, :]
         comm.wait(sends)
         if noise is None:  # not the last stage: the prediction comes from there
-            noise = latents.new_empty((latents.shape[0], self.out_channels, *latents.shape[-2:]))
+            noise = latents.new_empty((latents.shape[0], self.out_channels, *latents.shape[-2:]), dtype=self.dtype)
+        else:
+            noise = noise.to(self.dtype)  # the broadcast's dtype, as the other stages allocated it
         comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
         self.step += 1
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
 
     def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
         if self.grid != (rows, cols):  # a new image size: new patches, new buffers
-            self.grid, self.buffers = (rows, cols), {}
+            self.grid, self.buffers, self.indices = (rows, cols), {}, {}
             self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
         patches = len(self.layout.patches)
         return [list(range(patches))] if self.step < self.config.warmup_steps else [[p] for p in range(patches)]
 
     # ---- the hooks -----------------------------------------------------------------------------------
+    def _index(self, what: str, device) -> torch.Tensor:
+        """This rank's token positions ("shard") or the all-gather's order ("gather") for the active
+        patches, made once per layout on the device (a host-to-device copy per patch blocks)."""
+        key = (what, tuple(self.active), device)
+        if key not in self.indices:
+            index = (self.layout.rank_tokens(self.active, self.mesh.group_rank(SP)) if what == "shard"
+                     else self.layout.gather_order(self.active))
+            self.indices[key] = index.to(device)
+        return self.indices[key]
+
     def shard(self, tokens):
         self.state.image_len = tokens.shape[1]
-        index = self.layout.rank_tokens(self.active, self.mesh.group_rank(SP)).to(tokens.device)
-        return tokens.index_select(1, index)
+        return tokens.index_select(1, self._index("shard", tokens.device))
 
     def shard_rotary(self, tables):
         raise NotImplementedError("PipeFusion does not slice rotary tables per patch yet")
@@ -162,7 +186,7 @@ class PipeFusionStage:
         sizes = self.layout.rank_sizes(self.active)
         gathered = comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
         full = tokens.new_zeros(tokens.shape[0], self.state.image_len, tokens.shape[2])
-        full[:, self.layout.gather_order(self.active).to(tokens.device)] = gathered
+        full[:, self._index("gather", tokens.device)] = gathered
         return full
 
     def attend(self, kind, query, key, value, scale):

@@ -1,0 +1,222 @@
+"""What the GPU tests run on their ranks and launch (module-level, so child processes import it).
+
+Everything here runs on CUDA tensors. References are diffusers' own forward or pipeline run
+serially, or F.scaled_dot_product_attention / the math kernel on the whole tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS, NEGATIVES = ["a red cat", "a blue dog"], ["", "a photo"]
+
+
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+    """Largest absolute difference over max(1, largest |reference|): the suite's float32 measure."""
+    output, reference = output.float(), reference.float()
+    return ((output - reference).abs().max() / reference.abs().max().clamp(min=1.0)).item()
+
+
+def relative_l2(output: torch.Tensor, reference: torch.Tensor) -> float:
+    output, reference = output.float(), reference.float()
+    return ((output - reference).norm() / reference.norm()).item()
+
+
+# ---- two processes sharing one GPU over gloo, with CUDA tensors ---------------------------------------
+
+def sp_attention_on_gpu(dtype_name: str, degrees: dict, device: str | None = None):
+    """sp_attention on CUDA tensors (`device`, else this rank's GPU) against SDPA on the whole tensors,
+    with seq_len given and without it (the shard sizes are then all-gathered: on q's device, as NCCL
+    needs). 301 image tokens: uneven shards; 7 text tokens: joint attention."""
+    from xdit_lab import ParallelConfig, RankMesh
+    from xdit_lab.attention import sp_attention
+    from xdit_lab.distributed import current_info
+    from xdit_lab.sharding import take_shard
+
+    dtype, device = getattr(torch, dtype_name), torch.device(device) if device else current_info().device
+    mesh = RankMesh(ParallelConfig(**degrees))
+    sp, sp_rank = mesh.group_size("sp"), mesh.group_rank("sp")
+    g = torch.Generator().manual_seed(0)
+    image = [torch.randn(2, 8, 301, 64, generator=g).to(device, dtype) for _ in range(3)]
+    text = [torch.randn(2, 8, 7, 64, generator=g).to(device, dtype) for _ in range(3)]
+    q, k, v = (take_shard(t, 2, sp, sp_rank) for t in image)
+    full = F.scaled_dot_product_attention(*(torch.cat([i, t], dim=2).float() for i, t in zip(image, text)))
+    errors = {}
+    for name, seq_len in (("seq_len given", 301), ("seq_len gathered", None)):
+        out, joint_out = sp_attention(q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2],
+                                      seq_len=seq_len)
+        errors[name] = max(relative_error(out, take_shard(full[:, :, :301], 2, sp, sp_rank)),
+                           relative_error(joint_out, full[:, :, 301:]))
+    return dict(errors=errors, device=str(out.device), dtype=str(out.dtype))
+
+
+def shared_gpu_models(family: str, config_names: list[str]):
+    """A tiny diffusers model on cuda:0, parallelized on two processes (gloo, CUDA tensors), against its
+    own serial forward on the same GPU."""
+    from xdit_lab import ParallelConfig, RankMesh, comm_log, parallelize
+    from xdit_lab.tiny import tiny_inputs, tiny_transformer
+
+    device = torch.device("cuda", 0)
+    rows = {}
+    for name in config_names:
+        config = ParallelConfig(**{name: 2})
+        model = tiny_transformer(family, seed=0).to(device)
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                  for k, v in tiny_inputs(family, 4, height=6, width=6).items()}
+        with torch.no_grad():
+            reference = model(**inputs).sample
+        model = parallelize(model, config, RankMesh(config))
+        with torch.no_grad(), comm_log() as log:
+            output = model(**inputs).sample
+        rows[name] = dict(error=relative_error(output, reference), groups=sorted(log.bytes_by_group()),
+                          device=str(output.device))
+    return rows
+
+
+# ---- world-size-1 pipelines against diffusers ------------------------------------------------------------
+
+def serial_pipeline(folder: str, family: str, dtype_name: str, seeds=(0, 1)):
+    """diffusers' pipeline and load_pipeline (a world of one, on cuda:0) on the same folder and seed; the
+    second seed is the control: a different image must be further away than any bound."""
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab.pipeline import load_pipeline
+    from xdit_lab.tiny import tiny_pipeline_kwargs
+
+    dtype = getattr(torch, dtype_name)
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=3)
+    reference = DiffusionPipeline.from_pretrained(folder, dtype=dtype).to("cuda")
+    reference.set_progress_bar_config(disable=True)
+
+    def latents(result):
+        return result.frames if family == "cogvideox" else result.images
+
+    expected = [latents(reference(PROMPTS, negative_prompt=NEGATIVES, generator=torch.Generator().manual_seed(seed),
+                                  output_type="latent", **kwargs)) for seed in seeds]
+    del reference
+    pipe = load_pipeline(folder, torch_dtype=dtype, progress=False)
+    result = pipe(PROMPTS, negative_prompt=NEGATIVES, seed=seeds[0], output_type="latent", **kwargs)
+    mine = latents(result)
+    peak = torch.cuda.max_memory_allocated(pipe.device)
+    return dict(error=relative_error(mine, expected[0]), l2=relative_l2(mine, expected[0]),
+                control_l2=relative_l2(mine, expected[1]), device=str(mine.device), dtype=str(mine.dtype),
+                peak_bytes=peak)
+
+
+# ---- the command line on NCCL ------------------------------------------------------------------------------
+
+FAMILY_OPTIONS = {  # what each tiny family's pipeline takes (cf. tiny_pipeline_kwargs), on the command line
+    "pixart": ["--option", "use_resolution_binning=false", "--option", "clean_caption=false"],
+    "flux": ["--option", "true_cfg_scale=2.0", "--negative-prompt", "a photo"],  # real CFG: two branches
+}
+
+
+def cli_args(folder, output, family, *extra, steps=3):
+    """`xdit-lab run` of a tiny pipeline folder at 16 x 16 pixels, writing latents (no VAE)."""
+    args = ["run", "--model", str(folder), "--output", str(output), "--steps", str(steps), "--seed", "7",
+            "--height", "16", "--width", "16", "--guidance", "3.0", "--no-progress", "--output-type", "latent",
+            "--timeout", "120", "--option", "max_sequence_length=8", *FAMILY_OPTIONS[family], *extra]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    return args
+
+
+def digits_args(output, *extra, steps=4):
+    """`xdit-lab run` of the bundled digits model (a 4-block PixArt: enough blocks for 3 and 4 stages),
+    with its own call defaults."""
+    return ["run", "--model", "digits", "--output", str(output), "--steps", str(steps), "--seed", "7",
+            "--no-progress", "--output-type", "latent", "--timeout", "120", "--prompt", "a handwritten 3",
+            "--prompt", "a handwritten 8", *extra]
+
+
+def torchrun(ranks: int, args: list[str], timeout: float = 300) -> str:
+    """`torchrun --nproc_per_node ranks -m xdit_lab.cli ...`; its output, or an AssertionError with it."""
+    from xdit_lab.distributed import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", str(free_port()), "-m", "xdit_lab.cli", *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    except subprocess.TimeoutExpired as error:
+        raise AssertionError(f"torchrun with {ranks} ranks did not finish in {timeout} s: {error.stdout!r:.3000}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"torchrun with {ranks} ranks failed:\n{output[-4000:]}"
+    return output
+
+
+def cli_latents(output: Path) -> tuple[torch.Tensor, dict]:
+    report = json.loads((output / "report.json").read_text())
+    return torch.load(output / "latents.pt"), report
+
+
+# ---- a rank that dies: the survivor must fail within the world's timeout ---------------------------------
+
+def kill_a_rank(timeout_s: float) -> dict:
+    """Two processes (one per GPU, NCCL), started by hand so that no launcher ends the survivor for us.
+    Rank 1 leaves after building the mesh; rank 0 then all-reduces on their ulysses group."""
+    from xdit_lab.distributed import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    script = Path(__file__).with_name("dying_rank.py")
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs, ended = [], []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout_s + 120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        outputs.append(out)
+        ended.append(time.monotonic() - started)
+    return dict(returncodes=[p.returncode for p in procs], seconds=ended, outputs=[o[-2000:] for o in outputs])
+
+
+# ---- Ring's overlap, from a profiler trace ------------------------------------------------------------------
+
+def ring_overlap(trace_dir: str):
+    """Ring attention over 2 GPUs (NCCL) on a sequence large enough to time, profiled: the K/V transfer
+    (an NCCL kernel) must run while the attention kernel computes on the block in hand."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from xdit_lab import ParallelConfig, RankMesh
+    from xdit_lab.attention import sp_attention
+    from xdit_lab.distributed import current_info
+
+    device = current_info().device
+    mesh = RankMesh(ParallelConfig(ring=2))
+    seq_len, heads, head_dim = 32768, 16, 128
+    g = torch.Generator().manual_seed(0)
+    local = seq_len // 2
+    q, k, v = (torch.randn(1, heads, local, head_dim, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    for _ in range(2):  # warm up: communicators, kernels
+        sp_attention(q, k, v, mesh, seq_len=seq_len)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            sp_attention(q, k, v, mesh, seq_len=seq_len)
+        torch.cuda.synchronize(device)
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(trace_dir) / f"ring_trace_rank{mesh.rank}.json"))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    attention = [e for e in kernels if any(word in e.name.lower() for word in ("flash", "fmha", "attention"))]
+    overlap = 0.0
+    for a in attention:
+        for c in nccl:
+            overlap += max(0.0, min(a.time_range.end, c.time_range.end) - max(a.time_range.start, c.time_range.start))
+    return dict(nccl_kernels=len(nccl), attention_kernels=len(attention), overlap_us=overlap,
+                nccl_us=sum(c.time_range.elapsed_us() for c in nccl),
+                names=sorted({e.name[:60] for e in nccl + attention})[:6])

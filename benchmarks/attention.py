@@ -20,8 +20,11 @@ from xdit_lab import ParallelConfig, RankMesh, comm_log, sp_attention
 from xdit_lab.sharding import take_shard
 from xdit_lab.testing import run_on_ranks
 
-METHODS = {1: [ParallelConfig()], 2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2)],
-           4: [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)]}
+METHODS = {
+    1: [ParallelConfig()],
+    2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2)],
+    4: [ParallelConfig(ulysses=4), ParallelConfig(ring=4), ParallelConfig(ulysses=2, ring=2)],
+}
 
 
 def formula_bytes(config, seq_len, heads, head_dim, element_bytes=4):
@@ -50,17 +53,25 @@ def _bench(configs, lengths, heads, head_dim, repeats):
         q, k, v = (torch.randn(1, heads, seq_len, head_dim, generator=g) for _ in range(3))
         serial_ms = None
         if dist.get_rank() == 0:
-            serial_ms = _median_ms_local(lambda: F.scaled_dot_product_attention(q, k, v), repeats)
+            serial_ms = _median_ms_local(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v), repeats)
         dist.barrier()
         for config in configs:
             mesh = RankMesh(config)
             shards = [take_shard(t, 2, config.sp_degree, mesh.group_rank("sp")) for t in (q, k, v)]
-            ms = _median_ms(lambda: sp_attention(*shards, mesh, seq_len=seq_len), repeats)
+            ms = _median_ms(lambda shards=shards, mesh=mesh, n=seq_len: sp_attention(*shards, mesh, seq_len=n), repeats)
             with comm_log() as log:
                 sp_attention(*shards, mesh, seq_len=seq_len)
-            rows.append(dict(seq_len=seq_len, method=config.short(), ranks=config.world_size, ms=ms,
-                             serial_ms=serial_ms, bytes=sum(r.bytes_out for r in log),
-                             formula=formula_bytes(config, seq_len, heads, head_dim)))
+            rows.append(
+                dict(
+                    seq_len=seq_len,
+                    method=config.short(),
+                    ranks=config.world_size,
+                    ms=ms,
+                    serial_ms=serial_ms,
+                    bytes=sum(r.bytes_out for r in log),
+                    formula=formula_bytes(config, seq_len, heads, head_dim),
+                )
+            )
     return rows
 
 
@@ -83,17 +94,22 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    print(f"{'tokens':>7} {'method':>18} {'ranks':>5} {'ms/call':>10} {'serial ms':>10} {'speed-up':>8} "
-          f"{'bytes out/rank':>15} {'formula':>12}")
+    print(
+        f"{'tokens':>7} {'method':>18} {'ranks':>5} {'ms/call':>10} {'serial ms':>10} {'speed-up':>8} "
+        f"{'bytes out/rank':>15} {'formula':>12}"
+    )
     for ranks in args.ranks:
-        per_rank = run_on_ranks(_bench, ranks, METHODS[ranks], args.lengths, args.heads, args.head_dim,
-                                args.repeats, timeout_s=3600)
+        per_rank = run_on_ranks(
+            _bench, ranks, METHODS[ranks], args.lengths, args.heads, args.head_dim, args.repeats, timeout_s=3600
+        )
         serial = {row["seq_len"]: row["serial_ms"] for row in per_rank[0]}
         for row in per_rank[0]:
             slowest = max(rank_rows[per_rank[0].index(row)]["ms"] for rank_rows in per_rank)
             ref = serial[row["seq_len"]]
-            print(f"{row['seq_len']:>7} {row['method']:>18} {ranks:>5} {slowest:>10.1f} {ref:>10.1f} "
-                  f"{ref / slowest:>8.2f} {row['bytes']:>15,} {row['formula']:>12,}")
+            print(
+                f"{row['seq_len']:>7} {row['method']:>18} {ranks:>5} {slowest:>10.1f} {ref:>10.1f} "
+                f"{ref / slowest:>8.2f} {row['bytes']:>15,} {row['formula']:>12,}"
+            )
 
 
 if __name__ == "__main__":

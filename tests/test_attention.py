@@ -50,19 +50,32 @@ def _run_cases(config, cases):
             elif kind == "cross":
                 out, joint_out = sp_attention(q, text[1], text[2], mesh, kv_sharded=False), None
             else:
-                out, joint_out = sp_attention(q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2],
-                                              seq_len=seq_len)
+                out, joint_out = sp_attention(
+                    q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2], seq_len=seq_len
+                )
         errors = [(out.float() - take_shard(ref_out, 2, sp, sp_rank)).abs().max().item()]
         if joint_out is not None:
             errors.append((joint_out.float() - ref_joint).abs().max().item())
-        results.append(dict(case=(kind, seq_len, str(dtype)), error=max(errors), out_dtype=str(out.dtype),
-                            local_len=q.shape[2], records=log.summary(),
-                            joint_bits=None if joint_out is None else joint_out.float().sum().item()))
+        results.append(
+            dict(
+                case=(kind, seq_len, str(dtype)),
+                error=max(errors),
+                out_dtype=str(out.dtype),
+                local_len=q.shape[2],
+                records=log.summary(),
+                joint_bits=None if joint_out is None else joint_out.float().sum().item(),
+            )
+        )
     return results
 
 
-CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(ulysses=2, ring=2),
-           ParallelConfig(ulysses=4), ParallelConfig(ring=4)]
+CONFIGS = [
+    ParallelConfig(ulysses=2),
+    ParallelConfig(ring=2),
+    ParallelConfig(ulysses=2, ring=2),
+    ParallelConfig(ulysses=4),
+    ParallelConfig(ring=4),
+]
 CASES = list(itertools.product(("self", "joint", "cross"), (32, 37), (torch.float32, torch.bfloat16)))
 
 
@@ -91,8 +104,9 @@ def _bytes_of(shape, dtype_bytes=4):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.short())
 def test_counted_bytes_match_closed_form(config):
-    results = run_on_ranks(_run_cases, config.world_size, config, [("self", 32, torch.float32),
-                                                                    ("cross", 32, torch.float32)])
+    results = run_on_ranks(
+        _run_cases, config.world_size, config, [("self", 32, torch.float32), ("cross", 32, torch.float32)]
+    )
     u, r = config.ulysses, config.ring
     local = _bytes_of((BATCH, HEADS, 32 // (u * r), HEAD_DIM))
     for self_case, cross_case in results:
@@ -101,8 +115,9 @@ def test_counted_bytes_match_closed_form(config):
         sends = [x for x in records if x["op"] == "send"]
         # Ulysses: four all-to-alls of the local q, k, v, o, of which (N-1)/N leaves the rank
         assert len(a2a) == (4 if u > 1 else 0)
-        assert all(x["group"] == "ulysses" and x["bytes"] == local and x["bytes_out"] == local * (u - 1) // u
-                   for x in a2a)
+        assert all(
+            x["group"] == "ulysses" and x["bytes"] == local and x["bytes_out"] == local * (u - 1) // u for x in a2a
+        )
         # Ring: N-1 transfers of a K/V block (2 × the block each rank holds after Ulysses)
         assert len(sends) == r - 1
         assert all(x["group"] == "ring" and x["bytes_out"] == 2 * local for x in sends)
@@ -130,7 +145,7 @@ def test_local_attention_lse_merge_is_exact():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 11, 8, generator=g) for _ in range(3))
     full_out, full_lse = local_attention(q, k, v)
-    scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * 8**-0.5
     assert torch.allclose(full_lse, scores.logsumexp(-1), atol=1e-5)  # a true LSE, not a zero
     out = lse = None
     for k_block, v_block in zip(k.split([4, 4, 3], dim=2), v.split([4, 4, 3], dim=2)):

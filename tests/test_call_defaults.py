@@ -24,19 +24,33 @@ def _newcomer_calls(config):
     """On every rank: the issue's call, then one with explicit arguments that must win."""
     pipe = load_pipeline("digits", config)
     image = pipe(["a handwritten 7"], generator=torch.Generator().manual_seed(0)).images[0]
-    explicit = pipe(["a handwritten 7"], generator=torch.Generator().manual_seed(0), num_inference_steps=3,
-                    guidance_scale=1.0, output_type="latent")
+    explicit = pipe(
+        ["a handwritten 7"],
+        generator=torch.Generator().manual_seed(0),
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
     session = pipe.session("a handwritten 3", seed=0)
-    return dict(image=np.asarray(image), explicit=explicit.images, explicit_steps=len(explicit.timings["steps"]),
-                session_steps=session.num_steps, comm=explicit.comm_per_step[0])
+    return dict(
+        image=np.asarray(image),
+        explicit=explicit.images,
+        explicit_steps=len(explicit.timings["steps"]),
+        session_steps=session.num_steps,
+        comm=explicit.comm_per_step[0],
+    )
 
 
 def test_digits_with_default_arguments_equal_stock_diffusers(one_thread):
     ranks = run_on_ranks(_newcomer_calls, 2, ParallelConfig(ulysses=2), timeout_s=180)
     stock = load_digits_pipeline()
     reference = stock(["a handwritten 7"], generator=torch.Generator().manual_seed(0), **call_kwargs()).images[0]
-    explicit = stock(["a handwritten 7"], generator=torch.Generator().manual_seed(0),
-                     **call_kwargs(num_inference_steps=3, guidance_scale=1.0), output_type="latent").images
+    explicit = stock(
+        ["a handwritten 7"],
+        generator=torch.Generator().manual_seed(0),
+        **call_kwargs(num_inference_steps=3, guidance_scale=1.0),
+        output_type="latent",
+    ).images
     for out in ranks:
         assert out["image"].shape == (16, 16, 3)  # the model's size, not the family's 256-px bins
         assert np.abs(out["image"].astype(int) - np.asarray(reference).astype(int)).max() <= 1
@@ -88,23 +102,51 @@ def _load_error(folder):
 
 def test_load_pipeline_in_a_plain_python_process():
     """No init_distributed, no config: a world of one, joined by load_pipeline itself."""
-    code = ("from xdit_lab import load_pipeline\n"
-            "from xdit_lab.digits import classify\n"
-            "image = load_pipeline('digits')('a handwritten 7', seed=0).images[0]\n"
-            "print('size', image.size, 'read', classify([image])[0])\n")
+    code = (
+        "from xdit_lab import load_pipeline\n"
+        "from xdit_lab.digits import classify\n"
+        "image = load_pipeline('digits')('a handwritten 7', seed=0).images[0]\n"
+        "print('size', image.size, 'read', classify([image])[0])\n"
+    )
     env = {"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                          env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **env},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "size (16, 16) read 7" in proc.stdout
 
 
 def test_torchrun_cli_with_only_a_prompt(tmp_path):
     output = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), "-m", "xdit_lab.cli", "run", "--model", "digits", "--prompt",
-                           "a handwritten 3", "--ulysses", "2", "--output", str(output)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "xdit_lab.cli",
+            "run",
+            "--model",
+            "digits",
+            "--prompt",
+            "a handwritten 3",
+            "--ulysses",
+            "2",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads((output / "report.json").read_text())
     assert report["steps"] == 20 and report["ranks"][0]["bytes_out_by_group"]["ulysses"] > 0

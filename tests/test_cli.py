@@ -58,13 +58,16 @@ def test_bad_world_size_exits_2_without_traceback():
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["plan", "--heads", "four"], "argument --heads: expected a whole number, got 'four'"),
-    (["plan", "--top", "-1"], "argument --top: must be at least 0, got -1"),
-    (["plan", "--batch", "0"], "argument --batch: must be at least 1, got 0"),
-    (["plan", "--frobnicate"], "unrecognized arguments: --frobnicate"),
-    ([], "the following arguments are required: COMMAND"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "--heads", "four"], "argument --heads: expected a whole number, got 'four'"),
+        (["plan", "--top", "-1"], "argument --top: must be at least 0, got -1"),
+        (["plan", "--batch", "0"], "argument --batch: must be at least 1, got 0"),
+        (["plan", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
 def test_bad_input_exits_2_with_a_message(args, message, capsys):
     with pytest.raises(SystemExit) as exited:  # in-process: argparse's own exit, as the script would see it
         main(args)
@@ -74,8 +77,25 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
 
 
 def test_bytes_column_top_and_no_cfg(capsys):
-    assert main(["plan", "--world-size", "8", "--heads", "24", "--seq-len", "4096", "--hidden-size", "1152",
-                 "--no-cfg", "--top", "3"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--world-size",
+                "8",
+                "--heads",
+                "24",
+                "--seq-len",
+                "4096",
+                "--hidden-size",
+                "1152",
+                "--no-cfg",
+                "--top",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     header, rows = _table(out)
     assert "bytes" in header and len(rows) == 3
@@ -95,6 +115,7 @@ def test_default_world_size_is_the_local_machine(capsys):
         assert f"for {torch.cuda.device_count()} ranks (this machine: " in first and "CUDA GPU" in first
     else:
         cores = usable_cpu_cores()
-        assert first.startswith(f"Parallel configurations for {cores} ranks (this machine: no CUDA GPU visible, "
-                                f"so {cores} CPU core")
+        assert first.startswith(
+            f"Parallel configurations for {cores} ranks (this machine: no CUDA GPU visible, so {cores} CPU core"
+        )
         assert cores <= (os.cpu_count() or cores)

@@ -17,6 +17,7 @@ def _message(config, *args, **kwargs) -> str:
 
 # ---- validate(): one rule at a time ------------------------------------------------------------
 
+
 def test_error_is_a_value_error_and_valid_config_returns_itself():
     assert issubclass(ParallelConfigError, ValueError)
     config = ParallelConfig(cfg=2, ulysses=2)
@@ -81,12 +82,17 @@ def test_several_violations_in_one_message():
     text = _message(config, 8, num_heads=6, num_layers=2)
     bullets = [line for line in text.splitlines() if line.startswith("  - ")]
     assert len(bullets) == 4, text
-    for part in ("num_patches 2 is below", "do not divide by ulysses 4", "cannot fill 4 PipeFusion stages",
-                 "cfg 2 × pipefusion 4 × ulysses 4 = 32 ranks, but the world size is 8"):
+    for part in (
+        "num_patches 2 is below",
+        "do not divide by ulysses 4",
+        "cannot fill 4 PipeFusion stages",
+        "cfg 2 × pipefusion 4 × ulysses 4 = 32 ranks, but the world size is 8",
+    ):
         assert part in text
 
 
 # ---- world-size advice -------------------------------------------------------------------------------
+
 
 def test_xdit_case_cfg2_ulysses2_on_two_of_four_devices():
     text = _message(ParallelConfig(cfg=2, ulysses=2), 2, available_devices=4)
@@ -111,6 +117,7 @@ def test_no_spare_devices_suggests_torchrun_only():
 
 # ---- options(): complete, valid, ranked ----------------------------------------------------------------
 
+
 def _brute_force(world_size, num_heads, num_layers, seq_len, use_cfg):
     """All five degrees from 1 to N, kept when they obey every rule (num_patches = one per stage)."""
     found = set()
@@ -127,8 +134,12 @@ def _brute_force(world_size, num_heads, num_layers, seq_len, use_cfg):
     return found
 
 
-SHAPES = [dict(num_heads=None, num_layers=None, seq_len=None), dict(num_heads=4, num_layers=2, seq_len=None),
-          dict(num_heads=6, num_layers=28, seq_len=16), dict(num_heads=3, num_layers=1, seq_len=2)]
+SHAPES = [
+    dict(num_heads=None, num_layers=None, seq_len=None),
+    dict(num_heads=4, num_layers=2, seq_len=None),
+    dict(num_heads=6, num_layers=28, seq_len=16),
+    dict(num_heads=3, num_layers=1, seq_len=2),
+]
 
 
 def _cost_key(config, num_layers, batch, use_cfg):
@@ -167,6 +178,7 @@ def test_options_rejects_bad_world_size_and_keeps_num_patches_legal():
 
 
 # ---- cost model against the published table -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 @pytest.mark.parametrize("layers", [1, 28])

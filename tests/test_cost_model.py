@@ -7,15 +7,24 @@ image tokens × layers. One spawned run on 4 ranks covers every degree (and a fe
 guidance on and off, for 1 and 3 prompts; configurations smaller than 4 ranks leave the rest idle.
 """
 
-
 from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.digits.components import prompt_for
 from xdit_lab.testing import run_on_ranks
 
-CONFIGS = [ParallelConfig(dp=2), ParallelConfig(cfg=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2),
-           ParallelConfig(pipefusion=2), ParallelConfig(dp=4), ParallelConfig(ulysses=4), ParallelConfig(pipefusion=4),
-           ParallelConfig(cfg=2, dp=2), ParallelConfig(dp=2, ulysses=2), ParallelConfig(cfg=2, pipefusion=2),
-           ParallelConfig(pipefusion=2, ring=2)]
+CONFIGS = [
+    ParallelConfig(dp=2),
+    ParallelConfig(cfg=2),
+    ParallelConfig(ulysses=2),
+    ParallelConfig(ring=2),
+    ParallelConfig(pipefusion=2),
+    ParallelConfig(dp=4),
+    ParallelConfig(ulysses=4),
+    ParallelConfig(pipefusion=4),
+    ParallelConfig(cfg=2, dp=2),
+    ParallelConfig(dp=2, ulysses=2),
+    ParallelConfig(cfg=2, pipefusion=2),
+    ParallelConfig(pipefusion=2, ring=2),
+]
 CALLS = [(guidance, batch) for guidance in (2.0, 1.0) for batch in (1, 3)]
 STEPS = 2  # with PipeFusion's one warmup step: one whole-image step, then one patch at a time
 
@@ -30,7 +39,7 @@ def _count_forwards(configs, calls):
         transformer = pipe.diffusers_pipeline.transformer
         tokens = [0]
 
-        def count(_module, args, kwargs):
+        def count(_module, args, kwargs, tokens=tokens):
             hidden = args[0] if args else kwargs["hidden_states"]
             tokens[0] += hidden.shape[0] * hidden.shape[1]
 
@@ -39,8 +48,9 @@ def _count_forwards(configs, calls):
         for guidance, batch in calls:
             if config.cfg == 2 and guidance <= 1:
                 continue  # refused: there is no second branch to split
-            session = pipe.session([prompt_for(d) for d in range(batch)], seed=0, guidance_scale=guidance,
-                                   num_inference_steps=STEPS)
+            session = pipe.session(
+                [prompt_for(d) for d in range(batch)], seed=0, guidance_scale=guidance, num_inference_steps=STEPS
+            )
             per_step = []
             for _ in range(STEPS):
                 tokens[0] = 0

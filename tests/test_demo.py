@@ -14,8 +14,11 @@ def test_default_strategy_is_exact_and_fits():
         assert config.world_size == ranks and config.pipefusion == 1
 
 
-@pytest.mark.parametrize("config", [ParallelConfig(cfg=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2),
-                                    ParallelConfig(dp=2)], ids=lambda c: c.short())
+@pytest.mark.parametrize(
+    "config",
+    [ParallelConfig(cfg=2), ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)],
+    ids=lambda c: c.short(),
+)
 def test_demo_draws_the_ten_digits(config, tmp_path):
     """The ten digits under each exact strategy: the classifier reads at least 9 of them (the
     model card measures 100 images per strategy; benchmarks/digits_quality.py prints them)."""

@@ -20,9 +20,18 @@ def _describe_world():
     again = init_distributed()  # a second call in an initialised process returns the same world
     total = torch.tensor([1.0])
     dist.all_reduce(total)
-    return dict(rank=info.rank, world_size=info.world_size, local_rank=info.local_rank, backend=info.backend,
-                dist_backend=dist.get_backend(), device=str(info.device), timeout_s=info.timeout_s,
-                again=again == info, threads=torch.get_num_threads(), total=total.item())
+    return dict(
+        rank=info.rank,
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+        backend=info.backend,
+        dist_backend=dist.get_backend(),
+        device=str(info.device),
+        timeout_s=info.timeout_s,
+        again=again == info,
+        threads=torch.get_num_threads(),
+        total=total.item(),
+    )
 
 
 def test_two_gloo_ranks():
@@ -60,8 +69,13 @@ def test_bad_environment_gives_clear_value_errors():
     # one fresh interpreter for all cases (so this process never joins a world; torch imports once)
     cases = [dict(RANK="abc", WORLD_SIZE="2"), dict(RANK="3", WORLD_SIZE="2"), dict(RANK="0", WORLD_SIZE="2")]
     clean = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
-    result = subprocess.run([sys.executable, "-c", _BAD_ENV_SCRIPT, json.dumps(cases)], env=clean,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _BAD_ENV_SCRIPT, json.dumps(cases)],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     non_int, outside, no_port = json.loads(result.stdout.strip().splitlines()[-1])
     assert non_int == ["ValueError", "environment variable RANK='abc' is not an integer", False]

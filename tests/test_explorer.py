@@ -22,6 +22,7 @@ def shorts(configs):
 
 # ---- what is offered, without engines ------------------------------------------------------------------
 
+
 def test_two_engines_offer_every_pair_then_serial():
     offered = valid_configs(2, DIGITS)
     assert shorts(offered) == ["cfg2", "dp2", "pf2", "ring2", "ulysses2", "serial"]
@@ -43,14 +44,17 @@ def test_four_engines_offer_hybrids_and_subsets():
     assert not [c for c in valid_configs(4, ModelShape("SD3", 4, 4, 8, 8, True)) if c.pipefusion > 1]
 
 
-@pytest.mark.parametrize("config, engines, expected", [
-    (ParallelConfig(cfg=2, dp=2), 2, ["world size is 2", "cfg2, dp2, pf2", "Lab(n=4)"]),
-    (ParallelConfig(ulysses=3), 4, ["4 attention heads do not divide by ulysses 3"]),
-    (ParallelConfig(cfg=3), 4, ["cfg must be 1 or 2"]),
-    (ParallelConfig(pipefusion=2, num_patches=1), 2, ["num_patches 1 is below the 2 PipeFusion stages"]),
-    (ParallelConfig(pipefusion=2, num_patches=9), 2, ["9 PipeFusion patches are row bands, but the image has 8"]),
-    (ParallelConfig(pipefusion=8), 8, ["4 transformer layers cannot fill 8 PipeFusion stages"]),
-])
+@pytest.mark.parametrize(
+    "config, engines, expected",
+    [
+        (ParallelConfig(cfg=2, dp=2), 2, ["world size is 2", "cfg2, dp2, pf2", "Lab(n=4)"]),
+        (ParallelConfig(ulysses=3), 4, ["4 attention heads do not divide by ulysses 3"]),
+        (ParallelConfig(cfg=3), 4, ["cfg must be 1 or 2"]),
+        (ParallelConfig(pipefusion=2, num_patches=1), 2, ["num_patches 1 is below the 2 PipeFusion stages"]),
+        (ParallelConfig(pipefusion=2, num_patches=9), 2, ["9 PipeFusion patches are row bands, but the image has 8"]),
+        (ParallelConfig(pipefusion=8), 8, ["4 transformer layers cannot fill 8 PipeFusion stages"]),
+    ],
+)
 def test_an_invalid_choice_is_explained(config, engines, expected):
     text = "\n".join(explain(config, engines, DIGITS))
     for phrase in expected:
@@ -63,6 +67,7 @@ def test_cfg_without_guidance_is_explained():
 
 
 # ---- on a real 2-engine Lab -----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
@@ -143,7 +148,8 @@ def test_the_widgets(lab):
     assert "step 0 of 2" in panel.status.value and len(panel.views.children) == 4
     # CSS classes name the parts, for a browser (tests/browser) to find them
     assert [view._dom_classes for view in panel.views.children] == [
-        (f"xdit-lab-view-{name}",) for name in ("latent", "shards", "memory", "comm")]
+        (f"xdit-lab-view-{name}",) for name in ("latent", "shards", "memory", "comm")
+    ]
     assert "xdit-lab-status" in panel.status._dom_classes and "xdit-lab-error" in panel.error._dom_classes
     assert "<table>" in panel.table.value and panel.configs.value == ParallelConfig(cfg=2)
     panel.buttons["step"].click()

@@ -32,9 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ---- diffusers' attention backends: refused or exact, never a shard-only result ----------------------
 
-def _flux_error(backend=None, config=ParallelConfig(ulysses=2)):
+
+def _flux_error(backend=None, config=None):
     """Relative error of tiny Flux parallelized after set_attention_backend(backend), against its serial
     forward with the default backend; and the warnings parallelize logged."""
+    config = config or ParallelConfig(ulysses=2)
     model = tiny_transformer("flux", seed=0)
     inputs = tiny_inputs("flux", 2, text_len=6)
     with torch.no_grad():
@@ -53,9 +55,11 @@ def _flux_error(backend=None, config=ParallelConfig(ulysses=2)):
         output = model(**inputs).sample
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    return dict(error=((output - reference).norm() / reference.norm()).item(),
-                warnings=[r.getMessage() for r in records],
-                active=_AttentionBackendRegistry._active_backend.value)
+    return dict(
+        error=((output - reference).norm() / reference.norm()).item(),
+        warnings=[r.getMessage() for r in records],
+        active=_AttentionBackendRegistry._active_backend.value,
+    )
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -70,12 +74,13 @@ def test_flux_set_to_flex_attention_is_exact_under_ulysses():
 def test_diffusers_attn_backend_variable_is_exact_under_ulysses():
     """DIFFUSERS_ATTN_BACKEND is read when diffusers is imported, so the ranks must start with it set:
     a fresh Python process whose forkserver imports diffusers under it."""
-    code = ("import sys; sys.path.insert(0, 'tests'); import test_gpu_true as t; "
-            "from xdit_lab.testing import run_on_ranks; "
-            "print(repr(run_on_ranks(t._flux_error, 2, None, timeout_s=180)))")
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import test_gpu_true as t; "
+        "from xdit_lab.testing import run_on_ranks; "
+        "print(repr(run_on_ranks(t._flux_error, 2, None, timeout_s=180)))"
+    )
     env = dict(os.environ, DIFFUSERS_ATTN_BACKEND="flex", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     results = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 (our own repr of floats and strings)
     for result in results:
@@ -106,9 +111,13 @@ def test_attention_that_bypasses_the_kernels_at_call_time_raises():
 
 # ---- local kernels: what each accepts, and forced backends that cannot run ------------------------------
 
+
 def test_backend_fallback_rules():
-    cpu = [attention_backend("cpu", dtype, head_dim) for dtype in (torch.float32, torch.bfloat16, torch.float16)
-           for head_dim in (16, 20, 72, 300)]
+    cpu = [
+        attention_backend("cpu", dtype, head_dim)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for head_dim in (16, 20, 72, 300)
+    ]
     assert set(cpu) == {"cpu_flash"}
 
     def cuda(dtype, head_dim, capability, flash_attn=False):
@@ -135,8 +144,11 @@ def test_a_forced_backend_that_cannot_run_raises_saying_why(forced, monkeypatch)
     """Before: a forced backend skipped every check and reached a CUDA-only op with CPU tensors."""
     q = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(0))
     monkeypatch.setenv("XDIT_LAB_ATTENTION", forced)
-    with pytest.raises(ValueError, match=f"'{forced}' is forced .* cannot run float32 tensors with head_dim 8 on "
-                                         f"cpu: it needs CUDA tensors.*Backends that can: cpu_flash, math"):
+    with pytest.raises(
+        ValueError,
+        match=f"'{forced}' is forced .* cannot run float32 tensors with head_dim 8 on "
+        f"cpu: it needs CUDA tensors.*Backends that can: cpu_flash, math",
+    ):
         local_attention(q, q, q)
     monkeypatch.delenv("XDIT_LAB_ATTENTION")
     try:
@@ -152,6 +164,7 @@ def test_a_forced_backend_that_cannot_run_raises_saying_why(forced, monkeypatch)
 
 # ---- Ring: the merge needs no host-side test ------------------------------------------------------------
 
+
 def test_merging_an_empty_block_is_a_no_op_and_never_nan():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
@@ -165,8 +178,15 @@ def test_merging_an_empty_block_is_a_no_op_and_never_nan():
     assert torch.isneginf(none_lse).all()
 
 
-HOST_SYNCS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
-              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero}
+HOST_SYNCS = {
+    torch.Tensor.__bool__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.nonzero,
+}
 
 
 class _HostSyncs(TorchFunctionMode):
@@ -189,11 +209,12 @@ def _ring_host_syncs(seq_len):
     text = [torch.randn(1, 2, 3, 8, generator=g) for _ in range(3)]
     q, k, v = (take_shard(t, 2, 2, mesh.group_rank("sp")) for t in image)
     with _HostSyncs() as syncs:
-        out, joint_out = sp_attention(q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2],
-                                      seq_len=seq_len)
+        out, joint_out = sp_attention(q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2], seq_len=seq_len)
     full = F.scaled_dot_product_attention(*(torch.cat([i, t], dim=2) for i, t in zip(image, text)))
-    error = max((out - take_shard(full[:, :, :seq_len], 2, 2, mesh.group_rank("sp"))).abs().max().item(),
-                (joint_out - full[:, :, seq_len:]).abs().max().item())
+    error = max(
+        (out - take_shard(full[:, :, :seq_len], 2, 2, mesh.group_rank("sp"))).abs().max().item(),
+        (joint_out - full[:, :, seq_len:]).abs().max().item(),
+    )
     return syncs.seen, error
 
 
@@ -205,6 +226,7 @@ def test_ring_with_text_reads_nothing_back_to_the_host():
 
 
 # ---- process groups: the world's timeout, destroyed when replaced ---------------------------------------
+
 
 def _group_timeout():
     """Rank 1 never joins rank 0's all-reduce on their ulysses group; it stays alive, as a stuck rank does."""
@@ -273,6 +295,7 @@ def test_meshes_and_pipelines_destroy_their_groups(tmp_path):
 
 # ---- models are freed when replaced, without waiting for a garbage collection -------------------------
 
+
 def _freed_without_gc(family, config):
     import weakref
 
@@ -288,9 +311,16 @@ def _freed_without_gc(family, config):
         gc.enable()
 
 
-@pytest.mark.parametrize("family,config", [("pixart", ParallelConfig(ulysses=2)), ("flux", ParallelConfig(cfg=2)),
-                                           ("pixart", ParallelConfig(pipefusion=2)), ("dit", ParallelConfig(pipefusion=2))],
-                         ids=["ulysses", "cfg", "pf", "dit-pf"])
+@pytest.mark.parametrize(
+    "family,config",
+    [
+        ("pixart", ParallelConfig(ulysses=2)),
+        ("flux", ParallelConfig(cfg=2)),
+        ("pixart", ParallelConfig(pipefusion=2)),
+        ("dit", ParallelConfig(pipefusion=2)),
+    ],
+    ids=["ulysses", "cfg", "pf", "dit-pf"],
+)
 def test_a_parallelized_model_is_freed_by_its_last_reference(family, config):
     """Before: transformer.forward's closure held the bound forward, a cycle through the model."""
     assert run_on_ranks(_freed_without_gc, 2, family, config, timeout_s=120) == [True, True]
@@ -314,12 +344,14 @@ def test_lab_configure_frees_the_old_model_and_its_groups(tmp_path, monkeypatch)
         session = lab.session("a red cat", **dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2), seed=0)
         assert session.run().result(output_type="latent").images.shape[0] == 1
     # the world's group and this configuration's, no more (before: every configure added its groups)
-    expected = [1 + sum(RankMesh(c, rank=0, world_size=2).group_size(name) > 1 for name in GROUP_NAMES)
-                for c in configs]
+    expected = [
+        1 + sum(RankMesh(c, rank=0, world_size=2).group_size(name) > 1 for name in GROUP_NAMES) for c in configs
+    ]
     assert groups == expected
 
 
 # ---- PipeFusion: message order, index tensors, dtypes ----------------------------------------------------
+
 
 def _pipefusion_order(stages, steps):
     from xdit_lab import sharding as pf_module
@@ -389,8 +421,9 @@ def test_pipefusion_messages_keep_the_models_dtype_under_autocast():
 
 # ---- the Lab on a GPU host, and what `make setup` installed -----------------------------------------------
 
+
 def test_engine_count_rule():
-    from xdit_lab.lab.cluster import engine_plan
+    from xdit_lab.lab.processes import engine_plan
 
     assert engine_plan(2, 0, None, 8)[0] == 2  # no GPU: CPU engines
     assert engine_plan(None, 0, None, 3)[0] == 3  # one per core by default
@@ -404,8 +437,14 @@ def test_engine_count_rule():
 
 
 def test_env_report_names_torch_and_whether_cuda_is_usable():
-    done = subprocess.run([sys.executable, "-m", "xdit_lab.env"], cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "xdit_lab.env"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"torch {torch.__version__}" in done.stdout
     assert "CUDA usable: no" in done.stdout  # this machine has no GPU

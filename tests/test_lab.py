@@ -103,8 +103,11 @@ def test_stepping_equals_run(cfg2):
 def test_lab_images_equal_the_torchrun_cli(cfg2, folder, tmp_path):
     output = tmp_path / "cli"
     call = {k: v for k, v in KWARGS.items() if k != "seed"}
-    command = (production.torchrun_argv(2, master_port=free_port()) + ["-m", "xdit_lab.cli"]
-               + production.run_argv(folder, PROMPTS, ParallelConfig(cfg=2), output, seed=KWARGS["seed"], **call))
+    command = (
+        production.torchrun_argv(2, master_port=free_port())
+        + ["-m", "xdit_lab.cli"]
+        + production.run_argv(folder, PROMPTS, ParallelConfig(cfg=2), output, seed=KWARGS["seed"], **call)
+    )
     # Two cores for the two ranks, so each runs one torch thread as the engines do (thread counts
     # can change the order of float sums, and the comparison below is exact).
     cpus = [set(sorted(os.sched_getaffinity(0))[:2])] if hasattr(os, "sched_getaffinity") else None
@@ -227,9 +230,14 @@ def test_the_engines_end_with_the_process_that_started_them(end, tmp_path):
     out-of-memory kill) runs no handler: the Lab's watchdog stops the engines and the controller,
     which ipyparallel started in sessions of their own and would otherwise outlive it."""
     pid_file = tmp_path / "pids.json"
-    script = subprocess.Popen([sys.executable, "-c", NEVER_STOPPED, end, str(pid_file)], text=True,
-                              env=dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython")),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    script = subprocess.Popen(
+        [sys.executable, "-c", NEVER_STOPPED, end, str(pid_file)],
+        text=True,
+        env=dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython")),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     pids = []
     try:
         deadline = time.monotonic() + 120

@@ -118,8 +118,12 @@ def test_kv_age_view_reads_what_the_buffers_recorded(runs, folder):
     from xdit_lab.lab.views import draw_staleness
 
     config, prompts, size = CASES["pipefusion2"]
-    wrong = [out["summaries"][-1] for out in run_on_ranks(_two_steps, 2, folder, config, prompts, size,
-                                                          control="read before write", timeout_s=240)]
+    wrong = [
+        out["summaries"][-1]
+        for out in run_on_ranks(
+            _two_steps, 2, folder, config, prompts, size, control="read before write", timeout_s=240
+        )
+    ]
     for s in wrong:
         staleness = s["staleness"]
         (layer,) = staleness["layers"]
@@ -135,9 +139,15 @@ def test_kv_age_view_reads_what_the_buffers_recorded(runs, folder):
 
 # A deliberately wrong configuration per case, on the same ranks: its closed form must differ from
 # what was measured, or the equality below would not show that the formula knows the configuration.
-WRONG = {"ulysses2": ParallelConfig(ring=2), "ring2": ParallelConfig(ulysses=2), "cfg2": ParallelConfig(dp=2),
-         "pipefusion2": ParallelConfig(ring=2), "pipefusion2·ulysses2": ParallelConfig(pipefusion=2, ring=2, **PF),
-         "pipefusion2·ring2": ParallelConfig(pipefusion=2, ulysses=2, **PF), "cfg2·dp2": ParallelConfig(cfg=2, ring=2)}
+WRONG = {
+    "ulysses2": ParallelConfig(ring=2),
+    "ring2": ParallelConfig(ulysses=2),
+    "cfg2": ParallelConfig(dp=2),
+    "pipefusion2": ParallelConfig(ring=2),
+    "pipefusion2·ulysses2": ParallelConfig(pipefusion=2, ring=2, **PF),
+    "pipefusion2·ring2": ParallelConfig(pipefusion=2, ulysses=2, **PF),
+    "cfg2·dp2": ParallelConfig(cfg=2, ring=2),
+}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -180,8 +190,9 @@ def test_memory_pipefusion_holds_half_the_blocks(runs):
         for s in _final(runs, name):
             memory = s["memory"]
             assert memory["transformer_block_bytes"] * 2 == whole["transformer_block_bytes"]
-            assert memory["parameter_bytes"]["transformer"] == (whole["parameter_bytes"]["transformer"]
-                                                                - whole["transformer_block_bytes"] // 2)
+            assert memory["parameter_bytes"]["transformer"] == (
+                whole["parameter_bytes"]["transformer"] - whole["transformer_block_bytes"] // 2
+            )
             assert memory["parameter_bytes"]["vae"] == whole["parameter_bytes"]["vae"]
             # one layer's K and V for the whole image: [B 2, 4/ulysses heads, 16 tokens, 16] float32, twice
             assert memory["kv_buffer_bytes"] == 2 * 2 * (4 // ulysses) * 16 * 16 * 4
@@ -205,7 +216,7 @@ def _owners_by_hand(config, grid, dp, cfg, pf):
             rank = (((dp * config.cfg + cfg) * config.pipefusion + pf) * config.ring + ring) * config.ulysses + ulysses
             for first, last in bands:
                 start, stop = shard_range(last - first, config.ring * config.ulysses, ring * config.ulysses + ulysses)
-                owner[first + start:first + stop] = rank
+                owner[first + start : first + stop] = rank
     return owner.reshape(rows, cols)
 
 

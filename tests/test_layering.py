@@ -91,8 +91,9 @@ def test_imports_only_go_downward():
             if target == "xdit_lab":
                 upward.append(f"{name} imports the package facade xdit_lab; import the module itself")
             elif layer_of(target, table) > layer_of(name, table):
-                upward.append(f"{name} (layer {layer_of(name, table)}) imports {target} "
-                              f"(layer {layer_of(target, table)})")
+                upward.append(
+                    f"{name} (layer {layer_of(name, table)}) imports {target} (layer {layer_of(target, table)})"
+                )
     assert not upward, "imports from a higher layer:\n" + "\n".join(sorted(upward))
 
 
@@ -147,3 +148,9 @@ def test_the_rules_catch_what_they_are_for(tmp_path):
 def test_every_row_names_modules_that_exist():
     missing = [name for name in layer_table() if not (PACKAGE / name).exists()]
     assert not missing, f"README.md's layer table names modules that do not exist: {missing}"
+
+
+def test_no_module_is_over_400_lines():
+    """One idea per module: a module that grows past 400 lines holds two."""
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines: {long}"

@@ -33,16 +33,19 @@ def _expected_members(config, rank, name):
         return c
 
     mine = coords(rank)
-    return [r for r in range(config.world_size)
-            if all(coords(r)[d] == mine[d] for d in DEGREES if d not in varying)]
+    return [r for r in range(config.world_size) if all(coords(r)[d] == mine[d] for d in DEGREES if d not in varying)]
 
 
-@pytest.mark.parametrize("config", [
-    ParallelConfig(ulysses=2, ring=2),
-    ParallelConfig(cfg=2, ulysses=2),
-    ParallelConfig(dp=2, pipefusion=2),
-    ParallelConfig(ulysses=2, ring=2, cfg=2),
-], ids=lambda c: c.short())
+@pytest.mark.parametrize(
+    "config",
+    [
+        ParallelConfig(ulysses=2, ring=2),
+        ParallelConfig(cfg=2, ulysses=2),
+        ParallelConfig(dp=2, pipefusion=2),
+        ParallelConfig(ulysses=2, ring=2, cfg=2),
+    ],
+    ids=lambda c: c.short(),
+)
 def test_groups_sum_rank_ids(config):
     results = run_on_ranks(_group_sums, config.world_size, config)
     for rank, out in enumerate(results):

@@ -18,9 +18,15 @@ CASES = [  # (name, latent height, width, text length, batch)
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1
     ("uneven-text", 8, 8, 7, 4),
 ]
-CONFIGS = {2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2)],
-           4: [ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg=2, ulysses=2), ParallelConfig(dp=2, ring=2),
-               ParallelConfig(cfg=2, dp=2)]}
+CONFIGS = {
+    2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2)],
+    4: [
+        ParallelConfig(ulysses=2, ring=2),
+        ParallelConfig(cfg=2, ulysses=2),
+        ParallelConfig(dp=2, ring=2),
+        ParallelConfig(cfg=2, dp=2),
+    ],
+}
 
 
 def _model(family, text_len):
@@ -41,13 +47,19 @@ def _compare(family, configs):
             model = parallelize(model, config, mesh)
             with torch.no_grad(), comm_log() as log:
                 output = model(**inputs).sample
-            rows.append(dict(
-                config=config.short(), case=name, shape=tuple(output.shape), ref_shape=tuple(reference.shape),
-                error=(output - reference).abs().max().item(), bound=1e-4 * max(1.0, reference.abs().max().item()),
-                groups=sorted({r.group for r in log if r.bytes_out > 0}),
-                weights_shared=pointers == [p.data_ptr() for p in model.parameters()],
-                param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            ))
+            rows.append(
+                dict(
+                    config=config.short(),
+                    case=name,
+                    shape=tuple(output.shape),
+                    ref_shape=tuple(reference.shape),
+                    error=(output - reference).abs().max().item(),
+                    bound=1e-4 * max(1.0, reference.abs().max().item()),
+                    groups=sorted({r.group for r in log if r.bytes_out > 0}),
+                    weights_shared=pointers == [p.data_ptr() for p in model.parameters()],
+                    param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                )
+            )
     return rows
 
 
@@ -67,8 +79,10 @@ def test_parallel_forward_equals_serial_diffusers(family, world_size):
             if config.sp_degree > 1:
                 expected.add("sp")
             assert set(row["groups"]) == expected, where
-    print(f"\n{family}: resident parameter bytes per rank "
-          f"{[rows[0]['param_bytes'] for rows in per_rank]} (unchanged by parallelize)")
+    print(
+        f"\n{family}: resident parameter bytes per rank "
+        f"{[rows[0]['param_bytes'] for rows in per_rank]} (unchanged by parallelize)"
+    )
 
 
 def _bad_heads():
@@ -101,9 +115,17 @@ def test_too_few_tokens_fails_before_any_kernel():
 def test_unsupported_class_names_supported_ones():
     import diffusers
 
-    unet = diffusers.UNet2DModel(sample_size=8, block_out_channels=(8,), down_block_types=("DownBlock2D",),
-                                 up_block_types=("UpBlock2D",), norm_num_groups=4, layers_per_block=1)
-    with pytest.raises(TypeError, match="cannot parallelize UNet2DModel; supported transformers: PixArtTransformer2DModel"):
+    unet = diffusers.UNet2DModel(
+        sample_size=8,
+        block_out_channels=(8,),
+        down_block_types=("DownBlock2D",),
+        up_block_types=("UpBlock2D",),
+        norm_num_groups=4,
+        layers_per_block=1,
+    )
+    with pytest.raises(
+        TypeError, match="cannot parallelize UNet2DModel; supported transformers: PixArtTransformer2DModel"
+    ):
         parallelize(unet, ParallelConfig())
 
 

@@ -9,8 +9,10 @@ from xdit_lab.tools.notebooks import WIDGET_VIEW, save_executed, strip_widgets
 def test_strip_widgets_keeps_the_other_outputs():
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x")])
     notebook.metadata["widgets"] = {"state": {}}
-    notebook.cells[0].outputs = [nbformat.v4.new_output("display_data", data={WIDGET_VIEW: {}, "text/plain": "bar"}),
-                                 nbformat.v4.new_output("stream", text="kept\n")]
+    notebook.cells[0].outputs = [
+        nbformat.v4.new_output("display_data", data={WIDGET_VIEW: {}, "text/plain": "bar"}),
+        nbformat.v4.new_output("stream", text="kept\n"),
+    ]
     strip_widgets(notebook)
     assert "widgets" not in notebook.metadata and [o.output_type for o in notebook.cells[0].outputs] == ["stream"]
 
@@ -40,23 +42,29 @@ def _sanitized(text: str) -> str:
     return text
 
 
-@pytest.mark.parametrize("varies, blanked", [
-    ("<object at 0x7f3a12bc>", "<object at 0xADDRESS>"),
-    ("master 127.0.0.1:29500", "master 127.0.0.1:PORT"),
-    ("tcp://localhost:45123", "tcp://localhost:PORT"),
-    ("engine pid 12345 joined", "engine pid PID joined"),
-    ("Lab (cluster '1795322427-krup', 2 ranks)", "Lab (cluster CLUSTER-ID, 2 ranks)"),
-])
+@pytest.mark.parametrize(
+    "varies, blanked",
+    [
+        ("<object at 0x7f3a12bc>", "<object at 0xADDRESS>"),
+        ("master 127.0.0.1:29500", "master 127.0.0.1:PORT"),
+        ("tcp://localhost:45123", "tcp://localhost:PORT"),
+        ("engine pid 12345 joined", "engine pid PID joined"),
+        ("Lab (cluster '1795322427-krup', 2 ranks)", "Lab (cluster CLUSTER-ID, 2 ranks)"),
+    ],
+)
 def test_the_sanitizer_blanks_what_varies(varies, blanked):
     assert _sanitized(varies) == blanked
 
 
-@pytest.mark.parametrize("kept", [
-    "<Figure size 740x500 with 2 Axes>",   # a figure size is not an address
-    "<PIL.Image.Image image mode=RGB size=640x64>",
-    "ulysses 378.0 MiB on fast 1.32 ms",   # the link model's times are computed: checked
-    "ratio 1:1000 and step 20 of 20",       # not a port
-    "cfg2 speed-up 1.63x in 0.5 s",
-])
+@pytest.mark.parametrize(
+    "kept",
+    [
+        "<Figure size 740x500 with 2 Axes>",  # a figure size is not an address
+        "<PIL.Image.Image image mode=RGB size=640x64>",
+        "ulysses 378.0 MiB on fast 1.32 ms",  # the link model's times are computed: checked
+        "ratio 1:1000 and step 20 of 20",  # not a port
+        "cfg2 speed-up 1.63x in 0.5 s",
+    ],
+)
 def test_the_sanitizer_keeps_what_is_the_lesson(kept):
     assert _sanitized(kept) == kept

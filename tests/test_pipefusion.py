@@ -26,16 +26,31 @@ def _steps(config, family="pixart"):
         for x, ref in zip(inputs, reference):
             with comm_log() as log:
                 out = model(**x).sample
-            rows.append(dict(error=(out - ref).abs().max().item(), bound=1e-4 * max(1.0, ref.abs().max().item()),
-                             records=log.summary()))
+            rows.append(
+                dict(
+                    error=(out - ref).abs().max().item(),
+                    bound=1e-4 * max(1.0, ref.abs().max().item()),
+                    records=log.summary(),
+                )
+            )
     stage = parallel_state(model).strategy
-    return dict(rows=rows, staleness=stage.staleness(),
-                block_params=sum(p.numel() for p in model.transformer_blocks.parameters()), whole=whole_params)
+    return dict(
+        rows=rows,
+        staleness=stage.staleness(),
+        block_params=sum(p.numel() for p in model.transformer_blocks.parameters()),
+        whole=whole_params,
+    )
 
 
-HYBRIDS = [ParallelConfig(pipefusion=2), ParallelConfig(pipefusion=2, num_patches=4),
-           ParallelConfig(pipefusion=4), ParallelConfig(pipefusion=2, ulysses=2), ParallelConfig(pipefusion=2, ring=2),
-           ParallelConfig(pipefusion=2, cfg=2), ParallelConfig(pipefusion=2, dp=2)]
+HYBRIDS = [
+    ParallelConfig(pipefusion=2),
+    ParallelConfig(pipefusion=2, num_patches=4),
+    ParallelConfig(pipefusion=4),
+    ParallelConfig(pipefusion=2, ulysses=2),
+    ParallelConfig(pipefusion=2, ring=2),
+    ParallelConfig(pipefusion=2, cfg=2),
+    ParallelConfig(pipefusion=2, dp=2),
+]
 
 
 @pytest.mark.parametrize("config", HYBRIDS, ids=lambda c: c.short() + f"·patches{c.patches}")
@@ -76,8 +91,10 @@ def test_pipefusion_on_dit():
         assert all(row["error"] > row["bound"] for row in stale["rows"][1:])
         last = STEPS - 1
         for reads in stale["staleness"]["reads"].values():
-            assert [(a, list(b), list(c)) for a, b, c in reads] == [(last, [0], [last, last - 1]),
-                                                                    (last, [1], [last, last])]
+            assert [(a, list(b), list(c)) for a, b, c in reads] == [
+                (last, [0], [last, last - 1]),
+                (last, [1], [last, last]),
+            ]
 
 
 def test_activations_between_stages_match_the_formula():
@@ -122,8 +139,13 @@ def _pipeline_steps(folder, config):
     kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=4)
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    expected = reference(["a red cat", "a dog"], negative_prompt=["", "photo"], output_type="latent",
-                         generator=torch.Generator().manual_seed(0), **kwargs).images
+    expected = reference(
+        ["a red cat", "a dog"],
+        negative_prompt=["", "photo"],
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    ).images
     pipe = load_pipeline(folder, config, progress=False)
     session = pipe.session(["a red cat", "a dog"], negative_prompt=["", "photo"], seed=0, **kwargs)
     while not session.done:
@@ -136,10 +158,14 @@ def _pipeline_steps(folder, config):
         too_many_patches = None
     except ValueError as e:
         too_many_patches = str(e)
-    return dict(error=error, bound=1e-4 * max(1.0, expected.abs().max().item()), same=torch.equal(stepped, called),
-                plan=pipe.memory_plan.per_rank_bytes["transformer"],
-                held=sum(t.numel() * t.element_size() for t in pipe.diffusers_pipeline.transformer.state_dict().values()),
-                too_many_patches=too_many_patches)
+    return dict(
+        error=error,
+        bound=1e-4 * max(1.0, expected.abs().max().item()),
+        same=torch.equal(stepped, called),
+        plan=pipe.memory_plan.per_rank_bytes["transformer"],
+        held=sum(t.numel() * t.element_size() for t in pipe.diffusers_pipeline.transformer.state_dict().values()),
+        too_many_patches=too_many_patches,
+    )
 
 
 def test_pipeline_with_dpm_solver_through_session_and_call(tmp_path):
@@ -180,9 +206,14 @@ def _stage_loading(folder):
     with mmap_refused() as refusals:
         refused_pipe = load_pipeline(folder, config, progress=False)
     refused = refused_pipe("a red cat", seed=0, output_type="latent", **kwargs).images
-    return dict(blocks=len(transformer.transformer_blocks), same=same, refusals=dict(refusals),
-                latents_equal=torch.equal(normal, refused), latents_spread=normal.std().item(),
-                block_bytes=sum(p.numel() * 4 for p in transformer.transformer_blocks.parameters()))
+    return dict(
+        blocks=len(transformer.transformer_blocks),
+        same=same,
+        refusals=dict(refusals),
+        latents_equal=torch.equal(normal, refused),
+        latents_spread=normal.std().item(),
+        block_bytes=sum(p.numel() * 4 for p in transformer.transformer_blocks.parameters()),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -298,8 +329,9 @@ def test_stale_kv_under_ring(digits_serial, digits_pipefusion):
     assert compare_to_serial(ringed["latents"], alone)["max_relative"] < 1e-4
     assert 1e-4 < _relative_l2(ringed["latents"], serial) < STALE_BOUND
     assert _relative_l2(control["latents"], serial) > STALE_BOUND
-    assert all(rank[None]["bytes"].get("ring", 0) > 0 and rank[None]["bytes"].get("pipefusion", 0) > 0
-               for rank in ranks)
+    assert all(
+        rank[None]["bytes"].get("ring", 0) > 0 and rank[None]["bytes"].get("pipefusion", 0) > 0 for rank in ranks
+    )
 
 
 def test_memory_plan_counts_the_largest_stage_and_the_shared_tensors():

@@ -12,10 +12,16 @@ from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 FAMILIES = ["pixart", "sd3", "flux", "cogvideox"]
-CONFIGS = {1: [ParallelConfig()],
-           2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)],
-           4: [ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg=2, ulysses=2), ParallelConfig(dp=2, ring=2),
-               ParallelConfig(cfg=2, dp=2)]}
+CONFIGS = {
+    1: [ParallelConfig()],
+    2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)],
+    4: [
+        ParallelConfig(ulysses=2, ring=2),
+        ParallelConfig(cfg=2, ulysses=2),
+        ParallelConfig(dp=2, ring=2),
+        ParallelConfig(cfg=2, dp=2),
+    ],
+}
 PROMPTS, NEGATIVES = ["a red cat", "a blue dog"], ["", "a photo"]
 
 
@@ -37,26 +43,34 @@ def _reference_and_parallel(folder, family, configs):
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     kwargs = _call_kwargs(family)
-    expected = reference(PROMPTS, negative_prompt=NEGATIVES, generator=torch.Generator().manual_seed(0),
-                         output_type="latent", **kwargs)
-    expected = (expected.frames if family == "cogvideox" else expected.images)
+    expected = reference(
+        PROMPTS, negative_prompt=NEGATIVES, generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs
+    )
+    expected = expected.frames if family == "cogvideox" else expected.images
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
         result = pipe(PROMPTS, negative_prompt=NEGATIVES, seed=0, output_type="latent", **kwargs)
         latents = result.frames if family == "cogvideox" else result.images
-        rows.append(dict(config=config.short(), error=(latents - expected).abs().max().item(),
-                         bound=1e-4 * max(1.0, expected.abs().max().item()), shape=tuple(latents.shape),
-                         expected_shape=tuple(expected.shape), groups=sorted({g for step in result.comm_per_step
-                                                                              for g, b in step.items() if b})))
+        rows.append(
+            dict(
+                config=config.short(),
+                error=(latents - expected).abs().max().item(),
+                bound=1e-4 * max(1.0, expected.abs().max().item()),
+                shape=tuple(latents.shape),
+                expected_shape=tuple(expected.shape),
+                groups=sorted({g for step in result.comm_per_step for g, b in step.items() if b}),
+            )
+        )
     return rows
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_latents_equal_diffusers_pipeline(folders, family, world_size):
-    per_rank = run_on_ranks(_reference_and_parallel, world_size, folders[family], family, CONFIGS[world_size],
-                            timeout_s=300)
+    per_rank = run_on_ranks(
+        _reference_and_parallel, world_size, folders[family], family, CONFIGS[world_size], timeout_s=300
+    )
     for rank, rows in enumerate(per_rank):
         for row in rows:
             where = f"{family} {row['config']} rank {rank}"
@@ -79,11 +93,16 @@ def test_pixart_sigma_through_load_pipeline(tmp_path):
     folder = save_tiny_pipeline("pixart-sigma", tmp_path / "pixart-sigma")
     assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "PixArtSigmaPipeline"
     steps = _call_kwargs("pixart-sigma")["num_inference_steps"]
-    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2),
-               ParallelConfig(pipefusion=2, warmup_steps=steps)]
+    configs = [
+        ParallelConfig(ulysses=2),
+        ParallelConfig(ring=2),
+        ParallelConfig(cfg=2),
+        ParallelConfig(pipefusion=2, warmup_steps=steps),
+    ]
     control = ParallelConfig(pipefusion=2, warmup_steps=0)
-    for rank, rows in enumerate(run_on_ranks(_reference_and_parallel, 2, folder, "pixart-sigma", [*configs, control],
-                                             timeout_s=300)):
+    for rank, rows in enumerate(
+        run_on_ranks(_reference_and_parallel, 2, folder, "pixart-sigma", [*configs, control], timeout_s=300)
+    ):
         assert [row["config"] for row in rows] == [config.short() for config in (*configs, control)]
         assert rows[-1]["error"] > rows[-1]["bound"], f"rank {rank}: stale K/V in every step within the bound"
         for row, config in zip(rows, configs):
@@ -112,9 +131,12 @@ def _digits_in_bfloat16(configs, steps):
         reference = PixArtAlphaPipeline.from_pretrained(str(DIGITS_DIR), torch_dtype=dtype)
         reference.set_progress_bar_config(disable=True)
         serial[str(dtype)] = draw(reference)
-    parallel = {f"{config.short()} warmup {config.warmup_steps}": draw(
-        load_pipeline("digits", config, mesh=RankMesh(config), torch_dtype=torch.bfloat16, progress=False))
-        for config in configs}
+    parallel = {
+        f"{config.short()} warmup {config.warmup_steps}": draw(
+            load_pipeline("digits", config, mesh=RankMesh(config), torch_dtype=torch.bfloat16, progress=False)
+        )
+        for config in configs
+    }
     return serial, parallel
 
 

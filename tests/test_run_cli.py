@@ -35,8 +35,12 @@ def _ports(n):
 
 def _run(folder, output, config, *extra, **overrides):
     """`xdit-lab run` arguments for the tiny pipeline's call (KWARGS, overridden), plus `extra` flags."""
-    return ["-m", "xdit_lab.cli", *production.run_argv(folder, PROMPTS, config, output, seed=SEED,
-                                                    **dict(KWARGS, **overrides)), *extra]
+    return [
+        "-m",
+        "xdit_lab.cli",
+        *production.run_argv(folder, PROMPTS, config, output, seed=SEED, **dict(KWARGS, **overrides)),
+        *extra,
+    ]
 
 
 def _succeed(commands, timeout_s=240):
@@ -53,9 +57,13 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
     one_node, two_nodes = tmp_path / "one", tmp_path / "two"
     single, shared = _ports(2)
     config = ParallelConfig(cfg=2)
-    _succeed([production.torchrun_argv(2, master_port=single) + _run(folder, one_node, config)]
-             + [production.torchrun_argv(1, nnodes=2, node_rank=rank, master_port=shared)
-                + _run(folder, two_nodes, config) for rank in range(2)])
+    _succeed(
+        [production.torchrun_argv(2, master_port=single) + _run(folder, one_node, config)]
+        + [
+            production.torchrun_argv(1, nnodes=2, node_rank=rank, master_port=shared) + _run(folder, two_nodes, config)
+            for rank in range(2)
+        ]
+    )
 
     report = json.loads((one_node / "report.json").read_text())
     assert report["config_short"] == "cfg2" and report["outputs"] == ["000.png", "001.png"]
@@ -84,15 +92,20 @@ def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
     from diffusers import DiffusionPipeline
 
     configs = {"cfg": ParallelConfig(cfg=2), "pipefusion": ParallelConfig(pipefusion=2, warmup_steps=3)}
-    _succeed([production.torchrun_argv(2, master_port=port) + _run(folder, tmp_path / name, config, "--output-type",
-                                                                 "latent")
-              for port, (name, config) in zip(_ports(len(configs)), configs.items())])
+    _succeed(
+        [
+            production.torchrun_argv(2, master_port=port)
+            + _run(folder, tmp_path / name, config, "--output-type", "latent")
+            for port, (name, config) in zip(_ports(len(configs)), configs.items())
+        ]
+    )
 
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        expected = reference(PROMPTS, generator=torch.Generator().manual_seed(SEED), output_type="latent",
-                             **KWARGS).images
+        expected = reference(
+            PROMPTS, generator=torch.Generator().manual_seed(SEED), output_type="latent", **KWARGS
+        ).images
     for name in configs:
         report = json.loads((tmp_path / name / "report.json").read_text())
         assert report["outputs"] == ["latents.pt"] and not list((tmp_path / name).glob("*.png"))

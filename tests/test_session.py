@@ -28,8 +28,13 @@ def _step_by_step(folder, config):
         session.step()
     stepped = session.result(output_type="latent")
     called = pipe(["a red cat", "a dog"], negative_prompt="photo", seed=3, output_type="latent", **KWARGS)
-    return dict(seen=seen, equal=torch.equal(stepped.images, called.images), latents=tuple(session.latents.shape),
-                timings=called.timings, steps_logged=len(called.comm_per_step))
+    return dict(
+        seen=seen,
+        equal=torch.equal(stepped.images, called.images),
+        latents=tuple(session.latents.shape),
+        timings=called.timings,
+        steps_logged=len(called.comm_per_step),
+    )
 
 
 def test_stepping_gives_exactly_the_call(folder):
@@ -46,12 +51,20 @@ def _batched(folder, config):
     prompts = ["a 1", "a 2", "a 3"]
     negatives = ["red", "blue", "green"]
     pipe = load_pipeline(folder, config, progress=False)
-    batch = pipe(prompts, negative_prompt=negatives, generator=[torch.Generator().manual_seed(10 + i) for i in range(3)],
-                 output_type="latent", **KWARGS).images
-    alone = [pipe(p, negative_prompt=n, generator=torch.Generator().manual_seed(10 + i), output_type="latent",
-                  **KWARGS).images[0] for i, (p, n) in enumerate(zip(prompts, negatives))]
-    return [((batch[i] - alone[i]).abs().max().item(), 1e-4 * max(1.0, alone[i].abs().max().item()))
-            for i in range(3)]
+    batch = pipe(
+        prompts,
+        negative_prompt=negatives,
+        generator=[torch.Generator().manual_seed(10 + i) for i in range(3)],
+        output_type="latent",
+        **KWARGS,
+    ).images
+    alone = [
+        pipe(
+            p, negative_prompt=n, generator=torch.Generator().manual_seed(10 + i), output_type="latent", **KWARGS
+        ).images[0]
+        for i, (p, n) in enumerate(zip(prompts, negatives))
+    ]
+    return [((batch[i] - alone[i]).abs().max().item(), 1e-4 * max(1.0, alone[i].abs().max().item())) for i in range(3)]
 
 
 @pytest.mark.parametrize("config", [ParallelConfig(dp=2), ParallelConfig(cfg=2, dp=2)], ids=lambda c: c.short())
@@ -120,8 +133,9 @@ def _errors(folder, tmp):
     out["memory"] = _error(lambda: load_pipeline(folder, config, memory_limit_bytes=10_000))
     pipe = load_pipeline(folder, ParallelConfig(), progress=False)
     out["negatives"] = _error(lambda: pipe(["a", "b"], negative_prompt=["x"], **KWARGS))
-    out["size"] = _error(lambda: pipe("a", height=30, width=32, **{k: v for k, v in KWARGS.items()
-                                                                    if k not in ("height", "width")}))
+    out["size"] = _error(
+        lambda: pipe("a", height=30, width=32, **{k: v for k, v in KWARGS.items() if k not in ("height", "width")})
+    )
     out["option"] = _error(lambda: pipe("a", strength=0.5, **KWARGS))
     return out
 

@@ -41,8 +41,7 @@ def test_ulysses_exchange_trades_tokens_for_heads(demos):
     assert sorted({t for t, _ in r0["after"]}) == list(range(8)) and sorted({h for _, h in r0["after"]}) == [0, 1]
     assert sorted({h for _, h in r1["after"]}) == [2, 3]
     assert r0["shape_before"] == [1, 4, 4, 2] and r0["shape_after"] == [1, 2, 8, 2]
-    assert sp.exchange_check(results) == dict(before_once=True, after_once=True, after_whole_rows=True,
-                                              round_trip=True)
+    assert sp.exchange_check(results) == dict(before_once=True, after_once=True, after_whole_rows=True, round_trip=True)
     # two all-to-alls of x[1, 4, 4, 2] float32 (128 B), half of each leaving the rank
     assert r0["all_to_alls"] == 2 and r0["bytes_out"] == {"ulysses": 128}
     fig = sp.draw_ulysses_exchange(results)
@@ -95,20 +94,28 @@ def test_bytes_at_a_pixart_size_and_link_times():
     r4 = links.bytes_per_rank(ParallelConfig(ring=4), shapes)
     assert r4[0]["ring"] == 28 * 3 * 2 * per_layer  # K and V, three hops
     fast, slow = 300e9, 25e9
-    one_box = links.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=4, fast_bytes_per_s=fast,
-                              slow_bytes_per_s=slow)
+    one_box = links.comm_seconds(
+        ParallelConfig(ulysses=4), u4, ranks_per_node=4, fast_bytes_per_s=fast, slow_bytes_per_s=slow
+    )
     assert one_box["links"] == {"ulysses": "fast", "sp": "fast"}
     assert one_box["groups"]["ulysses"] == pytest.approx(u4[0]["ulysses"] / fast)
     usp = ParallelConfig(ulysses=2, ring=2)
-    two_boxes = links.comm_seconds(usp, links.bytes_per_rank(usp, shapes), ranks_per_node=2, fast_bytes_per_s=fast,
-                                slow_bytes_per_s=slow)
+    two_boxes = links.comm_seconds(
+        usp, links.bytes_per_rank(usp, shapes), ranks_per_node=2, fast_bytes_per_s=fast, slow_bytes_per_s=slow
+    )
     assert two_boxes["links"] == {"ulysses": "fast", "ring": "slow", "sp": "mixed"}  # ulysses varies fastest
-    spread = links.comm_seconds(ParallelConfig(ulysses=4), u4, ranks_per_node=2, fast_bytes_per_s=fast,
-                             slow_bytes_per_s=slow)
+    spread = links.comm_seconds(
+        ParallelConfig(ulysses=4), u4, ranks_per_node=2, fast_bytes_per_s=fast, slow_bytes_per_s=slow
+    )
     assert spread["groups"]["ulysses"] == pytest.approx(u4[0]["ulysses"] * 2 / 3 / slow)  # 2 of 3 peers far
-    rows = links.link_rows([ParallelConfig(ulysses=4), ParallelConfig(ring=4), usp], shapes,
-                        {"one box": dict(ranks_per_node=4, fast_bytes_per_s=fast, slow_bytes_per_s=slow),
-                         "two boxes": dict(ranks_per_node=2, fast_bytes_per_s=fast, slow_bytes_per_s=slow)})
+    rows = links.link_rows(
+        [ParallelConfig(ulysses=4), ParallelConfig(ring=4), usp],
+        shapes,
+        {
+            "one box": dict(ranks_per_node=4, fast_bytes_per_s=fast, slow_bytes_per_s=slow),
+            "two boxes": dict(ranks_per_node=2, fast_bytes_per_s=fast, slow_bytes_per_s=slow),
+        },
+    )
     assert [r["config"] for r in rows] == ["ulysses4", "ring4", "ring2·ulysses2"] * 2
     text = links.link_table(rows)
     assert text.count("<- least") == 2

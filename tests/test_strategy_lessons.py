@@ -31,8 +31,9 @@ def _one_step_each(cases):
         pipe = load_pipeline("digits", config, progress=False)
         session = pipe.session(PROMPTS, seed=0, **call_kwargs(num_inference_steps=2, guidance_scale=guidance_scale))
         session.step()
-        out[name] = dict(summary=rank_summary(session),
-                         timings=engine.timings(dict(rank=dist.get_rank(), session=session)))
+        out[name] = dict(
+            summary=rank_summary(session), timings=engine.timings(dict(rank=dist.get_rank(), session=session))
+        )
     return out
 
 
@@ -76,8 +77,21 @@ def test_comm_rows_and_table_agree_with_the_summaries(runs):
 def test_bytes_by_config_one_row_per_rank_with_parameters(runs):
     table = bytes_by_config({name: _summaries(runs, name) for name in ("cfg2", "dp2")})
     lines = table.splitlines()
-    assert lines[0].split() == ["config", "rank", "role", "ulysses", "ring", "sp", "pipefusion", "dp", "cfg",
-                                "total", "B", "params", "B"]
+    assert lines[0].split() == [
+        "config",
+        "rank",
+        "role",
+        "ulysses",
+        "ring",
+        "sp",
+        "pipefusion",
+        "dp",
+        "cfg",
+        "total",
+        "B",
+        "params",
+        "B",
+    ]
     assert len(lines) == 5 and "≠" not in table
     params = _summaries(runs, "cfg2")[0]["memory"]["parameter_bytes"]["transformer"]
     assert all(line.endswith(f"{params:,}") for line in lines[1:])
@@ -109,5 +123,9 @@ def test_compare_to_serial_and_quality_rows():
     with pytest.raises(ValueError, match="readings"):
         quality_row("x", serial, serial, [1, 2], [1])
     table = quality_table([same, off]).splitlines()
-    assert table[0].split()[:3] == ["configuration", "images", "accuracy"] and table[2].split() == ["pf", "1", "100",
-                                                                                                     "1.0e-01"]
+    assert table[0].split()[:3] == ["configuration", "images", "accuracy"] and table[2].split() == [
+        "pf",
+        "1",
+        "100",
+        "1.0e-01",
+    ]

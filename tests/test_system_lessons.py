@@ -68,8 +68,16 @@ def _on_two_ranks():
     same = refused["latents"] is None or torch.equal(refused["latents"], reference)
     state["pipe"] = load_pipeline("digits", ParallelConfig(), progress=False)
     serial = loading.rank_weights(state)
-    return dict(staged=staged, serial=serial, timings=timings, walls=walls, calls=calls, refusals=refused["refusals"],
-                same=same, latents_from=refused["latents"] is not None)
+    return dict(
+        staged=staged,
+        serial=serial,
+        timings=timings,
+        walls=walls,
+        calls=calls,
+        refusals=refused["refusals"],
+        same=same,
+        latents_from=refused["latents"] is not None,
+    )
 
 
 def test_engine_helpers_on_two_ranks():
@@ -134,8 +142,15 @@ def test_timed_lab_runs_and_medians():
 
         def result(self, output_type):
             i = next(counter)
-            return types.SimpleNamespace(timings=dict(encode=i, prepare=0.0, steps=[i, i + 1], denoise=2 * i + 1,
-                                                      decode=0.0 if output_type == "latent" else 1.0))
+            return types.SimpleNamespace(
+                timings=dict(
+                    encode=i,
+                    prepare=0.0,
+                    steps=[i, i + 1],
+                    denoise=2 * i + 1,
+                    decode=0.0 if output_type == "latent" else 1.0,
+                )
+            )
 
     lab = types.SimpleNamespace(session=lambda prompts, seed, **kwargs: FakeSession())
     out = timing.timed_lab_runs(lab, PROMPTS, runs=3, warmup=2)
@@ -157,25 +172,43 @@ def test_run_argv_parses_back_to_the_same_call():
     assert (args.pipefusion, args.num_patches, args.warmup_steps, args.cfg) == (2, 4, 2, 1)
     kwargs = _digits_kwargs()
     assert (args.steps, args.guidance, args.height, args.width) == (
-        kwargs["num_inference_steps"], kwargs["guidance_scale"], kwargs["height"], kwargs["width"])
-    assert dict(args.option) == {k: v for k, v in kwargs.items()
-                                 if k not in ("num_inference_steps", "guidance_scale", "height", "width",
-                                              "negative_prompt")}
+        kwargs["num_inference_steps"],
+        kwargs["guidance_scale"],
+        kwargs["height"],
+        kwargs["width"],
+    )
+    assert dict(args.option) == {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("num_inference_steps", "guidance_scale", "height", "width", "negative_prompt")
+    }
     launcher = production.torchrun_argv(1, nnodes=2, node_rank=1, master_port=29999)
     assert launcher[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert launcher[3:] == ["--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "1",
-                            "--master_addr", "127.0.0.1", "--master_port", "29999"]
+    assert launcher[3:] == [
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--nproc_per_node",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        "29999",
+    ]
 
 
 def test_run_processes_and_timeout():
-    done = production.run_processes([[sys.executable, "-c", "print('one')"],
-                                  [sys.executable, "-c", "import sys; sys.exit(3)"]], timeout_s=60)
+    done = production.run_processes(
+        [[sys.executable, "-c", "print('one')"], [sys.executable, "-c", "import sys; sys.exit(3)"]], timeout_s=60
+    )
     assert [d["returncode"] for d in done] == [0, 3] and done[0]["output"].strip() == "one"
     assert not any(d["timed_out"] for d in done)
     code = "import os; print(os.environ.get('XDIT_LAB_NODE'), sorted(os.sched_getaffinity(0)))"
     cores = sorted(os.sched_getaffinity(0))
-    pinned = production.run_processes([[sys.executable, "-c", code]], timeout_s=60, envs=[{"XDIT_LAB_NODE": "1"}],
-                                   cpus=[{cores[-1]}])
+    pinned = production.run_processes(
+        [[sys.executable, "-c", code]], timeout_s=60, envs=[{"XDIT_LAB_NODE": "1"}], cpus=[{cores[-1]}]
+    )
     assert pinned[0]["output"].split() == ["1", f"[{cores[-1]}]"]
     slow = production.run_processes([[sys.executable, "-c", "import time; time.sleep(30)"]], timeout_s=0.5)
     assert slow[0]["timed_out"] and slow[0]["returncode"] != 0

@@ -14,7 +14,7 @@ EXPECTED = {
     "pixart": ("PixArtAlphaPipeline", (2, 4, 8, 8), (2, 16, 16, 3)),
     "pixart-sigma": ("PixArtSigmaPipeline", (2, 4, 8, 8), (2, 16, 16, 3)),
     "sd3": ("StableDiffusion3Pipeline", (2, 16, 8, 8), (2, 16, 16, 3)),
-    "flux": ("FluxPipeline", (2, 16, 64), (2, 16, 16, 3)),                  # packed: 4 x 4 tokens of 2 x 2 x 16
+    "flux": ("FluxPipeline", (2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
     "cogvideox": ("CogVideoXPipeline", (2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
 }
 
@@ -24,9 +24,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _call(pipe, family, output_type):
     extra = {"true_cfg_scale": 3.0} if family == "flux" else {}  # Flux's guidance_scale needs guidance_embeds
-    out = pipe(prompt=["a red cat", "a blue dog"], negative_prompt=["", "photo"], num_inference_steps=2,
-               guidance_scale=3.0, generator=torch.Generator().manual_seed(0), output_type=output_type,
-               **extra, **tiny_pipeline_kwargs(family))
+    out = pipe(
+        prompt=["a red cat", "a blue dog"],
+        negative_prompt=["", "photo"],
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type=output_type,
+        **extra,
+        **tiny_pipeline_kwargs(family),
+    )
     return out.frames if family == "cogvideox" else out.images
 
 
@@ -46,7 +53,7 @@ def test_tiny_pipeline_saves_reloads_and_runs(family, tmp_path):
 
     latents = _call(pipe, family, "latent")
     assert tuple(latents.shape) == latent_shape and torch.isfinite(latents).all()
-    assert torch.equal(latents, _call(pipe, family, "latent"))          # same generator seed, same latents
+    assert torch.equal(latents, _call(pipe, family, "latent"))  # same generator seed, same latents
     images = _call(pipe, family, "np")
     assert images.shape == image_shape and np.isfinite(images).all()
 
@@ -70,7 +77,12 @@ def test_tokenizers_reload_with_whole_word_tokens(tmp_path):
     assert type(clip).__name__ == "CLIPTokenizer" and type(t5).__name__ == "T5Tokenizer"
     assert clip.model_max_length == MAX_TOKENS
     assert clip.convert_ids_to_tokens(clip("A red cat").input_ids) == [
-        "<|startoftext|>", "a</w>", "red</w>", "cat</w>", "<|endoftext|>"]
+        "<|startoftext|>",
+        "a</w>",
+        "red</w>",
+        "cat</w>",
+        "<|endoftext|>",
+    ]
     assert t5.convert_ids_to_tokens(t5("a blue dog").input_ids) == ["▁a", "▁blue", "▁dog", "</s>"]
     assert t5("").input_ids == [t5.eos_token_id]
     # Unknown words fall back to characters (bytes for CLIP), never to CLIP's <unk> = end-of-text.

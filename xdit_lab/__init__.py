@@ -13,13 +13,27 @@ from .mesh import RankMesh
 __version__ = "0.1.0"
 
 _LAZY = {
-    "attention_backend": "attention", "set_attention_backend": "attention", "sp_attention": "attention",
-    "parallelize": "models", "ParallelPipeline": "pipeline", "load_pipeline": "pipeline",
+    "attention_backend": "attention",
+    "set_attention_backend": "attention",
+    "sp_attention": "attention",
+    "parallelize": "models",
+    "ParallelPipeline": "pipeline",
+    "load_pipeline": "pipeline",
     "DenoiseSession": "session",
 }
 
-__all__ = ["CommLog", "CommRecord", "comm_log", "CostEstimate", "ParallelConfig", "ParallelConfigError",
-           "init_distributed", "shutdown_distributed", "RankMesh", *_LAZY]
+__all__ = [
+    "CommLog",
+    "CommRecord",
+    "comm_log",
+    "CostEstimate",
+    "ParallelConfig",
+    "ParallelConfigError",
+    "init_distributed",
+    "shutdown_distributed",
+    "RankMesh",
+    *_LAZY,
+]
 
 
 def __getattr__(name):

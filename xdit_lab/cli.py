@@ -22,6 +22,7 @@ from .distributed import usable_cpu_cores
 
 def _count(minimum: int):
     """argparse type for a whole number >= minimum, with a message naming the bad value."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -30,6 +31,7 @@ def _count(minimum: int):
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
+
     return parse
 
 
@@ -63,8 +65,14 @@ def _shows_bytes(args) -> bool:
 def plan_table(args, world_size: int) -> tuple[list[list[str]], int]:
     """The ranking as rows of strings, header first, and how many configurations fit in all
     (kept apart from printing, for callers that want the rows)."""
-    configs = ParallelConfig.options(world_size, num_heads=args.heads, num_layers=args.layers,
-                                     seq_len=args.seq_len, use_cfg=not args.no_cfg, batch=args.batch)
+    configs = ParallelConfig.options(
+        world_size,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        seq_len=args.seq_len,
+        use_cfg=not args.no_cfg,
+        batch=args.batch,
+    )
     show_bytes = _shows_bytes(args)
     header = ["#", "config", *(SHORT[d] for d in DEGREES), "work/rank", "comm/rank/step (p·hs)"]
     header += ["comm bytes"] if show_bytes else []
@@ -72,8 +80,13 @@ def plan_table(args, world_size: int) -> tuple[list[list[str]], int]:
     rows = [header]
     for i, c in enumerate(configs[: args.top or None], start=1):
         cost = c.cost(args.layers, batch=args.batch, use_cfg=not args.no_cfg)
-        row = [str(i), c.short(), *(str(getattr(c, d)) for d in DEGREES), _number(cost.work_fraction),
-               _number(cost.comm_p_hs)]
+        row = [
+            str(i),
+            c.short(),
+            *(str(getattr(c, d)) for d in DEGREES),
+            _number(cost.work_fraction),
+            _number(cost.comm_p_hs),
+        ]
         if show_bytes:
             row.append(_bytes(cost.comm_bytes(args.seq_len, args.hidden_size)))
         row.append(f"1/{c.pipefusion}" if c.pipefusion > 1 else "1")
@@ -84,8 +97,10 @@ def plan_table(args, world_size: int) -> tuple[list[list[str]], int]:
 def _format(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     # the configuration name reads best left-aligned, numbers right-aligned
-    return "\n".join("  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in
-                               enumerate(zip(row, widths))).rstrip() for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    )
 
 
 def cmd_plan(args) -> int:
@@ -95,18 +110,22 @@ def cmd_plan(args) -> int:
     else:
         world_size, source = args.world_size, "--world-size"
     layers = args.layers if args.layers is not None else "28 (cost-model default)"
-    shape = f"heads {args.heads or 'any'}, layers {layers}, seq_len {args.seq_len or 'any'}, batch {args.batch}, " \
-            f"CFG {'off' if args.no_cfg else 'on'}"
+    shape = (
+        f"heads {args.heads or 'any'}, layers {layers}, seq_len {args.seq_len or 'any'}, batch {args.batch}, "
+        f"CFG {'off' if args.no_cfg else 'on'}"
+    )
     print(f"Parallel configurations for {world_size} ranks ({source}); {shape}")
     rows, total = plan_table(args, world_size)
     print(_format(rows))
     if total > len(rows) - 1:
         print(f"... {total - (len(rows) - 1)} more (--top 0 shows all {total})")
-    print("Units: work = single-image transformer forwards per rank per step (lower is faster); comm = elements "
-          "moved per rank per step in units of p·hs (p tokens per image, hs hidden size)"
-          + (", bytes at 2 bytes per element (bf16)" if _shows_bytes(args) else "")
-          + "; params = share of the model's weights per rank. Ranked by work, then comm, then params; "
-          "cost model: see the docstring of xdit_lab.config (ParallelConfig).")
+    print(
+        "Units: work = single-image transformer forwards per rank per step (lower is faster); comm = elements "
+        "moved per rank per step in units of p·hs (p tokens per image, hs hidden size)"
+        + (", bytes at 2 bytes per element (bf16)" if _shows_bytes(args) else "")
+        + "; params = share of the model's weights per rank. Ranked by work, then comm, then params; "
+        "cost model: see the docstring of xdit_lab.config (ParallelConfig)."
+    )
     return 0
 
 
@@ -129,29 +148,56 @@ def cmd_run(args) -> int:
     from .pipeline import loading_bars_hidden
     from .run import run_generation
 
-    config = ParallelConfig(dp=args.dp, cfg=args.cfg, pipefusion=args.pipefusion, ulysses=args.ulysses,
-                            ring=args.ring, num_patches=args.num_patches, warmup_steps=args.warmup_steps)
+    config = ParallelConfig(
+        dp=args.dp,
+        cfg=args.cfg,
+        pipefusion=args.pipefusion,
+        ulysses=args.ulysses,
+        ring=args.ring,
+        num_patches=args.num_patches,
+        warmup_steps=args.warmup_steps,
+    )
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
         negatives = negatives[0]  # one negative prompt for every prompt
     bars = loading_bars_hidden() if args.no_progress else contextlib.nullcontext()
     try:
         with bars:
-            report = run_generation(args.model, args.prompt, config, args.output, negative_prompts=negatives,
-                                    steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
-                                    height=args.height, width=args.width, dtype=args.dtype,
-                                    output_type=args.output_type, progress=not args.no_progress,
-                                    timeout_s=args.timeout, options=dict(args.option))
-    except (ParallelConfigError, ValueError, TypeError, FileNotFoundError, MemoryPlanError,
-            CorruptWeightsError) as error:  # the user's input: say what is wrong, no traceback
+            report = run_generation(
+                args.model,
+                args.prompt,
+                config,
+                args.output,
+                negative_prompts=negatives,
+                steps=args.steps,
+                guidance_scale=args.guidance,
+                seed=args.seed,
+                height=args.height,
+                width=args.width,
+                dtype=args.dtype,
+                output_type=args.output_type,
+                progress=not args.no_progress,
+                timeout_s=args.timeout,
+                options=dict(args.option),
+            )
+    except (
+        ParallelConfigError,
+        ValueError,
+        TypeError,
+        FileNotFoundError,
+        MemoryPlanError,
+        CorruptWeightsError,
+    ) as error:  # the user's input: say what is wrong, no traceback
         print(f"xdit-lab run: error: {error}", file=sys.stderr)
         return 2
     finally:
         shutdown_distributed()
     if report is not None:
         t = report["timings"]
-        print(f"{report['pipeline']} under {report['config_short']}: encode {t['encode']:.2f} s, "
-              f"denoise {t['denoise']:.2f} s ({len(t['steps'])} steps), decode {t['decode']:.2f} s")
+        print(
+            f"{report['pipeline']} under {report['config_short']}: encode {t['encode']:.2f} s, "
+            f"denoise {t['denoise']:.2f} s ({len(t['steps'])} steps), decode {t['decode']:.2f} s"
+        )
         print(f"wrote {', '.join(report['outputs'])} and report.json to {args.output}")
     return 0
 
@@ -169,13 +215,19 @@ def cmd_demo(args) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xdit-lab", description="Hybrid-parallel inference of Diffusion Transformers.")
+    parser = argparse.ArgumentParser(
+        prog="xdit-lab", description="Hybrid-parallel inference of Diffusion Transformers."
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    plan = commands.add_parser("plan", help="rank the parallel configurations that fit N ranks",
-                               description="Rank every valid ParallelConfig for N ranks with the cost model.")
-    plan.add_argument("--world-size", type=_count(1), metavar="N",
-                      help="number of ranks (default: visible CUDA GPUs, else CPU cores)")
+    plan = commands.add_parser(
+        "plan",
+        help="rank the parallel configurations that fit N ranks",
+        description="Rank every valid ParallelConfig for N ranks with the cost model.",
+    )
+    plan.add_argument(
+        "--world-size", type=_count(1), metavar="N", help="number of ranks (default: visible CUDA GPUs, else CPU cores)"
+    )
     plan.add_argument("--heads", type=_count(1), metavar="H", help="attention heads (Ulysses must divide them)")
     plan.add_argument("--layers", type=_count(1), metavar="L", help="transformer layers (default 28 for costs)")
     plan.add_argument("--seq-len", type=_count(1), metavar="S", help="image tokens per image (p)")
@@ -185,9 +237,12 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
     plan.set_defaults(handler=cmd_plan)
 
-    run = commands.add_parser("run", help="generate with a pipeline folder (launch with torchrun)",
-                              description="Generate images on every rank that torchrun starts; the first rank writes "
-                                          "the images and report.json.")
+    run = commands.add_parser(
+        "run",
+        help="generate with a pipeline folder (launch with torchrun)",
+        description="Generate images on every rank that torchrun starts; the first rank writes "
+        "the images and report.json.",
+    )
     run.add_argument("--model", required=True, help="a diffusers pipeline folder, or a bundled name (digits)")
     run.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     run.add_argument("--negative-prompt", action="append", help="one per --prompt, or one for all")
@@ -202,17 +257,30 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--width", type=_count(1))
     run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     run.add_argument("--output", required=True, help="folder for the images and report.json")
-    run.add_argument("--output-type", choices=["pil", "latent"], default="pil",
-                     help="latent: skip the VAE and save latents.pt (for timing the transformer alone)")
-    run.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                     help="a pipeline argument of the family, e.g. use_resolution_binning=false")
+    run.add_argument(
+        "--output-type",
+        choices=["pil", "latent"],
+        default="pil",
+        help="latent: skip the VAE and save latents.pt (for timing the transformer alone)",
+    )
+    run.add_argument(
+        "--option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a pipeline argument of the family, e.g. use_resolution_binning=false",
+    )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=cmd_run)
 
-    demo = commands.add_parser("demo", help="draw the ten digits with the bundled model under a parallel strategy",
-                               description="Spawn local ranks (CPU) or use the visible GPUs, draw the digits 0-9 "
-                                           "with the bundled model, and write a grid PNG and a per-rank report.")
+    demo = commands.add_parser(
+        "demo",
+        help="draw the ten digits with the bundled model under a parallel strategy",
+        description="Spawn local ranks (CPU) or use the visible GPUs, draw the digits 0-9 "
+        "with the bundled model, and write a grid PNG and a per-rank report.",
+    )
     demo.add_argument("--ranks", type=_count(1), help="processes to start (default: the strategy's, or 2 on CPU)")
     for degree in DEGREES:
         demo.add_argument(f"--{degree}", type=_count(1), help=f"{degree} degree")

@@ -76,17 +76,26 @@ def comm_log():
 def _record(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int, tag: str = ""):
     if not _OPEN_LOGS:
         return
-    record = CommRecord(op=op, group=group, group_size=size, dtype=str(tensor.dtype).replace("torch.", ""),
-                        elements=tensor.numel(), bytes=tensor.numel() * tensor.element_size(),
-                        bytes_out=bytes_out, tag=tag)
+    record = CommRecord(
+        op=op,
+        group=group,
+        group_size=size,
+        dtype=str(tensor.dtype).replace("torch.", ""),
+        elements=tensor.numel(),
+        bytes=tensor.numel() * tensor.element_size(),
+        bytes_out=bytes_out,
+        tag=tag,
+    )
     for log in _OPEN_LOGS:
         log.records.append(record)
 
 
 # ---- collectives ---------------------------------------------------------------------------------
 
-def all_to_all(chunks: list[torch.Tensor], recv_shapes: list[tuple], mesh, group: str, *,
-               tag: str = "") -> list[torch.Tensor]:
+
+def all_to_all(
+    chunks: list[torch.Tensor], recv_shapes: list[tuple], mesh, group: str, *, tag: str = ""
+) -> list[torch.Tensor]:
     """Send chunks[j] to group rank j; return the tensors received, in group-rank order.
 
     recv_shapes[j] is the shape of what group rank j sends here: shapes may differ between
@@ -94,8 +103,9 @@ def all_to_all(chunks: list[torch.Tensor], recv_shapes: list[tuple], mesh, group
     everything, flattened (gloo also needs contiguous input)."""
     n = mesh.group_size(group)
     if len(chunks) != n or len(recv_shapes) != n:
-        raise ValueError(f"all_to_all over {group} needs {n} chunks and {n} receive shapes, "
-                         f"got {len(chunks)} and {len(recv_shapes)}")
+        raise ValueError(
+            f"all_to_all over {group} needs {n} chunks and {n} receive shapes, got {len(chunks)} and {len(recv_shapes)}"
+        )
     if n == 1:
         return [chunks[0]]
     me = mesh.group_rank(group)
@@ -104,13 +114,19 @@ def all_to_all(chunks: list[torch.Tensor], recv_shapes: list[tuple], mesh, group
     received = send.new_empty(sum(recv_sizes), dtype=send.dtype)  # every rank sends this dtype
     sent_away = sum(c.numel() for j, c in enumerate(chunks) if j != me) * send.element_size()
     _record("all_to_all", group, n, send, sent_away, tag)
-    dist.all_to_all_single(received, send, output_split_sizes=recv_sizes,
-                           input_split_sizes=[c.numel() for c in chunks], group=mesh.group(group))
+    dist.all_to_all_single(
+        received,
+        send,
+        output_split_sizes=recv_sizes,
+        input_split_sizes=[c.numel() for c in chunks],
+        group=mesh.group(group),
+    )
     return [part.view(shape) for part, shape in zip(received.split(recv_sizes), recv_shapes)]
 
 
-def all_gather(x: torch.Tensor, mesh, group: str, *, dim: int, sizes: list[int] | None = None,
-               tag: str = "") -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, mesh, group: str, *, dim: int, sizes: list[int] | None = None, tag: str = ""
+) -> torch.Tensor:
     """Concatenate every group rank's `x` along `dim`, in group-rank order.
 
     `sizes` gives each rank's length along dim when they differ (as torch.tensor_split gives
@@ -167,8 +183,10 @@ def broadcast(x: torch.Tensor, mesh, group: str, *, src_group_rank: int = 0, tag
 
 # ---- point to point ---------------------------------------------------------------------------------
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], mesh, group: str,
-             *, tag: str = "") -> list:
+
+def exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], mesh, group: str, *, tag: str = ""
+) -> list:
     """Start sends and receives together (batch_isend_irecv); return the requests to wait on.
 
     `sends` and `recvs` pair a tensor with a global peer rank. Receives are filled in place."""

@@ -97,12 +97,13 @@ class ParallelConfig:
         used = [f"{SHORT[name]}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
         return "·".join(used) or "serial"
 
-    def replace(self, **changes) -> "ParallelConfig":
+    def replace(self, **changes) -> ParallelConfig:
         return dataclasses.replace(self, **changes)
 
     # ---- rules ---------------------------------------------------------------------------
-    def problems(self, world_size=None, *, num_heads=None, num_layers=None, seq_len=None,
-                 available_devices=None) -> list[str]:
+    def problems(
+        self, world_size=None, *, num_heads=None, num_layers=None, seq_len=None, available_devices=None
+    ) -> list[str]:
         """Every rule this configuration breaks, as sentences (empty when it is valid).
 
         `available_devices` (default: the visible GPUs) only shapes the advice on a world-size
@@ -144,11 +145,13 @@ class ParallelConfig:
             found.append(self._world_size_message(world_size, available_devices, num_heads, num_layers, seq_len))
         return found
 
-    def validate(self, world_size=None, *, num_heads=None, num_layers=None, seq_len=None,
-                 available_devices=None) -> "ParallelConfig":
+    def validate(
+        self, world_size=None, *, num_heads=None, num_layers=None, seq_len=None, available_devices=None
+    ) -> ParallelConfig:
         """Raise ParallelConfigError naming every violated rule; return self when valid."""
-        found = self.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len,
-                              available_devices=available_devices)
+        found = self.problems(
+            world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len, available_devices=available_devices
+        )
         if found:
             lines = "\n".join(f"  - {p}" for p in found)
             raise ParallelConfigError(f"ParallelConfig({self._fields()}) cannot run:\n{lines}")
@@ -179,7 +182,9 @@ class ParallelConfig:
                 f"(torchrun --nproc_per_node {self.world_size})."
             )
         else:
-            text += f" Or keep this configuration on {self.world_size} ranks (torchrun --nproc_per_node {self.world_size})."
+            text += (
+                f" Or keep this configuration on {self.world_size} ranks (torchrun --nproc_per_node {self.world_size})."
+            )
         return text
 
     # ---- cost model and enumeration ---------------------------------------------------------
@@ -207,8 +212,17 @@ class ParallelConfig:
         )
 
     @staticmethod
-    def options(world_size, *, num_heads=None, num_layers=None, seq_len=None, use_cfg=True, batch=1,
-                num_patches=None, warmup_steps=1) -> list["ParallelConfig"]:
+    def options(
+        world_size,
+        *,
+        num_heads=None,
+        num_layers=None,
+        seq_len=None,
+        use_cfg=True,
+        batch=1,
+        num_patches=None,
+        warmup_steps=1,
+    ) -> list[ParallelConfig]:
         """Every valid configuration for `world_size` ranks, best first.
 
         Ranked by the cost model for `batch` prompts: least compute per rank (the speed-up), then
@@ -224,8 +238,15 @@ class ParallelConfig:
             if leftover or rest < 1:
                 continue
             patches = None if num_patches is None else max(num_patches, pipefusion)
-            config = ParallelConfig(dp=dp, cfg=cfg, pipefusion=pipefusion, ulysses=rest, ring=ring,
-                                    num_patches=patches, warmup_steps=warmup_steps)
+            config = ParallelConfig(
+                dp=dp,
+                cfg=cfg,
+                pipefusion=pipefusion,
+                ulysses=rest,
+                ring=ring,
+                num_patches=patches,
+                warmup_steps=warmup_steps,
+            )
             if not config.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len):
                 found.append(config)
 
@@ -233,8 +254,16 @@ class ParallelConfig:
             cost = c.cost(num_layers, batch=batch, use_cfg=use_cfg)
             dims = sum(getattr(c, n) > 1 for n in DEGREES)
             # remaining ties: prefer cfg, then Ulysses (fast links), over data parallel
-            return (round(cost.work_fraction, 9), round(cost.comm_p_hs, 9), cost.params_fraction, dims,
-                    c.dp, -c.cfg, -c.ulysses, -c.ring)
+            return (
+                round(cost.work_fraction, 9),
+                round(cost.comm_p_hs, 9),
+                cost.params_fraction,
+                dims,
+                c.dp,
+                -c.cfg,
+                -c.ulysses,
+                -c.ring,
+            )
 
         return sorted(found, key=rank_key)
 

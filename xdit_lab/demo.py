@@ -21,8 +21,13 @@ def default_config(ranks: int) -> ParallelConfig:
 
     transformer = json.loads((Path(DIGITS_DIR) / "transformer" / "config.json").read_text())
     tokens = (transformer["sample_size"] // transformer["patch_size"]) ** 2
-    options = ParallelConfig.options(ranks, num_heads=transformer["num_attention_heads"],
-                                     num_layers=transformer["num_layers"], seq_len=tokens, batch=10)
+    options = ParallelConfig.options(
+        ranks,
+        num_heads=transformer["num_attention_heads"],
+        num_layers=transformer["num_layers"],
+        seq_len=tokens,
+        batch=10,
+    )
     return next(c for c in options if c.pipefusion == 1)
 
 
@@ -32,12 +37,20 @@ def _demo_rank(config, output, steps, seed):
     from .run import run_generation
 
     with loading_bars_hidden():  # size, steps, guidance and negative prompt: the model folder's own
-        return run_generation("digits", [prompt_for(d) for d in range(10)], config, output, steps=steps, seed=seed,
-                              progress=False)
+        return run_generation(
+            "digits", [prompt_for(d) for d in range(10)], config, output, steps=steps, seed=seed, progress=False
+        )
 
 
-def run_demo(config: ParallelConfig | None = None, ranks: int | None = None, output="outputs/demo", *,
-             steps: int | None = None, seed: int = 0, timeout_s: float = 900) -> dict:
+def run_demo(
+    config: ParallelConfig | None = None,
+    ranks: int | None = None,
+    output="outputs/demo",
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    timeout_s: float = 900,
+) -> dict:
     import torch
 
     from .testing import run_on_ranks
@@ -50,8 +63,16 @@ def run_demo(config: ParallelConfig | None = None, ranks: int | None = None, out
     if config.world_size > ranks:
         raise ValueError(f"{config.short()} needs {config.world_size} ranks; pass --ranks {config.world_size}")
     output = Path(output)
-    reports = run_on_ranks(_demo_rank, ranks, config, str(output), steps, seed, timeout_s=timeout_s,
-                           backend="nccl" if gpus >= ranks else "gloo")
+    reports = run_on_ranks(
+        _demo_rank,
+        ranks,
+        config,
+        str(output),
+        steps,
+        seed,
+        timeout_s=timeout_s,
+        backend="nccl" if gpus >= ranks else "gloo",
+    )
     report = next(r for r in reports if r is not None)
     report["grid"], report["accuracy"] = _grid_and_accuracy(output, report["outputs"])
     return report
@@ -81,8 +102,10 @@ def _grid_and_accuracy(output: Path, names: list[str]) -> tuple[str, float]:
 
 def print_report(report: dict) -> None:
     t = report["timings"]
-    print(f"{report['pipeline']} under {report['config_short']} on {len(report['ranks'])} rank(s): encode "
-          f"{t['encode']:.2f} s, denoise {t['denoise']:.2f} s over {len(t['steps'])} steps, decode {t['decode']:.2f} s")
+    print(
+        f"{report['pipeline']} under {report['config_short']} on {len(report['ranks'])} rank(s): encode "
+        f"{t['encode']:.2f} s, denoise {t['denoise']:.2f} s over {len(t['steps'])} steps, decode {t['decode']:.2f} s"
+    )
     print(f"{'rank':>4}  {'mesh':<40} {'params MB':>9} {'peak MB':>8}  bytes sent per group")
     for r in report["ranks"]:
         memory = r["memory"]

@@ -38,10 +38,17 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *, rank: int | None = None,
-                     world_size: int | None = None, local_rank: int | None = None,
-                     local_world_size: int | None = None, master_addr: str | None = None,
-                     master_port: int | None = None) -> DistributedInfo:
+def init_distributed(
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> DistributedInfo:
     """Initialise torch.distributed from torchrun's environment or from explicit arguments.
 
     Explicit arguments win over RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
@@ -80,7 +87,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         os.environ["MASTER_PORT"] = str(free_port())
 
     dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size,
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if backend == "nccl" else None,
     )
@@ -95,10 +104,14 @@ def current_info() -> DistributedInfo:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call xdit_lab.init_distributed() first")
     device = _STATE.get("device") or (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    )
     return DistributedInfo(
-        rank=dist.get_rank(), world_size=dist.get_world_size(),
-        local_rank=_STATE.get("local_rank", dist.get_rank()), backend=dist.get_backend(), device=device,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=_STATE.get("local_rank", dist.get_rank()),
+        backend=dist.get_backend(),
+        device=device,
         timeout_s=_STATE.get("timeout_s", DEFAULT_TIMEOUT_S),
     )
 

@@ -25,26 +25,37 @@ def report() -> tuple[list[str], bool]:
 
     built_for = torch.version.cuda
     usable = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    lines = [f"torch {torch.__version__} ({'built for CUDA ' + built_for if built_for else 'CPU build'}), "
-             f"CUDA usable: {'yes, ' + str(torch.cuda.device_count()) + ' GPU(s)' if usable else 'no'}"]
+    lines = [
+        f"torch {torch.__version__} ({'built for CUDA ' + built_for if built_for else 'CPU build'}), "
+        f"CUDA usable: {'yes, ' + str(torch.cuda.device_count()) + ' GPU(s)' if usable else 'no'}"
+    ]
     if usable:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            lines.append(f"  cuda:{index}  {props.name}  capability {props.major}.{props.minor}  "
-                         f"{props.total_memory / 2**30:.1f} GiB")
-        kernels = {str(dtype).replace("torch.", ""): attention_backend("cuda", dtype, 64)
-                   for dtype in (torch.float16, torch.bfloat16, torch.float32)}
+            lines.append(
+                f"  cuda:{index}  {props.name}  capability {props.major}.{props.minor}  "
+                f"{props.total_memory / 2**30:.1f} GiB"
+            )
+        kernels = {
+            str(dtype).replace("torch.", ""): attention_backend("cuda", dtype, 64)
+            for dtype in (torch.float16, torch.bfloat16, torch.float32)
+        }
         lines.append("attention kernels (head_dim 64): " + ", ".join(f"{k} {v}" for k, v in kernels.items()))
     else:
         seen = _nvidia_smi_gpus()
         if seen and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
             lines.append(f"nvidia-smi sees {len(seen)} GPU(s), hidden from this process (CUDA_VISIBLE_DEVICES='')")
         elif seen:
-            why = ("this torch is a CPU build" if not built_for else
-                   f"this torch is built for CUDA {built_for}; the driver may be older than that")
-            lines.append(f"WARNING: nvidia-smi sees {len(seen)} GPU(s) ({seen[0]}) but torch cannot use them: {why}. "
-                         f"Install a torch built for your driver, e.g. make setup TORCH='torch==2.5.1' "
-                         f"TORCH_INDEX=https://download.pytorch.org/whl/cu121 (see README: On a CUDA machine)")
+            why = (
+                "this torch is a CPU build"
+                if not built_for
+                else f"this torch is built for CUDA {built_for}; the driver may be older than that"
+            )
+            lines.append(
+                f"WARNING: nvidia-smi sees {len(seen)} GPU(s) ({seen[0]}) but torch cannot use them: {why}. "
+                f"Install a torch built for your driver, e.g. make setup TORCH='torch==2.5.1' "
+                f"TORCH_INDEX=https://download.pytorch.org/whl/cu121 (see README: On a CUDA machine)"
+            )
         lines.append("attention kernels: cpu_flash on CPU tensors")
     try:
         import flash_attn
@@ -59,8 +70,12 @@ def _nvidia_smi_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []

@@ -15,9 +15,18 @@ import torch
 
 from .memory import read_safetensors_header
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -69,6 +78,8 @@ def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[in
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     still_empty = [name for name, p in model.named_parameters() if p.is_meta]
     if still_empty or unexpected:
-        raise ValueError(f"{folder} does not match {class_name}: missing {still_empty[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{folder} does not match {class_name}: missing {still_empty[:5]}, unexpected {unexpected[:5]}"
+        )
     model._xdit_lab_stage_blocks = (start, stop, total)
     return model.eval()

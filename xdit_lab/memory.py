@@ -20,8 +20,20 @@ import torch
 
 from .sharding import stage_ranges
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 FLOATS = {"F64", "F32", "F16", "BF16"}
 
 
@@ -42,17 +54,23 @@ def read_safetensors_header(path: Path) -> dict:
             raise CorruptWeightsError(f"{path} is not a safetensors file: {size} bytes, shorter than its header")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
-            raise CorruptWeightsError(f"{path} is truncated or corrupt: its header claims {header_len:,} bytes but "
-                                      f"the file has {size:,}; save or copy it again")
+            raise CorruptWeightsError(
+                f"{path} is truncated or corrupt: its header claims {header_len:,} bytes but "
+                f"the file has {size:,}; save or copy it again"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CorruptWeightsError(f"{path} has a corrupt safetensors header ({error}); save or copy it again") from None
+            raise CorruptWeightsError(
+                f"{path} has a corrupt safetensors header ({error}); save or copy it again"
+            ) from None
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     data_end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
     if 8 + header_len + data_end > size:
-        raise CorruptWeightsError(f"{path} is truncated: its header promises {data_end:,} bytes of tensors, the file "
-                                  f"holds {size - 8 - header_len:,}; save or copy it again")
+        raise CorruptWeightsError(
+            f"{path} is truncated: its header promises {data_end:,} bytes of tensors, the file "
+            f"holds {size - 8 - header_len:,}; save or copy it again"
+        )
     return tensors
 
 
@@ -81,7 +99,9 @@ class MemoryPlan:
         lines = [f"  {'component':<16} {'whole':>12} {'per rank':>12}"]
         for name, whole in self.component_bytes.items():
             lines.append(f"  {name:<16} {human_bytes(whole):>12} {human_bytes(self.per_rank_bytes[name]):>12}")
-        lines.append(f"  {'total':<16} {human_bytes(sum(self.component_bytes.values())):>12} {human_bytes(self.total_per_rank):>12}")
+        lines.append(
+            f"  {'total':<16} {human_bytes(sum(self.component_bytes.values())):>12} {human_bytes(self.total_per_rank):>12}"
+        )
         return "\n".join(lines)
 
 
@@ -90,8 +110,11 @@ BLOCK_KEY = re.compile(r"^transformer_blocks\.(\d+)\.")  # the blocks PipeFusion
 
 def component_tensor_bytes(folder: Path, dtype: torch.dtype | None) -> dict[str, int]:
     """Bytes of every tensor in a component folder's safetensors, as loaded in `dtype`, from the headers alone."""
-    return {key: tensor_bytes(info, dtype) for f in sorted(Path(folder).glob("*.safetensors"))
-            for key, info in read_safetensors_header(f).items()}
+    return {
+        key: tensor_bytes(info, dtype)
+        for f in sorted(Path(folder).glob("*.safetensors"))
+        for key, info in read_safetensors_header(f).items()
+    }
 
 
 def block_bytes(tensors: dict[str, int]) -> tuple[dict[int, int], int]:
@@ -107,8 +130,15 @@ def block_bytes(tensors: dict[str, int]) -> tuple[dict[int, int], int]:
     return blocks, shared
 
 
-def plan_memory(folder: Path, components: list[str], *, dtype: torch.dtype | None, pipefusion: int = 1,
-                ranks_per_host: int = 1, stage_split: list[int] | None = None) -> MemoryPlan:
+def plan_memory(
+    folder: Path,
+    components: list[str],
+    *,
+    dtype: torch.dtype | None,
+    pipefusion: int = 1,
+    ranks_per_host: int = 1,
+    stage_split: list[int] | None = None,
+) -> MemoryPlan:
     """Bytes of every component's safetensors, and what one rank holds of them: under PipeFusion a
     stage holds its transformer blocks (the largest stage's share is planned) plus every tensor
     outside the blocks (embeddings, output layers); every other component is whole on every rank."""
@@ -158,15 +188,20 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     advice = ["load in bfloat16 (torch_dtype=torch.bfloat16) to halve float32 weights"]
     transformer = plan.component_bytes.get("transformer", 0)
     if transformer:
-        stages = max(2, -(-transformer // max(1, limit_bytes - (plan.total_per_rank - plan.per_rank_bytes["transformer"]))))
-        advice.append(f"PipeFusion splits the transformer ({human_bytes(transformer)}) over stages: pipefusion {stages} "
-                      f"holds about {human_bytes(transformer // stages)} of it per rank")
+        stages = max(
+            2, -(-transformer // max(1, limit_bytes - (plan.total_per_rank - plan.per_rank_bytes["transformer"])))
+        )
+        advice.append(
+            f"PipeFusion splits the transformer ({human_bytes(transformer)}) over stages: pipefusion {stages} "
+            f"holds about {human_bytes(transformer // stages)} of it per rank"
+        )
     if device.type == "cpu" and plan.ranks_per_host > 1:
         advice.append(f"run fewer ranks per host ({plan.ranks_per_host} share this host's memory now)")
     where = f"{device}" + (f" under {config.short()}" if config is not None else "")
     raise MemoryPlanError(
         f"the pipeline needs {human_bytes(plan.total_per_rank)} per rank on {where}, but only {human_bytes(limit_bytes)} is "
-        f"available per rank:\n{plan.table()}\nTo fit: " + "; or ".join(advice) + ".")
+        f"available per rank:\n{plan.table()}\nTo fit: " + "; or ".join(advice) + "."
+    )
 
 
 def human_bytes(n: float) -> str:
@@ -187,9 +222,11 @@ def rank_memory(pipe) -> dict:
             params[name] = sum(p.numel() * p.element_size() for p in component.parameters())
     figures = {"parameter_bytes": params, "parameter_total": sum(params.values())}
     if pipe.device.type == "cuda":
-        figures.update(allocated=torch.cuda.memory_allocated(pipe.device),
-                       max_allocated=torch.cuda.max_memory_allocated(pipe.device),
-                       reserved=torch.cuda.memory_reserved(pipe.device))
+        figures.update(
+            allocated=torch.cuda.memory_allocated(pipe.device),
+            max_allocated=torch.cuda.max_memory_allocated(pipe.device),
+            reserved=torch.cuda.memory_reserved(pipe.device),
+        )
     else:
         try:
             with open("/proc/self/status") as f:

@@ -39,8 +39,14 @@ __all__ = ["RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSE
 
 
 class RankMesh:
-    def __init__(self, config: ParallelConfig, *, rank: int | None = None, world_size: int | None = None,
-                 timeout_s: float | None = None):
+    def __init__(
+        self,
+        config: ParallelConfig,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout_s: float | None = None,
+    ):
         if rank is None or world_size is None:
             if not dist.is_initialized():
                 raise RuntimeError("RankMesh needs torch.distributed: call xdit_lab.init_distributed() first")
@@ -97,8 +103,10 @@ class RankMesh:
         groups = []
         for fixed_coords in itertools.product(*(range(self.shape[d]) for d in fixed)):
             base = dict(zip(fixed, fixed_coords))
-            members = [self.rank_of(**base, **dict(zip(varying, vc)))
-                       for vc in itertools.product(*(range(self.shape[d]) for d in varying))]
+            members = [
+                self.rank_of(**base, **dict(zip(varying, vc)))
+                for vc in itertools.product(*(range(self.shape[d]) for d in varying))
+            ]
             groups.append(sorted(members))
         return groups
 
@@ -136,8 +144,10 @@ class RankMesh:
         """The process group of this rank for `name`, or None when its degree is 1."""
         self._check_name(name)
         if self.closed and self._groups.get(name) is not None:
-            raise RuntimeError(f"this mesh ({self.config.short()}) was closed: its process groups are destroyed; "
-                               f"build a new RankMesh (or load the pipeline again)")
+            raise RuntimeError(
+                f"this mesh ({self.config.short()}) was closed: its process groups are destroyed; "
+                f"build a new RankMesh (or load the pipeline again)"
+            )
         return self._groups.get(name)
 
     def group_ranks(self, name: str) -> list[int]:

@@ -62,8 +62,10 @@ def loading_bars_hidden():
 def resolve_folder(name_or_path) -> Path:
     folder = BUNDLED.get(str(name_or_path), Path(name_or_path)).expanduser()
     if not folder.is_dir():
-        raise FileNotFoundError(f"no pipeline folder at {folder}: pass a local diffusers pipeline folder "
-                                f"(with model_index.json) or a bundled name ({', '.join(BUNDLED)})")
+        raise FileNotFoundError(
+            f"no pipeline folder at {folder}: pass a local diffusers pipeline folder "
+            f"(with model_index.json) or a bundled name ({', '.join(BUNDLED)})"
+        )
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{folder} has no model_index.json: it is not a diffusers pipeline folder")
     return folder
@@ -89,15 +91,24 @@ def read_call_defaults(folder: Path, recipe) -> dict:
     allowed = (*CALL_ARGUMENTS, *recipe.options)
     unknown = sorted(set(defaults) - set(allowed)) if isinstance(defaults, dict) else None
     if unknown is None or unknown:
-        raise ValueError(f"{path} must be a JSON object of {recipe.family} call arguments ({', '.join(allowed)}); "
-                         f"it has {unknown if unknown is not None else type(defaults).__name__}")
+        raise ValueError(
+            f"{path} must be a JSON object of {recipe.family} call arguments ({', '.join(allowed)}); "
+            f"it has {unknown if unknown is not None else type(defaults).__name__}"
+        )
     return defaults
 
 
-def load_pipeline(name_or_path, config: ParallelConfig | None = None, *, mesh: RankMesh | None = None,
-                  torch_dtype: torch.dtype = torch.float32, memory_limit_bytes: int | None = None,
-                  progress: bool = True, stage_split: list[int] | None = None,
-                  **from_pretrained_kwargs) -> "ParallelPipeline":
+def load_pipeline(
+    name_or_path,
+    config: ParallelConfig | None = None,
+    *,
+    mesh: RankMesh | None = None,
+    torch_dtype: torch.dtype = torch.float32,
+    memory_limit_bytes: int | None = None,
+    progress: bool = True,
+    stage_split: list[int] | None = None,
+    **from_pretrained_kwargs,
+) -> ParallelPipeline:
     """Load a PixArt-α/Σ, SD3, Flux.1 or CogVideoX pipeline folder and parallelize it on this rank.
 
     Call on every rank. `config` defaults to one rank (serial); without torch.distributed
@@ -117,25 +128,61 @@ def load_pipeline(name_or_path, config: ParallelConfig | None = None, *, mesh: R
     owns_mesh = mesh is None  # a mesh made here is closed with the pipeline (or if loading fails)
     mesh = mesh or RankMesh(config)
     try:
-        return _load(folder, index, recipe, call_defaults, config, mesh, info, torch_dtype, memory_limit_bytes,
-                     progress, stage_split, from_pretrained_kwargs, owns_mesh)
+        return _load(
+            folder,
+            index,
+            recipe,
+            call_defaults,
+            config,
+            mesh,
+            info,
+            torch_dtype,
+            memory_limit_bytes,
+            progress,
+            stage_split,
+            from_pretrained_kwargs,
+            owns_mesh,
+        )
     except BaseException:
         if owns_mesh:
             mesh.close()
         raise
 
 
-def _load(folder, index, recipe, call_defaults, config, mesh, info, torch_dtype, memory_limit_bytes, progress,
-          stage_split, from_pretrained_kwargs, owns_mesh) -> "ParallelPipeline":
-    components = [name for name, value in index.items()
-                  if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()]
+def _load(
+    folder,
+    index,
+    recipe,
+    call_defaults,
+    config,
+    mesh,
+    info,
+    torch_dtype,
+    memory_limit_bytes,
+    progress,
+    stage_split,
+    from_pretrained_kwargs,
+    owns_mesh,
+) -> ParallelPipeline:
+    components = [
+        name
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()
+    ]
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    plan = plan_memory(folder, components, dtype=torch_dtype, pipefusion=config.pipefusion,
-                       ranks_per_host=min(local_ranks, config.world_size), stage_split=stage_split)
+    plan = plan_memory(
+        folder,
+        components,
+        dtype=torch_dtype,
+        pipefusion=config.pipefusion,
+        ranks_per_host=min(local_ranks, config.world_size),
+        stage_split=stage_split,
+    )
     check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
     if not mesh.active:
-        return ParallelPipeline(None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults,
-                                owns_mesh=owns_mesh)
+        return ParallelPipeline(
+            None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults, owns_mesh=owns_mesh
+        )
 
     from diffusers import DiffusionPipeline
 
@@ -145,7 +192,8 @@ def _load(folder, index, recipe, call_defaults, config, mesh, info, torch_dtype,
         stages = stage_ranges(transformer_config["num_layers"], config.pipefusion, stage_split)
         blocks = stages[mesh.coords[PIPEFUSION]]
         from_pretrained_kwargs["transformer"] = load_stage_transformer(
-            folder / "transformer", index["transformer"][1], blocks, torch_dtype)
+            folder / "transformer", index["transformer"][1], blocks, torch_dtype
+        )
     try:
         inner = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype, **from_pretrained_kwargs)
     except (OSError, RuntimeError) as error:
@@ -153,17 +201,30 @@ def _load(folder, index, recipe, call_defaults, config, mesh, info, torch_dtype,
             raise
         # mmap can fail on some file systems or under address-space limits: read the files instead.
         try:
-            inner = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype, disable_mmap=True,
-                                                      **from_pretrained_kwargs)
+            inner = DiffusionPipeline.from_pretrained(
+                folder, dtype=torch_dtype, disable_mmap=True, **from_pretrained_kwargs
+            )
         except Exception as retry_error:
-            raise MemoryError(f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "
-                              f"Memory plan per rank:\n{plan.table()}\nUse fewer ranks per host, bfloat16, or "
-                              f"PipeFusion to hold less per rank") from retry_error
+            raise MemoryError(
+                f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "
+                f"Memory plan per rank:\n{plan.table()}\nUse fewer ranks per host, bfloat16, or "
+                f"PipeFusion to hold less per rank"
+            ) from retry_error
     inner.set_progress_bar_config(disable=True)
     inner.to(info.device)
     parallelize(inner.transformer, config, mesh, stage_split=stage_split)
-    return ParallelPipeline(inner, recipe, config, mesh, info.device, plan, folder, progress=progress,
-                            call_defaults=call_defaults, owns_mesh=owns_mesh)
+    return ParallelPipeline(
+        inner,
+        recipe,
+        config,
+        mesh,
+        info.device,
+        plan,
+        folder,
+        progress=progress,
+        call_defaults=call_defaults,
+        owns_mesh=owns_mesh,
+    )
 
 
 def _mentions_mmap(error: BaseException | None) -> bool:
@@ -181,8 +242,20 @@ class ParallelPipeline:
     `call_defaults`: what an argument left out of `pipe(...)` / `pipe.session(...)` becomes (the
     family's steps and guidance, overlaid with the folder's `call_defaults.json`)."""
 
-    def __init__(self, diffusers_pipeline, recipe, config, mesh, device, plan, folder, *, progress=True,
-                 call_defaults: dict | None = None, owns_mesh: bool = False):
+    def __init__(
+        self,
+        diffusers_pipeline,
+        recipe,
+        config,
+        mesh,
+        device,
+        plan,
+        folder,
+        *,
+        progress=True,
+        call_defaults: dict | None = None,
+        owns_mesh: bool = False,
+    ):
         self.diffusers_pipeline, self.recipe, self.config, self.mesh = diffusers_pipeline, recipe, config, mesh
         self.device, self.memory_plan, self.folder, self.progress = device, plan, folder, progress
         self.call_defaults = dict(recipe.defaults if call_defaults is None else call_defaults)
@@ -198,39 +271,84 @@ class ParallelPipeline:
     def active(self) -> bool:
         return self.diffusers_pipeline is not None
 
-    def session(self, prompt, negative_prompt=None, num_inference_steps=None, guidance_scale=None, height=None,
-                width=None, generator=None, seed=None, progress=False, **options) -> DenoiseSession:
+    def session(
+        self,
+        prompt,
+        negative_prompt=None,
+        num_inference_steps=None,
+        guidance_scale=None,
+        height=None,
+        width=None,
+        generator=None,
+        seed=None,
+        progress=False,
+        **options,
+    ) -> DenoiseSession:
         """Prepare a generation and return it unstarted: step() it, or run() it."""
         if not self.active:
-            raise RuntimeError(f"rank {self.mesh.rank} is idle under {self.config.short()}: only ranks with "
-                               f"pipe.active run generations")
+            raise RuntimeError(
+                f"rank {self.mesh.rank} is idle under {self.config.short()}: only ranks with "
+                f"pipe.active run generations"
+            )
         defaults = self.call_defaults
         negative_prompt = defaults.get("negative_prompt") if negative_prompt is None else negative_prompt
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        negatives = None if negative_prompt is None else (
-            [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt))
+        negatives = (
+            None
+            if negative_prompt is None
+            else ([negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt))
+        )
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompt must be a string or a non-empty list of strings")
         if negatives is not None and len(negatives) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(negatives)} negative prompts: give one negative per "
-                             f"prompt, a single string for all, or None")
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(negatives)} negative prompts: give one negative per "
+                f"prompt, a single string for all, or None"
+            )
         if generator is not None and seed is not None:
             raise ValueError("pass either generator= or seed=, not both")
         request = Request(
-            prompts=prompts, negatives=negatives,
+            prompts=prompts,
+            negatives=negatives,
             num_inference_steps=num_inference_steps or defaults["num_inference_steps"],
             guidance_scale=defaults["guidance_scale"] if guidance_scale is None else guidance_scale,
-            height=height or defaults.get("height"), width=width or defaults.get("width"), seed=seed,
+            height=height or defaults.get("height"),
+            width=width or defaults.get("width"),
+            seed=seed,
             generator=generator,
-            options=self.recipe.check_options({**{k: v for k, v in defaults.items() if k in self.recipe.options},
-                                               **options}))
+            options=self.recipe.check_options(
+                {**{k: v for k, v in defaults.items() if k in self.recipe.options}, **options}
+            ),
+        )
         self.check_size(request)
         return DenoiseSession(self, request, progress=progress)
 
-    def __call__(self, prompt, negative_prompt=None, num_inference_steps=None, guidance_scale=None, height=None,
-                 width=None, generator=None, output_type="pil", return_dict=True, seed=None, **options):
-        session = self.session(prompt, negative_prompt, num_inference_steps, guidance_scale, height, width,
-                               generator, seed, progress=self.progress, **options)
+    def __call__(
+        self,
+        prompt,
+        negative_prompt=None,
+        num_inference_steps=None,
+        guidance_scale=None,
+        height=None,
+        width=None,
+        generator=None,
+        output_type="pil",
+        return_dict=True,
+        seed=None,
+        **options,
+    ):
+        session = self.session(
+            prompt,
+            negative_prompt,
+            num_inference_steps,
+            guidance_scale,
+            height,
+            width,
+            generator,
+            seed,
+            progress=self.progress,
+            **options,
+        )
         return session.run().result(output_type=output_type, return_dict=return_dict)
 
     def check_size(self, request: Request) -> None:
@@ -242,15 +360,21 @@ class ParallelPipeline:
         tokens = (height // multiple) * (width // multiple) * self.recipe.token_frames(self.diffusers_pipeline, request)
         rows = height // multiple
         if self.config.pipefusion > 1 and not bad and rows < self.config.patches:
-            raise ValueError(f"image height {height} gives {rows} token rows, fewer than the {self.config.patches} "
-                             f"PipeFusion patches (row bands); use a height of at least "
-                             f"{self.config.patches * multiple} or fewer patches")
+            raise ValueError(
+                f"image height {height} gives {rows} token rows, fewer than the {self.config.patches} "
+                f"PipeFusion patches (row bands); use a height of at least "
+                f"{self.config.patches * multiple} or fewer patches"
+            )
         if bad or tokens < sp:
             smallest = multiple
             while (smallest // multiple) ** 2 * self.recipe.token_frames(self.diffusers_pipeline, request) < sp:
                 smallest += multiple
             fits = ", ".join(str(smallest + i * multiple) for i in range(4))
-            why = (f"{' and '.join(bad)} not a multiple of {multiple} (VAE downsampling × patch size)" if bad
-                   else f"{tokens} tokens cannot be shared by {sp} sequence shards × patches")
-            raise ValueError(f"image size {height}×{width} does not fit: {why}. Sizes that fit {self.config.short()}: "
-                             f"{fits}, ...")
+            why = (
+                f"{' and '.join(bad)} not a multiple of {multiple} (VAE downsampling × patch size)"
+                if bad
+                else f"{tokens} tokens cannot be shared by {sp} sequence shards × patches"
+            )
+            raise ValueError(
+                f"image size {height}×{width} does not fit: {why}. Sizes that fit {self.config.short()}: {fits}, ..."
+            )

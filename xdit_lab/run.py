@@ -43,30 +43,71 @@ def atomic_write(path: Path, write) -> Path:
     return path
 
 
-def run_generation(model: str, prompts: list[str], config: ParallelConfig, output_dir, *, negative_prompts=None,
-                   steps=None, guidance_scale=None, seed: int = 0, height=None, width=None, dtype: str = "float32",
-                   output_type: str = "pil", progress: bool = True, timeout_s: float = 600,
-                   options: dict | None = None) -> dict | None:
+def run_generation(
+    model: str,
+    prompts: list[str],
+    config: ParallelConfig,
+    output_dir,
+    *,
+    negative_prompts=None,
+    steps=None,
+    guidance_scale=None,
+    seed: int = 0,
+    height=None,
+    width=None,
+    dtype: str = "float32",
+    output_type: str = "pil",
+    progress: bool = True,
+    timeout_s: float = 600,
+    options: dict | None = None,
+) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report."""
     init_distributed(timeout_s=timeout_s)
     pipe = load_pipeline(model, config, torch_dtype=DTYPES[dtype], progress=progress)
     if not pipe.active:
         return None  # a configuration smaller than the world: this rank sits out
     with comm.comm_log() as log:
-        result = pipe(prompts, negative_prompt=negative_prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
-                      height=height, width=width, seed=seed, output_type=output_type, **(options or {}))
-    mine = dict(rank=current_info().rank, mesh=str(pipe.mesh), device=str(pipe.device), memory=rank_memory(pipe),
-                bytes_out_by_group=log.bytes_by_group(), timings=result.timings)
+        result = pipe(
+            prompts,
+            negative_prompt=negative_prompts,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            seed=seed,
+            output_type=output_type,
+            **(options or {}),
+        )
+    mine = dict(
+        rank=current_info().rank,
+        mesh=str(pipe.mesh),
+        device=str(pipe.device),
+        memory=rank_memory(pipe),
+        bytes_out_by_group=log.bytes_by_group(),
+        timings=result.timings,
+    )
     ranks = comm.all_gather_object(mine, pipe.mesh, WORLD, tag="report")
     if pipe.mesh.group_rank(WORLD) != 0:
         return None
     files = _write_outputs(result, pipe.recipe, Path(output_dir), output_type)
-    report = dict(model=str(model), pipeline=type(pipe.diffusers_pipeline).__name__, config=config.__dict__,
-                  config_short=config.short(), prompts=prompts, negative_prompts=negative_prompts, seed=seed,
-                  steps=len(result.timings["steps"]), dtype=dtype, outputs=files, timings=result.timings,
-                  memory_plan={"per_rank_bytes": pipe.memory_plan.per_rank_bytes,
-                               "component_bytes": pipe.memory_plan.component_bytes},
-                  ranks=ranks)
+    report = dict(
+        model=str(model),
+        pipeline=type(pipe.diffusers_pipeline).__name__,
+        config=config.__dict__,
+        config_short=config.short(),
+        prompts=prompts,
+        negative_prompts=negative_prompts,
+        seed=seed,
+        steps=len(result.timings["steps"]),
+        dtype=dtype,
+        outputs=files,
+        timings=result.timings,
+        memory_plan={
+            "per_rank_bytes": pipe.memory_plan.per_rank_bytes,
+            "component_bytes": pipe.memory_plan.component_bytes,
+        },
+        ranks=ranks,
+    )
     atomic_write(Path(output_dir) / "report.json", lambda p: p.write_text(json.dumps(report, indent=2, default=str)))
     return report
 
@@ -80,8 +121,12 @@ def _write_outputs(result, recipe, output_dir: Path, output_type: str) -> list[s
     for i, image in enumerate(images):
         if isinstance(image, list):  # a video: its frames as one animated GIF
             name = f"{i:03d}.gif"
-            atomic_write(output_dir / name, lambda p, frames=image: frames[0].save(
-                p, format="GIF", save_all=True, append_images=frames[1:], duration=125, loop=0))
+            atomic_write(
+                output_dir / name,
+                lambda p, frames=image: frames[0].save(
+                    p, format="GIF", save_all=True, append_images=frames[1:], duration=125, loop=0
+                ),
+            )
         else:
             name = f"{i:03d}.png"
             atomic_write(output_dir / name, lambda p, picture=image: picture.save(p, format="PNG"))

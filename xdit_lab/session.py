@@ -54,8 +54,13 @@ class PhaseTimings:
             torch.cuda.synchronize(self.device)
 
     def as_dict(self) -> dict:
-        return dict(encode=self.encode, prepare=self.prepare, steps=list(self.steps),
-                    denoise=sum(self.steps), decode=self.decode)
+        return dict(
+            encode=self.encode,
+            prepare=self.prepare,
+            steps=list(self.steps),
+            denoise=sum(self.steps),
+            decode=self.decode,
+        )
 
 
 class DenoiseSession:
@@ -96,7 +101,7 @@ class DenoiseSession:
         return self.prepared.latents
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def step(self) -> "DenoiseSession":
+    def step(self) -> DenoiseSession:
         """Run exactly one scheduler step on all ranks."""
         if self.done:
             raise RuntimeError(f"all {self.num_steps} steps are done; call result() or start a new session")
@@ -113,7 +118,7 @@ class DenoiseSession:
         self.step_index += 1
         return self
 
-    def run(self) -> "DenoiseSession":
+    def run(self) -> DenoiseSession:
         """Run the remaining steps (with a progress bar on the first rank when asked)."""
         bar = None
         if self.progress and self.pipe.mesh.rank == 0:
@@ -163,17 +168,26 @@ def _digest(value) -> str:
 
 def check_same_inputs(mesh, request: Request, prepared: Prepared) -> None:
     """All-gather a hash of every input and raise on every rank if any rank differs."""
-    fields = dict(prompts=request.prompts, negatives=request.negatives, steps=request.num_inference_steps,
-                  guidance=request.guidance_scale, size=(request.height, request.width),
-                  options=sorted(request.options.items()), latents=prepared.latents)
+    fields = dict(
+        prompts=request.prompts,
+        negatives=request.negatives,
+        steps=request.num_inference_steps,
+        guidance=request.guidance_scale,
+        size=(request.height, request.width),
+        options=sorted(request.options.items()),
+        latents=prepared.latents,
+    )
     # Text embeddings are left out: GPU kernels need not be bit-reproducible across devices.
     mine = {name: _digest(value) for name, value in fields.items()}
     everyone = comm.all_gather_object(mine, mesh, WORLD, tag="input_hash")
     differing = sorted({name for other in everyone for name in mine if other[name] != mine[name]})
     if differing:
         ranks = mesh.group_ranks(WORLD)
-        detail = "; ".join(f"{name}: " + ", ".join(f"rank {r} {h[name][:8]}" for r, h in zip(ranks, everyone))
-                           for name in differing)
-        raise ValueError(f"ranks hold different inputs ({', '.join(differing)}): {detail}. Every rank must get the "
-                         f"same prompts, negatives, seed, sizes and options: pass them from one place (the CLI or "
-                         f"the Lab), and seed with seed=N or a CPU generator")
+        detail = "; ".join(
+            f"{name}: " + ", ".join(f"rank {r} {h[name][:8]}" for r, h in zip(ranks, everyone)) for name in differing
+        )
+        raise ValueError(
+            f"ranks hold different inputs ({', '.join(differing)}): {detail}. Every rank must get the "
+            f"same prompts, negatives, seed, sizes and options: pass them from one place (the CLI or "
+            f"the Lab), and seed with seed=N or a CPU generator"
+        )

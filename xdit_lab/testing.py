@@ -41,9 +41,16 @@ def _child(fn, rank, world_size, port, backend, timeout_s, env, args, kwargs, re
     try:
         from xdit_lab.distributed import init_distributed, shutdown_distributed
 
-        init_distributed(backend=backend, timeout_s=timeout_s, rank=rank, world_size=world_size,
-                         local_rank=rank, local_world_size=world_size, master_addr="127.0.0.1",
-                         master_port=port)
+        init_distributed(
+            backend=backend,
+            timeout_s=timeout_s,
+            rank=rank,
+            world_size=world_size,
+            local_rank=rank,
+            local_world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
         try:
             value = fn(*args, **kwargs)
         finally:
@@ -55,8 +62,16 @@ def _child(fn, rank, world_size, port, backend, timeout_s, env, args, kwargs, re
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120, backend: str = "gloo",
-                 collective_timeout_s: float | None = None, env: dict | None = None, **kwargs) -> list:
+def run_on_ranks(
+    fn,
+    world_size: int,
+    *args,
+    timeout_s: float = 120,
+    backend: str = "gloo",
+    collective_timeout_s: float | None = None,
+    env: dict | None = None,
+    **kwargs,
+) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` fresh ranks; return their results in rank order.
 
     `fn` must be importable by name (a module-level function). `collective_timeout_s` bounds each
@@ -69,9 +84,15 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120, backend: st
     port = free_port()
     collective_timeout_s = collective_timeout_s or max(5.0, timeout_s * 0.8)
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [ctx.Process(target=_child, daemon=True, name=f"rank{rank}",
-                         args=(fn, rank, world_size, port, backend, collective_timeout_s, env, args, kwargs, results))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            daemon=True,
+            name=f"rank{rank}",
+            args=(fn, rank, world_size, port, backend, collective_timeout_s, env, args, kwargs, results),
+        )
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
 

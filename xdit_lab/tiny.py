@@ -28,21 +28,57 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
     inner = heads * HEAD_DIM
     common = dict(num_attention_heads=heads, attention_head_dim=HEAD_DIM, num_layers=layers)
     if family == "pixart":
-        config = dict(common, in_channels=4, out_channels=8, cross_attention_dim=inner, caption_channels=TEXT_DIM,
-                      sample_size=8, patch_size=2, norm_type="ada_norm_single", use_additional_conditions=False)
+        config = dict(
+            common,
+            in_channels=4,
+            out_channels=8,
+            cross_attention_dim=inner,
+            caption_channels=TEXT_DIM,
+            sample_size=8,
+            patch_size=2,
+            norm_type="ada_norm_single",
+            use_additional_conditions=False,
+        )
         model = diffusers.PixArtTransformer2DModel(**(config | overrides))
     elif family == "sd3":
-        config = dict(common, sample_size=8, patch_size=2, in_channels=16, out_channels=16, joint_attention_dim=TEXT_DIM,
-                      caption_projection_dim=inner, pooled_projection_dim=TEXT_DIM, pos_embed_max_size=32)
+        config = dict(
+            common,
+            sample_size=8,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            joint_attention_dim=TEXT_DIM,
+            caption_projection_dim=inner,
+            pooled_projection_dim=TEXT_DIM,
+            pos_embed_max_size=32,
+        )
         model = diffusers.SD3Transformer2DModel(**(config | overrides))
     elif family == "flux":
-        config = dict(common, patch_size=1, in_channels=16, num_single_layers=2, joint_attention_dim=TEXT_DIM,
-                      pooled_projection_dim=TEXT_DIM, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+        config = dict(
+            common,
+            patch_size=1,
+            in_channels=16,
+            num_single_layers=2,
+            joint_attention_dim=TEXT_DIM,
+            pooled_projection_dim=TEXT_DIM,
+            guidance_embeds=False,
+            axes_dims_rope=(4, 6, 6),
+        )
         model = diffusers.FluxTransformer2DModel(**(config | overrides))
     elif family == "cogvideox":
-        config = dict(common, in_channels=4, out_channels=4, time_embed_dim=32, text_embed_dim=TEXT_DIM,
-                      sample_width=8, sample_height=8, sample_frames=9, patch_size=2, temporal_compression_ratio=4,
-                      max_text_seq_length=8)
+        config = dict(
+            common,
+            in_channels=4,
+            out_channels=4,
+            time_embed_dim=32,
+            text_embed_dim=TEXT_DIM,
+            sample_width=8,
+            sample_height=8,
+            sample_frames=9,
+            patch_size=2,
+            temporal_compression_ratio=4,
+            max_text_seq_length=8,
+        )
         model = diffusers.CogVideoXTransformer3DModel(**(config | overrides))
     elif family == "dit":
         config = dict(common, in_channels=4, out_channels=8, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
@@ -62,24 +98,47 @@ def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8,
     text = randn(batch, text_len, TEXT_DIM)
     timestep = torch.rand(batch, generator=g) * 1000
     if family == "pixart":
-        return dict(hidden_states=randn(batch, 4, height, width), encoder_hidden_states=text, timestep=timestep,
-                    added_cond_kwargs={"resolution": None, "aspect_ratio": None})
+        return dict(
+            hidden_states=randn(batch, 4, height, width),
+            encoder_hidden_states=text,
+            timestep=timestep,
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+        )
     if family == "sd3":
-        return dict(hidden_states=randn(batch, 16, height, width), encoder_hidden_states=text,
-                    pooled_projections=randn(batch, TEXT_DIM), timestep=timestep)
+        return dict(
+            hidden_states=randn(batch, 16, height, width),
+            encoder_hidden_states=text,
+            pooled_projections=randn(batch, TEXT_DIM),
+            timestep=timestep,
+        )
     if family == "flux":
         tokens = height * width
-        img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)),
-                                             indexing="ij"), dim=-1).reshape(tokens, 3).float()
-        return dict(hidden_states=randn(batch, tokens, 16), encoder_hidden_states=text,
-                    pooled_projections=randn(batch, TEXT_DIM), timestep=timestep / 1000,
-                    img_ids=img_ids, txt_ids=torch.zeros(text_len, 3))
+        img_ids = (
+            torch.stack(
+                torch.meshgrid(torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), indexing="ij"),
+                dim=-1,
+            )
+            .reshape(tokens, 3)
+            .float()
+        )
+        return dict(
+            hidden_states=randn(batch, tokens, 16),
+            encoder_hidden_states=text,
+            pooled_projections=randn(batch, TEXT_DIM),
+            timestep=timestep / 1000,
+            img_ids=img_ids,
+            txt_ids=torch.zeros(text_len, 3),
+        )
     if family == "cogvideox":
-        return dict(hidden_states=randn(batch, 3, 4, height, width), encoder_hidden_states=text,
-                    timestep=timestep.long())
+        return dict(
+            hidden_states=randn(batch, 3, 4, height, width), encoder_hidden_states=text, timestep=timestep.long()
+        )
     if family == "dit":
-        return dict(hidden_states=randn(batch, 4, height, width), timestep=timestep.long(),
-                    class_labels=torch.arange(batch) % 10)
+        return dict(
+            hidden_states=randn(batch, 4, height, width),
+            timestep=timestep.long(),
+            class_labels=torch.arange(batch) % 10,
+        )
     raise ValueError(f"unknown tiny family {family!r}")
 
 
@@ -88,11 +147,18 @@ def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8,
 # tokenizes) with transformers' own T5Tokenizer / CLIPTokenizer classes, so the saved folder loads with stock
 # `DiffusionPipeline.from_pretrained` and the pipelines' type checks see the classes they expect.
 
-WORDS = ("a an the of and in on with photo picture drawing handwritten digit number cat dog bird car tree house "
-         "red blue green black white yellow small big").split() + list(string.digits)
-MAX_TOKENS = 8    # CLIP's model_max_length, and `max_sequence_length` for T5 (CogVideoX needs text length = 8)
-PIPELINES = {"pixart": "PixArtAlphaPipeline", "pixart-sigma": "PixArtSigmaPipeline",
-             "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "cogvideox": "CogVideoXPipeline"}
+WORDS = (
+    "a an the of and in on with photo picture drawing handwritten digit number cat dog bird car tree house "
+    "red blue green black white yellow small big"
+).split() + list(string.digits)
+MAX_TOKENS = 8  # CLIP's model_max_length, and `max_sequence_length` for T5 (CogVideoX needs text length = 8)
+PIPELINES = {
+    "pixart": "PixArtAlphaPipeline",
+    "pixart-sigma": "PixArtSigmaPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "cogvideox": "CogVideoXPipeline",
+}
 
 
 def _t5_tokenizer():
@@ -100,8 +166,11 @@ def _t5_tokenizer():
     from transformers import T5Tokenizer
 
     chars = string.ascii_letters + string.digits + string.punctuation
-    vocab = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-             + [("▁" + w, -1.0) for w in WORDS] + [(c, -5.0) for c in chars])
+    vocab = (
+        [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+        + [("▁" + w, -1.0) for w in WORDS]
+        + [(c, -5.0) for c in chars]
+    )
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
@@ -127,8 +196,17 @@ def _t5_encoder(seed: int, vocab_size: int, width: int = TEXT_DIM):
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
-    config = T5Config(vocab_size=vocab_size, d_model=width, d_kv=8, num_heads=4, num_layers=2, d_ff=2 * width,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    config = T5Config(
+        vocab_size=vocab_size,
+        d_model=width,
+        d_kv=8,
+        num_heads=4,
+        num_layers=2,
+        d_ff=2 * width,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     return T5EncoderModel(config).eval()
 
 
@@ -137,9 +215,18 @@ def _clip_encoder(seed: int, vocab_size: int, width: int, projection: bool):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
-    config = CLIPTextConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, projection_dim=width,
-                            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=MAX_TOKENS,
-                            bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    config = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        projection_dim=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=MAX_TOKENS,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
@@ -148,9 +235,16 @@ def _vae(seed: int, latent_channels: int, **config):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    return AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                         block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=8,
-                         latent_channels=latent_channels, sample_size=16, **config).eval()
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=latent_channels,
+        sample_size=16,
+        **config,
+    ).eval()
 
 
 def _video_vae(seed: int):
@@ -158,10 +252,17 @@ def _video_vae(seed: int):
     from diffusers import AutoencoderKLCogVideoX
 
     torch.manual_seed(seed)
-    return AutoencoderKLCogVideoX(down_block_types=("CogVideoXDownBlock3D",) * 3,
-                                  up_block_types=("CogVideoXUpBlock3D",) * 3, block_out_channels=(8, 8, 8),
-                                  latent_channels=4, layers_per_block=1, norm_num_groups=2,
-                                  temporal_compression_ratio=4, sample_height=32, sample_width=32).eval()
+    return AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 3,
+        up_block_types=("CogVideoXUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        sample_height=32,
+        sample_width=32,
+    ).eval()
 
 
 def tiny_pipeline(family: str, *, seed: int = 0):
@@ -170,38 +271,75 @@ def tiny_pipeline(family: str, *, seed: int = 0):
 
     if family not in PIPELINES:
         raise ValueError(f"unknown tiny pipeline family {family!r}; choose one of {', '.join(PIPELINES)}")
-    with torch.random.fork_rng():                       # leave the caller's global RNG alone
+    with torch.random.fork_rng():  # leave the caller's global RNG alone
         t5_tok = _t5_tokenizer()
         t5 = _t5_encoder(seed + 1, len(t5_tok))
-        if family.startswith("pixart"):                 # learned sigma: out = 2 x 4 latent channels
-            parts = dict(transformer=tiny_transformer("pixart", seed=seed), text_encoder=t5, tokenizer=t5_tok,
-                         vae=_vae(seed + 2, 4, scaling_factor=0.18215),
-                         scheduler=diffusers.DPMSolverMultistepScheduler())
-        elif family == "sd3":                           # CLIP 16 + 16 wide = T5 32 = joint dim; pooled 16 + 16
+        if family.startswith("pixart"):  # learned sigma: out = 2 x 4 latent channels
+            parts = dict(
+                transformer=tiny_transformer("pixart", seed=seed),
+                text_encoder=t5,
+                tokenizer=t5_tok,
+                vae=_vae(seed + 2, 4, scaling_factor=0.18215),
+                scheduler=diffusers.DPMSolverMultistepScheduler(),
+            )
+        elif family == "sd3":  # CLIP 16 + 16 wide = T5 32 = joint dim; pooled 16 + 16
             clip_tok, clip_tok_2 = _clip_tokenizer(), _clip_tokenizer()
-            parts = dict(transformer=tiny_transformer("sd3", seed=seed),
-                         text_encoder=_clip_encoder(seed + 3, len(clip_tok), TEXT_DIM // 2, projection=True),
-                         text_encoder_2=_clip_encoder(seed + 4, len(clip_tok), TEXT_DIM // 2, projection=True),
-                         text_encoder_3=t5, tokenizer=clip_tok, tokenizer_2=clip_tok_2, tokenizer_3=t5_tok,
-                         vae=_vae(seed + 2, 16, scaling_factor=1.5305, shift_factor=0.0609,
-                                  use_quant_conv=False, use_post_quant_conv=False),
-                         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
-        elif family == "flux":                          # 2 x 2 patches of 16 latent channels packed into 64
+            parts = dict(
+                transformer=tiny_transformer("sd3", seed=seed),
+                text_encoder=_clip_encoder(seed + 3, len(clip_tok), TEXT_DIM // 2, projection=True),
+                text_encoder_2=_clip_encoder(seed + 4, len(clip_tok), TEXT_DIM // 2, projection=True),
+                text_encoder_3=t5,
+                tokenizer=clip_tok,
+                tokenizer_2=clip_tok_2,
+                tokenizer_3=t5_tok,
+                vae=_vae(
+                    seed + 2,
+                    16,
+                    scaling_factor=1.5305,
+                    shift_factor=0.0609,
+                    use_quant_conv=False,
+                    use_post_quant_conv=False,
+                ),
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            )
+        elif family == "flux":  # 2 x 2 patches of 16 latent channels packed into 64
             clip_tok = _clip_tokenizer()
-            parts = dict(transformer=tiny_transformer("flux", seed=seed, in_channels=64),
-                         text_encoder=_clip_encoder(seed + 3, len(clip_tok), TEXT_DIM, projection=False),
-                         text_encoder_2=t5, tokenizer=clip_tok, tokenizer_2=t5_tok,
-                         vae=_vae(seed + 2, 16, scaling_factor=0.3611, shift_factor=0.1159,
-                                  use_quant_conv=False, use_post_quant_conv=False),
-                         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
-                             shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                             base_image_seq_len=256, max_image_seq_len=4096))
-        else:                                           # cogvideox (2b's sampler: v-prediction, zero-SNR, trailing)
-            parts = dict(transformer=tiny_transformer("cogvideox", seed=seed), text_encoder=t5, tokenizer=t5_tok,
-                         vae=_video_vae(seed + 2),
-                         scheduler=diffusers.CogVideoXDDIMScheduler(
-                             clip_sample=False, prediction_type="v_prediction", rescale_betas_zero_snr=True,
-                             timestep_spacing="trailing"))
+            parts = dict(
+                transformer=tiny_transformer("flux", seed=seed, in_channels=64),
+                text_encoder=_clip_encoder(seed + 3, len(clip_tok), TEXT_DIM, projection=False),
+                text_encoder_2=t5,
+                tokenizer=clip_tok,
+                tokenizer_2=t5_tok,
+                vae=_vae(
+                    seed + 2,
+                    16,
+                    scaling_factor=0.3611,
+                    shift_factor=0.1159,
+                    use_quant_conv=False,
+                    use_post_quant_conv=False,
+                ),
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
+                    shift=3.0,
+                    use_dynamic_shifting=True,
+                    base_shift=0.5,
+                    max_shift=1.15,
+                    base_image_seq_len=256,
+                    max_image_seq_len=4096,
+                ),
+            )
+        else:  # cogvideox (2b's sampler: v-prediction, zero-SNR, trailing)
+            parts = dict(
+                transformer=tiny_transformer("cogvideox", seed=seed),
+                text_encoder=t5,
+                tokenizer=t5_tok,
+                vae=_video_vae(seed + 2),
+                scheduler=diffusers.CogVideoXDDIMScheduler(
+                    clip_sample=False,
+                    prediction_type="v_prediction",
+                    rescale_betas_zero_snr=True,
+                    timestep_spacing="trailing",
+                ),
+            )
         return getattr(diffusers, PIPELINES[family])(**parts)
 
 
@@ -215,10 +353,13 @@ def save_tiny_pipeline(family: str, path, *, seed: int = 0) -> Path:
 def tiny_pipeline_kwargs(family: str) -> dict:
     """Call arguments that run a tiny pipeline at an 8 x 8 latent (CogVideoX: 9 frames -> 3 latent frames)."""
     size = dict(height=16, width=16, max_sequence_length=MAX_TOKENS)
-    table = {"pixart": dict(size, use_resolution_binning=False, clean_caption=False),
-             "pixart-sigma": dict(size, use_resolution_binning=False, clean_caption=False),
-             "sd3": size, "flux": size,
-             "cogvideox": dict(height=32, width=32, num_frames=9, max_sequence_length=MAX_TOKENS)}
+    table = {
+        "pixart": dict(size, use_resolution_binning=False, clean_caption=False),
+        "pixart-sigma": dict(size, use_resolution_binning=False, clean_caption=False),
+        "sd3": size,
+        "flux": size,
+        "cogvideox": dict(height=32, width=32, num_frames=9, max_sequence_length=MAX_TOKENS),
+    }
     if family not in table:
         raise ValueError(f"unknown tiny pipeline family {family!r}; choose one of {', '.join(table)}")
     return dict(table[family])

@@ -40,13 +40,14 @@ CHROMIUM = "/usr/bin/chromium"
 KERNEL_IDLE = re.compile(r"^Python \(xdit-lab\) \| Idle$")  # the status bar, kernel connected and idle
 MARKER = "XDIT_LAB_BROWSER_TEST"  # set in the server's environment, inherited by kernel and engines
 
-SERVER_START_S = 60     # jupyter lab answering /api/status
-RUN_ALL_S = 120         # every cell executed: the Lab started (~10 s on 2 busy cores), the panel drawn
-CLICK_S = 60            # one button's answer (Run: the remaining steps of the digits model)
-CLEANUP_S = 30          # after the server stops: kernel, engines, controller gone
+SERVER_START_S = 60  # jupyter lab answering /api/status
+RUN_ALL_S = 120  # every cell executed: the Lab started (~10 s on 2 busy cores), the panel drawn
+CLICK_S = 60  # one button's answer (Run: the remaining steps of the digits model)
+CLEANUP_S = 30  # after the server stops: kernel, engines, controller gone
 
 
 # ---- the server -------------------------------------------------------------------------------------
+
 
 def processes_with(marker_value: str) -> dict[int, str]:
     """pid -> command line of every process whose environment carries the marker."""
@@ -73,10 +74,15 @@ def jupyter(tmp_path):
     (root / "notebooks").mkdir(parents=True)
     shutil.copy(REPO / NOTEBOOK, root / NOTEBOOK)
     token, port, marker = secrets.token_hex(16), free_port(), secrets.token_hex(8)
-    env = dict(os.environ, **{MARKER: marker}, IPYTHONDIR=str(tmp_path / "ipython"),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
+    env = dict(
+        os.environ,
+        **{MARKER: marker},
+        IPYTHONDIR=str(tmp_path / "ipython"),
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
+    )
     # No news toast over the panel (and no request to the internet for it).
     notification = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     notification.parent.mkdir(parents=True)
@@ -86,10 +92,25 @@ def jupyter(tmp_path):
         old.unlink()
     log = open(SHOTS / "jupyter.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        preexec_fn=stop_with_parent)
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.port_retries=0",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=stop_with_parent,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + SERVER_START_S
@@ -99,8 +120,10 @@ def jupyter(tmp_path):
                     break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"jupyter lab did not answer within {SERVER_START_S} s (exit code {server.poll()}); "
-                                f"its log:\n{(SHOTS / 'jupyter.log').read_text()[-3000:]}")
+                    pytest.fail(
+                        f"jupyter lab did not answer within {SERVER_START_S} s (exit code {server.poll()}); "
+                        f"its log:\n{(SHOTS / 'jupyter.log').read_text()[-3000:]}"
+                    )
                 time.sleep(0.5)
         yield f"{url}/lab/tree/{NOTEBOOK}?token={token}"
     finally:
@@ -113,8 +136,10 @@ def jupyter(tmp_path):
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            pytest.fail(f"still running {CLEANUP_S} s after jupyter lab stopped (now killed):\n" +
-                        "\n".join(f"  {pid}: {cmd}" for pid, cmd in left.items()))
+            pytest.fail(
+                f"still running {CLEANUP_S} s after jupyter lab stopped (now killed):\n"
+                + "\n".join(f"  {pid}: {cmd}" for pid, cmd in left.items())
+            )
 
 
 def stop_with_parent() -> None:
@@ -144,6 +169,7 @@ def wait_gone(marker) -> dict[int, str]:
 
 
 # ---- the test ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(180, func_only=True)  # the fixture's start and cleanup have their own timeouts
 def test_run_all_then_step_step_run(jupyter):
@@ -200,6 +226,7 @@ def drive(page, url):
 
 
 # ---- the page ---------------------------------------------------------------------------------------
+
 
 def failure_text(page) -> str:
     try:
@@ -302,5 +329,11 @@ def click(page, name: str, expect: str):
     buttons.click()
     wait_for(page, f"{expect!r} in the status line after {name}", lambda: expect in status(page), CLICK_S)
     fresh = page.locator("img.xdit-lab-view-latent:not([data-old])")
-    wait_for(page, f"the decoded image after {name}", lambda: fresh.count() == 1 and fresh.evaluate(
-        "img => img.complete && img.naturalWidth > 0") and kernel_idle(page), CLICK_S)
+    wait_for(
+        page,
+        f"the decoded image after {name}",
+        lambda: (
+            fresh.count() == 1 and fresh.evaluate("img => img.complete && img.naturalWidth > 0") and kernel_idle(page)
+        ),
+        CLICK_S,
+    )

@@ -24,9 +24,12 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 def no_gpu_reason(count: int) -> str:
     if GPUS == 0:
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES") == ""
-        why = ("GPUs are hidden (CUDA_VISIBLE_DEVICES='', as make test sets)" if hidden else
-               f"CUDA is not available (torch {torch.__version__}"
-               f"{', a CPU build' if torch.version.cuda is None else ''}, or no GPU)")
+        why = (
+            "GPUs are hidden (CUDA_VISIBLE_DEVICES='', as make test sets)"
+            if hidden
+            else f"CUDA is not available (torch {torch.__version__}"
+            f"{', a CPU build' if torch.version.cuda is None else ''}, or no GPU)"
+        )
         return f"{why}: this GPU test did not run; run make gpu-check on a machine with CUDA GPUs"
     return f"needs {count} GPUs, {GPUS} visible: this test did not run"
 
@@ -73,16 +76,18 @@ def pytest_runtest_logreport(report):
             result = f"FAILED ({report.when}): {message[-1][:160] if message else ''}"
         else:
             result = "passed"
-        _ROWS.append(dict(test=report.nodeid.split("tests/gpu/", 1)[-1], result=result,
-                          seconds=report.duration, figures=figures))
+        _ROWS.append(
+            dict(test=report.nodeid.split("tests/gpu/", 1)[-1], result=result, seconds=report.duration, figures=figures)
+        )
 
 
 def _machine() -> str:
     lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda or '-'}, {GPUS} visible GPU(s)"]
     for index in range(GPUS):
         props = torch.cuda.get_device_properties(index)
-        lines.append(f"cuda:{index} {props.name} (capability {props.major}.{props.minor}, "
-                     f"{props.total_memory / 2**30:.0f} GiB)")
+        lines.append(
+            f"cuda:{index} {props.name} (capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB)"
+        )
     try:
         import diffusers
 
@@ -98,11 +103,19 @@ def _figures(values: dict) -> str:
 
 def table() -> str:
     counts = {kind: sum(r["result"].startswith(kind) for r in _ROWS) for kind in ("passed", "FAILED", "SKIPPED")}
-    lines = [f"GPU check, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}", f"machine: {_machine()}", "",
-             "| test | result | seconds | figures |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"GPU check, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
+        f"machine: {_machine()}",
+        "",
+        "| test | result | seconds | figures |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [f"| {r['test']} | {r['result']} | {r['seconds']:.1f} | {_figures(r['figures'])} |" for r in _ROWS]
-    lines += ["", f"{counts['passed']} passed, {counts['FAILED']} failed, {counts['SKIPPED']} skipped "
-                  f"(a skipped test did not run and proves nothing)"]
+    lines += [
+        "",
+        f"{counts['passed']} passed, {counts['FAILED']} failed, {counts['SKIPPED']} skipped "
+        f"(a skipped test did not run and proves nothing)",
+    ]
     return "\n".join(lines)
 
 

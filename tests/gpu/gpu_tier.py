@@ -33,6 +33,7 @@ def relative_l2(output: torch.Tensor, reference: torch.Tensor) -> float:
 
 # ---- two processes sharing one GPU over gloo, with CUDA tensors ---------------------------------------
 
+
 def sp_attention_on_gpu(dtype_name: str, degrees: dict, device: str | None = None):
     """sp_attention on CUDA tensors (`device`, else this rank's GPU) against SDPA on the whole tensors,
     with seq_len given and without it (the shard sizes are then all-gathered: on q's device, as NCCL
@@ -52,10 +53,11 @@ def sp_attention_on_gpu(dtype_name: str, degrees: dict, device: str | None = Non
     full = F.scaled_dot_product_attention(*(torch.cat([i, t], dim=2).float() for i, t in zip(image, text)))
     errors = {}
     for name, seq_len in (("seq_len given", 301), ("seq_len gathered", None)):
-        out, joint_out = sp_attention(q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2],
-                                      seq_len=seq_len)
-        errors[name] = max(relative_error(out, take_shard(full[:, :, :301], 2, sp, sp_rank)),
-                           relative_error(joint_out, full[:, :, 301:]))
+        out, joint_out = sp_attention(q, k, v, mesh, joint_q=text[0], joint_k=text[1], joint_v=text[2], seq_len=seq_len)
+        errors[name] = max(
+            relative_error(out, take_shard(full[:, :, :301], 2, sp, sp_rank)),
+            relative_error(joint_out, full[:, :, 301:]),
+        )
     return dict(errors=errors, device=str(out.device), dtype=str(out.dtype))
 
 
@@ -70,19 +72,23 @@ def shared_gpu_models(family: str, config_names: list[str]):
     for name in config_names:
         config = ParallelConfig(**{name: 2})
         model = tiny_transformer(family, seed=0).to(device)
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                  for k, v in tiny_inputs(family, 4, height=6, width=6).items()}
+        inputs = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in tiny_inputs(family, 4, height=6, width=6).items()
+        }
         with torch.no_grad():
             reference = model(**inputs).sample
         model = parallelize(model, config, RankMesh(config))
         with torch.no_grad(), comm_log() as log:
             output = model(**inputs).sample
-        rows[name] = dict(error=relative_error(output, reference), groups=sorted(log.bytes_by_group()),
-                          device=str(output.device))
+        rows[name] = dict(
+            error=relative_error(output, reference), groups=sorted(log.bytes_by_group()), device=str(output.device)
+        )
     return rows
 
 
 # ---- world-size-1 pipelines against diffusers ------------------------------------------------------------
+
 
 def serial_pipeline(folder: str, family: str, dtype_name: str, seeds=(0, 1)):
     """diffusers' pipeline and load_pipeline (a world of one, on cuda:0) on the same folder and seed; the
@@ -100,16 +106,31 @@ def serial_pipeline(folder: str, family: str, dtype_name: str, seeds=(0, 1)):
     def latents(result):
         return result.frames if family == "cogvideox" else result.images
 
-    expected = [latents(reference(PROMPTS, negative_prompt=NEGATIVES, generator=torch.Generator().manual_seed(seed),
-                                  output_type="latent", **kwargs)) for seed in seeds]
+    expected = [
+        latents(
+            reference(
+                PROMPTS,
+                negative_prompt=NEGATIVES,
+                generator=torch.Generator().manual_seed(seed),
+                output_type="latent",
+                **kwargs,
+            )
+        )
+        for seed in seeds
+    ]
     del reference
     pipe = load_pipeline(folder, torch_dtype=dtype, progress=False)
     result = pipe(PROMPTS, negative_prompt=NEGATIVES, seed=seeds[0], output_type="latent", **kwargs)
     mine = latents(result)
     peak = torch.cuda.max_memory_allocated(pipe.device)
-    return dict(error=relative_error(mine, expected[0]), l2=relative_l2(mine, expected[0]),
-                control_l2=relative_l2(mine, expected[1]), device=str(mine.device), dtype=str(mine.dtype),
-                peak_bytes=peak)
+    return dict(
+        error=relative_error(mine, expected[0]),
+        l2=relative_l2(mine, expected[0]),
+        control_l2=relative_l2(mine, expected[1]),
+        device=str(mine.device),
+        dtype=str(mine.dtype),
+        peak_bytes=peak,
+    )
 
 
 # ---- the command line on NCCL ------------------------------------------------------------------------------
@@ -122,9 +143,32 @@ FAMILY_OPTIONS = {  # what each tiny family's pipeline takes (cf. tiny_pipeline_
 
 def cli_args(folder, output, family, *extra, steps=3):
     """`xdit-lab run` of a tiny pipeline folder at 16 x 16 pixels, writing latents (no VAE)."""
-    args = ["run", "--model", str(folder), "--output", str(output), "--steps", str(steps), "--seed", "7",
-            "--height", "16", "--width", "16", "--guidance", "3.0", "--no-progress", "--output-type", "latent",
-            "--timeout", "120", "--option", "max_sequence_length=8", *FAMILY_OPTIONS[family], *extra]
+    args = [
+        "run",
+        "--model",
+        str(folder),
+        "--output",
+        str(output),
+        "--steps",
+        str(steps),
+        "--seed",
+        "7",
+        "--height",
+        "16",
+        "--width",
+        "16",
+        "--guidance",
+        "3.0",
+        "--no-progress",
+        "--output-type",
+        "latent",
+        "--timeout",
+        "120",
+        "--option",
+        "max_sequence_length=8",
+        *FAMILY_OPTIONS[family],
+        *extra,
+    ]
     for prompt in PROMPTS:
         args += ["--prompt", prompt]
     return args
@@ -133,22 +177,52 @@ def cli_args(folder, output, family, *extra, steps=3):
 def digits_args(output, *extra, steps=4):
     """`xdit-lab run` of the bundled digits model (a 4-block PixArt: enough blocks for 3 and 4 stages),
     with its own call defaults."""
-    return ["run", "--model", "digits", "--output", str(output), "--steps", str(steps), "--seed", "7",
-            "--no-progress", "--output-type", "latent", "--timeout", "120", "--prompt", "a handwritten 3",
-            "--prompt", "a handwritten 8", *extra]
+    return [
+        "run",
+        "--model",
+        "digits",
+        "--output",
+        str(output),
+        "--steps",
+        str(steps),
+        "--seed",
+        "7",
+        "--no-progress",
+        "--output-type",
+        "latent",
+        "--timeout",
+        "120",
+        "--prompt",
+        "a handwritten 3",
+        "--prompt",
+        "a handwritten 8",
+        *extra,
+    ]
 
 
 def torchrun(ranks: int, args: list[str], timeout: float = 300) -> str:
     """`torchrun --nproc_per_node ranks -m xdit_lab.cli ...`; its output, or an AssertionError with it."""
     from xdit_lab.distributed import free_port
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), "-m", "xdit_lab.cli", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "xdit_lab.cli",
+        *args,
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     except subprocess.TimeoutExpired as error:
-        raise AssertionError(f"torchrun with {ranks} ranks did not finish in {timeout} s: {error.stdout!r:.3000}")
+        raise AssertionError(
+            f"torchrun with {ranks} ranks did not finish in {timeout} s: {error.stdout!r:.3000}"
+        ) from error
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"torchrun with {ranks} ranks failed:\n{output[-4000:]}"
     return output
@@ -161,17 +235,32 @@ def cli_latents(output: Path) -> tuple[torch.Tensor, dict]:
 
 # ---- a rank that dies: the survivor must fail within the world's timeout ---------------------------------
 
+
 def kill_a_rank(timeout_s: float) -> dict:
     """Two processes (one per GPU, NCCL), started by hand so that no launcher ends the survivor for us.
     Rank 1 leaves after building the mesh; rank 0 then all-reduces on their ulysses group."""
     from xdit_lab.distributed import free_port
 
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               LOCAL_WORLD_SIZE="2", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     script = Path(__file__).with_name("dying_rank.py")
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(timeout_s)],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outputs, ended = [], []
     for proc in procs:
         try:
@@ -185,6 +274,7 @@ def kill_a_rank(timeout_s: float) -> dict:
 
 
 # ---- Ring's overlap, from a profiler trace ------------------------------------------------------------------
+
 
 def ring_overlap(trace_dir: str):
     """Ring attention over 2 GPUs (NCCL) on a sequence large enough to time, profiled: the K/V transfer
@@ -217,6 +307,10 @@ def ring_overlap(trace_dir: str):
     for a in attention:
         for c in nccl:
             overlap += max(0.0, min(a.time_range.end, c.time_range.end) - max(a.time_range.start, c.time_range.start))
-    return dict(nccl_kernels=len(nccl), attention_kernels=len(attention), overlap_us=overlap,
-                nccl_us=sum(c.time_range.elapsed_us() for c in nccl),
-                names=sorted({e.name[:60] for e in nccl + attention})[:6])
+    return dict(
+        nccl_kernels=len(nccl),
+        attention_kernels=len(attention),
+        overlap_us=overlap,
+        nccl_us=sum(c.time_range.elapsed_us() for c in nccl),
+        names=sorted({e.name[:60] for e in nccl + attention})[:6],
+    )

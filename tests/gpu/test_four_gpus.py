@@ -4,9 +4,13 @@ import pytest
 from gpu_tier import cli_args, cli_latents, digits_args, relative_error, torchrun
 
 GPUS_NEEDED = 4
-HYBRIDS = {"cfg2-ulysses2": ["--cfg", "2", "--ulysses", "2"], "ulysses2-ring2": ["--ulysses", "2", "--ring", "2"],
-           "dp2-ring2": ["--dp", "2", "--ring", "2"], "cfg2-pipefusion2": ["--cfg", "2", "--pipefusion", "2"],
-           "pipefusion2-ulysses2": ["--pipefusion", "2", "--ulysses", "2"]}
+HYBRIDS = {
+    "cfg2-ulysses2": ["--cfg", "2", "--ulysses", "2"],
+    "ulysses2-ring2": ["--ulysses", "2", "--ring", "2"],
+    "dp2-ring2": ["--dp", "2", "--ring", "2"],
+    "cfg2-pipefusion2": ["--cfg", "2", "--pipefusion", "2"],
+    "pipefusion2-ulysses2": ["--pipefusion", "2", "--ulysses", "2"],
+}
 
 
 @pytest.fixture(scope="module")

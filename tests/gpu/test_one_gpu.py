@@ -24,7 +24,9 @@ BF16_PIPELINE_BOUND = 5e-2  # relative L2 of bf16 latents after 3 steps
 
 def _qkv(dtype, head_dim, seq_q=333, seq_k=517, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 4, n, head_dim, generator=g).to("cuda", getattr(torch, dtype)) for n in (seq_q, seq_k, seq_k)]
+    return [
+        torch.randn(2, 4, n, head_dim, generator=g).to("cuda", getattr(torch, dtype)) for n in (seq_q, seq_k, seq_k)
+    ]
 
 
 @pytest.fixture
@@ -72,8 +74,9 @@ def test_automatic_choice_runs_and_agrees(dtype, head_dim, figures):
         reference, reference_lse = local_attention(q, k, v)
     finally:
         set_attention_backend(None)
-    figures(backend=chosen, out_error=relative_error(out, reference),
-            lse_error=(lse - reference_lse).abs().max().item())
+    figures(
+        backend=chosen, out_error=relative_error(out, reference), lse_error=(lse - reference_lse).abs().max().item()
+    )
     assert relative_error(out, reference) <= OUT_BOUND[dtype]
     assert (lse - reference_lse).abs().max() <= LSE_BOUND[dtype]
 
@@ -189,8 +192,12 @@ def test_lab_with_one_engine_reconfigured_keeps_memory_flat(tmp_path, monkeypatc
         large = lab.call(engine.memory)[0]["max_allocated"]
         lab.session("a red cat", **dict(kwargs, height=16, width=16)).run().result(output_type="latent")
         small = lab.call(engine.memory)[0]["max_allocated"]
-    figures(allocated=[m["allocated"] for m in after], reserved_mib=after[-1]["reserved"] / 2**20,
-            peak_large=large, peak_small=small)
+    figures(
+        allocated=[m["allocated"] for m in after],
+        reserved_mib=after[-1]["reserved"] / 2**20,
+        peak_large=large,
+        peak_small=small,
+    )
     assert len({m["allocated"] for m in after}) == 1, after
     assert len({m["process_groups"] for m in after}) == 1, after
     assert after[-1]["reserved"] <= after[0]["reserved"] + (32 << 20), after

@@ -15,8 +15,11 @@ def test_pipefusion_three_stages(tmp_path, figures):
     # one warmup step, then patches read one-step-stale K/V (the approximation PipeFusion makes)
     torchrun(3, digits_args(tmp_path / "stale", "--pipefusion", "3"))
     stale = cli_latents(tmp_path / "stale")[0]
-    figures(exact_error=relative_error(exact, reference), stale_rel_l2=relative_l2(stale, reference),
-            stages_timings=str([round(sum(r["timings"]["steps"]), 3) for r in report["ranks"]]))
+    figures(
+        exact_error=relative_error(exact, reference),
+        stale_rel_l2=relative_l2(stale, reference),
+        stages_timings=str([round(sum(r["timings"]["steps"]), 3) for r in report["ranks"]]),
+    )
     assert {rank["device"] for rank in report["ranks"]} == {"cuda:0", "cuda:1", "cuda:2"}
     assert relative_error(exact, reference) <= 1e-4
     assert relative_l2(stale, reference) < 0.05  # the bound measured on the digits model on CPU (README)

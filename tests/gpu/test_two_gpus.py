@@ -9,11 +9,21 @@ import pytest
 from gpu_tier import cli_args, cli_latents, kill_a_rank, relative_error, ring_overlap, sp_attention_on_gpu, torchrun
 
 GPUS_NEEDED = 2
-STRATEGIES = {"ulysses2": ["--ulysses", "2"], "ring2": ["--ring", "2"], "cfg2": ["--cfg", "2"], "dp2": ["--dp", "2"],
-              # PipeFusion is exact with every step synchronous; with one warmup step it reads stale K/V
-              "pipefusion2": ["--pipefusion", "2", "--warmup-steps", "3"]}
-GROUPS = {"ulysses2": {"ulysses", "sp"}, "ring2": {"ring", "sp"}, "cfg2": {"cfg"}, "dp2": {"dp"},
-          "pipefusion2": {"pipefusion"}}
+STRATEGIES = {
+    "ulysses2": ["--ulysses", "2"],
+    "ring2": ["--ring", "2"],
+    "cfg2": ["--cfg", "2"],
+    "dp2": ["--dp", "2"],
+    # PipeFusion is exact with every step synchronous; with one warmup step it reads stale K/V
+    "pipefusion2": ["--pipefusion", "2", "--warmup-steps", "3"],
+}
+GROUPS = {
+    "ulysses2": {"ulysses", "sp"},
+    "ring2": {"ring", "sp"},
+    "cfg2": {"cfg"},
+    "dp2": {"dp"},
+    "pipefusion2": {"pipefusion"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +63,7 @@ def test_sp_attention_on_nccl_with_and_without_seq_len(degrees, dtype, figures):
     """Without seq_len the shard sizes are all-gathered: before, from a CPU tensor, which NCCL refuses."""
     from xdit_lab.testing import run_on_ranks
 
-    for rank, result in enumerate(run_on_ranks(sp_attention_on_gpu, 2, dtype, degrees, backend="nccl",
-                                                timeout_s=180)):
+    for rank, result in enumerate(run_on_ranks(sp_attention_on_gpu, 2, dtype, degrees, backend="nccl", timeout_s=180)):
         figures(**{f"rank{rank} {k}": v for k, v in result["errors"].items()})
         assert result["device"] == f"cuda:{rank}" and result["dtype"] == f"torch.{dtype}"
         assert max(result["errors"].values()) <= (1e-4 if dtype == "float32" else 3e-2)

@@ -44,8 +44,14 @@ def set_attention_backend(name: str | None) -> None:
     _decide.cache_clear()
 
 
-def why_not(backend: str, device_type: str, dtype: torch.dtype, head_dim: int | None = None,
-            capability: tuple[int, int] | None = None, flash_attn_installed: bool = False) -> str | None:
+def why_not(
+    backend: str,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: tuple[int, int] | None = None,
+    flash_attn_installed: bool = False,
+) -> str | None:
     """Why `backend` cannot run attention on these tensors, or None when it can.
 
     head_dim None skips the head_dim rules; capability is the GPU's (major, minor)."""
@@ -76,37 +82,46 @@ def why_not(backend: str, device_type: str, dtype: torch.dtype, head_dim: int | 
         # torch's own dispatcher asks this alignment of head_dim (the GEMM tiles' minimum)
         align = 8 if (dtype in HALF and major >= 7) else 4 if major >= 8 else 1
         if head_dim is not None and head_dim % align:
-            return f"it needs head_dim a multiple of {align} for {str(dtype).replace('torch.', '')} here, not {head_dim}"
+            return (
+                f"it needs head_dim a multiple of {align} for {str(dtype).replace('torch.', '')} here, not {head_dim}"
+            )
         return None
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def attention_backend(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                      head_dim: int | None = None) -> str:
+def attention_backend(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int | None = None
+) -> str:
     """The backend that runs attention on tensors of this device, dtype and head_dim."""
     device = torch.device(device)
     forced = _override or os.environ.get("XDIT_LAB_ATTENTION") or None
     capability = _capability(device.index) if device.type == "cuda" else None
-    return _decide(device.type, dtype, head_dim, capability, _flash_attn_installed() if device.type == "cuda" else False,
-                   forced)
+    return _decide(
+        device.type, dtype, head_dim, capability, _flash_attn_installed() if device.type == "cuda" else False, forced
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decide(device_type, dtype, head_dim, capability, flash_attn_installed, forced) -> str:
     """The first backend of this device type's preference that can run the call (cached per kind of call)."""
     where = f"{str(dtype).replace('torch.', '')} tensors with head_dim {head_dim} on {device_type}" + (
-        f" (compute capability {capability[0]}.{capability[1]})" if capability else "")
-    reasons = {name: why_not(name, device_type, dtype, head_dim, capability, flash_attn_installed)
-               for name in PREFERENCE.get(device_type, ("math",))}
+        f" (compute capability {capability[0]}.{capability[1]})" if capability else ""
+    )
+    reasons = {
+        name: why_not(name, device_type, dtype, head_dim, capability, flash_attn_installed)
+        for name in PREFERENCE.get(device_type, ("math",))
+    }
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"XDIT_LAB_ATTENTION={forced!r} is not a backend; choose one of {', '.join(BACKENDS)}")
         why = why_not(forced, device_type, dtype, head_dim, capability, flash_attn_installed)
         if why:
             able = [name for name, reason in reasons.items() if reason is None]
-            raise ValueError(f"attention backend {forced!r} is forced (XDIT_LAB_ATTENTION or set_attention_backend) "
-                             f"but cannot run {where}: {why}. Backends that can: {', '.join(able)}; or unset it to "
-                             f"choose automatically")
+            raise ValueError(
+                f"attention backend {forced!r} is forced (XDIT_LAB_ATTENTION or set_attention_backend) "
+                f"but cannot run {where}: {why}. Backends that can: {', '.join(able)}; or unset it to "
+                f"choose automatically"
+            )
         return forced
     skipped = []
     for name, reason in reasons.items():  # in order of preference; math always runs
@@ -116,12 +131,12 @@ def _decide(device_type, dtype, head_dim, capability, flash_attn_installed, forc
         skipped.append(f"{name}: {reason}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_attn_installed() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -143,14 +158,16 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     elif backend == "sdpa_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
     elif backend == "sdpa_efficient":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
-                                                                         scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)[
+            :2
+        ]
         lse = lse[..., : q.shape[2]]  # the efficient kernel pads its LSE to a multiple of 32 rows
     elif backend == "flash_attn":
         from flash_attn import flash_attn_func
 
-        out, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                      softmax_scale=scale, return_attn_probs=True)
+        out, lse, _ = flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, return_attn_probs=True
+        )
         out = out.transpose(1, 2)
     else:
         out, lse = _math_attention(q, k, v, scale)
@@ -178,8 +195,9 @@ def _math_attention(q, k, v, scale):
     return out.to(q.dtype), lse
 
 
-def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
-                    block_lse: torch.Tensor):
+def merge_attention(
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+):
     """Fold one block's partial result into a running (out, lse), as online softmax does.
 
     The running output is kept in float32 so that many merges do not lose bf16 precision. A block
@@ -190,6 +208,7 @@ def merge_attention(out: torch.Tensor | None, lse: torch.Tensor | None, block_ou
         return block_out.float(), block_lse
     new_lse = torch.logaddexp(lse, block_lse)
     reference = torch.where(new_lse == float("-inf"), 0.0, new_lse)  # the safe exponent base
-    out = (out * torch.exp(lse - reference).unsqueeze(-1)
-           + block_out.float() * torch.exp(block_lse - reference).unsqueeze(-1))
+    out = out * torch.exp(lse - reference).unsqueeze(-1) + block_out.float() * torch.exp(
+        block_lse - reference
+    ).unsqueeze(-1)
     return out, new_lse

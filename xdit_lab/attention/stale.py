@@ -58,8 +58,8 @@ class StaleKV:
         for j in range(self.ulysses):
             for p in active:
                 start, length = self.offsets[(j, p)]
-                self.keys[:, :, start:start + length] = keys[:, :, position:position + length]
-                self.values[:, :, start:start + length] = values[:, :, position:position + length]
+                self.keys[:, :, start : start + length] = keys[:, :, position : position + length]
+                self.values[:, :, start : start + length] = values[:, :, position : position + length]
                 position += length
         for p in active:
             self.written_step[p] = step
@@ -91,8 +91,10 @@ def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int
     if ring == 1:
         out, joint_out = joint_local_attention(q, keys, values, joint=joint, scale=scale)
     else:  # each ring rank's buffer holds its part of every patch, written on the same schedule
-        block_sizes = [sum(layout.chunk_len(p, r * ulysses + j) for j in range(ulysses)
-                           for p in range(len(layout.patches))) for r in range(ring)]
+        block_sizes = [
+            sum(layout.chunk_len(p, r * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches)))
+            for r in range(ring)
+        ]
         out, joint_out = ring_attention(q, keys, values, mesh, block_sizes, joint=joint, scale=scale)
     if ulysses > 1:
         out = heads_to_seq(out, mesh, seq_sizes, tag="out")

@@ -25,8 +25,19 @@ from .ring import ring_attention
 from .ulysses import ulysses_attention
 
 
-def sp_attention(q, k, v, mesh, *, joint_q=None, joint_k=None, joint_v=None, seq_len: int | None = None,
-                 scale: float | None = None, kv_sharded: bool = True):
+def sp_attention(
+    q,
+    k,
+    v,
+    mesh,
+    *,
+    joint_q=None,
+    joint_k=None,
+    joint_v=None,
+    seq_len: int | None = None,
+    scale: float | None = None,
+    kv_sharded: bool = True,
+):
     """Exact attention over the whole sequence, computed from this rank's shard.
 
     q, k, v: [batch, heads, local_seq, head_dim], this rank's shard. seq_len: the whole image
@@ -40,11 +51,16 @@ def sp_attention(q, k, v, mesh, *, joint_q=None, joint_k=None, joint_v=None, seq
     ulysses, ring = mesh.group_size(ULYSSES), mesh.group_size(RING)
     sizes = _sp_shard_sizes(q, mesh, seq_len)
     ring_rank = mesh.group_rank(RING)
-    ulysses_sizes = sizes[ring_rank * ulysses:(ring_rank + 1) * ulysses]
-    block_sizes = [sum(sizes[i * ulysses:(i + 1) * ulysses]) for i in range(ring)]
+    ulysses_sizes = sizes[ring_rank * ulysses : (ring_rank + 1) * ulysses]
+    block_sizes = [sum(sizes[i * ulysses : (i + 1) * ulysses]) for i in range(ring)]
 
-    inner = joint_local_attention if ring == 1 else (
-        lambda q_, k_, v_, *, joint, scale: ring_attention(q_, k_, v_, mesh, block_sizes, joint=joint, scale=scale))
+    inner = (
+        joint_local_attention
+        if ring == 1
+        else (
+            lambda q_, k_, v_, *, joint, scale: ring_attention(q_, k_, v_, mesh, block_sizes, joint=joint, scale=scale)
+        )
+    )
     if ulysses > 1:
         out, joint_out = ulysses_attention(q, k, v, mesh, ulysses_sizes, inner, joint=joint, scale=scale)
     else:
@@ -58,13 +74,17 @@ def _sp_shard_sizes(q, mesh, seq_len):
         local = torch.tensor([q.shape[2]], dtype=torch.int64, device=q.device)  # NCCL moves device tensors only
         sizes = [int(s) for s in comm.all_gather(local, mesh, SP, dim=0, tag="shard_sizes")] if sp > 1 else [q.shape[2]]
         if sizes != shard_sizes(sum(sizes), sp):
-            raise ValueError(f"sequence shards {sizes} are not a tensor_split of {sum(sizes)} tokens over "
-                             f"{sp} sequence-parallel ranks; shard with xdit_lab.sharding.take_shard")
+            raise ValueError(
+                f"sequence shards {sizes} are not a tensor_split of {sum(sizes)} tokens over "
+                f"{sp} sequence-parallel ranks; shard with xdit_lab.sharding.take_shard"
+            )
         return sizes
     sizes = shard_sizes(seq_len, sp)
     if q.shape[2] != sizes[mesh.group_rank(SP)]:
-        raise ValueError(f"this rank holds {q.shape[2]} tokens, but shard {mesh.group_rank('sp')} of {seq_len} tokens "
-                         f"over {sp} sequence-parallel ranks has {sizes[mesh.group_rank('sp')]}")
+        raise ValueError(
+            f"this rank holds {q.shape[2]} tokens, but shard {mesh.group_rank('sp')} of {seq_len} tokens "
+            f"over {sp} sequence-parallel ranks has {sizes[mesh.group_rank('sp')]}"
+        )
     if min(sizes) == 0:
         raise ValueError(f"{seq_len} tokens cannot give each of {sp} sequence-parallel ranks a token")
     return sizes
@@ -75,11 +95,15 @@ def _check_inputs(q, k, v, mesh, joint_q, joint_k, joint_v, kv_sharded):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, heads, seq, head_dim] (SDPA layout), got shape {tuple(t.shape)}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must share batch, heads and "
-                         f"head_dim, and k, v one shape")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must share batch, heads and "
+            f"head_dim, and k, v one shape"
+        )
     if kv_sharded and q.shape[2] != k.shape[2]:
-        raise ValueError(f"self-attention shards of q ({q.shape[2]} tokens) and k/v ({k.shape[2]}) differ; "
-                         f"for cross-attention to whole text K/V pass kv_sharded=False")
+        raise ValueError(
+            f"self-attention shards of q ({q.shape[2]} tokens) and k/v ({k.shape[2]}) differ; "
+            f"for cross-attention to whole text K/V pass kv_sharded=False"
+        )
     given = [t is not None for t in (joint_q, joint_k, joint_v)]
     if any(given) and not all(given):
         raise ValueError("joint attention needs joint_q, joint_k and joint_v together")
@@ -89,14 +113,21 @@ def _check_inputs(q, k, v, mesh, joint_q, joint_k, joint_v, kv_sharded):
         if not kv_sharded:
             raise ValueError("joint tokens and kv_sharded=False (cross-attention) do not combine")
         joint = (joint_q, joint_k, joint_v)
-        if joint_k.shape != joint_v.shape or joint_q.shape[2] != joint_k.shape[2] or \
-                any(t.shape[0] != q.shape[0] or t.shape[1] != q.shape[1] or t.shape[3] != q.shape[3] for t in joint):
-            raise ValueError(f"joint q/k/v {[tuple(t.shape) for t in joint]} must match q's batch, heads and "
-                             f"head_dim {tuple(q.shape)} and share one text length")
+        if (
+            joint_k.shape != joint_v.shape
+            or joint_q.shape[2] != joint_k.shape[2]
+            or any(t.shape[0] != q.shape[0] or t.shape[1] != q.shape[1] or t.shape[3] != q.shape[3] for t in joint)
+        ):
+            raise ValueError(
+                f"joint q/k/v {[tuple(t.shape) for t in joint]} must match q's batch, heads and "
+                f"head_dim {tuple(q.shape)} and share one text length"
+            )
     ulysses = mesh.group_size(ULYSSES)
     heads = q.shape[1]
     if kv_sharded and heads % ulysses:
         fits = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(f"{heads} attention heads do not divide by ulysses {ulysses}; ulysses degrees that "
-                         f"fit {heads} heads: {', '.join(map(str, fits))}")
+        raise ValueError(
+            f"{heads} attention heads do not divide by ulysses {ulysses}; ulysses degrees that "
+            f"fit {heads} heads: {', '.join(map(str, fits))}"
+        )
     return joint

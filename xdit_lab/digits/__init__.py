@@ -18,8 +18,19 @@ def __getattr__(name):
     # already loaded by the package (runpy warns about that).
     if name == "train_digits":
         from .train import train_digits
+
         return train_digits
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["DIGITS_DIR", "prompt_for", "train_digits", "classify", "digit_accuracy",
-           "call_kwargs", "draw_digits", "load_digits_pipeline", "measure_accuracy"]
+
+__all__ = [
+    "DIGITS_DIR",
+    "prompt_for",
+    "train_digits",
+    "classify",
+    "digit_accuracy",
+    "call_kwargs",
+    "draw_digits",
+    "load_digits_pipeline",
+    "measure_accuracy",
+]

@@ -19,8 +19,8 @@ from .components import as_numpy_images
 
 def to_digit_features(images) -> np.ndarray:
     """Images (PIL / numpy / torch, [0, 1] or [-1, 1]) -> `[N, 64]` features on the 0-16 scale."""
-    x = torch.from_numpy(as_numpy_images(images))[:, None]           # [N, 1, H, W] in [0, 1]
-    x = F.adaptive_avg_pool2d(x, (8, 8))                             # area average, like the data set's own binning
+    x = torch.from_numpy(as_numpy_images(images))[:, None]  # [N, 1, H, W] in [0, 1]
+    x = F.adaptive_avg_pool2d(x, (8, 8))  # area average, like the data set's own binning
     return (x.reshape(len(x), 64) * 16.0).numpy()
 
 

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DIGITS_DIR = Path(__file__).resolve().parent.parent / "assets" / "digits"   # the committed, trained pipeline
-PIXELS = 16          # image side in pixels; the latent has the same side (the VAE does not downsample)
+DIGITS_DIR = Path(__file__).resolve().parent.parent / "assets" / "digits"  # the committed, trained pipeline
+PIXELS = 16  # image side in pixels; the latent has the same side (the VAE does not downsample)
 LATENT_CHANNELS = 4
-MAX_TOKENS = 8       # "a handwritten 7" is 4 tokens with "</s>"; the rest is masked padding
+MAX_TOKENS = 8  # "a handwritten 7" is 4 tokens with "</s>"; the rest is masked padding
 WORDS = ["<pad>", "</s>", "<unk>", "a", "handwritten", "digit", "number", "of"] + [str(d) for d in range(10)]
 
 
@@ -42,7 +42,7 @@ def load_digit_images(size: int = PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32)[:, None] / 16.0        # [N, 1, 8, 8] in [0, 1]
+    x = torch.tensor(data.images, dtype=torch.float32)[:, None] / 16.0  # [N, 1, 8, 8] in [0, 1]
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     x = (x * 2 - 1).clamp(-1, 1).repeat(1, 3, 1, 1)
     return x, torch.tensor(data.target, dtype=torch.long)
@@ -58,16 +58,26 @@ def build_tokenizer():
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", model_max_length=MAX_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=MAX_TOKENS
+    )
 
 
 def build_text_encoder(seed: int):
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
-    config = T5Config(vocab_size=len(WORDS), d_model=32, d_kv=8, num_heads=4, num_layers=2, d_ff=64,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    config = T5Config(
+        vocab_size=len(WORDS),
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        num_layers=2,
+        d_ff=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     return T5EncoderModel(config).eval().requires_grad_(False)
 
 
@@ -82,9 +92,16 @@ def build_vae(seed: int):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(32,), layers_per_block=1,
-                         norm_num_groups=8, latent_channels=LATENT_CHANNELS, sample_size=PIXELS,
-                         mid_block_add_attention=False)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(32,),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=LATENT_CHANNELS,
+        sample_size=PIXELS,
+        mid_block_add_attention=False,
+    )
 
 
 def build_transformer(seed: int, caption_channels: int):
@@ -96,9 +113,18 @@ def build_transformer(seed: int, caption_channels: int):
 
     torch.manual_seed(seed)
     return PixArtTransformer2DModel(
-        num_attention_heads=4, attention_head_dim=32, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS,
-        num_layers=4, cross_attention_dim=128, caption_channels=caption_channels, sample_size=PIXELS,
-        patch_size=2, norm_type="ada_norm_single", use_additional_conditions=False)
+        num_attention_heads=4,
+        attention_head_dim=32,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        num_layers=4,
+        cross_attention_dim=128,
+        caption_channels=caption_channels,
+        sample_size=PIXELS,
+        patch_size=2,
+        norm_type="ada_norm_single",
+        use_additional_conditions=False,
+    )
 
 
 def as_numpy_images(images) -> np.ndarray:
@@ -110,18 +136,18 @@ def as_numpy_images(images) -> np.ndarray:
     """
     if isinstance(images, (list, tuple)):
         return np.concatenate([as_numpy_images(im) for im in images])
-    if hasattr(images, "convert"):                                   # a PIL image
+    if hasattr(images, "convert"):  # a PIL image
         return np.asarray(images.convert("L"), dtype=np.float32)[None] / 255.0
     if isinstance(images, torch.Tensor):
         x = images.detach().float().cpu()
         x = x[None] if x.ndim == 3 else x
-        x = x.mean(1) if x.ndim == 4 else x                          # [N, C, H, W] -> grey
+        x = x.mean(1) if x.ndim == 4 else x  # [N, C, H, W] -> grey
         x = x.numpy()
     else:
         raw = np.asarray(images)
         x = raw.astype(np.float32) / (255.0 if raw.dtype == np.uint8 else 1.0)
         x = x[None] if x.ndim == 2 or (x.ndim == 3 and x.shape[-1] in (1, 3, 4)) else x
-        x = x[..., :3].mean(-1) if x.ndim == 4 else x                # [N, H, W, C] -> grey
+        x = x[..., :3].mean(-1) if x.ndim == 4 else x  # [N, H, W, C] -> grey
     if x.min() < 0:
         x = (x + 1) / 2
     return np.clip(x, 0.0, 1.0).astype(np.float32)

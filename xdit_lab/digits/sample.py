@@ -13,8 +13,16 @@ from .components import DIGITS_DIR, MAX_TOKENS, PIXELS, prompt_for
 
 # The call the model card measured; the trainer writes it into the folder as call_defaults.json,
 # which load_pipeline("digits") reads. The sampler itself is whatever scheduler the folder holds.
-CALL_DEFAULTS = dict(height=PIXELS, width=PIXELS, num_inference_steps=20, guidance_scale=2.0, negative_prompt="",
-                     use_resolution_binning=False, clean_caption=False, max_sequence_length=MAX_TOKENS)
+CALL_DEFAULTS = dict(
+    height=PIXELS,
+    width=PIXELS,
+    num_inference_steps=20,
+    guidance_scale=2.0,
+    negative_prompt="",
+    use_resolution_binning=False,
+    clean_caption=False,
+    max_sequence_length=MAX_TOKENS,
+)
 
 
 def load_digits_pipeline(folder=None):
@@ -49,8 +57,12 @@ def draw_digits(pipe, digits, seeds, output_type="np", **overrides):
 
     digits, seeds = list(digits), list(seeds)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    return pipe(prompt=[prompt_for(d) for d in digits], generator=generators,
-                output_type=output_type, **call_kwargs(**overrides)).images
+    return pipe(
+        prompt=[prompt_for(d) for d in digits],
+        generator=generators,
+        output_type=output_type,
+        **call_kwargs(**overrides),
+    ).images
 
 
 def measure_accuracy(pipe, per_digit: int = 10, **overrides) -> dict:
@@ -62,9 +74,13 @@ def measure_accuracy(pipe, per_digit: int = 10, **overrides) -> dict:
     seconds = time.perf_counter() - t0
     predicted = classify(images)
     correct = predicted == np.asarray(digits)
-    return {"accuracy": float(correct.mean()), "images": len(digits), "seconds": round(seconds, 2),
-            "per_digit": [float(correct[d * per_digit:(d + 1) * per_digit].mean()) for d in range(10)],
-            "predicted": predicted.tolist()}
+    return {
+        "accuracy": float(correct.mean()),
+        "images": len(digits),
+        "seconds": round(seconds, 2),
+        "per_digit": [float(correct[d * per_digit : (d + 1) * per_digit].mean()) for d in range(10)],
+        "predicted": predicted.tolist(),
+    }
 
 
 def generate_parallel(config, per_digit: int = 10) -> dict:
@@ -82,5 +98,9 @@ def generate_parallel(config, per_digit: int = 10) -> dict:
     session.run()
     latents = session.latents.clone()
     images = session.result(output_type="np").images
-    return {"latents": latents, "read": classify(images).tolist(), "digits": digits,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "latents": latents,
+        "read": classify(images).tolist(),
+        "digits": digits,
+        "seconds": time.perf_counter() - t0,
+    }

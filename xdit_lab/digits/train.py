@@ -45,6 +45,7 @@ from .components import (
 @dataclass(frozen=True)
 class Recipe:
     """Knobs that were tuned once (see assets/digits/README.md); train_digits' arguments are the rest."""
+
     prediction_type: str = "v_prediction"
     beta_schedule: str = "squaredcos_cap_v2"
     lr: float = 1e-3
@@ -54,8 +55,8 @@ class Recipe:
     vae_steps: int = 300
     vae_batch_size: int = 64
     vae_lr: float = 2e-3
-    vae_kl_weight: float = 1e-3       # per latent element, against a per-pixel squared error
-    sampler: str = "dpmsolver++"      # the scheduler saved with the pipeline (see make_scheduler)
+    vae_kl_weight: float = 1e-3  # per latent element, against a per-pixel squared error
+    sampler: str = "dpmsolver++"  # the scheduler saved with the pipeline (see make_scheduler)
 
 
 def make_scheduler(kind: str, recipe: Recipe = Recipe()):
@@ -109,8 +110,17 @@ def _save_pipeline(pipe, folder) -> None:
         path.write_text(path.read_text().replace('"TokenizersBackend"', '"PreTrainedTokenizerFast"'))
 
 
-def train_digits(output_dir, *, steps: int = 1500, seed: int = 0, batch_size: int = 128, log_every: int = 100,
-                 threads: int | None = None, recipe: Recipe = Recipe(), checkpoints=()) -> dict:
+def train_digits(
+    output_dir,
+    *,
+    steps: int = 1500,
+    seed: int = 0,
+    batch_size: int = 128,
+    log_every: int = 100,
+    threads: int | None = None,
+    recipe: Recipe = Recipe(),
+    checkpoints=(),
+) -> dict:
     """Train the digits pipeline and save it (safetensors) to `output_dir`; returns a summary dict.
 
     Same seed, same thread count and same torch build give the same weights. `checkpoints` lists
@@ -141,12 +151,22 @@ def train_digits(output_dir, *, steps: int = 1500, seed: int = 0, batch_size: in
         # 2. Frozen text encoder: embed the ten captions and the null caption once, as the pipeline would.
         text_encoder, tokenizer = build_text_encoder(seed), build_tokenizer()
         transformer = build_transformer(seed, caption_channels=text_encoder.config.d_model)
-        pipe = PixArtAlphaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
-                                   transformer=transformer, scheduler=make_scheduler(recipe.sampler, recipe))
+        pipe = PixArtAlphaPipeline(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            vae=vae,
+            transformer=transformer,
+            scheduler=make_scheduler(recipe.sampler, recipe),
+        )
         with torch.no_grad():
             captions = [prompt_for(d) for d in range(10)] + [""]
-            embeds, masks, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, device="cpu",
-                                                     clean_caption=False, max_sequence_length=MAX_TOKENS)
+            embeds, masks, _, _ = pipe.encode_prompt(
+                captions,
+                do_classifier_free_guidance=False,
+                device="cpu",
+                clean_caption=False,
+                max_sequence_length=MAX_TOKENS,
+            )
         null = 10
 
         # 3. The transformer, v- (or epsilon-) prediction with an EMA copy of its weights.
@@ -167,8 +187,13 @@ def train_digits(output_dir, *, steps: int = 1500, seed: int = 0, batch_size: in
             a = alphas_cumprod[t].view(-1, 1, 1, 1)
             xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
             target = a.sqrt() * noise - (1 - a).sqrt() * x0 if recipe.prediction_type == "v_prediction" else noise
-            pred = transformer(xt, encoder_hidden_states=embeds[cap], encoder_attention_mask=masks[cap], timestep=t,
-                               added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+            pred = transformer(
+                xt,
+                encoder_hidden_states=embeds[cap],
+                encoder_attention_mask=masks[cap],
+                timestep=t,
+                added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+            ).sample
             loss = F.mse_loss(pred, target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -196,14 +221,23 @@ def train_digits(output_dir, *, steps: int = 1500, seed: int = 0, batch_size: in
         import diffusers  # for the record: weights are reproducible for the same versions and threads
 
         summary = {
-            "output_dir": str(output_dir), "steps": steps, "seed": seed, "batch_size": batch_size,
-            "threads": torch.get_num_threads(), "seconds": round(seconds, 1), "vae_seconds": round(t_vae, 1),
+            "output_dir": str(output_dir),
+            "steps": steps,
+            "seed": seed,
+            "batch_size": batch_size,
+            "threads": torch.get_num_threads(),
+            "seconds": round(seconds, 1),
+            "vae_seconds": round(t_vae, 1),
             "seconds_per_step": round((time.perf_counter() - t_loop) / max(1, steps), 3),
-            "torch": torch.__version__, "diffusers": diffusers.__version__,
-            "vae_mse": round(vae_mse, 5), "scaling_factor": scaling,
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "vae_mse": round(vae_mse, 5),
+            "scaling_factor": scaling,
             "final_loss": round(sum(losses[-100:]) / max(1, len(losses[-100:])), 5),
-            "parameters": {name: sum(p.numel() for p in m.parameters())
-                           for name, m in [("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)]},
+            "parameters": {
+                name: sum(p.numel() for p in m.parameters())
+                for name, m in [("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)]
+            },
             "recipe": asdict(recipe),
         }
         (Path(output_dir) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -222,8 +256,15 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--checkpoints", type=int, nargs="*", default=())
     args = parser.parse_args(argv)
-    summary = train_digits(args.output, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
-                           log_every=args.log_every, threads=args.threads, checkpoints=set(args.checkpoints))
+    summary = train_digits(
+        args.output,
+        steps=args.steps,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        log_every=args.log_every,
+        threads=args.threads,
+        checkpoints=set(args.checkpoints),
+    )
     print(json.dumps({k: v for k, v in summary.items() if k != "recipe"}, indent=2))
 
 

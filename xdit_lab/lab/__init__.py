@@ -5,8 +5,13 @@ the engines (which import lab.engine) and the pure views do not pay for the clie
 
 import importlib
 
-_LAZY = {"Lab": "cluster", "LabError": "errors", "LabSession": "labsession",
-         "ExplorerController": "explorer", "Explorer": "explorer_widgets"}
+_LAZY = {
+    "Lab": "cluster",
+    "LabError": "errors",
+    "LabSession": "labsession",
+    "ExplorerController": "explorer",
+    "Explorer": "explorer_widgets",
+}
 
 __all__ = list(_LAZY)
 

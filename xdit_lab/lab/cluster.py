@@ -37,7 +37,8 @@ Pass `master_addr=` when the rank-0 engine's host name does not resolve from the
 `ipcluster stop --cluster-id=dit` ends it. On GPUs each engine takes the GPU of its local rank
 (engines sorted by id on each host), as under torchrun.
 
-A Lab that is never stopped still ends with the process that made it (lifetime.py).
+How many engine processes start, and that a Lab never stopped still ends with the process that
+made it: processes.py.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from ..distributed import usable_cpu_cores
 from . import engine
 from .errors import LabError, describe_failures
 from .labsession import LabSession
-from .lifetime import Watchdog, forget_at_exit, stop_at_exit
+from .processes import Watchdog, engine_plan, forget_at_exit, stop_at_exit
 from .table import html_table, text_table
 
 GRACE_S = 5.0  # after one rank fails, how long its peers get to fail too before we report
@@ -78,22 +79,6 @@ class PendingCall:
     what: str  # e.g. "lab.session.run"
     started: float  # time.monotonic() when it was sent
 
-def engine_plan(n: int | None, gpus: int, backend: str | None, cpu_cores: int,
-                engine_env: dict | None = None) -> tuple[int, dict]:
-    """How many engines to start, and their environment: one per GPU (at most one per GPU: NCCL
-    refuses two ranks on one), or CPU engines over gloo when there are no GPUs or backend="gloo"
-    asks for them (any number; the GPUs are hidden from them, one torch thread each)."""
-    cpu = backend == "gloo" or not gpus
-    if not cpu and backend not in (None, "nccl"):
-        raise ValueError(f"backend {backend!r}: choose 'nccl' (one engine per GPU), 'gloo' (CPU engines) or None")
-    if not cpu and n is not None and n > gpus:
-        raise ValueError(f"{n} engines but {gpus} visible GPUs: one engine per GPU (n <= {gpus}), or CPU engines "
-                         f"with Lab(n={n}, backend='gloo')")
-    n = n or (cpu_cores if cpu else gpus)
-    # One thread per CPU engine from the start (torch reads these at import); init sets it again.
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""} if cpu else {}
-    return n, {**env, **(engine_env or {})}
-
 
 class Lab:
     """n engines started here (default: one per visible GPU, else one per CPU core; CPU engines run
@@ -102,21 +87,31 @@ class Lab:
     timeout_s too); `collective_timeout_s` is torch.distributed's timeout on the engines.
     `engine_env` adds environment variables to started engines."""
 
-    def __init__(self, n: int | None = None, *, cluster_id: str | None = None, profile: str | None = None,
-                 connect: bool = False, timeout_s: float = 120, collective_timeout_s: float = 300,
-                 ip: str = "127.0.0.1", engine_env: dict | None = None, backend: str | None = None,
-                 master_addr: str | None = None):
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        cluster_id: str | None = None,
+        profile: str | None = None,
+        connect: bool = False,
+        timeout_s: float = 120,
+        collective_timeout_s: float = 300,
+        ip: str = "127.0.0.1",
+        engine_env: dict | None = None,
+        backend: str | None = None,
+        master_addr: str | None = None,
+    ):
         self.timeout_s, self.collective_timeout_s = timeout_s, collective_timeout_s
         self.profile, self.cluster_id, self.backend, self.master_addr = profile, cluster_id, backend, master_addr
         self.cluster, self.client = None, None
         self.owns_cluster = not (connect or cluster_id is not None)
-        self.ranks: list[dict] = []        # one row per rank: engine, host, local_rank, device, pid
+        self.ranks: list[dict] = []  # one row per rank: engine, host, local_rank, device, pid
         self.loaded: Loaded | None = None  # the last load, for configure and restart
-        self.session_token = 0             # bumped by every new session, load and restart
+        self.session_token = 0  # bumped by every new session, load and restart
         self._pending: list[PendingCall] = []  # calls that timed out and may still be running
         self._stopped = False
-        self._watchdog = None              # the process that stops our cluster if this one is killed
-        self.n = n                         # engines to use (None when connecting: all that are there)
+        self._watchdog = None  # the process that stops our cluster if this one is killed
+        self.n = n  # engines to use (None when connecting: all that are there)
         try:
             if self.owns_cluster:
                 self._start_cluster(n, ip, engine_env)
@@ -153,8 +148,10 @@ class Lab:
             if (len(ids) >= n) if n else ids:
                 return ids[:n] if n else ids
             if time.monotonic() > deadline:
-                raise LabError(f"only {len(ids)} of {n or 'any'} engines registered within {self.timeout_s:g} s "
-                               f"(cluster {self.cluster_id!r}); check the engines' logs in the profile's log folder")
+                raise LabError(
+                    f"only {len(ids)} of {n or 'any'} engines registered within {self.timeout_s:g} s "
+                    f"(cluster {self.cluster_id!r}); check the engines' logs in the profile's log folder"
+                )
             time.sleep(0.2)
 
     def _setup(self, engine_ids: list[int]) -> None:
@@ -169,16 +166,19 @@ class Lab:
             row["local_world_size"] = sum(r["host"] == row["host"] for r in self.ranks)
         pushes = []
         for row in self.ranks:  # each engine's own entry of the table, as the state dict in its namespace
-            entry = dict(rank=row["rank"], world_size=self.world_size, local_rank=row["local_rank"],
-                         local_world_size=row["local_world_size"])
+            entry = dict(
+                rank=row["rank"],
+                world_size=self.world_size,
+                local_rank=row["local_rank"],
+                local_world_size=row["local_world_size"],
+            )
             pushes.append((row["engine"], self.client[row["engine"]].push({engine.STATE_NAME: entry}, block=False)))
         self._wait(pushes, "push ranks")
         single_host = len({row["host"] for row in self.ranks}) == 1
         master = self.master_addr or ("127.0.0.1" if single_host else self.ranks[0]["host"])
         # A port free on the rank-0 host (checked on its loopback; the store listens on every interface).
         port = self.call(engine.pick_port, ranks=[0], state=False, what="pick a port")[0]
-        joined = self.call(engine.init, master, port, self.collective_timeout_s, self.backend,
-                           what="init_distributed")
+        joined = self.call(engine.init, master, port, self.collective_timeout_s, self.backend, what="init_distributed")
         for row in self.ranks:
             row.update(joined[row["rank"]], master=f"{master}:{port}")
         if self.owns_cluster:  # the controller again: by now it has started its schedulers
@@ -207,7 +207,7 @@ class Lab:
             if self._watchdog is not None:  # after the cluster: it ends what the stop left running
                 self._watchdog.close()
 
-    def restart(self) -> "Lab":
+    def restart(self) -> Lab:
         """Stop the engines, start fresh ones, join them again and reload the last pipeline."""
         if self._stopped:
             raise LabError("this Lab is stopped: make a new one")
@@ -222,15 +222,17 @@ class Lab:
                 cluster = ipp.Cluster.from_file(profile=self.profile, cluster_id=self.cluster_id or "")
                 cluster.restart_engines_sync()
             except Exception as error:
-                raise LabError(f"cannot restart the engines of cluster {self.cluster_id!r}, which this Lab did not "
-                               f"start ({type(error).__name__}: {error}); restart them where they were started "
-                               f"(ipcluster) and connect a new Lab") from None
+                raise LabError(
+                    f"cannot restart the engines of cluster {self.cluster_id!r}, which this Lab did not "
+                    f"start ({type(error).__name__}: {error}); restart them where they were started "
+                    f"(ipcluster) and connect a new Lab"
+                ) from None
         self._setup(self._wait_for_engines(self.n or len(self.ranks), exclude=old))
         if self.loaded is not None:
             self.load(self.loaded.name_or_path, self.loaded.config, **self.loaded.kwargs)
         return self
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -241,7 +243,7 @@ class Lab:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    def load(self, name_or_path, config, *, timeout_s: float | None = None, **kwargs) -> "Lab":
+    def load(self, name_or_path, config, *, timeout_s: float | None = None, **kwargs) -> Lab:
         """load_pipeline(name_or_path, config, **kwargs) on every engine (idle ones under a smaller config)."""
         if config.world_size > self.world_size:
             config.validate(self.world_size)  # raises, listing the configurations that fit
@@ -257,7 +259,7 @@ class Lab:
         self.loaded = Loaded(str(name_or_path), config, kwargs)
         return self
 
-    def configure(self, config, *, timeout_s: float | None = None) -> "Lab":
+    def configure(self, config, *, timeout_s: float | None = None) -> Lab:
         """Another ParallelConfig on the same engines: a new mesh, the last pipeline loaded again."""
         if self.loaded is None:
             raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) first")
@@ -272,8 +274,7 @@ class Lab:
         if self.loaded is None:
             raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) first")
         self.session_token += 1
-        progress = self.call(engine.start_session, (prompt, *args), kwargs, timeout_s=timeout_s,
-                             what="session")[0]
+        progress = self.call(engine.start_session, (prompt, *args), kwargs, timeout_s=timeout_s, what="session")[0]
         return LabSession(self, self.session_token, progress)
 
     def explorer(self, **kwargs):
@@ -283,8 +284,9 @@ class Lab:
         return Explorer(self, **kwargs)
 
     # ---- calling the engines ------------------------------------------------------------------------
-    def call(self, fn, *args, ranks=None, state: bool = True, timeout_s: float | None = None,
-             what: str | None = None) -> dict:
+    def call(
+        self, fn, *args, ranks=None, state: bool = True, timeout_s: float | None = None, what: str | None = None
+    ) -> dict:
         """fn(engine_state, *args) on the engines of `ranks` (default: all) in one non-blocking apply;
         returns {rank: result}. Raises LabError on a remote error, a dead engine or the timeout."""
         what = what or fn.__name__
@@ -303,14 +305,19 @@ class Lab:
             raise LabError(f"lab.{what}: this Lab is stopped; make a new one")
         gone = [row for row in self.ranks if row["engine"] not in self.client.ids]
         if gone:
-            raise LabError(describe_failures(what, [dict(row, error="the engine is gone (its process ended or it "
-                                                                 "unregistered)") for row in gone]))
+            raise LabError(
+                describe_failures(
+                    what, [dict(row, error="the engine is gone (its process ended or it unregistered)") for row in gone]
+                )
+            )
         self._pending = [call for call in self._pending if not call.result.done()]
         if self._pending:
             call = self._pending[0]
-            raise LabError(f"lab.{what}: rank {call.row['rank']} (engine {call.row['engine']}) is still busy with "
-                           f"{call.what}, started {time.monotonic() - call.started:.0f} s ago; wait for it, or "
-                           f"lab.restart()")
+            raise LabError(
+                f"lab.{what}: rank {call.row['rank']} (engine {call.row['engine']}) is still busy with "
+                f"{call.what}, started {time.monotonic() - call.started:.0f} s ago; wait for it, or "
+                f"lab.restart()"
+            )
 
     def _wait(self, calls: list[tuple[int, object]], what: str, timeout_s=None) -> dict:
         """Wait for every (engine_id, AsyncResult), with a finite timeout; {engine_id: result} or LabError."""
@@ -325,8 +332,9 @@ class Lab:
                 remaining = max(0.0, timeout - (time.monotonic() - started))
                 concurrent.futures.wait(pending, min(GRACE_S, remaining))
         except BaseException:  # e.g. the notebook's stop button: remember who is still working
-            self._pending += [PendingCall(rows.get(e, dict(engine=e)), p, f"lab.{what}", started)
-                              for e, p in calls if not p.done()]
+            self._pending += [
+                PendingCall(rows.get(e, dict(engine=e)), p, f"lab.{what}", started) for e, p in calls if not p.done()
+            ]
             raise
         waited = time.monotonic() - started
         failures, results = [], {}
@@ -337,15 +345,23 @@ class Lab:
                 self._pending.append(PendingCall(row, part, f"lab.{what}", started))
             elif part.exception() is not None:
                 error = part.exception()
-                failures.append(dict(row, error=f"{getattr(error, 'ename', type(error).__name__)}: "
-                                                f"{getattr(error, 'evalue', error)}",
-                                     traceback=getattr(error, "traceback", None)))
+                failures.append(
+                    dict(
+                        row,
+                        error=f"{getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}",
+                        traceback=getattr(error, "traceback", None),
+                    )
+                )
             else:
                 results[eid] = part.result()
         if failures:
             timed_out = any(f["error"].startswith("no answer") for f in failures)
-            raise LabError(describe_failures(what, failures, collective_timeout_s=(
-                self.collective_timeout_s if timed_out else None)), failures)
+            raise LabError(
+                describe_failures(
+                    what, failures, collective_timeout_s=(self.collective_timeout_s if timed_out else None)
+                ),
+                failures,
+            )
         return results
 
     # ---- the rank table --------------------------------------------------------------------------

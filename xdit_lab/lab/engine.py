@@ -38,9 +38,16 @@ def init(state: dict, master_addr: str, master_port: int, timeout_s: float, back
     # What torchrun would have set: load_pipeline's memory plan reads LOCAL_WORLD_SIZE.
     for name in ("rank", "world_size", "local_rank", "local_world_size"):
         os.environ[name.upper()] = str(state[name])
-    info = init_distributed(backend, timeout_s, rank=state["rank"], world_size=state["world_size"],
-                            local_rank=state["local_rank"], local_world_size=state["local_world_size"],
-                            master_addr=master_addr, master_port=master_port)
+    info = init_distributed(
+        backend,
+        timeout_s,
+        rank=state["rank"],
+        world_size=state["world_size"],
+        local_rank=state["local_rank"],
+        local_world_size=state["local_world_size"],
+        master_addr=master_addr,
+        master_port=master_port,
+    )
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # engines share the host's cores; extra threads only contend
     state.update(pipe=None, session=None)
@@ -85,8 +92,9 @@ def progress(state: dict):
     if state["rank"] != 0 or session is None:
         return None
     timestep = session.timestep
-    return dict(step_index=session.step_index, num_steps=session.num_steps, done=session.done,
-                timestep=_to_cpu(timestep))
+    return dict(
+        step_index=session.step_index, num_steps=session.num_steps, done=session.done, timestep=_to_cpu(timestep)
+    )
 
 
 def step(state: dict):
@@ -111,8 +119,12 @@ def result(state: dict, output_type: str, return_dict: bool):
         return None
     if not return_dict:
         return tuple(_to_cpu(item) for item in output)
-    return dict(fields={key: _to_cpu(value) for key, value in output.items()}, output_class=type(output),
-                timings=output.timings, comm_per_step=output.comm_per_step)
+    return dict(
+        fields={key: _to_cpu(value) for key, value in output.items()},
+        output_class=type(output),
+        timings=output.timings,
+        comm_per_step=output.comm_per_step,
+    )
 
 
 def latents(state: dict):
@@ -144,8 +156,11 @@ def memory(state: dict) -> dict:
     figures = dict(process_groups=len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0)
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
-        figures.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
-                       max_allocated=torch.cuda.max_memory_allocated(device))
+        figures.update(
+            allocated=torch.cuda.memory_allocated(device),
+            reserved=torch.cuda.memory_reserved(device),
+            max_allocated=torch.cuda.max_memory_allocated(device),
+        )
     return figures
 
 

@@ -19,8 +19,10 @@ class LabError(RuntimeError):
 
     def tracebacks(self) -> str:
         """The remote tracebacks, one per failed rank (ANSI colours included, as ipyparallel sends them)."""
-        return "\n\n".join(f"--- rank {f.get('rank', '?')} (engine {f.get('engine', '?')}) ---\n"
-                           f"{f.get('traceback') or f['error']}" for f in self.failures)
+        return "\n\n".join(
+            f"--- rank {f.get('rank', '?')} (engine {f.get('engine', '?')}) ---\n{f.get('traceback') or f['error']}"
+            for f in self.failures
+        )
 
 
 def describe_failures(what: str, failures: list[dict], *, collective_timeout_s: float | None = None) -> str:
@@ -33,16 +35,19 @@ def describe_failures(what: str, failures: list[dict], *, collective_timeout_s: 
         ranks = ", ".join(str(r.get("rank", "?")) for r in rows)
         engines = ", ".join(str(r["engine"]) for r in rows)
         hosts = sorted({r["host"] for r in rows if r.get("host")})
-        where = f"{'ranks' if len(rows) > 1 else 'rank'} {ranks} (engine{'s' if len(rows) > 1 else ''} {engines}" \
-                + (f" on {', '.join(hosts)})" if hosts else ")")
+        where = f"{'ranks' if len(rows) > 1 else 'rank'} {ranks} (engine{'s' if len(rows) > 1 else ''} {engines}" + (
+            f" on {', '.join(hosts)})" if hosts else ")"
+        )
         lines.append(f"  {where}: {error}")
     texts = " ".join(by_error)
     died = "died" in texts or "is gone" in texts
     if died:
         lines.append("An engine's process ended (a crash, os._exit, or the out-of-memory killer).")
     if collective_timeout_s is not None:
-        lines.append(f"A rank that does not answer is usually waiting in a collective for a rank that failed or "
-                     f"died; collectives give up after {collective_timeout_s:g} s.")
+        lines.append(
+            f"A rank that does not answer is usually waiting in a collective for a rank that failed or "
+            f"died; collectives give up after {collective_timeout_s:g} s."
+        )
     if died or collective_timeout_s is not None:
         lines.append("lab.restart() starts fresh engines and reloads the last pipeline.")
     if any(f.get("traceback") for f in failures):

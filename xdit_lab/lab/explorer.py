@@ -30,6 +30,7 @@ PICKERS = (*DEGREES, "num_patches", "warmup_steps")  # the knobs of a ParallelCo
 
 # ---- on the engines ---------------------------------------------------------------------------------
 
+
 def model_shape(state: dict, height, width) -> dict:
     """The sizes the rules need, from the pipeline this engine holds (rank 0 is always active)."""
     import json
@@ -44,10 +45,15 @@ def model_shape(state: dict, height, width) -> dict:
     height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
-    return dict(family=parallel_state(inner.transformer).adapter.family,
-                num_heads=config["num_attention_heads"], num_layers=config["num_layers"],
-                rows=height // multiple, cols=width // multiple,
-                guidance_scale=defaults["guidance_scale"], num_inference_steps=defaults["num_inference_steps"])
+    return dict(
+        family=parallel_state(inner.transformer).adapter.family,
+        num_heads=config["num_attention_heads"],
+        num_layers=config["num_layers"],
+        rows=height // multiple,
+        cols=width // multiple,
+        guidance_scale=defaults["guidance_scale"],
+        num_inference_steps=defaults["num_inference_steps"],
+    )
 
 
 def preview(state: dict, limit: int):
@@ -60,12 +66,12 @@ def preview(state: dict, limit: int):
     if session is None:
         return None
     with torch.no_grad():
-        images = session.recipe.decode(session.pipe.diffusers_pipeline, session.prepared,
-                                       session.latents[:limit], "np")
+        images = session.recipe.decode(session.pipe.diffusers_pipeline, session.prepared, session.latents[:limit], "np")
     return np.asarray(images, dtype=np.float32)
 
 
 # ---- the controller -----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -86,10 +92,19 @@ def valid_configs(engines: int, shape: ModelShape, *, num_patches=None, warmup_s
     each world size best first by the cost model."""
     found = []
     for world in range(engines, 0, -1):
-        found += [c for c in ParallelConfig.options(world, num_heads=shape.num_heads, num_layers=shape.num_layers,
-                                                    seq_len=shape.seq_len, use_cfg=shape.use_cfg,
-                                                    num_patches=num_patches, warmup_steps=warmup_steps)
-                  if not _extra_problems(c, shape)]
+        found += [
+            c
+            for c in ParallelConfig.options(
+                world,
+                num_heads=shape.num_heads,
+                num_layers=shape.num_layers,
+                seq_len=shape.seq_len,
+                use_cfg=shape.use_cfg,
+                num_patches=num_patches,
+                warmup_steps=warmup_steps,
+            )
+            if not _extra_problems(c, shape)
+        ]
     return found
 
 
@@ -97,8 +112,9 @@ def explain(config: ParallelConfig, engines: int, shape: ModelShape) -> list[str
     """Why `config` cannot run on this Lab and model (empty when it can)."""
     # A smaller world is fine (idle ranks); only a larger one is a mismatch worth the long advice.
     world = engines if config.world_size > engines else None
-    found = config.problems(world, num_heads=shape.num_heads, num_layers=shape.num_layers,
-                            seq_len=shape.seq_len, available_devices=engines)
+    found = config.problems(
+        world, num_heads=shape.num_heads, num_layers=shape.num_layers, seq_len=shape.seq_len, available_devices=engines
+    )
     if world is not None:
         found.append(f"this Lab has {engines} engines: start Lab(n={config.world_size}) for this configuration")
     return found + _extra_problems(config, shape)
@@ -110,8 +126,10 @@ def _extra_problems(config: ParallelConfig, shape: ModelShape) -> list[str]:
 
     found = []
     if config.cfg == 2 and not shape.use_cfg:
-        found.append("cfg 2 splits the unconditional and conditional branches, but guidance_scale <= 1 runs "
-                     "only one; use cfg 1 or a guidance scale above 1")
+        found.append(
+            "cfg 2 splits the unconditional and conditional branches, but guidance_scale <= 1 runs "
+            "only one; use cfg 1 or a guidance scale above 1"
+        )
     found += adapter_named(shape.family).problems(config)
     if config.pipefusion > 1 and config.patches > shape.rows:
         found.append(f"{config.patches} PipeFusion patches are row bands, but the image has {shape.rows} token rows")
@@ -135,8 +153,17 @@ class ExplorerController:
     loaded pipeline's own default (`pipe.call_defaults`: the model folder's, then the family's).
     `prompt` may hold several prompts separated by ';'."""
 
-    def __init__(self, lab, *, prompt: str | None = None, steps: int | None = None, seed: int = 0,
-                 session_kwargs: dict | None = None, preview_limit: int = 4, timeout_s: float | None = None):
+    def __init__(
+        self,
+        lab,
+        *,
+        prompt: str | None = None,
+        steps: int | None = None,
+        seed: int = 0,
+        session_kwargs: dict | None = None,
+        preview_limit: int = 4,
+        timeout_s: float | None = None,
+    ):
         if lab.loaded is None:
             raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) before the explorer")
         self.lab, self.seed, self.preview_limit, self.timeout_s = lab, seed, preview_limit, timeout_s
@@ -144,8 +171,13 @@ class ExplorerController:
         default_steps = self.session_kwargs.pop("num_inference_steps", None)
         self.prompt = prompt or ("a handwritten 7" if lab.loaded.name_or_path == "digits" else "a red cat")
         self.session, self.session_seed = None, None
-        answer = lab.call(model_shape, self.session_kwargs.get("height"), self.session_kwargs.get("width"),
-                          ranks=[0], what="explorer.model_shape")[0]
+        answer = lab.call(
+            model_shape,
+            self.session_kwargs.get("height"),
+            self.session_kwargs.get("width"),
+            ranks=[0],
+            what="explorer.model_shape",
+        )[0]
         recipe_steps, recipe_guidance = answer.pop("num_inference_steps"), answer.pop("guidance_scale")
         self.steps = steps or default_steps or recipe_steps
         self.shape = ModelShape(**answer, use_cfg=self.session_kwargs.get("guidance_scale", recipe_guidance) > 1)
@@ -186,6 +218,7 @@ class ExplorerController:
         def load_and_start():
             self.lab.configure(config, timeout_s=self.timeout_s)
             return self.reset()
+
         return self._guard(load_and_start)
 
     def set_request(self, *, prompt: str | None = None, steps: int | None = None, seed: int | None = None) -> None:
@@ -196,13 +229,16 @@ class ExplorerController:
 
     def reset(self) -> Frame:
         """A new session with the current prompt, steps and seed (nothing run yet)."""
+
         def start():
             prompts = [p.strip() for p in self.prompt.split(";") if p.strip()] or [""]
             self.session = None  # a failed start leaves none behind
-            self.session = self.lab.session(prompts, seed=self.seed, num_inference_steps=self.steps,
-                                            timeout_s=self.timeout_s, **self.session_kwargs)
+            self.session = self.lab.session(
+                prompts, seed=self.seed, num_inference_steps=self.steps, timeout_s=self.timeout_s, **self.session_kwargs
+            )
             self.session_seed = self.seed  # set_request may change self.seed before the next reset
             return self.refresh()
+
         return self._guard(start)
 
     def step(self) -> Frame:
@@ -222,6 +258,7 @@ class ExplorerController:
         def advance():
             action(self.session)
             return self.refresh()
+
         return self._guard(advance)
 
     # ---- what to show ------------------------------------------------------------------------------
@@ -235,8 +272,9 @@ class ExplorerController:
             figures["staleness"] = draw_staleness(summaries)
         figures["memory"] = draw_memory(summaries)
         figures["comm"] = draw_comm(summaries)
-        images = self.lab.call(preview, self.preview_limit, ranks=[0], timeout_s=self.timeout_s,
-                               what="explorer.preview")[0]
+        images = self.lab.call(
+            preview, self.preview_limit, ranks=[0], timeout_s=self.timeout_s, what="explorer.preview"
+        )[0]
         if images is not None:
             import numpy as np
 
@@ -278,5 +316,4 @@ def config_from(choice: dict) -> ParallelConfig:
     return ParallelConfig(**{name: choice[name] for name in PICKERS})
 
 
-__all__ = ["ExplorerController", "Frame", "ModelShape", "valid_configs", "explain",
-           "config_from", "current_choice"]
+__all__ = ["ExplorerController", "Frame", "ModelShape", "valid_configs", "explain", "config_from", "current_choice"]

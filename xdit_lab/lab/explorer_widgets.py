@@ -36,12 +36,18 @@ class Explorer:
         self._syncing = False  # set while code (not the user) moves the pickers
         small = w.Layout(width="150px")
         self.configs = w.Dropdown(description="valid", layout=w.Layout(width="320px"))
-        self.pickers = {name: w.Dropdown(description=LABELS.get(name, name), layout=small,
-                                         style={"description_width": "70px"}) for name in PICKERS}
+        self.pickers = {
+            name: w.Dropdown(description=LABELS.get(name, name), layout=small, style={"description_width": "70px"})
+            for name in PICKERS
+        }
         self.apply_button = w.Button(description="Apply", tooltip="load the pipeline under the picked degrees")
         self.verdict = w.HTML()
-        self.prompt = w.Text(value=c.prompt, description="prompt", placeholder="several prompts: separate with ;",
-                             layout=w.Layout(width="420px"))
+        self.prompt = w.Text(
+            value=c.prompt,
+            description="prompt",
+            placeholder="several prompts: separate with ;",
+            layout=w.Layout(width="420px"),
+        )
         self.steps = w.BoundedIntText(value=c.steps, min=1, max=1000, description="steps", layout=small)
         self.seed = w.IntText(value=c.seed, description="seed", layout=small)
         self.buttons = {name: w.Button(description=name.capitalize()) for name in ("step", "run", "reset")}
@@ -49,11 +55,20 @@ class Explorer:
         for name in ("table", "status", "error"):  # CSS classes name the parts (a browser test finds them)
             getattr(self, name).add_class(f"xdit-lab-{name}")
         self.views = w.Box(layout=w.Layout(flex_flow="row wrap", align_items="flex-start"))
-        self.panel = w.VBox([
-            self.table, self.configs, w.HBox(list(self.pickers.values())[:4]),
-            w.HBox([*list(self.pickers.values())[4:], self.apply_button]), self.verdict,
-            w.HBox([self.prompt, self.steps, self.seed]), w.HBox(list(self.buttons.values())),
-            self.status, self.error, self.views])
+        self.panel = w.VBox(
+            [
+                self.table,
+                self.configs,
+                w.HBox(list(self.pickers.values())[:4]),
+                w.HBox([*list(self.pickers.values())[4:], self.apply_button]),
+                self.verdict,
+                w.HBox([self.prompt, self.steps, self.seed]),
+                w.HBox(list(self.buttons.values())),
+                self.status,
+                self.error,
+                self.views,
+            ]
+        )
 
         self._fill_choices()
         self.configs.observe(self._safely(self._on_config), names="value")
@@ -144,21 +159,26 @@ class Explorer:
         elif config == self.controller.config:
             self.verdict.value = f"<span>{html.escape(config.spelled())} ranks: loaded</span>"
         else:
-            self.verdict.value = (f"<span style='color:#070'>{html.escape(config.spelled())} ranks: valid, "
-                                  f"Apply loads it</span>")
+            self.verdict.value = (
+                f"<span style='color:#070'>{html.escape(config.spelled())} ranks: valid, Apply loads it</span>"
+            )
 
     # ---- showing ------------------------------------------------------------------------------------
     def show(self, frame):
         self.status.value = f"<code>{html.escape(frame.status)}</code>"
-        self.error.value = (f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(frame.error)}</pre>"
-                            if frame.error else "")
+        self.error.value = (
+            f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(frame.error)}</pre>" if frame.error else ""
+        )
         if frame.details:
-            self.error.value += (f"<details><summary>remote tracebacks</summary><pre style='white-space:pre-wrap'>"
-                                 f"{html.escape(frame.details)}</pre></details>")
+            self.error.value += (
+                f"<details><summary>remote tracebacks</summary><pre style='white-space:pre-wrap'>"
+                f"{html.escape(frame.details)}</pre></details>"
+            )
         if frame.figures:  # an error frame keeps the last views on screen
             names = sorted(frame.figures, key=ORDER.index)
-            self.views.children = [w.Image(value=figure_png(frame.figures[n]), format="png")
-                                   .add_class(f"xdit-lab-view-{n}") for n in names]
+            self.views.children = [
+                w.Image(value=figure_png(frame.figures[n]), format="png").add_class(f"xdit-lab-view-{n}") for n in names
+            ]
 
     def _busy(self, action):
         """Run a controller action with the buttons disabled; show its frame."""
@@ -177,8 +197,10 @@ class Explorer:
             try:
                 callback(*args)
             except Exception:  # noqa: BLE001 - a callback's error must reach the panel, whatever it is
-                self.error.value = (f"<pre style='color:#b00;white-space:pre-wrap'>"
-                                    f"{html.escape(traceback.format_exc())}</pre>")
+                self.error.value = (
+                    f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(traceback.format_exc())}</pre>"
+                )
+
         return wrapped
 
     def _repr_mimebundle_(self, **kwargs):

@@ -18,17 +18,19 @@ class LabSession:
 
     def _call(self, fn, *args, what: str, timeout_s=None, **kwargs) -> dict:
         if self.lab.session_token != self.token:
-            raise LabError(f"session.{what}: this session's engines have moved on (a newer lab.session(), "
-                           f"lab.load(), lab.configure() or lab.restart()); start a new one with lab.session(...)")
+            raise LabError(
+                f"session.{what}: this session's engines have moved on (a newer lab.session(), "
+                f"lab.load(), lab.configure() or lab.restart()); start a new one with lab.session(...)"
+            )
         return self.lab.call(fn, *args, timeout_s=timeout_s, what=f"session.{what}", **kwargs)
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def step(self, *, timeout_s: float | None = None) -> "LabSession":
+    def step(self, *, timeout_s: float | None = None) -> LabSession:
         """Exactly one scheduler step, on every engine."""
         self._progress = self._call(engine.step, what="step", timeout_s=timeout_s)[0]
         return self
 
-    def run(self, *, timeout_s: float | None = None) -> "LabSession":
+    def run(self, *, timeout_s: float | None = None) -> LabSession:
         """The remaining steps, in one call to the engines (give a long model a longer timeout_s)."""
         self._progress = self._call(engine.run, what="run", timeout_s=timeout_s)[0]
         return self

@@ -30,8 +30,10 @@ def compare_to_serial(parallel, serial) -> dict:
     if parallel.shape != serial.shape:
         raise ValueError(f"parallel {tuple(parallel.shape)} and serial {tuple(serial.shape)} differ in shape")
     difference = parallel - serial
-    return dict(max_relative=(difference.abs().max() / serial.abs().max().clamp_min(1e-30)).item(),
-                relative_l2=(difference.norm() / serial.norm().clamp_min(1e-30)).item())
+    return dict(
+        max_relative=(difference.abs().max() / serial.abs().max().clamp_min(1e-30)).item(),
+        relative_l2=(difference.norm() / serial.norm().clamp_min(1e-30)).item(),
+    )
 
 
 def max_relative_difference(parallel, serial) -> float:
@@ -54,8 +56,15 @@ def comm_rows(summaries, step: int = -1) -> list[dict]:
         measured, expected = s["comm"]["measured"][step], s["comm"]["expected"][step]
         for group in GROUP_ORDER:
             if measured.get(group) or expected.get(group):
-                rows.append(dict(rank=s["rank"], role=role(s), group=group, measured=measured.get(group, 0),
-                                 formula=expected.get(group, 0)))
+                rows.append(
+                    dict(
+                        rank=s["rank"],
+                        role=role(s),
+                        group=group,
+                        measured=measured.get(group, 0),
+                        formula=expected.get(group, 0),
+                    )
+                )
     return rows
 
 
@@ -64,19 +73,30 @@ def comm_table(summaries, step: int = -1) -> str:
     rows = comm_rows(summaries, step)
     if not rows:
         return "no bytes moved in this step"
-    return text_table(("rank", "role", "group", "measured B", "formula B", "equal"),
-                      [[str(r["rank"]), r["role"], r["group"], f"{r['measured']:,}", f"{r['formula']:,}",
-                        str(r["measured"] == r["formula"])] for r in rows])
+    return text_table(
+        ("rank", "role", "group", "measured B", "formula B", "equal"),
+        [
+            [
+                str(r["rank"]),
+                r["role"],
+                r["group"],
+                f"{r['measured']:,}",
+                f"{r['formula']:,}",
+                str(r["measured"] == r["formula"]),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def bytes_match(summaries) -> bool:
     """Measured bytes equal the closed form on every rank, every step and every group."""
     found = [s for s in summaries if s is not None]
-    return bool(found) and all(s["comm"]["measured"] == s["comm"]["expected"] and s["comm"]["measured"]
-                               for s in found)
+    return bool(found) and all(s["comm"]["measured"] == s["comm"]["expected"] and s["comm"]["measured"] for s in found)
 
 
 # ---- controls: deliberately wrong K/V buffers that a staleness bound must catch --------------------------
+
 
 class ZeroStaleKV(StaleKV):
     """CONTROL, deliberately wrong: where StaleKV hands attention the K/V a previous step left (every
@@ -89,8 +109,8 @@ class ZeroStaleKV(StaleKV):
         keys, values = keys.clone(), values.clone()
         for (_, patch), (start, length) in self.offsets.items():
             if not fresh[patch]:
-                keys[:, :, start:start + length] = 0
-                values[:, :, start:start + length] = 0
+                keys[:, :, start : start + length] = 0
+                values[:, :, start : start + length] = 0
         return keys, values
 
 

@@ -41,10 +41,17 @@ def rank_summary(session) -> dict:
     rows, cols = token_grid(session)
     step = session.step_index
     summary = dict(
-        rank=mesh.rank, mesh=str(mesh), coords=dict(mesh.coords), device=str(pipe.device),
-        family=state.adapter.family, config=dataclasses.asdict(config), step=step, num_steps=session.num_steps,
+        rank=mesh.rank,
+        mesh=str(mesh),
+        coords=dict(mesh.coords),
+        device=str(pipe.device),
+        family=state.adapter.family,
+        config=dataclasses.asdict(config),
+        step=step,
+        num_steps=session.num_steps,
         timestep=float(session.prepared.timesteps[step - 1]) if step else None,
-        grid=[rows, cols], image_tokens=rows * cols,
+        grid=[rows, cols],
+        image_tokens=rows * cols,
         shapes=_shapes(session, transformer, state, rows, cols),
         shard=_shard(mesh, config, state, stage, rows, cols),
         batch=_batch(session, state),
@@ -52,8 +59,10 @@ def rank_summary(session) -> dict:
         memory=_memory(pipe, session, stage),
     )
     measured = [dict(step_bytes) for step_bytes in session.comm_per_step]
-    expected = [expected_bytes_per_step(config, summary["shapes"], coords=summary["coords"], step=i)
-                for i in range(len(measured))]
+    expected = [
+        expected_bytes_per_step(config, summary["shapes"], coords=summary["coords"], step=i)
+        for i in range(len(measured))
+    ]
     summary["comm"] = dict(measured=measured, expected=expected)
     return summary
 
@@ -79,12 +88,16 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
     config = transformer.config
     return dict(
         batch=session.latents.shape[0] * (2 if session.prepared.do_cfg else 1),  # [uncond; cond] rows
-        rows=rows, cols=cols, heads=config.num_attention_heads, head_dim=config.attention_head_dim,
+        rows=rows,
+        cols=cols,
+        heads=config.num_attention_heads,
+        head_dim=config.attention_head_dim,
         self_layers=kinds.count("self"),  # this rank's sequence-parallel attention layers (a stage: its own)
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         text_len=state.text_len,  # joint text tokens of the last forward (0 for PixArt's cross-attention)
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
-        dtype_bytes=next(transformer.parameters()).element_size())
+        dtype_bytes=next(transformer.parameters()).element_size(),
+    )
 
 
 def _shard(mesh, config, state, stage, rows, cols) -> dict:
@@ -94,15 +107,28 @@ def _shard(mesh, config, state, stage, rows, cols) -> dict:
         shard = state.strategy.shard_range
         recorded = shard is not None and state.image_len == rows * cols
         start, stop = shard if recorded else shard_range(rows * cols, sp, sp_rank)
-        return dict(sp_size=sp, sp_rank=sp_rank, tokens=[[start, stop]], pipefusion=None,
-                    source="SequenceShards.shard_range" if recorded else "computed (no forward yet)")
+        return dict(
+            sp_size=sp,
+            sp_rank=sp_rank,
+            tokens=[[start, stop]],
+            pipefusion=None,
+            source="SequenceShards.shard_range" if recorded else "computed (no forward yet)",
+        )
     recorded = stage.layout is not None and stage.grid == (rows, cols)
     layout = stage.layout if recorded else PatchLayout(patch_ranges(rows, cols, config.patches), sp)
     pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
-    return dict(sp_size=sp, sp_rank=sp_rank, tokens=pieces,
-                pipefusion=dict(stage=mesh.coords[PIPEFUSION], blocks=list(stage.blocks),
-                                patches=[list(p) for p in layout.patches], patch_tokens=pieces),
-                source="PatchLayout" if recorded else "computed (no forward yet)")
+    return dict(
+        sp_size=sp,
+        sp_rank=sp_rank,
+        tokens=pieces,
+        pipefusion=dict(
+            stage=mesh.coords[PIPEFUSION],
+            blocks=list(stage.blocks),
+            patches=[list(p) for p in layout.patches],
+            patch_tokens=pieces,
+        ),
+        source="PatchLayout" if recorded else "computed (no forward yet)",
+    )
 
 
 def _batch(session, state) -> dict:
@@ -117,9 +143,13 @@ def _batch(session, state) -> dict:
         dp_sizes = split_batch(state, arguments)
     except ValueError as error:  # cfg 2 without guidance: the forward would refuse too
         return dict(total=total, rows=None, stand_in=False, cfg_half=cfg_half, error=str(error))
-    return dict(total=total, rows=arguments["hidden_states"].tolist(),
-                stand_in=dp_sizes[mesh.group_rank(DP)] == 0,  # computed but dropped by the gather
-                cfg_half=cfg_half, error=None)
+    return dict(
+        total=total,
+        rows=arguments["hidden_states"].tolist(),
+        stand_in=dp_sizes[mesh.group_rank(DP)] == 0,  # computed but dropped by the gather
+        cfg_half=cfg_half,
+        error=None,
+    )
 
 
 def _staleness(stage) -> dict:
@@ -146,9 +176,18 @@ def _staleness(stage) -> dict:
         pipelined = pipelined or any(len(active) < patches for _, active, _ in record)
         written[name], reads[name] = list(steps), matrix
         ages[name] = [max((row[p] for row in matrix if row[p] is not None), default=None) for p in range(patches)]
-    return dict(stage=info["stage"], blocks=list(info["blocks"]), step=last, pipelined=pipelined,
-                patches=[list(p) for p in info["patches"] or []], layers=list(written), written_step=written,
-                age=ages, read_age=reads, buffer=info["buffer"])
+    return dict(
+        stage=info["stage"],
+        blocks=list(info["blocks"]),
+        step=last,
+        pipelined=pipelined,
+        patches=[list(p) for p in info["patches"] or []],
+        layers=list(written),
+        written_step=written,
+        age=ages,
+        read_age=reads,
+        buffer=info["buffer"],
+    )
 
 
 def _global_name(name: str, start: int) -> str:
@@ -174,8 +213,11 @@ def _memory(pipe, session, stage) -> dict:
     params = figures.pop("parameter_bytes")
     total = figures.pop("parameter_total")
     transformer = pipe.diffusers_pipeline.transformer
-    blocks = sum(p.numel() * p.element_size() for name in ("transformer_blocks", "single_transformer_blocks")
-                 for p in getattr(transformer, name, torch.nn.ModuleList()).parameters())
+    blocks = sum(
+        p.numel() * p.element_size()
+        for name in ("transformer_blocks", "single_transformer_blocks")
+        for p in getattr(transformer, name, torch.nn.ModuleList()).parameters()
+    )
     kv = sum(_tensor_bytes([b.keys, b.values]) for b in stage.buffers.values()) if stage is not None else 0
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
         activations = max(0, figures["max_allocated"] - total - kv)
@@ -183,14 +225,23 @@ def _memory(pipe, session, stage) -> dict:
     else:  # no allocator peak on CPU: the tensors the session keeps between steps
         activations = _tensor_bytes([session.prepared.latents, session.prepared.conditioning])
         source = "session latents + conditioning tensors (CPU)"
-    return dict(parameter_bytes=params, parameter_total=total, transformer_block_bytes=blocks,
-                kv_buffer_bytes=kv, activation_bytes=activations, activation_source=source, process=figures)
+    return dict(
+        parameter_bytes=params,
+        parameter_total=total,
+        transformer_block_bytes=blocks,
+        kv_buffer_bytes=kv,
+        activation_bytes=activations,
+        activation_source=source,
+        process=figures,
+    )
 
 
 # ---- the closed forms -----------------------------------------------------------------------------------
 
-def expected_bytes_per_step(config, shapes: dict | None = None, *, coords: dict | None = None,
-                            step: int | None = None) -> dict[str, int]:
+
+def expected_bytes_per_step(
+    config, shapes: dict | None = None, *, coords: dict | None = None, step: int | None = None
+) -> dict[str, int]:
     """Bytes out of one rank in one denoising step, per group, as the closed forms give them.
 
     Pass a rank summary (its last step by default), or a ParallelConfig (or its fields), the
@@ -239,14 +290,14 @@ def expected_bytes_per_step(config, shapes: dict | None = None, *, coords: dict 
 
     out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG), 0)
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
-        group = sizes[my_r * u:(my_r + 1) * u]
+        group = sizes[my_r * u : (my_r + 1) * u]
         me = group[my_u]
         if u > 1:
             qkv = 3 * b * (h - h // u) * me * d
             o = b * (h // u) * (sum(group) - me) * d
             out[ULYSSES] += layers * (qkv + o) * e + joint * b * (h // u) * text * d * (u - 1) * e
         if r > 1:
-            blocks = [sum(kv_sizes[i * u:(i + 1) * u]) for i in range(r)]
+            blocks = [sum(kv_sizes[i * u : (i + 1) * u]) for i in range(r)]
             held = sum(blocks[(my_r - k) % r] for k in range(r - 1))  # the block held at each of N-1 sends
             out[RING] += layers * 2 * b * (h // u) * held * d * e + joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:

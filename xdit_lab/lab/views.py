@@ -35,8 +35,8 @@ def rank_color(rank: int, world_size: int):
 def _scale(largest: float) -> tuple[float, str]:
     """A unit for an axis whose largest value is `largest` bytes."""
     for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if largest >= 1024 ** power:
-            return 1024 ** power, unit
+        if largest >= 1024**power:
+            return 1024**power, unit
     return 1, "B"
 
 
@@ -50,8 +50,7 @@ def _by_rank(summaries) -> list[dict]:
 def role(summary) -> str:
     """Where a rank sits in the grid, the degrees above 1 only: 'cfg 1 · ulysses 0', or 'serial'."""
     c, config = summary["coords"], summary["config"]
-    used = [f"{SHORT[name]} {c[name]}" for name in DEGREES
-            if config[name] > 1]
+    used = [f"{SHORT[name]} {c[name]}" for name in DEGREES if config[name] > 1]
     return " · ".join(used) or "serial"
 
 
@@ -95,6 +94,7 @@ def spans(numbers) -> str:
 
 # ---- shards ---------------------------------------------------------------------------------------------
 
+
 def shard_map(group: list[dict]) -> np.ndarray:
     """rows × cols of the rank that computes each token (-1: none) for ranks sharing one image."""
     rows, cols = group[0]["grid"]
@@ -134,7 +134,9 @@ def draw_shards(summaries) -> Figure:
         ax.set_xlabel(f"{cols} token columns"), ax.set_ylabel(f"{rows} token rows")
         batch = group[0]["batch"]
         branch = {0: " (uncond)", 1: " (cond)"}.get(batch["cfg_half"], "")
-        title = f"dp {key[0]} · cfg {key[1]}{branch}: batch rows {'?' if batch['rows'] is None else spans(batch['rows'])}"
+        title = (
+            f"dp {key[0]} · cfg {key[1]}{branch}: batch rows {'?' if batch['rows'] is None else spans(batch['rows'])}"
+        )
         title += " (stand-in, dropped)" if batch["stand_in"] else ""
         pf = group[0]["shard"][PIPEFUSION]
         if pf is not None:
@@ -145,16 +147,20 @@ def draw_shards(summaries) -> Figure:
                 ax.axhline(bottom - 0.5, color="black", linewidth=2)
                 ax.text(cols - 0.4, (top + bottom - 1) / 2, f" patch {p}", va="center", ha="left", fontsize=8)
         ax.set_title(title, fontsize=9)
-    for ax in axes[len(keys):]:
+    for ax in axes[len(keys) :]:
         ax.set_visible(False)
     handles = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}: {role(s)}") for s in summaries]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=8, frameon=False)
-    fig.suptitle(f"{notation(config)}   {summaries[0]['grid'][0]}×{summaries[0]['grid'][1]} = "
-                 f"{summaries[0]['image_tokens']} image tokens\n{_explain(config)}", fontsize=10)
+    fig.suptitle(
+        f"{notation(config)}   {summaries[0]['grid'][0]}×{summaries[0]['grid'][1]} = "
+        f"{summaries[0]['image_tokens']} image tokens\n{_explain(config)}",
+        fontsize=10,
+    )
     return fig
 
 
 # ---- staleness ----------------------------------------------------------------------------------------
+
 
 def draw_staleness(summaries) -> Figure:
     """Rows: (stage, attention layer); columns: patches; colour: age in steps of the patch's K/V
@@ -169,8 +175,11 @@ def draw_staleness(summaries) -> Figure:
     if not stages:
         ax = fig.subplots()
         ax.axis("off")
-        why = ("no PipeFusion in this configuration: every attention reads fresh K/V"
-               if summaries[0]["staleness"] is None else "no PipeFusion step has run yet")
+        why = (
+            "no PipeFusion in this configuration: every attention reads fresh K/V"
+            if summaries[0]["staleness"] is None
+            else "no PipeFusion step has run yet"
+        )
         ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True)
         return fig
     labels, ages = [], []
@@ -184,16 +193,27 @@ def draw_staleness(summaries) -> Figure:
     top = max(1.0, float(np.nanmax(ages)) if np.isfinite(ages).any() else 1.0)
     image = ax.imshow(ages, cmap="Reds", vmin=0, vmax=top, aspect="auto", interpolation="nearest")
     for (i, j), age in np.ndenumerate(ages):
-        ax.text(j, i, "–" if np.isnan(age) else f"{age:.0f}", ha="center", va="center", fontsize=9,
-                color="white" if age > top / 2 else "black")
+        ax.text(
+            j,
+            i,
+            "–" if np.isnan(age) else f"{age:.0f}",
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="white" if age > top / 2 else "black",
+        )
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     patches = next(iter(stages.values()))["patches"]
-    ax.set_xticks(range(ages.shape[1]), [f"patch {p}\ntokens {a}–{b - 1}" for p, (a, b) in enumerate(patches)],
-                  fontsize=8)
+    ax.set_xticks(
+        range(ages.shape[1]), [f"patch {p}\ntokens {a}–{b - 1}" for p, (a, b) in enumerate(patches)], fontsize=8
+    )
     fig.colorbar(image, ax=ax, label="oldest K/V read (steps)", ticks=range(int(top) + 1))
     info = next(iter(stages.values()))
-    kind = ("pipelined: patch p reads later patches' K/V from the step before" if info["pipelined"]
-            else "warmup: all patches at once, every K/V fresh")
+    kind = (
+        "pipelined: patch p reads later patches' K/V from the step before"
+        if info["pipelined"]
+        else "warmup: all patches at once, every K/V fresh"
+    )
     if info.get("buffer") not in (None, "StaleKV"):  # a control's deliberately wrong buffer: say so
         kind = f"buffer {info['buffer']}, ages as it recorded them"
     ax.set_title(f"Stale K/V in step {info['step'] + 1} of {summaries[0]['num_steps']}\n{kind}", fontsize=9)
@@ -202,12 +222,14 @@ def draw_staleness(summaries) -> Figure:
 
 # ---- memory ---------------------------------------------------------------------------------------------
 
+
 def draw_memory(summaries) -> Figure:
     """Stacked bars per rank: parameters by component, PipeFusion K/V buffers, activations."""
     summaries = _by_rank(summaries)
     components = sorted({name for s in summaries for name in s["memory"]["parameter_bytes"]})
-    segments = [(f"params: {name}", [s["memory"]["parameter_bytes"].get(name, 0) for s in summaries])
-                for name in components]
+    segments = [
+        (f"params: {name}", [s["memory"]["parameter_bytes"].get(name, 0) for s in summaries]) for name in components
+    ]
     segments.append(("K/V buffers (PipeFusion)", [s["memory"]["kv_buffer_bytes"] for s in summaries]))
     segments.append(("activations", [s["memory"]["activation_bytes"] for s in summaries]))
     totals = np.sum([values for _, values in segments], axis=0)
@@ -229,20 +251,25 @@ def draw_memory(summaries) -> Figure:
     ax.set_ylabel(name)
     ax.set_ylim(0, totals.max() / unit * 1.12)
     fig.legend(fontsize=8, loc="outside lower center", ncols=3, frameon=False)
-    ax.set_title(f"Memory per rank ({summaries[0]['device']})\nactivations: "
-                 f"{summaries[0]['memory']['activation_source']}", fontsize=9)
+    ax.set_title(
+        f"Memory per rank ({summaries[0]['device']})\nactivations: {summaries[0]['memory']['activation_source']}",
+        fontsize=9,
+    )
     return fig
 
 
 # ---- communication ------------------------------------------------------------------------------------
+
 
 def draw_comm(summaries, step: int = -1) -> Figure:
     """Bytes out of each rank in one step (default: the last), per group: measured (solid)
     beside the closed form of expected_bytes_per_step (hatched). A mismatch is marked '≠'."""
     summaries = _by_rank(summaries)
     world = max(s["rank"] for s in summaries) + 1
-    steps = [(s["comm"]["measured"][step], s["comm"]["expected"][step]) if s["comm"]["measured"] else ({}, {})
-             for s in summaries]
+    steps = [
+        (s["comm"]["measured"][step], s["comm"]["expected"][step]) if s["comm"]["measured"] else ({}, {})
+        for s in summaries
+    ]
     groups = [g for g in GROUP_ORDER if any(m.get(g) or e.get(g) for m, e in steps)]
     largest = max([1] + [v for m, e in steps for v in (*m.values(), *e.values())])
     unit, name = _scale(largest)
@@ -264,19 +291,21 @@ def draw_comm(summaries, step: int = -1) -> Figure:
         ax.set_xticks(x, groups, fontsize=8)
         ax.set_title(f"rank {s['rank']}: {role(s)}", fontsize=9)
         ax.set_ylim(0, largest / unit * 1.15)
-    for ax in axes[len(summaries):]:
+    for ax in axes[len(summaries) :]:
         ax.set_visible(False)
     axes[0].set_ylabel(f"{name} out of the rank")
     if groups:
         axes[0].legend(fontsize=8, frameon=False)
     which = summaries[0]["step"] + step if step < 0 else step  # 0-based index of the step drawn
     when = f"step {which + 1} of {summaries[0]['num_steps']}" if summaries[0]["step"] else "no step run yet"
-    fig.suptitle(f"Bytes out of each rank per group, {when}\n"
-                 f"measured (solid) beside the closed form (hatched)", fontsize=10)
+    fig.suptitle(
+        f"Bytes out of each rank per group, {when}\nmeasured (solid) beside the closed form (hatched)", fontsize=10
+    )
     return fig
 
 
 # ---- latents --------------------------------------------------------------------------------------------
+
 
 def draw_latent(image, step: int | None = None, *, title: str | None = None) -> Figure:
     """An H×W array (one latent channel, with a colour bar) or an H×W×3 image (scaled to [0, 1])."""

@@ -1,7 +1,7 @@
 """Model families (tutorial 11): call arguments that run each tiny pipeline with real guidance.
 
-    family_call_kwargs(family, steps)   call arguments for a tiny pipeline, real CFG for every family
-    output_latents(output)              .frames (video) or .images of a pipeline output
+family_call_kwargs(family, steps)   call arguments for a tiny pipeline, real CFG for every family
+output_latents(output)              .frames (video) or .images of a pipeline output
 """
 
 from __future__ import annotations

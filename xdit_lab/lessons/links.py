@@ -21,8 +21,16 @@ from ..memory import human_bytes
 from ..mesh import RING
 
 
-def dit_shapes(tokens: int = 4096, hidden: int = 1152, heads: int = 16, layers: int = 28, batch: int = 2,
-               patch: int = 2, out_channels: int = 8, dtype_bytes: int = 2) -> dict:
+def dit_shapes(
+    tokens: int = 4096,
+    hidden: int = 1152,
+    heads: int = 16,
+    layers: int = 28,
+    batch: int = 2,
+    patch: int = 2,
+    out_channels: int = 8,
+    dtype_bytes: int = 2,
+) -> dict:
     """The `shapes` expected_bytes_per_step needs, for a PixArt-like DiT (self-attention sequence
     parallel, text by cross-attention, so no joint tokens). Defaults: PixArt-α at 1024 px (a 64 × 64
     token grid, hidden 1152 = 16 heads × 72, 28 layers), one prompt with CFG (batch 2), half precision."""
@@ -30,9 +38,18 @@ def dit_shapes(tokens: int = 4096, hidden: int = 1152, heads: int = 16, layers: 
     rows = next(d for d in range(side, 0, -1) if tokens % d == 0)
     if hidden % heads:
         raise ValueError(f"hidden size {hidden} does not divide into {heads} heads")
-    return dict(batch=batch, rows=rows, cols=tokens // rows, heads=heads, head_dim=hidden // heads,
-                self_layers=layers, joint_layers=0, text_len=0, proj_width=patch * patch * out_channels,
-                dtype_bytes=dtype_bytes)
+    return dict(
+        batch=batch,
+        rows=rows,
+        cols=tokens // rows,
+        heads=heads,
+        head_dim=hidden // heads,
+        self_layers=layers,
+        joint_layers=0,
+        text_len=0,
+        proj_width=patch * patch * out_channels,
+        dtype_bytes=dtype_bytes,
+    )
 
 
 def bytes_per_rank(config, shapes: dict, step: int = 0) -> dict[int, dict[str, int]]:
@@ -41,16 +58,19 @@ def bytes_per_rank(config, shapes: dict, step: int = 0) -> dict[int, dict[str, i
     from ..mesh import RankMesh
 
     mesh = RankMesh(config, rank=0, world_size=config.world_size)  # coordinates only: no groups are made
-    return {rank: expected_bytes_per_step(config, shapes, coords=mesh.coords_of(rank), step=step)
-            for rank in range(config.world_size)}
+    return {
+        rank: expected_bytes_per_step(config, shapes, coords=mesh.coords_of(rank), step=step)
+        for rank in range(config.world_size)
+    }
 
 
 def _members(mesh, rank: int, group: str) -> list[int]:
     return next(members for members in mesh.all_groups(group) if rank in members)
 
 
-def comm_seconds(config, bytes_by_rank: dict, *, ranks_per_node: int, fast_bytes_per_s: float,
-                 slow_bytes_per_s: float) -> dict:
+def comm_seconds(
+    config, bytes_by_rank: dict, *, ranks_per_node: int, fast_bytes_per_s: float, slow_bytes_per_s: float
+) -> dict:
     """Communication seconds per step under a simple link model (an assumption, not a measurement):
     ranks r // ranks_per_node share a node; inside a node links run at fast_bytes_per_s, across
     nodes at slow_bytes_per_s. A collective (all-to-all, gather) spreads a rank's bytes evenly over
@@ -91,8 +111,9 @@ def link_rows(configs, shapes: dict, scenarios: dict) -> list[dict]:
         for config in configs:
             per_rank = bytes_per_rank(config, shapes)
             busiest = max(per_rank.values(), key=lambda groups: sum(groups.values()))
-            rows.append(dict(scenario=scenario, config=config.short(), bytes=busiest,
-                             **comm_seconds(config, per_rank, **links)))
+            rows.append(
+                dict(scenario=scenario, config=config.short(), bytes=busiest, **comm_seconds(config, per_rank, **links))
+            )
     return rows
 
 
@@ -104,12 +125,18 @@ def link_table(rows) -> str:
             best[row["scenario"]] = row
     lines = []
     for row in rows:
-        parts = ", ".join(f"{g} {human_bytes(row['bytes'][g])} on {row['links'][g]} {row['groups'][g] * 1e3:.2f} ms"
-                          for g in GROUP_ORDER if g in row["groups"])
+        parts = ", ".join(
+            f"{g} {human_bytes(row['bytes'][g])} on {row['links'][g]} {row['groups'][g] * 1e3:.2f} ms"
+            for g in GROUP_ORDER
+            if g in row["groups"]
+        )
         mark = "  <- least" if best[row["scenario"]] is row else ""
         lines.append([row["scenario"], row["config"], f"{row['total'] * 1e3:.2f}", parts + mark])
-    return text_table(("links", "config", "ms/step", "per group (bytes out of the busiest rank, link, time)"),
-                      lines, "communication time per denoising step (assumed bandwidths)")
+    return text_table(
+        ("links", "config", "ms/step", "per group (bytes out of the busiest rank, link, time)"),
+        lines,
+        "communication time per denoising step (assumed bandwidths)",
+    )
 
 
 def draw_link_times(rows) -> Figure:
@@ -127,11 +154,23 @@ def draw_link_times(rows) -> Figure:
             bottom = 0.0
             for group in [g for g in GROUP_ORDER if g in row["groups"]]:
                 ms = row["groups"][group] * 1e3
-                ax.bar(x, ms, bottom=bottom, color=colours[group], width=0.6,
-                       label=group if group not in ax.get_legend_handles_labels()[1] else None)
+                ax.bar(
+                    x,
+                    ms,
+                    bottom=bottom,
+                    color=colours[group],
+                    width=0.6,
+                    label=group if group not in ax.get_legend_handles_labels()[1] else None,
+                )
                 bottom += ms
-            ax.text(x, bottom, f"{bottom:.1f}" + (" ✓" if row["total"] == least else ""), ha="center",
-                    va="bottom", fontsize=8)
+            ax.text(
+                x,
+                bottom,
+                f"{bottom:.1f}" + (" ✓" if row["total"] == least else ""),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(range(len(mine)), [row["config"] for row in mine], fontsize=8)
         ax.set_ylim(0, max(row["total"] for row in mine) * 1e3 * 1.2)
         ax.set_title(scenario, fontsize=9)

@@ -26,8 +26,11 @@ def header_block_bytes(folder, component: str = "transformer", dtype: torch.dtyp
 
     tensors = component_tensor_bytes(Path(folder) / component, dtype)
     blocks, _ = block_bytes(tensors)
-    return dict(component_bytes=sum(tensors.values()), block_bytes=sum(blocks.values()),
-                per_block={f"transformer_blocks.{i}": size for i, size in sorted(blocks.items())})
+    return dict(
+        component_bytes=sum(tensors.values()),
+        block_bytes=sum(blocks.values()),
+        per_block={f"transformer_blocks.{i}": size for i, size in sorted(blocks.items())},
+    )
 
 
 def rank_weights(state: dict) -> dict:
@@ -36,19 +39,30 @@ def rank_weights(state: dict) -> dict:
     pipe = state.get("pipe")
     if pipe is None:
         raise RuntimeError("no pipeline is loaded on this engine: call lab.load(...) first")
-    out = dict(rank=state["rank"], active=pipe.active, plan_per_rank_bytes=dict(pipe.memory_plan.per_rank_bytes),
-               parameter_bytes={}, block_bytes=0, blocks=None)
+    out = dict(
+        rank=state["rank"],
+        active=pipe.active,
+        plan_per_rank_bytes=dict(pipe.memory_plan.per_rank_bytes),
+        parameter_bytes={},
+        block_bytes=0,
+        blocks=None,
+    )
     if not pipe.active:
         return out
     for name, component in pipe.diffusers_pipeline.components.items():
         if isinstance(component, torch.nn.Module):
             out["parameter_bytes"][name] = sum(p.numel() * p.element_size() for p in component.parameters())
     transformer = pipe.diffusers_pipeline.transformer
-    blocks = [p for name in ("transformer_blocks", "single_transformer_blocks")
-              for p in getattr(transformer, name, torch.nn.ModuleList()).parameters()]
+    blocks = [
+        p
+        for name in ("transformer_blocks", "single_transformer_blocks")
+        for p in getattr(transformer, name, torch.nn.ModuleList()).parameters()
+    ]
     out["block_bytes"] = sum(p.numel() * p.element_size() for p in blocks)
     stage = getattr(transformer, "_xdit_lab_stage_blocks", None)  # (start, stop, total) when loaded as a stage
-    out["blocks"] = list(stage) if stage else [0, len(transformer.transformer_blocks), len(transformer.transformer_blocks)]
+    out["blocks"] = (
+        list(stage) if stage else [0, len(transformer.transformer_blocks), len(transformer.transformer_blocks)]
+    )
     return out
 
 
@@ -89,6 +103,7 @@ def mmap_refused():
         def refused(*args, **kwargs):
             refusals[name] += 1
             raise RuntimeError("Unable to mmap 1234 bytes from file (refused by xdit_lab.lessons.loading.mmap_refused)")
+
         return refused
 
     safetensors.safe_open, safetensors.torch.load_file = refuse("safe_open"), refuse("load_file")
@@ -127,10 +142,18 @@ def mmap_demo(path) -> dict:
     tensor_total = sum(t.numel() * t.element_size() for t in mapped.values())
     del mapped
     gc.collect()
-    return dict(file_bytes=path.stat().st_size, tensors=len(keys), tensor_bytes=tensor_total,
-                mapped_while_open=mapped_while_open, mapped_while_tensors_live=mapped_while_tensors_live,
-                mapped_after_release=str(path) in mapped_files(), mmap_read_bytes=mmap_read,
-                plain_read_bytes=plain_read, refusals=dict(refusals), same_tensors=same)
+    return dict(
+        file_bytes=path.stat().st_size,
+        tensors=len(keys),
+        tensor_bytes=tensor_total,
+        mapped_while_open=mapped_while_open,
+        mapped_while_tensors_live=mapped_while_tensors_live,
+        mapped_after_release=str(path) in mapped_files(),
+        mmap_read_bytes=mmap_read,
+        plain_read_bytes=plain_read,
+        refusals=dict(refusals),
+        same_tensors=same,
+    )
 
 
 def load_with_mmap_refused(state: dict, name_or_path, config, prompts, seed: int, call_kwargs: dict) -> dict:
@@ -146,5 +169,3 @@ def load_with_mmap_refused(state: dict, name_or_path, config, prompts, seed: int
         if state["rank"] == 0:
             out["latents"] = latents.detach().to("cpu")
     return out
-
-

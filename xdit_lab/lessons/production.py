@@ -1,8 +1,8 @@
 """From a notebook to production (tutorial 10): the same generation as `xdit-lab run` under torchrun.
 
-    run_argv(...), torchrun_argv(...)   `xdit-lab run` arguments from pipe(...) keyword arguments; torchrun
-    run_processes(commands, timeout_s)  start commands together, wait with a deadline, kill on timeout
-    read_run_images(folder)             the images a run wrote, as arrays, in report order
+run_argv(...), torchrun_argv(...)   `xdit-lab run` arguments from pipe(...) keyword arguments; torchrun
+run_processes(commands, timeout_s)  start commands together, wait with a deadline, kill on timeout
+read_run_images(folder)             the images a run wrote, as arrays, in report order
 """
 
 from __future__ import annotations
@@ -44,16 +44,31 @@ def run_argv(model, prompts, config, output, *, seed: int = 0, negative_prompt=N
     return argv
 
 
-def torchrun_argv(nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                  master_port: int) -> list[str]:
+def torchrun_argv(
+    nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int
+) -> list[str]:
     """torchrun (as `python -m torch.distributed.run`, the kernel's own interpreter) with a static
     rendezvous at master_addr:master_port, up to the module it runs: append ["-m", "xdit_lab.cli", ...]."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
-            "--nproc_per_node", str(nproc_per_node), "--master_addr", master_addr, "--master_port", str(master_port)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node_rank",
+        str(node_rank),
+        "--nproc_per_node",
+        str(nproc_per_node),
+        "--master_addr",
+        master_addr,
+        "--master_port",
+        str(master_port),
+    ]
 
 
-def run_processes(commands: list[list[str]], timeout_s: float, *, envs: list[dict] | None = None,
-                  cpus: list[set] | None = None) -> list[dict]:
+def run_processes(
+    commands: list[list[str]], timeout_s: float, *, envs: list[dict] | None = None, cpus: list[set] | None = None
+) -> list[dict]:
     """Start every command at once (the nodes of one job must rendezvous), wait for all with one
     deadline; on timeout kill them all. `envs[i]` adds environment variables to command i, `cpus[i]`
     pins it (and its children) to those CPU cores (Linux), as a node has cores of its own. One dict
@@ -62,9 +77,14 @@ def run_processes(commands: list[list[str]], timeout_s: float, *, envs: list[dic
     for i, command in enumerate(commands):
         env = {**os.environ, **envs[i]} if envs and envs[i] else None
         cores = cpus[i] if cpus else None
-        pin = (lambda cores=cores: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      preexec_fn=pin))
+        pin = (
+            (lambda cores=cores: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
+        )
+        procs.append(
+            subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=pin
+            )
+        )
     deadline = time.monotonic() + timeout_s
     results = []
     for proc in procs:
@@ -88,5 +108,3 @@ def read_run_images(folder) -> list:
     folder = Path(folder)
     report = json.loads((folder / "report.json").read_text())
     return [np.asarray(Image.open(folder / name)) for name in report["outputs"]]
-
-

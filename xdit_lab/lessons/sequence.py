@@ -49,7 +49,7 @@ def _sp_layout(mesh, tokens: int):
     u = mesh.group_size(ULYSSES)
     sizes = shard_sizes(tokens, mesh.group_size(SP))
     sp_rank, ring_rank = mesh.group_rank(SP), mesh.group_rank(RING)
-    return sizes, sum(sizes[:sp_rank]), sizes[ring_rank * u:(ring_rank + 1) * u]
+    return sizes, sum(sizes[:sp_rank]), sizes[ring_rank * u : (ring_rank + 1) * u]
 
 
 def _held_pairs(x) -> list[list[int]]:
@@ -80,11 +80,19 @@ def ulysses_exchange(state, config, tokens: int = 8, heads: int = 4) -> dict | N
     with comm.comm_log() as log:
         gathered = seq_to_heads(x, mesh, group_sizes, tag="demo")
         back = heads_to_seq(gathered, mesh, group_sizes, tag="demo")
-    return dict(rank=mesh.rank, coords=dict(mesh.coords), tokens=tokens, heads=heads,
-                before=_held_pairs(x.cpu()), after=_held_pairs(gathered.cpu()),
-                shape_before=list(x.shape), shape_after=list(gathered.shape),
-                round_trip=bool(torch.equal(back, x)), bytes_out=log.bytes_by_group(),
-                all_to_alls=len(log.filter(op="all_to_all")))
+    return dict(
+        rank=mesh.rank,
+        coords=dict(mesh.coords),
+        tokens=tokens,
+        heads=heads,
+        before=_held_pairs(x.cpu()),
+        after=_held_pairs(gathered.cpu()),
+        shape_before=list(x.shape),
+        shape_after=list(gathered.shape),
+        round_trip=bool(torch.equal(back, x)),
+        bytes_out=log.bytes_by_group(),
+        all_to_alls=len(log.filter(op="all_to_all")),
+    )
 
 
 @contextlib.contextmanager
@@ -111,8 +119,9 @@ def _traced_ring(record, zero_lse: bool):
         ring_module.local_attention, ring_module.merge_attention = kernel, merge
 
 
-def ring_passes(state, config, tokens: int = 16, heads: int = 2, head_dim: int = 8, seed: int = 0,
-                zero_lse: bool = False) -> dict | None:
+def ring_passes(
+    state, config, tokens: int = 16, heads: int = 2, head_dim: int = 8, seed: int = 0, zero_lse: bool = False
+) -> dict | None:
     """sp_attention over random q, k, v [1, heads, tokens, head_dim] (the same seed on every rank;
     each rank keeps its own shard), with ring.py's kernel and merge traced.
 
@@ -136,7 +145,7 @@ def ring_passes(state, config, tokens: int = 16, heads: int = 2, head_dim: int =
     u, r = mesh.group_size(ULYSSES), mesh.group_size(RING)
     mine = slice(start, start + sizes[mesh.group_rank(SP)])
     # After the Ulysses all-to-all a ring rank holds its ring block's tokens for heads/u heads.
-    block_ranges = [(sum(sizes[:i * u]), sum(sizes[:(i + 1) * u])) for i in range(r)]
+    block_ranges = [(sum(sizes[: i * u]), sum(sizes[: (i + 1) * u])) for i in range(r)]
     my_heads = slice(mesh.group_rank(ULYSSES) * heads // u, (mesh.group_rank(ULYSSES) + 1) * heads // u)
     ring_rank = mesh.group_rank(RING)
     queries = slice(*block_ranges[ring_rank])
@@ -145,21 +154,43 @@ def ring_passes(state, config, tokens: int = 16, heads: int = 2, head_dim: int =
 
     def record(kind, tensor):
         if kind == "block":
-            found = [i for i, (a, b) in enumerate(block_ranges) if tensor.shape[2] == b - a
-                     and torch.equal(tensor, k_all[:, my_heads, a:b])]
-            steps.append(dict(step=len(steps), block=found[0] if found else None,
-                              origin_rank=mesh.group_ranks(RING)[found[0]] if found else None,
-                              tokens=list(block_ranges[found[0]]) if found else None))
+            found = [
+                i
+                for i, (a, b) in enumerate(block_ranges)
+                if tensor.shape[2] == b - a and torch.equal(tensor, k_all[:, my_heads, a:b])
+            ]
+            steps.append(
+                dict(
+                    step=len(steps),
+                    block=found[0] if found else None,
+                    origin_rank=mesh.group_ranks(RING)[found[0]] if found else None,
+                    tokens=list(block_ranges[found[0]]) if found else None,
+                )
+            )
         else:
             steps[-1]["error"] = max_relative_difference(tensor, target)
 
     with comm.comm_log() as log, _traced_ring(record, zero_lse):
-        out = sp_attention(q_all[:, :, mine].contiguous(), k_all[:, :, mine].contiguous(),
-                           v_all[:, :, mine].contiguous(), mesh, seq_len=tokens)
-    return dict(rank=mesh.rank, coords=dict(mesh.coords), ring_rank=ring_rank, ring_size=r, tokens=tokens,
-                queries=[mine.start, mine.stop], steps=steps, zero_lse=zero_lse,
-                final_error=max_relative_difference(out, reference[:, :, mine]), bytes_out=log.bytes_by_group(),
-                sends=len(log.filter(op="send")))
+        out = sp_attention(
+            q_all[:, :, mine].contiguous(),
+            k_all[:, :, mine].contiguous(),
+            v_all[:, :, mine].contiguous(),
+            mesh,
+            seq_len=tokens,
+        )
+    return dict(
+        rank=mesh.rank,
+        coords=dict(mesh.coords),
+        ring_rank=ring_rank,
+        ring_size=r,
+        tokens=tokens,
+        queries=[mine.start, mine.stop],
+        steps=steps,
+        zero_lse=zero_lse,
+        final_error=max_relative_difference(out, reference[:, :, mine]),
+        bytes_out=log.bytes_by_group(),
+        sends=len(log.filter(op="send")),
+    )
 
 
 # ---- views of the demos ---------------------------------------------------------------------------------
@@ -186,10 +217,13 @@ def exchange_check(results) -> dict:
         held = sorted(tuple(p) for r in results for p in r[key])
         return held == every
 
-    whole = all(len({t for t, _ in r["after"]}) * len({h for _, h in r["after"]}) == len(r["after"])
-                for r in results)
-    return dict(before_once=once("before"), after_once=once("after"), after_whole_rows=whole,
-                round_trip=all(r["round_trip"] for r in results))
+    whole = all(len({t for t, _ in r["after"]}) * len({h for _, h in r["after"]}) == len(r["after"]) for r in results)
+    return dict(
+        before_once=once("before"),
+        after_once=once("after"),
+        after_whole_rows=whole,
+        round_trip=all(r["round_trip"] for r in results),
+    )
 
 
 def draw_ulysses_exchange(results) -> Figure:
@@ -217,8 +251,11 @@ def draw_ulysses_exchange(results) -> Figure:
             ax.tick_params(which="minor", length=0)
             shape = "×".join(map(str, result[f"shape_{key}"]))
             pairs = result[key]
-            ax.set_title(f"rank {result['rank']} {key}: x[{shape}]\ntokens {spans([t for t, _ in pairs])}, "
-                         f"heads {spans([h for _, h in pairs])}", fontsize=8)
+            ax.set_title(
+                f"rank {result['rank']} {key}: x[{shape}]\ntokens {spans([t for t, _ in pairs])}, "
+                f"heads {spans([h for _, h in pairs])}",
+                fontsize=8,
+            )
             if column == 0:
                 ax.set_ylabel("head", fontsize=8)
             if row == 1:
@@ -239,16 +276,24 @@ def draw_ring_schedule(results) -> Figure:
     fig = Figure(figsize=(1.6 + 1.2 * steps, 0.9 + 0.55 * len(results)), layout="constrained")
     ax = fig.subplots()
     cmap = ListedColormap([rank_color(r, world) for r in range(world)]).with_extremes(bad="#eeeeee")
-    ax.imshow(np.ma.masked_less(origin, 0), cmap=cmap, norm=BoundaryNorm(np.arange(-0.5, world + 0.5), world),
-              interpolation="nearest", aspect="auto")
+    ax.imshow(
+        np.ma.masked_less(origin, 0),
+        cmap=cmap,
+        norm=BoundaryNorm(np.arange(-0.5, world + 0.5), world),
+        interpolation="nearest",
+        aspect="auto",
+    )
     for i, result in enumerate(results):
         for s in result["steps"]:
             text = "?" if s["block"] is None else f"K/V {s['block']}\ntokens {s['tokens'][0]}–{s['tokens'][1] - 1}"
             ax.text(s["step"], i, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_xticks(range(steps), [f"step {s}" for s in range(steps)], fontsize=8)
     ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results], fontsize=8)
-    ax.set_title("Ring attention: the K/V block each rank holds at each step\n"
-                 "(coloured by the rank it started on; each step it moves one rank on)", fontsize=9)
+    ax.set_title(
+        "Ring attention: the K/V block each rank holds at each step\n"
+        "(coloured by the rank it started on; each step it moves one rank on)",
+        fontsize=9,
+    )
     return fig
 
 
@@ -265,8 +310,14 @@ def draw_merge_errors(results, zero_lse_results=None) -> Figure:
     for run, style, label in runs:
         for result in run:
             errors = [max(s["error"], 1e-12) for s in result["steps"]]
-            ax.semilogy(range(1, len(errors) + 1), errors, style, marker="o", color=rank_color(result["rank"], world),
-                        label=f"rank {result['rank']}, {label}")
+            ax.semilogy(
+                range(1, len(errors) + 1),
+                errors,
+                style,
+                marker="o",
+                color=rank_color(result["rank"], world),
+                label=f"rank {result['rank']}, {label}",
+            )
     ax.axhline(1e-4, color="grey", linewidth=0.8)
     ax.text(1, 1e-4, " 1e-4", va="bottom", fontsize=7, color="grey")
     steps = max(len(r["steps"]) for r in results)

@@ -21,6 +21,7 @@ from ..lab.views import GROUP_ORDER, role, spans
 
 # ---- accuracy against the serial run --------------------------------------------------------------
 
+
 def quality_row(name: str, latents, serial_latents, read, digits) -> dict:
     """One line of an accuracy table: the share of images the classifier read as prompted (whole
     percent) and the latents' relative L2 from serial (2 significant figures, '0' when equal)."""
@@ -28,17 +29,24 @@ def quality_row(name: str, latents, serial_latents, read, digits) -> dict:
     if read.shape != digits.shape:
         raise ValueError(f"{read.size} readings but {digits.size} prompted digits")
     l2 = compare_to_serial(latents, serial_latents)["relative_l2"]
-    return dict(name=name, accuracy_pct=int(round(100 * float((read == digits).mean()))),
-                relative_l2=significant(l2) if l2 > 0 else "0", images=int(digits.size))
+    return dict(
+        name=name,
+        accuracy_pct=int(round(100 * float((read == digits).mean()))),
+        relative_l2=significant(l2) if l2 > 0 else "0",
+        images=int(digits.size),
+    )
 
 
 def quality_table(rows: list[dict]) -> str:
     """quality_row results as aligned text."""
-    return text_table(["configuration", "images", "accuracy %", "rel. L2 vs serial"],
-                  [[r["name"], str(r["images"]), str(r["accuracy_pct"]), r["relative_l2"]] for r in rows])
+    return text_table(
+        ["configuration", "images", "accuracy %", "rel. L2 vs serial"],
+        [[r["name"], str(r["images"]), str(r["accuracy_pct"]), r["relative_l2"]] for r in rows],
+    )
 
 
 # ---- who computes which rows ------------------------------------------------------------------------
+
 
 def batch_table(summaries, prompts: list[str]) -> str:
     """One line per rank: the rows of the model's batch it computes, as (branch, prompt) pairs.
@@ -55,12 +63,15 @@ def batch_table(summaries, prompts: list[str]) -> str:
             branch = ("uncond" if row < n else "cond") if doubled else "prompt"
             parts.append(f"{row}:{branch} {prompts[row % n]!r}")
         note = " (a stand-in row, computed and dropped)" if batch["stand_in"] else ""
-        lines.append(f"rank {s['rank']} ({role(s)}): rows {spans(batch['rows'] or [])} of {batch['total']}{note}\n    "
-                     + "\n    ".join(parts))
+        lines.append(
+            f"rank {s['rank']} ({role(s)}): rows {spans(batch['rows'] or [])} of {batch['total']}{note}\n    "
+            + "\n    ".join(parts)
+        )
     return "\n".join(lines)
 
 
 # ---- communication ------------------------------------------------------------------------------------
+
 
 def bytes_by_config(runs: dict, step: int = -1) -> str:
     """One row per (configuration, rank): bytes out per group in one step ('measured' or
@@ -82,6 +93,7 @@ def bytes_by_config(runs: dict, step: int = -1) -> str:
 
 
 # ---- time per rank (runs on the engines) -----------------------------------------------------------
+
 
 def timing_table(timings_by_config: dict) -> str:
     """`{config name: session.timings()}` as text: denoise seconds and ms per step, per rank."""

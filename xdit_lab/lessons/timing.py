@@ -30,10 +30,12 @@ def vae_decoder_calls(state: dict) -> int | None:
     return decoder._xdit_lab_calls
 
 
-def timed_lab_runs(lab, prompts, *, runs: int, warmup: int = 1, seed: int = 0, output_type: str = "latent",
-                   **call_kwargs) -> dict:
+def timed_lab_runs(
+    lab, prompts, *, runs: int, warmup: int = 1, seed: int = 0, output_type: str = "latent", **call_kwargs
+) -> dict:
     """`warmup` untimed runs, then `runs` timed runs of lab.session(...).run().result(output_type):
     rank 0's PhaseTimings of each, and the wall-clock seconds the notebook waited for each."""
+
     def one():
         start = time.perf_counter()
         output = lab.session(prompts, seed=seed, **call_kwargs).run().result(output_type=output_type)
@@ -41,8 +43,12 @@ def timed_lab_runs(lab, prompts, *, runs: int, warmup: int = 1, seed: int = 0, o
 
     warm = [one() for _ in range(warmup)]
     timed = [one() for _ in range(runs)]
-    return dict(warmup=[t for t, _ in warm], warmup_wall=[w for _, w in warm],
-                runs=[t for t, _ in timed], wall=[w for _, w in timed])
+    return dict(
+        warmup=[t for t, _ in warm],
+        warmup_wall=[w for _, w in warm],
+        runs=[t for t, _ in timed],
+        wall=[w for _, w in timed],
+    )
 
 
 def phase_medians(timings: list[dict]) -> dict:
@@ -52,5 +58,3 @@ def phase_medians(timings: list[dict]) -> dict:
     phases = {name: statistics.median(t[name] for t in timings) for name in ("encode", "prepare", "denoise", "decode")}
     phases["step"] = statistics.median(s for t in timings for s in t["steps"])
     return phases
-
-

@@ -1,10 +1,10 @@
 """diffusers DiT families under data, CFG, sequence and pipeline parallelism.
 
-    families.py   one adapter per family: where to shard and gather, attention kinds, what it supports
-    hooks.py      the machinery every strategy shares (batch split, hooks, attention interception)
-    sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
-    pipefusion.py token strategy: a PipeFusion stage, patch by patch on stale K/V
-    parallel.py   parallelize(transformer, config): the entry
+families.py   one adapter per family: where to shard and gather, attention kinds, what it supports
+hooks.py      the machinery every strategy shares (batch split, hooks, attention interception)
+sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
+pipefusion.py token strategy: a PipeFusion stage, patch by patch on stale K/V
+parallel.py   parallelize(transformer, config): the entry
 """
 
 from .families import FAMILIES, SUPPORTED_DIFFUSERS, adapter_for, check_diffusers_version
@@ -13,5 +13,15 @@ from .parallel import parallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 
-__all__ = ["FAMILIES", "SUPPORTED_DIFFUSERS", "adapter_for", "check_diffusers_version", "ParallelState",
-           "parallel_state", "split_batch", "parallelize", "PipeFusionStage", "SequenceShards"]
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_DIFFUSERS",
+    "adapter_for",
+    "check_diffusers_version",
+    "ParallelState",
+    "parallel_state",
+    "split_batch",
+    "parallelize",
+    "PipeFusionStage",
+    "SequenceShards",
+]

@@ -58,19 +58,51 @@ def supporting(degree: str) -> list[str]:
 FAMILIES = {
     adapter.class_name: adapter
     for adapter in (
-        FamilyAdapter("PixArt", "PixArtTransformer2DModel", shard_at="pos_embed", gather_at="proj_out",
-                      attention={r"\.attn1$": "self", r"\.attn2$": "cross"}, supports=frozenset(DEGREES)),
-        FamilyAdapter("SD3", "SD3Transformer2DModel", shard_at="pos_embed", gather_at="proj_out",
-                      attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"}),
-        FamilyAdapter("Flux", "FluxTransformer2DModel", shard_at="x_embedder", gather_at="proj_out",
-                      attention={r"^transformer_blocks\.\d+\.attn$": "joint_first",
-                                 r"^single_transformer_blocks\.\d+\.attn$": "joint_first"},
-                      rotary_at="pos_embed", unbatched=("img_ids", "txt_ids")),
-        FamilyAdapter("CogVideoX", "CogVideoXTransformer3DModel", shard_at="patch_embed", gather_at="proj_out",
-                      attention={r"\.attn1$": "joint_first"}, text_before_image_at_shard=True,
-                      rotary_kwarg="image_rotary_emb", unbatched=("image_rotary_emb",)),
-        FamilyAdapter("DiT", "DiTTransformer2DModel", shard_at="pos_embed", gather_at="proj_out_2",
-                      attention={r"\.attn1$": "self"}, supports=frozenset(DEGREES)),
+        FamilyAdapter(
+            "PixArt",
+            "PixArtTransformer2DModel",
+            shard_at="pos_embed",
+            gather_at="proj_out",
+            attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
+            supports=frozenset(DEGREES),
+        ),
+        FamilyAdapter(
+            "SD3",
+            "SD3Transformer2DModel",
+            shard_at="pos_embed",
+            gather_at="proj_out",
+            attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
+        ),
+        FamilyAdapter(
+            "Flux",
+            "FluxTransformer2DModel",
+            shard_at="x_embedder",
+            gather_at="proj_out",
+            attention={
+                r"^transformer_blocks\.\d+\.attn$": "joint_first",
+                r"^single_transformer_blocks\.\d+\.attn$": "joint_first",
+            },
+            rotary_at="pos_embed",
+            unbatched=("img_ids", "txt_ids"),
+        ),
+        FamilyAdapter(
+            "CogVideoX",
+            "CogVideoXTransformer3DModel",
+            shard_at="patch_embed",
+            gather_at="proj_out",
+            attention={r"\.attn1$": "joint_first"},
+            text_before_image_at_shard=True,
+            rotary_kwarg="image_rotary_emb",
+            unbatched=("image_rotary_emb",),
+        ),
+        FamilyAdapter(
+            "DiT",
+            "DiTTransformer2DModel",
+            shard_at="pos_embed",
+            gather_at="proj_out_2",
+            attention={r"\.attn1$": "self"},
+            supports=frozenset(DEGREES),
+        ),
     )
 }
 

@@ -80,10 +80,14 @@ def install_hooks(transformer, state: ParallelState) -> None:
             f"this diffusers release may have renamed them"
         )
     for backend, names in replaced.items():
-        log.warning("%d attention modules of %s were set to diffusers' %r attention backend, which the parallel "
-                    "kernels cannot take over; they run diffusers' native backend now, and xdit_lab's kernels do "
-                    "the attention (see xdit_lab.attention.attention_backend)", len(names), type(transformer).__name__,
-                    backend)
+        log.warning(
+            "%d attention modules of %s were set to diffusers' %r attention backend, which the parallel "
+            "kernels cannot take over; they run diffusers' native backend now, and xdit_lab's kernels do "
+            "the attention (see xdit_lab.attention.attention_backend)",
+            len(names),
+            type(transformer).__name__,
+            backend,
+        )
     setattr(transformer, STATE_ATTRIBUTE, state)
 
 

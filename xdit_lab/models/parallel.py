@@ -24,8 +24,13 @@ from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 
 
-def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: RankMesh | None = None, *,
-                stage_split: list[int] | None = None):
+def parallelize(
+    transformer: torch.nn.Module,
+    config: ParallelConfig,
+    mesh: RankMesh | None = None,
+    *,
+    stage_split: list[int] | None = None,
+):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
 
     Call it on every rank after init_distributed. Every rank returns the same full output.
@@ -38,14 +43,19 @@ def parallelize(transformer: torch.nn.Module, config: ParallelConfig, mesh: Rank
     if unsupported:
         raise ParallelConfigError("; ".join(unsupported))
     model_config = transformer.config
-    config.validate(num_heads=model_config.get("num_attention_heads"), num_layers=model_config.get("num_layers"),
-                    seq_len=image_tokens_at_default_size(transformer))
+    config.validate(
+        num_heads=model_config.get("num_attention_heads"),
+        num_layers=model_config.get("num_layers"),
+        seq_len=image_tokens_at_default_size(transformer),
+    )
     mesh = mesh or RankMesh(config)
     if mesh.config != config:
         raise ValueError(f"mesh was built for {mesh.config.short()}, not {config.short()}")
     if not mesh.active:
-        raise ValueError(f"rank {mesh.rank} is idle in {config.short()} ({config.world_size} of {mesh.world_size} "
-                         f"ranks): only ranks with mesh.active run the model")
+        raise ValueError(
+            f"rank {mesh.rank} is idle in {config.short()} ({config.world_size} of {mesh.world_size} "
+            f"ranks): only ranks with mesh.active run the model"
+        )
 
     state = ParallelState(adapter, mesh)
     if getattr(config, PIPEFUSION) > 1:

@@ -79,7 +79,7 @@ class PipeFusionStage:
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
 
     @classmethod
-    def apply(cls, transformer, state, config, stage_split=None) -> "PipeFusionStage":
+    def apply(cls, transformer, state, config, stage_split=None) -> PipeFusionStage:
         """Keep this stage's blocks of `transformer` (drop the others, unless it was loaded as a stage)
         and hook its first and last block to receive and hand over activations."""
         mesh = state.mesh
@@ -100,8 +100,10 @@ class PipeFusionStage:
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
         if state.adapter.family == "DiT" and mesh.is_last_stage and start > 0:
             if block_0 is None:
-                raise ValueError("a DiT stage loaded without block 0 cannot condition its output layer; build the "
-                                 "transformer whole and let parallelize drop the other stages' blocks")
+                raise ValueError(
+                    "a DiT stage loaded without block 0 cannot condition its output layer; build the "
+                    "transformer whole and let parallelize drop the other stages' blocks"
+                )
             _output_conditioning_from_block_0(transformer, block_0)
         if not mesh.is_first_stage:
             transformer.transformer_blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
@@ -170,8 +172,11 @@ class PipeFusionStage:
         patches, made once per layout on the device (a host-to-device copy per patch blocks)."""
         key = (what, tuple(self.active), device)
         if key not in self.indices:
-            index = (self.layout.rank_tokens(self.active, self.mesh.group_rank(SP)) if what == "shard"
-                     else self.layout.gather_order(self.active))
+            index = (
+                self.layout.rank_tokens(self.active, self.mesh.group_rank(SP))
+                if what == "shard"
+                else self.layout.gather_order(self.active)
+            )
             self.indices[key] = index.to(device)
         return self.indices[key]
 
@@ -194,7 +199,9 @@ class PipeFusionStage:
             raise NotImplementedError(f"PipeFusion here handles self-attention; {kind} attention is not staged yet")
         name = self.state.attention_name
         if name not in self.buffers:
-            self.buffers[name] = self.buffer_type(self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING))
+            self.buffers[name] = self.buffer_type(
+                self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING)
+            )
         out, _ = stale_attention(query, key, value, self.mesh, self.buffers[name], self.active, self.step, scale=scale)
         return out
 
@@ -215,8 +222,10 @@ class PipeFusionStage:
             step=self.step,
             patches=self.layout.patches if self.layout else None,
             written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()},
-            reads={name: [(step, list(active), list(steps)) for step, active, steps in buffer.reads]
-                   for name, buffer in self.buffers.items()},
+            reads={
+                name: [(step, list(active), list(steps)) for step, active, steps in buffer.reads]
+                for name, buffer in self.buffers.items()
+            },
             buffer=", ".join(sorted({type(b).__name__ for b in self.buffers.values()})) or None,
         )
 

@@ -6,8 +6,11 @@ from .flux import FluxRecipe
 from .pixart import PixArtRecipe
 from .sd3 import SD3Recipe
 
-RECIPES = {name: recipe for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), CogVideoXRecipe())
-           for name in recipe.pipeline_classes}
+RECIPES = {
+    name: recipe
+    for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), CogVideoXRecipe())
+    for name in recipe.pipeline_classes
+}
 
 
 def recipe_for(pipeline_class: str) -> Recipe:

@@ -51,8 +51,10 @@ class Recipe:
     def check_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.options))
         if unknown:
-            raise TypeError(f"{self.family} pipelines here do not take {', '.join(unknown)}; "
-                            f"supported extra arguments: {', '.join(sorted(self.options)) or 'none'}")
+            raise TypeError(
+                f"{self.family} pipelines here do not take {', '.join(unknown)}; "
+                f"supported extra arguments: {', '.join(sorted(self.options)) or 'none'}"
+            )
         return {**self.options, **options}
 
     def size_multiple(self, pipe) -> tuple[int, tuple[int, int]]:

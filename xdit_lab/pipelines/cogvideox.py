@@ -31,12 +31,18 @@ class CogVideoXRecipe(Recipe):
     def encode(self, pipe, request, device):
         do_cfg = request.guidance_scale > 1.0
         embeds, negative_embeds = pipe.encode_prompt(
-            request.prompts, negatives_or_empty(request), do_classifier_free_guidance=do_cfg,
-            num_videos_per_prompt=1, max_sequence_length=request.options["max_sequence_length"], device=device)
+            request.prompts,
+            negatives_or_empty(request),
+            do_classifier_free_guidance=do_cfg,
+            num_videos_per_prompt=1,
+            max_sequence_length=request.options["max_sequence_length"],
+            device=device,
+        )
         if do_cfg:
             embeds = torch.cat([negative_embeds, embeds])
-        return Prepared(conditioning=dict(encoder_hidden_states=embeds), do_cfg=do_cfg,
-                        guidance_scale=request.guidance_scale)
+        return Prepared(
+            conditioning=dict(encoder_hidden_states=embeds), do_cfg=do_cfg, guidance_scale=request.guidance_scale
+        )
 
     def prepare(self, pipe, request, prepared, device):
         config = pipe.transformer.config
@@ -51,17 +57,27 @@ class CogVideoXRecipe(Recipe):
         generator = generator_of(request)
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
         embeds = prepared.conditioning["encoder_hidden_states"]
-        prepared.latents = pipe.prepare_latents(len(request.prompts), config.in_channels, frames, height, width,
-                                                embeds.dtype, device, generator, None)
-        prepared.extra.update(step_kwargs=pipe.prepare_extra_step_kwargs(generator, request.options["eta"]),
-                              extra_frames=extra_frames, dtype=embeds.dtype, old_pred_original_sample=None)
+        prepared.latents = pipe.prepare_latents(
+            len(request.prompts), config.in_channels, frames, height, width, embeds.dtype, device, generator, None
+        )
+        prepared.extra.update(
+            step_kwargs=pipe.prepare_extra_step_kwargs(generator, request.options["eta"]),
+            extra_frames=extra_frames,
+            dtype=embeds.dtype,
+            old_pred_original_sample=None,
+        )
         if config.use_rotary_positional_embeddings:
             prepared.conditioning["image_rotary_emb"] = pipe._prepare_rotary_positional_embeddings(
-                height, width, prepared.latents.size(1), device)
+                height, width, prepared.latents.size(1), device
+            )
 
     def model_kwargs(self, pipe, prepared, model_input, t):
-        return dict(hidden_states=model_input, timestep=t.expand(model_input.shape[0]), return_dict=False,
-                    **prepared.conditioning)
+        return dict(
+            hidden_states=model_input,
+            timestep=t.expand(model_input.shape[0]),
+            return_dict=False,
+            **prepared.conditioning,
+        )
 
     def guide(self, pipe, prepared, noise, step_index):
         return super().guide(pipe, prepared, noise.float(), step_index)
@@ -73,14 +89,20 @@ class CogVideoXRecipe(Recipe):
         else:  # a multistep scheduler: it carries the previous prediction from step to step
             previous_t = prepared.timesteps[step_index - 1] if step_index > 0 else None
             latents, prepared.extra["old_pred_original_sample"] = pipe.scheduler.step(
-                noise, prepared.extra["old_pred_original_sample"], t, previous_t, latents, **step_kwargs,
-                return_dict=False)
+                noise,
+                prepared.extra["old_pred_original_sample"],
+                t,
+                previous_t,
+                latents,
+                **step_kwargs,
+                return_dict=False,
+            )
         return latents.to(prepared.extra["dtype"])
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":
             return latents
-        video = pipe.decode_latents(latents[:, prepared.extra["extra_frames"]:])
+        video = pipe.decode_latents(latents[:, prepared.extra["extra_frames"] :])
         return pipe.video_processor.postprocess_video(video=video, output_type=output_type)
 
     def wrap_output(self, images):

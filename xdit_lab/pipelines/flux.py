@@ -28,16 +28,24 @@ class FluxRecipe(Recipe):
     def encode(self, pipe, request, device):
         do_cfg = request.options["true_cfg_scale"] > 1 and request.negatives is not None
         length = request.options["max_sequence_length"]
-        embeds, pooled, text_ids = pipe.encode_prompt(prompt=request.prompts, prompt_2=None, device=device,
-                                                      num_images_per_prompt=1, max_sequence_length=length)
+        embeds, pooled, text_ids = pipe.encode_prompt(
+            prompt=request.prompts, prompt_2=None, device=device, num_images_per_prompt=1, max_sequence_length=length
+        )
         if do_cfg:
             negative_embeds, negative_pooled, _ = pipe.encode_prompt(
-                prompt=request.negatives, prompt_2=None, device=device, num_images_per_prompt=1,
-                max_sequence_length=length)
+                prompt=request.negatives,
+                prompt_2=None,
+                device=device,
+                num_images_per_prompt=1,
+                max_sequence_length=length,
+            )
             embeds, pooled = torch.cat([negative_embeds, embeds]), torch.cat([negative_pooled, pooled])
-        return Prepared(conditioning=dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids),
-                        do_cfg=do_cfg, guidance_scale=request.options["true_cfg_scale"],
-                        extra={"distilled_guidance": request.guidance_scale})
+        return Prepared(
+            conditioning=dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids),
+            do_cfg=do_cfg,
+            guidance_scale=request.options["true_cfg_scale"],
+            extra={"distilled_guidance": request.guidance_scale},
+        )
 
     def prepare(self, pipe, request, prepared, device):
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
@@ -45,17 +53,28 @@ class FluxRecipe(Recipe):
         prepared.extra["size"] = (height, width)
         embeds = prepared.conditioning["encoder_hidden_states"]
         prepared.latents, image_ids = pipe.prepare_latents(
-            len(request.prompts), pipe.transformer.config.in_channels // 4, height, width, embeds.dtype, device,
-            generator_of(request), None)
+            len(request.prompts),
+            pipe.transformer.config.in_channels // 4,
+            height,
+            width,
+            embeds.dtype,
+            device,
+            generator_of(request),
+            None,
+        )
         prepared.conditioning["img_ids"] = image_ids
         steps = request.num_inference_steps
         sigmas = np.linspace(1.0, 1 / steps, steps)
         if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
             sigmas = None
         config = pipe.scheduler.config
-        mu = calculate_shift(prepared.latents.shape[1], config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
+        mu = calculate_shift(
+            prepared.latents.shape[1],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas, mu=mu)
         pipe.scheduler.set_begin_index(0)
 
@@ -66,9 +85,16 @@ class FluxRecipe(Recipe):
         rows = model_input.shape[0]
         guidance = None
         if pipe.transformer.config.guidance_embeds:  # guidance-distilled models take the scale as an input
-            guidance = torch.full([rows], prepared.extra["distilled_guidance"], device=model_input.device, dtype=torch.float32)
-        return dict(hidden_states=model_input, timestep=t.expand(rows).to(model_input.dtype) / 1000,
-                    guidance=guidance, return_dict=False, **prepared.conditioning)
+            guidance = torch.full(
+                [rows], prepared.extra["distilled_guidance"], device=model_input.device, dtype=torch.float32
+            )
+        return dict(
+            hidden_states=model_input,
+            timestep=t.expand(rows).to(model_input.dtype) / 1000,
+            guidance=guidance,
+            return_dict=False,
+            **prepared.conditioning,
+        )
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":
@@ -78,4 +104,3 @@ class FluxRecipe(Recipe):
         latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
         image = pipe.vae.decode(latents, return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type=output_type)
-

@@ -26,14 +26,25 @@ class PixArtRecipe(Recipe):
     def encode(self, pipe, request, device):
         options = request.options
         do_cfg = request.guidance_scale > 1.0
-        kwargs = {} if options["max_sequence_length"] is None else {"max_sequence_length": options["max_sequence_length"]}
+        kwargs = (
+            {} if options["max_sequence_length"] is None else {"max_sequence_length": options["max_sequence_length"]}
+        )
         embeds, mask, negative_embeds, negative_mask = pipe.encode_prompt(
-            request.prompts, do_cfg, negative_prompt=negatives_or_empty(request), num_images_per_prompt=1,
-            device=device, clean_caption=options["clean_caption"], **kwargs)
+            request.prompts,
+            do_cfg,
+            negative_prompt=negatives_or_empty(request),
+            num_images_per_prompt=1,
+            device=device,
+            clean_caption=options["clean_caption"],
+            **kwargs,
+        )
         if do_cfg:
             embeds, mask = torch.cat([negative_embeds, embeds]), torch.cat([negative_mask, mask])
-        return Prepared(conditioning=dict(encoder_hidden_states=embeds, encoder_attention_mask=mask),
-                        do_cfg=do_cfg, guidance_scale=request.guidance_scale)
+        return Prepared(
+            conditioning=dict(encoder_hidden_states=embeds, encoder_attention_mask=mask),
+            do_cfg=do_cfg,
+            guidance_scale=request.guidance_scale,
+        )
 
     def prepare(self, pipe, request, prepared, device):
         sample_size = pipe.transformer.config.sample_size
@@ -42,22 +53,34 @@ class PixArtRecipe(Recipe):
         prepared.extra["size"] = (height, width)
         if request.options["use_resolution_binning"]:
             if sample_size not in BINS:
-                raise ValueError(f"resolution binning needs a sample size of 32, 64 or 128, not {sample_size}; "
-                                 f"pass use_resolution_binning=False")
+                raise ValueError(
+                    f"resolution binning needs a sample size of 32, 64 or 128, not {sample_size}; "
+                    f"pass use_resolution_binning=False"
+                )
             height, width = pipe.image_processor.classify_height_width_bin(height, width, ratios=BINS[sample_size])
         generator = generator_of(request)
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
         if hasattr(pipe.scheduler, "set_begin_index"):
             pipe.scheduler.set_begin_index(0)
         embeds = prepared.conditioning["encoder_hidden_states"]
-        prepared.latents = pipe.prepare_latents(len(request.prompts), pipe.transformer.config.in_channels, height,
-                                                width, embeds.dtype, device, generator, None)
+        prepared.latents = pipe.prepare_latents(
+            len(request.prompts),
+            pipe.transformer.config.in_channels,
+            height,
+            width,
+            embeds.dtype,
+            device,
+            generator,
+            None,
+        )
         prepared.extra["step_kwargs"] = pipe.prepare_extra_step_kwargs(generator, request.options["eta"])
         added = {"resolution": None, "aspect_ratio": None}
         if sample_size == 128:  # PixArt-α 1024 takes micro-conditions
             rows = embeds.shape[0]
-            added = {"resolution": torch.tensor([height, width]).repeat(rows, 1).to(embeds),
-                     "aspect_ratio": torch.tensor([float(height / width)]).repeat(rows, 1).to(embeds)}
+            added = {
+                "resolution": torch.tensor([height, width]).repeat(rows, 1).to(embeds),
+                "aspect_ratio": torch.tensor([float(height / width)]).repeat(rows, 1).to(embeds),
+            }
         prepared.conditioning["added_cond_kwargs"] = added
 
     def model_kwargs(self, pipe, prepared, model_input, t):

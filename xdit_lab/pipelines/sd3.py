@@ -19,39 +19,67 @@ class SD3Recipe(Recipe):
     def encode(self, pipe, request, device):
         do_cfg = request.guidance_scale > 1.0
         embeds, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=request.prompts, prompt_2=None, prompt_3=None, negative_prompt=negatives_or_empty(request),
-            do_classifier_free_guidance=do_cfg, device=device, num_images_per_prompt=1,
-            clip_skip=request.options["clip_skip"], max_sequence_length=request.options["max_sequence_length"])
+            prompt=request.prompts,
+            prompt_2=None,
+            prompt_3=None,
+            negative_prompt=negatives_or_empty(request),
+            do_classifier_free_guidance=do_cfg,
+            device=device,
+            num_images_per_prompt=1,
+            clip_skip=request.options["clip_skip"],
+            max_sequence_length=request.options["max_sequence_length"],
+        )
         if do_cfg:
             embeds, pooled = torch.cat([negative_embeds, embeds]), torch.cat([negative_pooled, pooled])
-        return Prepared(conditioning=dict(encoder_hidden_states=embeds, pooled_projections=pooled),
-                        do_cfg=do_cfg, guidance_scale=request.guidance_scale)
+        return Prepared(
+            conditioning=dict(encoder_hidden_states=embeds, pooled_projections=pooled),
+            do_cfg=do_cfg,
+            guidance_scale=request.guidance_scale,
+        )
 
     def prepare(self, pipe, request, prepared, device):
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
         embeds = prepared.conditioning["encoder_hidden_states"]
-        prepared.latents = pipe.prepare_latents(len(request.prompts), pipe.transformer.config.in_channels, height,
-                                                width, embeds.dtype, device, generator_of(request), None)
+        prepared.latents = pipe.prepare_latents(
+            len(request.prompts),
+            pipe.transformer.config.in_channels,
+            height,
+            width,
+            embeds.dtype,
+            device,
+            generator_of(request),
+            None,
+        )
         scheduler_kwargs = {}
         mu = request.options["mu"]
         config = pipe.scheduler.config
         if config.get("use_dynamic_shifting", None) and mu is None:
             patch = pipe.transformer.config.patch_size
             tokens = (prepared.latents.shape[2] // patch) * (prepared.latents.shape[3] // patch)
-            mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                                 config.get("base_shift", 0.5), config.get("max_shift", 1.16))
+            mu = calculate_shift(
+                tokens,
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),
+            )
         if mu is not None:
             scheduler_kwargs["mu"] = mu
-        prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device,
-                                                   **scheduler_kwargs)
+        prepared.timesteps, _ = retrieve_timesteps(
+            pipe.scheduler, request.num_inference_steps, device, **scheduler_kwargs
+        )
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input  # flow matching feeds latents as they are
 
     def model_kwargs(self, pipe, prepared, model_input, t):
-        return dict(hidden_states=model_input, timestep=t.expand(model_input.shape[0]), return_dict=False,
-                    **prepared.conditioning)
+        return dict(
+            hidden_states=model_input,
+            timestep=t.expand(model_input.shape[0]),
+            return_dict=False,
+            **prepared.conditioning,
+        )
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":

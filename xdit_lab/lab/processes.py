@@ -1,4 +1,5 @@
-"""A Lab ends with the process that made it, even one that is killed.
+"""The Lab's engine processes: how many start, with which environment (engine_plan), and that they
+end with the process that made the Lab, even one that is killed (the rest of this module).
 
 A Lab that is never stopped still ends with the process that made it: on a normal exit (the
 kernel shut down or restarted) an atexit handler stops it. When that process is killed outright
@@ -16,6 +17,27 @@ import subprocess
 import sys
 import traceback
 import weakref
+
+
+def engine_plan(
+    n: int | None, gpus: int, backend: str | None, cpu_cores: int, engine_env: dict | None = None
+) -> tuple[int, dict]:
+    """How many engines to start, and their environment: one per GPU (at most one per GPU: NCCL
+    refuses two ranks on one), or CPU engines over gloo when there are no GPUs or backend="gloo"
+    asks for them (any number; the GPUs are hidden from them, one torch thread each)."""
+    cpu = backend == "gloo" or not gpus
+    if not cpu and backend not in (None, "nccl"):
+        raise ValueError(f"backend {backend!r}: choose 'nccl' (one engine per GPU), 'gloo' (CPU engines) or None")
+    if not cpu and n is not None and n > gpus:
+        raise ValueError(
+            f"{n} engines but {gpus} visible GPUs: one engine per GPU (n <= {gpus}), or CPU engines "
+            f"with Lab(n={n}, backend='gloo')"
+        )
+    n = n or (cpu_cores if cpu else gpus)
+    # One thread per CPU engine from the start (torch reads these at import); init sets it again.
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""} if cpu else {}
+    return n, {**env, **(engine_env or {})}
+
 
 # The watchdog, run as `python -c WATCHDOG <cluster file>`: the Lab writes the pid of each process
 # of its cluster to its stdin, one per line. End of input means the Lab stopped, or its process
@@ -77,9 +99,14 @@ class Watchdog:
     def __init__(self, cluster_file: str, log_path: str):
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as output:
-            self.process = subprocess.Popen([sys.executable, "-c", WATCHDOG, cluster_file], stdin=subprocess.PIPE,
-                                            stdout=output, stderr=subprocess.STDOUT, text=True,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", WATCHDOG, cluster_file],
+                stdin=subprocess.PIPE,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:

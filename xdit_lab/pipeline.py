@@ -128,103 +128,71 @@ def load_pipeline(
     owns_mesh = mesh is None  # a mesh made here is closed with the pipeline (or if loading fails)
     mesh = mesh or RankMesh(config)
     try:
-        return _load(
+        components = [
+            name
+            for name, value in index.items()
+            if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()
+        ]
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+        plan = plan_memory(
             folder,
-            index,
+            components,
+            dtype=torch_dtype,
+            pipefusion=config.pipefusion,
+            ranks_per_host=min(local_ranks, config.world_size),
+            stage_split=stage_split,
+        )
+        check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
+        if not mesh.active:
+            return ParallelPipeline(
+                None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults, owns_mesh=owns_mesh
+            )
+
+        from diffusers import DiffusionPipeline
+
+        if config.pipefusion > 1 and "transformer" in components:
+            # a stage materialises only its own blocks (plus embeddings and output layers)
+            transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
+            stages = stage_ranges(transformer_config["num_layers"], config.pipefusion, stage_split)
+            blocks = stages[mesh.coords[PIPEFUSION]]
+            from_pretrained_kwargs["transformer"] = load_stage_transformer(
+                folder / "transformer", index["transformer"][1], blocks, torch_dtype
+            )
+        try:
+            inner = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype, **from_pretrained_kwargs)
+        except (OSError, RuntimeError) as error:
+            if not _mentions_mmap(error):
+                raise
+            # mmap can fail on some file systems or under address-space limits: read the files instead.
+            try:
+                inner = DiffusionPipeline.from_pretrained(
+                    folder, dtype=torch_dtype, disable_mmap=True, **from_pretrained_kwargs
+                )
+            except Exception as retry_error:
+                raise MemoryError(
+                    f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "
+                    f"Memory plan per rank:\n{plan.table()}\nUse fewer ranks per host, bfloat16, or "
+                    f"PipeFusion to hold less per rank"
+                ) from retry_error
+        inner.set_progress_bar_config(disable=True)
+        inner.to(info.device)
+        parallelize(inner.transformer, config, mesh, stage_split=stage_split)
+        return ParallelPipeline(
+            inner,
             recipe,
-            call_defaults,
             config,
             mesh,
-            info,
-            torch_dtype,
-            memory_limit_bytes,
-            progress,
-            stage_split,
-            from_pretrained_kwargs,
-            owns_mesh,
+            info.device,
+            plan,
+            folder,
+            progress=progress,
+            call_defaults=call_defaults,
+            owns_mesh=owns_mesh,
         )
     except BaseException:
         if owns_mesh:
             mesh.close()
         raise
-
-
-def _load(
-    folder,
-    index,
-    recipe,
-    call_defaults,
-    config,
-    mesh,
-    info,
-    torch_dtype,
-    memory_limit_bytes,
-    progress,
-    stage_split,
-    from_pretrained_kwargs,
-    owns_mesh,
-) -> ParallelPipeline:
-    components = [
-        name
-        for name, value in index.items()
-        if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()
-    ]
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    plan = plan_memory(
-        folder,
-        components,
-        dtype=torch_dtype,
-        pipefusion=config.pipefusion,
-        ranks_per_host=min(local_ranks, config.world_size),
-        stage_split=stage_split,
-    )
-    check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
-    if not mesh.active:
-        return ParallelPipeline(
-            None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults, owns_mesh=owns_mesh
-        )
-
-    from diffusers import DiffusionPipeline
-
-    if config.pipefusion > 1 and "transformer" in components:
-        # a stage materialises only its own blocks (plus embeddings and output layers)
-        transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
-        stages = stage_ranges(transformer_config["num_layers"], config.pipefusion, stage_split)
-        blocks = stages[mesh.coords[PIPEFUSION]]
-        from_pretrained_kwargs["transformer"] = load_stage_transformer(
-            folder / "transformer", index["transformer"][1], blocks, torch_dtype
-        )
-    try:
-        inner = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype, **from_pretrained_kwargs)
-    except (OSError, RuntimeError) as error:
-        if not _mentions_mmap(error):
-            raise
-        # mmap can fail on some file systems or under address-space limits: read the files instead.
-        try:
-            inner = DiffusionPipeline.from_pretrained(
-                folder, dtype=torch_dtype, disable_mmap=True, **from_pretrained_kwargs
-            )
-        except Exception as retry_error:
-            raise MemoryError(
-                f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "
-                f"Memory plan per rank:\n{plan.table()}\nUse fewer ranks per host, bfloat16, or "
-                f"PipeFusion to hold less per rank"
-            ) from retry_error
-    inner.set_progress_bar_config(disable=True)
-    inner.to(info.device)
-    parallelize(inner.transformer, config, mesh, stage_split=stage_split)
-    return ParallelPipeline(
-        inner,
-        recipe,
-        config,
-        mesh,
-        info.device,
-        plan,
-        folder,
-        progress=progress,
-        call_defaults=call_defaults,
-        owns_mesh=owns_mesh,
-    )
 
 
 def _mentions_mmap(error: BaseException | None) -> bool:

@@ -22,7 +22,7 @@ from ..config import DEGREES, SHORT
 from ..memory import human_bytes
 from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES
 
-GROUP_ORDER = (ULYSSES, RING, SP, PIPEFUSION, DP, CFG)
+GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP)  # the degrees in their one order, then the token gather
 
 
 def rank_color(rank: int, world_size: int):

@@ -3,6 +3,7 @@ parallelism (`ContextParallelConfig`), and xdit_lab's Ulysses, Ring and USP, on 
 
     python benchmarks/peers.py                       # transformers and pipelines, 2 and 4 ranks
     python benchmarks/peers.py --tokens 1024 4096 16384 --ranks 2 --repeats 7 --json out.json
+    python benchmarks/peers.py --pipeline-tokens     # transformers only (an empty list: no pipelines)
 
 What is timed:
   transformer  one forward of a Flux-shaped (joint text) and a PixArt-shaped (self + cross
@@ -340,7 +341,13 @@ def main():
     parser.add_argument("--families", nargs="+", default=["flux", "pixart"], choices=["flux", "pixart"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pipeline-steps", type=int, default=4)
-    parser.add_argument("--no-pipeline", action="store_true", help="transformers only")
+    parser.add_argument(
+        "--pipeline-tokens",
+        type=int,
+        nargs="*",
+        help="image tokens of the pipeline runs (default: --tokens up to 4096)",
+    )
+    parser.add_argument("--pipeline-ranks", type=int, nargs="*", choices=[2, 4], help="default: --ranks")
     parser.add_argument("--json", help="also write every row (all timings) to this file")
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
     parser.add_argument("--plot", help="also draw the medians to this PNG")
@@ -350,12 +357,14 @@ def main():
         for family in args.families:
             per_rank = run_on_ranks(bench_transformer, ranks, family, args.tokens, args.repeats, timeout_s=7200)
             rows += merge_ranks(per_rank)
-    if not args.no_pipeline:
+    pipeline_tokens = [t for t in args.tokens if t <= 4096] if args.pipeline_tokens is None else args.pipeline_tokens
+    pipeline_ranks = args.ranks if args.pipeline_ranks is None else args.pipeline_ranks
+    if pipeline_tokens and pipeline_ranks:
         with tempfile.TemporaryDirectory() as tmp:
             folder = save_flux_pipeline(tmp)
-            for ranks in args.ranks:
+            for ranks in pipeline_ranks:
                 per_rank = run_on_ranks(
-                    bench_pipeline, ranks, folder, args.tokens, args.pipeline_steps, args.repeats, timeout_s=7200
+                    bench_pipeline, ranks, folder, pipeline_tokens, args.pipeline_steps, args.repeats, timeout_s=7200
                 )
                 rows += merge_ranks(per_rank)
     print_table(rows)

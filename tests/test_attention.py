@@ -113,11 +113,10 @@ def test_counted_bytes_match_closed_form(config):
         records = self_case["records"]
         a2a = [x for x in records if x["op"] == "all_to_all"]
         sends = [x for x in records if x["op"] == "send"]
-        # Ulysses: four all-to-alls of the local q, k, v, o, of which (N-1)/N leaves the rank
-        assert len(a2a) == (4 if u > 1 else 0)
-        assert all(
-            x["group"] == "ulysses" and x["bytes"] == local and x["bytes_out"] == local * (u - 1) // u for x in a2a
-        )
+        # Ulysses: q, k, v in one all-to-all, o in a second; (N-1)/N of each leaves the rank
+        assert [(x["group"], x["tag"]) for x in a2a] == ([("ulysses", "qkv"), ("ulysses", "out")] if u > 1 else [])
+        for x, tensors in zip(a2a, (3, 1)):
+            assert x["bytes"] == tensors * local and x["bytes_out"] == tensors * local * (u - 1) // u
         # Ring: N-1 transfers of a K/V block (2 × the block each rank holds after Ulysses)
         assert len(sends) == r - 1
         assert all(x["group"] == "ring" and x["bytes_out"] == 2 * local for x in sends)

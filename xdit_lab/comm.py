@@ -16,7 +16,6 @@ leave this rank for the call to complete, in the direct model: an all-to-all kee
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -93,35 +92,27 @@ def _record(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int
 # ---- collectives ---------------------------------------------------------------------------------
 
 
-def all_to_all(
-    chunks: list[torch.Tensor], recv_shapes: list[tuple], mesh, group: str, *, tag: str = ""
-) -> list[torch.Tensor]:
-    """Send chunks[j] to group rank j; return the tensors received, in group-rank order.
+def all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], mesh, group: str, *, tag: str = ""):
+    """Send the j-th piece of the flat `send` (send_sizes[j] elements) to group rank j; return
+    what arrives, flat, source by source (recv_sizes[j] elements from group rank j).
 
-    recv_shapes[j] is the shape of what group rank j sends here: shapes may differ between
-    ranks (uneven sequence shards), so nothing is padded. One all_to_all_single call moves
-    everything, flattened (gloo also needs contiguous input)."""
+    Sizes may differ between ranks (uneven sequence shards), so nothing is padded. Callers lay
+    out `send` themselves, in one copy, and read the result through views: one call, no
+    list-to-buffer copies here."""
     n = mesh.group_size(group)
-    if len(chunks) != n or len(recv_shapes) != n:
+    if len(send_sizes) != n or len(recv_sizes) != n:
         raise ValueError(
-            f"all_to_all over {group} needs {n} chunks and {n} receive shapes, got {len(chunks)} and {len(recv_shapes)}"
+            f"all_to_all over {group} needs {n} send and {n} receive sizes, got {len(send_sizes)} and {len(recv_sizes)}"
         )
     if n == 1:
-        return [chunks[0]]
+        return send
     me = mesh.group_rank(group)
-    send = torch.cat([c.reshape(-1) for c in chunks])
-    recv_sizes = [math.prod(shape) for shape in recv_shapes]
     received = send.new_empty(sum(recv_sizes), dtype=send.dtype)  # every rank sends this dtype
-    sent_away = sum(c.numel() for j, c in enumerate(chunks) if j != me) * send.element_size()
-    _record("all_to_all", group, n, send, sent_away, tag)
+    _record("all_to_all", group, n, send, (send.numel() - send_sizes[me]) * send.element_size(), tag)
     dist.all_to_all_single(
-        received,
-        send,
-        output_split_sizes=recv_sizes,
-        input_split_sizes=[c.numel() for c in chunks],
-        group=mesh.group(group),
+        received, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=mesh.group(group)
     )
-    return [part.view(shape) for part, shape in zip(received.split(recv_sizes), recv_shapes)]
+    return received
 
 
 def all_gather(

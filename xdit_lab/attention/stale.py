@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
 from ..mesh import RING, ULYSSES
 from ..sharding import PatchLayout
 from .local import joint_local_attention
@@ -82,7 +81,7 @@ def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int
     sources = [buffer.ring_rank * ulysses + j for j in range(ulysses)]
     seq_sizes = [sum(layout.chunk_len(p, s) for p in active) for s in sources]
     if ulysses > 1:
-        q, k, v = (seq_to_heads(t, mesh, seq_sizes, tag=name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+        q, k, v = seq_to_heads((q, k, v), mesh, seq_sizes, tag="qkv")
         if joint is not None:
             me, per_rank = mesh.group_rank(ULYSSES), q.shape[1]
             joint = tuple(t.narrow(1, me * per_rank, per_rank) for t in joint)
@@ -97,7 +96,5 @@ def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int
         ]
         out, joint_out = ring_attention(q, keys, values, mesh, block_sizes, joint=joint, scale=scale)
     if ulysses > 1:
-        out = heads_to_seq(out, mesh, seq_sizes, tag="out")
-        if joint_out is not None:
-            joint_out = comm.all_gather(joint_out, mesh, ULYSSES, dim=1, tag="joint_out")
+        out, joint_out = heads_to_seq(out, mesh, seq_sizes, joint=joint_out, tag="out")
     return out, joint_out

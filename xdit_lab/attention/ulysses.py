@@ -7,10 +7,11 @@ unsplit, and a second all-to-all gives each rank its sequence chunk back with al
     q[B, H, S/N, D] --all-to-all--> q[B, H/N, S, D] --attention--> o[B, H/N, S, D]
                     --all-to-all--> o[B, H, S/N, D]
 
-q, k, v and o each cross the network once; (N-1)/N of each leaves the rank. Shards may have
-unequal lengths (S not divisible by N): the all-to-all moves them as they are, nothing padded.
-Joint text tokens are whole on every rank, so their heads are simply sliced locally; only their
-output is gathered over heads at the end.
+q, k, v and o each cross the network once; (N-1)/N of each leaves the rank. q, k and v share
+the first all-to-all, o the second: two collectives per attention. Shards may have unequal
+lengths (S not divisible by N): the all-to-all moves them as they are, nothing padded. Joint
+text tokens are whole on every rank, so their heads are simply sliced locally; their output
+rides in the second all-to-all, which gathers it over heads.
 """
 
 from __future__ import annotations
@@ -21,23 +22,56 @@ from .. import comm
 from ..mesh import ULYSSES
 
 
-def seq_to_heads(x: torch.Tensor, mesh, seq_sizes: list[int], *, tag: str = "") -> torch.Tensor:
-    """x[B, H, S_me, D] -> x[B, H/N, S, D]: scatter heads, gather the sequence."""
-    batch, heads, _, head_dim = x.shape
-    n = len(seq_sizes)
+def seq_to_heads(xs, mesh, seq_sizes: list[int], *, tag: str = "") -> list[torch.Tensor]:
+    """Each x[B, H, S_me, D] of `xs` (one shape) -> x[B, H/N, S, D]: scatter heads, gather the
+    sequence. All of `xs` (q, k and v) travel in one all-to-all; each is copied once into the
+    send buffer and once out of the receive buffer."""
+    batch, heads, local, head_dim = xs[0].shape
+    n, m = len(seq_sizes), len(xs)
     per_rank = heads // n
-    chunks = list(x.split(per_rank, dim=1))  # chunk j: the heads that group rank j will own
-    recv_shapes = [(batch, per_rank, size, head_dim) for size in seq_sizes]
-    return torch.cat(comm.all_to_all(chunks, recv_shapes, mesh, ULYSSES, tag=tag), dim=2)
+    send = xs[0].new_empty((n, m, batch, per_rank, local, head_dim))  # [to rank j][tensor i]
+    for i, x in enumerate(xs):
+        send[:, i].copy_(x.view(batch, n, per_rank, local, head_dim).transpose(0, 1))
+    piece = m * batch * per_rank * head_dim  # elements per token
+    received = comm.all_to_all(
+        send.view(-1), [local * piece] * n, [s * piece for s in seq_sizes], mesh, ULYSSES, tag=tag
+    )
+    out = send.new_empty((m, batch, per_rank, sum(seq_sizes), head_dim))
+    for source, (part, start) in enumerate(zip(received.split([s * piece for s in seq_sizes]), _starts(seq_sizes))):
+        out[:, :, :, start : start + seq_sizes[source]].copy_(
+            part.view(m, batch, per_rank, seq_sizes[source], head_dim)
+        )
+    return list(out.unbind(0))
 
 
-def heads_to_seq(x: torch.Tensor, mesh, seq_sizes: list[int], *, tag: str = "") -> torch.Tensor:
-    """x[B, H/N, S, D] -> x[B, H, S_me, D]: scatter the sequence, gather heads."""
+def heads_to_seq(x: torch.Tensor, mesh, seq_sizes: list[int], *, joint=None, tag: str = ""):
+    """x[B, H/N, S, D] -> x[B, H, S_me, D]: scatter the sequence, gather heads. `joint`, the text
+    output [B, H/N, T, D] whole on every rank, rides in the same all-to-all (a copy to every
+    peer) and comes back with all heads. Returns (out, joint_out or None)."""
     batch, per_rank, _, head_dim = x.shape
-    me = mesh.group_rank(ULYSSES)
-    chunks = list(x.split(seq_sizes, dim=2))  # chunk j: the tokens that group rank j owns
-    recv_shapes = [(batch, per_rank, seq_sizes[me], head_dim)] * len(seq_sizes)
-    return torch.cat(comm.all_to_all(chunks, recv_shapes, mesh, ULYSSES, tag=tag), dim=1)
+    n, me = len(seq_sizes), mesh.group_rank(ULYSSES)
+    text = 0 if joint is None else joint.shape[2]
+    row = batch * per_rank * head_dim  # elements per token of one rank's heads
+    send_sizes = [(s + text) * row for s in seq_sizes]
+    send = x.new_empty(sum(send_sizes))
+    for part, start, size in zip(send.split(send_sizes), _starts(seq_sizes), seq_sizes):
+        part[: size * row].view(batch, per_rank, size, head_dim).copy_(x[:, :, start : start + size])
+        if text:
+            part[size * row :].view(batch, per_rank, text, head_dim).copy_(joint)
+    mine = seq_sizes[me]
+    received = comm.all_to_all(send, send_sizes, [(mine + text) * row] * n, mesh, ULYSSES, tag=tag)
+    out = x.new_empty((batch, n * per_rank, mine, head_dim))
+    joint_out = None if joint is None else joint.new_empty((batch, n * per_rank, text, head_dim))
+    for source, part in enumerate(received.split((mine + text) * row)):
+        heads = slice(source * per_rank, (source + 1) * per_rank)
+        out[:, heads].copy_(part[: mine * row].view(batch, per_rank, mine, head_dim))
+        if text:
+            joint_out[:, heads].copy_(part[mine * row :].view(batch, per_rank, text, head_dim))
+    return out, joint_out
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None, scale=None):
@@ -49,11 +83,8 @@ def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None,
     n = len(seq_sizes)
     me = mesh.group_rank(ULYSSES)
     per_rank = q.shape[1] // n
-    q, k, v = (seq_to_heads(t, mesh, seq_sizes, tag=name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = seq_to_heads((q, k, v), mesh, seq_sizes, tag="qkv")
     if joint is not None:  # replicated text: every rank already has every head
         joint = tuple(t.narrow(1, me * per_rank, per_rank) for t in joint)
     out, joint_out = inner(q, k, v, joint=joint, scale=scale)
-    out = heads_to_seq(out, mesh, seq_sizes, tag="out")
-    if joint_out is not None:
-        joint_out = comm.all_gather(joint_out, mesh, ULYSSES, dim=1, tag="joint_out")
-    return out, joint_out
+    return heads_to_seq(out, mesh, seq_sizes, joint=joint_out, tag="out")

@@ -78,8 +78,8 @@ def ulysses_exchange(state, config, tokens: int = 8, heads: int = 4) -> dict | N
     x[..., 1] = torch.arange(heads, dtype=torch.float32).unsqueeze(-1)  # head index, the same for every token
     x = x.to(_device())  # nccl moves GPU tensors only
     with comm.comm_log() as log:
-        gathered = seq_to_heads(x, mesh, group_sizes, tag="demo")
-        back = heads_to_seq(gathered, mesh, group_sizes, tag="demo")
+        (gathered,) = seq_to_heads([x], mesh, group_sizes, tag="demo")
+        back, _ = heads_to_seq(gathered, mesh, group_sizes, tag="demo")
     return dict(
         rank=mesh.rank,
         coords=dict(mesh.coords),

@@ -141,63 +141,23 @@ FAMILY_OPTIONS = {  # what each tiny family's pipeline takes (cf. tiny_pipeline_
 }
 
 
+def run_args(model, output, *extra, steps: int) -> list[str]:
+    """`xdit-lab run` of `model` with a fixed seed, writing latents (no VAE), quietly."""
+    common = f"--seed 7 --no-progress --output-type latent --timeout 120 --steps {steps}".split()
+    return ["run", "--model", str(model), "--output", str(output), *common, *extra]
+
+
 def cli_args(folder, output, family, *extra, steps=3):
-    """`xdit-lab run` of a tiny pipeline folder at 16 x 16 pixels, writing latents (no VAE)."""
-    args = [
-        "run",
-        "--model",
-        str(folder),
-        "--output",
-        str(output),
-        "--steps",
-        str(steps),
-        "--seed",
-        "7",
-        "--height",
-        "16",
-        "--width",
-        "16",
-        "--guidance",
-        "3.0",
-        "--no-progress",
-        "--output-type",
-        "latent",
-        "--timeout",
-        "120",
-        "--option",
-        "max_sequence_length=8",
-        *FAMILY_OPTIONS[family],
-        *extra,
-    ]
-    for prompt in PROMPTS:
-        args += ["--prompt", prompt]
-    return args
+    """`xdit-lab run` of a tiny pipeline folder at 16 x 16 pixels."""
+    size = "--height 16 --width 16 --guidance 3.0 --option max_sequence_length=8".split()
+    prompts = [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
+    return run_args(folder, output, *size, *FAMILY_OPTIONS[family], *extra, *prompts, steps=steps)
 
 
 def digits_args(output, *extra, steps=4):
     """`xdit-lab run` of the bundled digits model (a 4-block PixArt: enough blocks for 3 and 4 stages),
     with its own call defaults."""
-    return [
-        "run",
-        "--model",
-        "digits",
-        "--output",
-        str(output),
-        "--steps",
-        str(steps),
-        "--seed",
-        "7",
-        "--no-progress",
-        "--output-type",
-        "latent",
-        "--timeout",
-        "120",
-        "--prompt",
-        "a handwritten 3",
-        "--prompt",
-        "a handwritten 8",
-        *extra,
-    ]
+    return run_args("digits", output, "--prompt", "a handwritten 3", "--prompt", "a handwritten 8", *extra, steps=steps)
 
 
 def torchrun(ranks: int, args: list[str], timeout: float = 300) -> str:

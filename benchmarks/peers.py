@@ -460,26 +460,33 @@ def markdown_table(rows) -> str:
 
 
 def plot(rows, path):
-    """Median ms against image tokens, one panel per (model, ranks), one line per method."""
+    """Speed-up over serial against image tokens, one panel per (model, ranks), one line per method
+    (one colour per method across panels), with the limit this machine's cores set."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["family"], r["ranks"]) for r in rows if "ms" in r})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    timed = [r for r in rows if "ms" in r]
+    panels = sorted({(r["family"], r["ranks"]) for r in timed})
+    methods = sorted({r["method"] for r in timed})
+    colours = {m: f"C{i}" for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False, sharey=True)
     for ax, (family, ranks) in zip(axes[0], panels):
-        mine = [r for r in rows if "ms" in r and r["family"] == family and r["ranks"] == ranks]
-        series = {"serial, 1 rank": {r["tokens"]: statistics.median(r["serial_ms"]) for r in mine}}
-        for r in mine:
-            series.setdefault(r["method"], {})[r["tokens"]] = statistics.median(r["ms"])
-        for name, points in series.items():
-            xs = sorted(points)
-            ax.plot(xs, [points[x] for x in xs], marker="o", label=name, linestyle="--" if "serial" in name else "-")
-        ax.set(
-            xscale="log", yscale="log", xlabel="image tokens", ylabel="ms (median)", title=f"{family}, {ranks} ranks"
-        )
-        ax.legend(fontsize=7)
+        mine = [r for r in timed if r["family"] == family and r["ranks"] == ranks]
+        for method in methods:
+            points = sorted(
+                (r["tokens"], statistics.median(r["serial_ms"]) / statistics.median(r["ms"]))
+                for r in mine
+                if r["method"] == method
+            )
+            if points:
+                ax.plot(*zip(*points), marker="o", color=colours[method], label=method)
+        limit = min(ranks, os.cpu_count() or ranks)
+        ax.axhline(limit, color="grey", linestyle=":", label=f"{limit} cores' limit")
+        ax.set(xscale="log", xlabel="image tokens", title=f"{family}, {ranks} ranks")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("speed-up over serial (1 thread)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -74,7 +74,13 @@ class Recipe:
         raise NotImplementedError
 
     def model_kwargs(self, pipe, prepared: Prepared, model_input: torch.Tensor, t: torch.Tensor) -> dict:
-        raise NotImplementedError
+        """The transformer's keyword arguments: SD3's and CogVideoX's as they are (others override)."""
+        return dict(
+            hidden_states=model_input,
+            timestep=t.expand(model_input.shape[0]),
+            return_dict=False,
+            **prepared.conditioning,
+        )
 
     def scale_model_input(self, pipe, model_input, t):
         return pipe.scheduler.scale_model_input(model_input, t)
@@ -93,6 +99,14 @@ class Recipe:
 
     def wrap_output(self, images):
         return self.output_class(images=images)
+
+
+def cfg_batch(request: Request, do_cfg: bool, conditioning: dict, negative: dict) -> Prepared:
+    """Prepared conditioning for the batch [unconditional; conditional] (each `negative[key]` put
+    before `conditioning[key]`), or the conditional alone without CFG."""
+    if do_cfg:
+        conditioning = {key: torch.cat([negative[key], value]) for key, value in conditioning.items()}
+    return Prepared(conditioning=conditioning, do_cfg=do_cfg, guidance_scale=request.guidance_scale)
 
 
 def negatives_or_empty(request: Request) -> list[str]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 from diffusers import CogVideoXDPMScheduler
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
 from diffusers.pipelines.cogvideo.pipeline_output import CogVideoXPipelineOutput
 
-from .base import Prepared, Recipe, generator_of, negatives_or_empty
+from .base import Recipe, cfg_batch, generator_of, negatives_or_empty
 
 
 class CogVideoXRecipe(Recipe):
@@ -38,10 +37,8 @@ class CogVideoXRecipe(Recipe):
             max_sequence_length=request.options["max_sequence_length"],
             device=device,
         )
-        if do_cfg:
-            embeds = torch.cat([negative_embeds, embeds])
-        return Prepared(
-            conditioning=dict(encoder_hidden_states=embeds), do_cfg=do_cfg, guidance_scale=request.guidance_scale
+        return cfg_batch(
+            request, do_cfg, dict(encoder_hidden_states=embeds), dict(encoder_hidden_states=negative_embeds)
         )
 
     def prepare(self, pipe, request, prepared, device):
@@ -70,14 +67,6 @@ class CogVideoXRecipe(Recipe):
             prepared.conditioning["image_rotary_emb"] = pipe._prepare_rotary_positional_embeddings(
                 height, width, prepared.latents.size(1), device
             )
-
-    def model_kwargs(self, pipe, prepared, model_input, t):
-        return dict(
-            hidden_states=model_input,
-            timestep=t.expand(model_input.shape[0]),
-            return_dict=False,
-            **prepared.conditioning,
-        )
 
     def guide(self, pipe, prepared, noise, step_index):
         return super().guide(pipe, prepared, noise.float(), step_index)

@@ -11,7 +11,7 @@ from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
     retrieve_timesteps,
 )
 
-from .base import Prepared, Recipe, generator_of, negatives_or_empty
+from .base import Recipe, cfg_batch, generator_of, negatives_or_empty
 
 BINS = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
 
@@ -38,12 +38,11 @@ class PixArtRecipe(Recipe):
             clean_caption=options["clean_caption"],
             **kwargs,
         )
-        if do_cfg:
-            embeds, mask = torch.cat([negative_embeds, embeds]), torch.cat([negative_mask, mask])
-        return Prepared(
-            conditioning=dict(encoder_hidden_states=embeds, encoder_attention_mask=mask),
-            do_cfg=do_cfg,
-            guidance_scale=request.guidance_scale,
+        return cfg_batch(
+            request,
+            do_cfg,
+            dict(encoder_hidden_states=embeds, encoder_attention_mask=mask),
+            dict(encoder_hidden_states=negative_embeds, encoder_attention_mask=negative_mask),
         )
 
     def prepare(self, pipe, request, prepared, device):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 
-from .base import Prepared, Recipe, generator_of, negatives_or_empty
+from .base import Recipe, cfg_batch, generator_of, negatives_or_empty
 
 
 class SD3Recipe(Recipe):
@@ -29,12 +28,11 @@ class SD3Recipe(Recipe):
             clip_skip=request.options["clip_skip"],
             max_sequence_length=request.options["max_sequence_length"],
         )
-        if do_cfg:
-            embeds, pooled = torch.cat([negative_embeds, embeds]), torch.cat([negative_pooled, pooled])
-        return Prepared(
-            conditioning=dict(encoder_hidden_states=embeds, pooled_projections=pooled),
-            do_cfg=do_cfg,
-            guidance_scale=request.guidance_scale,
+        return cfg_batch(
+            request,
+            do_cfg,
+            dict(encoder_hidden_states=embeds, pooled_projections=pooled),
+            dict(encoder_hidden_states=negative_embeds, pooled_projections=negative_pooled),
         )
 
     def prepare(self, pipe, request, prepared, device):
@@ -72,14 +70,6 @@ class SD3Recipe(Recipe):
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input  # flow matching feeds latents as they are
-
-    def model_kwargs(self, pipe, prepared, model_input, t):
-        return dict(
-            hidden_states=model_input,
-            timestep=t.expand(model_input.shape[0]),
-            return_dict=False,
-            **prepared.conditioning,
-        )
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":

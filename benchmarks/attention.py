@@ -28,7 +28,7 @@ METHODS = {
 
 
 def formula_bytes(config, seq_len, heads, head_dim, element_bytes=4):
-    """Bytes leaving one rank per call: Ulysses 4 all-to-alls of (N-1)/N of a local shard,
+    """Bytes leaving one rank per call: Ulysses q, k, v and o each (N-1)/N of a local shard,
     Ring N-1 K/V blocks (after Ulysses, a ring block holds seq/ring tokens for heads/ulysses)."""
     u, r = config.ulysses, config.ring
     shard = seq_len // (u * r) * heads * head_dim * element_bytes

@@ -10,7 +10,7 @@ ranks it with the cost model below.
 Cost model (per rank, per denoising step and per image branch, from the published cost table
 of these methods; p = tokens per image, hs = hidden size, L = transformer layers, P = parameter
 bytes, N = the method's degree):
-    Ulysses      (4/N)·p·hs·L      four all-to-alls (q, k, v, out), each moving (N-1)/N of a shard
+    Ulysses      (4/N)·p·hs·L      q, k, v and out each cross once (2 all-to-alls), (N-1)/N of a shard
     Ring         2(N-1)/N·p·hs·L   K and V shards (1/N each) travel N-1 hops of the ring
     PipeFusion   2·p·hs            one patch activation handed to the next stage, and back
     CFG, DP      ~0                only the final noise prediction is gathered

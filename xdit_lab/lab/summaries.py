@@ -247,8 +247,8 @@ def expected_bytes_per_step(
     Pass a rank summary (its last step by default), or a ParallelConfig (or its fields), the
     summary's `shapes`, the rank's `coords` and the step index. With b = this rank's batch rows,
     h = heads, d = head_dim, e = bytes per element, per sequence-parallel attention layer:
-      ulysses     4 all-to-alls: q, k, v send (N-1)/N of b·h·S_me·d; o sends b·(h/N)·(S_group - S_me)·d
-                  (= 4·(N-1)/N of the local q, k, v, o for even shards); joint text: gather of b·(h/N)·T·d
+      ulysses     2 all-to-alls: q, k, v together send (N-1)/N of 3·b·h·S_me·d; o sends b·(h/N)·(S_group - S_me)·d
+                  (= 4·(N-1)/N of the local q, k, v, o for even shards); joint text, in o's: b·(h/N)·T·d to each peer
       ring        N-1 sends of the K/V block held [2, b, h/ulysses, block, d]; joint text: a float32
                   gather of the text partials with their LSE [b, h/ulysses, T, d+1]
       sp          the token gather before unpatchify, padded to the longest shard

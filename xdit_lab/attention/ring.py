@@ -37,12 +37,18 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
     if joint is not None and q.shape[2]:
         out, lse = local_attention(q, joint[1], joint[2], scale=scale)  # text K/V, exactly once
 
-    kv = torch.stack([k, v])  # one message per step instead of two
+    # Two flat buffers, each big enough for the largest block, take turns: one is sent and
+    # computed on while the next block arrives in the other (no allocation per step).
+    largest = 2 * batch * heads * max(block_sizes) * head_dim
+    buffers = [k.new_empty(largest, dtype=k.dtype), k.new_empty(largest if n > 1 else 0, dtype=k.dtype)]
+    kv = buffers[0][: 2 * k.numel()].view(2, *k.shape)
+    torch.stack([k, v], out=kv)  # one message per step instead of two
     for step in range(n):
         source = (me - step) % n  # the ring rank whose block we hold now
         requests = []
         if step + 1 < n:  # start moving the next block before computing on this one
-            incoming = kv.new_empty((2, batch, heads, block_sizes[(source - 1) % n], head_dim), dtype=kv.dtype)
+            shape = (2, batch, heads, block_sizes[(source - 1) % n], head_dim)
+            incoming = buffers[(step + 1) % 2][: 2 * batch * heads * shape[3] * head_dim].view(shape)
             requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, RING, tag="kv")
         if kv.shape[3] and q.shape[2]:
             out, lse = merge_attention(out, lse, *local_attention(q, kv[0], kv[1], scale=scale))

@@ -19,15 +19,14 @@ between methods; speed-ups over serial are only meaningful where each rank has a
 
 Also reported: the largest error of each method's output against serial (relative to serial's
 largest magnitude), and for ours the bytes each rank sent (recorded by comm_log) beside the
-closed form of `closed_form_bytes`.
+closed form (`closed_form_bytes`, which asks the package's `expected_bytes_per_step`).
 
-diffusers' context parallelism on CPU needs two patches, both inside this file and only around
-its `enable_parallelism` call:
-  1. `torch.accelerator.device_count()` is 0 without an accelerator and diffusers takes
-     `rank % device_count` for the device: it is made to answer 1 (every rank "owns" the CPU).
-  2. nothing else: the device mesh is built for device type "cpu" over gloo, and its Ulysses
-     all-to-alls run there. Its Ring needs an attention backend that returns the log-sum-exp,
-     and the native (CPU) backend does not: that row reports diffusers' own refusal.
+diffusers' context parallelism on CPU needs one patch, inside this file and only around its
+`enable_parallelism` call: `torch.accelerator.device_count()` is 0 without an accelerator and
+diffusers takes `rank % device_count` for the device, so it is made to answer 1 (every rank
+"owns" the CPU). The device mesh is then built for device type "cpu" over gloo, and diffusers'
+Ulysses all-to-alls run there. Its Ring needs an attention backend that returns the log-sum-exp,
+and the native (CPU) backend does not: that row reports diffusers' own refusal.
 PixArt's attention processor calls SDPA directly and PixArt ships no `_cp_plan`, so diffusers
 cannot run PixArt under context parallelism at all; its rows say so.
 """
@@ -50,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from xdit_lab import ParallelConfig, RankMesh, comm_log, parallelize
+from xdit_lab.lab.summaries import expected_bytes_per_step
 from xdit_lab.pipeline import loading_bars_hidden
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import TEXT_DIM, tiny_pipeline, tiny_transformer
@@ -118,25 +118,26 @@ def build_inputs(family: str, tokens: int) -> dict:
     )
 
 
-def closed_form_bytes(family: str, config: ParallelConfig, tokens: int, element_bytes: int = 4) -> int:
-    """Bytes one rank sends in one forward under our kernels (fp32), S image tokens over u x r ranks.
-
-    Per attention, with a local shard of S/(u r) tokens x H heads x D: Ulysses moves q, k, v and
-    the output once, (u-1)/u of each; Ring sends its K/V block (S/r tokens for H/u heads, the
-    same size as a shard) r-1 times. Flux's joint text (T tokens, whole on every rank): Ulysses
-    all-gathers the text output over heads (T x H/u x D to u-1 peers); Ring all-gathers the text
-    queries' partial outputs with their LSE (D+1 columns, fp32) to r-1 peers. PixArt's
-    cross-attention moves nothing. At the end the output shard (S/(u r) tokens x C output
-    features) is all-gathered once to the u r - 1 other ranks."""
-    u, r = config.ulysses, config.ring
-    n = u * r
-    shard = tokens // n * HEADS * HEAD_DIM * element_bytes
-    per_attention = 4 * shard * (u - 1) // u + (r - 1) * 2 * shard
-    if family == "flux":
-        per_attention += (u - 1) * TEXT_TOKENS * HEADS // u * HEAD_DIM * element_bytes
-        per_attention += (r - 1) * TEXT_TOKENS * HEADS // u * (HEAD_DIM + 1) * 4
-    out_features = {"flux": 64, "pixart": 2 * 2 * 8}[family]  # Flux: 64 packed channels; PixArt: 2 x 2 patch x 8
-    return BLOCKS * per_attention + (n - 1) * tokens // n * out_features * element_bytes
+def closed_form_bytes(family: str, mesh: RankMesh, tokens: int) -> int:
+    """Bytes this rank sends in one forward (fp32), from the package's own closed forms
+    (xdit_lab.lab.summaries.expected_bytes_per_step, which derives them term by term): every
+    attention of both models is sequence-parallel, Flux's all joint (64 text tokens), PixArt's
+    self-attention beside a cross-attention that moves nothing."""
+    side = int(tokens**0.5)
+    joint = BLOCKS if family == "flux" else 0
+    shapes = dict(
+        batch=1,
+        rows=side,
+        cols=side,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+        text_len=TEXT_TOKENS,
+        proj_width={"flux": 64, "pixart": 2 * 2 * 8}[family],  # Flux: 64 packed channels; PixArt: a 2 x 2 patch of 8
+        joint_layers=joint,
+        self_layers=BLOCKS - joint,
+        dtype_bytes=4,
+    )
+    return sum(expected_bytes_per_step(mesh.config, shapes, coords=mesh.coords).values())
 
 
 # ---- methods -------------------------------------------------------------------------------
@@ -239,9 +240,8 @@ def bench_transformer(family: str, tokens_list: list[int], repeats: int) -> list
     quiet_peers()
     model = build_model(family)
     peers, refused = peer_transformers(model, dist.get_world_size())
-    ours = {
-        f"ours {c.short()}": (parallelize(copy.deepcopy(model), c, RankMesh(c)), c) for c in OURS[dist.get_world_size()]
-    }
+    meshes = [RankMesh(c) for c in OURS[dist.get_world_size()]]
+    ours = {f"ours {m.config.short()}": (parallelize(copy.deepcopy(model), m.config, m), m) for m in meshes}
     rows = []
     for tokens in tokens_list:
         inputs = build_inputs(family, tokens)
@@ -250,11 +250,11 @@ def bench_transformer(family: str, tokens_list: list[int], repeats: int) -> list
         refused_now = dict(refused)
         times, outputs, serial_out = measure(functools.partial(forward, model, inputs), methods, refused_now, repeats)
         traffic = {}
-        for name, (m, config) in ours.items():
+        for name, (m, mesh) in ours.items():
             with comm_log() as log:
                 forward(m, inputs)
             traffic[name] = dict(
-                bytes_sent=sum(r.bytes_out for r in log), closed_form=closed_form_bytes(family, config, tokens)
+                bytes_sent=sum(r.bytes_out for r in log), closed_form=closed_form_bytes(family, mesh, tokens)
             )
         rows += rows_for("transformer", family, tokens, times, outputs, serial_out, refused_now, traffic)
     return rows

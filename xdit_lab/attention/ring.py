@@ -16,6 +16,8 @@ bit-identical text outputs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import comm
@@ -40,7 +42,7 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
     # Two flat buffers, each big enough for the largest block, take turns: one is sent and
     # computed on while the next block arrives in the other (no allocation per step).
     largest = 2 * batch * heads * max(block_sizes) * head_dim
-    buffers = [k.new_empty(largest, dtype=k.dtype), k.new_empty(largest if n > 1 else 0, dtype=k.dtype)]
+    buffers = [k.new_empty(largest, dtype=k.dtype), k.new_empty(largest, dtype=k.dtype)]
     kv = buffers[0][: 2 * k.numel()].view(2, *k.shape)
     torch.stack([k, v], out=kv)  # one message per step instead of two
     for step in range(n):
@@ -48,7 +50,7 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
         requests = []
         if step + 1 < n:  # start moving the next block before computing on this one
             shape = (2, batch, heads, block_sizes[(source - 1) % n], head_dim)
-            incoming = buffers[(step + 1) % 2][: 2 * batch * heads * shape[3] * head_dim].view(shape)
+            incoming = buffers[(step + 1) % 2][: math.prod(shape)].view(shape)
             requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, RING, tag="kv")
         if kv.shape[3] and q.shape[2]:
             out, lse = merge_attention(out, lse, *local_attention(q, kv[0], kv[1], scale=scale))

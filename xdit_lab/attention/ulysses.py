@@ -16,6 +16,8 @@ rides in the second all-to-all, which gathers it over heads.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .. import comm
@@ -33,14 +35,11 @@ def seq_to_heads(xs, mesh, seq_sizes: list[int], *, tag: str = "") -> list[torch
     for i, x in enumerate(xs):
         send[:, i].copy_(x.view(batch, n, per_rank, local, head_dim).transpose(0, 1))
     piece = m * batch * per_rank * head_dim  # elements per token
-    received = comm.all_to_all(
-        send.view(-1), [local * piece] * n, [s * piece for s in seq_sizes], mesh, ULYSSES, tag=tag
-    )
+    recv_sizes = [s * piece for s in seq_sizes]
+    received = comm.all_to_all(send.view(-1), [local * piece] * n, recv_sizes, mesh, ULYSSES, tag=tag)
     out = send.new_empty((m, batch, per_rank, sum(seq_sizes), head_dim))
-    for source, (part, start) in enumerate(zip(received.split([s * piece for s in seq_sizes]), _starts(seq_sizes))):
-        out[:, :, :, start : start + seq_sizes[source]].copy_(
-            part.view(m, batch, per_rank, seq_sizes[source], head_dim)
-        )
+    for part, start, size in zip(received.split(recv_sizes), _starts(seq_sizes), seq_sizes):
+        out[:, :, :, start : start + size].copy_(part.view(m, batch, per_rank, size, head_dim))
     return list(out.unbind(0))
 
 
@@ -71,7 +70,8 @@ def heads_to_seq(x: torch.Tensor, mesh, seq_sizes: list[int], *, joint=None, tag
 
 
 def _starts(sizes: list[int]) -> list[int]:
-    return [sum(sizes[:i]) for i in range(len(sizes))]
+    """Where each rank's tokens begin in the gathered sequence."""
+    return [0, *itertools.accumulate(sizes)][:-1]
 
 
 def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None, scale=None):

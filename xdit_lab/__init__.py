@@ -17,6 +17,7 @@ _LAZY = {
     "set_attention_backend": "attention",
     "sp_attention": "attention",
     "parallelize": "models",
+    "StepCache": "models",
     "ParallelPipeline": "pipeline",
     "load_pipeline": "pipeline",
     "DenoiseSession": "session",

@@ -29,7 +29,7 @@ from .distributed import current_info, init_distributed
 from .loading import load_stage_transformer
 from .memory import check_plan, plan_memory
 from .mesh import PIPEFUSION, RankMesh
-from .models import parallelize
+from .models import StepCache, parallelize
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
@@ -107,6 +107,7 @@ def load_pipeline(
     memory_limit_bytes: int | None = None,
     progress: bool = True,
     stage_split: list[int] | None = None,
+    cache: StepCache | None = None,
     **from_pretrained_kwargs,
 ) -> ParallelPipeline:
     """Load a PixArt-α/Σ, SD3, Flux.1 or CogVideoX pipeline folder and parallelize it on this rank.
@@ -116,7 +117,8 @@ def load_pipeline(
     plain Python process, torchrun's world under torchrun). `memory_limit_bytes` overrides the
     memory a rank is assumed to have (default: free GPU memory, or available RAM shared by this
     host's ranks). `stage_split` gives PipeFusion's blocks per stage when the balanced split is
-    not wanted."""
+    not wanted. `cache=StepCache(threshold)` skips the blocks after the first at steps where the
+    first block barely changed, decided by all ranks together (results carry `cache_skips`)."""
     config = ParallelConfig() if config is None else config
     folder = resolve_folder(name_or_path)
     index = read_model_index(folder)
@@ -176,7 +178,7 @@ def load_pipeline(
                 ) from retry_error
         inner.set_progress_bar_config(disable=True)
         inner.to(info.device)
-        parallelize(inner.transformer, config, mesh, stage_split=stage_split)
+        parallelize(inner.transformer, config, mesh, stage_split=stage_split, cache=cache)
         return ParallelPipeline(
             inner,
             recipe,

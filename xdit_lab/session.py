@@ -68,10 +68,12 @@ class DenoiseSession:
         self.pipe, self.request, self.recipe = pipe, request, pipe.recipe
         self.timings = PhaseTimings(pipe.device)
         self.comm_per_step: list[dict[str, int]] = []  # bytes out of this rank, per group, per step
+        self.cache_skips: list[bool] = []  # per step: whether a StepCache skipped the blocks after the first
+        self.cache_changes: list[float | None] = []  # per step: the first block's relative change it measured
         self.progress = progress
         self.step_index = 0
         inner = pipe.diffusers_pipeline
-        parallel_state(inner.transformer).strategy.reset()  # e.g. PipeFusion warms up again
+        parallel_state(inner.transformer).reset()  # e.g. PipeFusion warms up again, the cache empties
         if pipe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pipe.device)  # the peak a session reports is its own
         with torch.no_grad():
@@ -115,6 +117,9 @@ class DenoiseSession:
             noise = recipe.guide(inner, prepared, noise, self.step_index)
             prepared.latents = recipe.scheduler_step(inner, prepared, noise, t, latents, self.step_index)
         self.comm_per_step.append(log.bytes_by_group())
+        cache = parallel_state(inner.transformer).cache
+        self.cache_skips.append(bool(cache and cache.skips[-1]))  # the same on every rank: agreed
+        self.cache_changes.append(cache.changes[-1] if cache else None)
         self.step_index += 1
         return self
 
@@ -146,6 +151,7 @@ class DenoiseSession:
         output = self.recipe.wrap_output(images)
         output.timings = self.timings.as_dict()  # an attribute beside the diffusers fields
         output.comm_per_step = list(self.comm_per_step)
+        output.cache_skips = list(self.cache_skips)
         return output
 
 

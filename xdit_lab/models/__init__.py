@@ -4,9 +4,11 @@ families.py   one adapter per family: where to shard and gather, attention kinds
 hooks.py      the machinery every strategy shares (batch split, hooks, attention interception)
 sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
 pipefusion.py token strategy: a PipeFusion stage, patch by patch on stale K/V
+cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
 parallel.py   parallelize(transformer, config): the entry
 """
 
+from .cache import StepCache
 from .families import FAMILIES, SUPPORTED_DIFFUSERS, adapter_for, check_diffusers_version
 from .hooks import ParallelState, parallel_state, split_batch
 from .parallel import parallelize
@@ -14,6 +16,7 @@ from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 
 __all__ = [
+    "StepCache",
     "FAMILIES",
     "SUPPORTED_DIFFUSERS",
     "adapter_for",

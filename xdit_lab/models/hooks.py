@@ -41,12 +41,20 @@ class ParallelState:
     def __init__(self, adapter, mesh):
         self.adapter, self.mesh = adapter, mesh
         self.strategy = None  # SequenceShards or PipeFusionStage, set by parallelize
+        self.cache = None  # a FirstBlockCache when parallelize was given a StepCache
+        self.stand_in = False  # this rank computes a dp stand-in row (it has no rows of its own)
         self.in_forward = False
         self.text_len = 0  # joint text tokens of the running forward
         self.image_len = None  # whole image tokens, set where they are sharded
         self.attention_kind = None  # kind of the attention module running now
         self.attention_name = None  # and its qualified name
         self.attention_reached = False  # whether its attention came through the interceptor
+
+    def reset(self) -> None:
+        """A new generation: the strategy (PipeFusion warms up again) and the cache start over."""
+        self.strategy.reset()
+        if self.cache is not None:
+            self.cache.reset()
 
 
 STATE_ATTRIBUTE = "_xdit_lab_state"
@@ -209,6 +217,7 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
     dp_sizes = shard_sizes(count, config.dp)
     mine = dp_sizes[mesh.group_rank(DP)]
     start += sum(dp_sizes[: mesh.group_rank(DP)])
+    state.stand_in = mine == 0
     if mine == 0:
         start, mine = start - 1, 1
     local = slice(start, start + mine)

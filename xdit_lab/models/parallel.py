@@ -18,6 +18,7 @@ import torch
 
 from ..config import PIPEFUSION, ParallelConfig, ParallelConfigError
 from ..mesh import RankMesh
+from .cache import StepCache, apply_step_cache
 from .families import adapter_for, check_diffusers_version, image_tokens_at_default_size
 from .hooks import ParallelState, gather_batch, install_hooks, parallel_state, run_forward, split_batch
 from .pipefusion import PipeFusionStage
@@ -30,11 +31,14 @@ def parallelize(
     mesh: RankMesh | None = None,
     *,
     stage_split: list[int] | None = None,
+    cache: StepCache | None = None,
 ):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
 
     Call it on every rank after init_distributed. Every rank returns the same full output.
-    `stage_split` overrides PipeFusion's balanced split: blocks per stage, e.g. [10, 9, 9]."""
+    `stage_split` overrides PipeFusion's balanced split: blocks per stage, e.g. [10, 9, 9].
+    `cache` skips the blocks after the first at steps where the first one barely changed
+    (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
@@ -62,6 +66,8 @@ def parallelize(
         state.strategy = PipeFusionStage.apply(transformer, state, config, stage_split)
     else:
         state.strategy = SequenceShards(state)
+    if cache is not None:
+        state.cache = apply_step_cache(transformer, state, cache)
     install_hooks(transformer, state)
     transformer.forward = _parallel_forward(transformer, state)
     return transformer
@@ -84,6 +90,8 @@ def _parallel_forward(transformer, state):
         bound = signature.bind(*args, **kwargs)
         dp_sizes = split_batch(state, bound.arguments)
         forward = get_forward()
+        if state.cache is not None:
+            state.cache.begin(bound.arguments["hidden_states"])
         output = state.strategy.forward(lambda: run_forward(state, forward, bound), bound)
         return gather_batch(state, output, dp_sizes)
 

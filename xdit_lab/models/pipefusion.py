@@ -128,6 +128,11 @@ class PipeFusionStage:
             buffer = latents.new_empty((latents.shape[0], tokens, self.hidden_size), dtype=self.dtype)
             return buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)
 
+        cache = self.state.cache
+        if cache is not None:  # one decision for the step before any patch moves (models/cache.py)
+            if mesh.is_first_stage:
+                cache.first_pass(run, patch_sets, self._set_active)
+            cache.decide()
         receiving = None if mesh.is_first_stage else receive(patch_sets[0])
         sends, noise = [], None
         for i, active in enumerate(patch_sets):
@@ -151,6 +156,8 @@ class PipeFusionStage:
                 band = slice(first // cols * self.patch, last // cols * self.patch)
                 noise[..., band, :] = sample[..., band, :]
         comm.wait(sends)
+        if cache is not None:
+            cache.end()
         if noise is None:  # not the last stage: the prediction comes from there
             noise = latents.new_empty((latents.shape[0], self.out_channels, *latents.shape[-2:]), dtype=self.dtype)
         else:
@@ -165,6 +172,16 @@ class PipeFusionStage:
             self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
         patches = len(self.layout.patches)
         return [list(range(patches))] if self.step < self.config.warmup_steps else [[p] for p in range(patches)]
+
+    decides_before_blocks = True  # a StepCache needs the first block over the whole image first
+
+    def _set_active(self, active: list[int]) -> None:
+        self.active = active
+
+    def token_patches(self, tokens: int) -> list[tuple[int, int]]:
+        """(patch, tokens) of this rank's tokens in the running forward, patch by patch."""
+        sp_rank = self.mesh.group_rank(SP)
+        return [(p, self.layout.chunk_len(p, sp_rank)) for p in self.active]
 
     # ---- the hooks -----------------------------------------------------------------------------------
     def _index(self, what: str, device) -> torch.Tensor:

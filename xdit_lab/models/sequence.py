@@ -43,6 +43,12 @@ class SequenceShards:
     def staleness(self):
         return None
 
+    decides_before_blocks = False  # a StepCache decides when the first block returns
+
+    def token_patches(self, tokens: int) -> list[tuple[int, int]]:
+        """(patch, tokens) of this rank's tokens in the running forward: one patch, its shard."""
+        return [(0, tokens)]
+
     # ---- the hooks -----------------------------------------------------------------------------------
     def shard(self, tokens):
         if self.state.adapter.text_before_image_at_shard:  # CogVideoX embeds [text; image] in one tensor

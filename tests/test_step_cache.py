@@ -262,3 +262,36 @@ def test_pipefusion_with_stale_steps_skips_agreed_and_keeps_old_kv(folders):
     last_run = max(i for i, skipped in enumerate(skips) if not skipped)
     assert all(steps == [last_run, last_run] for steps in ranks[1]["written"].values())
     assert ranks[0]["groups"]["pipefusion"] > 0
+
+
+def test_torchrun_cli_cache_threshold_equals_diffusers_first_block_cache(folders, tmp_path):
+    """`xdit-lab run --cache-threshold T` under torchrun, ulysses 2: the report's skipped steps and
+    the latents equal diffusers' First-Block Cache run serially."""
+    import json
+
+    from xdit_lab.distributed import free_port
+    from xdit_lab.lessons import production
+
+    threshold = THRESHOLDS["pixart"]
+    argv = production.run_argv(
+        folders["pixart"], PROMPTS, ParallelConfig(ulysses=2), tmp_path, seed=0, **_call_kwargs("pixart")
+    )
+    command = production.torchrun_argv(2, master_port=free_port()) + ["-m", "xdit_lab.cli", *argv]
+    command += ["--output-type", "latent", "--cache-threshold", str(threshold)]
+    (result,) = production.run_processes([command], 240)
+    assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
+    assert f"StepCache({threshold}) skipped" in result["output"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    expected, expected_skips = _diffusers_first_block_cache(folders["pixart"], "pixart", threshold)
+    assert report["cache_skips"] == expected_skips and any(expected_skips)
+    latents = torch.load(tmp_path / "latents.pt")
+    assert (latents - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="threshold must be a finite number >= 0"):
+        StepCache(-0.1)
+    with pytest.raises(ValueError, match="threshold must be"):
+        StepCache(float("nan"))
+    with pytest.raises(ValueError, match="method 'teacache' is not implemented; methods: first_block"):
+        StepCache(0.1, method="teacache")

@@ -179,6 +179,7 @@ def cmd_run(args) -> int:
                 progress=not args.no_progress,
                 timeout_s=args.timeout,
                 options=dict(args.option),
+                cache_threshold=args.cache_threshold,
             )
     except (
         ParallelConfigError,
@@ -198,6 +199,9 @@ def cmd_run(args) -> int:
             f"{report['pipeline']} under {report['config_short']}: encode {t['encode']:.2f} s, "
             f"denoise {t['denoise']:.2f} s ({len(t['steps'])} steps), decode {t['decode']:.2f} s"
         )
+        if report["cache_threshold"] is not None:
+            skips = report["cache_skips"]
+            print(f"StepCache({report['cache_threshold']}) skipped {sum(skips)} of {len(skips)} steps: {skips}")
         print(f"wrote {', '.join(report['outputs'])} and report.json to {args.output}")
     return 0
 
@@ -270,6 +274,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a pipeline argument of the family, e.g. use_resolution_binning=false",
+    )
+    run.add_argument(
+        "--cache-threshold",
+        type=float,
+        metavar="T",
+        help="skip the blocks after the first at steps where the first block changed by at most T "
+        "(StepCache; every rank takes the same decision). Default: no cache",
     )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -23,6 +23,7 @@ from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .memory import rank_memory
 from .mesh import WORLD
+from .models import StepCache
 from .pipeline import load_pipeline
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,10 +61,13 @@ def run_generation(
     progress: bool = True,
     timeout_s: float = 600,
     options: dict | None = None,
+    cache_threshold: float | None = None,
 ) -> dict | None:
-    """Generate on this rank; the configuration's first rank writes the outputs and returns the report."""
+    """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
+    `cache_threshold` turns on a StepCache with that threshold."""
     init_distributed(timeout_s=timeout_s)
-    pipe = load_pipeline(model, config, torch_dtype=DTYPES[dtype], progress=progress)
+    cache = None if cache_threshold is None else StepCache(cache_threshold)
+    pipe = load_pipeline(model, config, torch_dtype=DTYPES[dtype], progress=progress, cache=cache)
     if not pipe.active:
         return None  # a configuration smaller than the world: this rank sits out
     with comm.comm_log() as log:
@@ -102,6 +106,8 @@ def run_generation(
         dtype=dtype,
         outputs=files,
         timings=result.timings,
+        cache_threshold=cache_threshold,
+        cache_skips=result.cache_skips,
         memory_plan={
             "per_rank_bytes": pipe.memory_plan.per_rank_bytes,
             "component_bytes": pipe.memory_plan.component_bytes,

@@ -295,3 +295,45 @@ def test_bad_settings_are_refused_by_name():
         StepCache(float("nan"))
     with pytest.raises(ValueError, match="method 'teacache' is not implemented; methods: first_block"):
         StepCache(0.1, method="teacache")
+
+
+def _summaries_with_cache(folder, config):
+    """Three steps with a threshold that skips every step after the first; a rank summary after each."""
+    from xdit_lab.lab.summaries import rank_summary
+
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(1e9))
+    kwargs = dict(_call_kwargs("pixart"), num_inference_steps=3)
+    session = pipe.session(PROMPTS, seed=0, **kwargs)
+    return [rank_summary(session.step()) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    "config", [ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2, num_patches=2)], ids=lambda c: c.short()
+)
+def test_bytes_of_skipped_steps_equal_the_closed_form_and_the_view_draws_them(folders, config, tmp_path):
+    """At a skipped step only the first block's attention moves bytes (plus the decision's all-reduce
+    in group world): measured equals expected_bytes_per_step told the skips; the formula without the
+    cache (control) does not. draw_cache shows the same skips."""
+    from xdit_lab.lab.summaries import expected_bytes_per_step
+    from xdit_lab.lab.views import cache_savings, draw_cache
+
+    per_rank = run_on_ranks(_summaries_with_cache, 2, folders["pixart"], config, timeout_s=120)
+    for summaries in per_rank:
+        last = summaries[-1]
+        assert last["cache"]["skips"] == [False, True, True]
+        for step, moved in enumerate(last["comm"]["measured"]):
+            moved = {g: n for g, n in moved.items() if n}
+            args = (config, last["shapes"])
+            assert moved == expected_bytes_per_step(
+                *args, coords=last["coords"], step=step, cache_skips=[False, True, True]
+            )
+            if step:
+                assert moved.get("world") == 8  # 2 float32 all-reduced over 2 ranks: 2 · 8 · (2-1)/2
+                assert moved != expected_bytes_per_step(*args, coords=last["coords"], step=step)
+        assert cache_savings(last)["skipped"] == 2
+        # Ulysses' all-to-alls of the skipped blocks are saved; PipeFusion 2 still hands every patch over
+        assert (cache_savings(last)["bytes"] > 0) == (config.ulysses > 1)
+    fig = draw_cache([summaries[-1] for summaries in per_rank])
+    assert "skipped 2 of 3 steps" in fig._suptitle.get_text()
+    fig.savefig(tmp_path / "cache.png", dpi=80)
+    assert (tmp_path / "cache.png").stat().st_size > 1000

@@ -83,16 +83,17 @@ def measure_accuracy(pipe, per_digit: int = 10, **overrides) -> dict:
     }
 
 
-def generate_parallel(config, per_digit: int = 10) -> dict:
+def generate_parallel(config, per_digit: int = 10, cache=None) -> dict:
     """On a rank of `config`: per_digit images of each digit (seeds 0..per_digit-1, one generator
-    each) through load_pipeline; the final latents and what the classifier reads."""
+    each) through load_pipeline (with a StepCache when given); the final latents, what the
+    classifier reads, the seconds the denoising steps took and the steps the cache skipped."""
     import torch
 
     from ..pipeline import load_pipeline
 
     digits = [d for d in range(10) for _ in range(per_digit)]
     generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per_digit)]
-    pipe = load_pipeline("digits", config, progress=False)
+    pipe = load_pipeline("digits", config, progress=False, cache=cache)
     t0 = time.perf_counter()
     session = pipe.session([prompt_for(d) for d in digits], generator=generators)  # the folder's defaults
     session.run()
@@ -103,4 +104,6 @@ def generate_parallel(config, per_digit: int = 10) -> dict:
         "read": classify(images).tolist(),
         "digits": digits,
         "seconds": time.perf_counter() - t0,
+        "denoise_seconds": sum(session.timings.steps),
+        "skips": list(session.cache_skips),
     }

@@ -10,7 +10,7 @@ the session's comm log); nothing large travels: lists of ints, floats and string
     expected_bytes_per_step(summary) == summary["comm"]["measured"][-1]   # the closed forms
 
 Keys (exact): rank, mesh, coords, device, family, config, step, num_steps, timestep, grid,
-image_tokens, shapes, shard, batch, staleness, memory, comm. See rank_summary's docstring.
+image_tokens, shapes, shard, batch, staleness, memory, cache, comm. See rank_summary's docstring.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from ..config import ParallelConfig
 from ..memory import rank_memory
-from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES
+from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
 from ..models import PipeFusionStage, parallel_state, split_batch
 from ..sharding import PatchLayout, patch_ranges, shard_range, shard_sizes
 
@@ -32,7 +32,8 @@ def rank_summary(session) -> dict:
     rank, mesh (str), coords {dp, cfg, pipefusion, ring, ulysses}, device, family, config (the
     ParallelConfig's fields), step (steps done), num_steps, timestep (of the last step done, or
     None), grid [rows, cols] of image tokens, image_tokens, shapes (what expected_bytes_per_step
-    needs), shard, batch, staleness (None without PipeFusion), memory, comm {measured, expected}:
+    needs), shard, batch, staleness (None without PipeFusion), memory, cache (None without a
+    StepCache: threshold, skips, changes, seconds per step), comm {measured, expected}:
     one {group: bytes out of this rank} per step done."""
     pipe, mesh, config = session.pipe, session.pipe.mesh, session.pipe.config
     transformer = pipe.diffusers_pipeline.transformer
@@ -57,14 +58,28 @@ def rank_summary(session) -> dict:
         batch=_batch(session, state),
         staleness=_staleness(stage) if stage is not None else None,
         memory=_memory(pipe, session, stage),
+        cache=_cache(session, state),
     )
     measured = [dict(step_bytes) for step_bytes in session.comm_per_step]
+    skips = summary["cache"]["skips"] if summary["cache"] else None
     expected = [
-        expected_bytes_per_step(config, summary["shapes"], coords=summary["coords"], step=i)
+        expected_bytes_per_step(config, summary["shapes"], coords=summary["coords"], step=i, cache_skips=skips)
         for i in range(len(measured))
     ]
     summary["comm"] = dict(measured=measured, expected=expected)
     return summary
+
+
+def _cache(session, state) -> dict | None:
+    """The StepCache's threshold and, per step done, whether it skipped and the change it measured."""
+    if state.cache is None:
+        return None
+    return dict(
+        threshold=state.cache.settings.threshold,
+        skips=list(session.cache_skips),
+        changes=list(session.cache_changes),
+        seconds=list(session.timings.steps),
+    )
 
 
 def token_grid(session) -> tuple[int, int]:
@@ -83,7 +98,12 @@ def token_grid(session) -> tuple[int, int]:
 
 def _shapes(session, transformer, state, rows, cols) -> dict:
     """Sizes the communication formulas need, read from the model this rank holds."""
-    kinds = [state.adapter.attention_kind(name) for name, _ in transformer.named_modules()]
+    named_kinds = [(name, state.adapter.attention_kind(name)) for name, _ in transformer.named_modules()]
+    kinds = [kind for _, kind in named_kinds]
+    # attention layers of the model's first block, the one a StepCache runs at a skipped step
+    first = (
+        [k for n, k in named_kinds if n.startswith("transformer_blocks.0.")] if session.pipe.mesh.is_first_stage else []
+    )
     gather = transformer.get_submodule(state.adapter.gather_at)
     config = transformer.config
     return dict(
@@ -94,6 +114,8 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         head_dim=config.attention_head_dim,
         self_layers=kinds.count("self"),  # this rank's sequence-parallel attention layers (a stage: its own)
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
+        first_block_self_layers=first.count("self"),
+        first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,  # joint text tokens of the last forward (0 for PixArt's cross-attention)
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
         dtype_bytes=next(transformer.parameters()).element_size(),
@@ -240,7 +262,12 @@ def _memory(pipe, session, stage) -> dict:
 
 
 def expected_bytes_per_step(
-    config, shapes: dict | None = None, *, coords: dict | None = None, step: int | None = None
+    config,
+    shapes: dict | None = None,
+    *,
+    coords: dict | None = None,
+    step: int | None = None,
+    cache_skips: list[bool] | None = None,
 ) -> dict[str, int]:
     """Bytes out of one rank in one denoising step, per group, as the closed forms give them.
 
@@ -255,6 +282,9 @@ def expected_bytes_per_step(
       pipefusion  per patch a non-last stage sends [b, tokens, hidden]; the last stage broadcasts
                   the noise prediction [b, sample] to the other stages
       dp, cfg     the output gather (dp pads to the largest share)
+      world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
+                  decision's all-reduce of two float32; at a skipped step only the first block's
+                  attention layers run (on PipeFusion's first stage)
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
     at a time after), its queries are that set's tokens and Ring passes the whole stale buffer.
     Exact for the code as written (checked in tests/test_lab_views.py); one dtype is assumed for
@@ -263,6 +293,7 @@ def expected_bytes_per_step(
         summary = config
         config, shapes, coords = summary["config"], summary["shapes"], summary["coords"]
         step = summary["step"] - 1 if step is None else step
+        cache_skips = summary["cache"]["skips"] if summary.get("cache") else None
     if isinstance(config, dict):
         config = ParallelConfig(**config)
     c, s, e = config, shapes, shapes["dtype_bytes"]
@@ -285,10 +316,15 @@ def expected_bytes_per_step(
         patch_sets = [list(range(c.patches))] if step < c.warmup_steps else [[p] for p in range(c.patches)]
         forwards = [layout.rank_sizes(active) for active in patch_sets]
         kv_sizes = layout.rank_sizes(list(range(c.patches)))  # the buffer: every patch
-    joint = s["joint_layers"] if text else 0
-    layers = s["self_layers"] + s["joint_layers"]
+    skipped = bool(cache_skips and cache_skips[step])
+    self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]
+    joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"]
+    joint = joint_layers if text else 0
+    layers = self_layers + joint_layers
 
-    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG), 0)
+    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
+    if cache_skips is not None and step > 0 and c.world_size > 1:
+        out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
         group = sizes[my_r * u : (my_r + 1) * u]
         me = group[my_u]

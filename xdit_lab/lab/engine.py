@@ -93,7 +93,11 @@ def progress(state: dict):
         return None
     timestep = session.timestep
     return dict(
-        step_index=session.step_index, num_steps=session.num_steps, done=session.done, timestep=_to_cpu(timestep)
+        step_index=session.step_index,
+        num_steps=session.num_steps,
+        done=session.done,
+        timestep=_to_cpu(timestep),
+        cache_skips=list(session.cache_skips),
     )
 
 
@@ -124,6 +128,7 @@ def result(state: dict, output_type: str, return_dict: bool):
         output_class=type(output),
         timings=output.timings,
         comm_per_step=output.comm_per_step,
+        cache_skips=output.cache_skips,
     )
 
 

@@ -1,6 +1,6 @@
 """LabSession: a DenoiseSession seen from the notebook; every call drives all engines' sessions.
 
-It mirrors DenoiseSession (step, run, result, step_index, timestep, done, latents), so a cell
+It mirrors DenoiseSession (step, run, result, step_index, timestep, done, latents, cache_skips), so a cell
 written against a local pipeline reads the same against a Lab. The engines hold the real
 sessions; this object holds where rank 0 says they stand, refreshed by every call.
 """
@@ -42,6 +42,7 @@ class LabSession:
             return answer
         output = answer["output_class"](**answer["fields"])
         output.timings, output.comm_per_step = answer["timings"], answer["comm_per_step"]
+        output.cache_skips = answer["cache_skips"]
         return output
 
     def summaries(self, *, timeout_s: float | None = None) -> list[dict]:
@@ -66,6 +67,11 @@ class LabSession:
     @property
     def done(self) -> bool:
         return self._progress["done"]
+
+    @property
+    def cache_skips(self) -> list[bool]:
+        """Per step done, whether the StepCache skipped the blocks after the first (all ranks agree)."""
+        return self._progress["cache_skips"]
 
     @property
     def timestep(self):

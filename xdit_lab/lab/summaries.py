@@ -33,7 +33,7 @@ def rank_summary(session) -> dict:
     ParallelConfig's fields), step (steps done), num_steps, timestep (of the last step done, or
     None), grid [rows, cols] of image tokens, image_tokens, shapes (what expected_bytes_per_step
     needs), shard, batch, staleness (None without PipeFusion), memory, cache (None without a
-    StepCache: threshold, skips, changes, seconds per step), comm {measured, expected}:
+    StepCache: threshold, skips, changes, local_changes, seconds per step), comm {measured, expected}:
     one {group: bytes out of this rank} per step done."""
     pipe, mesh, config = session.pipe, session.pipe.mesh, session.pipe.config
     transformer = pipe.diffusers_pipeline.transformer
@@ -78,6 +78,7 @@ def _cache(session, state) -> dict | None:
         threshold=state.cache.settings.threshold,
         skips=list(session.cache_skips),
         changes=list(session.cache_changes),
+        local_changes=state.cache.local_changes,
         seconds=list(session.timings.steps),
     )
 

@@ -353,6 +353,8 @@ def draw_cache(summaries) -> Figure:
             for xi, v, h in zip(x, values, hatch):
                 ax.bar(xi, v, width=width, color=colour, hatch=h, edgecolor="white" if h else colour)
     time_ax.set_ylabel("seconds", fontsize=9)
+    ranks = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}") for s in summaries]
+    time_ax.legend(handles=ranks, fontsize=8, frameon=False, loc="upper right", ncols=min(len(ranks), 4))
     bytes_ax.set_ylabel(f"{unit_name} out", fontsize=9)
     bytes_ax.set_xlabel("step (hatched: skipped; green dot: change ≤ threshold)", fontsize=9)
     bytes_ax.set_xticks(steps)

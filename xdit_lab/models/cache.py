@@ -93,6 +93,7 @@ class FirstBlockCache:
         """A new generation: the next call runs in full and becomes the reference."""
         self.skips: list[bool] = []
         self.changes: list[float | None] = []
+        self._local_sums: list = []  # this rank's own two sums per decided step, on the device
         self.reference: dict = {}  # per patch: the first block's residual at the last full step
         self.candidate: dict = {}  # per patch: this call's
         self.added: dict = {}  # per patch (and per patch set, for text): what this rank's other blocks added
@@ -111,6 +112,7 @@ class FirstBlockCache:
         """Run the other blocks this call? One answer on every rank; recorded in skips/changes."""
         change = None
         if self.has_reference:
+            self._local_sums.append(self.sums.clone())  # no sync: read only when asked (local_changes)
             if self.agree:
                 comm.all_reduce(self.sums, self.state.mesh, WORLD, tag="cache")
             differing, total = self.sums.tolist()  # the one host sync of a step
@@ -122,6 +124,20 @@ class FirstBlockCache:
         self.skips.append(not self.run_rest)
         self.changes.append(change)
         return self.run_rest
+
+    @property
+    def local_changes(self) -> list[float | None]:
+        """Per call, the change this rank's own tokens alone would give (None where nothing was
+        compared): what a per-rank decision would have used."""
+        local = iter(self._local_sums)
+        out = []
+        for change in self.changes:
+            if change is None:
+                out.append(None)
+                continue
+            differing, total = next(local).tolist()
+            out.append(differing / total if total > 0 else math.inf)
+        return out
 
     def first_pass(self, run, patch_sets: list[list[int]], set_active) -> None:
         """PipeFusion's stage 0: the first block over every patch set, keeping its outputs."""

@@ -42,7 +42,7 @@ def _latents(output, family):
     return output.frames if family == "cogvideox" else output.images
 
 
-def _diffusers_first_block_cache(folder, family, threshold):
+def _diffusers_first_block_cache(folder, family, threshold, prompts=PROMPTS):
     """diffusers' pipeline with its First-Block Cache: (latents, skipped per step)."""
     from diffusers import DiffusionPipeline
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
@@ -62,17 +62,23 @@ def _diffusers_first_block_cache(folder, family, threshold):
     transformer.register_forward_pre_hook(lambda *_: ran.append(False))
     attention = getattr(last_block, "attn", None) or last_block.attn1
     attention.register_forward_pre_hook(lambda *_: ran.__setitem__(-1, True))
-    output = pipe(PROMPTS, generator=torch.Generator().manual_seed(0), output_type="latent", **_call_kwargs(family))
+    kwargs = _call_kwargs(family)
+    if "negative_prompt" in kwargs:
+        kwargs["negative_prompt"] = kwargs["negative_prompt"][: len(prompts)]
+    output = pipe(prompts, generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs)
     return _latents(output, family), [not r for r in ran]
 
 
-def _against_diffusers(folder, family, configs, threshold):
+def _against_diffusers(folder, family, configs, threshold, prompts=PROMPTS):
     """On every rank: diffusers' reference, then each configuration with StepCache(threshold)."""
-    expected, expected_skips = _diffusers_first_block_cache(folder, family, threshold or None)
+    expected, expected_skips = _diffusers_first_block_cache(folder, family, threshold or None, prompts)
+    kwargs = _call_kwargs(family)
+    if "negative_prompt" in kwargs:
+        kwargs["negative_prompt"] = kwargs["negative_prompt"][: len(prompts)]
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(threshold))
-        result = pipe(PROMPTS, seed=0, output_type="latent", **_call_kwargs(family))
+        result = pipe(prompts, seed=0, output_type="latent", **kwargs)
         latents = _latents(result, family)
         rows.append(
             dict(
@@ -131,6 +137,16 @@ def test_pixart_every_strategy_equals_diffusers_first_block_cache(folders, thres
         _check(per_rank, configs, "pixart", skipping=threshold > 0)
 
 
+def test_dp_stand_in_rows_do_not_count_in_the_decision(folders):
+    """One prompt with CFG is a batch of two rows [uncond; cond]; dp 3 gives them to two groups, and
+    the third computes a stand-in copy of the last row. Counted in the sums, it would weigh the
+    conditional row twice and move the decision; the skipped steps and latents equal diffusers'.
+    Threshold 0.13 lies between the change at step 3 without the stand-in (0.128) and with it (0.131)."""
+    configs = [ParallelConfig(dp=3)]
+    per_rank = run_on_ranks(_against_diffusers, 3, folders["pixart"], "pixart", configs, 0.13, ["a red cat"])
+    _check(per_rank, configs, "pixart", skipping=True)
+
+
 def test_pixart_hybrids_on_4_ranks_equal_diffusers_first_block_cache(folders):
     threshold = THRESHOLDS["pixart"]
     per_rank = run_on_ranks(_against_diffusers, 4, folders["pixart"], "pixart", PIXART_4, threshold, timeout_s=400)
@@ -139,12 +155,22 @@ def test_pixart_hybrids_on_4_ranks_equal_diffusers_first_block_cache(folders):
 
 @pytest.mark.parametrize("family", ["flux", "cogvideox"])
 def test_joint_families_equal_diffusers_first_block_cache(folders, family):
-    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
-    if family == "cogvideox":
-        configs.append(ParallelConfig(cfg=2))
-    for threshold in (0.0, THRESHOLDS[family]):
-        per_rank = run_on_ranks(_against_diffusers, 2, folders[family], family, configs, threshold, timeout_s=300)
-        _check(per_rank, configs, family, skipping=threshold > 0)
+    """Flux runs without true CFG here (diffusers' Flux pipeline calls the transformer once per
+    branch, each with its own cache); CogVideoX with CFG, so cfg 2 splits it."""
+    uses_cfg = family == "cogvideox"
+    configs = {
+        2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
+        + ([ParallelConfig(cfg=2)] if uses_cfg else []),
+        4: [
+            ParallelConfig(ulysses=2, ring=2),
+            ParallelConfig(cfg=2, ulysses=2) if uses_cfg else ParallelConfig(dp=2, ulysses=2),
+        ],
+    }
+    for world_size, threshold in ((2, 0.0), (2, THRESHOLDS[family]), (4, THRESHOLDS[family])):
+        runs = run_on_ranks(
+            _against_diffusers, world_size, folders[family], family, configs[world_size], threshold, timeout_s=400
+        )
+        _check(runs, configs[world_size], family, skipping=threshold > 0)
 
 
 def _ours(folder, family, configs, threshold):
@@ -160,20 +186,26 @@ def _ours(folder, family, configs, threshold):
 def test_sd3_threshold_zero_and_agreed_skips(folders):
     """diffusers' First-Block Cache fails on SD3 (its last block returns no text to take a residual
     of); ours handles it. Threshold 0 equals diffusers without a cache; at a threshold that skips,
-    every strategy skips the steps the serial run skips, with latents within 1e-4 of it."""
+    every strategy (USP and cfg 2 × ulysses 2 on 4 ranks too) skips the steps the serial run skips,
+    with latents within 1e-4 of it."""
     configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
     per_rank = run_on_ranks(_against_diffusers, 2, folders["sd3"], "sd3", configs, 0.0, timeout_s=300)
     _check(per_rank, configs, "sd3", skipping=False)
     (serial,) = run_on_ranks(_ours, 1, folders["sd3"], "sd3", [ParallelConfig()], THRESHOLDS["sd3"])
     assert any(serial[0]["skips"]) and not all(serial[0]["skips"][1:])
     reference = serial[0]["latents"]
-    for rank, rows in enumerate(
-        run_on_ranks(_ours, 2, folders["sd3"], "sd3", configs, THRESHOLDS["sd3"], timeout_s=300)
-    ):
-        for row in rows:
-            assert row["skips"] == serial[0]["skips"], f"{row['config']} rank {rank}"
-            error = (row["latents"] - reference).abs().max().item()
-            assert error <= 1e-4 * max(1.0, reference.abs().max().item()), f"{row['config']} rank {rank}: {error:.3g}"
+    usp = [ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg=2, ulysses=2)]
+    for world_size, group in ((2, configs), (4, usp)):
+        for rank, rows in enumerate(_ours_on(world_size, folders["sd3"], group)):
+            for row in rows:
+                where = f"{row['config']} rank {rank}"
+                assert row["skips"] == serial[0]["skips"], where
+                error = (row["latents"] - reference).abs().max().item()
+                assert error <= 1e-4 * max(1.0, reference.abs().max().item()), f"{where}: {error:.3g}"
+
+
+def _ours_on(world_size, folder, configs):
+    return run_on_ranks(_ours, world_size, folder, "sd3", configs, THRESHOLDS["sd3"], timeout_s=300)
 
 
 def _dit_calls(configs, threshold):
@@ -203,7 +235,13 @@ def _dit_calls(configs, threshold):
 
 
 def test_dit_transformer_equals_diffusers_first_block_cache():
-    configs = [ParallelConfig(ulysses=2), ParallelConfig(cfg=2), ParallelConfig(pipefusion=2, warmup_steps=STEPS)]
+    configs = [
+        ParallelConfig(ulysses=2),
+        ParallelConfig(ring=2),
+        ParallelConfig(cfg=2),
+        ParallelConfig(dp=2),
+        ParallelConfig(pipefusion=2, warmup_steps=STEPS),
+    ]
     skipped = []
     for rank, (rows, largest) in enumerate(run_on_ranks(_dit_calls, 2, configs, 0.05, timeout_s=300)):
         for row in rows:

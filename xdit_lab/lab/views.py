@@ -23,7 +23,7 @@ from ..config import DEGREES, SHORT
 from ..memory import human_bytes
 from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
 
-GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP, WORLD)  # the degrees, the token gather, a StepCache's decision
+GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP)  # the degrees in their one order, then the token gather
 
 
 def rank_color(rank: int, world_size: int):
@@ -271,7 +271,7 @@ def draw_comm(summaries, step: int = -1) -> Figure:
         (s["comm"]["measured"][step], s["comm"]["expected"][step]) if s["comm"]["measured"] else ({}, {})
         for s in summaries
     ]
-    groups = [g for g in GROUP_ORDER if any(m.get(g) or e.get(g) for m, e in steps)]
+    groups = [g for g in (*GROUP_ORDER, WORLD) if any(m.get(g) or e.get(g) for m, e in steps)]  # world: StepCache
     largest = max([1] + [v for m, e in steps for v in (*m.values(), *e.values())])
     unit, name = _scale(largest)
     ncols = min(len(summaries), 4)

@@ -62,8 +62,14 @@ class ParallelConfig:
     ulysses: int = 1
     num_patches: int | None = None  # PipeFusion patches; None means one per stage
     warmup_steps: int = 1  # synchronous full-image steps before PipeFusion runs on stale K/V
+    vae_parallel: bool = True  # decode in row bands over the ranks that share an image (vae.py)
+
+    def __repr__(self) -> str:
+        return f"ParallelConfig({self._fields()})"
 
     def __post_init__(self):
+        if not isinstance(self.vae_parallel, bool):
+            raise ParallelConfigError(f"vae_parallel must be True or False, got {self.vae_parallel!r}")
         for name in (*DEGREES, "warmup_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -158,7 +164,9 @@ class ParallelConfig:
         return self
 
     def _fields(self) -> str:
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        """The fields as keyword arguments; vae_parallel only when it is off (its default is on)."""
+        fields = [f for f in dataclasses.fields(self) if f.name != "vae_parallel" or not self.vae_parallel]
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
 
     def _world_size_message(self, world_size, available_devices, num_heads, num_layers, seq_len) -> str:
         devices = available_devices if available_devices is not None else _visible_gpus()

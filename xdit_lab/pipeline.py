@@ -34,6 +34,7 @@ from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
 from .sharding import stage_ranges
+from .vae import apply_parallel_vae
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
 CALL_DEFAULTS = "call_defaults.json"  # a folder's own defaults for pipe(...), beside model_index.json
@@ -179,6 +180,8 @@ def load_pipeline(
         inner.set_progress_bar_config(disable=True)
         inner.to(info.device)
         parallelize(inner.transformer, config, mesh, stage_split=stage_split, cache=cache)
+        if config.vae_parallel and getattr(inner, "vae", None) is not None:
+            apply_parallel_vae(inner.vae, mesh)  # row bands over the ranks that share an image
         return ParallelPipeline(
             inner,
             recipe,

@@ -1,0 +1,171 @@
+"""Patch-parallel VAE decode: the ranks that share an image each decode one band of its rows.
+
+Decoding is a memory cliff: the decoder's activations grow with the image (64× the latent's
+pixels, at 128 to 512 channels). The sequence-parallel ranks (ring × ulysses) all hold the whole
+latents after the last step; instead of each decoding all of them, rank i decodes rows
+[start_i, stop_i) of the latent (sharding.shard_range) and the bands are gathered at the end:
+
+    latent rows      0 1 2 3 | 4 5 6 7          sp rank 0 | sp rank 1
+    each 3×3 conv    the row above and below the band come from the neighbours (a halo)
+    each GroupNorm   mean and variance summed over the whole image (two all-reduces)
+    mid attention    keys and values gathered from every band (it has one head: no Ulysses)
+    upsampling       nearest ×2 is local: the bands stay aligned, 8× taller at the end
+
+diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d,
+F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
+collective is logged with a tag starting "vae" (group sp). The result equals `vae.decode` of
+the whole latent up to float rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import comm
+from .mesh import SP
+from .sharding import shard_range, shard_sizes
+
+log = logging.getLogger("xdit_lab.vae")
+
+
+def apply_parallel_vae(vae, mesh) -> bool:
+    """Make `vae.decode` decode in row bands over the mesh's sp group; False (and nothing changed)
+    when the group is one rank or the VAE is not an AutoencoderKL (CogVideoX's 3D VAE decodes
+    whole on every rank, said once in the log)."""
+    if mesh.group_size(SP) == 1:
+        return False
+    if type(vae).__name__ != "AutoencoderKL":
+        log.warning(
+            "%s decodes whole on every rank: patch-parallel decode supports AutoencoderKL (2D) only",
+            type(vae).__name__,
+        )
+        return False
+    whole_decode = vae.decode  # the bound method of the class: no cycle through the instance
+
+    @functools.wraps(whole_decode)
+    def decode(z, return_dict=True, **kwargs):
+        return _decode_in_bands(vae, whole_decode, mesh, z, return_dict, **kwargs)
+
+    vae.decode = decode
+    return True
+
+
+def _decode_in_bands(vae, whole_decode, mesh, z, return_dict, **kwargs):
+    if getattr(vae, "use_tiling", False):
+        raise ValueError("patch-parallel decode and diffusers' tiled decode do not combine: disable one")
+    rows, parts = z.shape[-2], mesh.group_size(SP)
+    if rows < parts:
+        raise ValueError(f"{rows} latent rows cannot be split over {parts} ranks; decode with vae_parallel=False")
+    start, stop = shard_range(rows, parts, mesh.group_rank(SP))
+    with Bands(mesh, total_rows=rows):
+        band = whole_decode(z[..., start:stop, :].contiguous(), return_dict=False, **kwargs)[0]
+    scale = band.shape[-2] // (stop - start)  # output rows per latent row (8 for the usual VAE)
+    sizes = [n * scale for n in shard_sizes(rows, parts)]
+    image = comm.all_gather(band.contiguous(), mesh, SP, dim=band.dim() - 2, sizes=sizes, tag="vae_gather")
+    if not return_dict:
+        return (image,)
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    return DecoderOutput(sample=image)
+
+
+class Bands(TorchFunctionMode):
+    """Inside a band's decode: convolutions get halos, GroupNorm and attention see the whole image."""
+
+    def __init__(self, mesh, total_rows: int):
+        super().__init__()
+        self.mesh, self.total_rows = mesh, total_rows
+        self.me, self.parts = mesh.group_rank(SP), mesh.group_size(SP)
+        ranks = mesh.group_ranks(SP)
+        self.above = ranks[self.me - 1] if self.me > 0 else None
+        self.below = ranks[self.me + 1] if self.me + 1 < self.parts else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.conv2d:
+            return self.conv2d(*args, **kwargs)
+        if func is F.group_norm:
+            return self.group_norm(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def conv2d(self, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if isinstance(padding, str) or stride not in (1, (1, 1)) or dilation not in (1, (1, 1)):
+            raise NotImplementedError(
+                f"patch-parallel decode handles stride-1 convolutions with numeric padding, got "
+                f"stride {stride}, padding {padding}, dilation {dilation}"
+            )
+        pad_h, pad_w = (padding, padding) if isinstance(padding, int) else tuple(padding)
+        if pad_h:  # the rows the kernel reaches beyond the band: the neighbours' (zeros at the image's edge)
+            top, bottom = self._halos(x, pad_h)
+            x = torch.cat([top, x, bottom], dim=2)
+        return F.conv2d(x, weight, bias, 1, (0, pad_w), 1, groups)
+
+    def _halos(self, x, rows: int):
+        if x.shape[2] < rows:
+            raise ValueError(f"a band of {x.shape[2]} rows cannot give a halo of {rows}; use fewer ranks")
+        top = x.new_zeros((*x.shape[:2], rows, x.shape[3]))
+        bottom = torch.zeros_like(top)
+        sends, receives = [], []
+        if self.above is not None:
+            sends.append((x[:, :, :rows].contiguous(), self.above))
+            receives.append((top, self.above))
+        if self.below is not None:
+            sends.append((x[:, :, -rows:].contiguous(), self.below))
+            receives.append((bottom, self.below))
+        comm.wait(comm.exchange(sends, receives, self.mesh, SP, tag="vae_halo"))
+        return top, bottom
+
+    def group_norm(self, x, num_groups, weight=None, bias=None, eps=1e-5):
+        """GroupNorm with the mean and variance of the whole image: sums all-reduced (two passes)."""
+        grouped = x.reshape(x.shape[0], num_groups, -1)
+        stats = torch.stack([grouped.sum(-1), torch.full_like(grouped[..., 0], grouped.shape[-1])])
+        comm.all_reduce(stats, self.mesh, SP, tag="vae_norm")
+        mean = (stats[0] / stats[1]).unsqueeze(-1)
+        squares = ((grouped - mean) ** 2).sum(-1)
+        comm.all_reduce(squares, self.mesh, SP, tag="vae_norm")
+        out = ((grouped - mean) / torch.sqrt(squares / stats[1] + eps).unsqueeze(-1)).reshape(x.shape)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        if weight is not None:
+            out = out * weight.reshape(shape)
+        if bias is not None:
+            out = out + bias.reshape(shape)
+        return out
+
+    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        """The mid-block's attention over every band's tokens: keys and values gathered (one head,
+        so Ulysses cannot split it; they are small at the latent's resolution)."""
+        if attn_mask is not None or dropout_p or is_causal:
+            raise NotImplementedError("patch-parallel decode handles attention without mask, dropout or causality")
+        my_rows = shard_sizes(self.total_rows, self.parts)[self.me]
+        per_row = key.shape[2] // my_rows
+        sizes = [rows * per_row for rows in shard_sizes(self.total_rows, self.parts)]
+        key = comm.all_gather(key.contiguous(), self.mesh, SP, dim=2, sizes=sizes, tag="vae_attention")
+        value = comm.all_gather(value.contiguous(), self.mesh, SP, dim=2, sizes=sizes, tag="vae_attention")
+        return F.scaled_dot_product_attention(query, key, value, scale=scale)
+
+
+def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
+    """Bytes one rank sends in halos during one decode, from the decoder's configuration: every
+    3×3 convolution sends one row of its input (channels × width at its resolution) to each of
+    `neighbours` (1 at the image's top or bottom band, 2 in between)."""
+    batch, channels, _, width = latent_shape
+    top = vae_config["block_out_channels"][-1]
+    convs = [(channels, width)] + [(top, width)] * 4  # conv_in, the mid block's two resnets
+    previous, scale = top, 1
+    blocks = list(reversed(vae_config["block_out_channels"]))
+    for i, out in enumerate(blocks):
+        for j in range(vae_config["layers_per_block"] + 1):
+            convs += [(previous if j == 0 else out, width * scale), (out, width * scale)]
+        if i < len(blocks) - 1:  # upsample ×2, then a 3×3 conv
+            scale *= 2
+            convs.append((out, width * scale))
+        previous = out
+    convs.append((vae_config["block_out_channels"][0], width * scale))  # conv_out
+    return sum(batch * c * w for c, w in convs) * element_bytes * neighbours

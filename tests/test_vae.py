@@ -74,34 +74,35 @@ def test_bands_equal_the_whole_decode(config, rows):
         assert out["halo"] == halo_bytes(VAE_CONFIG, (2, 4, rows, cols), 4, out["neighbours"]), where
 
 
-def _sp_one_and_video():
+def _stages_and_video():
     from xdit_lab.tiny import _video_vae
 
     return (
-        apply_parallel_vae(_vae(), RankMesh(ParallelConfig(cfg=2))),
+        apply_parallel_vae(_vae(), RankMesh(ParallelConfig(pipefusion=2))),
         apply_parallel_vae(_video_vae(0), RankMesh(ParallelConfig(ulysses=2))),
     )
 
 
-def test_images_held_by_one_rank_and_3d_vaes_decode_whole():
-    """cfg 2: each image's latents sit with one rank (sp 1), nothing to split; CogVideoX's 3D VAE
-    decodes whole on every rank (said in the log): apply_parallel_vae changes nothing."""
-    assert run_on_ranks(_sp_one_and_video, 2) == [(False, False)] * 2
+def test_pipefusion_stages_and_3d_vaes_decode_whole():
+    """PipeFusion 2 alone: no sp, dp or cfg ranks to share the decode with, each stage decodes the
+    whole batch; CogVideoX's 3D VAE decodes whole on every rank (said in the log):
+    apply_parallel_vae changes nothing."""
+    assert run_on_ranks(_stages_and_video, 2) == [(False, False)] * 2
 
 
-def _pipeline_images(folder):
+def _pipeline_images(folder, configs, prompts=("a red cat", "a blue dog")):
     from diffusers import DiffusionPipeline
 
     from xdit_lab import load_pipeline
     from xdit_lab.tiny import tiny_pipeline_kwargs
 
     kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2)
-    prompts = ["a red cat", "a blue dog"]
+    prompts = list(prompts)
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     expected = reference(prompts, generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).images
     rows = []
-    for config in (ParallelConfig(ulysses=2), ParallelConfig(ring=2, vae_parallel=False)):
+    for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
         with comm_log() as log:
             images = pipe(prompts, seed=0, output_type="np", **kwargs).images
@@ -110,6 +111,7 @@ def _pipeline_images(folder):
                 config=repr(config),
                 error=float(abs(images - expected).max()),
                 vae_tags=sorted({r.tag for r in log.records if r.tag.startswith("vae")}),
+                vae_groups=sorted({r.group for r in log.records if r.tag.startswith("vae")}),
             )
         )
     return rows
@@ -121,8 +123,32 @@ def test_pipeline_images_equal_diffusers_with_and_without_bands(tmp_path):
     from xdit_lab.tiny import save_tiny_pipeline
 
     folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
-    for rank, (bands, whole) in enumerate(run_on_ranks(_pipeline_images, 2, folder, timeout_s=180)):
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2, vae_parallel=False)]
+    for rank, (bands, whole) in enumerate(run_on_ranks(_pipeline_images, 2, folder, configs, timeout_s=180)):
         for row in (bands, whole):
             assert row["error"] <= 1e-4, f"{row['config']} rank {rank}: {row['error']:.3g}"
         assert bands["vae_tags"] == ["vae_attention", "vae_gather", "vae_halo", "vae_norm"]
         assert whole["vae_tags"] == [] and "vae_parallel=False" in whole["config"]
+
+
+def test_dp_and_cfg_ranks_decode_only_their_images(tmp_path):
+    """Three prompts: dp 2 decodes 2 + 1 images, cfg 2 × dp 2 shares 3 images over 4 ranks (one
+    decodes none: a stand-in, dropped), cfg 2 × ulysses 2 splits images and bands; the gathered
+    images equal diffusers' pipeline run serially, and the gathers show in the dp and cfg groups."""
+    from xdit_lab.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    prompts = ("a red cat", "a blue dog", "a green car")
+    for world_size, configs in (
+        (2, [ParallelConfig(dp=2), ParallelConfig(cfg=2)]),
+        (4, [ParallelConfig(cfg=2, dp=2), ParallelConfig(cfg=2, ulysses=2)]),
+    ):
+        for rank, rows in enumerate(
+            run_on_ranks(_pipeline_images, world_size, folder, configs, prompts, timeout_s=240)
+        ):
+            for row, config in zip(rows, configs):
+                assert row["error"] <= 1e-4, f"{row['config']} rank {rank}: {row['error']:.3g}"
+                used = {g for g in ("dp", "cfg") if getattr(config, g) > 1} | (
+                    {"sp"} if config.sp_degree > 1 else set()
+                )
+                assert set(row["vae_groups"]) == used, f"{row['config']} rank {rank}: {row['vae_groups']}"

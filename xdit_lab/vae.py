@@ -1,4 +1,7 @@
-"""Patch-parallel VAE decode: the ranks that share an image each decode one band of its rows.
+"""Parallel VAE decode: each rank decodes only its images, and of those only its band of rows.
+
+The dp and cfg ranks all hold the whole batch's latents after the last step: each decodes its
+share of the images (split like the batch rows, dp-major), and the images are gathered after.
 
 Decoding is a memory cliff: the decoder's activations grow with the image (64× the latent's
 pixels, at 128 to 512 channels). The sequence-parallel ranks (ring × ulysses) all hold the whole
@@ -27,51 +30,69 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import comm
-from .mesh import SP
+from .mesh import CFG, DP, SP
 from .sharding import shard_range, shard_sizes
 
 log = logging.getLogger("xdit_lab.vae")
 
 
 def apply_parallel_vae(vae, mesh) -> bool:
-    """Make `vae.decode` decode in row bands over the mesh's sp group; False (and nothing changed)
-    when the group is one rank or the VAE is not an AutoencoderKL (CogVideoX's 3D VAE decodes
-    whole on every rank, said once in the log)."""
-    if mesh.group_size(SP) == 1:
+    """Make `vae.decode` do only this rank's part: its images of the batch (split over the dp × cfg
+    ranks, which hold the same latents after each step) and, over the sp ranks, its band of rows.
+    False (nothing changed) when one rank holds every image, or for a VAE other than AutoencoderKL
+    (CogVideoX's 3D VAE decodes whole on every rank, said once in the log)."""
+    if mesh.group_size(SP) * mesh.group_size(DP) * mesh.group_size(CFG) == 1:
         return False
     if type(vae).__name__ != "AutoencoderKL":
         log.warning(
-            "%s decodes whole on every rank: patch-parallel decode supports AutoencoderKL (2D) only",
+            "%s decodes whole on every rank: the parallel decode supports AutoencoderKL (2D) only",
             type(vae).__name__,
         )
         return False
-    whole_decode = vae.decode  # the bound method of the class: no cycle through the instance
+    whole_decode = vae.decode
 
     @functools.wraps(whole_decode)
     def decode(z, return_dict=True, **kwargs):
-        return _decode_in_bands(vae, whole_decode, mesh, z, return_dict, **kwargs)
+        image = _decode_my_part(vae, whole_decode, mesh, z, **kwargs)
+        if not return_dict:
+            return (image,)
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        return DecoderOutput(sample=image)
 
     vae.decode = decode
     return True
 
 
-def _decode_in_bands(vae, whole_decode, mesh, z, return_dict, **kwargs):
-    if getattr(vae, "use_tiling", False):
-        raise ValueError("patch-parallel decode and diffusers' tiled decode do not combine: disable one")
-    rows, parts = z.shape[-2], mesh.group_size(SP)
-    if rows < parts:
-        raise ValueError(f"{rows} latent rows cannot be split over {parts} ranks; decode with vae_parallel=False")
-    start, stop = shard_range(rows, parts, mesh.group_rank(SP))
-    with Bands(mesh, total_rows=rows):
-        band = whole_decode(z[..., start:stop, :].contiguous(), return_dict=False, **kwargs)[0]
-    scale = band.shape[-2] // (stop - start)  # output rows per latent row (8 for the usual VAE)
-    sizes = [n * scale for n in shard_sizes(rows, parts)]
-    image = comm.all_gather(band.contiguous(), mesh, SP, dim=band.dim() - 2, sizes=sizes, tag="vae_gather")
-    if not return_dict:
-        return (image,)
-    from diffusers.models.autoencoders.vae import DecoderOutput
+def image_shares(batch: int, mesh) -> tuple[list[int], int]:
+    """Images per dp × cfg rank (dp-major, as the batch rows are), and this rank's index."""
+    dp, cfg = mesh.group_size(DP), mesh.group_size(CFG)
+    return shard_sizes(batch, dp * cfg), mesh.group_rank(DP) * cfg + mesh.group_rank(CFG)
 
-    return DecoderOutput(sample=image)
+
+def _decode_my_part(vae, whole_decode, mesh, z, **kwargs):
+    if getattr(vae, "use_tiling", False):
+        raise ValueError("the parallel decode and diffusers' tiled decode do not combine: disable one")
+    shares, me = image_shares(z.shape[0], mesh)
+    start = sum(shares[:me])
+    mine = z[start : start + shares[me]] if shares[me] else z[-1:]  # no image of its own: a stand-in, dropped
+    rows, parts = z.shape[-2], mesh.group_size(SP)
+    if parts == 1:
+        image = whole_decode(mine, return_dict=False, **kwargs)[0]
+    else:
+        if rows < parts:
+            raise ValueError(f"{rows} latent rows cannot be split over {parts} ranks; decode with vae_parallel=False")
+        first, last = shard_range(rows, parts, mesh.group_rank(SP))
+        with Bands(mesh, total_rows=rows):
+            band = whole_decode(mine[..., first:last, :].contiguous(), return_dict=False, **kwargs)[0]
+        scale = band.shape[-2] // (last - first)  # output rows per latent row (8 for the usual VAE)
+        sizes = [n * scale for n in shard_sizes(rows, parts)]
+        image = comm.all_gather(band.contiguous(), mesh, SP, dim=band.dim() - 2, sizes=sizes, tag="vae_gather")
+    cfg, dp_rank = mesh.group_size(CFG), mesh.group_rank(DP)
+    in_my_dp_group = shares[dp_rank * cfg : (dp_rank + 1) * cfg]
+    image = comm.all_gather(image.contiguous(), mesh, CFG, dim=0, sizes=in_my_dp_group, tag="vae_gather")
+    per_dp_group = [sum(shares[d * cfg : (d + 1) * cfg]) for d in range(mesh.group_size(DP))]
+    return comm.all_gather(image, mesh, DP, dim=0, sizes=per_dp_group, tag="vae_gather")
 
 
 class Bands(TorchFunctionMode):

@@ -70,6 +70,7 @@ class DenoiseSession:
         self.comm_per_step: list[dict[str, int]] = []  # bytes out of this rank, per group, per step
         self.cache_skips: list[bool] = []  # per step: whether a StepCache skipped the blocks after the first
         self.cache_changes: list[float | None] = []  # per step: the first block's relative change it measured
+        self.comm_decode: dict[tuple[str, str], int] | None = None  # (group, tag): bytes, once decoded
         self.progress = progress
         self.step_index = 0
         inner = pipe.diffusers_pipeline
@@ -144,8 +145,11 @@ class DenoiseSession:
             raise ValueError(f"output_type must be 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         if not self.done:
             raise RuntimeError(f"{self.num_steps - self.step_index} of {self.num_steps} steps remain: call run() first")
-        with torch.no_grad(), self.timings.measure("decode"):
+        with torch.no_grad(), self.timings.measure("decode"), comm.comm_log() as log:
             images = self.recipe.decode(self.pipe.diffusers_pipeline, self.prepared, self.prepared.latents, output_type)
+        self.comm_decode = {(r.group, r.tag): 0 for r in log.records}  # bytes out of this rank in the decode
+        for r in log.records:
+            self.comm_decode[r.group, r.tag] += r.bytes_out
         if not return_dict:
             return (images,)
         output = self.recipe.wrap_output(images)

@@ -34,6 +34,7 @@ from .mesh import CFG, DP, SP
 from .sharding import shard_range, shard_sizes
 
 log = logging.getLogger("xdit_lab.vae")
+DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
 def apply_parallel_vae(vae, mesh) -> bool:
@@ -77,12 +78,27 @@ def _decode_my_part(vae, whole_decode, mesh, z, **kwargs):
     start = sum(shares[:me])
     mine = z[start : start + shares[me]] if shares[me] else z[-1:]  # no image of its own: a stand-in, dropped
     rows, parts = z.shape[-2], mesh.group_size(SP)
+    sp_rank = mesh.group_rank(SP)
+    neighbours = (sp_rank > 0) + (sp_rank < parts - 1)
+    setattr(
+        vae,
+        DECODED,
+        dict(
+            latent_shape=list(z.shape),
+            image_shares=shares,
+            images=shares[me],
+            first_image=start,
+            bands=[list(shard_range(rows, parts, i)) for i in range(parts)],
+            band=list(shard_range(rows, parts, sp_rank)),
+            halo_expected=halo_bytes(vae.config, tuple(mine.shape), z.element_size(), neighbours) if parts > 1 else 0,
+        ),
+    )
     if parts == 1:
         image = whole_decode(mine, return_dict=False, **kwargs)[0]
     else:
         if rows < parts:
             raise ValueError(f"{rows} latent rows cannot be split over {parts} ranks; decode with vae_parallel=False")
-        first, last = shard_range(rows, parts, mesh.group_rank(SP))
+        first, last = shard_range(rows, parts, sp_rank)
         with Bands(mesh, total_rows=rows):
             band = whole_decode(mine[..., first:last, :].contiguous(), return_dict=False, **kwargs)[0]
         scale = band.shape[-2] // (last - first)  # output rows per latent row (8 for the usual VAE)

@@ -10,7 +10,7 @@ the session's comm log); nothing large travels: lists of ints, floats and string
     expected_bytes_per_step(summary) == summary["comm"]["measured"][-1]   # the closed forms
 
 Keys (exact): rank, mesh, coords, device, family, config, step, num_steps, timestep, grid,
-image_tokens, shapes, shard, batch, staleness, memory, cache, comm. See rank_summary's docstring.
+image_tokens, shapes, shard, batch, staleness, memory, cache, decode, comm. See rank_summary's docstring.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..memory import rank_memory
 from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
 from ..models import PipeFusionStage, parallel_state, split_batch
 from ..sharding import PatchLayout, patch_ranges, shard_range, shard_sizes
+from ..vae import DECODED
 
 
 def rank_summary(session) -> dict:
@@ -33,7 +34,8 @@ def rank_summary(session) -> dict:
     ParallelConfig's fields), step (steps done), num_steps, timestep (of the last step done, or
     None), grid [rows, cols] of image tokens, image_tokens, shapes (what expected_bytes_per_step
     needs), shard, batch, staleness (None without PipeFusion), memory, cache (None without a
-    StepCache: threshold, skips, changes, local_changes, seconds per step), comm {measured, expected}:
+    StepCache: threshold, skips, changes, local_changes, seconds per step), decode (None before
+    result(): the rows and images this rank decoded, bytes per group:tag, the halo closed form), comm {measured, expected}:
     one {group: bytes out of this rank} per step done."""
     pipe, mesh, config = session.pipe, session.pipe.mesh, session.pipe.config
     transformer = pipe.diffusers_pipeline.transformer
@@ -59,6 +61,7 @@ def rank_summary(session) -> dict:
         staleness=_staleness(stage) if stage is not None else None,
         memory=_memory(pipe, session, stage),
         cache=_cache(session, state),
+        decode=_decode(session),
     )
     measured = [dict(step_bytes) for step_bytes in session.comm_per_step]
     skips = summary["cache"]["skips"] if summary["cache"] else None
@@ -80,6 +83,20 @@ def _cache(session, state) -> dict | None:
         changes=list(session.cache_changes),
         local_changes=state.cache.local_changes,
         seconds=list(session.timings.steps),
+    )
+
+
+def _decode(session) -> dict | None:
+    """After result(): bytes out of this rank in the decode per group:tag, and what the parallel
+    decode recorded of itself (rows and images this rank decoded, the halo closed form); None
+    before the decode. `parallel` is False where every rank decoded the whole batch."""
+    if session.comm_decode is None:
+        return None
+    decoded = getattr(session.pipe.diffusers_pipeline.vae, DECODED, None)
+    return dict(
+        parallel=decoded is not None,
+        **(decoded or {}),
+        bytes={f"{group}:{tag}": n for (group, tag), n in session.comm_decode.items()},
     )
 
 

@@ -8,8 +8,9 @@ in a notebook (a Figure displays itself), in tests and under the Agg backend; sa
     draw_staleness(summaries)  PipeFusion: age in steps of the K/V each patch read, per stage and layer
     draw_memory(summaries)     bytes per rank: parameters by component, K/V buffers, activations
     draw_comm(summaries)       bytes out per step per group: measured beside the closed form
-    draw_cache(summaries)      StepCache: the change measured per step, the steps skipped, time and bytes saved
     draw_latent(image, step)   one latent channel or an RGB image
+
+The accelerations' views (the step cache, the parallel decode) are in lab/acceleration_views.py.
 """
 
 from __future__ import annotations
@@ -301,68 +302,6 @@ def draw_comm(summaries, step: int = -1) -> Figure:
     when = f"step {which + 1} of {summaries[0]['num_steps']}" if summaries[0]["step"] else "no step run yet"
     fig.suptitle(
         f"Bytes out of each rank per group, {when}\nmeasured (solid) beside the closed form (hatched)", fontsize=10
-    )
-    return fig
-
-
-# ---- step cache -----------------------------------------------------------------------------------------
-
-
-def cache_savings(summary) -> dict:
-    """What a StepCache saved on one rank: skipped steps × (mean full step - mean skipped step), in
-    seconds and in bytes out of the rank (from the measured step times and comm records)."""
-    skips, seconds = summary["cache"]["skips"], summary["cache"]["seconds"]
-    sent = [sum(step.values()) for step in summary["comm"]["measured"]]
-    run = [i for i, skipped in enumerate(skips) if not skipped]
-    skipped = [i for i, s in enumerate(skips) if s]
-
-    def saved(values):
-        if not skipped:
-            return 0.0
-        return len(skipped) * (np.mean([values[i] for i in run]) - np.mean([values[i] for i in skipped]))
-
-    return dict(skipped=len(skipped), steps=len(skips), seconds=float(saved(seconds)), bytes=float(saved(sent)))
-
-
-def draw_cache(summaries) -> Figure:
-    """A StepCache's decisions (the same on every rank): per step, the first block's change against
-    the threshold, then each rank's step time and bytes out, skipped steps hatched."""
-    summaries = _by_rank(summaries)
-    if summaries[0]["cache"] is None:
-        raise ValueError("this session runs without a StepCache: load with cache=StepCache(threshold)")
-    first, world = summaries[0], max(s["rank"] for s in summaries) + 1
-    skips, threshold = first["cache"]["skips"], first["cache"]["threshold"]
-    steps = np.arange(1, len(skips) + 1)
-    fig = Figure(figsize=(8, 6.5), layout="constrained")
-    change_ax, time_ax, bytes_ax = fig.subplots(3, 1, sharex=True)
-    changes = [np.nan if c is None else c for c in first["cache"]["changes"]]
-    change_ax.plot(steps, changes, "-", color="grey", lw=1)
-    for step, change, skipped in zip(steps, changes, skips):
-        change_ax.plot(step, change, "o", color="tab:green" if skipped else "tab:red")
-    change_ax.axhline(threshold, color="black", ls="--", lw=1, label=f"threshold {threshold:g}")
-    change_ax.set_ylabel("first block's change", fontsize=9)
-    change_ax.legend(fontsize=8, frameon=False, loc="upper right")
-    width = 0.8 / len(summaries)
-    largest = max([1] + [sum(m.values()) for s in summaries for m in s["comm"]["measured"]])
-    unit, unit_name = _scale(largest)
-    for k, s in enumerate(summaries):
-        colour, x = rank_color(s["rank"], world), steps - 0.4 + width * (k + 0.5)
-        hatch = ["//" if skipped else None for skipped in skips]
-        sent = [sum(m.values()) / unit for m in s["comm"]["measured"]]
-        for ax, values in ((time_ax, s["cache"]["seconds"]), (bytes_ax, sent)):
-            for xi, v, h in zip(x, values, hatch):
-                ax.bar(xi, v, width=width, color=colour, hatch=h, edgecolor="white" if h else colour)
-    time_ax.set_ylabel("seconds", fontsize=9)
-    ranks = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}") for s in summaries]
-    time_ax.legend(handles=ranks, fontsize=8, frameon=False, loc="upper right", ncols=min(len(ranks), 4))
-    bytes_ax.set_ylabel(f"{unit_name} out", fontsize=9)
-    bytes_ax.set_xlabel("step (hatched: skipped; green dot: change ≤ threshold)", fontsize=9)
-    bytes_ax.set_xticks(steps)
-    saved = cache_savings(first)
-    fig.suptitle(
-        f"StepCache skipped {saved['skipped']} of {saved['steps']} steps on every rank: rank {first['rank']} saved "
-        f"about {saved['seconds']:.2f} s and {human_bytes(saved['bytes'])} out",
-        fontsize=10,
     )
     return fig
 

@@ -9,13 +9,17 @@ tables are text with integers or rounded figures, so a notebook can print them i
     bytes_match(summaries)               measured == formula on every rank, step and group
     wrong_stale_kv(kind)                 a CONTROL: PipeFusion reads deliberately wrong K/V inside
     generate_with_control(config, n, kind)  (rank) generate_parallel, optionally under wrong_stale_kv
+    PeakTensorBytes()                    the peak bytes of the tensors a block creates (CPU too)
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..attention.stale import StaleKV
 from .table import text_table
@@ -161,3 +165,41 @@ def generate_with_control(config, per_digit: int = 10, control: str | None = Non
 
     with wrong_stale_kv(control) if control else contextlib.nullcontext():
         return generate_parallel(config, per_digit)
+
+
+# ---- memory: the peak of the tensors a block of code creates ------------------------------------------
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """`with PeakTensorBytes() as m: ...`, then `m.peak`: the most bytes that tensors created inside
+    the block held at once (each storage counted once, released when the last tensor made inside
+    that shows it is freed). Works on CPU, where no allocator keeps a peak; tensors made before the
+    block (weights, inputs) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._users: dict[int, list[int]] = {}  # storage id -> [tensors alive, bytes]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                key = value.untyped_storage().data_ptr()
+                if key not in self._users:
+                    nbytes = value.untyped_storage().nbytes()
+                    self._users[key] = [0, nbytes]
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                self._users[key][0] += 1
+                weakref.finalize(value, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        users = self._users.get(key)
+        if users is None:
+            return
+        users[0] -= 1
+        if users[0] == 0:
+            self.live -= users[1]
+            del self._users[key]

@@ -1,0 +1,62 @@
+"""The VAE decode whole against in row bands: per-rank peak memory and seconds, side by side.
+
+    python benchmarks/vae_decode.py [--rows 1024] [--cols 1024] [--ranks 1 2 4]
+
+The tiny AutoencoderKL of xdit_lab.tiny (channels 8 and 16, one ×2 upsampling) decodes one
+latent of rows × cols: on one rank whole (diffusers' vae.decode, the reference), then on N ranks
+of an sp group in bands (xdit_lab.vae). Peak: the most bytes the tensors made inside the decode
+held at once (lab.measure.PeakTensorBytes; weights and the latent excluded). Each run also checks
+the image against the whole decode (max abs difference). Ranks share this machine's cores: the
+seconds are not a speedup figure here, the memory is.
+"""
+
+import argparse
+import time
+
+import torch
+
+from xdit_lab import ParallelConfig, RankMesh
+from xdit_lab.testing import run_on_ranks
+
+
+def decode(world_size, rows, cols):
+    from xdit_lab.lab.measure import PeakTensorBytes
+    from xdit_lab.tiny import _vae
+    from xdit_lab.vae import apply_parallel_vae
+
+    vae = _vae(0, 4)
+    z = torch.randn(1, 4, rows, cols, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        if world_size > 1:
+            apply_parallel_vae(vae, RankMesh(ParallelConfig(ulysses=world_size)))
+        meter = PeakTensorBytes()
+        start = time.perf_counter()
+        with meter:
+            image = vae.decode(z).sample
+        seconds = time.perf_counter() - start
+    return dict(peak=meter.peak, seconds=seconds, image=image if world_size == 1 else image[:, :, :64, :64])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--cols", type=int, default=1024)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    whole = None
+    print("| ranks | peak per rank MiB | vs whole | seconds | max abs diff vs whole (first 64×64 px) |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in args.ranks:
+        out = run_on_ranks(decode, n, n, args.rows, args.cols, timeout_s=1800)
+        peak = max(o["peak"] for o in out)
+        if n == 1:
+            whole = out[0]
+        diff = (out[0]["image"] - whole["image"][:, :, :64, :64]).abs().max().item()
+        print(
+            f"| {n} | {peak / 2**20:.0f} | {peak / whole['peak']:.2f} | {max(o['seconds'] for o in out):.1f} | {diff:.1e} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

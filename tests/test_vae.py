@@ -228,3 +228,22 @@ def test_a_band_holds_about_half_the_decode_peak():
     decode's peak (measured 0.5 of 12 MiB plus the gathered image)."""
     for whole, band in run_on_ranks(_band_peak, 2, 128, timeout_s=120):
         assert band < 0.7 * whole, f"band {band / 2**20:.1f} MiB, whole {whole / 2**20:.1f} MiB"
+
+
+def _freed_without_gc():
+    import gc
+    import weakref
+
+    vae = _vae()
+    assert apply_parallel_vae(vae, RankMesh(ParallelConfig(ulysses=2)))
+    watched = weakref.ref(vae)
+    gc.disable()  # reference counting only: a cycle through the new decode would keep it
+    try:
+        del vae
+        return watched() is None
+    finally:
+        gc.enable()
+
+
+def test_a_parallel_vae_is_freed_by_its_last_reference():
+    assert run_on_ranks(_freed_without_gc, 2) == [True, True]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +51,12 @@ def apply_parallel_vae(vae, mesh) -> bool:
             type(vae).__name__,
         )
         return False
-    whole_decode = vae.decode
+    own_decode, module = type(vae).decode, weakref.ref(vae)  # held weakly: no cycle keeps a replaced VAE
 
-    @functools.wraps(whole_decode)
+    @functools.wraps(own_decode)
     def decode(z, return_dict=True, **kwargs):
-        image = _decode_my_part(vae, whole_decode, mesh, z, **kwargs)
+        vae = module()
+        image = _decode_my_part(vae, functools.partial(own_decode, vae), mesh, z, **kwargs)
         if not return_dict:
             return (image,)
         from diffusers.models.autoencoders.vae import DecoderOutput

@@ -22,6 +22,7 @@ the whole latent up to float rounding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -65,6 +66,18 @@ def apply_parallel_vae(vae, mesh) -> bool:
 
     vae.decode = decode
     return True
+
+
+@contextlib.contextmanager
+def decoding_whole(vae):
+    """Inside, `vae.decode` is diffusers' own again, for one rank decoding alone (a preview on rank
+    0): the parallel decode's collectives would wait for peers that are not decoding."""
+    parallel = vars(vae).pop("decode", None)
+    try:
+        yield vae
+    finally:
+        if parallel is not None:
+            vae.decode = parallel
 
 
 def image_shares(batch: int, mesh) -> tuple[list[int], int]:

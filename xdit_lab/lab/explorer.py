@@ -58,15 +58,18 @@ def model_shape(state: dict, height, width) -> dict:
 
 def preview(state: dict, limit: int):
     """The current latents decoded by this rank's VAE, as float images [N, H, W, 3] in [0, 1].
-    Called on rank 0 alone: the VAE is not parallelized, so no peer has to join in."""
+    Called on rank 0 alone, so the VAE decodes whole here (vae.decoding_whole): no peer has to join in."""
     import numpy as np
     import torch
 
     session = state.get("session")
     if session is None:
         return None
-    with torch.no_grad():
-        images = session.recipe.decode(session.pipe.diffusers_pipeline, session.prepared, session.latents[:limit], "np")
+    from xdit_lab.vae import decoding_whole
+
+    inner = session.pipe.diffusers_pipeline
+    with torch.no_grad(), decoding_whole(inner.vae):
+        images = session.recipe.decode(inner, session.prepared, session.latents[:limit], "np")
     return np.asarray(images, dtype=np.float32)
 
 

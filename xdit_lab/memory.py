@@ -90,19 +90,22 @@ class MemoryPlan:
     per_rank_bytes: dict[str, int]  # what one rank holds
     ranks_per_host: int = 1
     notes: list[str] = field(default_factory=list)
+    # activation peaks on top of the weights, as (serial, per rank): the VAE decode's ("decode")
+    activation_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def total_per_rank(self) -> int:
-        return sum(self.per_rank_bytes.values())
+        return sum(self.per_rank_bytes.values()) + sum(per_rank for _, per_rank in self.activation_bytes.values())
 
     def table(self) -> str:
         lines = [f"  {'component':<16} {'whole':>12} {'per rank':>12}"]
         for name, whole in self.component_bytes.items():
             lines.append(f"  {name:<16} {human_bytes(whole):>12} {human_bytes(self.per_rank_bytes[name]):>12}")
-        lines.append(
-            f"  {'total':<16} {human_bytes(sum(self.component_bytes.values())):>12} {human_bytes(self.total_per_rank):>12}"
-        )
-        return "\n".join(lines)
+        for name, (serial, per_rank) in self.activation_bytes.items():
+            lines.append(f"  {name + ' peak':<16} {human_bytes(serial):>12} {human_bytes(per_rank):>12}")
+        whole = sum(self.component_bytes.values()) + sum(serial for serial, _ in self.activation_bytes.values())
+        lines.append(f"  {'total':<16} {human_bytes(whole):>12} {human_bytes(self.total_per_rank):>12}")
+        return "\n".join(lines + [f"  ({note})" for note in self.notes])
 
 
 BLOCK_KEY = re.compile(r"^transformer_blocks\.(\d+)\.")  # the blocks PipeFusion splits (PixArt, DiT)
@@ -138,17 +141,94 @@ def plan_memory(
     pipefusion: int = 1,
     ranks_per_host: int = 1,
     stage_split: list[int] | None = None,
+    decode_latent: tuple[int, int] | None = None,
+    decode_bands: int = 1,
 ) -> MemoryPlan:
     """Bytes of every component's safetensors, and what one rank holds of them: under PipeFusion a
     stage holds its transformer blocks (the largest stage's share is planned) plus every tensor
-    outside the blocks (embeddings, output layers); every other component is whole on every rank."""
+    outside the blocks (embeddings, output layers); every other component is whole on every rank.
+
+    With `decode_latent` (latent rows, cols), the plan adds the VAE decode's activation peak for
+    one image of that latent: whole, and per rank in `decode_bands` row bands (vae.py)."""
     whole, per_rank = {}, {}
     for name in components:
         tensors = component_tensor_bytes(folder / name, dtype)
         whole[name] = per_rank[name] = sum(tensors.values())
         if name == "transformer" and pipefusion > 1:
             per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
-    return MemoryPlan(whole, per_rank, ranks_per_host)
+    plan = MemoryPlan(whole, per_rank, ranks_per_host)
+    config_path = Path(folder) / "vae" / "config.json"
+    if decode_latent is not None and "vae" in components and config_path.is_file():
+        vae_config = json.loads(config_path.read_text())
+        if vae_config.get("_class_name") == "AutoencoderKL":
+            element = _float_bytes(Path(folder) / "vae", dtype)
+            shape = (1, vae_config["latent_channels"], *decode_latent)
+            plan.activation_bytes["decode"] = (
+                decode_peak_bytes(vae_config, shape, element),
+                decode_peak_bytes(vae_config, shape, element, bands=decode_bands),
+            )
+            plan.notes.append(f"decode peak: one image of a {decode_latent[0]}×{decode_latent[1]} latent")
+    return plan
+
+
+def _float_bytes(folder: Path, dtype: torch.dtype | None) -> int:
+    """Bytes per element of a component's activations: the load dtype, else its weights' float dtype."""
+    if dtype is not None:
+        return torch.empty((), dtype=dtype).element_size()
+    for f in sorted(folder.glob("*.safetensors")):
+        for info in read_safetensors_header(f).values():
+            if info["dtype"] in FLOATS:
+                return DTYPE_BYTES[info["dtype"]]
+    return 4
+
+
+def decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *, bands: int = 1) -> int:
+    """The most bytes an AutoencoderKL decode holds at once (weights and the latent not counted),
+    from its configuration: the largest set of activations alive together, in units of channels
+    × pixels at each resolution (diffusers' decoder, step by step):
+
+        resnet c_in -> c_out     input (held by the caller) + shortcut, hidden, sum, sum / scale
+        ×2 upsample of c         input + interpolated (4×) + convolved (4×)
+        mid attention            input, norm, q, k, v, out, projection (flash kernels: no scores);
+                                 in bands Ring's two K/V buffers and the merged partial outputs
+
+    In bands (vae.py) a rank holds its band's rows (the largest band) and every 3×3 convolution
+    also a copy of its input with the halo rows. Against lab.measure.PeakTensorBytes on CPU
+    (tests/test_vae.py): exact for the whole decode, within 5% under in bands."""
+    batch, latent_channels, rows, cols = latent_shape
+    rows = -(-rows // bands)
+    blocks = list(reversed(vae_config["block_out_channels"]))
+
+    def pixels(scale):  # (a band's pixels, its convolutions' input with halo rows) at this scale
+        band = rows * scale * cols * scale
+        return band, (band + 2 * cols * scale if bands > 1 else 0)
+
+    top = blocks[0]
+    p, halo = pixels(1)
+    # the post-quant latent, held while the decoder runs
+    held = latent_channels * p if vae_config.get("use_post_quant_conv", True) else 0
+    peaks = [latent_channels * (p + halo) + top * p, 4 * top * p]
+    if vae_config.get("mid_block_add_attention", True):
+        attention = 7 if bands == 1 else 16  # Ring adds two K/V buffers (2 each), partial outputs and their merge
+        peaks.append(attention * top * p)
+    previous, scale = top, 1
+    for i, out in enumerate(blocks):
+        p, halo = pixels(scale)
+        block_input = previous * p  # held by the decoder's loop until the up block returns
+        for j in range(vae_config["layers_per_block"] + 1):
+            c_in, also_held = (previous, 0) if j == 0 else (out, block_input)
+            end = (c_in + 4 * out if c_in != out else 4 * out) * p  # shortcut, hidden, sum, sum / scale
+            first_conv = 2 * c_in * p + c_in * halo + out * p  # input, activation, its halo copy, output
+            peaks += [also_held + end, also_held + first_conv]
+        if i < len(blocks) - 1:
+            scale *= 2
+            high, high_halo = pixels(scale)
+            peaks.append(block_input + out * (p + 2 * high + high_halo))
+        previous = out
+    first = vae_config["block_out_channels"][0]
+    p, halo = pixels(scale)
+    peaks.append(3 * first * p + first * halo + 3 * p)  # norm, activation, conv_out to RGB
+    return batch * (held + max(peaks)) * element_bytes
 
 
 def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list[int] | None) -> int:
@@ -195,6 +275,13 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
             f"PipeFusion splits the transformer ({human_bytes(transformer)}) over stages: pipefusion {stages} "
             f"holds about {human_bytes(transformer // stages)} of it per rank"
         )
+    if "decode" in plan.activation_bytes:
+        serial, per_rank = plan.activation_bytes["decode"]
+        if per_rank == serial:
+            advice.append(
+                f"the VAE decode's peak ({human_bytes(serial)}) splits in row bands over sequence-parallel ranks "
+                f"(ulysses or ring above 1, with vae_parallel=True, the default)"
+            )
     if device.type == "cpu" and plan.ranks_per_host > 1:
         advice.append(f"run fewer ranks per host ({plan.ranks_per_host} share this host's memory now)")
     where = f"{device}" + (f" under {config.short()}" if config is not None else "")

@@ -99,6 +99,21 @@ def read_call_defaults(folder: Path, recipe) -> dict:
     return defaults
 
 
+def default_decode_latent(folder: Path, recipe, call_defaults: dict) -> tuple[int, int] | None:
+    """(rows, cols) of the latent the VAE decodes at the model's default size: the folder's call
+    defaults when they give a height, else the family's default; None without a VAE config."""
+    paths = [folder / "vae" / "config.json", folder / "transformer" / "config.json"]
+    if not all(path.is_file() for path in paths):
+        return None
+    vae, transformer = (json.loads(path.read_text()) for path in paths)
+    scale = 2 ** (len(vae.get("block_out_channels", [0])) - 1)
+    if call_defaults.get("height"):
+        height = call_defaults["height"]
+        return height // scale, (call_defaults.get("width") or height) // scale
+    side = recipe.default_latent_side(transformer)
+    return None if side is None else (side, side)
+
+
 def load_pipeline(
     name_or_path,
     config: ParallelConfig | None = None,
@@ -144,6 +159,8 @@ def load_pipeline(
             pipefusion=config.pipefusion,
             ranks_per_host=min(local_ranks, config.world_size),
             stage_split=stage_split,
+            decode_latent=default_decode_latent(folder, recipe, call_defaults),
+            decode_bands=config.sp_degree if config.vae_parallel else 1,
         )
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
@@ -180,8 +197,8 @@ def load_pipeline(
         inner.set_progress_bar_config(disable=True)
         inner.to(info.device)
         parallelize(inner.transformer, config, mesh, stage_split=stage_split, cache=cache)
-        if config.vae_parallel and getattr(inner, "vae", None) is not None:
-            apply_parallel_vae(inner.vae, mesh)  # row bands over the ranks that share an image
+        if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
+            apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(
             inner,
             recipe,

@@ -111,6 +111,7 @@ def run_generation(
         memory_plan={
             "per_rank_bytes": pipe.memory_plan.per_rank_bytes,
             "component_bytes": pipe.memory_plan.component_bytes,
+            "activation_bytes": pipe.memory_plan.activation_bytes,
         },
         ranks=ranks,
     )

@@ -9,6 +9,10 @@ execute the same code:
     session.run()             # the remaining steps
     images = session.result(output_type="pil")
 
+Under dp each dp group encodes only its own prompts (the conditioning rows are then gathered, so
+the forward splits one batch the same way on every rank), and the VAE decodes only this rank's
+images (vae.py); the images are gathered where they are returned.
+
 Each step: duplicate the latents for the [unconditional; conditional] batch, run the
 (parallelized) transformer, combine the two predictions with the guidance scale, and step the
 scheduler. What differs between families (conditioning, timesteps, decoding) comes from the
@@ -18,15 +22,17 @@ family's recipe; the loop does not change.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import time
 
 import torch
 
 from . import comm
-from .mesh import WORLD
+from .mesh import DP, WORLD
 from .models import parallel_state
 from .pipelines.base import Prepared, Request
+from .sharding import shard_sizes
 
 
 class PhaseTimings:
@@ -71,6 +77,7 @@ class DenoiseSession:
         self.cache_skips: list[bool] = []  # per step: whether a StepCache skipped the blocks after the first
         self.cache_changes: list[float | None] = []  # per step: the first block's relative change it measured
         self.comm_decode: dict[tuple[str, str], int] | None = None  # (group, tag): bytes, once decoded
+        self.comm_encode: dict[str, int] = {}  # bytes out of this rank while encoding, per group
         self.progress = progress
         self.step_index = 0
         inner = pipe.diffusers_pipeline
@@ -78,8 +85,11 @@ class DenoiseSession:
         if pipe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pipe.device)  # the peak a session reports is its own
         with torch.no_grad():
-            with self.timings.measure("encode"):
-                self.prepared: Prepared = self.recipe.encode(inner, request, pipe.device)
+            with self.timings.measure("encode"), comm.comm_log() as log:
+                self.prepared, self.own_prompts = encode_own_prompts(
+                    self.recipe, inner, request, pipe.mesh, pipe.device
+                )
+            self.comm_encode = log.bytes_by_group()
             with self.timings.measure("prepare"):
                 self.recipe.prepare(inner, request, self.prepared, pipe.device)
         check_same_inputs(pipe.mesh, request, self.prepared)
@@ -157,6 +167,47 @@ class DenoiseSession:
         output.comm_per_step = list(self.comm_per_step)
         output.cache_skips = list(self.cache_skips)
         return output
+
+
+def encode_own_prompts(recipe, pipe, request: Request, mesh, device) -> tuple[Prepared, range]:
+    """The family's encode, run by each dp group on its own prompts only (both CFG branches of
+    them, the rows the forward gives this group), then the conditioning rows all-gathered over dp
+    (tag "encode"), so every rank holds the batch's conditioning in the serial order.
+
+        prompts      p0 p1 | p2           dp 2, three prompts: 2 + 1 (tensor_split sizes)
+        encodes      dp 0: p0 p1, dp 1: p2
+        gathered     [neg p0 p1 p2; pos p0 p1 p2] on every rank
+
+    A dp group without a prompt of its own (fewer prompts than groups) encodes the last prompt
+    and contributes no rows; its forward computes a stand-in row, dropped by the gather.
+    Returns the prepared conditioning and the indices of this rank's own prompts."""
+    dp, total = mesh.group_size(DP), len(request.prompts)
+    if dp == 1:
+        return recipe.encode(pipe, request, device), range(total)
+    sizes = shard_sizes(total, dp)
+    start, count = sum(sizes[: mesh.group_rank(DP)]), sizes[mesh.group_rank(DP)]
+    mine = slice(start, start + count) if count else slice(total - 1, total)
+    own = dataclasses.replace(
+        request,
+        prompts=request.prompts[mine],
+        negatives=None if request.negatives is None else request.negatives[mine],
+    )
+    prepared = recipe.encode(pipe, own, device)
+    branches, rows = (2 if prepared.do_cfg else 1), len(own.prompts)
+    unbatched = parallel_state(pipe.transformer).adapter.unbatched
+    for key, value in prepared.conditioning.items():
+        if key in unbatched or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() == 0 or value.shape[0] != branches * rows:
+            raise ValueError(
+                f"{recipe.family}'s conditioning {key!r} has {value.shape[0] if value.dim() else 0} rows for "
+                f"{rows} prompts × {branches} branches; mark it unbatched in the family adapter"
+            )
+        parts = [part[:count] for part in value.chunk(branches)]  # a stand-in contributes no rows
+        prepared.conditioning[key] = torch.cat(
+            [comm.all_gather(part.contiguous(), mesh, DP, dim=0, sizes=sizes, tag="encode") for part in parts]
+        )
+    return prepared, range(start, start + count)
 
 
 def _digest(value) -> str:

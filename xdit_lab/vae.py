@@ -11,13 +11,15 @@ latents after the last step; instead of each decoding all of them, rank i decode
     latent rows      0 1 2 3 | 4 5 6 7          sp rank 0 | sp rank 1
     each 3×3 conv    the row above and below the band come from the neighbours (a halo)
     each GroupNorm   mean and variance summed over the whole image (two all-reduces)
-    mid attention    keys and values gathered from every band (it has one head: no Ulysses)
+    mid attention    Ring attention over the bands (attention/ring.py; one head: no Ulysses)
     upsampling       nearest ×2 is local: the bands stay aligned, 8× taller at the end
 
 diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d,
 F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
-collective is logged with a tag starting "vae" (group sp). The result equals `vae.decode` of
-the whole latent up to float rounding.
+collective is logged with a tag starting "vae". The result equals `vae.decode` of the whole
+latent up to float rounding. Bands are on with ParallelConfig(vae_parallel=True), the default;
+the split of images over dp × cfg always is. PipeFusion's stages decode their images whole (they
+are not sp ranks), and so does CogVideoX's 3D VAE.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import comm
+from .attention.ring import ring_attention
 from .mesh import CFG, DP, SP
 from .sharding import shard_range, shard_sizes
 
@@ -39,25 +42,28 @@ log = logging.getLogger("xdit_lab.vae")
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
-def apply_parallel_vae(vae, mesh) -> bool:
+def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     """Make `vae.decode` do only this rank's part: its images of the batch (split over the dp × cfg
-    ranks, which hold the same latents after each step) and, over the sp ranks, its band of rows.
-    False (nothing changed) when one rank holds every image, or for a VAE other than AutoencoderKL
-    (CogVideoX's 3D VAE decodes whole on every rank, said once in the log)."""
-    if mesh.group_size(SP) * mesh.group_size(DP) * mesh.group_size(CFG) == 1:
-        return False
-    if type(vae).__name__ != "AutoencoderKL":
+    ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
+    vae_parallel), its band of rows over the sp ranks. False (nothing changed) when one rank holds
+    every image and there are no bands to split. Bands need an AutoencoderKL (2D): CogVideoX's 3D
+    VAE decodes its images whole (said once in the log)."""
+    sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
+    if bands and mesh.group_size(SP) > 1 and type(vae).__name__ != "AutoencoderKL":
         log.warning(
-            "%s decodes whole on every rank: the parallel decode supports AutoencoderKL (2D) only",
+            "%s decodes this rank's images whole: row bands over the sp ranks need an AutoencoderKL (2D)",
             type(vae).__name__,
         )
+        bands = False
+    bands = bands and mesh.group_size(SP) > 1
+    if sharing_images == 1 and not bands:
         return False
     own_decode, module = type(vae).decode, weakref.ref(vae)  # held weakly: no cycle keeps a replaced VAE
 
     @functools.wraps(own_decode)
     def decode(z, return_dict=True, **kwargs):
         vae = module()
-        image = _decode_my_part(vae, functools.partial(own_decode, vae), mesh, z, **kwargs)
+        image = _decode_my_part(vae, functools.partial(own_decode, vae), mesh, z, bands, **kwargs)
         if not return_dict:
             return (image,)
         from diffusers.models.autoencoders.vae import DecoderOutput
@@ -86,14 +92,14 @@ def image_shares(batch: int, mesh) -> tuple[list[int], int]:
     return shard_sizes(batch, dp * cfg), mesh.group_rank(DP) * cfg + mesh.group_rank(CFG)
 
 
-def _decode_my_part(vae, whole_decode, mesh, z, **kwargs):
+def _decode_my_part(vae, whole_decode, mesh, z, bands: bool, **kwargs):
     if getattr(vae, "use_tiling", False):
         raise ValueError("the parallel decode and diffusers' tiled decode do not combine: disable one")
     shares, me = image_shares(z.shape[0], mesh)
     start = sum(shares[:me])
     mine = z[start : start + shares[me]] if shares[me] else z[-1:]  # no image of its own: a stand-in, dropped
-    rows, parts = z.shape[-2], mesh.group_size(SP)
-    sp_rank = mesh.group_rank(SP)
+    rows, parts = z.shape[-2], mesh.group_size(SP) if bands else 1
+    sp_rank = mesh.group_rank(SP) if bands else 0
     neighbours = (sp_rank > 0) + (sp_rank < parts - 1)
     setattr(
         vae,
@@ -191,16 +197,16 @@ class Bands(TorchFunctionMode):
         return out
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        """The mid-block's attention over every band's tokens: keys and values gathered (one head,
-        so Ulysses cannot split it; they are small at the latent's resolution)."""
+        """The mid-block's attention over every band's tokens: Ring attention over the sp ranks,
+        each band one block (one head, so Ulysses cannot split it). K/V blocks travel; no rank
+        holds the whole image's scores, which at a 128² latent are 1 GiB per image in float32."""
         if attn_mask is not None or dropout_p or is_causal:
             raise NotImplementedError("patch-parallel decode handles attention without mask, dropout or causality")
-        my_rows = shard_sizes(self.total_rows, self.parts)[self.me]
-        per_row = key.shape[2] // my_rows
-        sizes = [rows * per_row for rows in shard_sizes(self.total_rows, self.parts)]
-        key = comm.all_gather(key.contiguous(), self.mesh, SP, dim=2, sizes=sizes, tag="vae_attention")
-        value = comm.all_gather(value.contiguous(), self.mesh, SP, dim=2, sizes=sizes, tag="vae_attention")
-        return F.scaled_dot_product_attention(query, key, value, scale=scale)
+        band_rows = shard_sizes(self.total_rows, self.parts)
+        per_row = key.shape[2] // band_rows[self.me]
+        blocks = [rows * per_row for rows in band_rows]
+        out, _ = ring_attention(query, key, value, self.mesh, blocks, scale=scale, group=SP, tag_prefix="vae_")
+        return out
 
 
 def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:

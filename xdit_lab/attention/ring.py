@@ -25,13 +25,16 @@ from ..mesh import RING
 from .local import local_attention, merge_attention
 
 
-def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=None):
+def ring_attention(
+    q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=None, group: str = RING, tag_prefix: str = ""
+):
     """q, k, v [B, H, S_me, D]: this ring rank's block. block_sizes: every ring rank's block
-    length, in ring order. joint: optional (q, k, v) of replicated text tokens.
+    length, in ring order. joint: optional (q, k, v) of replicated text tokens. group: the mesh
+    group that forms the ring (the sp group when Ulysses cannot split the heads).
     Returns (out [B, H, S_me, D], joint_out or None)."""
     n = len(block_sizes)
-    me = mesh.group_rank(RING)
-    members = mesh.group_ranks(RING)
+    me = mesh.group_rank(group)
+    members = mesh.group_ranks(group)
     send_to, recv_from = members[(me + 1) % n], members[(me - 1) % n]
     batch, heads, _, head_dim = k.shape
 
@@ -51,7 +54,7 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
         if step + 1 < n:  # start moving the next block before computing on this one
             shape = (2, batch, heads, block_sizes[(source - 1) % n], head_dim)
             incoming = buffers[(step + 1) % 2][: math.prod(shape)].view(shape)
-            requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, RING, tag="kv")
+            requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, group, tag=tag_prefix + "kv")
         if kv.shape[3] and q.shape[2]:
             out, lse = merge_attention(out, lse, *local_attention(q, kv[0], kv[1], scale=scale))
         comm.wait(requests)
@@ -61,10 +64,10 @@ def ring_attention(q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=N
     out = out.to(q.dtype) if out is not None else torch.zeros_like(q)
     if joint is None:
         return out, None
-    return out, _joint_queries(joint, k, v, mesh, scale)
+    return out, _joint_queries(joint, k, v, mesh, scale, group, tag_prefix)
 
 
-def _joint_queries(joint, k, v, mesh, scale):
+def _joint_queries(joint, k, v, mesh, scale, group, tag_prefix):
     """Text queries against all image blocks and the text: each ring rank does its own block."""
     text_q, text_k, text_v = joint
     if k.shape[2]:
@@ -74,7 +77,7 @@ def _joint_queries(joint, k, v, mesh, scale):
         part_lse = text_q.new_full(text_q.shape[:3], float("-inf"), dtype=torch.float32)
     # out and lse travel together: lse as one extra feature column (float32 keeps it exact)
     packed = torch.cat([part_out.float(), part_lse.unsqueeze(-1)], dim=-1)
-    gathered = comm.all_gather(packed.unsqueeze(0), mesh, RING, dim=0, tag="joint_partial")
+    gathered = comm.all_gather(packed.unsqueeze(0), mesh, group, dim=0, tag=tag_prefix + "joint_partial")
     out, lse = local_attention(text_q, text_k, text_v, scale=scale)
     for block in gathered:  # fixed ring order: the same floating-point sums on every rank
         out, lse = merge_attention(out, lse, block[..., :-1], block[..., -1])  # an empty block's is a no-op

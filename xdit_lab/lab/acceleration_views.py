@@ -81,7 +81,7 @@ def draw_cache(summaries) -> Figure:
 
 # ---- the VAE decode -------------------------------------------------------------------------------------
 
-DECODE_TAGS = ("vae_halo", "vae_norm", "vae_attention", "vae_gather")
+DECODE_TAGS = ("vae_halo", "vae_norm", "vae_kv", "vae_gather")
 
 
 def draw_decode(summaries) -> Figure:

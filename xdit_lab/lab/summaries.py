@@ -61,6 +61,7 @@ def rank_summary(session) -> dict:
         staleness=_staleness(stage) if stage is not None else None,
         memory=_memory(pipe, session, stage),
         cache=_cache(session, state),
+        encode=dict(prompts=list(session.own_prompts), bytes=dict(session.comm_encode)),
         decode=_decode(session),
     )
     measured = [dict(step_bytes) for step_bytes in session.comm_per_step]

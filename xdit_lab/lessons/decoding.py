@@ -2,8 +2,11 @@
 
 decode_peak(rows, sp)        (engine) the digits VAE decodes one rows × rows latent, whole or in
                              bands over an sp group of `sp` ranks: the peak bytes of the tensors
-                             it made, the latent's and the image's bytes
+                             it made, the memory plan's closed form of it, the latent's and the
+                             image's bytes
 decode_bytes_table(summaries)  per rank: images, latent rows, bytes out per collective of the decode
+own_work_table(summaries)    per rank: the prompts it encoded, the images it decoded, the bytes its
+                             encode and decode sent
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ def decode_peak(rows: int, sp: int) -> dict:
 
     from ..config import ParallelConfig
     from ..lab.measure import PeakTensorBytes
+    from ..memory import decode_peak_bytes
     from ..mesh import RankMesh
     from ..pipeline import BUNDLED
     from ..vae import apply_parallel_vae
@@ -31,11 +35,12 @@ def decode_peak(rows: int, sp: int) -> dict:
             image = vae.decode(latent).sample
     if mesh is not None:
         mesh.close()
-    return dict(peak=meter.peak, latent=latent.numel() * 4, image=image.numel() * 4)
+    planned = decode_peak_bytes(vae.config, tuple(latent.shape), 4, bands=sp)
+    return dict(peak=meter.peak, planned=planned, latent=latent.numel() * 4, image=image.numel() * 4)
 
 
 def decode_bytes_table(summaries) -> str:
-    tags = ("vae_halo", "vae_norm", "vae_attention", "vae_gather")
+    tags = ("vae_halo", "vae_norm", "vae_kv", "vae_gather")
     rows = []
     for s in sorted((s for s in summaries if s is not None), key=lambda s: s["rank"]):
         d = s["decode"]
@@ -46,4 +51,24 @@ def decode_bytes_table(summaries) -> str:
             + [f"{d['halo_expected']:,}"]
         )
     header = ["rank", "images", "latent rows", *tags, "halo formula"]
+    return text_table(header, rows)
+
+
+def own_work_table(summaries) -> str:
+    rows = []
+    for s in sorted((s for s in summaries if s is not None), key=lambda s: s["rank"]):
+        prompts, decode = s["encode"]["prompts"], s["decode"]
+        first = decode.get("first_image", 0)
+        images = list(range(first, first + decode["images"])) if decode["parallel"] else "all"
+        rows.append(
+            [
+                str(s["rank"]),
+                str(s["coords"]["dp"]),
+                str(prompts) if prompts else "none (a stand-in)",
+                str(images),
+                f"{sum(s['encode']['bytes'].values()):,}",
+                f"{sum(decode['bytes'].values()):,}",
+            ]
+        )
+    header = ["rank", "dp group", "prompts encoded", "images decoded", "encode bytes", "decode bytes"]
     return text_table(header, rows)

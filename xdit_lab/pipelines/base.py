@@ -63,6 +63,11 @@ class Recipe:
         default = config.sample_size * pipe.vae_scale_factor
         return pipe.vae_scale_factor * config.patch_size, (default, default)
 
+    def default_latent_side(self, transformer_config: dict) -> int | None:
+        """The latent's rows (= cols) at the pipeline's default size, from the transformer's config
+        alone (before loading): what the memory plan sizes the VAE decode at."""
+        return transformer_config.get("sample_size")
+
     def token_frames(self, pipe, request: Request) -> int:
         """Token planes per sample (frames, for video)."""
         return 1

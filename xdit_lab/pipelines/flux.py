@@ -25,6 +25,9 @@ class FluxRecipe(Recipe):
         default = pipe.default_sample_size * pipe.vae_scale_factor
         return pipe.vae_scale_factor * 2, (default, default)  # latents are packed in 2×2 patches
 
+    def default_latent_side(self, transformer_config):
+        return 128  # FluxPipeline's default_sample_size (not in the transformer's config)
+
     def encode(self, pipe, request, device):
         do_cfg = request.options["true_cfg_scale"] > 1 and request.negatives is not None
         length = request.options["max_sequence_length"]

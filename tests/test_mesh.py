@@ -23,7 +23,9 @@ def _group_sums(config):
 
 def _expected_members(config, rank, name):
     """Brute force: ranks whose coordinates equal this rank's in every dimension outside the group."""
-    varying = {"sp": ("ring", "ulysses"), "world": DEGREES}.get(name, (name,))
+    varying = {"sp": ("ring", "ulysses"), "image": ("pipefusion", "ring", "ulysses"), "world": DEGREES}.get(
+        name, (name,)
+    )
     sizes = [getattr(config, d) for d in DEGREES]
 
     def coords(r):
@@ -42,6 +44,7 @@ def _expected_members(config, rank, name):
         ParallelConfig(ulysses=2, ring=2),
         ParallelConfig(cfg=2, ulysses=2),
         ParallelConfig(dp=2, pipefusion=2),
+        ParallelConfig(pipefusion=2, ulysses=2),
         ParallelConfig(ulysses=2, ring=2, cfg=2),
     ],
     ids=lambda c: c.short(),

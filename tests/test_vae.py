@@ -33,15 +33,16 @@ def _vae():
 
 
 def _decode_in_bands(config, rows, cols):
-    from xdit_lab.mesh import SP
     from xdit_lab.sharding import shard_range
+    from xdit_lab.vae import band_group
 
     vae = _vae()
     z = torch.randn(2, 4, rows, cols, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         whole = vae.decode(z).sample
         mesh = RankMesh(config)
-        start, stop = shard_range(rows, mesh.group_size(SP), mesh.group_rank(SP))
+        group = band_group(mesh)
+        start, stop = shard_range(rows, mesh.group_size(group), mesh.group_rank(group))
         alone = vae.decode(z[..., start:stop, :]).sample  # the control: a band decoded by itself
         assert apply_parallel_vae(vae, mesh)
         with comm_log() as log:
@@ -54,13 +55,18 @@ def _decode_in_bands(config, rows, cols):
         shape=tuple(image.shape) == tuple(whole.shape),
         tags={(r.group, r.tag) for r in log.records},
         halo=sum(r.bytes_out for r in log.records if r.tag == "vae_halo"),
-        neighbours=(mesh.group_rank(SP) > 0) + (mesh.group_rank(SP) < mesh.group_size(SP) - 1),
+        neighbours=(mesh.group_rank(group) > 0) + (mesh.group_rank(group) < mesh.group_size(group) - 1),
     )
 
 
 @pytest.mark.parametrize(
     "config, rows",
-    [(ParallelConfig(ulysses=2), 7), (ParallelConfig(ring=3), 7), (ParallelConfig(ulysses=2, ring=2), 9)],
+    [
+        (ParallelConfig(ulysses=2), 7),
+        (ParallelConfig(ring=3), 7),
+        (ParallelConfig(ulysses=2, ring=2), 9),
+        (ParallelConfig(pipefusion=2, ulysses=2), 9),
+    ],
     ids=lambda v: v.short() if isinstance(v, ParallelConfig) else f"{v}rows",
 )
 def test_bands_equal_the_whole_decode(config, rows):
@@ -70,24 +76,21 @@ def test_bands_equal_the_whole_decode(config, rows):
         assert out["shape"], where
         assert out["error"] <= out["bound"], f"{where}: {out['error']:.3g} > {out['bound']:.3g}"
         assert out["control"] > 100 * out["bound"], f"{where}: a band alone is not far off ({out['control']:.3g})"
-        assert out["tags"] == {("sp", "vae_halo"), ("sp", "vae_norm"), ("sp", "vae_kv"), ("sp", "vae_gather")}
+        group = "image" if config.pipefusion > 1 else "sp"  # PipeFusion's stages take bands too
+        assert out["tags"] == {(group, tag) for tag in ("vae_halo", "vae_norm", "vae_kv", "vae_gather")}
         assert out["halo"] == halo_bytes(VAE_CONFIG, (2, 4, rows, cols), 4, out["neighbours"]), where
 
 
-def _stages_and_video():
+def _3d_vae_bands():
     from xdit_lab.tiny import _video_vae
 
-    return (
-        apply_parallel_vae(_vae(), RankMesh(ParallelConfig(pipefusion=2))),
-        apply_parallel_vae(_video_vae(0), RankMesh(ParallelConfig(ulysses=2))),
-    )
+    return apply_parallel_vae(_video_vae(0), RankMesh(ParallelConfig(ulysses=2)))
 
 
-def test_pipefusion_stages_and_3d_vaes_decode_whole():
-    """PipeFusion 2 alone: no sp, dp or cfg ranks to share the decode with, each stage decodes the
-    whole batch; CogVideoX's 3D VAE decodes whole on every rank (said in the log):
-    apply_parallel_vae changes nothing."""
-    assert run_on_ranks(_stages_and_video, 2) == [(False, False)] * 2
+def test_3d_vaes_decode_whole():
+    """CogVideoX's 3D VAE has no bands (said in the log): with only sp ranks to share an image,
+    apply_parallel_vae changes nothing (its dp and cfg ranks still split the images)."""
+    assert run_on_ranks(_3d_vae_bands, 2) == [False, False]
 
 
 def _pipeline_images(folder, configs, prompts=("a red cat", "a blue dog")):
@@ -129,16 +132,19 @@ def _pipeline_images(folder, configs, prompts=("a red cat", "a blue dog")):
 
 
 def test_pipeline_images_equal_diffusers_with_and_without_bands(tmp_path):
-    """pipe(..., output_type="np") under ulysses 2 decodes in bands by default and equals diffusers'
-    pipeline run serially; vae_parallel=False decodes whole on every rank (no vae collectives)."""
+    """pipe(..., output_type="np") under ulysses 2 and under pipefusion 2 (bands over the stages)
+    decodes in bands by default and equals diffusers' pipeline run serially; vae_parallel=False
+    decodes whole on every rank (no vae collectives)."""
     from xdit_lab.tiny import save_tiny_pipeline
 
     folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
-    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2, vae_parallel=False)]
-    for rank, (bands, whole) in enumerate(run_on_ranks(_pipeline_images, 2, folder, configs, timeout_s=180)):
-        for row in (bands, whole):
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2), ParallelConfig(ring=2, vae_parallel=False)]
+    for rank, (sp, stages, whole) in enumerate(run_on_ranks(_pipeline_images, 2, folder, configs, timeout_s=180)):
+        for row in (sp, stages, whole):
             assert row["error"] <= 1e-4, f"{row['config']} rank {rank}: {row['error']:.3g}"
-        assert bands["vae_tags"] == ["vae_gather", "vae_halo", "vae_kv", "vae_norm"]
+        for row, group in ((sp, "sp"), (stages, "image")):
+            assert row["vae_tags"] == ["vae_gather", "vae_halo", "vae_kv", "vae_norm"], row["config"]
+            assert row["vae_groups"] == [group], row["config"]
         assert whole["vae_tags"] == [] and "vae_parallel=False" in whole["config"]
 
 
@@ -153,6 +159,7 @@ OWN_WORK = {
     "cfg2·dp2": (4, ParallelConfig(cfg=2, dp=2), [4, 4, 2, 2], [1, 1, 1, 0]),
     "cfg2·u2": (4, ParallelConfig(cfg=2, ulysses=2), [6, 6, 6, 6], [2, 2, 1, 1]),
     "dp4": (4, ParallelConfig(dp=4), [2, 2, 2, 2], [1, 1, 1, 0]),
+    "pf2·dp2": (4, ParallelConfig(pipefusion=2, dp=2), [4, 4, 2, 2], [2, 2, 1, 1]),
 }
 
 
@@ -177,8 +184,9 @@ def test_dp_and_cfg_ranks_encode_and_decode_only_their_own(tmp_path):
                 where = f"{name} rank {rank}"
                 assert row["images"] == 3 and row["error"] <= 1e-4, f"{where}: {row['error']:.3g}"
                 assert row["encode_groups"] == (["dp"] if config.dp > 1 else []), where
+                band_group = "image" if config.pipefusion > 1 else "sp"
                 used = {g for g in ("dp", "cfg") if getattr(config, g) > 1} | (
-                    {"sp"} if config.sp_degree > 1 and config.vae_parallel else set()
+                    {band_group} if config.sp_degree * config.pipefusion > 1 and config.vae_parallel else set()
                 )
                 assert set(row["vae_groups"]) == used, f"{where}: {row['vae_groups']}"
 

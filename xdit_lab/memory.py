@@ -279,8 +279,8 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
         serial, per_rank = plan.activation_bytes["decode"]
         if per_rank == serial:
             advice.append(
-                f"the VAE decode's peak ({human_bytes(serial)}) splits in row bands over sequence-parallel ranks "
-                f"(ulysses or ring above 1, with vae_parallel=True, the default)"
+                f"the VAE decode's peak ({human_bytes(serial)}) splits in row bands over the ranks that share an image "
+                f"(ulysses, ring or pipefusion above 1, with vae_parallel=True, the default)"
             )
     if device.type == "cpu" and plan.ranks_per_host > 1:
         advice.append(f"run fewer ranks per host ({plan.ranks_per_host} share this host's memory now)")

@@ -29,13 +29,18 @@ import torch.distributed as dist
 from .config import CFG, DEGREES, DP, PIPEFUSION, RING, SHORT, ULYSSES, ParallelConfig, ParallelConfigError
 from .distributed import current_info
 
-# Named groups: the five degrees, SP (the ring × ulysses ranks that share one image's tokens) and
-# WORLD (every rank of the configuration, which may be a subset of the processes). Code names a
+# Named groups: the five degrees, SP (the ring × ulysses ranks that share one image's tokens),
+# IMAGE (every rank that computes part of one image: PipeFusion stages × sp, the VAE decode's bands)
+# and WORLD (every rank of the configuration, which may be a subset of the processes). Code names a
 # group by these constants; the strings are what comm records and views show.
-SP, WORLD = "sp", "world"
-GROUP_NAMES = (*DEGREES, SP, WORLD)
-_GROUP_DIMS = {name: (name,) for name in DEGREES} | {SP: (RING, ULYSSES), WORLD: DEGREES}
-__all__ = ["RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSES", "SP", "WORLD"]
+SP, IMAGE, WORLD = "sp", "image", "world"
+GROUP_NAMES = (*DEGREES, SP, IMAGE, WORLD)
+_GROUP_DIMS = {name: (name,) for name in DEGREES} | {
+    SP: (RING, ULYSSES),
+    IMAGE: (PIPEFUSION, RING, ULYSSES),
+    WORLD: DEGREES,
+}
+__all__ = ["RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSES", "SP", "IMAGE", "WORLD"]
 
 
 class RankMesh:
@@ -159,12 +164,15 @@ class RankMesh:
         self._check_name(name)
         if name == SP:
             return self.config.sp_degree
+        if name == IMAGE:
+            return self.config.sp_degree * self.shape[PIPEFUSION]
         if name == WORLD:
             return self.config.world_size
         return self.shape[name]
 
     def group_rank(self, name: str) -> int:
-        """This rank's index inside its group `name` (for SP: ring-major, ulysses fastest)."""
+        """This rank's index inside its group `name` (for SP: ring-major, ulysses fastest; for IMAGE:
+        stage-major, then ring, then ulysses)."""
         return self.group_ranks(name).index(self.rank)
 
     def _check_name(self, name: str):

@@ -160,7 +160,7 @@ def load_pipeline(
             ranks_per_host=min(local_ranks, config.world_size),
             stage_split=stage_split,
             decode_latent=default_decode_latent(folder, recipe, call_defaults),
-            decode_bands=config.sp_degree if config.vae_parallel else 1,
+            decode_bands=config.sp_degree * config.pipefusion if config.vae_parallel else 1,
         )
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:

@@ -4,11 +4,12 @@ The dp and cfg ranks all hold the whole batch's latents after the last step: eac
 share of the images (split like the batch rows, dp-major), and the images are gathered after.
 
 Decoding is a memory cliff: the decoder's activations grow with the image (64× the latent's
-pixels, at 128 to 512 channels). The sequence-parallel ranks (ring × ulysses) all hold the whole
-latents after the last step; instead of each decoding all of them, rank i decodes rows
-[start_i, stop_i) of the latent (sharding.shard_range) and the bands are gathered at the end:
+pixels, at 128 to 512 channels). The ranks that share an image (ring × ulysses, and PipeFusion's
+stages) all hold the whole latents after the last step; instead of each decoding all of them,
+rank i decodes rows [start_i, stop_i) of the latent (sharding.shard_range) and the bands are
+gathered at the end:
 
-    latent rows      0 1 2 3 | 4 5 6 7          sp rank 0 | sp rank 1
+    latent rows      0 1 2 3 | 4 5 6 7          band rank 0 | band rank 1
     each 3×3 conv    the row above and below the band come from the neighbours (a halo)
     each GroupNorm   mean and variance summed over the whole image (two all-reduces)
     mid attention    Ring attention over the bands (attention/ring.py; one head: no Ulysses)
@@ -18,8 +19,9 @@ diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands 
 F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
 collective is logged with a tag starting "vae". The result equals `vae.decode` of the whole
 latent up to float rounding. Bands are on with ParallelConfig(vae_parallel=True), the default;
-the split of images over dp × cfg always is. PipeFusion's stages decode their images whole (they
-are not sp ranks), and so does CogVideoX's 3D VAE.
+the split of images over dp × cfg always is. Under PipeFusion every stage holds the whole latents
+too: the bands go over stages × sp (the mesh's "image" group). CogVideoX's 3D VAE decodes each
+rank's images whole.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import comm
 from .attention.ring import ring_attention
-from .mesh import CFG, DP, SP
+from .mesh import CFG, DP, IMAGE, PIPEFUSION, SP
 from .sharding import shard_range, shard_sizes
 
 log = logging.getLogger("xdit_lab.vae")
@@ -45,17 +47,17 @@ DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel dec
 def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     """Make `vae.decode` do only this rank's part: its images of the batch (split over the dp × cfg
     ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
-    vae_parallel), its band of rows over the sp ranks. False (nothing changed) when one rank holds
+    vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing changed) when one rank holds
     every image and there are no bands to split. Bands need an AutoencoderKL (2D): CogVideoX's 3D
     VAE decodes its images whole (said once in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
-    if bands and mesh.group_size(SP) > 1 and type(vae).__name__ != "AutoencoderKL":
+    if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ != "AutoencoderKL":
         log.warning(
-            "%s decodes this rank's images whole: row bands over the sp ranks need an AutoencoderKL (2D)",
+            "%s decodes this rank's images whole: row bands over the ranks of an image need an AutoencoderKL (2D)",
             type(vae).__name__,
         )
         bands = False
-    bands = bands and mesh.group_size(SP) > 1
+    bands = bands and mesh.group_size(IMAGE) > 1
     if sharing_images == 1 and not bands:
         return False
     own_decode, module = type(vae).decode, weakref.ref(vae)  # held weakly: no cycle keeps a replaced VAE
@@ -86,6 +88,12 @@ def decoding_whole(vae):
             vae.decode = parallel
 
 
+def band_group(mesh) -> str:
+    """The ranks that share an image's bands: the sp group, or with PipeFusion every stage of it too
+    (IMAGE: stage-major). Every one of them holds the whole latents after the last step."""
+    return SP if mesh.group_size(PIPEFUSION) == 1 else IMAGE
+
+
 def image_shares(batch: int, mesh) -> tuple[list[int], int]:
     """Images per dp × cfg rank (dp-major, as the batch rows are), and this rank's index."""
     dp, cfg = mesh.group_size(DP), mesh.group_size(CFG)
@@ -98,8 +106,9 @@ def _decode_my_part(vae, whole_decode, mesh, z, bands: bool, **kwargs):
     shares, me = image_shares(z.shape[0], mesh)
     start = sum(shares[:me])
     mine = z[start : start + shares[me]] if shares[me] else z[-1:]  # no image of its own: a stand-in, dropped
-    rows, parts = z.shape[-2], mesh.group_size(SP) if bands else 1
-    sp_rank = mesh.group_rank(SP) if bands else 0
+    group = band_group(mesh)
+    rows, parts = z.shape[-2], mesh.group_size(group) if bands else 1
+    sp_rank = mesh.group_rank(group) if bands else 0
     neighbours = (sp_rank > 0) + (sp_rank < parts - 1)
     setattr(
         vae,
@@ -124,7 +133,7 @@ def _decode_my_part(vae, whole_decode, mesh, z, bands: bool, **kwargs):
             band = whole_decode(mine[..., first:last, :].contiguous(), return_dict=False, **kwargs)[0]
         scale = band.shape[-2] // (last - first)  # output rows per latent row (8 for the usual VAE)
         sizes = [n * scale for n in shard_sizes(rows, parts)]
-        image = comm.all_gather(band.contiguous(), mesh, SP, dim=band.dim() - 2, sizes=sizes, tag="vae_gather")
+        image = comm.all_gather(band.contiguous(), mesh, group, dim=band.dim() - 2, sizes=sizes, tag="vae_gather")
     cfg, dp_rank = mesh.group_size(CFG), mesh.group_rank(DP)
     in_my_dp_group = shares[dp_rank * cfg : (dp_rank + 1) * cfg]
     image = comm.all_gather(image.contiguous(), mesh, CFG, dim=0, sizes=in_my_dp_group, tag="vae_gather")
@@ -138,8 +147,9 @@ class Bands(TorchFunctionMode):
     def __init__(self, mesh, total_rows: int):
         super().__init__()
         self.mesh, self.total_rows = mesh, total_rows
-        self.me, self.parts = mesh.group_rank(SP), mesh.group_size(SP)
-        ranks = mesh.group_ranks(SP)
+        self.group = band_group(mesh)
+        self.me, self.parts = mesh.group_rank(self.group), mesh.group_size(self.group)
+        ranks = mesh.group_ranks(self.group)
         self.above = ranks[self.me - 1] if self.me > 0 else None
         self.below = ranks[self.me + 1] if self.me + 1 < self.parts else None
 
@@ -177,17 +187,17 @@ class Bands(TorchFunctionMode):
         if self.below is not None:
             sends.append((x[:, :, -rows:].contiguous(), self.below))
             receives.append((bottom, self.below))
-        comm.wait(comm.exchange(sends, receives, self.mesh, SP, tag="vae_halo"))
+        comm.wait(comm.exchange(sends, receives, self.mesh, self.group, tag="vae_halo"))
         return top, bottom
 
     def group_norm(self, x, num_groups, weight=None, bias=None, eps=1e-5):
         """GroupNorm with the mean and variance of the whole image: sums all-reduced (two passes)."""
         grouped = x.reshape(x.shape[0], num_groups, -1)
         stats = torch.stack([grouped.sum(-1), torch.full_like(grouped[..., 0], grouped.shape[-1])])
-        comm.all_reduce(stats, self.mesh, SP, tag="vae_norm")
+        comm.all_reduce(stats, self.mesh, self.group, tag="vae_norm")
         mean = (stats[0] / stats[1]).unsqueeze(-1)
         squares = ((grouped - mean) ** 2).sum(-1)
-        comm.all_reduce(squares, self.mesh, SP, tag="vae_norm")
+        comm.all_reduce(squares, self.mesh, self.group, tag="vae_norm")
         out = ((grouped - mean) / torch.sqrt(squares / stats[1] + eps).unsqueeze(-1)).reshape(x.shape)
         shape = (1, -1) + (1,) * (x.dim() - 2)
         if weight is not None:
@@ -197,7 +207,7 @@ class Bands(TorchFunctionMode):
         return out
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        """The mid-block's attention over every band's tokens: Ring attention over the sp ranks,
+        """The mid-block's attention over every band's tokens: Ring attention over the band ranks,
         each band one block (one head, so Ulysses cannot split it). K/V blocks travel; no rank
         holds the whole image's scores, which at a 128² latent are 1 GiB per image in float32."""
         if attn_mask is not None or dropout_p or is_causal:
@@ -205,7 +215,7 @@ class Bands(TorchFunctionMode):
         band_rows = shard_sizes(self.total_rows, self.parts)
         per_row = key.shape[2] // band_rows[self.me]
         blocks = [rows * per_row for rows in band_rows]
-        out, _ = ring_attention(query, key, value, self.mesh, blocks, scale=scale, group=SP, tag_prefix="vae_")
+        out, _ = ring_attention(query, key, value, self.mesh, blocks, scale=scale, group=self.group, tag_prefix="vae_")
         return out
 
 

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ..memory import human_bytes
-from ..mesh import CFG, DP, PIPEFUSION
+from ..mesh import CFG, DP
 from .views import _by_rank, _scale, rank_color, spans
 
 # ---- step cache -----------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def draw_decode(summaries) -> Figure:
     if not summaries[0]["decode"]["parallel"]:
         raise ValueError("every rank decoded the whole batch (one rank per image, vae_parallel=False, or a 3D VAE)")
     world, first = max(s["rank"] for s in summaries) + 1, summaries[0]
-    peers = [s for s in summaries if all(s["coords"][d] == first["coords"][d] for d in (DP, CFG, PIPEFUSION))]
+    peers = [s for s in summaries if all(s["coords"][d] == first["coords"][d] for d in (DP, CFG))]
     rows, cols = first["decode"]["latent_shape"][-2:]
     fig = Figure(figsize=(9, 3.8), layout="constrained")
     grid_ax, bytes_ax = fig.subplots(1, 2, width_ratios=[1, 2])

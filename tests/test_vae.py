@@ -149,25 +149,26 @@ def test_pipeline_images_equal_diffusers_with_and_without_bands(tmp_path):
 
 
 # Three prompts, both CFG branches (PixArt's guidance 4.5): 6 text-encoder rows serially. Per rank,
-# in rank order (ulysses varies fastest, then cfg, then dp): the rows each rank encodes and the
-# images it decodes. dp 4 has a group without a prompt: it encodes the last prompt as a stand-in
+# in rank order (ulysses varies fastest, then cfg, then dp): the rows each rank encodes (its dp
+# group's prompts; under cfg 2 only its branch of them) and the images it decodes. dp 4 has a group without a prompt: it encodes the last prompt as a stand-in
 # and decodes a stand-in image, both dropped.
 OWN_WORK = {
     "dp2": (2, ParallelConfig(dp=2), [4, 2], [2, 1]),
     "dp2 whole": (2, ParallelConfig(dp=2, vae_parallel=False), [4, 2], [2, 1]),
-    "cfg2": (2, ParallelConfig(cfg=2), [6, 6], [2, 1]),
-    "cfg2·dp2": (4, ParallelConfig(cfg=2, dp=2), [4, 4, 2, 2], [1, 1, 1, 0]),
-    "cfg2·u2": (4, ParallelConfig(cfg=2, ulysses=2), [6, 6, 6, 6], [2, 2, 1, 1]),
+    "cfg2": (2, ParallelConfig(cfg=2), [3, 3], [2, 1]),
+    "cfg2·dp2": (4, ParallelConfig(cfg=2, dp=2), [2, 2, 1, 1], [1, 1, 1, 0]),
+    "cfg2·u2": (4, ParallelConfig(cfg=2, ulysses=2), [3, 3, 3, 3], [2, 2, 1, 1]),
     "dp4": (4, ParallelConfig(dp=4), [2, 2, 2, 2], [1, 1, 1, 0]),
     "pf2·dp2": (4, ParallelConfig(pipefusion=2, dp=2), [4, 4, 2, 2], [2, 2, 1, 1]),
 }
 
 
 def test_dp_and_cfg_ranks_encode_and_decode_only_their_own(tmp_path):
-    """Three prompts under dp 2 (2 + 1 prompts), cfg 2, cfg 2 × dp 2, cfg 2 × ulysses 2 and dp 4: each
-    dp group encodes only its prompts and each rank decodes only its images (with and without
-    bands); every rank returns all three images, equal to diffusers' pipeline run serially; the
-    encode's gather shows in the dp group, the decode's in the dp, cfg and sp groups."""
+    """Three prompts under dp 2 (2 + 1 prompts), cfg 2, cfg 2 × dp 2, cfg 2 × ulysses 2, dp 4 and
+    pipefusion 2 × dp 2: each dp group encodes only its prompts, each cfg rank only its branch, and
+    each rank decodes only its images (with and without bands); every rank returns all three
+    images, equal to diffusers' pipeline run serially; the encode's gathers show in the cfg and dp
+    groups, the decode's in the dp, cfg and band groups."""
     from xdit_lab.tiny import save_tiny_pipeline
 
     folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
@@ -183,7 +184,7 @@ def test_dp_and_cfg_ranks_encode_and_decode_only_their_own(tmp_path):
             for rank, row in enumerate(per_rank):
                 where = f"{name} rank {rank}"
                 assert row["images"] == 3 and row["error"] <= 1e-4, f"{where}: {row['error']:.3g}"
-                assert row["encode_groups"] == (["dp"] if config.dp > 1 else []), where
+                assert row["encode_groups"] == sorted(g for g in ("cfg", "dp") if getattr(config, g) > 1), where
                 band_group = "image" if config.pipefusion > 1 else "sp"
                 used = {g for g in ("dp", "cfg") if getattr(config, g) > 1} | (
                     {band_group} if config.sp_degree * config.pipefusion > 1 and config.vae_parallel else set()

@@ -9,8 +9,9 @@ execute the same code:
     session.run()             # the remaining steps
     images = session.result(output_type="pil")
 
-Under dp each dp group encodes only its own prompts (the conditioning rows are then gathered, so
-the forward splits one batch the same way on every rank), and the VAE decodes only this rank's
+Under dp and cfg each rank encodes only its own rows: its dp group's prompts, its cfg branch of
+them (the conditioning rows are then gathered, so the forward splits one batch the same way on
+every rank), and the VAE decodes only this rank's
 images (vae.py); the images are gathered where they are returned.
 
 Each step: duplicate the latents for the [unconditional; conditional] batch, run the
@@ -29,7 +30,7 @@ import time
 import torch
 
 from . import comm
-from .mesh import DP, WORLD
+from .mesh import CFG, DP, WORLD
 from .models import parallel_state
 from .pipelines.base import Prepared, Request
 from .sharding import shard_sizes
@@ -170,19 +171,21 @@ class DenoiseSession:
 
 
 def encode_own_prompts(recipe, pipe, request: Request, mesh, device) -> tuple[Prepared, range]:
-    """The family's encode, run by each dp group on its own prompts only (both CFG branches of
-    them, the rows the forward gives this group), then the conditioning rows all-gathered over dp
-    (tag "encode"), so every rank holds the batch's conditioning in the serial order.
+    """The family's encode, run on this rank's own rows only: a dp group encodes its own prompts, and
+    under cfg 2 each cfg rank its own branch (negative or positive) of them. The conditioning rows
+    are then all-gathered (over cfg, then dp; tag "encode"), so every rank holds the batch's
+    conditioning in the serial order and the forward splits one batch as before.
 
-        prompts      p0 p1 | p2           dp 2, three prompts: 2 + 1 (tensor_split sizes)
-        encodes      dp 0: p0 p1, dp 1: p2
+        prompts      p0 p1 | p2                    dp 2 × cfg 2, three prompts: 2 + 1
+        encodes      dp0·cfg0: neg p0 p1   dp0·cfg1: pos p0 p1   dp1·cfg0: neg p2   dp1·cfg1: pos p2
         gathered     [neg p0 p1 p2; pos p0 p1 p2] on every rank
 
     A dp group without a prompt of its own (fewer prompts than groups) encodes the last prompt
     and contributes no rows; its forward computes a stand-in row, dropped by the gather.
     Returns the prepared conditioning and the indices of this rank's own prompts."""
     dp, total = mesh.group_size(DP), len(request.prompts)
-    if dp == 1:
+    split_branches = mesh.group_size(CFG) == 2 and recipe.do_cfg(request)
+    if dp == 1 and not split_branches:
         return recipe.encode(pipe, request, device), range(total)
     sizes = shard_sizes(total, dp)
     start, count = sum(sizes[: mesh.group_rank(DP)]), sizes[mesh.group_rank(DP)]
@@ -192,9 +195,9 @@ def encode_own_prompts(recipe, pipe, request: Request, mesh, device) -> tuple[Pr
         prompts=request.prompts[mine],
         negatives=None if request.negatives is None else request.negatives[mine],
     )
-    prepared = recipe.encode(pipe, own, device)
-    branches, rows = (2 if prepared.do_cfg else 1), len(own.prompts)
-    unbatched = parallel_state(pipe.transformer).adapter.unbatched
+    prepared = recipe.encode(pipe, own, device, branch=mesh.group_rank(CFG) if split_branches else None)
+    branches, rows = (2 if prepared.do_cfg and not split_branches else 1), len(own.prompts)
+    unbatched = (*parallel_state(pipe.transformer).adapter.unbatched, *recipe.unbatched_conditioning)
     for key, value in prepared.conditioning.items():
         if key in unbatched or not isinstance(value, torch.Tensor):
             continue
@@ -203,7 +206,10 @@ def encode_own_prompts(recipe, pipe, request: Request, mesh, device) -> tuple[Pr
                 f"{recipe.family}'s conditioning {key!r} has {value.shape[0] if value.dim() else 0} rows for "
                 f"{rows} prompts × {branches} branches; mark it unbatched in the family adapter"
             )
-        parts = [part[:count] for part in value.chunk(branches)]  # a stand-in contributes no rows
+        parts = list(value.chunk(branches))
+        if split_branches:  # [this branch] -> [negative; positive], each of this dp group's rows
+            parts = list(comm.all_gather(value.contiguous(), mesh, CFG, dim=0, tag="encode").chunk(2))
+        parts = [part[:count] for part in parts]  # a stand-in contributes no rows
         prepared.conditioning[key] = torch.cat(
             [comm.all_gather(part.contiguous(), mesh, DP, dim=0, sizes=sizes, tag="encode") for part in parts]
         )

@@ -72,8 +72,33 @@ class Recipe:
         """Token planes per sample (frames, for video)."""
         return 1
 
-    def encode(self, pipe, request: Request, device) -> Prepared:
+    unbatched_conditioning: tuple[str, ...] = ()  # conditioning the same for every row (Flux: txt_ids)
+
+    def do_cfg(self, request: Request) -> bool:
+        """Whether the batch is [unconditional; conditional] (two branches) or conditional alone."""
+        return request.guidance_scale > 1.0
+
+    def encode_texts(self, pipe, request: Request, texts: list[str], device, *, negative: bool) -> dict:
+        """The transformer's conditioning for `texts`, one row each, as the family's pipeline encodes
+        its prompts (negative=False) or its negative prompts (negative=True)."""
         raise NotImplementedError
+
+    def encode(self, pipe, request: Request, device, branch: int | None = None) -> Prepared:
+        """Conditioning for the batch [unconditional; conditional] (or the conditional alone without
+        CFG). branch 0 or 1: that branch's rows only, for a cfg rank that computes one branch."""
+        do_cfg = self.do_cfg(request)
+        branches = (branch,) if do_cfg and branch is not None else (0, 1) if do_cfg else (1,)
+        parts = [
+            self.encode_texts(
+                pipe, request, request.prompts if b else negatives_or_empty(request), device, negative=not b
+            )
+            for b in branches
+        ]
+        conditioning = {
+            key: value if key in self.unbatched_conditioning else torch.cat([part[key] for part in parts])
+            for key, value in parts[0].items()
+        }
+        return Prepared(conditioning=conditioning, do_cfg=do_cfg, guidance_scale=request.guidance_scale)
 
     def prepare(self, pipe, request: Request, prepared: Prepared, device) -> None:
         raise NotImplementedError
@@ -104,14 +129,6 @@ class Recipe:
 
     def wrap_output(self, images):
         return self.output_class(images=images)
-
-
-def cfg_batch(request: Request, do_cfg: bool, conditioning: dict, negative: dict) -> Prepared:
-    """Prepared conditioning for the batch [unconditional; conditional] (each `negative[key]` put
-    before `conditioning[key]`), or the conditional alone without CFG."""
-    if do_cfg:
-        conditioning = {key: torch.cat([negative[key], value]) for key, value in conditioning.items()}
-    return Prepared(conditioning=conditioning, do_cfg=do_cfg, guidance_scale=request.guidance_scale)
 
 
 def negatives_or_empty(request: Request) -> list[str]:

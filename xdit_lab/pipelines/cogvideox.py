@@ -6,7 +6,7 @@ from diffusers import CogVideoXDPMScheduler
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
 from diffusers.pipelines.cogvideo.pipeline_output import CogVideoXPipelineOutput
 
-from .base import Recipe, cfg_batch, generator_of, negatives_or_empty
+from .base import Recipe, generator_of
 
 
 class CogVideoXRecipe(Recipe):
@@ -27,19 +27,16 @@ class CogVideoXRecipe(Recipe):
         latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
         return -(-latent_frames // (config.patch_size_t or 1))
 
-    def encode(self, pipe, request, device):
-        do_cfg = request.guidance_scale > 1.0
-        embeds, negative_embeds = pipe.encode_prompt(
-            request.prompts,
-            negatives_or_empty(request),
-            do_classifier_free_guidance=do_cfg,
+    def encode_texts(self, pipe, request, texts, device, *, negative):
+        embeds, _ = pipe.encode_prompt(
+            texts,
+            None,
+            do_classifier_free_guidance=False,
             num_videos_per_prompt=1,
             max_sequence_length=request.options["max_sequence_length"],
             device=device,
         )
-        return cfg_batch(
-            request, do_cfg, dict(encoder_hidden_states=embeds), dict(encoder_hidden_states=negative_embeds)
-        )
+        return dict(encoder_hidden_states=embeds)
 
     def prepare(self, pipe, request, prepared, device):
         config = pipe.transformer.config

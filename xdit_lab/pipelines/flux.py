@@ -11,7 +11,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
-from .base import Prepared, Recipe, generator_of
+from .base import Recipe, generator_of
 
 
 class FluxRecipe(Recipe):
@@ -28,27 +28,26 @@ class FluxRecipe(Recipe):
     def default_latent_side(self, transformer_config):
         return 128  # FluxPipeline's default_sample_size (not in the transformer's config)
 
-    def encode(self, pipe, request, device):
-        do_cfg = request.options["true_cfg_scale"] > 1 and request.negatives is not None
-        length = request.options["max_sequence_length"]
+    unbatched_conditioning = ("txt_ids",)
+
+    def do_cfg(self, request):
+        return request.options["true_cfg_scale"] > 1 and request.negatives is not None
+
+    def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds, pooled, text_ids = pipe.encode_prompt(
-            prompt=request.prompts, prompt_2=None, device=device, num_images_per_prompt=1, max_sequence_length=length
+            prompt=texts,
+            prompt_2=None,
+            device=device,
+            num_images_per_prompt=1,
+            max_sequence_length=request.options["max_sequence_length"],
         )
-        if do_cfg:
-            negative_embeds, negative_pooled, _ = pipe.encode_prompt(
-                prompt=request.negatives,
-                prompt_2=None,
-                device=device,
-                num_images_per_prompt=1,
-                max_sequence_length=length,
-            )
-            embeds, pooled = torch.cat([negative_embeds, embeds]), torch.cat([negative_pooled, pooled])
-        return Prepared(
-            conditioning=dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids),
-            do_cfg=do_cfg,
-            guidance_scale=request.options["true_cfg_scale"],
-            extra={"distilled_guidance": request.guidance_scale},
-        )
+        return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
+
+    def encode(self, pipe, request, device, branch=None):
+        prepared = super().encode(pipe, request, device, branch)
+        prepared.guidance_scale = request.options["true_cfg_scale"]  # true CFG's; the distilled scale is an input
+        prepared.extra["distilled_guidance"] = request.guidance_scale
+        return prepared
 
     def prepare(self, pipe, request, prepared, device):
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor

@@ -11,7 +11,7 @@ from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
     retrieve_timesteps,
 )
 
-from .base import Recipe, cfg_batch, generator_of, negatives_or_empty
+from .base import Recipe, generator_of
 
 BINS = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
 
@@ -23,27 +23,16 @@ class PixArtRecipe(Recipe):
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options = dict(eta=0.0, use_resolution_binning=True, clean_caption=True, max_sequence_length=None)
 
-    def encode(self, pipe, request, device):
+    def encode_texts(self, pipe, request, texts, device, *, negative):
+        # diffusers encodes negative prompts as it does prompts (same preprocessing and length)
         options = request.options
-        do_cfg = request.guidance_scale > 1.0
         kwargs = (
             {} if options["max_sequence_length"] is None else {"max_sequence_length": options["max_sequence_length"]}
         )
-        embeds, mask, negative_embeds, negative_mask = pipe.encode_prompt(
-            request.prompts,
-            do_cfg,
-            negative_prompt=negatives_or_empty(request),
-            num_images_per_prompt=1,
-            device=device,
-            clean_caption=options["clean_caption"],
-            **kwargs,
+        embeds, mask, _, _ = pipe.encode_prompt(
+            texts, False, num_images_per_prompt=1, device=device, clean_caption=options["clean_caption"], **kwargs
         )
-        return cfg_batch(
-            request,
-            do_cfg,
-            dict(encoder_hidden_states=embeds, encoder_attention_mask=mask),
-            dict(encoder_hidden_states=negative_embeds, encoder_attention_mask=negative_mask),
-        )
+        return dict(encoder_hidden_states=embeds, encoder_attention_mask=mask)
 
     def prepare(self, pipe, request, prepared, device):
         sample_size = pipe.transformer.config.sample_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 
-from .base import Recipe, cfg_batch, generator_of, negatives_or_empty
+from .base import Recipe, generator_of
 
 
 class SD3Recipe(Recipe):
@@ -15,25 +15,18 @@ class SD3Recipe(Recipe):
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)
     options = dict(max_sequence_length=256, clip_skip=None, mu=None)
 
-    def encode(self, pipe, request, device):
-        do_cfg = request.guidance_scale > 1.0
-        embeds, negative_embeds, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=request.prompts,
+    def encode_texts(self, pipe, request, texts, device, *, negative):
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            prompt=texts,
             prompt_2=None,
             prompt_3=None,
-            negative_prompt=negatives_or_empty(request),
-            do_classifier_free_guidance=do_cfg,
+            do_classifier_free_guidance=False,
             device=device,
             num_images_per_prompt=1,
-            clip_skip=request.options["clip_skip"],
+            clip_skip=None if negative else request.options["clip_skip"],  # diffusers skips none for negatives
             max_sequence_length=request.options["max_sequence_length"],
         )
-        return cfg_batch(
-            request,
-            do_cfg,
-            dict(encoder_hidden_states=embeds, pooled_projections=pooled),
-            dict(encoder_hidden_states=negative_embeds, pooled_projections=negative_pooled),
-        )
+        return dict(encoder_hidden_states=embeds, pooled_projections=pooled)
 
     def prepare(self, pipe, request, prepared, device):
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor

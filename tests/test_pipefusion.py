@@ -347,3 +347,42 @@ def test_memory_plan_counts_the_largest_stage_and_the_shared_tensors():
     assert even.per_rank_bytes["transformer"] == shared + blocks[0] + blocks[1]
     uneven = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, pipefusion=2, stage_split=[1, 3])
     assert uneven.per_rank_bytes["transformer"] == shared + sum(blocks[1:])  # the larger stage is planned
+
+
+def test_a_refused_plan_suggests_only_pipefusion_degrees_that_exist_and_fit():
+    """check_plan's advice on the digits transformer (4 blocks, float32): a limit the weights fit
+    with 4 stages but not with 3 suggests pipefusion 4, and its figure counts what every stage keeps
+    outside the blocks; a limit below even one block per stage says PipeFusion alone cannot fit it,
+    and no advice names a degree above the 4 blocks."""
+    import re
+
+    from xdit_lab.digits import DIGITS_DIR
+    from xdit_lab.memory import (
+        MemoryPlanError,
+        check_plan,
+        human_bytes,
+        plan_memory,
+        read_safetensors_header,
+        tensor_bytes,
+    )
+
+    header = read_safetensors_header(DIGITS_DIR / "transformer" / "diffusion_pytorch_model.safetensors")
+    sizes = {key: tensor_bytes(info, torch.float32) for key, info in header.items()}
+    blocks = [sum(v for k, v in sizes.items() if k.startswith(f"transformer_blocks.{i}.")) for i in range(4)]
+    shared = sum(sizes.values()) - sum(blocks)
+    plan = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32)
+    four_stages, three_stages = shared + max(blocks), shared + max(blocks[0] + blocks[1], blocks[2], blocks[3])
+    assert four_stages < three_stages
+
+    def advice(limit):
+        with pytest.raises(MemoryPlanError) as refused:
+            check_plan(plan, torch.device("cpu"), limit_bytes=limit, config=ParallelConfig())
+        return str(refused.value)
+
+    fits_four = advice(four_stages)
+    assert f"pipefusion 4 holds {human_bytes(four_stages)}" in fits_four, fits_four
+    assert f"{human_bytes(shared)} outside the blocks on every stage" in fits_four
+    too_small = advice(four_stages - 1)
+    assert "PipeFusion alone does not fit it: even pipefusion 4" in too_small, too_small
+    for message in (fits_four, too_small):
+        assert max(int(n) for n in re.findall(r"pipefusion (\d+)", message)) <= 4

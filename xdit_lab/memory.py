@@ -92,6 +92,8 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     # activation peaks on top of the weights, as (serial, per rank): the VAE decode's ("decode")
     activation_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the transformer as PipeFusion splits it: bytes every stage keeps, and each block's bytes
+    transformer_blocks: tuple[int, list[int]] | None = None
 
     @property
     def total_per_rank(self) -> int:
@@ -150,13 +152,18 @@ def plan_memory(
 
     With `decode_latent` (latent rows, cols), the plan adds the VAE decode's activation peak for
     one image of that latent: whole, and per rank in `decode_bands` row bands (vae.py)."""
-    whole, per_rank = {}, {}
+    whole, per_rank, transformer_blocks = {}, {}, None
     for name in components:
         tensors = component_tensor_bytes(folder / name, dtype)
         whole[name] = per_rank[name] = sum(tensors.values())
-        if name == "transformer" and pipefusion > 1:
-            per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
+        if name == "transformer":
+            blocks, shared = block_bytes(tensors)
+            if blocks:
+                transformer_blocks = (shared, [blocks.get(i, 0) for i in range(max(blocks) + 1)])
+            if pipefusion > 1:
+                per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
     plan = MemoryPlan(whole, per_rank, ranks_per_host)
+    plan.transformer_blocks = transformer_blocks
     config_path = Path(folder) / "vae" / "config.json"
     if decode_latent is not None and "vae" in components and config_path.is_file():
         vae_config = json.loads(config_path.read_text())
@@ -266,15 +273,8 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     if plan.total_per_rank <= limit_bytes:
         return
     advice = ["load in bfloat16 (torch_dtype=torch.bfloat16) to halve float32 weights"]
-    transformer = plan.component_bytes.get("transformer", 0)
-    if transformer:
-        stages = max(
-            2, -(-transformer // max(1, limit_bytes - (plan.total_per_rank - plan.per_rank_bytes["transformer"])))
-        )
-        advice.append(
-            f"PipeFusion splits the transformer ({human_bytes(transformer)}) over stages: pipefusion {stages} "
-            f"holds about {human_bytes(transformer // stages)} of it per rank"
-        )
+    if plan.transformer_blocks is not None:
+        advice.append(_pipefusion_advice(plan, limit_bytes, config.pipefusion if config is not None else 1))
     if "decode" in plan.activation_bytes:
         serial, per_rank = plan.activation_bytes["decode"]
         if per_rank == serial:
@@ -288,6 +288,33 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     raise MemoryPlanError(
         f"the pipeline needs {human_bytes(plan.total_per_rank)} per rank on {where}, but only {human_bytes(limit_bytes)} is "
         f"available per rank:\n{plan.table()}\nTo fit: " + "; or ".join(advice) + "."
+    )
+
+
+def _pipefusion_advice(plan: MemoryPlan, limit_bytes: int, current: int) -> str:
+    """The smallest PipeFusion degree above `current` whose largest stage fits, counting what every
+    stage keeps (embeddings, output layers) besides its blocks; or what the most stages would hold."""
+    shared, blocks = plan.transformer_blocks
+    others = plan.total_per_rank - plan.per_rank_bytes["transformer"]
+
+    def stage_bytes(stages):
+        return shared + max(sum(blocks[start:stop]) for start, stop in stage_ranges(len(blocks), stages))
+
+    degrees = range(max(2, current + 1), len(blocks) + 1)
+    fitting = [n for n in degrees if others + stage_bytes(n) <= limit_bytes]
+    kept = f"{human_bytes(shared)} outside the blocks on every stage"
+    if fitting:
+        n = fitting[0]
+        return (
+            f"PipeFusion splits the transformer's {len(blocks)} blocks over stages: pipefusion {n} holds "
+            f"{human_bytes(stage_bytes(n))} of it per rank ({kept})"
+        )
+    if not degrees:
+        return f"PipeFusion cannot split the transformer's {len(blocks)} blocks further than pipefusion {current}"
+    most = len(blocks)
+    return (
+        f"PipeFusion alone does not fit it: even pipefusion {most} (one block per stage) holds "
+        f"{human_bytes(stage_bytes(most))} of the transformer per rank ({kept})"
     )
 
 

@@ -70,6 +70,12 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
     assert len(report["timings"]["steps"]) == 3 and report["timings"]["decode"] > 0
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert all(r["bytes_out_by_group"].get("cfg", 0) > 0 for r in report["ranks"])
+    for r in report["ranks"]:  # the run's cfg bytes, told apart by phase: encode, each of 3 steps, decode
+        phases = r["bytes_out_by_phase"]
+        assert len(phases["per_step"]) == 3 and all(step["cfg"] > 0 for step in phases["per_step"])
+        assert phases["encode"]["cfg"] > 0 and phases["decode"]["cfg"] > 0
+        parts = phases["encode"]["cfg"] + sum(step["cfg"] for step in phases["per_step"]) + phases["decode"]["cfg"]
+        assert parts == r["bytes_out_by_group"]["cfg"]
     assert all(r["memory"]["parameter_total"] > 0 for r in report["ranks"])
     for a, b in zip(_images(one_node), _images(two_nodes)):
         assert np.array_equal(a, b)

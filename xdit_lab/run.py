@@ -5,7 +5,7 @@
 
 It goes through the same load_pipeline and DenoiseSession as a notebook. The first rank of
 the configuration writes the images and `report.json` (configuration, timings per phase,
-memory per rank, bytes communicated per group); every file is written to a temporary name and
+memory per rank, bytes communicated per group: over the run, and per phase and denoising step); every file is written to a temporary name and
 renamed, so a failed run leaves no half-written file behind.
 """
 
@@ -87,7 +87,8 @@ def run_generation(
         mesh=str(pipe.mesh),
         device=str(pipe.device),
         memory=rank_memory(pipe),
-        bytes_out_by_group=log.bytes_by_group(),
+        bytes_out_by_group=log.bytes_by_group(),  # the whole run
+        bytes_out_by_phase=dict(encode=result.comm_encode, per_step=result.comm_per_step, decode=result.comm_decode),
         timings=result.timings,
     )
     ranks = comm.all_gather_object(mine, pipe.mesh, WORLD, tag="report")

@@ -165,7 +165,11 @@ class DenoiseSession:
             return (images,)
         output = self.recipe.wrap_output(images)
         output.timings = self.timings.as_dict()  # an attribute beside the diffusers fields
+        output.comm_encode = dict(self.comm_encode)  # bytes out of this rank, per group, in each phase
         output.comm_per_step = list(self.comm_per_step)
+        output.comm_decode = {}
+        for (group, _tag), n in self.comm_decode.items():
+            output.comm_decode[group] = output.comm_decode.get(group, 0) + n
         output.cache_skips = list(self.cache_skips)
         return output
 

@@ -106,11 +106,15 @@ def print_report(report: dict) -> None:
         f"{report['pipeline']} under {report['config_short']} on {len(report['ranks'])} rank(s): encode "
         f"{t['encode']:.2f} s, denoise {t['denoise']:.2f} s over {len(t['steps'])} steps, decode {t['decode']:.2f} s"
     )
-    print(f"{'rank':>4}  {'mesh':<40} {'params MB':>9} {'peak MB':>8}  bytes sent per group")
+    print(f"{'rank':>4}  {'mesh':<40} {'params MB':>9} {'peak MB':>8}  bytes sent: last step | encode | decode")
     for r in report["ranks"]:
         memory = r["memory"]
         peak = memory.get("max_allocated", memory.get("peak_rss", 0)) / 1e6
-        sent = ", ".join(f"{g} {b:,}" for g, b in sorted(r["bytes_out_by_group"].items()) if b) or "nothing"
+        phases = r["bytes_out_by_phase"]
+        sent = " | ".join(
+            ", ".join(f"{g} {b:,}" for g, b in sorted(by_group.items()) if b) or "nothing"
+            for by_group in (phases["per_step"][-1], phases["encode"], phases["decode"])
+        )
         print(f"{r['rank']:>4}  {r['mesh']:<40} {memory['parameter_total'] / 1e6:>9.2f} {peak:>8.0f}  {sent}")
     print(f"the classifier reads {report['accuracy'] * 10:.0f} of the 10 digits as prompted")
     print(f"grid: {report['grid']}\nimages and report.json: {Path(report['grid']).parent}")

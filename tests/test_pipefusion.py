@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xdit_lab import ParallelConfig, ParallelConfigError, comm_log, parallelize
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, parallelize
 from xdit_lab.lab.measure import compare_to_serial
 from xdit_lab.models import parallel_state
 from xdit_lab.sharding import patch_ranges, stage_ranges
@@ -386,3 +386,43 @@ def test_a_refused_plan_suggests_only_pipefusion_degrees_that_exist_and_fit():
     assert "PipeFusion alone does not fit it: even pipefusion 4" in too_small, too_small
     for message in (fits_four, too_small):
         assert max(int(n) for n in re.findall(r"pipefusion (\d+)", message)) <= 4
+
+
+def _planned_and_held_kv(folder, configs, prompts):
+    from xdit_lab import load_pipeline
+    from xdit_lab.models import parallel_state
+    from xdit_lab.tiny import tiny_pipeline_kwargs
+
+    rows = []
+    for config in configs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        planned = pipe.memory_plan_for(len(prompts)).activation_bytes["stale K/V"][1]
+        kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2)
+        session = pipe.session(list(prompts), seed=0, **kwargs).step()
+        buffers = parallel_state(pipe.diffusers_pipeline.transformer).strategy.buffers.values()
+        held = sum(t.numel() * t.element_size() for b in buffers for t in (b.keys, b.values))
+        rows.append(dict(config=config.short(), planned=planned, held=held, rows=session.latents.shape[0]))
+    return rows
+
+
+def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
+    """pipe.memory_plan_for(prompts): the K/V buffers each stage holds after a step, planned before the
+    step from the stage's blocks, heads, patches and batch rows, equal to the bytes of the buffers it
+    really allocated (three prompts, both CFG branches: 6 rows, split by cfg and unevenly by dp)."""
+    from xdit_lab.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    prompts = ("a red cat", "a blue dog", "a green car")
+    cases = {
+        2: [ParallelConfig(pipefusion=2), ParallelConfig(pipefusion=2, num_patches=4)],
+        4: [
+            ParallelConfig(pipefusion=2, ulysses=2),
+            ParallelConfig(pipefusion=2, ring=2),
+            ParallelConfig(pipefusion=2, cfg=2),
+            ParallelConfig(pipefusion=2, dp=2),
+        ],
+    }
+    for world_size, configs in cases.items():
+        for rank, rows in enumerate(run_on_ranks(_planned_and_held_kv, world_size, folder, configs, prompts)):
+            for row in rows:
+                assert row["held"] > 0 and row["planned"] == row["held"], f"{row['config']} rank {rank}: {row}"

@@ -90,7 +90,8 @@ class MemoryPlan:
     per_rank_bytes: dict[str, int]  # what one rank holds
     ranks_per_host: int = 1
     notes: list[str] = field(default_factory=list)
-    # activation peaks on top of the weights, as (serial, per rank): the VAE decode's ("decode")
+    # activations on top of the weights, as (serial, per rank): "decode peak" (the VAE's), and for a
+    # request (ParallelPipeline.memory_plan_for) "stale K/V" (PipeFusion's buffers)
     activation_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
     # the transformer as PipeFusion splits it: bytes every stage keeps, and each block's bytes
     transformer_blocks: tuple[int, list[int]] | None = None
@@ -104,7 +105,7 @@ class MemoryPlan:
         for name, whole in self.component_bytes.items():
             lines.append(f"  {name:<16} {human_bytes(whole):>12} {human_bytes(self.per_rank_bytes[name]):>12}")
         for name, (serial, per_rank) in self.activation_bytes.items():
-            lines.append(f"  {name + ' peak':<16} {human_bytes(serial):>12} {human_bytes(per_rank):>12}")
+            lines.append(f"  {name:<16} {human_bytes(serial):>12} {human_bytes(per_rank):>12}")
         whole = sum(self.component_bytes.values()) + sum(serial for serial, _ in self.activation_bytes.values())
         lines.append(f"  {'total':<16} {human_bytes(whole):>12} {human_bytes(self.total_per_rank):>12}")
         return "\n".join(lines + [f"  ({note})" for note in self.notes])
@@ -170,7 +171,7 @@ def plan_memory(
         if vae_config.get("_class_name") == "AutoencoderKL":
             element = _float_bytes(Path(folder) / "vae", dtype)
             shape = (1, vae_config["latent_channels"], *decode_latent)
-            plan.activation_bytes["decode"] = (
+            plan.activation_bytes["decode peak"] = (
                 decode_peak_bytes(vae_config, shape, element),
                 decode_peak_bytes(vae_config, shape, element, bands=decode_bands),
             )
@@ -275,8 +276,8 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     advice = ["load in bfloat16 (torch_dtype=torch.bfloat16) to halve float32 weights"]
     if plan.transformer_blocks is not None:
         advice.append(_pipefusion_advice(plan, limit_bytes, config.pipefusion if config is not None else 1))
-    if "decode" in plan.activation_bytes:
-        serial, per_rank = plan.activation_bytes["decode"]
+    if "decode peak" in plan.activation_bytes:
+        serial, per_rank = plan.activation_bytes["decode peak"]
         if per_rank == serial:
             advice.append(
                 f"the VAE decode's peak ({human_bytes(serial)}) splits in row bands over the ranks that share an image "

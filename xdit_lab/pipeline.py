@@ -17,6 +17,7 @@ is named. Ranks left idle by a configuration smaller than the world load nothing
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -27,9 +28,9 @@ import torch.distributed as dist
 from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .loading import load_stage_transformer
-from .memory import check_plan, plan_memory
+from .memory import MemoryPlan, check_plan, plan_memory
 from .mesh import PIPEFUSION, RankMesh
-from .models import StepCache, parallelize
+from .models import PipeFusionStage, StepCache, parallel_state, parallelize, split_batch
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
@@ -340,6 +341,30 @@ class ParallelPipeline:
             **options,
         )
         return session.run().result(output_type=output_type, return_dict=return_dict)
+
+    def memory_plan_for(self, prompts: int, height=None, width=None, guidance_scale=None) -> MemoryPlan:
+        """The load's plan, plus what `prompts` prompts at this size (the model's defaults where None)
+        leave on this rank once a step ran: PipeFusion's K/V buffers (row "stale K/V")."""
+        plan = dataclasses.replace(self.memory_plan, activation_bytes=dict(self.memory_plan.activation_bytes))
+        plan.notes = list(plan.notes)
+        inner, defaults = self.diffusers_pipeline, self.call_defaults
+        state = parallel_state(inner.transformer) if self.active else None
+        if state is None or not isinstance(state.strategy, PipeFusionStage):
+            return plan
+        multiple, default = self.recipe.size_multiple(inner)
+        height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
+        guidance = defaults["guidance_scale"] if guidance_scale is None else guidance_scale
+        batch = {"hidden_states": torch.empty(prompts * (2 if guidance > 1 else 1), 0)}
+        stand_in = state.stand_in
+        split_batch(state, batch)  # this rank's rows, as the forward splits them
+        state.stand_in = stand_in
+        rows = batch["hidden_states"].shape[0]
+        kv = state.strategy.planned_buffer_bytes(inner.transformer, rows, (height // multiple, width // multiple))
+        plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
+        plan.notes.append(
+            f"stale K/V: PipeFusion's buffers for {prompts} prompt(s) at {height}×{width}, {rows} row(s) on this rank"
+        )
+        return plan
 
     def check_size(self, request: Request) -> None:
         """Height and width must tile into whole patches, and give every rank tokens to hold."""

@@ -6,6 +6,8 @@
     mmap_refused()                      a context in which safetensors refuses mmap (as some file systems do)
     mmap_demo(path)                     one safetensors file read through mmap, then with mmap refused
     load_with_mmap_refused(state, ...)  (engine) load_pipeline with mmap refused, then generate
+    kv_planned_and_held(state, n)       (engine) PipeFusion K/V buffers: the request's plan and what the stage holds
+    planned_totals(state, counts)       (engine) bytes per rank the request's plan gives for each number of prompts
 
 Engine-side functions take the Lab's state dict (`lab.call(fn, ...)`) and return small dicts.
 Nothing here owns any math: loading is the package's own load_pipeline.
@@ -169,3 +171,20 @@ def load_with_mmap_refused(state: dict, name_or_path, config, prompts, seed: int
         if state["rank"] == 0:
             out["latents"] = latents.detach().to("cpu")
     return out
+
+
+def kv_planned_and_held(state: dict, prompts: int) -> dict:
+    """(engine) After a step of `prompts` prompts: PipeFusion's K/V buffers as the request's memory
+    plan gives them (pipe.memory_plan_for) and as this stage really holds them, and the plan's table."""
+    from ..models import parallel_state
+
+    pipe = state["pipe"]
+    plan = pipe.memory_plan_for(prompts)
+    strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
+    held = sum(t.numel() * t.element_size() for b in strategy.buffers.values() for t in (b.keys, b.values))
+    return dict(planned=plan.activation_bytes["stale K/V"][1], held=held, total=plan.total_per_rank, table=plan.table())
+
+
+def planned_totals(state: dict, prompt_counts: list[int]) -> dict[int, int]:
+    """(engine) Bytes per rank the request's memory plan gives for each number of prompts."""
+    return {n: state["pipe"].memory_plan_for(n).total_per_rank for n in prompt_counts}

@@ -111,6 +111,21 @@ class PipeFusionStage:
             transformer.transformer_blocks[-1].register_forward_hook(stage._hand_over)
         return stage
 
+    def planned_buffer_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> int:
+        """Bytes of the K/V buffers this stage holds once a step ran with `rows` batch rows on this
+        rank and a token grid of `grid`: K and V of the whole sequence (this rank's part: its ring
+        rank's tokens of every patch, heads / ulysses) for each self-attention layer of its blocks."""
+        config, ulysses, ring_rank = transformer.config, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING)
+        layers = sum(1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) == "self")
+        layout = PatchLayout(patch_ranges(*grid, self.config.patches), self.config.sp_degree)
+        length = sum(
+            layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
+        )
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return (
+            layers * 2 * rows * (config.num_attention_heads // ulysses) * length * config.attention_head_dim * element
+        )
+
     def reset(self) -> None:
         """A new generation: warm up again with empty buffers."""
         self.step, self.buffers, self.layout, self.grid = 0, {}, None, None

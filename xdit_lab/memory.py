@@ -202,7 +202,7 @@ def decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *, ban
 
     In bands (vae.py) a rank holds its band's rows (the largest band) and every 3×3 convolution
     also a copy of its input with the halo rows. Against lab.measure.PeakTensorBytes on CPU
-    (tests/test_vae.py): exact for the whole decode, within 5% under in bands."""
+    (tests/test_vae.py): exact for the whole decode, within 5% in bands."""
     batch, latent_channels, rows, cols = latent_shape
     rows = -(-rows // bands)
     blocks = list(reversed(vae_config["block_out_channels"]))

@@ -191,19 +191,22 @@ class Bands(TorchFunctionMode):
         return top, bottom
 
     def group_norm(self, x, num_groups, weight=None, bias=None, eps=1e-5):
-        """GroupNorm with the mean and variance of the whole image: sums all-reduced (two passes)."""
+        """GroupNorm with the mean and variance of the whole image: sums all-reduced (two passes),
+        in float32 whatever the activations' dtype (a bfloat16 sum or count would round)."""
         grouped = x.reshape(x.shape[0], num_groups, -1)
-        stats = torch.stack([grouped.sum(-1), torch.full_like(grouped[..., 0], grouped.shape[-1])])
+        count = grouped.new_full(grouped.shape[:2], grouped.shape[-1], dtype=torch.float32)
+        stats = torch.stack([grouped.sum(-1, dtype=torch.float32), count])
         comm.all_reduce(stats, self.mesh, self.group, tag="vae_norm")
-        mean = (stats[0] / stats[1]).unsqueeze(-1)
-        squares = ((grouped - mean) ** 2).sum(-1)
+        centered = grouped.float() - (stats[0] / stats[1]).unsqueeze(-1)
+        squares = centered.square().sum(-1)
         comm.all_reduce(squares, self.mesh, self.group, tag="vae_norm")
-        out = ((grouped - mean) / torch.sqrt(squares / stats[1] + eps).unsqueeze(-1)).reshape(x.shape)
+        out = centered.mul_(torch.rsqrt(squares / stats[1] + eps).unsqueeze(-1)).to(x.dtype).reshape(x.shape)
+        del centered  # in place from here on: no second copy of the activations at the decode's peak
         shape = (1, -1) + (1,) * (x.dim() - 2)
         if weight is not None:
-            out = out * weight.reshape(shape)
+            out.mul_(weight.reshape(shape))
         if bias is not None:
-            out = out + bias.reshape(shape)
+            out.add_(bias.reshape(shape))
         return out
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):

@@ -398,17 +398,24 @@ def _planned_and_held_kv(folder, configs, prompts):
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
         planned = pipe.memory_plan_for(len(prompts)).activation_bytes["stale K/V"][1]
         kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2)
-        session = pipe.session(list(prompts), seed=0, **kwargs).step()
-        buffers = parallel_state(pipe.diffusers_pipeline.transformer).strategy.buffers.values()
-        held = sum(t.numel() * t.element_size() for b in buffers for t in (b.keys, b.values))
-        rows.append(dict(config=config.short(), planned=planned, held=held, rows=session.latents.shape[0]))
+        strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
+        held = {}
+        for batch in (list(prompts), prompts[0]):  # the request's plan; the load's plan (one prompt)
+            pipe.session(batch, seed=0, **kwargs).step()
+            held[len(batch) if isinstance(batch, list) else 1] = sum(
+                t.numel() * t.element_size() for b in strategy.buffers.values() for t in (b.keys, b.values)
+            )
+        at_load = pipe.memory_plan.activation_bytes["stale K/V"][1]
+        rows.append(dict(config=config.short(), planned=planned, held=held[len(prompts)], at_load=at_load, one=held[1]))
     return rows
 
 
 def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
     """pipe.memory_plan_for(prompts): the K/V buffers each stage holds after a step, planned before the
     step from the stage's blocks, heads, patches and batch rows, equal to the bytes of the buffers it
-    really allocated (three prompts, both CFG branches: 6 rows, split by cfg and unevenly by dp)."""
+    really allocated (three prompts, both CFG branches: 6 rows, split by cfg and unevenly by dp); and
+    load_pipeline's own plan, made from the configs and headers before loading, equal to what one
+    prompt at the default size leaves."""
     from xdit_lab.tiny import save_tiny_pipeline
 
     folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
@@ -426,3 +433,4 @@ def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
         for rank, rows in enumerate(run_on_ranks(_planned_and_held_kv, world_size, folder, configs, prompts)):
             for row in rows:
                 assert row["held"] > 0 and row["planned"] == row["held"], f"{row['config']} rank {rank}: {row}"
+                assert row["one"] > 0 and row["at_load"] == row["one"], f"{row['config']} rank {rank}: {row}"

@@ -9,6 +9,7 @@ deep inside a loader.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -20,20 +21,7 @@ import torch
 
 from .sharding import stage_ranges
 
-DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
+DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
 FLOATS = {"F64", "F32", "F16", "BF16"}
 
 
@@ -146,13 +134,16 @@ def plan_memory(
     stage_split: list[int] | None = None,
     decode_latent: tuple[int, int] | None = None,
     decode_bands: int = 1,
+    stale_kv: tuple | None = None,
 ) -> MemoryPlan:
     """Bytes of every component's safetensors, and what one rank holds of them: under PipeFusion a
     stage holds its transformer blocks (the largest stage's share is planned) plus every tensor
     outside the blocks (embeddings, output layers); every other component is whole on every rank.
 
     With `decode_latent` (latent rows, cols), the plan adds the VAE decode's activation peak for
-    one image of that latent: whole, and per rank in `decode_bands` row bands (vae.py)."""
+    one image of that latent: whole, and per rank in `decode_bands` row bands (vae.py). With
+    `stale_kv` (the ParallelConfig, batch rows per rank) and pipefusion > 1, it adds the largest
+    stage's stale K/V buffers for those rows at that latent (models/pipefusion.py)."""
     whole, per_rank, transformer_blocks = {}, {}, None
     for name in components:
         tensors = component_tensor_bytes(folder / name, dtype)
@@ -165,6 +156,13 @@ def plan_memory(
                 per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
     plan = MemoryPlan(whole, per_rank, ranks_per_host)
     plan.transformer_blocks = transformer_blocks
+    if stale_kv is not None and decode_latent is not None and pipefusion > 1 and "transformer" in components:
+        kv = _stale_kv_bytes(Path(folder), stale_kv, decode_latent, dtype, stage_split)
+        if kv:
+            plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
+            plan.notes.append(
+                f"stale K/V: PipeFusion's buffers for one prompt at the default size, {stale_kv[1]} row(s)"
+            )
     config_path = Path(folder) / "vae" / "config.json"
     if decode_latent is not None and "vae" in components and config_path.is_file():
         vae_config = json.loads(config_path.read_text())
@@ -177,6 +175,45 @@ def plan_memory(
             )
             plan.notes.append(f"decode peak: one image of a {decode_latent[0]}×{decode_latent[1]} latent")
     return plan
+
+
+def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtype, stage_split) -> int | None:
+    """The largest stage's stale K/V buffers, from the transformer's config and header: its
+    self-attention layers (the family adapter's names), heads, patches and this rank's rows."""
+    from .models.families import FAMILIES
+    from .models.pipefusion import stale_kv_bytes
+
+    config, rows = stale_kv
+    model = json.loads((folder / "transformer" / "config.json").read_text())
+    adapter = FAMILIES.get(model.get("_class_name"))
+    if adapter is None:
+        return None
+    per_block = collections.Counter(  # self-attention modules (named by their K projection) per block
+        int(BLOCK_KEY.match(key).group(1))
+        for key in component_tensor_bytes(folder / "transformer", dtype)
+        if key.endswith(".to_k.weight")
+        and BLOCK_KEY.match(key)
+        and adapter.attention_kind(key.removesuffix(".to_k.weight")) == "self"
+    )
+    grid = tuple(side // (model.get("patch_size") or 1) for side in latent)
+    if grid[0] < config.patches:
+        return None  # the default size cannot be cut into these patches; the call is refused later
+    return max(
+        stale_kv_bytes(
+            layers=sum(per_block[i] for i in range(start, stop)),
+            rows=rows,
+            heads=model["num_attention_heads"],
+            head_dim=model["attention_head_dim"],
+            grid=grid,
+            patches=config.patches,
+            ulysses=config.ulysses,
+            ring=config.ring,
+            ring_rank=ring_rank,
+            element_bytes=_float_bytes(folder / "transformer", dtype),
+        )
+        for start, stop in stage_ranges(model["num_layers"], config.pipefusion, stage_split)
+        for ring_rank in range(config.ring)
+    )
 
 
 def _float_bytes(folder: Path, dtype: torch.dtype | None) -> int:

@@ -34,7 +34,7 @@ from .models import PipeFusionStage, StepCache, parallel_state, parallelize, spl
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
-from .sharding import stage_ranges
+from .sharding import shard_sizes, stage_ranges
 from .vae import apply_parallel_vae
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
@@ -100,19 +100,11 @@ def read_call_defaults(folder: Path, recipe) -> dict:
     return defaults
 
 
-def default_decode_latent(folder: Path, recipe, call_defaults: dict) -> tuple[int, int] | None:
-    """(rows, cols) of the latent the VAE decodes at the model's default size: the folder's call
-    defaults when they give a height, else the family's default; None without a VAE config."""
-    paths = [folder / "vae" / "config.json", folder / "transformer" / "config.json"]
-    if not all(path.is_file() for path in paths):
-        return None
-    vae, transformer = (json.loads(path.read_text()) for path in paths)
-    scale = 2 ** (len(vae.get("block_out_channels", [0])) - 1)
-    if call_defaults.get("height"):
-        height = call_defaults["height"]
-        return height // scale, (call_defaults.get("width") or height) // scale
-    side = recipe.default_latent_side(transformer)
-    return None if side is None else (side, side)
+def _rows_of_one_prompt(config, guidance_scale: float) -> int:
+    """The most batch rows a rank computes for one prompt, as the forward splits them (split_batch):
+    its CFG branches halved by cfg 2, then split by dp (a rank without a row computes a stand-in)."""
+    rows = 2 if guidance_scale > 1 and config.cfg == 1 else 1
+    return max(shard_sizes(rows, config.dp)) or 1
 
 
 def load_pipeline(
@@ -160,8 +152,9 @@ def load_pipeline(
             pipefusion=config.pipefusion,
             ranks_per_host=min(local_ranks, config.world_size),
             stage_split=stage_split,
-            decode_latent=default_decode_latent(folder, recipe, call_defaults),
+            decode_latent=recipe.default_latent(folder, call_defaults),
             decode_bands=config.sp_degree * config.pipefusion if config.vae_parallel else 1,
+            stale_kv=(config, _rows_of_one_prompt(config, call_defaults["guidance_scale"])),
         )
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
@@ -361,6 +354,7 @@ class ParallelPipeline:
         rows = batch["hidden_states"].shape[0]
         kv = state.strategy.planned_buffer_bytes(inner.transformer, rows, (height // multiple, width // multiple))
         plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
+        plan.notes = [note for note in plan.notes if not note.startswith("stale K/V")]
         plan.notes.append(
             f"stale K/V: PipeFusion's buffers for {prompts} prompt(s) at {height}×{width}, {rows} row(s) on this rank"
         )

@@ -113,17 +113,21 @@ class PipeFusionStage:
 
     def planned_buffer_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> int:
         """Bytes of the K/V buffers this stage holds once a step ran with `rows` batch rows on this
-        rank and a token grid of `grid`: K and V of the whole sequence (this rank's part: its ring
-        rank's tokens of every patch, heads / ulysses) for each self-attention layer of its blocks."""
-        config, ulysses, ring_rank = transformer.config, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING)
-        layers = sum(1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) == "self")
-        layout = PatchLayout(patch_ranges(*grid, self.config.patches), self.config.sp_degree)
-        length = sum(
-            layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
-        )
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            layers * 2 * rows * (config.num_attention_heads // ulysses) * length * config.attention_head_dim * element
+        rank and a token grid of `grid` (stale_kv_bytes, for the self-attention layers of its blocks)."""
+        config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
+        return stale_kv_bytes(
+            layers=sum(
+                1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) == "self"
+            ),
+            rows=rows,
+            heads=config.num_attention_heads,
+            head_dim=config.attention_head_dim,
+            grid=grid,
+            patches=self.config.patches,
+            ulysses=self.mesh.group_size(ULYSSES),
+            ring=self.mesh.group_size(RING),
+            ring_rank=self.mesh.group_rank(RING),
+            element_bytes=element,
         )
 
     def reset(self) -> None:
@@ -260,6 +264,17 @@ class PipeFusionStage:
             },
             buffer=", ".join(sorted({type(b).__name__ for b in self.buffers.values()})) or None,
         )
+
+
+def stale_kv_bytes(*, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes) -> int:
+    """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
+    of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
+    every patch, for heads / ulysses heads)."""
+    layout = PatchLayout(patch_ranges(*grid, patches), ulysses * ring)
+    length = sum(
+        layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
+    )
+    return layers * 2 * rows * (heads // ulysses) * length * head_dim * element_bytes
 
 
 def _output_conditioning_from_block_0(transformer, block_0) -> None:

@@ -9,7 +9,9 @@ the transformer takes, how the scheduler steps, and how latents become images.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -62,6 +64,21 @@ class Recipe:
         config = pipe.transformer.config
         default = config.sample_size * pipe.vae_scale_factor
         return pipe.vae_scale_factor * config.patch_size, (default, default)
+
+    def default_latent(self, folder, call_defaults: dict) -> tuple[int, int] | None:
+        """(rows, cols) of the latent the VAE decodes at the model's default size, from the folder's
+        configs alone (before loading): the call defaults' height when given, else the family's
+        default; None without a VAE or transformer config. What the memory plan sizes activations at."""
+        paths = [Path(folder) / "vae" / "config.json", Path(folder) / "transformer" / "config.json"]
+        if not all(path.is_file() for path in paths):
+            return None
+        vae, transformer = (json.loads(path.read_text()) for path in paths)
+        scale = 2 ** (len(vae.get("block_out_channels", [0])) - 1)
+        if call_defaults.get("height"):
+            height = call_defaults["height"]
+            return height // scale, (call_defaults.get("width") or height) // scale
+        side = self.default_latent_side(transformer)
+        return None if side is None else (side, side)
 
     def default_latent_side(self, transformer_config: dict) -> int | None:
         """The latent's rows (= cols) at the pipeline's default size, from the transformer's config

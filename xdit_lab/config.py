@@ -19,7 +19,7 @@ In a hybrid, Ring passes K/V that Ulysses has already split by heads (so ÷ulyss
 works on the ring's share of the sequence (so ÷ring), and each PipeFusion stage holds
 L/pipefusion layers. The model's batch is every prompt's rows, twice with guidance
 ([unconditional; conditional]); cfg 2 takes one half, and dp splits what is left by rows, as the
-forward does (models/hooks.py, split_batch), so a rank carries ceil(batch·branches / (cfg·dp)) rows, at
+forward does (sharding.batch_rows), so a rank carries ceil(batch·branches / (cfg·dp)) rows, at
 least one (a dp group without rows computes a stand-in). At batch 1 with guidance, dp 2 and cfg 2
 therefore do the same work. Work and traffic scale with the rows. Communication is reported in
 units of p·hs (elements), so the table needs no hidden size; pass `hidden_size` and `dtype_bytes`

@@ -29,12 +29,12 @@ from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .loading import load_stage_transformer
 from .memory import MemoryPlan, check_plan, plan_memory
-from .mesh import PIPEFUSION, RankMesh
-from .models import PipeFusionStage, StepCache, parallel_state, parallelize, split_batch
+from .mesh import CFG, DP, PIPEFUSION, RankMesh
+from .models import PipeFusionStage, StepCache, parallel_state, parallelize
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
-from .sharding import shard_sizes, stage_ranges
+from .sharding import batch_rows, stage_ranges
 from .vae import apply_parallel_vae
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
@@ -101,10 +101,9 @@ def read_call_defaults(folder: Path, recipe) -> dict:
 
 
 def _rows_of_one_prompt(config, guidance_scale: float) -> int:
-    """The most batch rows a rank computes for one prompt, as the forward splits them (split_batch):
-    its CFG branches halved by cfg 2, then split by dp (a rank without a row computes a stand-in)."""
-    rows = 2 if guidance_scale > 1 and config.cfg == 1 else 1
-    return max(shard_sizes(rows, config.dp)) or 1
+    """The most batch rows a rank computes for one prompt, as the forward splits them (batch_rows)."""
+    total = 2 if guidance_scale > 1 and config.cfg == 1 else 1  # cfg 2 takes one branch (or refuses the call)
+    return max(stop - start for start, stop, _ in (batch_rows(total, 1, config.dp, 0, d) for d in range(config.dp)))
 
 
 def load_pipeline(
@@ -347,11 +346,15 @@ class ParallelPipeline:
         multiple, default = self.recipe.size_multiple(inner)
         height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
         guidance = defaults["guidance_scale"] if guidance_scale is None else guidance_scale
-        batch = {"hidden_states": torch.empty(prompts * (2 if guidance > 1 else 1), 0)}
-        stand_in = state.stand_in
-        split_batch(state, batch)  # this rank's rows, as the forward splits them
-        state.stand_in = stand_in
-        rows = batch["hidden_states"].shape[0]
+        mesh = self.mesh
+        start, stop, _ = batch_rows(  # this rank's rows, as the forward splits them
+            prompts * (2 if guidance > 1 else 1),
+            self.config.cfg,
+            self.config.dp,
+            mesh.group_rank(CFG),
+            mesh.group_rank(DP),
+        )
+        rows = stop - start
         kv = state.strategy.planned_buffer_bytes(inner.transformer, rows, (height // multiple, width // multiple))
         plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
         plan.notes = [note for note in plan.notes if not note.startswith("stale K/V")]

@@ -9,7 +9,7 @@ patches and 2 sp ranks:
     token rows 0-1: patch 0   sp rank 0 holds tokens 0-3,  sp rank 1 tokens 4-7
     token rows 2-3: patch 1   sp rank 0 holds tokens 8-11, sp rank 1 tokens 12-15
 
-so a rank owns the same part of every patch, side by side.
+so a rank owns the same part of every patch, side by side. The batch is cut too: batch_rows.
 """
 
 from __future__ import annotations
@@ -20,6 +20,28 @@ import torch
 def shard_sizes(total: int, parts: int) -> list[int]:
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def batch_rows(total: int, cfg: int, dp: int, cfg_rank: int, dp_rank: int) -> tuple[int, int, list[int]]:
+    """Rows [start, stop) of a batch of `total` rows, [unconditional; conditional], that the rank at
+    (cfg_rank, dp_rank) computes, and the dp sizes: cfg 2 takes its half, dp then splits what is
+    left as torch.tensor_split does. A dp rank left without rows computes the branch's last row as
+    a stand-in (its output is dropped), so that every collective still lines up."""
+    start, count = 0, total
+    if cfg == 2:
+        if total % 2:
+            raise ValueError(
+                f"cfg 2 splits the batch [unconditional; conditional] in halves, but the batch has "
+                f"{total} samples; pass both branches, or use cfg 1"
+            )
+        count = total // 2
+        start = cfg_rank * count
+    sizes = shard_sizes(count, dp)
+    start += sum(sizes[:dp_rank])
+    mine = sizes[dp_rank] or 1
+    if not sizes[dp_rank]:
+        start -= 1
+    return start, start + mine, sizes
 
 
 def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:

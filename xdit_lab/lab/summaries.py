@@ -22,8 +22,8 @@ import torch
 from ..config import ParallelConfig
 from ..memory import rank_memory
 from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
-from ..models import PipeFusionStage, parallel_state, split_batch
-from ..sharding import PatchLayout, patch_ranges, shard_range, shard_sizes
+from ..models import PipeFusionStage, parallel_state
+from ..sharding import PatchLayout, batch_rows, patch_ranges, shard_range, shard_sizes
 from ..vae import DECODED
 
 
@@ -173,20 +173,20 @@ def _shard(mesh, config, state, stage, rows, cols) -> dict:
 
 
 def _batch(session, state) -> dict:
-    """Rows of the model's batch [uncond; cond] this rank computes, by the forward's own split.
-
-    split_batch is run on a stand-in batch of row numbers, so the answer is the code's, not a copy."""
+    """Rows of the model's batch [uncond; cond] this rank computes, by the forward's own split
+    (sharding.batch_rows, which split_batch calls)."""
     total = session.latents.shape[0] * (2 if session.prepared.do_cfg else 1)
-    arguments = {"hidden_states": torch.arange(total)}
     mesh = state.mesh
     cfg_half = mesh.group_rank(CFG) if mesh.config.cfg == 2 else None  # 0: unconditional, 1: conditional
     try:
-        dp_sizes = split_batch(state, arguments)
+        start, stop, dp_sizes = batch_rows(
+            total, mesh.config.cfg, mesh.config.dp, mesh.group_rank(CFG), mesh.group_rank(DP)
+        )
     except ValueError as error:  # cfg 2 without guidance: the forward would refuse too
         return dict(total=total, rows=None, stand_in=False, cfg_half=cfg_half, error=str(error))
     return dict(
         total=total,
-        rows=arguments["hidden_states"].tolist(),
+        rows=list(range(start, stop)),
         stand_in=dp_sizes[mesh.group_rank(DP)] == 0,  # computed but dropped by the gather
         cfg_half=cfg_half,
         error=None,

@@ -10,7 +10,7 @@ parallel.py   parallelize(transformer, config): the entry
 
 from .cache import StepCache
 from .families import FAMILIES, SUPPORTED_DIFFUSERS, adapter_for, check_diffusers_version
-from .hooks import ParallelState, parallel_state, split_batch
+from .hooks import ParallelState, parallel_state
 from .parallel import parallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
@@ -23,7 +23,6 @@ __all__ = [
     "check_diffusers_version",
     "ParallelState",
     "parallel_state",
-    "split_batch",
     "parallelize",
     "PipeFusionStage",
     "SequenceShards",

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import comm
 from ..mesh import CFG, DP
-from ..sharding import shard_sizes
+from ..sharding import batch_rows
 
 log = logging.getLogger("xdit_lab.models")
 
@@ -205,22 +205,10 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
     if hidden is None:
         raise ValueError("the forward needs hidden_states")
     total = hidden.shape[0]
-    start, count = 0, total
-    if config.cfg == 2:
-        if total % 2:
-            raise ValueError(
-                f"cfg 2 splits the batch [unconditional; conditional] in halves, but the batch has "
-                f"{total} samples; pass both branches, or use cfg 1"
-            )
-        count = total // 2
-        start = mesh.group_rank(CFG) * count
-    dp_sizes = shard_sizes(count, config.dp)
-    mine = dp_sizes[mesh.group_rank(DP)]
-    start += sum(dp_sizes[: mesh.group_rank(DP)])
-    state.stand_in = mine == 0
-    if mine == 0:
-        start, mine = start - 1, 1
-    local = slice(start, start + mine)
+    dp_rank = mesh.group_rank(DP)
+    start, stop, dp_sizes = batch_rows(total, config.cfg, config.dp, mesh.group_rank(CFG), dp_rank)
+    state.stand_in = dp_sizes[dp_rank] == 0
+    local = slice(start, stop)
     if (local.start, local.stop) != (0, total):
         for name, value in list(arguments.items()):
             if name not in state.adapter.unbatched and name not in state.adapter.not_batched_dicts:

@@ -92,18 +92,31 @@ def test_run_failure_leaves_no_partial_file(folder, tmp_path):
 
 
 def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
-    """`--output-type latent` writes latents.pt: under cfg 2, and under PipeFusion 2 with every step
-    a warmup step, equal to diffusers' own pipeline run serially with output_type="latent" (1e-4
-    relative). Each PipeFusion stage reports part of the transformer's parameters and sends patches."""
+    """`--output-type latent` writes latents.pt: under cfg 2, under PipeFusion 2 with every step
+    a warmup step, and compiled (`--compile`) under ulysses 2, equal to diffusers' own pipeline run
+    serially with output_type="latent" (1e-4 relative). Each PipeFusion stage reports part of the
+    transformer's parameters and sends patches."""
     from diffusers import DiffusionPipeline
 
-    configs = {"cfg": ParallelConfig(cfg=2), "pipefusion": ParallelConfig(pipefusion=2, warmup_steps=3)}
+    configs = {
+        "cfg": ParallelConfig(cfg=2),
+        "pipefusion": ParallelConfig(pipefusion=2, warmup_steps=3),
+        "compiled": ParallelConfig(ulysses=2),
+    }
     _succeed(
         [
             production.torchrun_argv(2, master_port=port)
-            + _run(folder, tmp_path / name, config, "--output-type", "latent")
+            + _run(
+                folder,
+                tmp_path / name,
+                config,
+                "--output-type",
+                "latent",
+                *(["--compile"] if name == "compiled" else []),
+            )
             for port, (name, config) in zip(_ports(len(configs)), configs.items())
-        ]
+        ],
+        timeout_s=420,
     )
 
     reference = DiffusionPipeline.from_pretrained(folder)
@@ -118,6 +131,9 @@ def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
         latents = torch.load(tmp_path / name / "latents.pt")
         assert latents.shape == expected.shape
         assert (latents - expected).abs().max() <= 1e-4 * expected.abs().max(), name
+    compiled = json.loads((tmp_path / "compiled" / "report.json").read_text())
+    assert compiled["compiled"] is True and [r["compiled_graphs"] for r in compiled["ranks"]] == [1, 1]
+    assert [r["compiled_graphs"] for r in json.loads((tmp_path / "cfg" / "report.json").read_text())["ranks"]] == [0, 0]
     whole = json.loads((tmp_path / "cfg" / "report.json").read_text())["ranks"][0]["memory"]["parameter_bytes"]
     staged = json.loads((tmp_path / "pipefusion" / "report.json").read_text())
     assert staged["config"]["pipefusion"] == 2

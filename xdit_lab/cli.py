@@ -180,6 +180,7 @@ def cmd_run(args) -> int:
                 timeout_s=args.timeout,
                 options=dict(args.option),
                 cache_threshold=args.cache_threshold,
+                compile=args.compile,
             )
     except (
         ParallelConfigError,
@@ -281,6 +282,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="skip the blocks after the first at steps where the first block changed by at most T "
         "(StepCache; every rank takes the same decision). Default: no cache",
+    )
+    run.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the transformer whole with torch.compile (not with PipeFusion or a cache); "
+        "the first step pays for the compile, see timings",
     )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -16,6 +16,7 @@ leave this rank for the call to complete, in the direct model: an all-to-all kee
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -89,6 +90,24 @@ def _record(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int
         log.records.append(record)
 
 
+# ---- handles: how a compiled graph's operators find a mesh or a model's state -------------------------
+
+_HANDLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def handle(obj) -> int:
+    """An int that names `obj` to a custom operator (operators take no Python objects); held weakly."""
+    _HANDLES[id(obj)] = obj
+    return id(obj)
+
+
+def from_handle(key: int):
+    obj = _HANDLES.get(key)
+    if obj is None:
+        raise RuntimeError("a compiled graph refers to a mesh or model that has been freed; compile it again")
+    return obj
+
+
 # ---- collectives ---------------------------------------------------------------------------------
 
 
@@ -125,6 +144,8 @@ def all_gather(
     n = mesh.group_size(group)
     if n == 1:
         return x
+    if torch.compiler.is_compiling():  # one opaque operator in the graph: the same transfer and record, run eagerly
+        return torch.ops.xdit_lab.all_gather(x, mesh.handle, group, dim, list(sizes or []), tag)
     longest = max(sizes) if sizes else x.shape[dim]
     padded = x
     if x.shape[dim] < longest:
@@ -138,6 +159,18 @@ def all_gather(
     if sizes:
         out = [part.narrow(dim, 0, size) for part, size in zip(out, sizes)]
     return torch.cat(out, dim=dim)
+
+
+@torch.library.custom_op("xdit_lab::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, mesh: int, group: str, dim: int, sizes: list[int], tag: str) -> torch.Tensor:
+    return all_gather(x, from_handle(mesh), group, dim=dim, sizes=sizes or None, tag=tag)
+
+
+@_all_gather_op.register_fake
+def _(x, mesh, group, dim, sizes, tag):
+    shape = list(x.shape)
+    shape[dim] = sum(sizes) if sizes else x.shape[dim] * from_handle(mesh).group_size(group)
+    return x.new_empty(shape)
 
 
 def all_reduce(x: torch.Tensor, mesh, group: str, *, op=dist.ReduceOp.SUM, tag: str = "") -> torch.Tensor:

@@ -26,6 +26,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .config import CFG, DEGREES, DP, PIPEFUSION, RING, SHORT, ULYSSES, ParallelConfig, ParallelConfigError
 from .distributed import current_info
 
@@ -72,6 +73,7 @@ class RankMesh:
         self._group_ranks: dict[str, list[int]] = {}
         self._made: list[dist.ProcessGroup] = []  # every group this process made, in order, for close()
         self.closed = False
+        self.handle = comm.handle(self)  # how a compiled graph's collectives find this mesh
         if dist.is_initialized():
             self._build_groups(current_info().timeout_s if timeout_s is None else timeout_s)
 

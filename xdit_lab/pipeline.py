@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import ParallelConfig
+from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .loading import load_stage_transformer
 from .memory import MemoryPlan, check_plan, plan_memory
 from .mesh import CFG, DP, PIPEFUSION, RankMesh
-from .models import PipeFusionStage, StepCache, parallel_state, parallelize
+from .models import PipeFusionStage, StepCache, compile_problems, parallel_state, parallelize
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
@@ -116,6 +116,7 @@ def load_pipeline(
     progress: bool = True,
     stage_split: list[int] | None = None,
     cache: StepCache | None = None,
+    compile: bool = False,
     **from_pretrained_kwargs,
 ) -> ParallelPipeline:
     """Load a PixArt-α/Σ, SD3, Flux.1 or CogVideoX pipeline folder and parallelize it on this rank.
@@ -126,8 +127,11 @@ def load_pipeline(
     memory a rank is assumed to have (default: free GPU memory, or available RAM shared by this
     host's ranks). `stage_split` gives PipeFusion's blocks per stage when the balanced split is
     not wanted. `cache=StepCache(threshold)` skips the blocks after the first at steps where the
-    first block barely changed, decided by all ranks together (results carry `cache_skips`)."""
+    first block barely changed, decided by all ranks together (results carry `cache_skips`).
+    `compile=True` compiles the transformer whole (see `parallelize`); the first step pays for it."""
     config = ParallelConfig() if config is None else config
+    if compile and compile_problems(config, cache):  # before any weight is read
+        raise ParallelConfigError("; ".join(compile_problems(config, cache)))
     folder = resolve_folder(name_or_path)
     index = read_model_index(folder)
     recipe = recipe_for(index.get("_class_name", "?"))
@@ -189,7 +193,7 @@ def load_pipeline(
                 ) from retry_error
         inner.set_progress_bar_config(disable=True)
         inner.to(info.device)
-        parallelize(inner.transformer, config, mesh, stage_split=stage_split, cache=cache)
+        parallelize(inner.transformer, config, mesh, stage_split=stage_split, cache=cache, compile=compile)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(

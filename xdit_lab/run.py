@@ -62,12 +62,13 @@ def run_generation(
     timeout_s: float = 600,
     options: dict | None = None,
     cache_threshold: float | None = None,
+    compile: bool = False,
 ) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
-    `cache_threshold` turns on a StepCache with that threshold."""
+    `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer."""
     init_distributed(timeout_s=timeout_s)
     cache = None if cache_threshold is None else StepCache(cache_threshold)
-    pipe = load_pipeline(model, config, torch_dtype=DTYPES[dtype], progress=progress, cache=cache)
+    pipe = load_pipeline(model, config, torch_dtype=DTYPES[dtype], progress=progress, cache=cache, compile=compile)
     if not pipe.active:
         return None  # a configuration smaller than the world: this rank sits out
     with comm.comm_log() as log:
@@ -90,6 +91,7 @@ def run_generation(
         bytes_out_by_group=log.bytes_by_group(),  # the whole run
         bytes_out_by_phase=dict(encode=result.comm_encode, per_step=result.comm_per_step, decode=result.comm_decode),
         timings=result.timings,
+        compiled_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],  # 1 when --compile took it whole
     )
     ranks = comm.all_gather_object(mine, pipe.mesh, WORLD, tag="report")
     if pipe.mesh.group_rank(WORLD) != 0:
@@ -108,6 +110,7 @@ def run_generation(
         outputs=files,
         timings=result.timings,
         cache_threshold=cache_threshold,
+        compiled=compile,
         cache_skips=result.cache_skips,
         memory_plan={
             "per_rank_bytes": pipe.memory_plan.per_rank_bytes,

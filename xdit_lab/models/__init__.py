@@ -5,13 +5,13 @@ hooks.py      the machinery every strategy shares (batch split, hooks, attention
 sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
 pipefusion.py token strategy: a PipeFusion stage, patch by patch on stale K/V
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
-parallel.py   parallelize(transformer, config): the entry
+parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take
 """
 
 from .cache import StepCache
 from .families import FAMILIES, SUPPORTED_DIFFUSERS, adapter_for, check_diffusers_version
 from .hooks import ParallelState, parallel_state
-from .parallel import parallelize
+from .parallel import compile_problems, parallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 
@@ -24,6 +24,7 @@ __all__ = [
     "ParallelState",
     "parallel_state",
     "parallelize",
+    "compile_problems",
     "PipeFusionStage",
     "SequenceShards",
 ]

@@ -6,10 +6,14 @@ over at the places the family adapter (families.py) names:
   3. rotary tables (Flux): the strategy keeps the rows of its tokens             strategy.shard_rotary
   4. every F.scaled_dot_product_attention call inside a known attention module:
      the strategy attends, told the module's kind (self, cross, joint)          strategy.attend
+     (an attention module the adapter does not know is refused at parallelize time)
      diffusers can route a module's attention to other kernels (`set_attention_backend("flex")`,
      DIFFUSERS_ATTN_BACKEND) that never call it: the known modules are set back to diffusers'
      native backend here, and a known module whose attention did not reach us raises (it would
      have attended to its own shard only)
+     under torch.compile (parallelize(..., compile=True)) the strategy's attention and each gather
+     are one opaque operator each (xdit_lab::attend, xdit_lab::all_gather): the graph stays whole,
+     and the collectives inside run and are recorded as in eager
   5. the last projection's output, before unpatchify: tokens come back whole    strategy.gather
      and the forward's output is gathered over dp and cfg, so every rank returns the full batch
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +45,13 @@ class ParallelState:
 
     def __init__(self, adapter, mesh):
         self.adapter, self.mesh = adapter, mesh
+        self.handle = comm.handle(self)  # how a compiled graph's operators find this state
         self.strategy = None  # SequenceShards or PipeFusionStage, set by parallelize
         self.cache = None  # a FirstBlockCache when parallelize was given a StepCache
         self.stand_in = False  # this rank computes a dp stand-in row (it has no rows of its own)
         self.in_forward = False
         self.text_len = 0  # joint text tokens of the running forward
         self.image_len = None  # whole image tokens, set where they are sharded
-        self.attention_kind = None  # kind of the attention module running now
-        self.attention_name = None  # and its qualified name
-        self.attention_reached = False  # whether its attention came through the interceptor
 
     def reset(self) -> None:
         """A new generation: the strategy (PipeFusion warms up again) and the cache start over."""
@@ -75,13 +78,19 @@ def install_hooks(transformer, state: ParallelState) -> None:
     known, replaced = 0, {}
     for name, module in transformer.named_modules():
         kind = adapter.attention_kind(name)
-        if kind:
-            known += 1
-            backend = _use_native_attention(module)
-            if backend is not None:
-                replaced.setdefault(backend, []).append(name)
-            module.register_forward_pre_hook(functools.partial(_enter_attention, state, kind, name))
-            module.register_forward_hook(functools.partial(_leave_attention, state))
+        if kind is None:
+            if name and hasattr(module, "processor"):
+                raise TypeError(
+                    f"attention module {name} ({type(module).__name__}) of {type(transformer).__name__} is not known "
+                    f"to the {adapter.family} adapter: its tokens may be sharded, so it cannot run unchanged; "
+                    f"extend the adapter (xdit_lab.models.families)"
+                )
+            continue
+        known += 1
+        backend = _use_native_attention(module)
+        if backend is not None:
+            replaced.setdefault(backend, []).append(name)
+        module.forward = _intercepting_forward(module, state, kind, name)
     if not known:
         raise TypeError(
             f"no attention modules of {type(transformer).__name__} matched the {adapter.family} adapter; "
@@ -127,37 +136,49 @@ def _use_native_attention(module) -> str | None:
     return None if chosen == AttentionBackendName.NATIVE.value else chosen
 
 
-def _enter_attention(state, kind, name, _module, _args):
-    state.attention_kind, state.attention_name, state.attention_reached = kind, name, False
-
-
-def _leave_attention(state, module, _args, _output):
-    kind, state.attention_kind = state.attention_kind, None
-    if state.in_forward and not state.attention_reached:
-        processor = getattr(module, "processor", None)
-        backend = getattr(processor, "_attention_backend", None)
-        raise RuntimeError(
-            f"attention module {state.attention_name} ({kind}) ran without calling F.scaled_dot_product_attention, "
-            f"so its tokens were not handed to the sequence-parallel kernels and each rank would have attended to "
-            f"its own shard only. Its processor is {type(processor).__name__}"
-            f"{' with attention backend ' + repr(backend) if processor else ''}; "
-            f"keep diffusers' default processors and native attention backend on a parallelized model"
-        )
-
-
 def run_forward(state: ParallelState, forward, bound):
-    """The model's own forward, with the hooks active and attention handed to the strategy."""
+    """The model's own forward, with the hooks active (they leave a module alone outside it)."""
     text = bound.arguments.get("encoder_hidden_states")
     state.text_len = text.shape[1] if text is not None and text.dim() >= 2 else 0
-    state.in_forward, state.attention_kind = True, None
+    state.in_forward = True
     try:
-        with AttentionInterceptor(state):
-            return forward(*bound.args, **bound.kwargs)
+        return forward(*bound.args, **bound.kwargs)
     finally:
-        state.in_forward, state.attention_kind = False, None
+        state.in_forward = False
 
 
 # ---- attention: hand SDPA calls of known modules to the strategy -----------------------------------------
+
+
+def _intercepting_forward(module, state, kind, name):
+    """The attention module's own forward, with its F.scaled_dot_product_attention handed to the strategy.
+
+    The interceptor is entered here, per module, and carries its own kind, rather than once around
+    the whole forward reading a kind that hooks set on shared state: torch.compile traces a mode
+    entered inside the graph (one graph, no breaks), but applies writes to Python objects only
+    after the graph has run. The module is held weakly, so that it does not keep itself alive
+    through its own forward attribute."""
+    own_forward, module = type(module).forward, weakref.ref(module)
+
+    def forward(*args, **kwargs):
+        if not state.in_forward:  # e.g. a probe outside the parallel forward
+            return own_forward(module(), *args, **kwargs)
+        interceptor = AttentionInterceptor(state, kind, name)
+        with interceptor:
+            output = own_forward(module(), *args, **kwargs)
+        if not interceptor.reached:
+            processor = getattr(module(), "processor", None)
+            backend = getattr(processor, "_attention_backend", None)
+            raise RuntimeError(
+                f"attention module {name} ({kind}) ran without calling F.scaled_dot_product_attention, so its "
+                f"tokens were not handed to the sequence-parallel kernels and each rank would have attended to its "
+                f"own shard only. Its processor is {type(processor).__name__}"
+                f"{' with attention backend ' + repr(backend) if processor else ''}; keep diffusers' default "
+                f"processors and native attention backend on a parallelized model"
+            )
+        return output
+
+    return forward
 
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -165,30 +186,58 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 class AttentionInterceptor(TorchFunctionMode):
-    """Every F.scaled_dot_product_attention inside the forward: cross-attention runs as it is (image
-    queries against whole text keys are exact on a shard); self and joint go to the strategy."""
+    """F.scaled_dot_product_attention inside one known attention module: cross-attention runs as it
+    is (image queries against whole text keys are exact on a shard); self and joint go to the
+    strategy. Under torch.compile the strategy runs as one opaque operator (`xdit_lab::attend`),
+    so its collectives and their records run eagerly, exactly as without compile."""
 
-    def __init__(self, state):
+    def __init__(self, state, kind: str, name: str):
         super().__init__()
-        self.state = state
+        self.state, self.kind, self.name, self.reached = state, kind, name, False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.unflatten:  # written in Python, it ends in super().unflatten, which
+            return torch.unflatten(*args, **kwargs)  # torch.compile cannot trace inside a mode
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        kind = self.state.attention_kind
-        if kind is None:
-            raise RuntimeError(
-                f"attention outside the modules the {self.state.adapter.family} adapter knows: "
-                f"its tokens may be sharded, so it cannot run unchanged; extend the adapter"
-            )
-        self.state.attention_reached = True
-        if kind == "cross":
+        self.reached = True
+        if self.kind == "cross":
             return func(*args, **kwargs)
         query, key, value, mask, dropout_p, is_causal, scale, _ = _sdpa_arguments(*args, **kwargs)
         if mask is not None or is_causal or dropout_p:
-            raise NotImplementedError(f"{kind} attention with a mask, causal or dropout is not sequence-parallel yet")
-        return self.state.strategy.attend(kind, query, key, value, scale)
+            raise NotImplementedError(
+                f"{self.kind} attention with a mask, causal or dropout is not sequence-parallel yet"
+            )
+        # The lengths travel as arguments: under compile, what the forward wrote on the state so far
+        # reaches it only after the graph, while the operator runs inside it.
+        lengths = self.state.text_len, self.state.image_len
+        if torch.compiler.is_compiling():
+            return torch.ops.xdit_lab.attend(
+                query, key, value, self.state.handle, self.kind, self.name, scale, *lengths
+            )
+        return self.state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths)
+
+
+@torch.library.custom_op("xdit_lab::attend", mutates_args=())
+def _attend_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    state: int,
+    kind: str,
+    name: str,
+    scale: float | None,
+    text_len: int,
+    image_len: int | None,
+) -> torch.Tensor:
+    strategy = comm.from_handle(state).strategy
+    return strategy.attend(kind, name, query, key, value, scale, text_len, image_len).contiguous()
+
+
+@_attend_op.register_fake
+def _(query, key, value, state, kind, name, scale, text_len, image_len):
+    return query.new_empty(query.shape)  # attention returns the queries' shape, contiguous
 
 
 # ---- batch: split over cfg and dp on the way in, gather on the way out ----------------------------------

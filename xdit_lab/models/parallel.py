@@ -32,18 +32,22 @@ def parallelize(
     *,
     stage_split: list[int] | None = None,
     cache: StepCache | None = None,
+    compile: bool = False,
 ):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
 
     Call it on every rank after init_distributed. Every rank returns the same full output.
     `stage_split` overrides PipeFusion's balanced split: blocks per stage, e.g. [10, 9, 9].
     `cache` skips the blocks after the first at steps where the first one barely changed
-    (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over."""
+    (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over.
+    `compile=True` compiles the parallel forward with torch.compile, whole: one graph, in which each
+    attention's parallel kernel and each gather is one operator that runs (and is recorded) as in
+    eager. A compiled model runs under torch.no_grad (inference only)."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
         raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
-    unsupported = adapter.problems(config)
+    unsupported = adapter.problems(config) + (compile_problems(config, cache) if compile else [])
     if unsupported:
         raise ParallelConfigError("; ".join(unsupported))
     model_config = transformer.config
@@ -70,7 +74,39 @@ def parallelize(
         state.cache = apply_step_cache(transformer, state, cache)
     install_hooks(transformer, state)
     transformer.forward = _parallel_forward(transformer, state)
+    if compile:
+        transformer.forward = _compiled(transformer.forward)
     return transformer
+
+
+def compile_problems(config, cache=None) -> list[str]:
+    """Why compile=True cannot take this configuration whole, as sentences."""
+    found = []
+    if getattr(config, PIPEFUSION) > 1:
+        found.append(
+            "compile=True does not take PipeFusion: a stage runs its blocks once per patch, reading and writing "
+            "stale K/V buffers in place between sends, which torch.compile cannot trace as one graph; "
+            "compile ulysses, ring, cfg and dp, or run PipeFusion eagerly"
+        )
+    if cache is not None:
+        found.append(
+            "compile=True does not take a StepCache: whether a step runs its blocks is decided from this step's "
+            "values, which splits the graph; run the cache eagerly"
+        )
+    return found
+
+
+def _compiled(forward):
+    """torch.compile of the whole parallel forward, called without autograd (the parallel operators
+    have no backward)."""
+    compiled = torch.compile(forward)
+
+    @functools.wraps(forward)
+    def compiled_forward(*args, **kwargs):
+        with torch.no_grad():
+            return compiled(*args, **kwargs)
+
+    return compiled_forward
 
 
 def _parallel_forward(transformer, state):

@@ -230,10 +230,9 @@ class PipeFusionStage:
         full[:, self._index("gather", tokens.device)] = gathered
         return full
 
-    def attend(self, kind, query, key, value, scale):
+    def attend(self, kind, name, query, key, value, scale, text, image_len):
         if kind != "self":
             raise NotImplementedError(f"PipeFusion here handles self-attention; {kind} attention is not staged yet")
-        name = self.state.attention_name
         if name not in self.buffers:
             self.buffers[name] = self.buffer_type(
                 self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING)

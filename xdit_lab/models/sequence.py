@@ -69,8 +69,7 @@ class SequenceShards:
         sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))
         return comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
 
-    def attend(self, kind, query, key, value, scale):
-        text, image_len = self.state.text_len, self.state.image_len
+    def attend(self, kind, name, query, key, value, scale, text, image_len):
         if kind == "self" or text == 0:
             return sp_attention(query, key, value, self.mesh, seq_len=image_len, scale=scale)
         if kind == "joint_first":

@@ -1,0 +1,134 @@
+"""torch.compile takes the parallel forward whole: one graph, no breaks, for every family under
+ulysses, ring, usp, cfg and dp; compiled outputs equal eager ones, the bytes recorded are the same,
+and steps do not recompile. PipeFusion and a StepCache are refused by name."""
+
+import pytest
+import torch
+
+from xdit_lab import ParallelConfig, comm_log, load_pipeline, parallelize
+from xdit_lab.mesh import RankMesh
+from xdit_lab.models import StepCache
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import tiny_inputs, tiny_transformer
+
+FAMILIES = ["pixart", "sd3", "flux", "cogvideox", "dit"]
+TEXT_LEN = 6
+
+
+def _model(family):
+    extra = {"max_text_seq_length": TEXT_LEN} if family == "cogvideox" else {}
+    return tiny_transformer(family, seed=0, **extra)
+
+
+def _graphs(configs, break_at_block=False, families=FAMILIES):
+    """(family, config, graphs, breaks, reasons) of torch._dynamo.explain on each parallel model."""
+    rows = []
+    for config in configs:
+        mesh = RankMesh(config)
+        for family in families:
+            model = parallelize(_model(family), config, mesh)
+            if break_at_block:  # the control: a graph break that explain must see
+                model.transformer_blocks[0].register_forward_hook(lambda *_: torch._dynamo.graph_break())
+            torch._dynamo.reset()
+            with torch.no_grad():
+                found = torch._dynamo.explain(model)(**tiny_inputs(family, 2, text_len=TEXT_LEN))
+            reasons = sorted({str(b.reason).splitlines()[0] for b in found.break_reasons})
+            rows.append((family, config.short(), found.graph_count, found.graph_break_count, reasons))
+    return rows
+
+
+@pytest.mark.parametrize(
+    "world_size, configs",
+    [
+        (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]),
+        (4, [ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg=2, ulysses=2), ParallelConfig(cfg=2, dp=2)]),
+    ],
+)
+def test_every_family_traces_as_one_graph(world_size, configs):
+    for rows in run_on_ranks(_graphs, world_size, configs, timeout_s=900):
+        for family, config, graphs, breaks, reasons in rows:
+            assert (graphs, breaks) == (1, 0), (family, config, reasons)
+
+
+def test_explain_sees_a_graph_break_control():
+    """The instrument can fail: a graph break forced inside the first block is counted."""
+    for rows in run_on_ranks(_graphs, 2, [ParallelConfig(ulysses=2)], True, ["pixart", "flux"], timeout_s=600):
+        for family, config, graphs, breaks, _ in rows:
+            assert breaks >= 1 and graphs >= 2, (family, config, graphs, breaks)
+
+
+def _compiled_against_eager(cases):
+    """Three forwards with different inputs, compiled (inductor) beside eager: the largest relative
+    error, whether every collective recorded matches, and dynamo's graph and recompile counts."""
+    rows = []
+    meshes = {}
+    for family, config in cases:
+        mesh = meshes.setdefault(config, RankMesh(config))
+        eager = parallelize(_model(family), config, mesh)
+        compiled = parallelize(_model(family), config, mesh, compile=True)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        errors, same_records = [], []
+        for step in range(3):
+            inputs = tiny_inputs(family, 2, text_len=TEXT_LEN, seed=step + 1)
+            with torch.no_grad(), comm_log() as eager_log:
+                expected = eager(**inputs).sample
+            with comm_log() as compiled_log:
+                output = compiled(**inputs).sample  # as a newcomer calls it: no torch.no_grad needed
+            errors.append(((output - expected).abs().max() / expected.abs().max()).item())
+            records = [[(r.op, r.group, r.bytes_out, r.tag) for r in log] for log in (eager_log, compiled_log)]
+            same_records.append(records[0] == records[1] and len(records[0]) > 0)
+        counters = torch._dynamo.utils.counters
+        rows.append(
+            dict(
+                family=family,
+                config=config.short(),
+                error=max(errors),
+                same_records=same_records,
+                graphs=counters["stats"]["unique_graphs"],
+                recompiles=sum(counters["recompiles"].values()),
+            )
+        )
+    return rows
+
+
+def test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile():
+    cases = [
+        ("pixart", ParallelConfig(ring=2)),
+        ("sd3", ParallelConfig(ulysses=2)),
+        ("flux", ParallelConfig(ulysses=2)),
+        ("cogvideox", ParallelConfig(ring=2)),
+        ("dit", ParallelConfig(cfg=2)),
+    ]
+    for rows in run_on_ranks(_compiled_against_eager, 2, cases, timeout_s=900):
+        for row in rows:
+            assert row["error"] < 1e-4, row
+            assert all(row["same_records"]), row
+            assert row["graphs"] == 1 and row["recompiles"] == 0, row
+
+
+def _pipeline_steps(compile):
+    pipe = load_pipeline("digits", ParallelConfig(cfg=2), progress=False, compile=compile)
+    torch._dynamo.utils.counters.clear()
+    result = pipe(["0", "7"], num_inference_steps=4, seed=3, output_type="latent")
+    counters = torch._dynamo.utils.counters
+    return result.images, counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+
+
+def test_compiled_pipeline_equals_eager_over_steps():
+    """load_pipeline(..., compile=True) on the bundled model: the latents after 4 steps equal eager's,
+    with one graph compiled at the first step and no recompile after it."""
+    compiled = run_on_ranks(_pipeline_steps, 2, True, timeout_s=900)
+    eager = run_on_ranks(_pipeline_steps, 2, False, timeout_s=600)
+    for (latents, graphs, recompiles), (expected, eager_graphs, _) in zip(compiled, eager):
+        assert (latents - expected).abs().max() <= 1e-4 * expected.abs().max()
+        assert graphs == 1 and recompiles == 0, (graphs, recompiles)
+        assert eager_graphs == 0  # the control: eager compiles nothing
+
+
+def test_pipefusion_and_step_cache_are_refused_before_loading():
+    with pytest.raises(Exception, match="compile=True does not take PipeFusion") as refused:
+        load_pipeline("digits", ParallelConfig(pipefusion=2), compile=True)
+    assert type(refused.value).__name__ == "ParallelConfigError"
+    with pytest.raises(Exception, match="compile=True does not take a StepCache"):
+        load_pipeline("digits", ParallelConfig(), cache=StepCache(0.1), compile=True)

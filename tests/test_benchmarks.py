@@ -1,6 +1,6 @@
-"""The peers benchmark runs as its docstring shows, on a tiny size, and what it reports holds:
-finite timings, every method within 1e-4 of serial, our bytes equal to the closed form, and
-diffusers' refusals named. (Speed itself is the benchmark's to report, not a test's.)"""
+"""The peers and compile benchmarks run as their docstrings show, on a tiny size, and what they
+report holds: finite timings, every method within 1e-4 of serial, our bytes equal to the closed
+form, and diffusers' refusals named. (Speed itself is the benchmark's to report, not a test's.)"""
 
 import json
 import math
@@ -41,3 +41,27 @@ def test_peers_benchmark_on_a_tiny_size(tmp_path):
     assert "return_lse" in refused[("flux", "diffusers ring2")]
     assert "cp_plan" in refused[("pixart", "diffusers ulysses2")]
     assert "| ours ulysses2 |" in (tmp_path / "t.md").read_text()
+
+
+def test_compile_benchmark_on_a_tiny_size(tmp_path):
+    """benchmarks/compile.py as its docstring shows, on a tiny size: every method timed (finite),
+    compiled outputs within 1e-4 of serial eager, and the compile paid in the first call."""
+    table = tmp_path / "compile.md"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/compile.py", "--tokens", "64", "--families", "pixart", "--repeats", "1"]
+        + ["--markdown", str(table)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in table.read_text().splitlines()[2:]]
+    methods = {row[2]: row for row in rows}
+    assert set(methods) == {"serial", "serial compiled", "ours ulysses2", "ours ulysses2 compiled"}
+    for method, row in methods.items():
+        median, first_call, error = float(row[3]), float(row[6]), float(row[7].rstrip(" |"))
+        assert math.isfinite(median) and median > 0, row
+        assert error < 1e-4, row
+        if method.endswith("compiled"):
+            assert first_call > 10 * median / 1e3, row  # the first call compiled

@@ -11,7 +11,7 @@ from xdit_lab.models import StepCache
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "cogvideox", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "cogvideox", "wan", "dit"]
 TEXT_LEN = 6
 
 
@@ -98,6 +98,7 @@ def test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile():
         ("sd3", ParallelConfig(ulysses=2)),
         ("flux", ParallelConfig(ulysses=2)),
         ("cogvideox", ParallelConfig(ring=2)),
+        ("wan", ParallelConfig(ulysses=2)),
         ("dit", ParallelConfig(cfg=2)),
     ]
     for rows in run_on_ranks(_compiled_against_eager, 2, cases, timeout_s=900):

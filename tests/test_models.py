@@ -12,7 +12,7 @@ from xdit_lab.models import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "cogvideox", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "cogvideox", "wan", "dit"]
 CASES = [  # (name, latent height, width, text length, batch)
     ("even", 8, 8, 8, 4),
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1
@@ -133,3 +133,19 @@ def test_diffusers_version_outside_range_is_named():
     with pytest.raises(RuntimeError, match=r"diffusers 0\.30\.0 is installed, but .* >= 0\.42, < 0\.43"):
         check_diffusers_version("0.30.0")
     check_diffusers_version()  # the installed one is supported
+
+
+def _per_token_timestep():
+    model = parallelize(tiny_transformer("wan"), ParallelConfig(ulysses=2))
+    inputs = tiny_inputs("wan", 2)
+    inputs["timestep"] = inputs["timestep"][:, None].expand(2, 32)  # 2 frames x 4 x 4 tokens
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except NotImplementedError as error:
+        return str(error)
+
+
+def test_wan_timestep_per_token_is_refused_under_sequence_parallelism():
+    for message in run_on_ranks(_per_token_timestep, 2, timeout_s=120):
+        assert message and "timestep per token" in message and "cfg and dp only" in message, message

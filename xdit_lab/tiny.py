@@ -80,11 +80,25 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
             max_text_seq_length=8,
         )
         model = diffusers.CogVideoXTransformer3DModel(**(config | overrides))
+    elif family == "wan":  # modelled on diffusers' own test of WanTransformer3DModel
+        config = dict(
+            common,
+            patch_size=(1, 2, 2),
+            in_channels=4,
+            out_channels=4,
+            text_dim=TEXT_DIM,
+            freq_dim=32,
+            ffn_dim=32,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+        model = diffusers.WanTransformer3DModel(**(config | overrides))
     elif family == "dit":
         config = dict(common, in_channels=4, out_channels=8, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
         model = diffusers.DiTTransformer2DModel(**(config | overrides))
     else:
-        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, cogvideox or dit")
+        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, cogvideox, wan or dit")
     return model.eval()
 
 
@@ -132,6 +146,10 @@ def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8,
     if family == "cogvideox":
         return dict(
             hidden_states=randn(batch, 3, 4, height, width), encoder_hidden_states=text, timestep=timestep.long()
+        )
+    if family == "wan":  # two latent frames
+        return dict(
+            hidden_states=randn(batch, 4, 2, height, width), encoder_hidden_states=text, timestep=timestep.long()
         )
     if family == "dit":
         return dict(

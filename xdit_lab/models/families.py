@@ -7,6 +7,7 @@ Attention kinds (matched on the module's qualified name):
     cross       image queries, text keys/values (PixArt): local, no communication
     joint_first text tokens before image tokens in q/k/v (Flux, CogVideoX)
     joint_last  text tokens after image tokens (SD3)
+Wan's cross-attention (text, and for image-to-video the image context) is cross: it moves nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class FamilyAdapter:
     gather_at: str  # submodule whose output holds this rank's tokens, before unpatchify
     attention: dict = field(default_factory=dict)  # qualified-name regex -> kind
     text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor
+    grid_at_shard: bool = False  # Wan: shard_at gives [B, C, F, H, W]; its tokens are the flattened grid
     rotary_at: str | None = None  # Flux: pos_embed gives (cos, sin) rows for [text; image]
+    rotary_image_only: bool = False  # Wan: rope gives (cos, sin) [1, S, 1, D], image tokens only
     rotary_kwarg: str | None = None  # CogVideoX: forward kwarg with the image rotary tables
     unbatched: tuple = ()  # forward arguments without a batch dimension
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
@@ -94,6 +97,16 @@ FAMILIES = {
             text_before_image_at_shard=True,
             rotary_kwarg="image_rotary_emb",
             unbatched=("image_rotary_emb",),
+        ),
+        FamilyAdapter(
+            "Wan",
+            "WanTransformer3DModel",
+            shard_at="patch_embedding",
+            gather_at="proj_out",
+            attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
+            grid_at_shard=True,
+            rotary_at="rope",
+            rotary_image_only=True,
         ),
         FamilyAdapter(
             "DiT",

@@ -33,6 +33,12 @@ class SequenceShards:
         rows only, so this rank's rows are kept before the forward sees them."""
         kwarg = self.state.adapter.rotary_kwarg
         tables = bound.arguments.get(kwarg) if kwarg else None
+        timestep = bound.arguments.get("timestep")
+        if self.mesh.group_size(SP) > 1 and isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
+            raise NotImplementedError(
+                f"a timestep per token (shape {tuple(timestep.shape)}, e.g. Wan 2.2 TI2V) is not sequence-parallel "
+                f"yet: its embedding would need the tokens' shards; run it under cfg and dp only (ulysses = ring = 1)"
+            )
         if tables is not None:
             bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=0) for t in tables)
         return run()
@@ -51,13 +57,19 @@ class SequenceShards:
 
     # ---- the hooks -----------------------------------------------------------------------------------
     def shard(self, tokens):
-        if self.state.adapter.text_before_image_at_shard:  # CogVideoX embeds [text; image] in one tensor
+        adapter = self.state.adapter
+        if adapter.text_before_image_at_shard:  # CogVideoX embeds [text; image] in one tensor
             text = self.state.text_len
             return torch.cat([tokens[:, :text], self._take_image_shard(tokens[:, text:])], dim=1)
+        if adapter.grid_at_shard:  # Wan: [B, C, F, H, W] -> this rank's [B, C, S/sp], which the
+            return self._take_image_shard(tokens.flatten(2), dim=2)  # forward's own flatten(2) leaves as it is
         return self._take_image_shard(tokens)
 
     def shard_rotary(self, tables):
-        """Flux: rows for [text; image]; keep the text rows and this rank's image rows."""
+        """Flux: rows for [text; image]; keep the text rows and this rank's image rows. Wan: (cos, sin)
+        [1, S, 1, D] of image tokens only, computed before the tokens are sharded."""
+        if self.state.adapter.rotary_image_only:
+            return tuple(self._take_image_shard(t, dim=1) for t in tables)
         text, (start, stop) = self.state.text_len, self.shard_range
 
         def rows(t):

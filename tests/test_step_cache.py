@@ -208,25 +208,25 @@ def _ours_on(world_size, folder, configs):
     return run_on_ranks(_ours, world_size, folder, "sd3", configs, THRESHOLDS["sd3"], timeout_s=300)
 
 
-def _dit_calls(configs, threshold):
-    """DiT has no pipeline here: six transformer calls on a slowly changing latent, as steps are."""
+def _transformer_calls(family, configs, threshold):
+    """DiT and Wan have no pipeline here: six transformer calls on a slowly changing latent, as steps are."""
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
     from xdit_lab import parallelize
     from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-    base = tiny_inputs("dit", 2, height=8, width=8)
+    base = tiny_inputs(family, 2, height=8, width=8)
     noise = torch.randn(base["hidden_states"].shape, generator=torch.Generator().manual_seed(3))
     calls = [dict(base, hidden_states=base["hidden_states"] + 0.05 * i * noise) for i in range(STEPS)]
-    reference = tiny_transformer("dit", layers=4)
+    reference = tiny_transformer(family, layers=4)
     apply_first_block_cache(reference, FirstBlockCacheConfig(threshold=threshold))
     _set_cache_context(reference, CacheContext("all"))
     with torch.no_grad():
         expected = [reference(**x).sample for x in calls]
     rows = []
     for config in configs:
-        model = parallelize(tiny_transformer("dit", layers=4), config, RankMesh(config), cache=StepCache(threshold))
+        model = parallelize(tiny_transformer(family, layers=4), config, RankMesh(config), cache=StepCache(threshold))
         with torch.no_grad():
             outs = [model(**x).sample for x in calls]
         error = max((o - e).abs().max().item() for o, e in zip(outs, expected))
@@ -234,18 +234,15 @@ def _dit_calls(configs, threshold):
     return rows, max(e.abs().max().item() for e in expected)
 
 
-def test_dit_transformer_equals_diffusers_first_block_cache():
-    configs = [
-        ParallelConfig(ulysses=2),
-        ParallelConfig(ring=2),
-        ParallelConfig(cfg=2),
-        ParallelConfig(dp=2),
-        ParallelConfig(pipefusion=2, warmup_steps=STEPS),
-    ]
+@pytest.mark.parametrize("family", ["dit", "wan"])
+def test_transformer_without_recipe_equals_diffusers_first_block_cache(family):
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+    if family == "dit":
+        configs.append(ParallelConfig(pipefusion=2, warmup_steps=STEPS))
     skipped = []
-    for rank, (rows, largest) in enumerate(run_on_ranks(_dit_calls, 2, configs, 0.05, timeout_s=300)):
+    for rank, (rows, largest) in enumerate(run_on_ranks(_transformer_calls, 2, family, configs, 0.05, timeout_s=300)):
         for row in rows:
-            assert row["error"] <= 1e-4 * max(1.0, largest), f"DiT {row['config']} rank {rank}: {row['error']:.3g}"
+            assert row["error"] <= 1e-4 * max(1.0, largest), f"{family} {row['config']} rank {rank}: {row['error']:.3g}"
             skipped.append(tuple(row["skips"]))
     assert len(set(skipped)) == 1 and any(skipped[0]) and not all(skipped[0][1:]), skipped
 

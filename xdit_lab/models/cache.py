@@ -42,7 +42,7 @@ from .. import comm
 from ..mesh import WORLD
 
 METHODS = ("first_block",)
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # in the forward's order
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")  # in the forward's order (Wan: blocks)
 
 
 @dataclass(frozen=True)

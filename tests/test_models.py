@@ -12,7 +12,7 @@ from xdit_lab.models import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "cogvideox", "wan", "dit"]
 CASES = [  # (name, latent height, width, text length, batch)
     ("even", 8, 8, 8, 4),
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1
@@ -146,6 +146,18 @@ def _per_token_timestep():
         return str(error)
 
 
-def test_wan_timestep_per_token_is_refused_under_sequence_parallelism():
+def _flux2_reference_cache():
+    model = parallelize(tiny_transformer("flux2"), ParallelConfig(ulysses=2))
+    try:
+        with torch.no_grad():
+            model(**tiny_inputs("flux2", 2), kv_cache_mode="extract", num_ref_tokens=4)
+    except NotImplementedError as error:
+        return str(error)
+
+
+def test_what_sequence_parallelism_cannot_split_yet_is_refused_by_name():
+    """Wan 2.2's timestep per token, Flux.2's reference-image K/V cache: refused, not run on shards."""
     for message in run_on_ranks(_per_token_timestep, 2, timeout_s=120):
         assert message and "timestep per token" in message and "cfg and dp only" in message, message
+    for message in run_on_ranks(_flux2_reference_cache, 2, timeout_s=120):
+        assert message and "kv_cache_mode" in message and "cfg and dp only" in message, message

@@ -13,7 +13,7 @@ test_sd3_threshold_zero_and_agreed_skips.)"""
 import pytest
 import torch
 
-from xdit_lab import ParallelConfig, RankMesh, StepCache, load_pipeline
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
 from xdit_lab.models import parallel_state
 from xdit_lab.testing import RankFailure, run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
@@ -234,7 +234,7 @@ def _transformer_calls(family, configs, threshold):
     return rows, max(e.abs().max().item() for e in expected)
 
 
-@pytest.mark.parametrize("family", ["dit", "wan"])
+@pytest.mark.parametrize("family", ["dit", "wan"])  # Flux.2: diffusers' own cache raises, no reference
 def test_transformer_without_recipe_equals_diffusers_first_block_cache(family):
     configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
     if family == "dit":
@@ -372,3 +372,11 @@ def test_bytes_of_skipped_steps_equal_the_closed_form_and_the_view_draws_them(fo
     assert "skipped 2 of 3 steps" in fig._suptitle.get_text()
     fig.savefig(tmp_path / "cache.png", dpi=80)
     assert (tmp_path / "cache.png").stat().st_size > 1000
+
+
+def test_step_cache_without_a_reference_is_refused_by_name():
+    from xdit_lab import parallelize
+    from xdit_lab.tiny import tiny_transformer
+
+    with pytest.raises(ParallelConfigError, match="StepCache is not offered on Flux.2"):
+        parallelize(tiny_transformer("flux2"), ParallelConfig(), cache=StepCache(0.1))

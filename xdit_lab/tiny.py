@@ -65,6 +65,18 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
             axes_dims_rope=(4, 6, 6),
         )
         model = diffusers.FluxTransformer2DModel(**(config | overrides))
+    elif family == "flux2":  # modelled on diffusers' own test of Flux2Transformer2DModel
+        config = dict(
+            common,
+            patch_size=1,
+            in_channels=16,
+            num_single_layers=2,
+            joint_attention_dim=TEXT_DIM,
+            timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4),
+            guidance_embeds=False,
+        )
+        model = diffusers.Flux2Transformer2DModel(**(config | overrides))
     elif family == "cogvideox":
         config = dict(
             common,
@@ -98,7 +110,7 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
         config = dict(common, in_channels=4, out_channels=8, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
         model = diffusers.DiTTransformer2DModel(**(config | overrides))
     else:
-        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, cogvideox, wan or dit")
+        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, cogvideox, wan or dit")
     return model.eval()
 
 
@@ -142,6 +154,19 @@ def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8,
             timestep=timestep / 1000,
             img_ids=img_ids,
             txt_ids=torch.zeros(text_len, 3),
+        )
+    if family == "flux2":  # ids: (frame, row, column, layer) per token, as Flux.2's pipeline makes them
+        grid = torch.meshgrid(
+            torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), torch.zeros(1), indexing="ij"
+        )
+        txt_ids = torch.zeros(text_len, 4)
+        txt_ids[:, 3] = torch.arange(float(text_len))
+        return dict(
+            hidden_states=randn(batch, height * width, 16),
+            encoder_hidden_states=text,
+            timestep=timestep / 1000,
+            img_ids=torch.stack(grid, dim=-1).reshape(height * width, 4),
+            txt_ids=txt_ids,
         )
     if family == "cogvideox":
         return dict(

@@ -5,7 +5,7 @@ copied: diffusers' model runs unchanged and hooks.py takes over at the places na
 Attention kinds (matched on the module's qualified name):
     self        image tokens only: sequence-parallel
     cross       image queries, text keys/values (PixArt): local, no communication
-    joint_first text tokens before image tokens in q/k/v (Flux, CogVideoX)
+    joint_first text tokens before image tokens in q/k/v (Flux, Flux.2, CogVideoX)
     joint_last  text tokens after image tokens (SD3)
 Wan's cross-attention (text, and for image-to-video the image context) is cross: it moves nothing.
 """
@@ -33,10 +33,12 @@ class FamilyAdapter:
     grid_at_shard: bool = False  # Wan: shard_at gives [B, C, F, H, W]; its tokens are the flattened grid
     rotary_at: str | None = None  # Flux: pos_embed gives (cos, sin) rows for [text; image]
     rotary_image_only: bool = False  # Wan: rope gives (cos, sin) [1, S, 1, D], image tokens only
-    rotary_kwarg: str | None = None  # CogVideoX: forward kwarg with the image rotary tables
+    image_rows_kwarg: str | None = None  # a forward argument with one row per image token (dim -2):
+    # CogVideoX's rotary tables (a tuple), Flux.2's img_ids
     unbatched: tuple = ()  # forward arguments without a batch dimension
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     supports: frozenset = frozenset(DEGREES) - {PIPEFUSION}  # degrees that may be above 1
+    step_cache: bool = True  # StepCache checked against diffusers' First-Block Cache on this family
 
     def attention_kind(self, qualified_name: str) -> str | None:
         for pattern, kind in self.attention.items():
@@ -89,13 +91,26 @@ FAMILIES = {
             unbatched=("img_ids", "txt_ids"),
         ),
         FamilyAdapter(
+            "Flux.2",
+            "Flux2Transformer2DModel",
+            shard_at="x_embedder",
+            gather_at="proj_out",
+            attention={
+                r"^transformer_blocks\.\d+\.attn$": "joint_first",
+                r"^single_transformer_blocks\.\d+\.attn$": "joint_first",
+            },
+            image_rows_kwarg="img_ids",  # its rotary tables are computed from them, text ids apart
+            unbatched=("img_ids", "txt_ids"),
+            step_cache=False,  # diffusers' First-Block Cache raises on it: no reference to check against
+        ),
+        FamilyAdapter(
             "CogVideoX",
             "CogVideoXTransformer3DModel",
             shard_at="patch_embed",
             gather_at="proj_out",
             attention={r"\.attn1$": "joint_first"},
             text_before_image_at_shard=True,
-            rotary_kwarg="image_rotary_emb",
+            image_rows_kwarg="image_rotary_emb",
             unbatched=("image_rotary_emb",),
         ),
         FamilyAdapter(

@@ -29,18 +29,25 @@ class SequenceShards:
         self.shard_range = None  # (start, stop) of this rank's image tokens in the last forward
 
     def forward(self, run, bound):
-        """One pass of the model's forward; rotary tables given as an argument (CogVideoX) hold image
-        rows only, so this rank's rows are kept before the forward sees them."""
-        kwarg = self.state.adapter.rotary_kwarg
-        tables = bound.arguments.get(kwarg) if kwarg else None
+        """One pass of the model's forward. An argument with one row per image token (CogVideoX's
+        rotary tables, Flux.2's img_ids) keeps this rank's rows before the forward sees it."""
+        kwarg = self.state.adapter.image_rows_kwarg
+        rows = bound.arguments.get(kwarg) if kwarg else None
+        if self.mesh.group_size(SP) > 1 and bound.arguments.get("kv_cache_mode") is not None:
+            raise NotImplementedError(
+                "Flux.2's reference-image K/V cache (kv_cache_mode) is not sequence-parallel yet; "
+                "run it under cfg and dp only (ulysses = ring = 1)"
+            )
         timestep = bound.arguments.get("timestep")
         if self.mesh.group_size(SP) > 1 and isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
             raise NotImplementedError(
                 f"a timestep per token (shape {tuple(timestep.shape)}, e.g. Wan 2.2 TI2V) is not sequence-parallel "
                 f"yet: its embedding would need the tokens' shards; run it under cfg and dp only (ulysses = ring = 1)"
             )
-        if tables is not None:
-            bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=0) for t in tables)
+        if isinstance(rows, tuple):
+            bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=t.dim() - 2) for t in rows)
+        elif rows is not None:
+            bound.arguments[kwarg] = self._take_image_shard(rows, dim=rows.dim() - 2)
         return run()
 
     def reset(self) -> None:

@@ -137,37 +137,22 @@ def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8,
             pooled_projections=randn(batch, TEXT_DIM),
             timestep=timestep,
         )
-    if family == "flux":
-        tokens = height * width
-        img_ids = (
-            torch.stack(
-                torch.meshgrid(torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), indexing="ij"),
-                dim=-1,
-            )
-            .reshape(tokens, 3)
-            .float()
-        )
-        return dict(
-            hidden_states=randn(batch, tokens, 16),
-            encoder_hidden_states=text,
-            pooled_projections=randn(batch, TEXT_DIM),
-            timestep=timestep / 1000,
-            img_ids=img_ids,
-            txt_ids=torch.zeros(text_len, 3),
-        )
-    if family == "flux2":  # ids: (frame, row, column, layer) per token, as Flux.2's pipeline makes them
+    if family in ("flux", "flux2"):  # ids per token: (0, row, column), Flux.2's with a 4th axis (text: its index)
+        axes = 3 if family == "flux" else 4
         grid = torch.meshgrid(
-            torch.zeros(1), torch.arange(float(height)), torch.arange(float(width)), torch.zeros(1), indexing="ij"
+            torch.zeros(1),
+            torch.arange(float(height)),
+            torch.arange(float(width)),
+            *[torch.zeros(1)] * (axes - 3),
+            indexing="ij",
         )
-        txt_ids = torch.zeros(text_len, 4)
-        txt_ids[:, 3] = torch.arange(float(text_len))
-        return dict(
-            hidden_states=randn(batch, height * width, 16),
-            encoder_hidden_states=text,
-            timestep=timestep / 1000,
-            img_ids=torch.stack(grid, dim=-1).reshape(height * width, 4),
-            txt_ids=txt_ids,
-        )
+        txt_ids = torch.zeros(text_len, axes)
+        txt_ids[:, 3:] = torch.arange(float(text_len))[:, None]
+        inputs = dict(hidden_states=randn(batch, height * width, 16), encoder_hidden_states=text)
+        if family == "flux":
+            inputs["pooled_projections"] = randn(batch, TEXT_DIM)
+        img_ids = torch.stack(grid, dim=-1).reshape(height * width, axes)
+        return dict(inputs, timestep=timestep / 1000, img_ids=img_ids, txt_ids=txt_ids)
     if family == "cogvideox":
         return dict(
             hidden_states=randn(batch, 3, 4, height, width), encoder_hidden_states=text, timestep=timestep.long()

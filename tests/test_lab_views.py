@@ -273,3 +273,35 @@ def test_batch_rows_are_written_as_ranges():
 
     assert spans([3, 0, 1, 2, 7, 9, 10]) == "0–3, 7, 9–10" and spans([1, 1, 0, 0]) == "0–1"
     assert spans(range(10, 20)) == "10–19" and spans([5]) == "5" and spans([]) == "none"
+
+
+def _flux_two_steps(folder):
+    from xdit_lab.lab.summaries import rank_summary
+
+    pipe = load_pipeline(folder, ParallelConfig(pipefusion=2, **PF), progress=False)
+    session = pipe.session(["a cat"], seed=0, **dict(tiny_pipeline_kwargs("flux"), num_inference_steps=2))
+    return [rank_summary(session.step()) for _ in range(2)]
+
+
+def test_kv_age_view_on_flux_names_both_block_lists(tmp_path):
+    """Flux under PipeFusion 2: its 2 double-stream and 2 single-stream blocks are one stack of 4, so
+    stage 0 holds the double-stream ones and stage 1 the single-stream ones; the K/V-age view names
+    each stage's joint attention layers as the whole model does, in the forward's order, with the
+    ages its buffers recorded (patch 0 read patch 1's image K/V from the step before)."""
+    from xdit_lab.lab.views import draw_staleness
+
+    folder = save_tiny_pipeline("flux", tmp_path / "flux")
+    ranks = run_on_ranks(_flux_two_steps, 2, folder, timeout_s=240)
+    expected = [
+        [f"transformer_blocks.{i}.attn" for i in range(2)],
+        [f"single_transformer_blocks.{i}.attn" for i in range(2)],
+    ]
+    for rank, (warm, pipelined) in enumerate(ranks):
+        staleness = pipelined["staleness"]
+        assert staleness["layers"] == expected[rank]
+        for layer in staleness["layers"]:
+            assert staleness["written_step"][layer] == [1, 1]
+            assert staleness["read_age"][layer] == [[0, 1], [0, 0]]
+        assert warm["staleness"]["age"][expected[rank][0]] == [0, 0]
+    figure = draw_staleness([pipelined for _, pipelined in ranks])
+    assert len(figure.axes[0].images) == 1

@@ -1,11 +1,15 @@
 """PipeFusion: stages of blocks, patches, stale K/V; exact with warmup covering every step."""
 
+import functools
+
 import pytest
 import torch
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, parallelize
 from xdit_lab.lab.measure import compare_to_serial
+from xdit_lab.loading import load_stage_transformer
 from xdit_lab.models import parallel_state
+from xdit_lab.models.families import adapter_for
 from xdit_lab.sharding import patch_ranges, stage_ranges
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
@@ -13,11 +17,15 @@ from xdit_lab.tiny import tiny_inputs, tiny_transformer
 LAYERS, STEPS = 4, 3
 
 
+def _inputs(family, seed):
+    return tiny_inputs(family, 4, height=8, width=8, seed=seed, text_len=8 if family == "cogvideox" else 6)
+
+
 def _steps(config, family="pixart"):
     """STEPS transformer calls (one per diffusion step) with changing inputs, against serial."""
     model = tiny_transformer(family, layers=LAYERS)
-    whole_params = sum(p.numel() for p in model.transformer_blocks.parameters())
-    inputs = [tiny_inputs(family, 4, height=8, width=8, seed=s) for s in range(STEPS)]
+    per_block = [sum(p.numel() for p in block.parameters()) for block in adapter_for(model).blocks(model)]
+    inputs = [_inputs(family, s) for s in range(STEPS)]
     with torch.no_grad():
         reference = [model(**x).sample for x in inputs]
     model = parallelize(model, config)
@@ -37,8 +45,9 @@ def _steps(config, family="pixart"):
     return dict(
         rows=rows,
         staleness=stage.staleness(),
-        block_params=sum(p.numel() for p in model.transformer_blocks.parameters()),
-        whole=whole_params,
+        block_params=sum(p.numel() for block in adapter_for(model).blocks(model) for p in block.parameters()),
+        whole=sum(per_block),
+        per_block=per_block,
     )
 
 
@@ -434,3 +443,97 @@ def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
             for row in rows:
                 assert row["held"] > 0 and row["planned"] == row["held"], f"{row['config']} rank {rank}: {row}"
                 assert row["one"] > 0 and row["at_load"] == row["one"], f"{row['config']} rank {rank}: {row}"
+
+
+# ---- joint-attention families: the text states travel with every patch --------------------------------------
+# SD3, Flux and CogVideoX change their text tokens in every block: a stage hands the next one the text
+# states its blocks produced with each patch; rotary rows follow the patches. Each world size is one spawned
+# run over every family and configuration (CI time).
+
+JOINT = ("sd3", "flux", "cogvideox")
+JOINT_STAGES = {"sd3": [(0, 2), (2, 4)], "flux": [(0, 3), (3, 6)], "cogvideox": [(0, 2), (2, 4)]}  # Flux: 4 + 2
+JOINT_CONFIGS = {
+    2: [ParallelConfig(pipefusion=2), ParallelConfig(pipefusion=2, num_patches=4)],
+    4: [
+        ParallelConfig(pipefusion=2, ulysses=2),
+        ParallelConfig(pipefusion=2, ring=2),
+        ParallelConfig(pipefusion=2, cfg=2),  # not Flux: its pipeline has no CFG batch
+    ],
+}
+
+
+def _joint(world_size):
+    runs = []
+    for family in JOINT:
+        for config in JOINT_CONFIGS[world_size]:
+            if family == "flux" and config.cfg > 1:
+                continue
+            for warmup in (STEPS, 1) if world_size == 2 else (STEPS,):  # 1: stale steps after the first
+                config = config.replace(warmup_steps=warmup)
+                runs.append(dict(_steps(config, family), family=family, config=config))
+    return runs
+
+
+@functools.cache
+def _joint_ranks(world_size):
+    return run_on_ranks(_joint, world_size, world_size, timeout_s=600)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_joint_families_equal_serial_when_every_step_warms_up(world_size):
+    """pf2, pf2 with 4 patches, pf2·u2, pf2·r2, pf2·cfg2: every step within 1e-4 of diffusers' serial
+    forward, traffic in every group above 1, and each stage holds exactly its own blocks (Flux's
+    double-stream blocks are larger than its single-stream ones, so "half" is of the stack, by block)."""
+    for rank, runs in enumerate(_joint_ranks(world_size)):
+        exact = [r for r in runs if r["config"].warmup_steps == STEPS]
+        assert len(exact) == {2: 6, 4: 8}[world_size]  # families × configurations (Flux without cfg)
+        for run in exact:
+            config = run["config"]
+            where = f"{run['family']} {config.short()} patches {config.patches} rank {rank}"
+            for step, row in enumerate(run["rows"]):
+                assert row["error"] <= row["bound"], f"{where} step {step}: {row['error']:.3g}"
+                moved = {r["group"] for r in row["records"] if r["bytes"]}
+                assert {g for g in ("ulysses", "ring", "pipefusion", "cfg") if getattr(config, g) > 1} <= moved, where
+            stage = rank // (config.ulysses * config.ring) % 2  # ulysses varies fastest, then ring, then pipefusion
+            start, stop = JOINT_STAGES[run["family"]][stage]
+            assert run["block_params"] == sum(run["per_block"][start:stop]), where
+
+
+def test_joint_stale_steps_deviate_and_hand_text_with_every_patch():
+    """Warmup 1: the first step is exact, later steps read one-step-old image K/V and move away from
+    serial (staleness is measured, not hidden). Stage 0 sends, per patch run, the patch's image tokens
+    and the whole text: B × (S + runs × T) × hidden × 4 bytes per step, in 2 messages per run."""
+    batch, hidden = 4, 4 * 16
+    image = {"sd3": 16, "flux": 64, "cogvideox": 3 * 16}  # tokens of an 8 × 8 latent: SD3, CogVideoX patchify 2 × 2
+    text = {"sd3": 6, "flux": 6, "cogvideox": 8}
+    for rank, runs in enumerate(_joint_ranks(2)):
+        stale = [r for r in runs if r["config"].warmup_steps == 1]
+        assert len(stale) == 6
+        for run in stale:
+            family, config, rows = run["family"], run["config"], run["rows"]
+            where = f"{family} patches {config.patches} rank {rank}"
+            assert rows[0]["error"] <= rows[0]["bound"], where
+            assert all(row["error"] > row["bound"] for row in rows[1:]), where
+            for step, row in enumerate(rows):
+                sends = [r for r in row["records"] if r["group"] == "pipefusion" and r["op"] == "send"]
+                runs_per_step = 1 if step == 0 else config.patches
+                expected = batch * (image[family] + runs_per_step * text[family]) * hidden * 4
+                assert sum(r["bytes"] for r in sends) == (expected if rank == 0 else 0), f"{where} step {step}"
+                assert len(sends) == (2 * runs_per_step if rank == 0 else 0), where
+
+
+def test_a_stage_loads_only_its_blocks_of_both_flux_lists(tmp_path):
+    """load_stage_transformer on a saved Flux transformer: stage (3, 6) materialises double-stream
+    block 3 and both single-stream blocks, with the saved weights, named in its own lists."""
+    model = tiny_transformer("flux", layers=LAYERS)
+    model.save_pretrained(tmp_path)
+    stage = load_stage_transformer(tmp_path, "FluxTransformer2DModel", (3, 6), torch.float32)
+    assert (len(stage.transformer_blocks), len(stage.single_transformer_blocks)) == (1, 2)
+    pairs = [("transformer_blocks.0", "transformer_blocks.3")] + [
+        (f"single_transformer_blocks.{i}", f"single_transformer_blocks.{i}") for i in range(2)
+    ]
+    for mine, theirs in pairs:
+        theirs_params = dict(model.get_submodule(theirs).named_parameters())
+        for name, tensor in stage.get_submodule(mine).named_parameters():
+            assert torch.equal(tensor, theirs_params[name]), f"{mine}.{name}"
+    assert torch.equal(stage.x_embedder.weight, model.x_embedder.weight)

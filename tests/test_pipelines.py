@@ -14,12 +14,19 @@ from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 FAMILIES = ["pixart", "sd3", "flux", "cogvideox"]
 CONFIGS = {
     1: [ParallelConfig()],
-    2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)],
+    2: [
+        ParallelConfig(ulysses=2),
+        ParallelConfig(ring=2),
+        ParallelConfig(cfg=2),
+        ParallelConfig(dp=2),
+        ParallelConfig(pipefusion=2, warmup_steps=3),  # every step a warmup step: exact; stages load their blocks
+    ],
     4: [
         ParallelConfig(ulysses=2, ring=2),
         ParallelConfig(cfg=2, ulysses=2),
         ParallelConfig(dp=2, ring=2),
         ParallelConfig(cfg=2, dp=2),
+        ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=3),
     ],
 }
 PROMPTS, NEGATIVES = ["a red cat", "a blue dog"], ["", "a photo"]
@@ -77,7 +84,7 @@ def test_latents_equal_diffusers_pipeline(folders, family, world_size):
             assert row["shape"] == row["expected_shape"], where
             assert row["error"] <= row["bound"], f"{where}: {row['error']:.3g} > {row['bound']:.3g}"
             config = next(c for c in CONFIGS[world_size] if c.short() == row["config"])
-            expected_groups = {g for g in ("ulysses", "ring", "cfg", "dp") if getattr(config, g) > 1}
+            expected_groups = {g for g in ("ulysses", "ring", "pipefusion", "cfg", "dp") if getattr(config, g) > 1}
             assert expected_groups <= set(row["groups"]), where
 
 

@@ -160,7 +160,8 @@ def test_joint_families_equal_diffusers_first_block_cache(folders, family):
     uses_cfg = family == "cogvideox"
     configs = {
         2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
-        + ([ParallelConfig(cfg=2)] if uses_cfg else []),
+        + ([ParallelConfig(cfg=2)] if uses_cfg else [])
+        + [ParallelConfig(pipefusion=2, num_patches=4, warmup_steps=STEPS)],  # text handed over per patch
         4: [
             ParallelConfig(ulysses=2, ring=2),
             ParallelConfig(cfg=2, ulysses=2) if uses_cfg else ParallelConfig(dp=2, ulysses=2),
@@ -188,7 +189,13 @@ def test_sd3_threshold_zero_and_agreed_skips(folders):
     of); ours handles it. Threshold 0 equals diffusers without a cache; at a threshold that skips,
     every strategy (USP and cfg 2 × ulysses 2 on 4 ranks too) skips the steps the serial run skips,
     with latents within 1e-4 of it."""
-    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+    configs = [
+        ParallelConfig(ulysses=2),
+        ParallelConfig(ring=2),
+        ParallelConfig(cfg=2),
+        ParallelConfig(dp=2),
+        ParallelConfig(pipefusion=2, num_patches=4, warmup_steps=STEPS),
+    ]
     per_rank = run_on_ranks(_against_diffusers, 2, folders["sd3"], "sd3", configs, 0.0, timeout_s=300)
     _check(per_rank, configs, "sd3", skipping=False)
     (serial,) = run_on_ranks(_ours, 1, folders["sd3"], "sd3", [ParallelConfig()], THRESHOLDS["sd3"])

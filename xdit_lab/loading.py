@@ -8,7 +8,6 @@ plain file reads at the byte ranges the header gives.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -53,26 +52,32 @@ def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
 
 
 def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype):
-    """The diffusers transformer in `folder` with only blocks [start, stop) materialised."""
+    """The diffusers transformer in `folder` with only its stacked blocks [start, stop) materialised
+    (Flux's stack: its double-stream blocks, then its single-stream ones)."""
     import diffusers
     from accelerate import init_empty_weights
 
+    from .models.families import FAMILIES
+
     cls = getattr(diffusers, class_name)
+    adapter = FAMILIES[class_name]
     with init_empty_weights():
         model = cls.from_config(cls.load_config(folder))
-    total = len(model.transformer_blocks)
+    total = adapter.num_blocks(model.config)
     start, stop = stage_blocks
-    model.transformer_blocks = torch.nn.ModuleList(list(model.transformer_blocks)[start:stop])
-    block_key = re.compile(r"^transformer_blocks\.(\d+)\.(.*)$")
+    # a kept block's name in the model -> its name in this stage
+    renamed = {whole: mine for mine, whole in adapter.stage_block_names(model.config, start, stop).items()}
+    adapter.keep_blocks(model, start, stop)
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
         wanted = {}
         for key in read_safetensors_header(file):
-            match = block_key.match(key)
-            if match is None:
+            index = adapter.block_index(key, model.config)
+            if index is None:
                 wanted[key] = key
-            elif start <= int(match.group(1)) < stop:
-                wanted[key] = f"transformer_blocks.{int(match.group(1)) - start}.{match.group(2)}"
+            elif start <= index < stop:
+                block_list, position, rest = key.split(".", 2)
+                wanted[key] = f"{renamed[f'{block_list}.{position}']}.{rest}"
         for key, tensor in read_tensors(file, list(wanted)).items():
             state[wanted[key]] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

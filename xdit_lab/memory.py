@@ -12,13 +12,13 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .models.families import block_index
 from .sharding import stage_ranges
 
 DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
@@ -99,9 +99,6 @@ class MemoryPlan:
         return "\n".join(lines + [f"  ({note})" for note in self.notes])
 
 
-BLOCK_KEY = re.compile(r"^transformer_blocks\.(\d+)\.")  # the blocks PipeFusion splits (PixArt, DiT)
-
-
 def component_tensor_bytes(folder: Path, dtype: torch.dtype | None) -> dict[str, int]:
     """Bytes of every tensor in a component folder's safetensors, as loaded in `dtype`, from the headers alone."""
     return {
@@ -111,14 +108,15 @@ def component_tensor_bytes(folder: Path, dtype: torch.dtype | None) -> dict[str,
     }
 
 
-def block_bytes(tensors: dict[str, int]) -> tuple[dict[int, int], int]:
-    """A transformer's tensor bytes split into {block index: bytes} and the bytes outside the blocks."""
+def block_bytes(tensors: dict[str, int], transformer_config: dict) -> tuple[dict[int, int], int]:
+    """A transformer's tensor bytes split into {stacked block index: bytes} and the bytes outside the
+    blocks (its config names the family, whose adapter names the block lists)."""
     blocks: dict[int, int] = {}
     shared = 0
     for key, size in tensors.items():
-        match = BLOCK_KEY.match(key)
-        if match:
-            blocks[int(match.group(1))] = blocks.get(int(match.group(1)), 0) + size
+        index = block_index(transformer_config, key)
+        if index is not None:
+            blocks[index] = blocks.get(index, 0) + size
         else:
             shared += size
     return blocks, shared
@@ -149,11 +147,12 @@ def plan_memory(
         tensors = component_tensor_bytes(folder / name, dtype)
         whole[name] = per_rank[name] = sum(tensors.values())
         if name == "transformer":
-            blocks, shared = block_bytes(tensors)
+            config = json.loads((folder / name / "config.json").read_text())
+            blocks, shared = block_bytes(tensors, config)
             if blocks:
                 transformer_blocks = (shared, [blocks.get(i, 0) for i in range(max(blocks) + 1)])
             if pipefusion > 1:
-                per_rank[name] = _largest_stage_bytes(tensors, pipefusion, stage_split)
+                per_rank[name] = _largest_stage_bytes(blocks, shared, pipefusion, stage_split)
     plan = MemoryPlan(whole, per_rank, ranks_per_host)
     plan.transformer_blocks = transformer_blocks
     if stale_kv is not None and decode_latent is not None and pipefusion > 1 and "transformer" in components:
@@ -181,21 +180,27 @@ def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtyp
     """The largest stage's stale K/V buffers, from the transformer's config and header: its
     self-attention layers (the family adapter's names), heads, patches and this rank's rows."""
     from .models.families import FAMILIES
-    from .models.pipefusion import stale_kv_bytes
+    from .models.pipefusion import STALE_KINDS, patch_grid, stale_kv_bytes
 
     config, rows = stale_kv
     model = json.loads((folder / "transformer" / "config.json").read_text())
     adapter = FAMILIES.get(model.get("_class_name"))
     if adapter is None:
         return None
-    per_block = collections.Counter(  # self-attention modules (named by their K projection) per block
-        int(BLOCK_KEY.match(key).group(1))
+    per_block = collections.Counter(  # attention modules with stale K/V (named by their K projection) per block
+        adapter.block_index(key, model)
         for key in component_tensor_bytes(folder / "transformer", dtype)
         if key.endswith(".to_k.weight")
-        and BLOCK_KEY.match(key)
-        and adapter.attention_kind(key.removesuffix(".to_k.weight")) == "self"
+        and adapter.block_index(key, model) is not None
+        and adapter.attention_kind(key.removesuffix(".to_k.weight")) in STALE_KINDS
     )
-    grid = tuple(side // (model.get("patch_size") or 1) for side in latent)
+    if adapter.latent_layout == "frames":
+        return None  # a video's frames are not known before the call; memory_plan_for does not plan them either
+    if adapter.latent_layout == "tokens":  # FluxPipeline packs 2 × 2 latent pixels into one token
+        grid = tuple(side // 2 for side in latent)
+    else:
+        grid = tuple(side // (model.get("patch_size") or 1) for side in latent)
+    grid = patch_grid(adapter, grid)
     if grid[0] < config.patches:
         return None  # the default size cannot be cut into these patches; the call is refused later
     return max(
@@ -211,7 +216,7 @@ def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtyp
             ring_rank=ring_rank,
             element_bytes=_float_bytes(folder / "transformer", dtype),
         )
-        for start, stop in stage_ranges(model["num_layers"], config.pipefusion, stage_split)
+        for start, stop in stage_ranges(adapter.num_blocks(model), config.pipefusion, stage_split)
         for ring_rank in range(config.ring)
     )
 
@@ -276,8 +281,7 @@ def decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *, ban
     return batch * (held + max(peaks)) * element_bytes
 
 
-def _largest_stage_bytes(tensors: dict[str, int], stages: int, stage_split: list[int] | None) -> int:
-    blocks, shared = block_bytes(tensors)
+def _largest_stage_bytes(blocks: dict[int, int], shared: int, stages: int, stage_split: list[int] | None) -> int:
     if len(blocks) < stages:  # not a layout PipeFusion can split; load_pipeline refuses it later
         return shared + sum(blocks.values())
     ranges = stage_ranges(len(blocks), stages, stage_split)

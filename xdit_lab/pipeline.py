@@ -31,6 +31,7 @@ from .loading import load_stage_transformer
 from .memory import MemoryPlan, check_plan, plan_memory
 from .mesh import CFG, DP, PIPEFUSION, RankMesh
 from .models import PipeFusionStage, StepCache, compile_problems, parallel_state, parallelize
+from .models.families import FAMILIES
 from .pipelines import recipe_for
 from .pipelines.base import Request
 from .session import DenoiseSession
@@ -170,7 +171,8 @@ def load_pipeline(
         if config.pipefusion > 1 and "transformer" in components:
             # a stage materialises only its own blocks (plus embeddings and output layers)
             transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
-            stages = stage_ranges(transformer_config["num_layers"], config.pipefusion, stage_split)
+            adapter = FAMILIES[index["transformer"][1]]
+            stages = stage_ranges(adapter.num_blocks(transformer_config), config.pipefusion, stage_split)
             blocks = stages[mesh.coords[PIPEFUSION]]
             from_pretrained_kwargs["transformer"] = load_stage_transformer(
                 folder / "transformer", index["transformer"][1], blocks, torch_dtype
@@ -350,21 +352,19 @@ class ParallelPipeline:
         multiple, default = self.recipe.size_multiple(inner)
         height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
         guidance = defaults["guidance_scale"] if guidance_scale is None else guidance_scale
-        mesh = self.mesh
-        start, stop, _ = batch_rows(  # this rank's rows, as the forward splits them
-            prompts * (2 if guidance > 1 else 1),
-            self.config.cfg,
-            self.config.dp,
-            mesh.group_rank(CFG),
-            mesh.group_rank(DP),
-        )
+        coords = self.mesh.group_rank(CFG), self.mesh.group_rank(DP)
+        total = prompts * (2 if guidance > 1 else 1)
+        start, stop, _ = batch_rows(total, self.config.cfg, self.config.dp, *coords)  # as the forward splits them
         rows = stop - start
         kv = state.strategy.planned_buffer_bytes(inner.transformer, rows, (height // multiple, width // multiple))
-        plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
         plan.notes = [note for note in plan.notes if not note.startswith("stale K/V")]
-        plan.notes.append(
-            f"stale K/V: PipeFusion's buffers for {prompts} prompt(s) at {height}×{width}, {rows} row(s) on this rank"
-        )
+        if kv is None:  # a video: its buffers grow with frames, which the request's size does not say
+            plan.notes.append("stale K/V: not planned for a video")
+        else:
+            plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
+            plan.notes.append(
+                f"stale K/V: PipeFusion's buffers for {prompts} prompt(s) at {height}×{width}, {rows} row(s) on this rank"
+            )
         return plan
 
     def check_size(self, request: Request) -> None:

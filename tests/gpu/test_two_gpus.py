@@ -39,8 +39,7 @@ def serial(tmp_path_factory):
     return root, folders, references
 
 
-CASES = [("pixart", s) for s in STRATEGIES] + [("flux", s) for s in STRATEGIES if s != "pipefusion2"]  # PipeFusion:
-# PixArt and DiT so far (the adapters that support pipefusion, models/families.py)
+CASES = [("pixart", s) for s in STRATEGIES] + [("flux", s) for s in STRATEGIES]
 
 
 @pytest.mark.parametrize("family,strategy", CASES, ids=[f"{f}-{s}" for f, s in CASES])

@@ -45,10 +45,11 @@ def model_shape(state: dict, height, width) -> dict:
     height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
+    adapter = parallel_state(inner.transformer).adapter
     return dict(
-        family=parallel_state(inner.transformer).adapter.family,
+        family=adapter.family,
         num_heads=config["num_attention_heads"],
-        num_layers=config["num_layers"],
+        num_layers=adapter.num_blocks(config),  # every block list PipeFusion cuts (Flux: double and single)
         rows=height // multiple,
         cols=width // multiple,
         guidance_scale=defaults["guidance_scale"],

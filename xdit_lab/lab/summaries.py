@@ -205,11 +205,9 @@ def _staleness(stage) -> dict:
     info = stage.staleness()
     last = info["step"] - 1  # the diffusion step the buffers were last used in
     patches = len(info["patches"] or [])
-    start = stage.blocks[0]
     written, ages, reads, pipelined = {}, {}, {}, False
-    for name, steps in sorted(info["written_step"].items(), key=lambda kv: _global_name(kv[0], start)):
+    for name, steps in info["written_step"].items():  # in the forward's order, named as in the whole model
         record = info["reads"][name]
-        name = _global_name(name, start)
         matrix = [[None] * patches for _ in range(patches)]
         for step, active, read_steps in record:
             for q in active:
@@ -229,14 +227,6 @@ def _staleness(stage) -> dict:
         read_age=reads,
         buffer=info["buffer"],
     )
-
-
-def _global_name(name: str, start: int) -> str:
-    """A stage numbers its blocks from 0: name them as the whole model does (block start + i)."""
-    parts = name.split(".")
-    if len(parts) > 1 and parts[0] == "transformer_blocks" and parts[1].isdigit():
-        parts[1] = str(start + int(parts[1]))
-    return ".".join(parts)
 
 
 def _tensor_bytes(value) -> int:

@@ -16,6 +16,7 @@ Nothing here owns any math: loading is the package's own load_pipeline.
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ def header_block_bytes(folder, component: str = "transformer", dtype: torch.dtyp
     from ..memory import block_bytes, component_tensor_bytes
 
     tensors = component_tensor_bytes(Path(folder) / component, dtype)
-    blocks, _ = block_bytes(tensors)
+    blocks, _ = block_bytes(tensors, json.loads((Path(folder) / component / "config.json").read_text()))
     return dict(
         component_bytes=sum(tensors.values()),
         block_bytes=sum(blocks.values()),

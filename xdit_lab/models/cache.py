@@ -40,9 +40,9 @@ import torch
 
 from .. import comm
 from ..mesh import WORLD
+from .families import block_metadata
 
 METHODS = ("first_block",)
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")  # in the forward's order (Wan: blocks)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class FirstBlockCache:
 
     def __init__(self, settings: StepCache, state, blocks: list, holds_first_block: bool):
         self.settings, self.state = settings, state
-        meta = [_block_metadata(block) for block in blocks]
+        meta = [block_metadata(block) for block in blocks]
         if holds_first_block:
             _wrap(blocks[0], functools.partial(self._first, meta[0]))
             blocks, meta = blocks[1:], meta[1:]
@@ -206,22 +206,10 @@ class FirstBlockCache:
 
 def apply_step_cache(transformer, state, settings: StepCache) -> FirstBlockCache:
     """Wrap the blocks of a module that parallelize has set up (a PipeFusion stage holds some)."""
-    blocks = [block for name in BLOCK_LISTS for block in getattr(transformer, name, [])]
+    blocks = state.adapter.blocks(transformer)
     if not blocks:
         raise TypeError(f"StepCache found no transformer blocks in {type(transformer).__name__}")
     return FirstBlockCache(settings, state, blocks, holds_first_block=state.mesh.is_first_stage)
-
-
-def _block_metadata(block):
-    from diffusers.hooks._helpers import TransformerBlockRegistry
-
-    try:
-        return TransformerBlockRegistry.get(type(block))
-    except ValueError:
-        raise TypeError(
-            f"StepCache does not know where {type(block).__name__} returns its hidden states "
-            f"(diffusers' TransformerBlockRegistry has no entry for it)"
-        ) from None
 
 
 def _hidden(meta, output):

@@ -16,6 +16,8 @@ import functools
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 from ..config import DEGREES
 from ..mesh import PIPEFUSION
 
@@ -39,12 +41,80 @@ class FamilyAdapter:
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     supports: frozenset = frozenset(DEGREES) - {PIPEFUSION}  # degrees that may be above 1
     step_cache: bool = True  # StepCache checked against diffusers' First-Block Cache on this family
+    # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
+    block_lists: tuple = ("transformer_blocks",)
+    block_counts: tuple = ("num_layers",)  # the config key holding each list's length
+    latent_layout: str = "image"  # hidden_states: "image" [B, C, H, W], "tokens" [B, S, C], "frames" [B, F, C, H, W]
 
     def attention_kind(self, qualified_name: str) -> str | None:
         for pattern, kind in self.attention.items():
             if re.search(pattern, qualified_name):
                 return kind
         return None
+
+    def num_blocks(self, model_config) -> int:
+        """Blocks PipeFusion can cut (every list of them, counted from the model's config)."""
+        return sum(model_config.get(key) or 0 for key in self.block_counts)
+
+    def block_names(self, model_config) -> list[str]:
+        """The stacked blocks' qualified names, in the forward's order."""
+        return [
+            f"{name}.{i}"
+            for name, count in zip(self.block_lists, self.block_counts)
+            for i in range(model_config.get(count) or 0)
+        ]
+
+    def stage_block_names(self, model_config, start: int, stop: int) -> dict[str, str]:
+        """{name in a stage holding stacked blocks [start, stop): name in the whole model}, e.g. Flux's
+        stage (3, 6) of 4 + 2 blocks: transformer_blocks.0 is the model's transformer_blocks.3."""
+        names, kept = {}, {}
+        for name in self.block_names(model_config)[start:stop]:
+            block_list = name.rsplit(".", 1)[0]
+            names[f"{block_list}.{kept.setdefault(block_list, 0)}"] = name
+            kept[block_list] += 1
+        return names
+
+    def block_index(self, key: str, model_config) -> int | None:
+        """The stacked index of the block a parameter name belongs to ("single_transformer_blocks.2.x"
+        is block num_layers + 2 of Flux), or None outside the blocks."""
+        offset = 0
+        for name, count in zip(self.block_lists, self.block_counts):
+            match = re.match(rf"^{name}\.(\d+)\.", key)
+            if match:
+                return offset + int(match.group(1))
+            offset += model_config.get(count) or 0
+        return None
+
+    def blocks(self, transformer) -> list:
+        """The model's blocks, every list of them in the forward's order (a stage: those it holds)."""
+        return [block for name in self.block_lists for block in getattr(transformer, name)]
+
+    def keep_blocks(self, transformer, start: int, stop: int) -> None:
+        """Keep stacked blocks [start, stop) in the model's lists (a list may end up empty)."""
+        offset = 0
+        for name in self.block_lists:
+            blocks = list(getattr(transformer, name))
+            first, last = max(start - offset, 0), max(min(stop - offset, len(blocks)), 0)
+            setattr(transformer, name, torch.nn.ModuleList(blocks[first:last]))
+            offset += len(blocks)
+
+    def token_grid(self, latents, model_config) -> tuple[int, int]:
+        """(rows, cols) of the image tokens in the order the model holds them; PipeFusion cuts its
+        patches as bands of rows. Packed tokens (Flux) are one column: a patch is a run of tokens."""
+        patch = model_config.get("patch_size") or 1
+        if self.latent_layout == "tokens":
+            return latents.shape[1], 1
+        rows = latents.shape[-2] // patch
+        if self.latent_layout == "frames":  # CogVideoX: frame-major, then rows
+            patch_t = model_config.get("patch_size_t") or 1
+            rows *= -(-latents.shape[1] // patch_t)
+        return rows, latents.shape[-1] // patch
+
+    def prediction_shape(self, latents, model_config) -> tuple[int, ...]:
+        """The shape of the model's output for `latents`: the latents with the output channels."""
+        channels = model_config.get("out_channels") or model_config.get("in_channels")
+        dim = {"image": 1, "tokens": 2, "frames": 2}[self.latent_layout]
+        return (*latents.shape[:dim], channels, *latents.shape[dim + 1 :])
 
     def problems(self, config) -> list[str]:
         """The degrees of `config` above 1 that this family cannot run, as sentences."""
@@ -54,6 +124,19 @@ class FamilyAdapter:
             for degree in DEGREES
             if getattr(config, degree) > 1 and degree not in self.supports
         ]
+
+
+def block_metadata(block):
+    """Where a block returns its image and text states: diffusers' own declaration of its blocks."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    try:
+        return TransformerBlockRegistry.get(type(block))
+    except ValueError:
+        raise TypeError(
+            f"xdit_lab does not know where {type(block).__name__} returns its hidden states "
+            f"(diffusers' TransformerBlockRegistry has no entry for it)"
+        ) from None
 
 
 def supporting(degree: str) -> list[str]:
@@ -77,6 +160,7 @@ FAMILIES = {
             shard_at="pos_embed",
             gather_at="proj_out",
             attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
+            supports=frozenset(DEGREES),
         ),
         FamilyAdapter(
             "Flux",
@@ -89,6 +173,10 @@ FAMILIES = {
             },
             rotary_at="pos_embed",
             unbatched=("img_ids", "txt_ids"),
+            block_lists=("transformer_blocks", "single_transformer_blocks"),
+            block_counts=("num_layers", "num_single_layers"),
+            latent_layout="tokens",
+            supports=frozenset(DEGREES),
         ),
         FamilyAdapter(
             "Flux.2",
@@ -101,6 +189,8 @@ FAMILIES = {
             },
             image_rows_kwarg="img_ids",  # its rotary tables are computed from them, text ids apart
             unbatched=("img_ids", "txt_ids"),
+            block_lists=("transformer_blocks", "single_transformer_blocks"),
+            block_counts=("num_layers", "num_single_layers"),
             step_cache=False,  # diffusers' First-Block Cache raises on it: no reference to check against
         ),
         FamilyAdapter(
@@ -112,6 +202,8 @@ FAMILIES = {
             text_before_image_at_shard=True,
             image_rows_kwarg="image_rotary_emb",
             unbatched=("image_rotary_emb",),
+            latent_layout="frames",
+            supports=frozenset(DEGREES),
         ),
         FamilyAdapter(
             "Wan",
@@ -122,6 +214,7 @@ FAMILIES = {
             grid_at_shard=True,
             rotary_at="rope",
             rotary_image_only=True,
+            block_lists=("blocks",),
         ),
         FamilyAdapter(
             "DiT",
@@ -133,6 +226,13 @@ FAMILIES = {
         ),
     )
 }
+
+
+def block_index(transformer_config: dict, key: str) -> int | None:
+    """The stacked block index of a tensor name in a transformer folder (None outside the blocks, or
+    for a class xdit_lab does not parallelize): Flux's double-stream blocks, then its single ones."""
+    adapter = FAMILIES.get(transformer_config.get("_class_name"))
+    return adapter.block_index(key, transformer_config) if adapter else None
 
 
 def adapter_named(family: str) -> FamilyAdapter:

@@ -219,6 +219,23 @@ class AttentionInterceptor(TorchFunctionMode):
         return self.state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths)
 
 
+def split_text(kind: str, text: int, query, key, value):
+    """((q, k, v) of the image tokens, (q, k, v) of the joint text tokens or None), by the module's kind:
+    text before the image (joint_first) or after it (joint_last)."""
+    if kind not in ("joint_first", "joint_last") or text == 0:
+        return (query, key, value), None
+    if kind == "joint_first":
+        return tuple(t[:, :, text:] for t in (query, key, value)), tuple(t[:, :, :text] for t in (query, key, value))
+    return tuple(t[:, :, :-text] for t in (query, key, value)), tuple(t[:, :, -text:] for t in (query, key, value))
+
+
+def join_text(kind: str, out, joint_out):
+    """The attention output in the module's own token order (split_text undone)."""
+    if joint_out is None:
+        return out
+    return torch.cat([joint_out, out] if kind == "joint_first" else [out, joint_out], dim=2)
+
+
 @torch.library.custom_op("xdit_lab::attend", mutates_args=())
 def _attend_op(
     query: torch.Tensor,

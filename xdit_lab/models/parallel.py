@@ -58,7 +58,7 @@ def parallelize(
     model_config = transformer.config
     config.validate(
         num_heads=model_config.get("num_attention_heads"),
-        num_layers=model_config.get("num_layers"),
+        num_layers=adapter.num_blocks(model_config),
         seq_len=image_tokens_at_default_size(transformer),
     )
     mesh = mesh or RankMesh(config)

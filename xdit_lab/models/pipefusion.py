@@ -27,7 +27,14 @@ for the whole image during warmup):
     previous stage's last patch. Now only patch i+1's receive precedes send i, and the
     previous stage sends patch i+1 while this one computes patch i. Buffers and messages are
     in the model's dtype on both sides.
-The last stage's noise prediction for the whole image is then broadcast to the other stages, so
+Joint-attention families (SD3, Flux, CogVideoX) also change their text tokens in every block, so
+a stage hands over two tensors per patch: the patch's image tokens and the text states its blocks
+produced for that patch (whole text, on every sp rank). Their joint attention keeps image K/V per
+patch like self-attention, and recomputes text K/V with each patch. The blocks are the adapter's
+stack (Flux: double-stream, then single-stream blocks), cut into stages as one list; rotary rows
+and per-token arguments (CogVideoX's rotary tables) follow the active patches.
+The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
+patch's forward unpatchifies the whole image. Its noise prediction is then broadcast to the other stages, so
 every rank steps the scheduler on the same values (multistep schedulers such as DPM-Solver need
 that). The pipeline drains at the end of each call, so `DenoiseSession.step()` is one diffusion
 step on every rank; the bubble is (N-1)/(M+N-1) of a step, smaller with more patches.
@@ -44,14 +51,18 @@ from .. import comm
 from ..attention.stale import StaleKV, stale_attention
 from ..mesh import PIPEFUSION, RING, SP, ULYSSES
 from ..sharding import PatchLayout, patch_ranges, stage_ranges
+from .families import block_metadata
+from .hooks import join_text, split_text
+
+STALE_KINDS = ("self", "joint_first", "joint_last")  # attention whose image K/V a stage keeps per patch
 
 
 class _StageDone(Exception):
     """Raised after a non-last stage's last block: the rest of the forward belongs to later stages."""
 
-    def __init__(self, hidden):
+    def __init__(self, hidden, text):
         super().__init__("stage done")
-        self.hidden = hidden
+        self.hidden, self.text = hidden, text
 
 
 class PipeFusionStage:
@@ -67,57 +78,65 @@ class PipeFusionStage:
         self.state, self.mesh, self.config = state, state.mesh, config
         self.blocks = blocks  # [start, stop) of the model's blocks held here
         self.dtype = dtype  # of the activations a stage hands over (the model's)
+        self.model_config = model_config
         self.hidden_size = model_config.num_attention_heads * model_config.attention_head_dim
-        self.patch = model_config.patch_size
-        self.out_channels = model_config.out_channels
         self.step = 0  # transformer calls since reset: the diffusion step
         self.layout = None
         self.grid = None
         self.buffers: dict[str, StaleKV] = {}
         self.active: list[int] = []
-        self.incoming = None
+        self.incoming = None  # (image, text) handed over by the previous stage for the running patch
+        self.output = None  # the whole image's output tokens of this step, filled patch by patch
+        self.first_block = self.last_block = None  # diffusers' metadata of the blocks held here
+        self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
 
     @classmethod
     def apply(cls, transformer, state, config, stage_split=None) -> PipeFusionStage:
         """Keep this stage's blocks of `transformer` (drop the others, unless it was loaded as a stage)
         and hook its first and last block to receive and hand over activations."""
-        mesh = state.mesh
+        mesh, adapter = state.mesh, state.adapter
         stage_index = mesh.coords[PIPEFUSION]
-        start, stop = stage_ranges(transformer.config.num_layers, config.pipefusion, stage_split)[stage_index]
+        total = adapter.num_blocks(transformer.config)
+        start, stop = stage_ranges(total, config.pipefusion, stage_split)[stage_index]
         loaded = getattr(transformer, "_xdit_lab_stage_blocks", None)
         block_0 = None
         if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
-            blocks = list(transformer.transformer_blocks)
-            block_0 = blocks[0]
-            transformer.transformer_blocks = torch.nn.ModuleList(blocks[start:stop])
-            del blocks
+            block_0 = adapter.blocks(transformer)[0]
+            adapter.keep_blocks(transformer, start, stop)
         elif loaded[:2] != (start, stop):
             raise ValueError(
                 f"this transformer holds blocks {loaded[:2]}, but stage {stage_index} of {config.pipefusion} runs "
                 f"blocks {(start, stop)}"
             )
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
-        if state.adapter.family == "DiT" and mesh.is_last_stage and start > 0:
+        if adapter.family == "DiT" and mesh.is_last_stage and start > 0:
             if block_0 is None:
                 raise ValueError(
                     "a DiT stage loaded without block 0 cannot condition its output layer; build the "
                     "transformer whole and let parallelize drop the other stages' blocks"
                 )
             _output_conditioning_from_block_0(transformer, block_0)
+        stage.block_names = adapter.stage_block_names(transformer.config, start, stop)
+        blocks = adapter.blocks(transformer)
+        stage.first_block, stage.last_block = block_metadata(blocks[0]), block_metadata(blocks[-1])
         if not mesh.is_first_stage:
-            transformer.transformer_blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
+            blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
         if not mesh.is_last_stage:
-            transformer.transformer_blocks[-1].register_forward_hook(stage._hand_over)
+            blocks[-1].register_forward_hook(stage._hand_over)
         return stage
 
-    def planned_buffer_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> int:
+    def planned_buffer_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> int | None:
         """Bytes of the K/V buffers this stage holds once a step ran with `rows` batch rows on this
-        rank and a token grid of `grid` (stale_kv_bytes, for the self-attention layers of its blocks)."""
+        rank and an image of `grid` tokens (stale_kv_bytes, for the attention layers of its blocks);
+        None for a video, whose frames the grid does not say."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
+        grid = patch_grid(self.state.adapter, grid)
+        if grid is None:
+            return None
         return stale_kv_bytes(
             layers=sum(
-                1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) == "self"
+                1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) in STALE_KINDS
             ),
             rows=rows,
             heads=config.num_attention_heads,
@@ -137,49 +156,59 @@ class PipeFusionStage:
     # ---- one diffusion step ----------------------------------------------------------------------------
     def forward(self, run, bound):
         """Every patch set through this stage's blocks; the last stage's prediction, broadcast."""
-        mesh, latents = self.mesh, bound.arguments["hidden_states"]
-        rows, cols = latents.shape[-2] // self.patch, latents.shape[-1] // self.patch
-        patch_sets = self._begin_step(rows, cols)
-        sp_rank = mesh.group_rank(SP)
+        mesh, latents, adapter = self.mesh, bound.arguments["hidden_states"], self.state.adapter
+        patch_sets = self._begin_step(*adapter.token_grid(latents, self.model_config))
+        sp_rank, batch = mesh.group_rank(SP), latents.shape[0]
+        text = bound.arguments.get("encoder_hidden_states")
+        # a stage hands over the text states its blocks changed (SD3, Flux, CogVideoX) with the patch
+        text_len = text.shape[1] if self.first_block.return_encoder_hidden_states_index is not None else 0
+        rows_kwarg = adapter.image_rows_kwarg
+        all_rows = bound.arguments.get(rows_kwarg) if rows_kwarg else None
 
-        def receive(active):  # patch activations from the previous stage, into a buffer of the model's dtype
+        def run_active():  # an argument with one row per image token keeps the active patches' rows
+            if all_rows is not None:
+                index = self._index("shard", latents.device)
+                bound.arguments[rows_kwarg] = (
+                    tuple(t.index_select(t.dim() - 2, index) for t in all_rows)
+                    if isinstance(all_rows, tuple)
+                    else all_rows.index_select(all_rows.dim() - 2, index)
+                )
+            return run()
+
+        def receive(active):  # the previous stage's activations, into buffers of the model's dtype
             tokens = sum(self.layout.chunk_len(p, sp_rank) for p in active)
-            buffer = latents.new_empty((latents.shape[0], tokens, self.hidden_size), dtype=self.dtype)
-            return buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)
+            image = latents.new_empty((batch, tokens, self.hidden_size), dtype=self.dtype)
+            text = latents.new_empty((batch, text_len, self.hidden_size), dtype=self.dtype) if text_len else None
+            buffers = [(t, mesh.pipeline_prev) for t in (image, text) if t is not None]
+            return (image, text), comm.exchange([], buffers, mesh, PIPEFUSION)
 
         cache = self.state.cache
         if cache is not None:  # one decision for the step before any patch moves (models/cache.py)
             if mesh.is_first_stage:
-                cache.first_pass(run, patch_sets, self._set_active)
+                cache.first_pass(run_active, patch_sets, self._set_active)
             cache.decide()
         receiving = None if mesh.is_first_stage else receive(patch_sets[0])
-        sends, noise = [], None
+        sends, output, self.output = [], None, None
         for i, active in enumerate(patch_sets):
             self.active = active
             if receiving is not None:
-                buffer, requests = receiving
+                incoming, requests = receiving
                 if i + 1 < len(patch_sets):  # one patch ahead, posted before this patch's send (see above)
                     receiving = receive(patch_sets[i + 1])
                 comm.wait(requests)
-                self.incoming = buffer
+                self.incoming = incoming
             try:
-                output = run()
-            except _StageDone as done:
-                hidden = done.hidden.to(self.dtype)  # what the next stage's buffer holds
-                sends += comm.exchange([(hidden, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="patch")
-                continue
-            sample = output[0] if isinstance(output, tuple) else output.sample
-            noise = sample if noise is None else noise
-            if len(active) == 1:  # keep this patch's rows of the prediction
-                first, last = self.layout.patches[active[0]]
-                band = slice(first // cols * self.patch, last // cols * self.patch)
-                noise[..., band, :] = sample[..., band, :]
+                output = run_active()
+            except _StageDone as done:  # in the dtype the next stage's buffers hold
+                handed = [(t.to(self.dtype), mesh.pipeline_next) for t in (done.hidden, done.text) if t is not None]
+                sends += comm.exchange(handed, [], mesh, PIPEFUSION, tag="patch")
         comm.wait(sends)
         if cache is not None:
             cache.end()
-        if noise is None:  # not the last stage: the prediction comes from there
-            noise = latents.new_empty((latents.shape[0], self.out_channels, *latents.shape[-2:]), dtype=self.dtype)
-        else:
+        if output is None:  # not the last stage: the prediction comes from there
+            noise = latents.new_empty(adapter.prediction_shape(latents, self.model_config), dtype=self.dtype)
+        else:  # the last patch's output: gather() filled one buffer with every patch's tokens
+            noise = output[0] if isinstance(output, tuple) else output.sample
             noise = noise.to(self.dtype)  # the broadcast's dtype, as the other stages allocated it
         comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
         self.step += 1
@@ -217,52 +246,94 @@ class PipeFusionStage:
         return self.indices[key]
 
     def shard(self, tokens):
-        self.state.image_len = tokens.shape[1]
-        return tokens.index_select(1, self._index("shard", tokens.device))
+        text = self.state.text_len if self.state.adapter.text_before_image_at_shard else 0
+        self.state.image_len = tokens.shape[1] - text
+        image = tokens[:, text:].index_select(1, self._index("shard", tokens.device))
+        return torch.cat([tokens[:, :text], image], dim=1) if text else image
 
     def shard_rotary(self, tables):
-        raise NotImplementedError("PipeFusion does not slice rotary tables per patch yet")
+        """Flux: rows for [text; image]; keep the text rows and this rank's rows of the active patches."""
+        if self.state.adapter.rotary_image_only:
+            raise NotImplementedError("PipeFusion does not slice image-only rotary tables (Wan) yet")
+        text = self.state.text_len
+
+        def rows(t):
+            return torch.cat([t[:text], t[text:].index_select(0, self._index("shard", t.device))], dim=0)
+
+        return tuple(rows(t) for t in tables) if isinstance(tables, tuple) else rows(tables)
 
     def gather(self, tokens):
+        """The active patches' tokens, gathered over sp into this step's output buffer: after the last
+        patch it holds the whole image, and the model's own unpatchify turns it into the prediction."""
         sizes = self.layout.rank_sizes(self.active)
         gathered = comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
-        full = tokens.new_zeros(tokens.shape[0], self.state.image_len, tokens.shape[2])
-        full[:, self._index("gather", tokens.device)] = gathered
-        return full
+        if self.output is None or self.output.shape[0] != tokens.shape[0]:
+            self.output = tokens.new_empty(tokens.shape[0], self.state.image_len, tokens.shape[2])
+        self.output[:, self._index("gather", tokens.device)] = gathered
+        return self.output
 
     def attend(self, kind, name, query, key, value, scale, text, image_len):
-        if kind != "self":
-            raise NotImplementedError(f"PipeFusion here handles self-attention; {kind} attention is not staged yet")
+        if kind not in STALE_KINDS:
+            raise NotImplementedError(f"PipeFusion handles self and joint attention, not {kind}")
         if name not in self.buffers:
             self.buffers[name] = self.buffer_type(
                 self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING)
             )
-        out, _ = stale_attention(query, key, value, self.mesh, self.buffers[name], self.active, self.step, scale=scale)
-        return out
+        (q, k, v), joint = split_text(kind, text, query, key, value)
+        out, joint_out = stale_attention(
+            q, k, v, self.mesh, self.buffers[name], self.active, self.step, joint=joint, scale=scale
+        )
+        return join_text(kind, out, joint_out)
 
     def _take_incoming(self, _module, args, kwargs):
-        if args:
-            return (self.incoming, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self.incoming}
+        """The stage's first block takes the previous stage's image (and text) states."""
+        meta, args, kwargs = self.first_block, list(args), dict(kwargs)
+        names = (meta.hidden_states_argument_name, meta.encoder_hidden_states_argument_name)
+        for position, (name, value) in enumerate(zip(names, self.incoming)):
+            if value is None:
+                continue
+            if name in kwargs or len(args) <= position:
+                kwargs[name] = value
+            else:
+                args[position] = value
+        return tuple(args), kwargs
 
     def _hand_over(self, _module, _args, output):
-        raise _StageDone(output)
+        meta = self.last_block
+        if not isinstance(output, tuple):
+            raise _StageDone(output, None)
+        text_at = meta.return_encoder_hidden_states_index
+        raise _StageDone(output[meta.return_hidden_states_index], None if text_at is None else output[text_at])
 
     def staleness(self) -> dict:
-        """Small summary for views: per layer of this stage, the step that wrote each patch and what
-        attention read in the latest step (StaleKV.reads)."""
+        """Small summary for views: per layer of this stage (named as in the whole model, in the
+        forward's order), the step that wrote each patch and what attention read in the latest step
+        (StaleKV.reads)."""
+
+        def whole(name):  # "transformer_blocks.0.attn" on a stage holding block 3 -> "transformer_blocks.3.attn"
+            block_list, index, rest = name.split(".", 2)
+            return f"{self.block_names.get(f'{block_list}.{index}', f'{block_list}.{index}')}.{rest}"
+
         return dict(
             stage=self.mesh.coords[PIPEFUSION],
             blocks=self.blocks,
             step=self.step,
             patches=self.layout.patches if self.layout else None,
-            written_step={name: list(buffer.written_step) for name, buffer in self.buffers.items()},
+            written_step={whole(name): list(buffer.written_step) for name, buffer in self.buffers.items()},
             reads={
-                name: [(step, list(active), list(steps)) for step, active, steps in buffer.reads]
+                whole(name): [(step, list(active), list(steps)) for step, active, steps in buffer.reads]
                 for name, buffer in self.buffers.items()
             },
             buffer=", ".join(sorted({type(b).__name__ for b in self.buffers.values()})) or None,
         )
+
+
+def patch_grid(adapter, grid: tuple[int, int]) -> tuple[int, int] | None:
+    """The (rows, cols) PipeFusion cuts into patches, for an image of grid[0] × grid[1] tokens:
+    packed tokens (Flux) are one column, as FamilyAdapter.token_grid has them; None for a video."""
+    if adapter.latent_layout == "frames":
+        return None
+    return (grid[0] * grid[1], 1) if adapter.latent_layout == "tokens" else grid
 
 
 def stale_kv_bytes(*, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes) -> int:

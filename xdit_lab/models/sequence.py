@@ -19,6 +19,7 @@ from .. import comm
 from ..attention import sp_attention
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
+from .hooks import join_text, split_text
 
 
 class SequenceShards:
@@ -89,17 +90,14 @@ class SequenceShards:
         return comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
 
     def attend(self, kind, name, query, key, value, scale, text, image_len):
-        if kind == "self" or text == 0:
-            return sp_attention(query, key, value, self.mesh, seq_len=image_len, scale=scale)
-        if kind == "joint_first":
-            split = [(t[:, :, text:], t[:, :, :text]) for t in (query, key, value)]
-        else:  # joint_last
-            split = [(t[:, :, :-text], t[:, :, -text:]) for t in (query, key, value)]
-        (q, jq), (k, jk), (v, jv) = split
+        (q, k, v), joint = split_text(kind, text, query, key, value)
+        if joint is None:
+            return sp_attention(q, k, v, self.mesh, seq_len=image_len, scale=scale)
+        jq, jk, jv = joint
         out, joint_out = sp_attention(
             q, k, v, self.mesh, joint_q=jq, joint_k=jk, joint_v=jv, seq_len=image_len, scale=scale
         )
-        return torch.cat([joint_out, out] if kind == "joint_first" else [out, joint_out], dim=2)
+        return join_text(kind, out, joint_out)
 
     def _take_image_shard(self, tokens: torch.Tensor, dim: int = 1) -> torch.Tensor:
         sp, total = self.mesh.group_size(SP), tokens.shape[dim]

@@ -305,3 +305,16 @@ def test_kv_age_view_on_flux_names_both_block_lists(tmp_path):
         assert warm["staleness"]["age"][expected[rank][0]] == [0, 0]
     figure = draw_staleness([pipelined for _, pipelined in ranks])
     assert len(figure.axes[0].images) == 1
+    # bytes per step equal the closed form, which counts the text states stage 0 hands on with each
+    # patch: without them (control) it falls short on stage 0
+    from xdit_lab.lab.summaries import expected_bytes_per_step
+
+    config = ParallelConfig(pipefusion=2, **PF)
+    for rank, (_, s) in enumerate(ranks):
+        for step, moved in enumerate(s["comm"]["measured"]):
+            moved = {g: n for g, n in moved.items() if n}
+            assert moved == expected_bytes_per_step(config, s["shapes"], coords=s["coords"], step=step)
+            without_text = expected_bytes_per_step(
+                config, dict(s["shapes"], handed_text=False), coords=s["coords"], step=step
+            )
+            assert (moved != without_text) == (rank == 0), f"rank {rank} step {step}"

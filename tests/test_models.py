@@ -135,8 +135,8 @@ def test_diffusers_version_outside_range_is_named():
     check_diffusers_version()  # the installed one is supported
 
 
-def _per_token_timestep():
-    model = parallelize(tiny_transformer("wan"), ParallelConfig(ulysses=2))
+def _per_token_timestep(config):
+    model = parallelize(tiny_transformer("wan"), config)
     inputs = tiny_inputs("wan", 2)
     inputs["timestep"] = inputs["timestep"][:, None].expand(2, 32)  # 2 frames x 4 x 4 tokens
     try:
@@ -156,8 +156,10 @@ def _flux2_reference_cache():
 
 
 def test_what_sequence_parallelism_cannot_split_yet_is_refused_by_name():
-    """Wan 2.2's timestep per token, Flux.2's reference-image K/V cache: refused, not run on shards."""
-    for message in run_on_ranks(_per_token_timestep, 2, timeout_s=120):
-        assert message and "timestep per token" in message and "cfg and dp only" in message, message
+    """Wan 2.2's timestep per token (under ulysses and under pipefusion), Flux.2's reference-image K/V
+    cache: refused, not run on shards."""
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2)):
+        for message in run_on_ranks(_per_token_timestep, 2, config, timeout_s=120):
+            assert message and "timestep per token" in message and "cfg and dp only" in message, message
     for message in run_on_ranks(_flux2_reference_cache, 2, timeout_s=120):
         assert message and "kv_cache_mode" in message and "cfg and dp only" in message, message

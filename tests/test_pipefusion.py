@@ -21,14 +21,14 @@ def _inputs(family, seed):
     return tiny_inputs(family, 4, height=8, width=8, seed=seed, text_len=8 if family == "cogvideox" else 6)
 
 
-def _steps(config, family="pixart"):
+def _steps(config, family="pixart", stage_split=None):
     """STEPS transformer calls (one per diffusion step) with changing inputs, against serial."""
     model = tiny_transformer(family, layers=LAYERS)
     per_block = [sum(p.numel() for p in block.parameters()) for block in adapter_for(model).blocks(model)]
     inputs = [_inputs(family, s) for s in range(STEPS)]
     with torch.no_grad():
         reference = [model(**x).sample for x in inputs]
-    model = parallelize(model, config)
+    model = parallelize(model, config, stage_split=stage_split)
     rows = []
     with torch.no_grad():
         for x, ref in zip(inputs, reference):
@@ -450,14 +450,20 @@ def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
 # states its blocks produced with each patch; rotary rows follow the patches. Each world size is one spawned
 # run over every family and configuration (CI time).
 
-JOINT = ("sd3", "flux", "cogvideox")
-JOINT_STAGES = {"sd3": [(0, 2), (2, 4)], "flux": [(0, 3), (3, 6)], "cogvideox": [(0, 2), (2, 4)]}  # Flux: 4 + 2
+JOINT = ("sd3", "flux", "flux2", "cogvideox", "wan")  # and Wan: a video's tokens, image-only rotary, "blocks"
+JOINT_STAGES = {
+    "sd3": [(0, 2), (2, 4)],
+    "flux": [(0, 3), (3, 6)],
+    "flux2": [(0, 3), (3, 6)],
+    "cogvideox": [(0, 2), (2, 4)],
+    "wan": [(0, 2), (2, 4)],
+}
 JOINT_CONFIGS = {
     2: [ParallelConfig(pipefusion=2), ParallelConfig(pipefusion=2, num_patches=4)],
     4: [
         ParallelConfig(pipefusion=2, ulysses=2),
         ParallelConfig(pipefusion=2, ring=2),
-        ParallelConfig(pipefusion=2, cfg=2),  # not Flux: its pipeline has no CFG batch
+        ParallelConfig(pipefusion=2, cfg=2),  # not Flux, Flux.2: their pipelines have no CFG batch
     ],
 }
 
@@ -466,7 +472,7 @@ def _joint(world_size):
     runs = []
     for family in JOINT:
         for config in JOINT_CONFIGS[world_size]:
-            if family == "flux" and config.cfg > 1:
+            if family in ("flux", "flux2") and config.cfg > 1:
                 continue
             for warmup in (STEPS, 1) if world_size == 2 else (STEPS,):  # 1: stale steps after the first
                 config = config.replace(warmup_steps=warmup)
@@ -486,7 +492,7 @@ def test_joint_families_equal_serial_when_every_step_warms_up(world_size):
     double-stream blocks are larger than its single-stream ones, so "half" is of the stack, by block)."""
     for rank, runs in enumerate(_joint_ranks(world_size)):
         exact = [r for r in runs if r["config"].warmup_steps == STEPS]
-        assert len(exact) == {2: 6, 4: 8}[world_size]  # families × configurations (Flux without cfg)
+        assert len(exact) == {2: 10, 4: 13}[world_size]  # families × configurations (Flux, Flux.2 without cfg)
         for run in exact:
             config = run["config"]
             where = f"{run['family']} {config.short()} patches {config.patches} rank {rank}"
@@ -502,13 +508,20 @@ def test_joint_families_equal_serial_when_every_step_warms_up(world_size):
 def test_joint_stale_steps_deviate_and_hand_text_with_every_patch():
     """Warmup 1: the first step is exact, later steps read one-step-old image K/V and move away from
     serial (staleness is measured, not hidden). Stage 0 sends, per patch run, the patch's image tokens
-    and the whole text: B × (S + runs × T) × hidden × 4 bytes per step, in 2 messages per run."""
+    and the whole text: B × (S + runs × T) × hidden × 4 bytes per step, in 2 messages per run (Wan,
+    whose blocks return the image only: 1 message, no text)."""
     batch, hidden = 4, 4 * 16
-    image = {"sd3": 16, "flux": 64, "cogvideox": 3 * 16}  # tokens of an 8 × 8 latent: SD3, CogVideoX patchify 2 × 2
-    text = {"sd3": 6, "flux": 6, "cogvideox": 8}
+    image = {"sd3": 16, "flux": 64, "flux2": 64, "cogvideox": 3 * 16, "wan": 2 * 16}  # 8 × 8: Flux's are not patchified
+    text = {
+        "sd3": 6,
+        "flux": 6,
+        "flux2": 6,
+        "cogvideox": 8,
+        "wan": 0,
+    }  # Wan's blocks do not change the text: none handed on
     for rank, runs in enumerate(_joint_ranks(2)):
         stale = [r for r in runs if r["config"].warmup_steps == 1]
-        assert len(stale) == 6
+        assert len(stale) == 10
         for run in stale:
             family, config, rows = run["family"], run["config"], run["rows"]
             where = f"{family} patches {config.patches} rank {rank}"
@@ -519,7 +532,38 @@ def test_joint_stale_steps_deviate_and_hand_text_with_every_patch():
                 runs_per_step = 1 if step == 0 else config.patches
                 expected = batch * (image[family] + runs_per_step * text[family]) * hidden * 4
                 assert sum(r["bytes"] for r in sends) == (expected if rank == 0 else 0), f"{where} step {step}"
-                assert len(sends) == (2 * runs_per_step if rank == 0 else 0), where
+                assert len(sends) == ((2 if text[family] else 1) * runs_per_step if rank == 0 else 0), where
+
+
+def _flux2_splits():
+    return [_steps(ParallelConfig(pipefusion=2, warmup_steps=STEPS), "flux2", split) for split in ([4, 2], [5, 1])]
+
+
+def test_flux2_stages_hand_over_its_joined_single_stream_tokens():
+    """Flux.2's single-stream blocks take [text; image] as one tensor. A stage boundary at the switch
+    (4 double-stream blocks | 2 single-stream) makes the receiving stage join the text and image it
+    receives; one inside the single-stream blocks (4 + 1 | 1) makes the sending stage split them.
+    Both equal diffusers' serial forward within 1e-4 at every step."""
+    for rank, runs in enumerate(run_on_ranks(_flux2_splits, 2, timeout_s=300)):
+        for split, run in zip(("4 | 2", "5 | 1"), runs):
+            for step, row in enumerate(run["rows"]):
+                assert row["error"] <= row["bound"], f"split {split} rank {rank} step {step}: {row['error']:.3g}"
+
+
+def _skip_layers():
+    model = parallelize(tiny_transformer("sd3", layers=LAYERS), ParallelConfig(pipefusion=2))
+    try:
+        with torch.no_grad():
+            model(**_inputs("sd3", 0), skip_layers=[1])
+    except NotImplementedError as error:
+        return str(error)
+
+
+def test_arguments_that_index_blocks_are_refused_by_name():
+    """SD3's skip_layers (skip-layer guidance) counts blocks in the forward's loop, which on a stage
+    starts at its own first block: refused, not run on the wrong blocks."""
+    for message in run_on_ranks(_skip_layers, 2, timeout_s=120):
+        assert message and "skip_layers" in message and "without PipeFusion" in message, message
 
 
 def test_a_stage_loads_only_its_blocks_of_both_flux_lists(tmp_path):

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from xdit_lab import ParallelConfig, RankMesh, load_pipeline
+from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
-FAMILIES = ["pixart", "sd3", "flux", "cogvideox"]
+FAMILIES = ["pixart", "sd3", "flux", "cogvideox", "wan"]
 CONFIGS = {
     1: [ParallelConfig()],
     2: [
@@ -53,12 +54,12 @@ def _reference_and_parallel(folder, family, configs):
     expected = reference(
         PROMPTS, negative_prompt=NEGATIVES, generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs
     )
-    expected = expected.frames if family == "cogvideox" else expected.images
+    expected = output_latents(expected)
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
         result = pipe(PROMPTS, negative_prompt=NEGATIVES, seed=0, output_type="latent", **kwargs)
-        latents = result.frames if family == "cogvideox" else result.images
+        latents = output_latents(result)
         rows.append(
             dict(
                 config=config.short(),
@@ -169,3 +170,16 @@ def test_bfloat16_strategies_within_bfloat16_rounding():
         assert latents.dtype == torch.bfloat16
         assert max_relative_difference(latents, reference) <= tolerance, config.short()
     assert max_relative_difference(parallel[f"{stale.short()} warmup 1"], reference) > tolerance
+
+
+def test_wan_two_expert_pipeline_is_refused_by_name(tmp_path):
+    """Wan 2.2 A14B's pipeline switches to a second transformer for the low-noise steps
+    (boundary_ratio); only the first would be parallelized, so loading it is refused by name."""
+    from diffusers import WanPipeline
+
+    from xdit_lab.tiny import tiny_pipeline, tiny_transformer
+
+    parts = dict(tiny_pipeline("wan").components, transformer_2=tiny_transformer("wan", seed=1))
+    WanPipeline(**parts, boundary_ratio=0.875).save_pretrained(tmp_path / "wan22")
+    with pytest.raises(NotImplementedError, match="two-expert pipeline \\(boundary_ratio, transformer_2\\)"):
+        load_pipeline(tmp_path / "wan22", ParallelConfig(), progress=False)

@@ -16,6 +16,7 @@ EXPECTED = {
     "sd3": ("StableDiffusion3Pipeline", (2, 16, 8, 8), (2, 16, 16, 3)),
     "flux": ("FluxPipeline", (2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
     "cogvideox": ("CogVideoXPipeline", (2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
+    "wan": ("WanPipeline", (2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
 }
 
 
@@ -34,7 +35,7 @@ def _call(pipe, family, output_type):
         **extra,
         **tiny_pipeline_kwargs(family),
     )
-    return out.frames if family == "cogvideox" else out.images
+    return out.frames if family in ("cogvideox", "wan") else out.images
 
 
 @pytest.mark.parametrize("family", list(EXPECTED))

@@ -179,8 +179,9 @@ def plan_memory(
 def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtype, stage_split) -> int | None:
     """The largest stage's stale K/V buffers, from the transformer's config and header: its
     self-attention layers (the family adapter's names), heads, patches and this rank's rows."""
+    from .attention.stale import stale_kv_bytes
     from .models.families import FAMILIES
-    from .models.pipefusion import STALE_KINDS, patch_grid, stale_kv_bytes
+    from .models.pipefusion import STALE_KINDS
 
     config, rows = stale_kv
     model = json.loads((folder / "transformer" / "config.json").read_text())
@@ -200,7 +201,7 @@ def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtyp
         grid = tuple(side // 2 for side in latent)
     else:
         grid = tuple(side // (model.get("patch_size") or 1) for side in latent)
-    grid = patch_grid(adapter, grid)
+    grid = adapter.patch_grid(grid)
     if grid[0] < config.patches:
         return None  # the default size cannot be cut into these patches; the call is refused later
     return max(

@@ -194,6 +194,7 @@ def load_pipeline(
                     f"PipeFusion to hold less per rank"
                 ) from retry_error
         inner.set_progress_bar_config(disable=True)
+        recipe.check_pipeline(inner)
         inner.to(info.device)
         parallelize(inner.transformer, config, mesh, stage_split=stage_split, cache=cache, compile=compile)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel

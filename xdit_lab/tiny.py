@@ -1,14 +1,10 @@
-"""Tiny diffusers transformers with random weights, for tests, benchmarks and tutorials.
+"""Tiny diffusers pipelines with random weights, for tests, benchmarks and tutorials.
 
-Every family at a size that runs in milliseconds on a CPU (the smallest configurations each family's
-constructor accepts: heads × head_dim 4 × 16, two layers, text width 32), seeded so
-that every rank builds identical weights, plus matching inputs: `tiny_inputs(family, batch)`
-returns the keyword arguments of the model's forward.
-
-`save_tiny_pipeline(family, path)` builds a whole stock diffusers pipeline around such a transformer
-(text encoders, local tokenizers, VAE, scheduler, all random and seeded) and saves it as an ordinary
-diffusers folder; `tiny_pipeline_kwargs(family)` are the call arguments that run it in well under a
-second on a CPU.
+`save_tiny_pipeline(family, path)` builds a whole stock diffusers pipeline around a tiny transformer
+(tiny_models.py: every family at a size that runs in milliseconds on a CPU; `tiny_transformer` and
+`tiny_inputs` are importable from here too) with text encoders, local tokenizers, VAE and scheduler,
+all random and seeded, and saves it as an ordinary diffusers folder; `tiny_pipeline_kwargs(family)`
+are the call arguments that run it in well under a second on a CPU.
 """
 
 from __future__ import annotations
@@ -18,157 +14,20 @@ from pathlib import Path
 
 import torch
 
-HEADS, HEAD_DIM, TEXT_DIM = 4, 16, 32
+from .tiny_models import HEAD_DIM, HEADS, TEXT_DIM, tiny_inputs, tiny_transformer
 
-
-def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int = HEADS, **overrides):
-    import diffusers
-
-    torch.manual_seed(seed)
-    inner = heads * HEAD_DIM
-    common = dict(num_attention_heads=heads, attention_head_dim=HEAD_DIM, num_layers=layers)
-    if family == "pixart":
-        config = dict(
-            common,
-            in_channels=4,
-            out_channels=8,
-            cross_attention_dim=inner,
-            caption_channels=TEXT_DIM,
-            sample_size=8,
-            patch_size=2,
-            norm_type="ada_norm_single",
-            use_additional_conditions=False,
-        )
-        model = diffusers.PixArtTransformer2DModel(**(config | overrides))
-    elif family == "sd3":
-        config = dict(
-            common,
-            sample_size=8,
-            patch_size=2,
-            in_channels=16,
-            out_channels=16,
-            joint_attention_dim=TEXT_DIM,
-            caption_projection_dim=inner,
-            pooled_projection_dim=TEXT_DIM,
-            pos_embed_max_size=32,
-        )
-        model = diffusers.SD3Transformer2DModel(**(config | overrides))
-    elif family == "flux":
-        config = dict(
-            common,
-            patch_size=1,
-            in_channels=16,
-            num_single_layers=2,
-            joint_attention_dim=TEXT_DIM,
-            pooled_projection_dim=TEXT_DIM,
-            guidance_embeds=False,
-            axes_dims_rope=(4, 6, 6),
-        )
-        model = diffusers.FluxTransformer2DModel(**(config | overrides))
-    elif family == "flux2":  # modelled on diffusers' own test of Flux2Transformer2DModel
-        config = dict(
-            common,
-            patch_size=1,
-            in_channels=16,
-            num_single_layers=2,
-            joint_attention_dim=TEXT_DIM,
-            timestep_guidance_channels=32,
-            axes_dims_rope=(4, 4, 4, 4),
-            guidance_embeds=False,
-        )
-        model = diffusers.Flux2Transformer2DModel(**(config | overrides))
-    elif family == "cogvideox":
-        config = dict(
-            common,
-            in_channels=4,
-            out_channels=4,
-            time_embed_dim=32,
-            text_embed_dim=TEXT_DIM,
-            sample_width=8,
-            sample_height=8,
-            sample_frames=9,
-            patch_size=2,
-            temporal_compression_ratio=4,
-            max_text_seq_length=8,
-        )
-        model = diffusers.CogVideoXTransformer3DModel(**(config | overrides))
-    elif family == "wan":  # modelled on diffusers' own test of WanTransformer3DModel
-        config = dict(
-            common,
-            patch_size=(1, 2, 2),
-            in_channels=4,
-            out_channels=4,
-            text_dim=TEXT_DIM,
-            freq_dim=32,
-            ffn_dim=32,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
-        model = diffusers.WanTransformer3DModel(**(config | overrides))
-    elif family == "dit":
-        config = dict(common, in_channels=4, out_channels=8, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
-        model = diffusers.DiTTransformer2DModel(**(config | overrides))
-    else:
-        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, cogvideox, wan or dit")
-    return model.eval()
-
-
-def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8, text_len: int = 6, seed: int = 1):
-    """Forward kwargs for `tiny_transformer(family)`: a latent of height × width (in latent pixels)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g)
-
-    text = randn(batch, text_len, TEXT_DIM)
-    timestep = torch.rand(batch, generator=g) * 1000
-    if family == "pixart":
-        return dict(
-            hidden_states=randn(batch, 4, height, width),
-            encoder_hidden_states=text,
-            timestep=timestep,
-            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-        )
-    if family == "sd3":
-        return dict(
-            hidden_states=randn(batch, 16, height, width),
-            encoder_hidden_states=text,
-            pooled_projections=randn(batch, TEXT_DIM),
-            timestep=timestep,
-        )
-    if family in ("flux", "flux2"):  # ids per token: (0, row, column), Flux.2's with a 4th axis (text: its index)
-        axes = 3 if family == "flux" else 4
-        grid = torch.meshgrid(
-            torch.zeros(1),
-            torch.arange(float(height)),
-            torch.arange(float(width)),
-            *[torch.zeros(1)] * (axes - 3),
-            indexing="ij",
-        )
-        txt_ids = torch.zeros(text_len, axes)
-        txt_ids[:, 3:] = torch.arange(float(text_len))[:, None]
-        inputs = dict(hidden_states=randn(batch, height * width, 16), encoder_hidden_states=text)
-        if family == "flux":
-            inputs["pooled_projections"] = randn(batch, TEXT_DIM)
-        img_ids = torch.stack(grid, dim=-1).reshape(height * width, axes)
-        return dict(inputs, timestep=timestep / 1000, img_ids=img_ids, txt_ids=txt_ids)
-    if family == "cogvideox":
-        return dict(
-            hidden_states=randn(batch, 3, 4, height, width), encoder_hidden_states=text, timestep=timestep.long()
-        )
-    if family == "wan":  # two latent frames
-        return dict(
-            hidden_states=randn(batch, 4, 2, height, width), encoder_hidden_states=text, timestep=timestep.long()
-        )
-    if family == "dit":
-        return dict(
-            hidden_states=randn(batch, 4, height, width),
-            timestep=timestep.long(),
-            class_labels=torch.arange(batch) % 10,
-        )
-    raise ValueError(f"unknown tiny family {family!r}")
-
+__all__ = [  # tiny_models' names too: callers import every tiny thing from here
+    "HEADS",
+    "HEAD_DIM",
+    "MAX_TOKENS",
+    "PIPELINES",
+    "TEXT_DIM",
+    "save_tiny_pipeline",
+    "tiny_inputs",
+    "tiny_pipeline",
+    "tiny_pipeline_kwargs",
+    "tiny_transformer",
+]
 
 # ---- whole pipelines -------------------------------------------------------------------------------------------
 # Nothing can be downloaded: tokenizers are built from a word list (plus single characters, so any prompt
@@ -186,6 +45,7 @@ PIPELINES = {
     "sd3": "StableDiffusion3Pipeline",
     "flux": "FluxPipeline",
     "cogvideox": "CogVideoXPipeline",
+    "wan": "WanPipeline",
 }
 
 
@@ -220,11 +80,13 @@ def _clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), model_max_length=MAX_TOKENS)
 
 
-def _t5_encoder(seed: int, vocab_size: int, width: int = TEXT_DIM):
-    from transformers import T5Config, T5EncoderModel
+def _t5_encoder(seed: int, vocab_size: int, width: int = TEXT_DIM, *, umt5: bool = False):
+    """T5's encoder, or UMT5's (Wan's text encoder: T5 with per-layer relative position biases)."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = T5Config(
+    prefix = "UMT5" if umt5 else "T5"
+    config = getattr(transformers, f"{prefix}Config")(
         vocab_size=vocab_size,
         d_model=width,
         d_kv=8,
@@ -235,7 +97,7 @@ def _t5_encoder(seed: int, vocab_size: int, width: int = TEXT_DIM):
         eos_token_id=1,
         decoder_start_token_id=0,
     )
-    return T5EncoderModel(config).eval()
+    return getattr(transformers, f"{prefix}EncoderModel")(config).eval()
 
 
 def _clip_encoder(seed: int, vocab_size: int, width: int, projection: bool):
@@ -290,6 +152,22 @@ def _video_vae(seed: int):
         temporal_compression_ratio=4,
         sample_height=32,
         sample_width=32,
+    ).eval()
+
+
+def _wan_vae(seed: int, latent_channels: int):
+    """Wan's 3D causal VAE at its smallest: 8x spatial, 4x temporal compression, as Wan 2.1's."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(
+        base_dim=4,
+        z_dim=latent_channels,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels,
     ).eval()
 
 
@@ -355,6 +233,14 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                     max_image_seq_len=4096,
                 ),
             )
+        elif family == "wan":  # Wan 2.1's layout: one transformer, flow matching with shift
+            parts = dict(
+                transformer=tiny_transformer("wan", seed=seed),
+                text_encoder=_t5_encoder(seed + 1, len(t5_tok), umt5=True),
+                tokenizer=t5_tok,
+                vae=_wan_vae(seed + 2, 4),
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            )
         else:  # cogvideox (2b's sampler: v-prediction, zero-SNR, trailing)
             parts = dict(
                 transformer=tiny_transformer("cogvideox", seed=seed),
@@ -379,7 +265,8 @@ def save_tiny_pipeline(family: str, path, *, seed: int = 0) -> Path:
 
 
 def tiny_pipeline_kwargs(family: str) -> dict:
-    """Call arguments that run a tiny pipeline at an 8 x 8 latent (CogVideoX: 9 frames -> 3 latent frames)."""
+    """Call arguments that run a tiny pipeline at an 8 x 8 latent (CogVideoX: 9 frames -> 3 latent frames,
+    Wan: 5 frames -> 2)."""
     size = dict(height=16, width=16, max_sequence_length=MAX_TOKENS)
     table = {
         "pixart": dict(size, use_resolution_binning=False, clean_caption=False),
@@ -387,6 +274,7 @@ def tiny_pipeline_kwargs(family: str) -> dict:
         "sd3": size,
         "flux": size,
         "cogvideox": dict(height=32, width=32, num_frames=9, max_sequence_length=MAX_TOKENS),
+        "wan": dict(height=64, width=64, num_frames=5, max_sequence_length=MAX_TOKENS),  # 2 latent frames of 8 × 8
     }
     if family not in table:
         raise ValueError(f"unknown tiny pipeline family {family!r}; choose one of {', '.join(table)}")

@@ -11,7 +11,8 @@ they are:
 With sequence parallelism inside a stage, the buffer holds K/V after the Ulysses all-to-all (for
 heads/ulysses), ordered ulysses-rank-major, patch-minor; with ring > 1 each ring rank holds its
 part of every patch and the buffers travel the ring. The schedule that decides which patches run
-when is in models/pipefusion.py; the index math in sharding.py.
+when is in models/pipefusion.py; the index math in sharding.py. stale_kv_bytes: what the buffers
+hold, for the memory plan.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import RING, ULYSSES
-from ..sharding import PatchLayout
+from ..sharding import PatchLayout, patch_ranges
 from .local import joint_local_attention
 from .ring import ring_attention
 from .ulysses import heads_to_seq, seq_to_heads
@@ -98,3 +99,14 @@ def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int
     if ulysses > 1:
         out, joint_out = heads_to_seq(out, mesh, seq_sizes, joint=joint_out, tag="out")
     return out, joint_out
+
+
+def stale_kv_bytes(*, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes) -> int:
+    """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
+    of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
+    every patch, for heads / ulysses heads)."""
+    layout = PatchLayout(patch_ranges(*grid, patches), ulysses * ring)
+    length = sum(
+        layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
+    )
+    return layers * 2 * rows * (heads // ulysses) * length * head_dim * element_bytes

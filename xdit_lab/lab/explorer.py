@@ -126,15 +126,12 @@ def explain(config: ParallelConfig, engines: int, shape: ModelShape) -> list[str
 
 def _extra_problems(config: ParallelConfig, shape: ModelShape) -> list[str]:
     """Rules that depend on the model and the call, which ParallelConfig alone cannot know."""
-    from ..models.families import adapter_named  # here, not at the top: models imports diffusers
-
     found = []
     if config.cfg == 2 and not shape.use_cfg:
         found.append(
             "cfg 2 splits the unconditional and conditional branches, but guidance_scale <= 1 runs "
             "only one; use cfg 1 or a guidance scale above 1"
         )
-    found += adapter_named(shape.family).problems(config)
     if config.pipefusion > 1 and config.patches > shape.rows:
         found.append(f"{config.patches} PipeFusion patches are row bands, but the image has {shape.rows} token rows")
     return found

@@ -121,7 +121,9 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
     kinds = [kind for _, kind in named_kinds]
     # attention layers of the model's first block, the one a StepCache runs at a skipped step
     first = (
-        [k for n, k in named_kinds if n.startswith("transformer_blocks.0.")] if session.pipe.mesh.is_first_stage else []
+        [k for n, k in named_kinds if n.startswith(f"{state.adapter.block_lists[0]}.0.")]
+        if session.pipe.mesh.is_first_stage
+        else []
     )
     gather = transformer.get_submodule(state.adapter.gather_at)
     config = transformer.config
@@ -135,7 +137,10 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         first_block_self_layers=first.count("self"),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
-        text_len=state.text_len,  # joint text tokens of the last forward (0 for PixArt's cross-attention)
+        text_len=state.text_len,  # text tokens of the last forward
+        # PipeFusion: a stage hands on the text states with each patch where its blocks return them (SD3, Flux)
+        handed_text=getattr(getattr(state.strategy, "first_block", None), "return_encoder_hidden_states_index", None)
+        is not None,
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
         dtype_bytes=next(transformer.parameters()).element_size(),
     )
@@ -288,8 +293,9 @@ def expected_bytes_per_step(
       ring        N-1 sends of the K/V block held [2, b, h/ulysses, block, d]; joint text: a float32
                   gather of the text partials with their LSE [b, h/ulysses, T, d+1]
       sp          the token gather before unpatchify, padded to the longest shard
-      pipefusion  per patch a non-last stage sends [b, tokens, hidden]; the last stage broadcasts
-                  the noise prediction [b, sample] to the other stages
+      pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
+                  states where its blocks return them (SD3, Flux, CogVideoX); the last stage
+                  broadcasts the noise prediction [b, sample] to the other stages
       dp, cfg     the output gather (dp pads to the largest share)
       world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
                   decision's all-reduce of two float32; at a skipped step only the first block's
@@ -346,7 +352,8 @@ def expected_bytes_per_step(
             held = sum(blocks[(my_r - k) % r] for k in range(r - 1))  # the block held at each of N-1 sends
             out[RING] += layers * 2 * b * (h // u) * held * d * e + joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:
-            out[PIPEFUSION] += b * sizes[sp_rank] * h * d * e  # this patch's activations to the next stage
+            handed = sizes[sp_rank] + (text if s.get("handed_text") else 0)  # this patch's tokens (and text)
+            out[PIPEFUSION] += b * handed * h * d * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
     if c.pipefusion > 1 and last_stage:

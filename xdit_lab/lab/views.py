@@ -188,7 +188,10 @@ def draw_staleness(summaries) -> Figure:
     for stage in sorted(stages):
         info = stages[stage]
         for layer in info["layers"]:
-            labels.append(f"stage {stage} · {layer.replace('transformer_blocks.', 'block ')}")
+            short = layer.replace("single_transformer_blocks.", "single block ").replace(
+                "transformer_blocks.", "block "
+            )
+            labels.append(f"stage {stage} · {short}")
             ages.append([np.nan if a is None else a for a in info["age"][layer]])
     ages = np.array(ages, dtype=float)
     ax = fig.subplots()

@@ -1,6 +1,6 @@
 """diffusers DiT families under data, CFG, sequence and pipeline parallelism.
 
-families.py   one adapter per family: where to shard and gather, attention kinds, what it supports
+families.py   one adapter per family: where to shard and gather, attention kinds, its block stack
 hooks.py      the machinery every strategy shares (batch split, hooks, attention interception)
 sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
 pipefusion.py token strategy: a PipeFusion stage, patch by patch on stale K/V

@@ -1,5 +1,5 @@
 """One small adapter per diffusers DiT family: where tokens are sharded and gathered, where
-text sits, what kind each attention module is, and which degrees it supports. No forward is
+text sits, what kind each attention module is, and how its blocks are stacked. No forward is
 copied: diffusers' model runs unchanged and hooks.py takes over at the places named here.
 
 Attention kinds (matched on the module's qualified name):
@@ -17,9 +17,6 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-
-from ..config import DEGREES
-from ..mesh import PIPEFUSION
 
 SUPPORTED_DIFFUSERS = ("0.42", "0.43")  # tested range: >= first, < second
 
@@ -39,12 +36,13 @@ class FamilyAdapter:
     # CogVideoX's rotary tables (a tuple), Flux.2's img_ids
     unbatched: tuple = ()  # forward arguments without a batch dimension
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
-    supports: frozenset = frozenset(DEGREES) - {PIPEFUSION}  # degrees that may be above 1
     step_cache: bool = True  # StepCache checked against diffusers' First-Block Cache on this family
     # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
     block_lists: tuple = ("transformer_blocks",)
     block_counts: tuple = ("num_layers",)  # the config key holding each list's length
-    latent_layout: str = "image"  # hidden_states: "image" [B, C, H, W], "tokens" [B, S, C], "frames" [B, F, C, H, W]
+    joined_block_lists: tuple = ()  # lists whose blocks take [text; image] as one tensor (Flux.2's single-stream)
+    # hidden_states: "image" [B, C, H, W], "tokens" [B, S, C], "frames" [B, F, C, H, W], "video" [B, C, F, H, W]
+    latent_layout: str = "image"
 
     def attention_kind(self, qualified_name: str) -> str | None:
         for pattern, kind in self.attention.items():
@@ -98,32 +96,34 @@ class FamilyAdapter:
             setattr(transformer, name, torch.nn.ModuleList(blocks[first:last]))
             offset += len(blocks)
 
-    def token_grid(self, latents, model_config) -> tuple[int, int]:
+    def token_grid(self, latents, model_config, arguments) -> tuple[int, int]:
         """(rows, cols) of the image tokens in the order the model holds them; PipeFusion cuts its
-        patches as bands of rows. Packed tokens (Flux) are one column: a patch is a run of tokens."""
+        patches as bands of rows. Packed tokens (Flux) carry their grid in img_ids (row, column in
+        columns 1 and 2): reading it is a host sync, so call this once per latent size."""
         patch = model_config.get("patch_size") or 1
         if self.latent_layout == "tokens":
-            return latents.shape[1], 1
+            ids = arguments["img_ids"]
+            cols = int(ids.reshape(-1, ids.shape[-1])[:, 2].max()) + 1
+            return latents.shape[1] // cols, cols
+        if self.latent_layout == "video":  # Wan: [B, C, F, H, W], patches (t, h, w); frame-major
+            (pt, ph, pw), (frames, height, width) = patch, latents.shape[-3:]
+            return frames // pt * (height // ph), width // pw
         rows = latents.shape[-2] // patch
         if self.latent_layout == "frames":  # CogVideoX: frame-major, then rows
             patch_t = model_config.get("patch_size_t") or 1
             rows *= -(-latents.shape[1] // patch_t)
         return rows, latents.shape[-1] // patch
 
+    def patch_grid(self, grid: tuple[int, int]) -> tuple[int, int] | None:
+        """The (rows, cols) PipeFusion cuts into patches, for an image of grid[0] × grid[1] tokens; None
+        for a video, whose frames stack more rows than one image has."""
+        return None if self.latent_layout in ("frames", "video") else grid
+
     def prediction_shape(self, latents, model_config) -> tuple[int, ...]:
         """The shape of the model's output for `latents`: the latents with the output channels."""
         channels = model_config.get("out_channels") or model_config.get("in_channels")
-        dim = {"image": 1, "tokens": 2, "frames": 2}[self.latent_layout]
+        dim = {"image": 1, "tokens": 2, "frames": 2, "video": 1}[self.latent_layout]
         return (*latents.shape[:dim], channels, *latents.shape[dim + 1 :])
-
-    def problems(self, config) -> list[str]:
-        """The degrees of `config` above 1 that this family cannot run, as sentences."""
-        return [
-            f"{'PipeFusion' if degree == PIPEFUSION else degree} runs {', '.join(supporting(degree))} models so far, "
-            f"not {self.family}; use {', '.join(d for d in DEGREES if d in self.supports)} for it"
-            for degree in DEGREES
-            if getattr(config, degree) > 1 and degree not in self.supports
-        ]
 
 
 def block_metadata(block):
@@ -139,10 +139,6 @@ def block_metadata(block):
         ) from None
 
 
-def supporting(degree: str) -> list[str]:
-    return [adapter.family for adapter in FAMILIES.values() if degree in adapter.supports]
-
-
 FAMILIES = {
     adapter.class_name: adapter
     for adapter in (
@@ -152,7 +148,6 @@ FAMILIES = {
             shard_at="pos_embed",
             gather_at="proj_out",
             attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
-            supports=frozenset(DEGREES),
         ),
         FamilyAdapter(
             "SD3",
@@ -160,7 +155,6 @@ FAMILIES = {
             shard_at="pos_embed",
             gather_at="proj_out",
             attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
-            supports=frozenset(DEGREES),
         ),
         FamilyAdapter(
             "Flux",
@@ -176,7 +170,6 @@ FAMILIES = {
             block_lists=("transformer_blocks", "single_transformer_blocks"),
             block_counts=("num_layers", "num_single_layers"),
             latent_layout="tokens",
-            supports=frozenset(DEGREES),
         ),
         FamilyAdapter(
             "Flux.2",
@@ -191,6 +184,8 @@ FAMILIES = {
             unbatched=("img_ids", "txt_ids"),
             block_lists=("transformer_blocks", "single_transformer_blocks"),
             block_counts=("num_layers", "num_single_layers"),
+            joined_block_lists=("single_transformer_blocks",),
+            latent_layout="tokens",
             step_cache=False,  # diffusers' First-Block Cache raises on it: no reference to check against
         ),
         FamilyAdapter(
@@ -203,7 +198,6 @@ FAMILIES = {
             image_rows_kwarg="image_rotary_emb",
             unbatched=("image_rotary_emb",),
             latent_layout="frames",
-            supports=frozenset(DEGREES),
         ),
         FamilyAdapter(
             "Wan",
@@ -215,6 +209,7 @@ FAMILIES = {
             rotary_at="rope",
             rotary_image_only=True,
             block_lists=("blocks",),
+            latent_layout="video",
         ),
         FamilyAdapter(
             "DiT",
@@ -222,7 +217,6 @@ FAMILIES = {
             shard_at="pos_embed",
             gather_at="proj_out_2",
             attention={r"\.attn1$": "self"},
-            supports=frozenset(DEGREES),
         ),
     )
 }

@@ -219,6 +219,24 @@ class AttentionInterceptor(TorchFunctionMode):
         return self.state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths)
 
 
+def refuse_unsplittable(arguments: dict) -> None:
+    """Forward arguments whose tokens no strategy can split yet (ulysses, ring and pipefusion must be 1):
+    Flux.2's reference-image K/V cache, and a timestep per token (Wan 2.2 TI2V), whose embedding
+    would need the tokens' shards."""
+    if arguments.get("kv_cache_mode") is not None:
+        raise NotImplementedError(
+            "Flux.2's reference-image K/V cache (kv_cache_mode) is not sequence-parallel or pipelined yet; "
+            "run it under cfg and dp only (ulysses = ring = pipefusion = 1)"
+        )
+    timestep = arguments.get("timestep")
+    if isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
+        raise NotImplementedError(
+            f"a timestep per token (shape {tuple(timestep.shape)}, e.g. Wan 2.2 TI2V) is not sequence-parallel or "
+            f"pipelined yet: its embedding would need the tokens' shards; run it under cfg and dp only "
+            f"(ulysses = ring = pipefusion = 1)"
+        )
+
+
 def split_text(kind: str, text: int, query, key, value):
     """((q, k, v) of the image tokens, (q, k, v) of the joint text tokens or None), by the module's kind:
     text before the image (joint_first) or after it (joint_last)."""

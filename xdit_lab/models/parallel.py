@@ -47,7 +47,7 @@ def parallelize(
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
         raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
-    unsupported = adapter.problems(config) + (compile_problems(config, cache) if compile else [])
+    unsupported = compile_problems(config, cache) if compile else []
     if cache is not None and not adapter.step_cache:
         unsupported.append(
             f"StepCache is not offered on {adapter.family} yet: diffusers' First-Block Cache, the reference it is "

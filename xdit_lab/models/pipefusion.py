@@ -48,13 +48,20 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from .. import comm
-from ..attention.stale import StaleKV, stale_attention
+from ..attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ..mesh import PIPEFUSION, RING, SP, ULYSSES
 from ..sharding import PatchLayout, patch_ranges, stage_ranges
 from .families import block_metadata
-from .hooks import join_text, split_text
+from .hooks import join_text, refuse_unsplittable, split_text
 
 STALE_KINDS = ("self", "joint_first", "joint_last")  # attention whose image K/V a stage keeps per patch
+# forward arguments that address blocks by index (SD3's skip-layer guidance, ControlNet residuals)
+PER_BLOCK_ARGUMENTS = (
+    "skip_layers",
+    "block_controlnet_hidden_states",
+    "controlnet_block_samples",
+    "controlnet_single_block_samples",
+)
 
 
 class _StageDone(Exception):
@@ -88,8 +95,10 @@ class PipeFusionStage:
         self.incoming = None  # (image, text) handed over by the previous stage for the running patch
         self.output = None  # the whole image's output tokens of this step, filled patch by patch
         self.first_block = self.last_block = None  # diffusers' metadata of the blocks held here
+        self.first_joined = self.last_joined = False  # a held end block takes / returns [text; image] as one
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
+        self.token_grids: dict = {}  # latent shape -> (rows, cols) of its image tokens
 
     @classmethod
     def apply(cls, transformer, state, config, stage_split=None) -> PipeFusionStage:
@@ -120,6 +129,9 @@ class PipeFusionStage:
         stage.block_names = adapter.stage_block_names(transformer.config, start, stop)
         blocks = adapter.blocks(transformer)
         stage.first_block, stage.last_block = block_metadata(blocks[0]), block_metadata(blocks[-1])
+        held = [name.rsplit(".", 1)[0] for name in stage.block_names]  # the list each held block sits in
+        stage.first_joined = held[0] in adapter.joined_block_lists  # Flux.2's single-stream: [text; image]
+        stage.last_joined = held[-1] in adapter.joined_block_lists
         if not mesh.is_first_stage:
             blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
         if not mesh.is_last_stage:
@@ -131,7 +143,7 @@ class PipeFusionStage:
         rank and an image of `grid` tokens (stale_kv_bytes, for the attention layers of its blocks);
         None for a video, whose frames the grid does not say."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
-        grid = patch_grid(self.state.adapter, grid)
+        grid = self.state.adapter.patch_grid(grid)
         if grid is None:
             return None
         return stale_kv_bytes(
@@ -157,11 +169,22 @@ class PipeFusionStage:
     def forward(self, run, bound):
         """Every patch set through this stage's blocks; the last stage's prediction, broadcast."""
         mesh, latents, adapter = self.mesh, bound.arguments["hidden_states"], self.state.adapter
-        patch_sets = self._begin_step(*adapter.token_grid(latents, self.model_config))
+        refuse_unsplittable(bound.arguments)
+        per_block = [name for name in PER_BLOCK_ARGUMENTS if bound.arguments.get(name) is not None]
+        if per_block:  # the forward indexes them by its loop index, which a stage counts from its own first block
+            raise NotImplementedError(
+                f"{', '.join(per_block)} name blocks by their index in the whole model, which a PipeFusion stage "
+                f"does not hold; run them without PipeFusion"
+            )
+        size = tuple(latents.shape)
+        if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
+            self.token_grids[size] = adapter.token_grid(latents, self.model_config, bound.arguments)
+        patch_sets = self._begin_step(*self.token_grids[size])
         sp_rank, batch = mesh.group_rank(SP), latents.shape[0]
         text = bound.arguments.get("encoder_hidden_states")
         # a stage hands over the text states its blocks changed (SD3, Flux, CogVideoX) with the patch
-        text_len = text.shape[1] if self.first_block.return_encoder_hidden_states_index is not None else 0
+        carries_text = self.first_block.return_encoder_hidden_states_index is not None or self.first_joined
+        text_len = text.shape[1] if carries_text else 0
         rows_kwarg = adapter.image_rows_kwarg
         all_rows = bound.arguments.get(rows_kwarg) if rows_kwarg else None
 
@@ -246,15 +269,19 @@ class PipeFusionStage:
         return self.indices[key]
 
     def shard(self, tokens):
+        if self.state.adapter.grid_at_shard:  # Wan: [B, C, F, H, W] -> the active patches' [B, C, n]
+            self.state.image_len = tokens[0, 0].numel()
+            return tokens.flatten(2).index_select(2, self._index("shard", tokens.device))
         text = self.state.text_len if self.state.adapter.text_before_image_at_shard else 0
         self.state.image_len = tokens.shape[1] - text
         image = tokens[:, text:].index_select(1, self._index("shard", tokens.device))
         return torch.cat([tokens[:, :text], image], dim=1) if text else image
 
     def shard_rotary(self, tables):
-        """Flux: rows for [text; image]; keep the text rows and this rank's rows of the active patches."""
+        """Flux: rows for [text; image]; keep the text rows and this rank's rows of the active patches.
+        Wan: (cos, sin) [1, S, 1, D] of image tokens only."""
         if self.state.adapter.rotary_image_only:
-            raise NotImplementedError("PipeFusion does not slice image-only rotary tables (Wan) yet")
+            return tuple(t.index_select(1, self._index("shard", t.device)) for t in tables)
         text = self.state.text_len
 
         def rows(t):
@@ -286,8 +313,13 @@ class PipeFusionStage:
         return join_text(kind, out, joint_out)
 
     def _take_incoming(self, _module, args, kwargs):
-        """The stage's first block takes the previous stage's image (and text) states."""
+        """The stage's first block takes the previous stage's image (and text) states; a block that
+        takes them joined (Flux.2's single-stream blocks) takes [text; image] as its hidden states."""
         meta, args, kwargs = self.first_block, list(args), dict(kwargs)
+        if self.first_joined:
+            image, text = self.incoming
+            kwargs.pop(meta.hidden_states_argument_name, None)
+            return (torch.cat([text, image], dim=1), *args[1:]), kwargs
         names = (meta.hidden_states_argument_name, meta.encoder_hidden_states_argument_name)
         for position, (name, value) in enumerate(zip(names, self.incoming)):
             if value is None:
@@ -300,6 +332,9 @@ class PipeFusionStage:
 
     def _hand_over(self, _module, _args, output):
         meta = self.last_block
+        if self.last_joined:  # [text; image] in one tensor: handed on as the two, like every other stage's
+            text = self.state.text_len
+            raise _StageDone(output[:, text:], output[:, :text])
         if not isinstance(output, tuple):
             raise _StageDone(output, None)
         text_at = meta.return_encoder_hidden_states_index
@@ -326,25 +361,6 @@ class PipeFusionStage:
             },
             buffer=", ".join(sorted({type(b).__name__ for b in self.buffers.values()})) or None,
         )
-
-
-def patch_grid(adapter, grid: tuple[int, int]) -> tuple[int, int] | None:
-    """The (rows, cols) PipeFusion cuts into patches, for an image of grid[0] × grid[1] tokens:
-    packed tokens (Flux) are one column, as FamilyAdapter.token_grid has them; None for a video."""
-    if adapter.latent_layout == "frames":
-        return None
-    return (grid[0] * grid[1], 1) if adapter.latent_layout == "tokens" else grid
-
-
-def stale_kv_bytes(*, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes) -> int:
-    """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
-    of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
-    every patch, for heads / ulysses heads)."""
-    layout = PatchLayout(patch_ranges(*grid, patches), ulysses * ring)
-    length = sum(
-        layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
-    )
-    return layers * 2 * rows * (heads // ulysses) * length * head_dim * element_bytes
 
 
 def _output_conditioning_from_block_0(transformer, block_0) -> None:

@@ -19,7 +19,7 @@ from .. import comm
 from ..attention import sp_attention
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
-from .hooks import join_text, split_text
+from .hooks import join_text, refuse_unsplittable, split_text
 
 
 class SequenceShards:
@@ -34,17 +34,8 @@ class SequenceShards:
         rotary tables, Flux.2's img_ids) keeps this rank's rows before the forward sees it."""
         kwarg = self.state.adapter.image_rows_kwarg
         rows = bound.arguments.get(kwarg) if kwarg else None
-        if self.mesh.group_size(SP) > 1 and bound.arguments.get("kv_cache_mode") is not None:
-            raise NotImplementedError(
-                "Flux.2's reference-image K/V cache (kv_cache_mode) is not sequence-parallel yet; "
-                "run it under cfg and dp only (ulysses = ring = 1)"
-            )
-        timestep = bound.arguments.get("timestep")
-        if self.mesh.group_size(SP) > 1 and isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
-            raise NotImplementedError(
-                f"a timestep per token (shape {tuple(timestep.shape)}, e.g. Wan 2.2 TI2V) is not sequence-parallel "
-                f"yet: its embedding would need the tokens' shards; run it under cfg and dp only (ulysses = ring = 1)"
-            )
+        if self.mesh.group_size(SP) > 1:
+            refuse_unsplittable(bound.arguments)
         if isinstance(rows, tuple):
             bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=t.dim() - 2) for t in rows)
         elif rows is not None:

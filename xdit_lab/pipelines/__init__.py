@@ -5,10 +5,11 @@ from .cogvideox import CogVideoXRecipe
 from .flux import FluxRecipe
 from .pixart import PixArtRecipe
 from .sd3 import SD3Recipe
+from .wan import WanRecipe
 
 RECIPES = {
     name: recipe
-    for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), CogVideoXRecipe())
+    for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), CogVideoXRecipe(), WanRecipe())
     for name in recipe.pipeline_classes
 }
 

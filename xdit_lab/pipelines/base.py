@@ -59,6 +59,9 @@ class Recipe:
             )
         return {**self.options, **options}
 
+    def check_pipeline(self, pipe) -> None:
+        """Refuse, by name, a loaded pipeline this recipe cannot run as it is (before parallelizing)."""
+
     def size_multiple(self, pipe) -> tuple[int, tuple[int, int]]:
         """(what height and width must be multiples of, the default (height, width)) in pixels."""
         config = pipe.transformer.config

@@ -138,9 +138,8 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         first_block_self_layers=first.count("self"),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,  # text tokens of the last forward
-        # PipeFusion: a stage hands on the text states with each patch where its blocks return them (SD3, Flux)
-        handed_text=getattr(getattr(state.strategy, "first_block", None), "return_encoder_hidden_states_index", None)
-        is not None,
+        # PipeFusion: a stage hands on the text states with each patch where its blocks change them (SD3, Flux, ...)
+        handed_text=getattr(state.strategy, "hands_text", False),
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
         dtype_bytes=next(transformer.parameters()).element_size(),
     )

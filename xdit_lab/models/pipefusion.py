@@ -96,6 +96,7 @@ class PipeFusionStage:
         self.output = None  # the whole image's output tokens of this step, filled patch by patch
         self.first_block = self.last_block = None  # diffusers' metadata of the blocks held here
         self.first_joined = self.last_joined = False  # a held end block takes / returns [text; image] as one
+        self.hands_text = False  # this stage sends text states on with each patch (when it is not the last)
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
         self.token_grids: dict = {}  # latent shape -> (rows, cols) of its image tokens
@@ -132,6 +133,7 @@ class PipeFusionStage:
         held = [name.rsplit(".", 1)[0] for name in stage.block_names]  # the list each held block sits in
         stage.first_joined = held[0] in adapter.joined_block_lists  # Flux.2's single-stream: [text; image]
         stage.last_joined = held[-1] in adapter.joined_block_lists
+        stage.hands_text = stage.last_joined or stage.last_block.return_encoder_hidden_states_index is not None
         if not mesh.is_first_stage:
             blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
         if not mesh.is_last_stage:

@@ -151,6 +151,19 @@ class Recipe:
         return self.output_class(images=images)
 
 
+def video_prompt_embeds(pipe, request: Request, texts: list[str], device) -> torch.Tensor:
+    """One row of T5 embeddings per text, as CogVideoX's and Wan's pipelines encode (same signature)."""
+    embeds, _ = pipe.encode_prompt(
+        texts,
+        None,
+        do_classifier_free_guidance=False,
+        num_videos_per_prompt=1,
+        max_sequence_length=request.options["max_sequence_length"],
+        device=device,
+    )
+    return embeds
+
+
 def negatives_or_empty(request: Request) -> list[str]:
     return request.negatives if request.negatives is not None else [""] * len(request.prompts)
 

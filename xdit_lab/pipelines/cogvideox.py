@@ -6,7 +6,7 @@ from diffusers import CogVideoXDPMScheduler
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
 from diffusers.pipelines.cogvideo.pipeline_output import CogVideoXPipelineOutput
 
-from .base import Recipe, generator_of
+from .base import Recipe, generator_of, video_prompt_embeds
 
 
 class CogVideoXRecipe(Recipe):
@@ -28,14 +28,7 @@ class CogVideoXRecipe(Recipe):
         return -(-latent_frames // (config.patch_size_t or 1))
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, _ = pipe.encode_prompt(
-            texts,
-            None,
-            do_classifier_free_guidance=False,
-            num_videos_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-            device=device,
-        )
+        embeds = video_prompt_embeds(pipe, request, texts, device)
         return dict(encoder_hidden_states=embeds)
 
     def prepare(self, pipe, request, prepared, device):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
-from .base import Recipe, generator_of
+from .base import Recipe, generator_of, video_prompt_embeds
 
 
 class WanRecipe(Recipe):
@@ -44,14 +44,7 @@ class WanRecipe(Recipe):
         return frames // pipe.transformer.config.patch_size[0]
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, _ = pipe.encode_prompt(
-            texts,
-            None,
-            do_classifier_free_guidance=False,
-            num_videos_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-            device=device,
-        )
+        embeds = video_prompt_embeds(pipe, request, texts, device)
         return dict(encoder_hidden_states=embeds.to(pipe.transformer.dtype))
 
     def prepare(self, pipe, request, prepared, device):

@@ -209,13 +209,20 @@ def broadcast(x: torch.Tensor, mesh, group: str, *, src_group_rank: int = 0, tag
 
 
 def exchange(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], mesh, group: str, *, tag: str = ""
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    mesh,
+    group: str,
+    *,
+    tag: str = "",
+    returning: bool = False,
 ) -> list:
     """Start sends and receives together (batch_isend_irecv); return the requests to wait on.
 
-    `sends` and `recvs` pair a tensor with a global peer rank. Receives are filled in place."""
+    `sends` and `recvs` pair a tensor with a global peer rank. Receives are filled in place.
+    `returning`: on the group's second communicator (RankMesh.group), recorded under the group."""
     ops = []
-    pg = mesh.group(group)
+    pg = mesh.group(group, returning=returning)
     for tensor, peer in sends:
         tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
         _record("send", group, mesh.group_size(group), tensor, tensor.numel() * tensor.element_size(), tag)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 # The five degrees, slowest-varying rank first; this order is used everywhere (fields, mesh, tables).
 DP, CFG, PIPEFUSION, RING, ULYSSES = "dp", "cfg", "pipefusion", "ring", "ulysses"
+SCHEDULES = ("drained", "async")  # PipeFusion's schedules (ParallelConfig.pipefusion_schedule)
 DEGREES = (DP, CFG, PIPEFUSION, RING, ULYSSES)
 # The one short form of each degree, for compact names, tables and mesh coordinates: 'cfg2·pf2'.
 SHORT = {DP: "dp", CFG: "cfg", PIPEFUSION: "pf", RING: "ring", ULYSSES: "ulysses"}
@@ -62,6 +63,9 @@ class ParallelConfig:
     ulysses: int = 1
     num_patches: int | None = None  # PipeFusion patches; None means one per stage
     warmup_steps: int = 1  # synchronous full-image steps before PipeFusion runs on stale K/V
+    # "drained": every step empties the pipeline; "async": the next step's patches enter stage 0 while
+    # the last stage finishes this one (session.py: what step() means then)
+    pipefusion_schedule: str = "drained"
     vae_parallel: bool = True  # decode in row bands over the ranks that share an image (vae.py)
 
     def __repr__(self) -> str:
@@ -78,6 +82,10 @@ class ParallelConfig:
             not isinstance(self.num_patches, int) or isinstance(self.num_patches, bool)
         ):
             raise ParallelConfigError(f"num_patches must be an int or None, got {self.num_patches!r}")
+        if self.pipefusion_schedule not in SCHEDULES:
+            raise ParallelConfigError(
+                f"pipefusion_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {self.pipefusion_schedule!r}"
+            )
 
     # ---- derived sizes ---------------------------------------------------------------
     @property
@@ -99,8 +107,10 @@ class ParallelConfig:
         return f"{' × '.join(used) or 'serial'} = {self.world_size}"
 
     def short(self) -> str:
-        """Compact form for tables: 'cfg2·pf2·ulysses2', or 'serial' (SHORT names each degree)."""
+        """Compact form for tables: 'cfg2·pf2·ulysses2', 'pf2·async', or 'serial' (SHORT names each degree)."""
         used = [f"{SHORT[name]}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
+        if self.pipefusion_schedule != "drained":
+            used.append(self.pipefusion_schedule)
         return "·".join(used) or "serial"
 
     def replace(self, **changes) -> ParallelConfig:
@@ -126,6 +136,11 @@ class ParallelConfig:
             found.append(
                 f"num_patches {self.num_patches} is below the {self.pipefusion} PipeFusion stages: "
                 f"every stage needs a patch in flight; use num_patches >= {self.pipefusion}"
+            )
+        if self.pipefusion_schedule == "async" and self.pipefusion < 2:
+            found.append(
+                f"pipefusion_schedule='async' overlaps PipeFusion stages across steps, but pipefusion is "
+                f"{self.pipefusion}; use pipefusion >= 2 or the default schedule"
             )
         if below_one:  # the size rules below need positive degrees
             return found
@@ -164,8 +179,9 @@ class ParallelConfig:
         return self
 
     def _fields(self) -> str:
-        """The fields as keyword arguments; vae_parallel only when it is off (its default is on)."""
-        fields = [f for f in dataclasses.fields(self) if f.name != "vae_parallel" or not self.vae_parallel]
+        """The fields as keyword arguments; vae_parallel and pipefusion_schedule only when not their default."""
+        quiet = {"vae_parallel", "pipefusion_schedule"}
+        fields = [f for f in dataclasses.fields(self) if f.name not in quiet or getattr(self, f.name) != f.default]
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
 
     def _world_size_message(self, world_size, available_devices, num_heads, num_layers, seq_len) -> str:

@@ -72,6 +72,7 @@ class RankMesh:
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._group_ranks: dict[str, list[int]] = {}
         self._made: list[dist.ProcessGroup] = []  # every group this process made, in order, for close()
+        self._return_group = None  # the async PipeFusion schedule's second pipefusion communicator
         self.closed = False
         self.handle = comm.handle(self)  # how a compiled graph's collectives find this mesh
         if dist.is_initialized():
@@ -128,6 +129,16 @@ class RankMesh:
                     self._group_ranks[name] = members
                     if group is not None:
                         self._made.append(group)
+        if self.config.pipefusion_schedule == "async":
+            # The async schedule's return path (the last stage's latents back to stage 0) gets a
+            # communicator of its own: NCCL runs one communicator's point-to-point ops in the order
+            # posted, so latents queued behind the next step's patches would wait for them forever.
+            for members in self.all_groups(PIPEFUSION):
+                group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+                if self.rank in members:
+                    self._return_group = group
+                    if group is not None:
+                        self._made.append(group)
 
     def close(self) -> None:
         """Destroy this mesh's process groups (their NCCL communicators and buffers). Safe to call
@@ -147,15 +158,21 @@ class RankMesh:
             except ValueError:
                 pass  # not registered any more: the world it belonged to was shut down and made again
 
-    def group(self, name: str):
-        """The process group of this rank for `name`, or None when its degree is 1."""
+    def group(self, name: str, *, returning: bool = False):
+        """The process group of this rank for `name`, or None when its degree is 1. `returning`: the
+        PipeFusion group's second communicator, the async schedule's way back to stage 0."""
         self._check_name(name)
-        if self.closed and self._groups.get(name) is not None:
+        group = self._groups.get(name)
+        if returning:
+            if name != PIPEFUSION or self.config.pipefusion_schedule != "async":
+                raise ValueError("only the pipefusion group of an async schedule has a return communicator")
+            group = self._return_group
+        if self.closed and group is not None:
             raise RuntimeError(
                 f"this mesh ({self.config.short()}) was closed: its process groups are destroyed; "
                 f"build a new RankMesh (or load the pipeline again)"
             )
-        return self._groups.get(name)
+        return group
 
     def group_ranks(self, name: str) -> list[int]:
         """Global ranks in this rank's group `name`, in group-rank order."""

@@ -114,6 +114,31 @@ class FamilyAdapter:
             rows *= -(-latents.shape[1] // patch_t)
         return rows, latents.shape[-1] // patch
 
+    def latent_positions(self, latents, model_config) -> torch.Tensor:
+        """[S, X]: for each image token, in the model's order, the flat positions in one sample of
+        `latents` that it is made of. PipeFusion's async schedule steps the scheduler patch by patch
+        and sends a patch's latents back to stage 0: these are that patch's elements."""
+        shape, patch = latents.shape[1:], model_config.get("patch_size") or 1
+        flat = torch.arange(shape.numel(), device=latents.device)
+        if self.latent_layout == "tokens":  # [S, C]: a token is a row
+            return flat.view(shape)
+        if self.latent_layout == "image":  # [C, H, W], p × p pixels a token
+            c, h, w = shape
+            return (
+                flat.view(c, h // patch, patch, w // patch, patch).permute(1, 3, 0, 2, 4).reshape(h * w // patch**2, -1)
+            )
+        if self.latent_layout == "frames":  # CogVideoX [F, C, H, W]: frame-major, p × p (× patch_size_t frames)
+            f, c, h, w = shape
+            pt = model_config.get("patch_size_t") or 1
+            if f % pt:
+                raise NotImplementedError(f"{f} latent frames do not divide by patch_size_t {pt}")
+            grouped = flat.view(f // pt, pt, c, h // patch, patch, w // patch, patch)
+            return grouped.permute(0, 3, 5, 1, 2, 4, 6).reshape(f // pt * (h // patch) * (w // patch), -1)
+        c, f, h, w = shape  # "video", Wan [C, F, H, W] with patches (t, h, w)
+        pt, ph, pw = patch
+        grouped = flat.view(c, f // pt, pt, h // ph, ph, w // pw, pw)
+        return grouped.permute(1, 3, 5, 0, 2, 4, 6).reshape(f // pt * (h // ph) * (w // pw), -1)
+
     def patch_grid(self, grid: tuple[int, int]) -> tuple[int, int] | None:
         """The (rows, cols) PipeFusion cuts into patches, for an image of grid[0] × grid[1] tokens; None
         for a video, whose frames stack more rows than one image has."""
@@ -274,3 +299,27 @@ def image_tokens_at_default_size(transformer) -> int | None:
     if type(transformer).__name__ == "FluxTransformer2DModel" or not isinstance(sample, int):
         return None  # Flux takes packed tokens of any length
     return (sample // patch) ** 2
+
+
+def output_conditioning_from_block_0(transformer, block_0) -> None:
+    """DiT's output layer takes its conditioning from `transformer_blocks[0].norm1.emb`, the model's
+    block 0. On a later stage that list starts at another block, so once this stage's blocks have
+    run, that call is answered by block 0's embedding, kept here (a few small layers). The hooks
+    hold that embedding, not the transformer: no reference cycle keeps a replaced model alive."""
+    block_0_emb = block_0.norm1.emb
+    transformer._xdit_lab_block_0_emb = block_0_emb  # a registered submodule: moves with the model
+    first, last = transformer.transformer_blocks[0], transformer.transformer_blocks[-1]
+    blocks_done = [False]
+
+    def entering(_module, _args):
+        blocks_done[0] = False
+
+    def leaving(_module, _args, _output):
+        blocks_done[0] = True
+
+    def output_conditioning(_module, args, kwargs, output):
+        return block_0_emb(*args, **kwargs) if blocks_done[0] else output
+
+    first.register_forward_pre_hook(entering)
+    last.register_forward_hook(leaving)
+    first.norm1.emb.register_forward_hook(output_conditioning, with_kwargs=True)

@@ -311,8 +311,11 @@ def _take_batch(value, total, local):
 
 
 def gather_batch(state: ParallelState, output, dp_sizes: list[int]):
-    """Every rank's rows of the forward's output, gathered over dp (dropping stand-ins), then cfg."""
+    """Every rank's rows of the forward's output, gathered over dp (dropping stand-ins), then cfg.
+    None (a PipeFusion stage before the last, under the async schedule) stays None."""
     mesh = state.mesh
+    if output is None:
+        return None
     sample = output[0] if isinstance(output, tuple) else output.sample
     sample = comm.all_gather(sample.contiguous(), mesh, DP, dim=0, sizes=dp_sizes, tag="sample")
     sample = comm.all_gather(sample, mesh, CFG, dim=0, tag="sample")

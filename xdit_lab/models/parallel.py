@@ -53,6 +53,11 @@ def parallelize(
             f"StepCache is not offered on {adapter.family} yet: diffusers' First-Block Cache, the reference it is "
             f"checked against, does not run on it"
         )
+    if cache is not None and config.pipefusion_schedule == "async":
+        unsupported.append(
+            "a StepCache does not run under pipefusion_schedule='async': it decides for a whole step before "
+            "any patch moves, while the async schedule has two steps in flight; use the drained schedule"
+        )
     if unsupported:
         raise ParallelConfigError("; ".join(unsupported))
     model_config = transformer.config

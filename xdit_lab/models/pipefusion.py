@@ -12,21 +12,17 @@ When a patch attends, the K/V of patches not yet processed in this step are the 
 (attention/stale.py keeps them). The first `warmup_steps` run the whole image at once, so every
 K/V is fresh; with warmup_steps >= num_inference_steps the result equals serial attention.
 
-One call of the transformer is one diffusion step, as in the serial model, so the denoising loop
+One call of the transformer is one diffusion step (the drained schedule), so the denoising loop
 does not change. Inside the call every stage runs the model's own forward once per patch (once
 for the whole image during warmup):
-  - the embeddings are computed from the whole latent and this rank keeps its tokens of the
-    patch (shard); a later stage replaces them with the activations the previous stage sent,
-    at its first block
-  - a stage that is not the last stops after its last block and sends the activations on (the
-    next patch is computed while they travel); the last stage finishes the forward
-  - a stage receives one patch ahead: patch i+1's receive is posted before patch i runs, and
-    patch i's send after it. On NCCL every point-to-point op of the group runs on one stream in
-    the order posted, and a receive holds up what follows it until its data arrives: had the
-    middle stage of 3 posted all its receives first, its sends would have waited for the
-    previous stage's last patch. Now only patch i+1's receive precedes send i, and the
-    previous stage sends patch i+1 while this one computes patch i. Buffers and messages are
-    in the model's dtype on both sides.
+  - the embeddings are computed from the whole latent and this rank keeps the patch's tokens; a
+    later stage replaces them, at its first block, with what the previous stage sent
+  - a stage that is not the last stops after its last block and sends the activations on
+  - a stage posts patch i+1's receive before patch i's send: NCCL runs a group's point-to-point
+    ops on one stream in the order posted, and a receive holds up what follows it, so posting all
+    receives first would stall a middle stage's sends. Messages are in the model's dtype.
+Under pipefusion_schedule="async", past the warmup, one call runs one patch (`cursor`) and the
+session steps the scheduler patch by patch (session.py); the last stage returns the prediction.
 Joint-attention families (SD3, Flux, CogVideoX) also change their text tokens in every block, so
 a stage hands over two tensors per patch: the patch's image tokens and the text states its blocks
 produced for that patch (whole text, on every sp rank). Their joint attention keeps image K/V per
@@ -34,10 +30,9 @@ patch like self-attention, and recomputes text K/V with each patch. The blocks a
 stack (Flux: double-stream, then single-stream blocks), cut into stages as one list; rotary rows
 and per-token arguments (CogVideoX's rotary tables) follow the active patches.
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
-patch's forward unpatchifies the whole image. Its noise prediction is then broadcast to the other stages, so
-every rank steps the scheduler on the same values (multistep schedulers such as DPM-Solver need
-that). The pipeline drains at the end of each call, so `DenoiseSession.step()` is one diffusion
-step on every rank; the bubble is (N-1)/(M+N-1) of a step, smaller with more patches.
+patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
+step the scheduler alike). The drained bubble is (N-1)/(M+N-1) of a step; the async one is
+(N-1)/(K·M+N-1) of K pipelined steps.
 Within a stage, tokens may also be split over ulysses × ring: every patch is sharded over them
 the same way (sharding.PatchLayout).
 """
@@ -51,7 +46,7 @@ from .. import comm
 from ..attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ..mesh import PIPEFUSION, RING, SP, ULYSSES
 from ..sharding import PatchLayout, patch_ranges, stage_ranges
-from .families import block_metadata
+from .families import block_metadata, output_conditioning_from_block_0
 from .hooks import join_text, refuse_unsplittable, split_text
 
 STALE_KINDS = ("self", "joint_first", "joint_last")  # attention whose image K/V a stage keeps per patch
@@ -99,7 +94,11 @@ class PipeFusionStage:
         self.hands_text = False  # this stage sends text states on with each patch (when it is not the last)
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
-        self.token_grids: dict = {}  # latent shape -> (rows, cols) of its image tokens
+        self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens
+        # the async schedule (ParallelConfig.pipefusion_schedule): one call runs one patch
+        self.cursor = 0  # the patch the next call runs
+        self.pending_sends: list = []  # this step's sends, waited once its last patch has gone
+        self.latent_elements: dict = {}  # (latent shape, patch) -> that patch's flat latent positions
 
     @classmethod
     def apply(cls, transformer, state, config, stage_split=None) -> PipeFusionStage:
@@ -126,7 +125,7 @@ class PipeFusionStage:
                     "a DiT stage loaded without block 0 cannot condition its output layer; build the "
                     "transformer whole and let parallelize drop the other stages' blocks"
                 )
-            _output_conditioning_from_block_0(transformer, block_0)
+            output_conditioning_from_block_0(transformer, block_0)
         stage.block_names = adapter.stage_block_names(transformer.config, start, stop)
         blocks = adapter.blocks(transformer)
         stage.first_block, stage.last_block = block_metadata(blocks[0]), block_metadata(blocks[-1])
@@ -166,6 +165,22 @@ class PipeFusionStage:
     def reset(self) -> None:
         """A new generation: warm up again with empty buffers."""
         self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
+        self.cursor, self.pending_sends = 0, []
+
+    @property
+    def pipelined(self) -> bool:
+        """The async schedule past its warmup: each call runs one patch, and the session steps the
+        scheduler patch by patch on the last stage (session.py)."""
+        return self.config.pipefusion_schedule == "async" and self.step >= self.config.warmup_steps
+
+    def patch_latents(self, latents: torch.Tensor, patch: int) -> torch.Tensor:
+        """Flat positions in one sample of `latents` that make up `patch` (on the latents' device)."""
+        key = (size := tuple(latents.shape[1:]), patch)
+        if key not in self.latent_elements:  # the grid is known once a forward ran on this size
+            start, stop = patch_ranges(*self.token_grids[size], self.config.patches)[patch]
+            positions = self.state.adapter.latent_positions(latents, self.model_config)
+            self.latent_elements[key] = positions[start:stop].flatten()
+        return self.latent_elements[key]
 
     # ---- one diffusion step ----------------------------------------------------------------------------
     def forward(self, run, bound):
@@ -178,7 +193,7 @@ class PipeFusionStage:
                 f"{', '.join(per_block)} name blocks by their index in the whole model, which a PipeFusion stage "
                 f"does not hold; run them without PipeFusion"
             )
-        size = tuple(latents.shape)
+        size = tuple(latents.shape[1:])  # one sample's: the batch does not change the grid
         if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
             self.token_grids[size] = adapter.token_grid(latents, self.model_config, bound.arguments)
         patch_sets = self._begin_step(*self.token_grids[size])
@@ -207,13 +222,15 @@ class PipeFusionStage:
             buffers = [(t, mesh.pipeline_prev) for t in (image, text) if t is not None]
             return (image, text), comm.exchange([], buffers, mesh, PIPEFUSION)
 
-        cache = self.state.cache
+        cache, pipelined = self.state.cache, self.pipelined
         if cache is not None:  # one decision for the step before any patch moves (models/cache.py)
             if mesh.is_first_stage:
                 cache.first_pass(run_active, patch_sets, self._set_active)
             cache.decide()
         receiving = None if mesh.is_first_stage else receive(patch_sets[0])
-        sends, output, self.output = [], None, None
+        sends, output = [], None
+        if not pipelined:  # pipelined, the buffer keeps the other patches' latest tokens
+            self.output = None
         for i, active in enumerate(patch_sets):
             self.active = active
             if receiving is not None:
@@ -227,6 +244,8 @@ class PipeFusionStage:
             except _StageDone as done:  # in the dtype the next stage's buffers hold
                 handed = [(t.to(self.dtype), mesh.pipeline_next) for t in (done.hidden, done.text) if t is not None]
                 sends += comm.exchange(handed, [], mesh, PIPEFUSION, tag="patch")
+        if pipelined:
+            return self._end_patch(sends, output)
         comm.wait(sends)
         if cache is not None:
             cache.end()
@@ -239,12 +258,27 @@ class PipeFusionStage:
         self.step += 1
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
 
+    def _end_patch(self, sends, output):
+        """Pipelined: this call's patch is done. A stage's sends are waited once the step's last patch
+        has gone (a stage runs ahead of the next one by at most a step); only the last stage has an
+        output: the whole prediction, in which this patch's tokens are this step's."""
+        self.pending_sends += sends
+        self.cursor += 1
+        if self.cursor == len(self.layout.patches):
+            comm.wait(self.pending_sends)
+            self.cursor, self.pending_sends, self.step = 0, [], self.step + 1
+        return output
+
     def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
         if self.grid != (rows, cols):  # a new image size: new patches, new buffers
+            if self.cursor:
+                raise RuntimeError("the image size changed in the middle of a pipelined step")
             self.grid, self.buffers, self.indices = (rows, cols), {}, {}
             self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
         patches = len(self.layout.patches)
-        return [list(range(patches))] if self.step < self.config.warmup_steps else [[p] for p in range(patches)]
+        if self.step < self.config.warmup_steps:
+            return [list(range(patches))]
+        return [[self.cursor]] if self.pipelined else [[p] for p in range(patches)]
 
     decides_before_blocks = True  # a StepCache needs the first block over the whole image first
 
@@ -363,27 +397,3 @@ class PipeFusionStage:
             },
             buffer=", ".join(sorted({type(b).__name__ for b in self.buffers.values()})) or None,
         )
-
-
-def _output_conditioning_from_block_0(transformer, block_0) -> None:
-    """DiT's output layer takes its conditioning from `transformer_blocks[0].norm1.emb`, the model's
-    block 0. On a later stage that list starts at another block, so once this stage's blocks have
-    run, that call is answered by block 0's embedding, kept here (a few small layers). The hooks
-    hold that embedding, not the transformer: no reference cycle keeps a replaced model alive."""
-    block_0_emb = block_0.norm1.emb
-    transformer._xdit_lab_block_0_emb = block_0_emb  # a registered submodule: moves with the model
-    first, last = transformer.transformer_blocks[0], transformer.transformer_blocks[-1]
-    blocks_done = [False]
-
-    def entering(_module, _args):
-        blocks_done[0] = False
-
-    def leaving(_module, _args, _output):
-        blocks_done[0] = True
-
-    def output_conditioning(_module, args, kwargs, output):
-        return block_0_emb(*args, **kwargs) if blocks_done[0] else output
-
-    first.register_forward_pre_hook(entering)
-    last.register_forward_hook(leaving)
-    first.norm1.emb.register_forward_hook(output_conditioning, with_kwargs=True)

@@ -65,3 +65,27 @@ def test_compile_benchmark_on_a_tiny_size(tmp_path):
         assert error < 1e-4, row
         if method.endswith("compiled"):
             assert first_call > 10 * median / 1e3, row  # the first call compiled
+
+
+def test_pipefusion_schedule_benchmark_on_a_tiny_size(tmp_path):
+    """benchmarks/pipefusion_schedule.py on 10 digits and 4 steps: both schedules timed (finite), each
+    stage's bubble a share in [0, 1) beside the closed form for 2 stages and 2 patches (drained 1/3 of a
+    step; async 1/7 over its 3 pipelined steps), and the async latents equal to the drained ones."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/pipefusion_schedule.py", "--per-digit", "1", "--steps", "4"]
+        + ["--patches", "2", "--repeats", "1", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    drained, pipelined = json.loads(out.read_text())
+    assert (drained["config"], pipelined["config"]) == ("pf2", "pf2·async")
+    for row in (drained, pipelined):
+        assert math.isfinite(row["median_s"]) and row["median_s"] > 0, row
+        assert len(row["bubble_by_stage"]) == 2 and all(0 <= b < 1 for b in row["bubble_by_stage"]), row
+    assert drained["closed_form_bubble"] == 1 / 3 and pipelined["closed_form_bubble"] == 1 / 7
+    assert pipelined["deviation"] < 1e-4
+    assert "| pf2·async | 2 | 3 |" in done.stdout

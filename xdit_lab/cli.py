@@ -16,7 +16,7 @@ import argparse
 import contextlib
 import sys
 
-from .config import DEGREES, SHORT, ParallelConfig, ParallelConfigError, _visible_gpus
+from .config import DEGREES, SCHEDULES, SHORT, ParallelConfig, ParallelConfigError, _visible_gpus
 from .distributed import usable_cpu_cores
 
 
@@ -156,6 +156,7 @@ def cmd_run(args) -> int:
         ring=args.ring,
         num_patches=args.num_patches,
         warmup_steps=args.warmup_steps,
+        pipefusion_schedule=args.pipefusion_schedule,
     )
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
@@ -255,6 +256,13 @@ def _build_parser() -> argparse.ArgumentParser:
         run.add_argument(f"--{degree}", type=_count(1), default=1, help=f"{degree} degree (default 1)")
     run.add_argument("--num-patches", type=_count(1), help="PipeFusion patches (default: one per stage)")
     run.add_argument("--warmup-steps", type=_count(0), default=1, help="PipeFusion synchronous steps (default 1)")
+    run.add_argument(
+        "--pipefusion-schedule",
+        choices=SCHEDULES,
+        default="drained",
+        help="drained: every step empties the pipeline; async: the next step's patches start while the last "
+        "stage finishes (README: PipeFusion's schedules)",
+    )
     run.add_argument("--steps", type=_count(1), help="denoising steps (default: the family's)")
     run.add_argument("--guidance", type=float, help="guidance scale (default: the family's)")
     run.add_argument("--seed", type=int, default=0)

@@ -36,6 +36,8 @@ def run_argv(model, prompts, config, output, *, seed: int = 0, negative_prompt=N
         argv += ["--warmup-steps", str(config.warmup_steps)]
         if config.num_patches:
             argv += ["--num-patches", str(config.num_patches)]
+        if config.pipefusion_schedule != "drained":
+            argv += ["--pipefusion-schedule", config.pipefusion_schedule]
     for key, value in call_kwargs.items():
         if key in _FLAGS:
             argv += [_FLAGS[key], str(value)]

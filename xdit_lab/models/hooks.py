@@ -219,6 +219,26 @@ class AttentionInterceptor(TorchFunctionMode):
         return self.state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths)
 
 
+# forward arguments that address blocks by index (SD3's skip-layer guidance, ControlNet residuals)
+PER_BLOCK_ARGUMENTS = (
+    "skip_layers",
+    "block_controlnet_hidden_states",
+    "controlnet_block_samples",
+    "controlnet_single_block_samples",
+)
+
+
+def refuse_per_block(arguments: dict) -> None:
+    """Forward arguments a PipeFusion stage cannot take: the forward indexes them by its loop index,
+    which a stage counts from its own first block."""
+    per_block = [name for name in PER_BLOCK_ARGUMENTS if arguments.get(name) is not None]
+    if per_block:
+        raise NotImplementedError(
+            f"{', '.join(per_block)} name blocks by their index in the whole model, which a PipeFusion stage "
+            f"does not hold; run them without PipeFusion"
+        )
+
+
 def refuse_unsplittable(arguments: dict) -> None:
     """Forward arguments whose tokens no strategy can split yet (ulysses, ring and pipefusion must be 1):
     Flux.2's reference-image K/V cache, and a timestep per token (Wan 2.2 TI2V), whose embedding

@@ -39,6 +39,8 @@ the same way (sharding.PatchLayout).
 
 from __future__ import annotations
 
+import time
+
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
@@ -47,16 +49,9 @@ from ..attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ..mesh import PIPEFUSION, RING, SP, ULYSSES
 from ..sharding import PatchLayout, patch_ranges, stage_ranges
 from .families import block_metadata, output_conditioning_from_block_0
-from .hooks import join_text, refuse_unsplittable, split_text
+from .hooks import join_text, refuse_per_block, refuse_unsplittable, split_text
 
 STALE_KINDS = ("self", "joint_first", "joint_last")  # attention whose image K/V a stage keeps per patch
-# forward arguments that address blocks by index (SD3's skip-layer guidance, ControlNet residuals)
-PER_BLOCK_ARGUMENTS = (
-    "skip_layers",
-    "block_controlnet_hidden_states",
-    "controlnet_block_samples",
-    "controlnet_single_block_samples",
-)
 
 
 class _StageDone(Exception):
@@ -99,6 +94,7 @@ class PipeFusionStage:
         self.cursor = 0  # the patch the next call runs
         self.pending_sends: list = []  # this step's sends, waited once its last patch has gone
         self.latent_elements: dict = {}  # (latent shape, patch) -> that patch's flat latent positions
+        self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
 
     @classmethod
     def apply(cls, transformer, state, config, stage_split=None) -> PipeFusionStage:
@@ -187,12 +183,7 @@ class PipeFusionStage:
         """Every patch set through this stage's blocks; the last stage's prediction, broadcast."""
         mesh, latents, adapter = self.mesh, bound.arguments["hidden_states"], self.state.adapter
         refuse_unsplittable(bound.arguments)
-        per_block = [name for name in PER_BLOCK_ARGUMENTS if bound.arguments.get(name) is not None]
-        if per_block:  # the forward indexes them by its loop index, which a stage counts from its own first block
-            raise NotImplementedError(
-                f"{', '.join(per_block)} name blocks by their index in the whole model, which a PipeFusion stage "
-                f"does not hold; run them without PipeFusion"
-            )
+        refuse_per_block(bound.arguments)
         size = tuple(latents.shape[1:])  # one sample's: the batch does not change the grid
         if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
             self.token_grids[size] = adapter.token_grid(latents, self.model_config, bound.arguments)
@@ -239,11 +230,13 @@ class PipeFusionStage:
                     receiving = receive(patch_sets[i + 1])
                 comm.wait(requests)
                 self.incoming = incoming
+            started = time.perf_counter()
             try:
                 output = run_active()
             except _StageDone as done:  # in the dtype the next stage's buffers hold
                 handed = [(t.to(self.dtype), mesh.pipeline_next) for t in (done.hidden, done.text) if t is not None]
                 sends += comm.exchange(handed, [], mesh, PIPEFUSION, tag="patch")
+            self.busy_s += time.perf_counter() - started  # host seconds (on a GPU: launching, not running)
         if pipelined:
             return self._end_patch(sends, output)
         comm.wait(sends)

@@ -80,8 +80,14 @@ class LabSession:
 
     @property
     def latents(self):
-        """The whole current latents, fetched from rank 0 (every active rank holds them)."""
-        return self._call(engine.latents, what="latents", ranks=[0])[0]
+        """The whole current latents, fetched from a rank that holds them: rank 0 (every active rank
+        does after a step), or under PipeFusion's async schedule the last stage's first rank (the
+        other stages receive a step's latents patch by patch as they run the next one)."""
+        config = self.lab.config
+        rank = 0
+        if config is not None and config.pipefusion_schedule == "async":
+            rank = (config.pipefusion - 1) * config.ring * config.ulysses  # ulysses varies fastest (mesh.py)
+        return self._call(engine.latents, what="latents", ranks=[rank])[rank]
 
     def __repr__(self) -> str:
         config = self.lab.config.short() if self.lab.config else "?"

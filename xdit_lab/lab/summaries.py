@@ -142,6 +142,11 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         handed_text=getattr(state.strategy, "hands_text", False),
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
         dtype_bytes=next(transformer.parameters()).element_size(),
+        # the async PipeFusion schedule sends latents back to stage 0: their size, and the last step
+        latent_rows=session.latents.shape[0],
+        latent_elements=session.latents[0].numel(),
+        latent_bytes=session.latents.element_size(),
+        steps=session.num_steps,
     )
 
 
@@ -294,7 +299,10 @@ def expected_bytes_per_step(
       sp          the token gather before unpatchify, padded to the longest shard
       pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
                   states where its blocks return them (SD3, Flux, CogVideoX); the last stage
-                  broadcasts the noise prediction [b, sample] to the other stages
+                  broadcasts the noise prediction [b, sample] to the other stages; async, past the
+                  warmup, it sends the whole latents back to stage 0 instead (a patch at a time), and
+                  after the last step broadcasts them, and the dp and cfg gathers run once per patch
+                  on the last stage only
       dp, cfg     the output gather (dp pads to the largest share)
       world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
                   decision's all-reduce of two float32; at a skipped step only the first block's
@@ -355,10 +363,16 @@ def expected_bytes_per_step(
             out[PIPEFUSION] += b * handed * h * d * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
-    if c.pipefusion > 1 and last_stage:
+    pipelined = c.pipefusion_schedule == "async" and step >= c.warmup_steps
+    latents = s.get("latent_rows", 0) * s.get("latent_elements", 0) * s.get("latent_bytes", 0)
+    if pipelined and last_stage:  # the latents back to stage 0, patch by patch; after the last step, to all
+        out[PIPEFUSION] += latents * (c.pipefusion - 1 if step == s["steps"] - 1 else 1)
+    elif c.pipefusion > 1 and last_stage:
         out[PIPEFUSION] += b * sample * e * (c.pipefusion - 1)
+    # the batch gathers: once a step; pipelined, once per patch and only where the prediction is
+    gathers = (c.patches if last_stage else 0) if pipelined else 1
     if c.dp > 1:
-        out[DP] += max(dp_sizes) * sample * e * (c.dp - 1)
+        out[DP] += gathers * max(dp_sizes) * sample * e * (c.dp - 1)
     if c.cfg > 1:
-        out[CFG] += per_branch * sample * e * (c.cfg - 1)
+        out[CFG] += gathers * per_branch * sample * e * (c.cfg - 1)
     return {group: n for group, n in out.items() if n}

@@ -33,7 +33,7 @@ def _relative(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _digits_latents(configs, controls):
+def _digits_latents(configs, controls, extras=False):
     """On this rank, per configuration (and per control: stage 0 dropping the latents sent back): the
     final latents and each step's bytes out by (group, tag); then the refusal of a noisy scheduler."""
     from diffusers import DDPMScheduler
@@ -58,6 +58,13 @@ def _digits_latents(configs, controls):
         finally:
             DenoiseSession.drops_returned_latents = False
         rows[_name(config, control)] = dict(latents=session.latents.clone(), steps=steps, last=pipe.mesh.is_last_stage)
+    if not extras:
+        return rows
+    # a session left after its first pipelined step (latents in flight back to stage 0), then a new one
+    config = ASYNC[0]  # warmup 1 of 4: the second step() is pipelined and not the last
+    pipe = load_pipeline(DIGITS_DIR, config, mesh=RankMesh(config), progress=False)
+    pipe.session(DIGITS, num_inference_steps=STEPS, seed=3).step().step()
+    rows["after an abandoned session"] = pipe.session(DIGITS, num_inference_steps=STEPS, seed=3).run().latents
     inner = pipe.diffusers_pipeline
     inner.scheduler = DDPMScheduler.from_config(inner.scheduler.config)
     try:
@@ -71,7 +78,7 @@ def _digits_latents(configs, controls):
 def digits():
     from diffusers import DiffusionPipeline
 
-    ranks = run_on_ranks(_digits_latents, 2, DRAINED + ASYNC + [FULL_WARMUP], ASYNC[1:], timeout_s=600)
+    ranks = run_on_ranks(_digits_latents, 2, DRAINED + ASYNC + [FULL_WARMUP], ASYNC[1:], True, timeout_s=600)
     reference = DiffusionPipeline.from_pretrained(DIGITS_DIR)
     reference.set_progress_bar_config(disable=True)
     kwargs = call_kwargs(num_inference_steps=STEPS, output_type="latent")
@@ -91,6 +98,14 @@ def test_async_is_exact_at_full_warmup_and_equals_drained_past_it(digits):
         # the control: stage 0 keeps its own latents, a step behind, instead of those sent back
         control = _relative(rows[_name(ASYNC[1], True)]["latents"], rows[_name(ASYNC[1])]["latents"])
         assert control > 100 * BOUND, control
+
+
+def test_a_session_left_mid_way_does_not_leak_its_latents_into_the_next(digits):
+    """The first session's last stage sent latents back for a step stage 0 never ran: the next
+    session drops them at its start, so its own latents are the ones stage 0 receives."""
+    ranks, _ = digits
+    for rows in ranks:
+        assert _relative(rows["after an abandoned session"], rows[_name(ASYNC[0])]["latents"]) == 0
 
 
 def test_latents_return_to_stage_0_once_a_step_and_no_noise_is_broadcast(digits):

@@ -106,8 +106,6 @@ class DenoiseSession:
         self.progress = progress
         self.step_index = 0
         self.patch_states = None  # async PipeFusion: (scheduler, recipe extras) per patch, on every rank
-        self.patch_states_used = False  # a pipelined step ran: stage 0 now takes latents from the last stage
-        self.returning: list = []  # async PipeFusion, last stage: sends of latents back to stage 0
         inner = pipe.diffusers_pipeline
         parallel_state(inner.transformer).reset()  # e.g. PipeFusion warms up again, the cache empties
         if pipe.device.type == "cuda":
@@ -180,12 +178,12 @@ class DenoiseSession:
             check_patchwise_scheduler(recipe, inner, prepared, latents, t)
             self.patch_states = [(copy.deepcopy(inner.scheduler), dict(prepared.extra)) for _ in range(patches)]
         arriving = []
-        if mesh.is_first_stage and self.patch_states_used:  # this step's latents, patch by patch, from the last stage
-            for p in range(patches):
-                buffer = latents.new_empty((latents.shape[0], len(stage.patch_latents(latents, p))))
+        if stage.awaiting:  # stage 0: this step's latents, patch by patch, from the last stage
+            for buffer in stage.awaiting:
                 arriving.append(
                     (buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION, returning=True))
                 )
+            stage.awaiting = None
         sent, last_step = [], self.step_index + 1 == self.num_steps
         for p in range(patches):
             if arriving:
@@ -213,9 +211,12 @@ class DenoiseSession:
                 sent += comm.exchange(
                     [(region, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="latents", returning=True
                 )
-        self.patch_states_used = True
-        comm.wait(self.returning)  # the previous step's: stage 0 took them before this step's patches
-        self.returning = sent
+        comm.wait(stage.returning)  # the previous step's: stage 0 took them before this step's patches
+        stage.returning = sent
+        if mesh.is_first_stage and not last_step:  # what the last stage sends back, kept on the stage (reset)
+            stage.awaiting = [
+                latents.new_empty(len(latents), len(stage.patch_latents(latents, p))) for p in range(patches)
+            ]
         if last_step:  # every rank holds the final latents, as after a drained step
             comm.broadcast(latents, mesh, PIPEFUSION, src_group_rank=stage.config.pipefusion - 1, tag="latents")
 

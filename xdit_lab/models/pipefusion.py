@@ -94,6 +94,8 @@ class PipeFusionStage:
         self.cursor = 0  # the patch the next call runs
         self.pending_sends: list = []  # this step's sends, waited once its last patch has gone
         self.latent_elements: dict = {}  # (latent shape, patch) -> that patch's flat latent positions
+        self.awaiting = None  # stage 0, async: buffers for the latents the last stage has sent back
+        self.returning: list = []  # the last stage, async: its sends of latents back to stage 0
         self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
 
     @classmethod
@@ -159,9 +161,15 @@ class PipeFusionStage:
         )
 
     def reset(self) -> None:
-        """A new generation: warm up again with empty buffers."""
+        """A new generation: warm up again with empty buffers. An async session left between steps
+        has latents in flight from the last stage to stage 0: they are taken and dropped here, or the
+        next session's receives would get them."""
+        if self.awaiting:
+            received = [(buffer, self.mesh.pipeline_prev) for buffer in self.awaiting]
+            comm.wait(comm.exchange([], received, self.mesh, PIPEFUSION, returning=True))
+        comm.wait(self.returning)
         self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
-        self.cursor, self.pending_sends = 0, []
+        self.cursor, self.pending_sends, self.awaiting, self.returning = 0, [], None, []
 
     @property
     def pipelined(self) -> bool:

@@ -8,7 +8,9 @@ The parent waits at most `timeout_s`; a child that raises has its traceback re-r
 parent as `RankFailure`, and a child that hangs or dies is killed and reported the same way.
 
 Children come from a forkserver that has already imported torch and diffusers, so a 4-rank
-test pays the ~3 s import once, not once per rank and per test.
+test pays the ~3 s import once, not once per rank and per test. Where CUDA is visible they are
+spawned instead: importing diffusers asks CUDA for its devices, and torch then refuses CUDA in
+every process forked after that ("Cannot re-initialize CUDA in forked subprocess").
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ class RankFailure(RuntimeError):
 def _context():
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(PRELOAD)
+        import torch
+
+        if torch.cuda.is_available():
+            _CONTEXT = mp.get_context("spawn")
+        else:
+            _CONTEXT = mp.get_context("forkserver")
+            _CONTEXT.set_forkserver_preload(PRELOAD)
     return _CONTEXT
 
 

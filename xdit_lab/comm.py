@@ -220,16 +220,37 @@ def exchange(
     """Start sends and receives together (batch_isend_irecv); return the requests to wait on.
 
     `sends` and `recvs` pair a tensor with a global peer rank. Receives are filled in place.
-    `returning`: on the group's second communicator (RankMesh.group), recorded under the group."""
-    ops = []
+    `returning`: on the group's second communicator (RankMesh.group), recorded under the group.
+    CUDA tensors over gloo (ranks sharing a GPU) travel through host copies: gloo's send and recv
+    read and write host memory only, and given a device pointer fail ("writev ...: Bad address")."""
+    ops, landing = [], {}
     pg = mesh.group(group, returning=returning)
+    through_host = any(t.is_cuda for t, _ in (*sends, *recvs)) and dist.get_backend(pg) == "gloo"
     for tensor, peer in sends:
         tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
         _record("send", group, mesh.group_size(group), tensor, tensor.numel() * tensor.element_size(), tag)
-        ops.append(dist.P2POp(dist.isend, tensor, peer, group=pg))
+        ops.append(dist.P2POp(dist.isend, tensor.cpu() if through_host else tensor, peer, group=pg))
     for tensor, peer in recvs:
+        if through_host:
+            landing[len(ops)] = tensor
+            tensor = torch.empty(tensor.shape, dtype=tensor.dtype)
         ops.append(dist.P2POp(dist.irecv, tensor, peer, group=pg))
-    return dist.batch_isend_irecv(ops) if ops else []
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    if landing:  # gloo returns one request per op, in order
+        requests = [_Landing(r, ops[i].tensor, landing[i]) if i in landing else r for i, r in enumerate(requests)]
+    return requests
+
+
+class _Landing:
+    """A receive into a host buffer whose wait copies the bytes into the device tensor asked for."""
+
+    def __init__(self, request, host: torch.Tensor, target: torch.Tensor):
+        self.request, self.host, self.target = request, host, target
+
+    def wait(self):
+        self.request.wait()
+        self.target.copy_(self.host)
+        return True
 
 
 def wait(requests: list) -> None:

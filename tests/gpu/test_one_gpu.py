@@ -1,7 +1,7 @@
 """One GPU: every attention kernel's output and log-sum-exp against the math kernel, the block
 merge, serial pipelines against diffusers in float32 and bfloat16, two processes sharing the GPU
-over gloo (Ulysses, CFG, dp: NCCL refuses two ranks on one GPU, gloo moves CUDA tensors for
-all-to-all and all-gather), and the Lab's one engine reconfigured with flat memory."""
+over gloo (Ulysses, Ring, CFG, dp: NCCL refuses two ranks on one GPU; gloo's collectives move CUDA
+tensors, and Ring's sends and receives go through host copies), and the Lab's one engine reconfigured with flat memory."""
 
 import math
 
@@ -144,11 +144,12 @@ def test_world_of_one_pipeline_equals_diffusers(family, dtype, tmp_path, figures
     assert result["control_l2"] > BF16_PIPELINE_BOUND  # control: another seed's latents (on CPU: 1.2 to 1.4)
 
 
+@pytest.mark.parametrize("degrees", [dict(ulysses=2), dict(ring=2)], ids=["ulysses2", "ring2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_processes_share_the_gpu_over_gloo_ulysses(dtype, figures):
+def test_two_processes_share_the_gpu_over_gloo_attention(dtype, degrees, figures):
     from xdit_lab.testing import run_on_ranks
 
-    results = run_on_ranks(sp_attention_on_gpu, 2, dtype, dict(ulysses=2), "cuda:0", backend="gloo", timeout_s=180)
+    results = run_on_ranks(sp_attention_on_gpu, 2, dtype, degrees, "cuda:0", backend="gloo", timeout_s=180)
     for rank, result in enumerate(results):
         figures(**{f"rank{rank} {k}": v for k, v in result["errors"].items()})
         assert result["device"] == "cuda:0" and result["dtype"] == f"torch.{dtype}"
@@ -159,7 +160,7 @@ def test_two_processes_share_the_gpu_over_gloo_ulysses(dtype, figures):
 def test_two_processes_share_the_gpu_over_gloo_models(family, figures):
     from xdit_lab.testing import run_on_ranks
 
-    names = ["ulysses", "cfg", "dp"]
+    names = ["ulysses", "ring", "cfg", "dp"]
     for rank, rows in enumerate(run_on_ranks(shared_gpu_models, 2, family, names, backend="gloo", timeout_s=240)):
         for name, row in rows.items():
             figures(**{f"{name} rank{rank}": row["error"]})

@@ -4,6 +4,7 @@ parallelism (`ContextParallelConfig`), and xdit_lab's Ulysses, Ring and USP, on 
     python benchmarks/peers.py                       # transformers and pipelines, 2 and 4 ranks
     python benchmarks/peers.py --tokens 1024 4096 16384 --ranks 2 --repeats 7 --json out.json
     python benchmarks/peers.py --pipeline-tokens     # transformers only (an empty list: no pipelines)
+    python benchmarks/peers.py --device cuda         # transformers, every rank on cuda:0 over gloo
 
 What is timed:
   transformer  one forward of a Flux-shaped (joint text) and a PixArt-shaped (self + cross
@@ -29,6 +30,11 @@ Ulysses all-to-alls run there. Its Ring needs an attention backend that returns 
 and the native (CPU) backend does not: that row reports diffusers' own refusal.
 PixArt's attention processor calls SDPA directly and PixArt ships no `_cp_plan`, so diffusers
 cannot run PixArt under context parallelism at all; its rows say so.
+
+`--device cuda` puts every rank's model and inputs on cuda:0, the ranks sharing one GPU over gloo
+(NCCL refuses two ranks on one GPU; gloo moves CUDA tensors through host memory): the kernels are
+the GPU's, the transfers are not a GPU link's. Each timed call ends with a device synchronize.
+Pipelines are timed on CPU only.
 """
 
 from __future__ import annotations
@@ -231,20 +237,30 @@ def rows_for(kind, family, tokens, times, outputs, serial_out, refused, extra=No
 
 def forward(model, inputs):
     with torch.inference_mode():
-        return model(**inputs)[0]
+        out = model(**inputs)[0]
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)  # the timer reads the host clock: wait for the kernels
+    return out
 
 
-def bench_transformer(family: str, tokens_list: list[int], repeats: int) -> list[dict]:
+def to_device(inputs: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def bench_transformer(
+    family: str, tokens_list: list[int], repeats: int, device: str = "cpu", with_diffusers: bool = True
+) -> list[dict]:
     """One forward of `family`'s transformer per method. Runs on every rank; returns rank's rows."""
     torch.set_num_threads(1)
     quiet_peers()
-    model = build_model(family)
-    peers, refused = peer_transformers(model, dist.get_world_size())
+    device = torch.device(device)
+    model = build_model(family).to(device)
+    peers, refused = peer_transformers(model, dist.get_world_size()) if with_diffusers else ({}, {})
     meshes = [RankMesh(c) for c in OURS[dist.get_world_size()]]
     ours = {f"ours {m.config.short()}": (parallelize(copy.deepcopy(model), m.config, m), m) for m in meshes}
     rows = []
     for tokens in tokens_list:
-        inputs = build_inputs(family, tokens)
+        inputs = to_device(build_inputs(family, tokens), device)
         methods = {name: functools.partial(forward, m, inputs) for name, m in peers.items()}
         methods |= {name: functools.partial(forward, m, inputs) for name, (m, _) in ours.items()}
         refused_now = dict(refused)
@@ -257,7 +273,7 @@ def bench_transformer(family: str, tokens_list: list[int], repeats: int) -> list
                 bytes_sent=sum(r.bytes_out for r in log), closed_form=closed_form_bytes(family, mesh, tokens)
             )
         rows += rows_for("transformer", family, tokens, times, outputs, serial_out, refused_now, traffic)
-    return rows
+    return [dict(row, device=str(device)) for row in rows]
 
 
 def load_pipelines(folder: str, ranks: int):
@@ -348,16 +364,37 @@ def main():
         help="image tokens of the pipeline runs (default: --tokens up to 4096)",
     )
     parser.add_argument("--pipeline-ranks", type=int, nargs="*", choices=[2, 4], help="default: --ranks")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: every rank on cuda:0, over gloo (transformers)"
+    )
     parser.add_argument("--json", help="also write every row (all timings) to this file")
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
     parser.add_argument("--plot", help="also draw the medians to this PNG")
+    parser.add_argument(
+        "--without-diffusers", action="store_true", help="time serial and ours only (transformers), no diffusers' CP"
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here (python -m xdit_lab.env says why)")
+    if args.device == "cuda" and args.pipeline_tokens:
+        parser.error("--device cuda times transformers only; leave out --pipeline-tokens")
     rows = []
     for ranks in args.ranks:
         for family in args.families:
-            per_rank = run_on_ranks(bench_transformer, ranks, family, args.tokens, args.repeats, timeout_s=7200)
+            per_rank = run_on_ranks(
+                bench_transformer,
+                ranks,
+                family,
+                args.tokens,
+                args.repeats,
+                args.device,
+                not args.without_diffusers,
+                timeout_s=7200,
+            )
             rows += merge_ranks(per_rank)
     pipeline_tokens = [t for t in args.tokens if t <= 4096] if args.pipeline_tokens is None else args.pipeline_tokens
+    if args.device == "cuda":
+        pipeline_tokens = []
     pipeline_ranks = args.ranks if args.pipeline_ranks is None else args.pipeline_ranks
     if pipeline_tokens and pipeline_ranks:
         with tempfile.TemporaryDirectory() as tmp:

@@ -508,6 +508,7 @@ def plot(rows, path):
     panels = sorted({(r["family"], r["ranks"]) for r in timed})
     methods = sorted({r["method"] for r in timed})
     colours = {m: f"C{i}" for i, m in enumerate(methods)}
+    on_gpu = any(r.get("device", "cpu").startswith("cuda") for r in timed)  # every rank on one GPU
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False, sharey=True)
     for ax, (family, ranks) in zip(axes[0], panels):
         mine = [r for r in timed if r["family"] == family and r["ranks"] == ranks]
@@ -519,13 +520,13 @@ def plot(rows, path):
             )
             if points:
                 ax.plot(*zip(*points), marker="o", color=colours[method], label=method)
-        limit = min(ranks, os.cpu_count() or ranks)
-        ax.axhline(limit, color="grey", linestyle=":", label=f"{limit} cores' limit")
+        limit = 1 if on_gpu else min(ranks, os.cpu_count() or ranks)
+        ax.axhline(limit, color="grey", linestyle=":", label="one GPU's limit" if on_gpu else f"{limit} cores' limit")
         ax.set(xscale="log", xlabel="image tokens", title=f"{family}, {ranks} ranks")
         ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("speed-up over serial (1 thread)")
+    axes[0][0].set_ylabel("speed-up over serial (same GPU)" if on_gpu else "speed-up over serial (1 thread)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

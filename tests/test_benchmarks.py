@@ -4,6 +4,7 @@ form, and diffusers' refusals named. (Speed itself is the benchmark's to report,
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,15 @@ def test_pipefusion_schedule_benchmark_on_a_tiny_size(tmp_path):
     assert drained["closed_form_bubble"] == 1 / 3 and pipelined["closed_form_bubble"] == 1 / 7
     assert pipelined["deviation"] < 1e-4
     assert "| pf2·async | 2 | 3 |" in done.stdout
+
+
+def test_peers_on_cuda_without_a_gpu_says_so():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/peers.py", "--device", "cuda", "--tokens", "64"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert done.returncode == 2 and "--device cuda: torch sees no CUDA GPU here" in done.stderr, done.stderr[-2000:]

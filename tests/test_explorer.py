@@ -89,6 +89,7 @@ def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
     assert controller.shape == ModelShape(family="PixArt", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True)
     assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ring2", "ulysses2", "serial"]
     assert controller.choices()["num_patches"] == [None, 1, 2, 3, 4]
+    assert controller.choices()["pipefusion_schedule"] == ["drained", "async"]
 
 
 def test_reset_step_run(controller):
@@ -119,6 +120,24 @@ def test_apply_config_pipefusion_then_an_invalid_one(controller, lab):
     assert "step 2 of 3" in controller.step().status  # the session survives the refusal
     frame = controller.apply_config(ParallelConfig())
     assert frame.error is None and "serial on 1 of 2 ranks" in frame.status
+
+
+def test_the_async_schedule_from_the_pickers_draws_what_the_drained_one_draws(controller, lab):
+    """Picked in the panel, the async schedule runs as in code: past the warmup it reads the same stale
+    K/V as the drained schedule, so its latents equal the drained session's (tests/test_pipefusion_schedule.py)."""
+    frame = controller.apply_config(cfg=1, pipefusion=2, num_patches=2, warmup_steps=1, pipefusion_schedule="async")
+    assert frame.error is None and "pf2·async on 2 of 2 ranks" in frame.status
+    assert lab.config.pipefusion_schedule == "async"
+    for _ in range(3):
+        frame = controller.step()
+        assert frame.error is None and "latent" in frame.figures
+    assert "step 3 of 3 (done)" in frame.status
+    picked = controller.session.latents
+    lab.configure(ParallelConfig(pipefusion=2, num_patches=2, warmup_steps=1))
+    drained = lab.session(controller.prompt.split("; "), seed=0, num_inference_steps=3, **KWARGS).run().latents
+    assert (picked - drained).abs().max().item() <= 1e-4 * drained.abs().max().item()
+    frame = controller.apply_config(ParallelConfig(pipefusion_schedule="async"))
+    assert "pipefusion is 1" in frame.error  # async without stages is explained, and nothing loads
 
 
 def test_an_engine_error_becomes_the_frame_error(controller):

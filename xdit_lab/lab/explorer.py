@@ -21,11 +21,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..config import DEGREES, ParallelConfig
+from ..config import DEGREES, SCHEDULES, ParallelConfig
 from .errors import LabError
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes in ipyparallel's remote tracebacks
-PICKERS = (*DEGREES, "num_patches", "warmup_steps")  # the knobs of a ParallelConfig the panel offers
+PICKERS = (*DEGREES, "num_patches", "warmup_steps", "pipefusion_schedule")  # the ParallelConfig knobs offered
 
 
 # ---- on the engines ---------------------------------------------------------------------------------
@@ -197,11 +197,12 @@ class ExplorerController:
 
     def choices(self) -> dict[str, list]:
         """The values each picker offers: those some valid configuration uses (num_patches: None
-        is one per stage; warmup: 0 up to the steps, at most 4)."""
+        is one per stage; warmup: 0 up to the steps, at most 4; PipeFusion's two schedules)."""
         options = self.options()
         found = {name: sorted({getattr(c, name) for c in options}) for name in DEGREES}
         found["num_patches"] = [None, *range(1, self.shape.rows + 1)]
         found["warmup_steps"] = list(range(0, min(self.steps, 4) + 1))
+        found["pipefusion_schedule"] = list(SCHEDULES)
         return found
 
     def explain(self, config: ParallelConfig) -> list[str]:

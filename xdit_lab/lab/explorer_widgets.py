@@ -17,7 +17,11 @@ import ipywidgets as w
 
 from .explorer import PICKERS, ExplorerController, config_from, current_choice
 
-LABELS = {"num_patches": "patches", "warmup_steps": "warmup"}  # the degrees keep their own names
+LABELS = {
+    "num_patches": "patches",
+    "warmup_steps": "warmup",
+    "pipefusion_schedule": "schedule",
+}  # the degrees keep their own names
 ORDER = ("latent", "shards", "staleness", "memory", "comm")  # views, left to right, top to bottom
 
 

@@ -7,7 +7,7 @@ One cluster serves the module (starting one takes ~7 s; the whole module runs in
 import pytest
 
 from xdit_lab import ParallelConfig
-from xdit_lab.lab import Lab
+from xdit_lab.lab import Lab, LabError
 from xdit_lab.lab.explorer import ExplorerController, ModelShape, explain, valid_configs
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
@@ -138,6 +138,18 @@ def test_the_async_schedule_from_the_pickers_draws_what_the_drained_one_draws(co
     assert (picked - drained).abs().max().item() <= 1e-4 * drained.abs().max().item()
     frame = controller.apply_config(ParallelConfig(pipefusion_schedule="async"))
     assert "pipefusion is 1" in frame.error  # async without stages is explained, and nothing loads
+
+
+def test_session_timeline_draws_every_rank_and_saves_a_trace(controller, lab, tmp_path):
+    import json
+
+    session = lab.session("a cat", seed=0, num_inference_steps=2, **KWARGS)
+    with pytest.raises(LabError, match="no step has run yet"):
+        session.timeline()
+    fig = session.step().timeline(save_trace=tmp_path / "step.json")
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["rank 0", "rank 1"]
+    names = {e["name"] for e in json.loads((tmp_path / "step.json").read_text())["traceEvents"]}
+    assert "all_gather cfg sample" in names and "step 1" in names  # cfg 2 gathers the two branches' predictions
 
 
 def test_an_engine_error_becomes_the_frame_error(controller):

@@ -45,7 +45,9 @@ def _two_steps(folder, config, prompts, size, control=None):
         kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, height=size[0], width=size[1])
         session = pipe.session(prompts, seed=0, **kwargs)
         after = [rank_summary(session.step()) for _ in range(2)]
-    return dict(summaries=after, latent=session.latents[0, 0].numpy())
+    return dict(
+        summaries=after, latent=session.latents[0, 0].numpy(), spans=session.last_step_spans, comm=session.comm_per_step
+    )
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +331,40 @@ def test_kv_age_view_on_flux_names_both_block_lists(tmp_path):
                 config, dict(s["shapes"], handed_text=False), coords=s["coords"], step=step
             )
             assert (moved != without_text) == (rank == 0), f"rank {rank} step {step}"
+
+
+# ---- the timeline of a step (lab/timeline.py) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ulysses2", "ring2", "pipefusion2", "cfg2·pipefusion2·async"])
+def test_the_timeline_holds_every_transfer_of_the_step(runs, name, tmp_path):
+    """Each rank's last step: spans inside the step, their bytes those comm_log counted for the step,
+    and every posting completed by a wait of its group. Without the postings (a control), Ring's and
+    PipeFusion's bytes are missing."""
+    import json
+
+    from xdit_lab.lab.timeline import draw_timeline, in_flight, overlap_s, save_trace
+
+    per_rank = {rank: out["spans"] for rank, out in enumerate(runs(name))}
+    sending = []
+    for rank, out in enumerate(runs(name)):
+        step, spans = out["spans"], out["spans"]["spans"]
+        assert step["step"] == 1 and all(0 <= s["start_s"] <= s["end_s"] <= step["seconds"] for s in spans)
+        counted = sum(out["comm"][-1].values())
+        assert sum(s["bytes_out"] for s in spans if s["kind"] != "wait") == counted, (rank, spans)
+        posts = [s for s in spans if s["kind"] == "post"]
+        assert len(in_flight(spans)) == len(posts)  # nothing posted is left unwaited within the step
+        if name == "ulysses2":
+            assert not posts and {s["op"] for s in spans} >= {"all_to_all"}
+        if any(s["bytes_out"] for s in posts):  # control: the collectives alone miss the sends' bytes
+            sending.append(rank)
+            assert sum(s["bytes_out"] for s in spans if s["kind"] == "collective") < counted
+        if name == "ring2":
+            assert overlap_s(spans) > 0  # the next K/V block was in flight while this one's attention ran
+    assert bool(sending) == (name != "ulysses2")  # Ring's K/V and PipeFusion's patches are sends
+    fig = draw_timeline(per_rank)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [f"rank {r}" for r in sorted(per_rank)]
+    trace = json.loads(open(save_trace(per_rank, tmp_path / "step.json")).read())
+    timed = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
+    assert len(timed) == sum(len(out["spans"]["spans"]) for out in runs(name))
+    assert {e["tid"] for e in timed} <= set(per_rank)

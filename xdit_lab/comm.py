@@ -11,11 +11,18 @@ logs opened with `comm_log()`, so notebook views and benchmarks read what really
 `bytes` is the size of the tensor handed to the call on this rank; `bytes_out` is what must
 leave this rank for the call to complete, in the direct model: an all-to-all keeps its own
 1/N, an all-gather sends its shard to N-1 peers, a send sends everything.
+
+`comm_timeline()` records when: a `Span` of host time (time.perf_counter) per blocking collective,
+per posting of sends and receives, and per wait on them, so a step's time splits into compute
+(between spans), collectives, transfers in flight (posted, not yet waited) and waiting. On a GPU the
+host clock sees launches: kernels and NCCL run later, on the device's streams.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import time
 import weakref
 from dataclasses import asdict, dataclass
 
@@ -73,6 +80,66 @@ def comm_log():
         _OPEN_LOGS.remove(log)
 
 
+@dataclass(frozen=True)
+class Span:
+    kind: str  # "collective" (blocking), "post" (sends and receives started) or "wait"
+    op: str
+    group: str
+    tag: str
+    start_s: float
+    end_s: float
+    bytes_out: int = 0
+    posting: int = -1  # a post: its number in this process
+    completes: tuple = ()  # a wait: the numbers of the postings it completed
+
+
+class CommTimeline:
+    def __init__(self):
+        self.spans: list[Span] = []
+        self.start_s = time.perf_counter()
+        self.end_s = self.start_s
+
+    def rows(self) -> list[dict]:
+        """Picklable rows, seconds from the start of the timeline."""
+        return [dict(asdict(s), start_s=s.start_s - self.start_s, end_s=s.end_s - self.start_s) for s in self.spans]
+
+
+_OPEN_TIMELINES: list[CommTimeline] = []
+
+
+@contextlib.contextmanager
+def comm_timeline():
+    """Record the host time of every collective, posting and wait inside the block."""
+    timeline = CommTimeline()
+    _OPEN_TIMELINES.append(timeline)
+    try:
+        yield timeline
+    finally:
+        timeline.end_s = time.perf_counter()
+        _OPEN_TIMELINES.remove(timeline)
+
+
+_POSTINGS = itertools.count()
+
+
+@contextlib.contextmanager
+def _timed(kind: str, op: str, group: str, tag: str, bytes_out: int = 0, **numbers):
+    if not _OPEN_TIMELINES:
+        yield
+        return
+    start = time.perf_counter()
+    yield
+    span = Span(kind, op, group, tag, start, time.perf_counter(), bytes_out, **numbers)
+    for timeline in _OPEN_TIMELINES:
+        timeline.spans.append(span)
+
+
+def _recorded(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int, tag: str = ""):
+    """Record a blocking collective in the open logs, and time the block it wraps."""
+    _record(op, group, size, tensor, bytes_out, tag)
+    return _timed("collective", op, group, tag, bytes_out)
+
+
 def _record(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int, tag: str = ""):
     if not _OPEN_LOGS:
         return
@@ -127,10 +194,10 @@ def all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
         return send
     me = mesh.group_rank(group)
     received = send.new_empty(sum(recv_sizes), dtype=send.dtype)  # every rank sends this dtype
-    _record("all_to_all", group, n, send, (send.numel() - send_sizes[me]) * send.element_size(), tag)
-    dist.all_to_all_single(
-        received, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=mesh.group(group)
-    )
+    with _recorded("all_to_all", group, n, send, (send.numel() - send_sizes[me]) * send.element_size(), tag):
+        dist.all_to_all_single(
+            received, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=mesh.group(group)
+        )
     return received
 
 
@@ -154,8 +221,8 @@ def all_gather(
         padded = torch.cat([x, x.new_zeros(pad_shape, dtype=x.dtype)], dim=dim)
     padded = padded.contiguous()
     out = [torch.empty_like(padded, dtype=padded.dtype) for _ in range(n)]
-    _record("all_gather", group, n, padded, padded.numel() * padded.element_size() * (n - 1), tag)
-    dist.all_gather(out, padded, group=mesh.group(group))
+    with _recorded("all_gather", group, n, padded, padded.numel() * padded.element_size() * (n - 1), tag):
+        dist.all_gather(out, padded, group=mesh.group(group))
     if sizes:
         out = [part.narrow(dim, 0, size) for part, size in zip(out, sizes)]
     return torch.cat(out, dim=dim)
@@ -178,8 +245,8 @@ def all_reduce(x: torch.Tensor, mesh, group: str, *, op=dist.ReduceOp.SUM, tag: 
     n = mesh.group_size(group)
     if n == 1:
         return x
-    _record("all_reduce", group, n, x, 2 * x.numel() * x.element_size() * (n - 1) // n, tag)
-    dist.all_reduce(x, op=op, group=mesh.group(group))
+    with _recorded("all_reduce", group, n, x, 2 * x.numel() * x.element_size() * (n - 1) // n, tag):
+        dist.all_reduce(x, op=op, group=mesh.group(group))
     return x
 
 
@@ -189,8 +256,8 @@ def all_gather_object(obj, mesh, group: str, *, tag: str = "") -> list:
     if n == 1:
         return [obj]
     out = [None] * n
-    dist.all_gather_object(out, obj, group=mesh.group(group))
-    _record("all_gather_object", group, n, torch.empty(0, dtype=torch.uint8), 0, tag)
+    with _recorded("all_gather_object", group, n, torch.empty(0, dtype=torch.uint8), 0, tag):
+        dist.all_gather_object(out, obj, group=mesh.group(group))
     return out
 
 
@@ -200,8 +267,8 @@ def broadcast(x: torch.Tensor, mesh, group: str, *, src_group_rank: int = 0, tag
         return x
     src = mesh.group_ranks(group)[src_group_rank]
     sent = x.numel() * x.element_size() * (n - 1) if mesh.rank == src else 0
-    _record("broadcast", group, n, x, sent, tag)
-    dist.broadcast(x, src=src, group=mesh.group(group))
+    with _recorded("broadcast", group, n, x, sent, tag):
+        dist.broadcast(x, src=src, group=mesh.group(group))
     return x
 
 
@@ -223,21 +290,26 @@ def exchange(
     `returning`: on the group's second communicator (RankMesh.group), recorded under the group.
     CUDA tensors over gloo (ranks sharing a GPU) travel through host copies: gloo's send and recv
     read and write host memory only, and given a device pointer fail ("writev ...: Bad address")."""
-    ops, landing = [], {}
+    ops, landing, sent = [], {}, 0
     pg = mesh.group(group, returning=returning)
     through_host = any(t.is_cuda for t, _ in (*sends, *recvs)) and dist.get_backend(pg) == "gloo"
     for tensor, peer in sends:
         tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
         _record("send", group, mesh.group_size(group), tensor, tensor.numel() * tensor.element_size(), tag)
+        sent += tensor.numel() * tensor.element_size()
         ops.append(dist.P2POp(dist.isend, tensor.cpu() if through_host else tensor, peer, group=pg))
     for tensor, peer in recvs:
         if through_host:
             landing[len(ops)] = tensor
             tensor = torch.empty(tensor.shape, dtype=tensor.dtype)
         ops.append(dist.P2POp(dist.irecv, tensor, peer, group=pg))
-    requests = dist.batch_isend_irecv(ops) if ops else []
+    posting = next(_POSTINGS) if _OPEN_TIMELINES else -1
+    with _timed("post", "exchange", group, tag, sent, posting=posting):
+        requests = dist.batch_isend_irecv(ops) if ops else []
     if landing:  # gloo returns one request per op, in order
         requests = [_Landing(r, ops[i].tensor, landing[i]) if i in landing else r for i, r in enumerate(requests)]
+    if _OPEN_TIMELINES:  # what a wait is waiting for, for its span
+        requests = [_Named(r, group, tag, posting) for r in requests]
     return requests
 
 
@@ -253,6 +325,21 @@ class _Landing:
         return True
 
 
+class _Named:
+    """A request that knows its group and tag, so that waiting on it is drawn in the right lane."""
+
+    def __init__(self, request, group: str, tag: str, posting: int):
+        self.request, self.group, self.tag, self.posting = request, group, tag, posting
+
+    def wait(self):
+        return self.request.wait()
+
+
 def wait(requests: list) -> None:
-    for request in requests:
-        request.wait()
+    if not requests:
+        return
+    named = [r for r in requests if isinstance(r, _Named)]
+    group, tag = (named[0].group, named[0].tag) if named else ("", "")
+    with _timed("wait", "wait", group, tag, completes=tuple(sorted({r.posting for r in named}))):
+        for request in requests:
+            request.wait()

@@ -99,6 +99,7 @@ class DenoiseSession:
         self.pipe, self.request, self.recipe = pipe, request, pipe.recipe
         self.timings = PhaseTimings(pipe.device)
         self.comm_per_step: list[dict[str, int]] = []  # bytes out of this rank, per group, per step
+        self.last_step_spans: dict | None = None  # the last step's comm_timeline (lab: session.timeline())
         self.cache_skips: list[bool] = []  # per step: whether a StepCache skipped the blocks after the first
         self.cache_changes: list[float | None] = []  # per step: the first block's relative change it measured
         self.comm_decode: dict[tuple[str, str], int] | None = None  # (group, tag): bytes, once decoded
@@ -147,12 +148,13 @@ class DenoiseSession:
         inner, prepared = self.pipe.diffusers_pipeline, self.prepared
         t = prepared.timesteps[self.step_index]
         strategy = parallel_state(inner.transformer).strategy
-        with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log:
+        with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, comm.comm_timeline() as spans:
             if getattr(strategy, "pipelined", False):
                 self._step_patches(strategy, t)
             else:
                 self._step_whole(t)
         self.comm_per_step.append(log.bytes_by_group())
+        self.last_step_spans = dict(step=self.step_index, seconds=spans.end_s - spans.start_s, spans=spans.rows())
         cache = parallel_state(inner.transformer).cache
         self.cache_skips.append(bool(cache and cache.skips[-1]))  # the same on every rank: agreed
         self.cache_changes.append(cache.changes[-1] if cache else None)

@@ -151,6 +151,12 @@ def timings(state: dict):
     return None if session is None else session.timings.as_dict()
 
 
+def step_spans(state: dict):
+    """This rank's last step as comm_timeline rows (None when idle, or before a step)."""
+    session = state.get("session")
+    return None if session is None else session.last_step_spans
+
+
 def memory(state: dict) -> dict:
     """This engine's device memory and process groups now, to check that reloading leaks neither."""
     import torch

@@ -55,6 +55,21 @@ class LabSession:
         answers = self._call(engine.timings, what="timings", timeout_s=timeout_s)
         return {rank: answer for rank, answer in answers.items() if answer is not None}
 
+    def timeline(self, *, save_trace=None, timeout_s: float | None = None):
+        """The last step on every active rank: collectives, transfers in flight, waits and, between
+        them, compute (lab/timeline.py). `save_trace="step.json"` also writes it as a Chrome trace
+        for ui.perfetto.dev. Returns the figure."""
+        from .timeline import draw_timeline
+        from .timeline import save_trace as write_trace
+
+        answers = self._call(engine.step_spans, what="timeline", timeout_s=timeout_s)
+        per_rank = {rank: spans for rank, spans in answers.items() if spans is not None}
+        if not per_rank:
+            raise LabError("session.timeline(): no step has run yet in this session; call session.step() first")
+        if save_trace is not None:
+            write_trace(per_rank, save_trace)
+        return draw_timeline(per_rank)
+
     # ---- state -------------------------------------------------------------------------------------
     @property
     def step_index(self) -> int:

@@ -1,0 +1,120 @@
+"""The timeline of one step, per rank: when it computed, ran a collective, had transfers in flight
+and waited (comm.comm_timeline, recorded by every DenoiseSession.step).
+
+    draw_timeline(per_rank)    one row per rank; the gaps between spans are compute
+    chrome_trace(per_rank)     the same spans as a Chrome trace (chrome://tracing, ui.perfetto.dev)
+
+    rank 0 |####|......ring kv in flight......|==|###|        # collective   = wait   . in flight
+    rank 1 |####|....|==|..........................|###|      (blank: compute)
+
+Each rank's times are its own host clock from the start of its step (ranks' clocks are not
+compared). A transfer is in flight from its posting to the end of the wait that completes it:
+compute inside that interval is overlap. On a GPU the host clock sees launches, not kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from .views import GROUP_ORDER
+
+
+def in_flight(spans: list[dict]) -> list[tuple[dict, dict]]:
+    """(post, wait) pairs: each posting with the wait that completed it (comm.wait names them)."""
+    posts = {s["posting"]: s for s in spans if s["kind"] == "post"}
+    return [(posts[n], s) for s in spans if s["kind"] == "wait" for n in s["completes"] if n in posts]
+
+
+def overlap_s(spans: list[dict]) -> float:
+    """Seconds of this rank's step in which a transfer was in flight while the rank computed (no
+    collective, posting or wait running): what Ring's overlap hides."""
+    busy = sorted((s["start_s"], s["end_s"]) for s in spans)
+    total = 0.0
+    for post, wait in in_flight(spans):
+        start, end = post["end_s"], wait["start_s"]
+        covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
+        total += max(0.0, end - start - covered)
+    return total
+
+
+def _color(group: str):
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    return cmap(GROUP_ORDER.index(group) % cmap.N) if group in GROUP_ORDER else "grey"
+
+
+def draw_timeline(per_rank: dict[int, dict]) -> Figure:
+    """`per_rank`: {rank: DenoiseSession.last_step_spans}. Milliseconds from each rank's step start."""
+    ranks = sorted(per_rank)
+    fig = Figure(figsize=(9, 0.7 * len(ranks) + 1.6), dpi=110)
+    ax = fig.add_subplot()
+    groups = set()
+    for row, rank in enumerate(ranks):
+        step = per_rank[rank]
+        ms = [dict(s, start_s=s["start_s"] * 1e3, end_s=s["end_s"] * 1e3) for s in step["spans"]]
+        ax.broken_barh([(0, step["seconds"] * 1e3)], (row - 0.4, 0.8), facecolor="#f2f2f2", edgecolor="#bbbbbb")
+        for post, wait in in_flight(ms):
+            ax.broken_barh(
+                [(post["end_s"], wait["end_s"] - post["end_s"])], (row - 0.06, 0.12), color=_color(post["group"])
+            )
+        for span in ms:
+            groups.add(span["group"])
+            width = max(span["end_s"] - span["start_s"], 1e-3)
+            style = dict(color=_color(span["group"]), edgecolor="black", linewidth=0.3)
+            if span["kind"] == "wait":
+                style.update(hatch="///", facecolor="white", edgecolor=_color(span["group"]))
+            height = 0.8 if span["kind"] != "post" else 0.5
+            ax.broken_barh([(span["start_s"], width)], (row - height / 2, height), **style)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds from the step's start (each rank's own clock)", fontsize=9)
+    ax.tick_params(labelsize=9)
+    first = per_rank[ranks[0]]
+    ax.set_title(
+        f"step {first['step'] + 1}: collectives (solid), waits (hatched), transfers in flight (thin); grey: compute",
+        fontsize=10,
+    )
+    handles = [Patch(color=_color(g), label=g) for g in GROUP_ORDER if g in groups]
+    if handles:
+        ax.legend(handles=handles, fontsize=9, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def chrome_trace(per_rank: dict[int, dict]) -> dict:
+    """Trace Event Format: one thread per rank, microseconds from each rank's step start."""
+    events = []
+    for rank, step in sorted(per_rank.items()):
+        events.append(dict(ph="M", name="thread_name", pid=0, tid=rank, args=dict(name=f"rank {rank}")))
+        events.append(dict(ph="X", name=f"step {step['step'] + 1}", cat="step", pid=0, tid=rank, ts=0.0,
+                           dur=step["seconds"] * 1e6))  # fmt: skip
+        for span in step["spans"]:
+            name = f"{span['op']} {span['group']}" + (f" {span['tag']}" if span["tag"] else "")
+            events.append(
+                dict(
+                    ph="X",
+                    name=name,
+                    cat=span["kind"],
+                    pid=0,
+                    tid=rank,
+                    ts=span["start_s"] * 1e6,
+                    dur=(span["end_s"] - span["start_s"]) * 1e6,
+                    args=dict(bytes_out=span["bytes_out"]),
+                )
+            )
+    return dict(traceEvents=events, displayTimeUnit="ms")
+
+
+def save_trace(per_rank: dict[int, dict], path) -> str:
+    """Write chrome_trace(per_rank) to `path` whole (a neighbour, then a rename)."""
+    path = os.fspath(path)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(chrome_trace(per_rank), f)
+    os.replace(partial, path)
+    return path

@@ -98,6 +98,7 @@ def test_reset_step_run(controller):
     assert list(frame.figures) == ["shards", "memory", "comm", "latent"]  # no staleness without PipeFusion
     frame = controller.step()
     assert frame.error is None and "cfg2 on 2 of 2 ranks; step 1 of 3" in frame.status
+    assert list(frame.figures) == ["shards", "memory", "comm", "timeline", "latent"]  # the step just run, in time
     latent = frame.figures["latent"].axes[0]
     assert latent.get_images()[0].get_array().shape == (16, 16 * 2 + 1, 3)  # two prompts side by side
     frame = controller.run()
@@ -113,7 +114,7 @@ def test_apply_config_pipefusion_then_an_invalid_one(controller, lab):
     frame = controller.apply_config(cfg=1, pipefusion=2, num_patches=2)
     assert frame.error is None and lab.config == ParallelConfig(pipefusion=2, num_patches=2)
     frame = controller.step()
-    assert list(frame.figures) == ["shards", "staleness", "memory", "comm", "latent"]
+    assert list(frame.figures) == ["shards", "staleness", "memory", "comm", "timeline", "latent"]
     frame = controller.apply_config(ParallelConfig(cfg=2, dp=2))
     assert "dp2·cfg2 cannot run here" in frame.error and "Lab(n=4)" in frame.error
     assert lab.config == ParallelConfig(pipefusion=2, num_patches=2)  # nothing was loaded

@@ -265,7 +265,8 @@ class ExplorerController:
 
     # ---- what to show ------------------------------------------------------------------------------
     def refresh(self) -> Frame:
-        """The views of the session as it stands: shards, staleness (PipeFusion), memory, comm, latent."""
+        """The views of the session as it stands: shards, staleness (PipeFusion), memory, comm, the last
+        step's timeline (after a step), latent."""
         from .views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness
 
         summaries = self.session.summaries(timeout_s=self.timeout_s)
@@ -274,6 +275,8 @@ class ExplorerController:
             figures["staleness"] = draw_staleness(summaries)
         figures["memory"] = draw_memory(summaries)
         figures["comm"] = draw_comm(summaries)
+        if self.session.step_index > 0:
+            figures["timeline"] = self.session.timeline(timeout_s=self.timeout_s)
         images = self.lab.call(
             preview, self.preview_limit, ranks=[0], timeout_s=self.timeout_s, what="explorer.preview"
         )[0]

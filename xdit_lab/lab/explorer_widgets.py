@@ -22,7 +22,7 @@ LABELS = {
     "warmup_steps": "warmup",
     "pipefusion_schedule": "schedule",
 }  # the degrees keep their own names
-ORDER = ("latent", "shards", "staleness", "memory", "comm")  # views, left to right, top to bottom
+ORDER = ("latent", "shards", "staleness", "memory", "comm", "timeline")  # views, left to right, top to bottom
 
 
 def figure_png(figure, dpi: int = 72) -> bytes:

@@ -120,3 +120,28 @@ def test_bytes_at_a_pixart_size_and_link_times():
     text = links.link_table(rows)
     assert text.count("<- least") == 2
     assert len(links.draw_link_times(rows).axes) == 2
+
+
+def test_link_model_with_compute_and_latency():
+    """Per-call latency adds calls × latency; compute is the rank's share of the forward's FLOPs; a
+    step with Ring's hops hidden lies between the bound max(compute, comm) and the sum."""
+    shapes = links.dit_shapes()
+    u4, r4 = ParallelConfig(ulysses=4), ParallelConfig(ring=4)
+    assert links.collective_calls(u4, shapes)["ulysses"] == 2 * 28  # q, k, v together, then the output
+    assert links.collective_calls(r4, shapes)["ring"] == 3 * 28  # three hops per layer
+    bytes_u4 = links.bytes_per_rank(u4, shapes)
+    link = dict(ranks_per_node=4, fast_bytes_per_s=300e9, slow_bytes_per_s=25e9)
+    plain = links.comm_seconds(u4, bytes_u4, **link)
+    slow = links.comm_seconds(u4, bytes_u4, latency_s=1e-5, calls=links.collective_calls(u4, shapes), **link)
+    assert slow["groups"]["ulysses"] - plain["groups"]["ulysses"] == pytest.approx(56 * 1e-5)
+    assert slow["groups"]["sp"] - plain["groups"]["sp"] == pytest.approx(1e-5)  # one gather per step
+    per_branch = 28 * 4096 * (24 * 1152**2 + 4 * 4096 * 1152)  # FLOPs, by hand
+    # 2 branches (one prompt with guidance) over 4 sequence shards: half a branch per rank
+    assert links.compute_seconds(u4, shapes, 400e12) == pytest.approx(0.5 * per_branch / 400e12)
+    scenarios = {"one box": dict(link, latency_s=1e-5, flops_per_s=400e12)}
+    rows = links.link_rows([u4, r4], shapes, scenarios)
+    for row in rows:
+        assert row["bound"] <= row["ring_hidden"] <= row["no_overlap"]
+    assert rows[0]["ring_hidden"] == rows[0]["no_overlap"]  # Ulysses: nothing hides
+    assert rows[1]["ring_hidden"] < rows[1]["no_overlap"]  # Ring: its hops under the attention
+    assert links.link_table(rows).count("<- fastest step") == 1

@@ -5,8 +5,15 @@ measured traffic); the link speeds are assumptions the caller states. Nothing he
 
     dit_shapes(tokens, hidden, ...)              the shapes of a PixArt-like DiT at a given size
     bytes_per_rank(config, shapes)               {rank: {group: bytes}} per denoising step
-    comm_seconds(config, bytes, ranks_per_node=, fast_bytes_per_s=, slow_bytes_per_s=)
+    collective_calls(config, shapes)             {group: calls} per step: latency is paid per call
+    comm_seconds(config, bytes, ranks_per_node=, fast_bytes_per_s=, slow_bytes_per_s=, latency_s=, calls=)
+    compute_seconds(config, shapes, flops_per_s) the rank's share of the forward at an assumed rate
     link_rows(configs, shapes, scenarios), link_table(rows), draw_link_times(rows)
+
+With a compute rate, a row also says what a step costs: compute + communication when nothing
+overlaps; less the part of Ring's hops that hides behind the attention (a hop is posted before a
+block's attention and waited after it, so only attention time can hide it; our all-to-alls and
+gathers block); and max(compute, communication), the bound if everything could hide.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from matplotlib.figure import Figure
 from ..lab.table import text_table
 from ..lab.views import GROUP_ORDER
 from ..memory import human_bytes
-from ..mesh import RING
+from ..mesh import RING, ULYSSES
 
 
 def dit_shapes(
@@ -64,19 +71,53 @@ def bytes_per_rank(config, shapes: dict, step: int = 0) -> dict[int, dict[str, i
     }
 
 
+def collective_calls(config, shapes: dict) -> dict[str, int]:
+    """Calls one rank makes per step in each group: per attention layer, Ulysses one all-to-all for
+    q, k and v together and one for the output, Ring one K/V hop per ring step; any other group one
+    call per step (the prediction's gathers)."""
+    layers = shapes["self_layers"] + shapes["joint_layers"]
+    return {ULYSSES: 2 * layers, RING: (config.ring - 1) * layers}
+
+
+def step_flops(shapes: dict, *, attention_only: bool = False) -> float:
+    """FLOPs of one image branch through the attention layers of a PixArt-like DiT: per layer and
+    token, 24·hs² for q, k, v, out (4·hs²) and the MLP (8·hs²), two FLOPs per multiply-add, and
+    4·p·hs for the attention's two products (QKᵀ, PV); embeddings and cross-attention left out."""
+    tokens, hidden = shapes["rows"] * shapes["cols"], shapes["heads"] * shapes["head_dim"]
+    layers = shapes["self_layers"] + shapes["joint_layers"]
+    per_token = 4 * tokens * hidden + (0 if attention_only else 24 * hidden * hidden)
+    return layers * tokens * per_token
+
+
+def compute_seconds(config, shapes: dict, flops_per_s: float, *, attention_only: bool = False) -> float:
+    """The busiest rank's share of a step's forward (ParallelConfig.cost: the rows it carries over
+    the sequence and stages it splits), at `flops_per_s` (an assumed achieved rate)."""
+    branches = 2  # dit_shapes' batch counts both guidance branches
+    share = config.cost(shapes["self_layers"], batch=max(1, shapes["batch"] // branches), use_cfg=True)
+    return share.work_fraction * step_flops(shapes, attention_only=attention_only) / flops_per_s
+
+
 def _members(mesh, rank: int, group: str) -> list[int]:
     return next(members for members in mesh.all_groups(group) if rank in members)
 
 
 def comm_seconds(
-    config, bytes_by_rank: dict, *, ranks_per_node: int, fast_bytes_per_s: float, slow_bytes_per_s: float
+    config,
+    bytes_by_rank: dict,
+    *,
+    ranks_per_node: int,
+    fast_bytes_per_s: float,
+    slow_bytes_per_s: float,
+    latency_s: float = 0.0,
+    calls: dict | None = None,
 ) -> dict:
     """Communication seconds per step under a simple link model (an assumption, not a measurement):
     ranks r // ranks_per_node share a node; inside a node links run at fast_bytes_per_s, across
     nodes at slow_bytes_per_s. A collective (all-to-all, gather) spreads a rank's bytes evenly over
     its peers, the fast and slow parts in parallel: time = max(fast part / fast, slow part / slow).
     Ring passes go to the next rank in lock-step, so one slow hop sets every step's pace. Groups run
-    one after another, with no overlap with compute. Returns {"groups": {group: seconds},
+    one after another, with no overlap with compute. Each call also pays `latency_s` (calls per
+    group from `calls`, e.g. collective_calls; one per step where it says nothing). Returns {"groups": {group: seconds},
     "links": {group: "fast"|"slow"|"mixed"}, "total": seconds}, each the slowest rank's."""
     from ..mesh import RankMesh
 
@@ -96,6 +137,7 @@ def comm_seconds(
                 far = sum(node(m) != node(rank) for m in peers) / max(len(peers), 1)
                 seconds = max(sent * (1 - far) / fast_bytes_per_s, sent * far / slow_bytes_per_s)
                 link = "slow" if far == 1 else "fast" if far == 0 else "mixed"
+            seconds += latency_s * (calls or {}).get(group, 1)
             groups[group] = max(groups.get(group, 0.0), seconds)
             links[group] = link if links.get(group, link) == link else "mixed"
             total += seconds
@@ -104,24 +146,38 @@ def comm_seconds(
 
 
 def link_rows(configs, shapes: dict, scenarios: dict) -> list[dict]:
-    """For each scenario {name: dict(ranks_per_node=..., fast_bytes_per_s=..., slow_bytes_per_s=...)}
-    and configuration: bytes out of the busiest rank per group and comm_seconds. Small dicts."""
+    """For each scenario {name: dict(ranks_per_node=..., fast_bytes_per_s=..., slow_bytes_per_s=...,
+    latency_s=..., flops_per_s=...)} and configuration: bytes out of the busiest rank per group and
+    comm_seconds; with flops_per_s, the step's compute and its three totals (module docstring)."""
     rows = []
     for scenario, links in scenarios.items():
+        links = dict(links)
+        flops_per_s = links.pop("flops_per_s", None)
         for config in configs:
             per_rank = bytes_per_rank(config, shapes)
             busiest = max(per_rank.values(), key=lambda groups: sum(groups.values()))
-            rows.append(
-                dict(scenario=scenario, config=config.short(), bytes=busiest, **comm_seconds(config, per_rank, **links))
-            )
+            comm = comm_seconds(config, per_rank, calls=collective_calls(config, shapes), **links)
+            row = dict(scenario=scenario, config=config.short(), bytes=busiest, **comm)
+            if flops_per_s:
+                compute, ring = compute_seconds(config, shapes, flops_per_s), comm["groups"].get(RING, 0.0)
+                attention = compute_seconds(config, shapes, flops_per_s, attention_only=True)
+                row.update(
+                    compute=compute,
+                    no_overlap=compute + comm["total"],
+                    ring_hidden=compute + comm["total"] - min(ring, attention),
+                    bound=max(compute, comm["total"]),
+                )
+            rows.append(row)
     return rows
 
 
 def link_table(rows) -> str:
     """The rows of link_rows as text: milliseconds per step per group, and the winner per scenario."""
+    timed = all("compute" in row for row in rows)
+    key = "ring_hidden" if timed else "total"  # with compute: the fastest step, else the least traffic
     best = {}
     for row in rows:
-        if row["scenario"] not in best or row["total"] < best[row["scenario"]]["total"]:
+        if row["scenario"] not in best or row[key] < best[row["scenario"]][key]:
             best[row["scenario"]] = row
     lines = []
     for row in rows:
@@ -130,17 +186,20 @@ def link_table(rows) -> str:
             for g in GROUP_ORDER
             if g in row["groups"]
         )
-        mark = "  <- least" if best[row["scenario"]] is row else ""
-        lines.append([row["scenario"], row["config"], f"{row['total'] * 1e3:.2f}", parts + mark])
+        mark = ("  <- fastest step" if timed else "  <- least") if best[row["scenario"]] is row else ""
+        steps = [f"{row[k] * 1e3:.2f}" for k in ("compute", "no_overlap", "ring_hidden", "bound")] if timed else []
+        lines.append([row["scenario"], row["config"], f"{row['total'] * 1e3:.2f}", *steps, parts + mark])
+    step_columns = ("compute", "sum", "ring hidden", "max") if timed else ()
     return text_table(
-        ("links", "config", "ms/step", "per group (bytes out of the busiest rank, link, time)"),
+        ("links", "config", "comm ms", *step_columns, "per group (bytes out of the busiest rank, link, time)"),
         lines,
-        "communication time per denoising step (assumed bandwidths)",
+        "milliseconds per denoising step (assumed bandwidths" + (", latency and compute rate)" if timed else ")"),
     )
 
 
 def draw_link_times(rows) -> Figure:
-    """One panel per scenario: a bar per configuration, stacked by group, in milliseconds per step."""
+    """One panel per scenario: a bar per configuration, stacked by group, in milliseconds per step; with
+    compute, a line at the compute and ✓ on the fastest step (else on the least traffic)."""
     scenarios = list(dict.fromkeys(row["scenario"] for row in rows))
     fig = Figure(figsize=(0.6 + 3.4 * len(scenarios), 3.2), layout="constrained")
     axes = fig.subplots(1, len(scenarios), squeeze=False).ravel()
@@ -149,7 +208,8 @@ def draw_link_times(rows) -> Figure:
     colours = dict(zip(GROUP_ORDER, matplotlib.colormaps["Set2"].colors))
     for ax, scenario in zip(axes, scenarios):
         mine = [row for row in rows if row["scenario"] == scenario]
-        least = min(row["total"] for row in mine)
+        key = "ring_hidden" if all("compute" in row for row in mine) else "total"  # ✓: as link_table's mark
+        least = min(row[key] for row in mine)
         for x, row in enumerate(mine):
             bottom = 0.0
             for group in [g for g in GROUP_ORDER if g in row["groups"]]:
@@ -166,14 +226,18 @@ def draw_link_times(rows) -> Figure:
             ax.text(
                 x,
                 bottom,
-                f"{bottom:.1f}" + (" ✓" if row["total"] == least else ""),
+                f"{bottom:.1f}" + (" ✓" if row[key] == least else ""),
                 ha="center",
                 va="bottom",
-                fontsize=8,
+                fontsize=9,
             )
-        ax.set_xticks(range(len(mine)), [row["config"] for row in mine], fontsize=8)
-        ax.set_ylim(0, max(row["total"] for row in mine) * 1e3 * 1.2)
-        ax.set_title(scenario, fontsize=9)
-        ax.legend(fontsize=7, frameon=False)
-    axes[0].set_ylabel("ms of communication per step")
+            if "compute" in row:  # the step's compute: communication under it can hide (Ring's hops do)
+                ax.hlines(row["compute"] * 1e3, x - 0.4, x + 0.4, color="black", linewidth=1.5,
+                          label="compute" if "compute" not in ax.get_legend_handles_labels()[1] else None)  # fmt: skip
+        ax.set_xticks(range(len(mine)), [row["config"] for row in mine], fontsize=9)
+        tallest = max(max(row["total"], row.get("compute", 0.0)) for row in mine)
+        ax.set_ylim(0, tallest * 1e3 * 1.2)
+        ax.set_title(scenario, fontsize=10)
+        ax.legend(fontsize=9, frameon=False)
+    axes[0].set_ylabel("ms per step")
     return fig

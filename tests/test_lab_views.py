@@ -237,7 +237,7 @@ def _owners_by_hand(config, grid, dp, cfg, pf):
 def test_views_draw_from_the_summaries(runs, name, tmp_path):
     from matplotlib.patches import Rectangle
 
-    from xdit_lab.lab.views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness
+    from xdit_lab.lab.views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness, legibility_problems
 
     outs = runs(name)
     summaries = [out["summaries"][-1] for out in outs]
@@ -277,7 +277,8 @@ def test_views_draw_from_the_summaries(runs, name, tmp_path):
     assert len(draw_latent(np.zeros((4, 4, 3)), step=0).axes) == 1
 
     for view, fig in (("shards", shards), ("staleness", stale), ("memory", memory), ("comm", comm), ("latent", latent)):
-        fig.savefig(tmp_path / f"{view}.png", dpi=80)
+        assert not legibility_problems(fig), (view, legibility_problems(fig))  # >= 100 dpi, >= 9 pt, nothing cut off
+        fig.savefig(tmp_path / f"{view}.png")
         assert (tmp_path / f"{view}.png").stat().st_size > 1000
 
 
@@ -344,6 +345,7 @@ def test_the_timeline_holds_every_transfer_of_the_step(runs, name, tmp_path):
     import json
 
     from xdit_lab.lab.timeline import draw_timeline, in_flight, overlap_s, save_trace
+    from xdit_lab.lab.views import legibility_problems
 
     per_rank = {rank: out["spans"] for rank, out in enumerate(runs(name))}
     sending = []
@@ -363,6 +365,7 @@ def test_the_timeline_holds_every_transfer_of_the_step(runs, name, tmp_path):
             assert overlap_s(spans) > 0  # the next K/V block was in flight while this one's attention ran
     assert bool(sending) == (name != "ulysses2")  # Ring's K/V and PipeFusion's patches are sends
     fig = draw_timeline(per_rank)
+    assert not legibility_problems(fig), legibility_problems(fig)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [f"rank {r}" for r in sorted(per_rank)]
     trace = json.loads(open(save_trace(per_rank, tmp_path / "step.json")).read())
     timed = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]

@@ -9,6 +9,7 @@ from matplotlib.figure import Figure
 
 from xdit_lab import ParallelConfig
 from xdit_lab.lab.measure import bytes_match
+from xdit_lab.lab.views import legibility_problems
 from xdit_lab.lessons import links
 from xdit_lab.lessons import sequence as sp
 from xdit_lab.testing import run_on_ranks
@@ -46,6 +47,7 @@ def test_ulysses_exchange_trades_tokens_for_heads(demos):
     assert r0["all_to_alls"] == 2 and r0["bytes_out"] == {"ulysses": 128}
     fig = sp.draw_ulysses_exchange(results)
     assert isinstance(fig, Figure) and len(fig.axes) == 4
+    assert not legibility_problems(fig), legibility_problems(fig)
 
 
 def test_ulysses_inside_ring_gathers_the_ring_block(demos):
@@ -64,8 +66,9 @@ def test_ring_schedule_and_merge_errors(demos):
         assert errors[0] > 1e-2 and errors[-1] < 1e-5 and r["final_error"] < 1e-5
         assert r["sends"] == 3 and r["bytes_out"] == {"ring": 3 * 2 * 2 * 4 * 8 * 4}  # 3 × K,V [1, 2, 4, 8] fp32
     assert all(r["final_error"] > 1e-2 for r in zero)  # a zero LSE weighs every block alike: wrong
-    assert isinstance(sp.draw_ring_schedule(results), Figure)
-    lines = sp.draw_merge_errors(results, zero).axes[0].lines
+    schedule, merges = sp.draw_ring_schedule(results), sp.draw_merge_errors(results, zero)
+    assert not legibility_problems(schedule) and not legibility_problems(merges)
+    lines = merges.axes[0].lines
     assert len([line for line in lines if line.get_label().startswith("rank")]) == 8  # 4 ranks × 2 runs
 
 
@@ -120,6 +123,7 @@ def test_bytes_at_a_pixart_size_and_link_times():
     text = links.link_table(rows)
     assert text.count("<- least") == 2
     assert len(links.draw_link_times(rows).axes) == 2
+    assert not legibility_problems(links.draw_link_times(rows)), legibility_problems(links.draw_link_times(rows))
 
 
 def test_link_model_with_compute_and_latency():

@@ -377,7 +377,10 @@ def test_bytes_of_skipped_steps_equal_the_closed_form_and_the_view_draws_them(fo
         assert (cache_savings(last)["bytes"] > 0) == (config.ulysses > 1)
     fig = draw_cache([summaries[-1] for summaries in per_rank])
     assert "skipped 2 of 3 steps" in fig._suptitle.get_text()
-    fig.savefig(tmp_path / "cache.png", dpi=80)
+    from xdit_lab.lab.views import legibility_problems
+
+    assert not legibility_problems(fig), legibility_problems(fig)
+    fig.savefig(tmp_path / "cache.png")
     assert (tmp_path / "cache.png").stat().st_size > 1000
 
 

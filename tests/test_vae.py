@@ -224,7 +224,10 @@ def test_summaries_record_the_decode_and_the_view_draws_it(tmp_path):
         assert decode["bytes"]["sp:vae_halo"] == decode["halo_expected"] > 0, where
     fig = draw_decode(summaries)
     assert "images per dp × cfg rank [2, 1]" in fig._suptitle.get_text()
-    fig.savefig(tmp_path / "decode.png", dpi=80)
+    from xdit_lab.lab.views import legibility_problems
+
+    assert not legibility_problems(fig), legibility_problems(fig)
+    fig.savefig(tmp_path / "decode.png")
     assert (tmp_path / "decode.png").stat().st_size > 1000
 
 

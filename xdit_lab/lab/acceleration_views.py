@@ -15,7 +15,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from ..memory import human_bytes
 from ..mesh import CFG, DP
-from .views import _by_rank, _scale, rank_color, spans
+from .views import _by_rank, _scale, new_figure, rank_color, spans
 
 # ---- step cache -----------------------------------------------------------------------------------------
 
@@ -45,7 +45,7 @@ def draw_cache(summaries) -> Figure:
     first, world = summaries[0], max(s["rank"] for s in summaries) + 1
     skips, threshold = first["cache"]["skips"], first["cache"]["threshold"]
     steps = np.arange(1, len(skips) + 1)
-    fig = Figure(figsize=(8, 6.5), layout="constrained")
+    fig = new_figure(figsize=(8, 6.5), layout="constrained")
     change_ax, time_ax, bytes_ax = fig.subplots(3, 1, sharex=True)
     changes = [np.nan if c is None else c for c in first["cache"]["changes"]]
     change_ax.plot(steps, changes, "-", color="grey", lw=1)
@@ -53,7 +53,7 @@ def draw_cache(summaries) -> Figure:
         change_ax.plot(step, change, "o", color="tab:green" if skipped else "tab:red")
     change_ax.axhline(threshold, color="black", ls="--", lw=1, label=f"threshold {threshold:g}")
     change_ax.set_ylabel("first block's change", fontsize=9)
-    change_ax.legend(fontsize=8, frameon=False, loc="upper right")
+    change_ax.legend(fontsize=9, frameon=False, loc="upper right")
     width = 0.8 / len(summaries)
     largest = max([1] + [sum(m.values()) for s in summaries for m in s["comm"]["measured"]])
     unit, unit_name = _scale(largest)
@@ -66,7 +66,7 @@ def draw_cache(summaries) -> Figure:
                 ax.bar(xi, v, width=width, color=colour, hatch=h, edgecolor="white" if h else colour)
     time_ax.set_ylabel("seconds", fontsize=9)
     ranks = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}") for s in summaries]
-    time_ax.legend(handles=ranks, fontsize=8, frameon=False, loc="upper right", ncols=min(len(ranks), 4))
+    time_ax.legend(handles=ranks, fontsize=9, frameon=False, loc="upper right", ncols=min(len(ranks), 4))
     bytes_ax.set_ylabel(f"{unit_name} out", fontsize=9)
     bytes_ax.set_xlabel("step (hatched: skipped; green dot: change ≤ threshold)", fontsize=9)
     bytes_ax.set_xticks(steps)
@@ -96,7 +96,7 @@ def draw_decode(summaries) -> Figure:
     world, first = max(s["rank"] for s in summaries) + 1, summaries[0]
     peers = [s for s in summaries if all(s["coords"][d] == first["coords"][d] for d in (DP, CFG))]
     rows, cols = first["decode"]["latent_shape"][-2:]
-    fig = Figure(figsize=(9, 3.8), layout="constrained")
+    fig = new_figure(figsize=(9, 3.8), layout="constrained")
     grid_ax, bytes_ax = fig.subplots(1, 2, width_ratios=[1, 2])
     owner = np.zeros((rows, cols))
     for s in peers:
@@ -127,9 +127,9 @@ def draw_decode(summaries) -> Figure:
         bytes_ax.bar(
             xs[0], s["decode"]["halo_expected"] / unit, width=width * 0.9, fill=False, hatch="//", edgecolor="black"
         )
-    bytes_ax.set_xticks(x, DECODE_TAGS, fontsize=8)
+    bytes_ax.set_xticks(x, DECODE_TAGS, fontsize=9)
     bytes_ax.set_ylabel(f"{unit_name} out of the rank", fontsize=9)
-    bytes_ax.legend(fontsize=8, frameon=False)
+    bytes_ax.legend(fontsize=9, frameon=False)
     shares = first["decode"]["image_shares"]
     fig.suptitle(
         f"Parallel decode: images per dp × cfg rank {shares}, each image's rows in {len(peers)} band(s); "

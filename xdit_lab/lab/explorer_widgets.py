@@ -16,6 +16,7 @@ import traceback
 import ipywidgets as w
 
 from .explorer import PICKERS, ExplorerController, config_from, current_choice
+from .views import DPI
 
 LABELS = {
     "num_patches": "patches",
@@ -25,7 +26,7 @@ LABELS = {
 ORDER = ("latent", "shards", "staleness", "memory", "comm", "timeline")  # views, left to right, top to bottom
 
 
-def figure_png(figure, dpi: int = 72) -> bytes:
+def figure_png(figure, dpi: int = DPI) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()

@@ -20,7 +20,7 @@ import os
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from .views import GROUP_ORDER
+from .views import GROUP_ORDER, new_figure
 
 
 def in_flight(spans: list[dict]) -> list[tuple[dict, dict]]:
@@ -51,7 +51,7 @@ def _color(group: str):
 def draw_timeline(per_rank: dict[int, dict]) -> Figure:
     """`per_rank`: {rank: DenoiseSession.last_step_spans}. Milliseconds from each rank's step start."""
     ranks = sorted(per_rank)
-    fig = Figure(figsize=(9, 0.7 * len(ranks) + 1.6), dpi=110)
+    fig = new_figure(figsize=(9, 0.7 * len(ranks) + 1.6))
     ax = fig.add_subplot()
     groups = set()
     for row, rank in enumerate(ranks):

@@ -27,6 +27,48 @@ from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
 GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP)  # the degrees in their one order, then the token gather
 
 
+DPI = 100  # every figure of the package, at least; text at 9 pt or more (tests/test_lab_views.py checks)
+
+
+def new_figure(**kwargs) -> Figure:
+    """A Figure in the package's one style: DPI, whatever the notebook's rcParams say."""
+    return Figure(dpi=kwargs.pop("dpi", DPI), **kwargs)
+
+
+def _legend_columns(fig: Figure, labels: list[str], pt: float = 9) -> int:
+    """As many legend columns as fit the figure's width at `pt` (about 0.6 em per character)."""
+    entry = max(len(label) for label in labels) * 0.6 * pt + 3 * pt  # points: text, handle and gap
+    return max(1, min(len(labels), int(fig.get_figwidth() * 72 // entry)))
+
+
+def legibility_problems(fig: Figure, min_pt: float = 9) -> list[str]:
+    """What breaks the one style in a figure once drawn: a dpi under DPI, text under `min_pt`, text
+    cut off by the figure's edge. Empty list: legible."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer, edge = canvas.get_renderer(), fig.bbox
+    problems = [f"dpi {fig.dpi:g} < {DPI}"] if fig.dpi < DPI else []
+    undrawn = set()  # labels of ticks outside the axis' view: kept by matplotlib, never drawn
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not low - 1e-9 * (high - low) <= tick.get_loc() <= high + 1e-9 * (high - low):
+                    undrawn |= {id(tick.label1), id(tick.label2)}
+    for text in fig.findobj(Text):
+        if not text.get_visible() or not text.get_text().strip() or id(text) in undrawn:
+            continue
+        if text.get_fontsize() < min_pt:
+            problems.append(f"{text.get_text()!r} at {text.get_fontsize():g} pt")
+        box = text.get_window_extent(renderer)
+        if box.x0 < edge.x0 - 1 or box.y0 < edge.y0 - 1 or box.x1 > edge.x1 + 1 or box.y1 > edge.y1 + 1:
+            problems.append(f"{text.get_text()!r} cut off by the figure's edge")
+    return problems
+
+
 def rank_color(rank: int, world_size: int):
     import matplotlib
 
@@ -121,7 +163,7 @@ def draw_shards(summaries) -> Figure:
     ncols = min(len(keys), 4)
     nrows = -(-len(keys) // ncols)
     rows, cols = summaries[0]["grid"]
-    fig = Figure(figsize=(3.4 * ncols + 0.6, 3.4 * nrows * rows / max(cols, 1) + 1.6), layout="constrained")
+    fig = new_figure(figsize=(3.4 * ncols + 0.6, 3.4 * nrows * rows / max(cols, 1) + 1.6), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     cmap = ListedColormap([rank_color(r, world) for r in range(world)]).with_extremes(bad="white")
     norm = BoundaryNorm(np.arange(-0.5, world + 0.5), world)
@@ -131,7 +173,7 @@ def draw_shards(summaries) -> Figure:
         ax.imshow(np.ma.masked_less(owner, 0), cmap=cmap, norm=norm, interpolation="nearest")
         if owner.size <= 400:  # small grids: the rank in every token, as JAX's sharding pictures do
             for (i, j), r in np.ndenumerate(owner):
-                ax.text(j, i, "·" if r < 0 else str(r), ha="center", va="center", fontsize=8, color="white")
+                ax.text(j, i, "·" if r < 0 else str(r), ha="center", va="center", fontsize=9, color="white")
         ax.set_xticks([]), ax.set_yticks([])
         ax.set_xlabel(f"{cols} token columns"), ax.set_ylabel(f"{rows} token rows")
         batch = group[0]["batch"]
@@ -147,12 +189,13 @@ def draw_shards(summaries) -> Figure:
             for p, (start, stop) in enumerate(pf["patches"]):
                 top, bottom = start // cols, stop // cols
                 ax.axhline(bottom - 0.5, color="black", linewidth=2)
-                ax.text(cols - 0.4, (top + bottom - 1) / 2, f" patch {p}", va="center", ha="left", fontsize=8)
+                ax.text(cols - 0.4, (top + bottom - 1) / 2, f" patch {p}", va="center", ha="left", fontsize=9)
         ax.set_title(title, fontsize=9)
     for ax in axes[len(keys) :]:
         ax.set_visible(False)
     handles = [Patch(color=rank_color(s["rank"], world), label=f"rank {s['rank']}: {role(s)}") for s in summaries]
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=8, frameon=False)
+    columns = _legend_columns(fig, [h.get_label() for h in handles])
+    fig.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize=9, frameon=False)
     fig.suptitle(
         f"{notation(config)}   {summaries[0]['grid'][0]}×{summaries[0]['grid'][1]} = "
         f"{summaries[0]['image_tokens']} image tokens\n{_explain(config)}",
@@ -173,7 +216,7 @@ def draw_staleness(summaries) -> Figure:
     for s in summaries:  # every rank of a stage has the same ages (only its heads or ring part differ)
         if s["staleness"] is not None and s["staleness"]["layers"]:
             stages.setdefault(s["staleness"]["stage"], s["staleness"])
-    fig = Figure(figsize=(6.4, 1.6 + 0.45 * sum(len(st["layers"]) for st in stages.values())), layout="constrained")
+    fig = new_figure(figsize=(6.4, 1.6 + 0.45 * sum(len(st["layers"]) for st in stages.values())), layout="constrained")
     if not stages:
         ax = fig.subplots()
         ax.axis("off")
@@ -207,10 +250,10 @@ def draw_staleness(summaries) -> Figure:
             fontsize=9,
             color="white" if age > top / 2 else "black",
         )
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=9)
     patches = next(iter(stages.values()))["patches"]
     ax.set_xticks(
-        range(ages.shape[1]), [f"patch {p}\ntokens {a}–{b - 1}" for p, (a, b) in enumerate(patches)], fontsize=8
+        range(ages.shape[1]), [f"patch {p}\ntokens {a}–{b - 1}" for p, (a, b) in enumerate(patches)], fontsize=9
     )
     fig.colorbar(image, ax=ax, label="oldest K/V read (steps)", ticks=range(int(top) + 1))
     info = next(iter(stages.values()))
@@ -239,7 +282,7 @@ def draw_memory(summaries) -> Figure:
     segments.append(("activations", [s["memory"]["activation_bytes"] for s in summaries]))
     totals = np.sum([values for _, values in segments], axis=0)
     unit, name = _scale(float(totals.max()))
-    fig = Figure(figsize=(max(5.6, 1.6 + 1.1 * len(summaries)), 4.8), layout="constrained")
+    fig = new_figure(figsize=(max(5.6, 1.6 + 1.1 * len(summaries)), 4.8), layout="constrained")
     ax = fig.subplots()
     x = np.arange(len(summaries))
     bottom = np.zeros(len(summaries))
@@ -251,11 +294,11 @@ def draw_memory(summaries) -> Figure:
         ax.bar(x, values, bottom=bottom, label=label, color=colours(i % colours.N), width=0.6)
         bottom += values
     for xi, total in zip(x, totals):
-        ax.text(xi, total / unit, human_bytes(total), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"rank {s['rank']}\n{role(s)}" for s in summaries], fontsize=8)
+        ax.text(xi, total / unit, human_bytes(total), ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(x, [f"rank {s['rank']}\n{role(s)}" for s in summaries], fontsize=9)
     ax.set_ylabel(name)
     ax.set_ylim(0, totals.max() / unit * 1.12)
-    fig.legend(fontsize=8, loc="outside lower center", ncols=3, frameon=False)
+    fig.legend(fontsize=9, loc="outside lower center", ncols=3, frameon=False)
     ax.set_title(
         f"Memory per rank ({summaries[0]['device']})\nactivations: {summaries[0]['memory']['activation_source']}",
         fontsize=9,
@@ -281,7 +324,7 @@ def draw_comm(summaries, step: int = -1) -> Figure:
     ncols = min(len(summaries), 4)
     nrows = -(-len(summaries) // ncols)
     width = max(5.0, 1.0 + (0.9 + 0.6 * max(len(groups), 1)) * ncols)
-    fig = Figure(figsize=(width, 1.2 + 2.8 * nrows), layout="constrained")
+    fig = new_figure(figsize=(width, 1.2 + 2.8 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True).ravel()
     x = np.arange(len(groups))
     for ax, s, (measured, expected) in zip(axes, summaries, steps):
@@ -293,14 +336,14 @@ def draw_comm(summaries, step: int = -1) -> Figure:
         for xi, mi, ei in zip(x, m, e):
             if mi != ei:
                 ax.text(xi, max(mi, ei) / unit, "≠", ha="center", va="bottom", color="red", fontsize=12)
-        ax.set_xticks(x, groups, fontsize=8)
+        ax.set_xticks(x, groups, fontsize=9)
         ax.set_title(f"rank {s['rank']}: {role(s)}", fontsize=9)
         ax.set_ylim(0, largest / unit * 1.15)
     for ax in axes[len(summaries) :]:
         ax.set_visible(False)
     axes[0].set_ylabel(f"{name} out of the rank")
     if groups:
-        axes[0].legend(fontsize=8, frameon=False)
+        axes[0].legend(fontsize=9, frameon=False)
     which = summaries[0]["step"] + step if step < 0 else step  # 0-based index of the step drawn
     when = f"step {which + 1} of {summaries[0]['num_steps']}" if summaries[0]["step"] else "no step run yet"
     fig.suptitle(
@@ -318,7 +361,7 @@ def draw_latent(image, step: int | None = None, *, title: str | None = None) -> 
     if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
         raise ValueError(f"draw_latent takes an H×W or H×W×3 array, got shape {image.shape}")
     aspect = image.shape[0] / image.shape[1]
-    fig = Figure(figsize=(4.2, 0.8 + 3.4 * min(max(aspect, 0.4), 2.0)), layout="constrained")
+    fig = new_figure(figsize=(4.2, 0.8 + 3.4 * min(max(aspect, 0.4), 2.0)), layout="constrained")
     ax = fig.subplots()
     if image.ndim == 2:
         shown = ax.imshow(image, cmap="viridis", interpolation="nearest")

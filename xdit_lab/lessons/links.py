@@ -23,7 +23,7 @@ import math
 from matplotlib.figure import Figure
 
 from ..lab.table import text_table
-from ..lab.views import GROUP_ORDER
+from ..lab.views import GROUP_ORDER, new_figure
 from ..memory import human_bytes
 from ..mesh import RING, ULYSSES
 
@@ -201,7 +201,7 @@ def draw_link_times(rows) -> Figure:
     """One panel per scenario: a bar per configuration, stacked by group, in milliseconds per step; with
     compute, a line at the compute and ✓ on the fastest step (else on the least traffic)."""
     scenarios = list(dict.fromkeys(row["scenario"] for row in rows))
-    fig = Figure(figsize=(0.6 + 3.4 * len(scenarios), 3.2), layout="constrained")
+    fig = new_figure(figsize=(0.6 + 3.4 * len(scenarios), 3.2), layout="constrained")
     axes = fig.subplots(1, len(scenarios), squeeze=False).ravel()
     import matplotlib
 

@@ -24,7 +24,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 
 from ..lab.measure import max_relative_difference
-from ..lab.views import rank_color, spans
+from ..lab.views import new_figure, rank_color, spans
 from ..mesh import RING, SP, ULYSSES
 
 # ---- engine side ----------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def draw_ulysses_exchange(results) -> Figure:
     results = _results(results)
     world = max(r["rank"] for r in results) + 1
     tokens, heads = results[0]["tokens"], results[0]["heads"]
-    fig = Figure(figsize=(0.6 + 3.4 * len(results), 4.4), layout="constrained")
+    fig = new_figure(figsize=(0.6 + 3.4 * len(results), 4.4), layout="constrained")
     axes = fig.subplots(2, len(results), squeeze=False)
     cmap = ListedColormap([rank_color(r, world) for r in range(world)]).with_extremes(bad="#eeeeee")
     norm = BoundaryNorm(np.arange(-0.5, world + 0.5), world)
@@ -243,8 +243,8 @@ def draw_ulysses_exchange(results) -> Figure:
             for t, h in result[key]:
                 held[h, t] = result["rank"]
             ax.imshow(np.ma.masked_less(held, 0), cmap=cmap, norm=norm, interpolation="nearest", aspect="auto")
-            ax.set_xticks(range(tokens), [str(t) if tokens <= 16 else "" for t in range(tokens)], fontsize=7)
-            ax.set_yticks(range(heads), [str(h) for h in range(heads)], fontsize=7)
+            ax.set_xticks(range(tokens), [str(t) if tokens <= 16 else "" for t in range(tokens)], fontsize=9)
+            ax.set_yticks(range(heads), [str(h) for h in range(heads)], fontsize=9)
             ax.set_xticks(np.arange(-0.5, tokens), minor=True)
             ax.set_yticks(np.arange(-0.5, heads), minor=True)
             ax.grid(which="minor", color="white", linewidth=1)
@@ -254,12 +254,12 @@ def draw_ulysses_exchange(results) -> Figure:
             ax.set_title(
                 f"rank {result['rank']} {key}: x[{shape}]\ntokens {spans([t for t, _ in pairs])}, "
                 f"heads {spans([h for _, h in pairs])}",
-                fontsize=8,
+                fontsize=9,
             )
             if column == 0:
-                ax.set_ylabel("head", fontsize=8)
+                ax.set_ylabel("head", fontsize=9)
             if row == 1:
-                ax.set_xlabel("token", fontsize=8)
+                ax.set_xlabel("token", fontsize=9)
     fig.suptitle("Ulysses all-to-all: sequence shards (top) become head shards (bottom)", fontsize=10)
     return fig
 
@@ -273,7 +273,7 @@ def draw_ring_schedule(results) -> Figure:
     for i, result in enumerate(results):
         for s in result["steps"]:
             origin[i, s["step"]] = -1 if s["origin_rank"] is None else s["origin_rank"]
-    fig = Figure(figsize=(1.6 + 1.2 * steps, 0.9 + 0.55 * len(results)), layout="constrained")
+    fig = new_figure(figsize=(1.6 + 1.2 * steps, 0.9 + 0.55 * len(results)), layout="constrained")
     ax = fig.subplots()
     cmap = ListedColormap([rank_color(r, world) for r in range(world)]).with_extremes(bad="#eeeeee")
     ax.imshow(
@@ -286,9 +286,9 @@ def draw_ring_schedule(results) -> Figure:
     for i, result in enumerate(results):
         for s in result["steps"]:
             text = "?" if s["block"] is None else f"K/V {s['block']}\ntokens {s['tokens'][0]}–{s['tokens'][1] - 1}"
-            ax.text(s["step"], i, text, ha="center", va="center", fontsize=7, color="white")
-    ax.set_xticks(range(steps), [f"step {s}" for s in range(steps)], fontsize=8)
-    ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results], fontsize=8)
+            ax.text(s["step"], i, text, ha="center", va="center", fontsize=9, color="white")
+    ax.set_xticks(range(steps), [f"step {s}" for s in range(steps)], fontsize=9)
+    ax.set_yticks(range(len(results)), [f"rank {r['rank']}" for r in results], fontsize=9)
     ax.set_title(
         "Ring attention: the K/V block each rank holds at each step\n"
         "(coloured by the rank it started on; each step it moves one rank on)",
@@ -302,7 +302,7 @@ def draw_merge_errors(results, zero_lse_results=None) -> Figure:
     block (log scale); with zero_lse_results, the same run with every LSE replaced by 0 (dashed)."""
     results = _results(results)
     world = max(r["rank"] for r in results) + 1
-    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    fig = new_figure(figsize=(6.4, 3.8), layout="constrained")
     ax = fig.subplots()
     runs = [(results, "-", "true LSE")]
     if zero_lse_results is not None:
@@ -319,11 +319,11 @@ def draw_merge_errors(results, zero_lse_results=None) -> Figure:
                 label=f"rank {result['rank']}, {label}",
             )
     ax.axhline(1e-4, color="grey", linewidth=0.8)
-    ax.text(1, 1e-4, " 1e-4", va="bottom", fontsize=7, color="grey")
+    ax.text(1, 1e-4, " 1e-4", va="bottom", fontsize=9, color="grey")
     steps = max(len(r["steps"]) for r in results)
     ax.set_xticks(range(1, steps + 1))
     ax.set_xlabel("K/V blocks merged")
     ax.set_ylabel("max relative error vs full attention")
-    ax.legend(fontsize=7, frameon=False, ncols=2)
+    ax.legend(fontsize=9, frameon=False, ncols=2)
     ax.set_title("The running output after each LSE merge", fontsize=9)
     return fig

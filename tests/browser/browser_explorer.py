@@ -87,6 +87,11 @@ def jupyter(tmp_path):
     notification = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     notification.parent.mkdir(parents=True)
     notification.write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    # Every cell rendered: by default JupyterLab renders only the cells near the view, and a cell
+    # pushed below it by the panel's figures shows an empty prompt, as if it had never run.
+    tracker = tmp_path / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text('{"windowingMode": "none"}')
     SHOTS.mkdir(parents=True, exist_ok=True)
     for old in SHOTS.glob("*.png"):  # no screenshot of an earlier run may pass for this one's
         old.unlink()
@@ -198,7 +203,13 @@ def drive(page, url):
     shot(page, "01-opened")
 
     run_all_cells(page)
-    wait_for(page, "the end of Run All Cells", lambda: all_cells_ran(page), RUN_ALL_S)
+    wait_for(
+        page,
+        "the end of Run All Cells",
+        lambda: all_cells_ran(page),
+        RUN_ALL_S,
+        seen=lambda: f"prompts {prompts(page)}, kernel idle: {kernel_idle(page)}",
+    )
     panel = page.locator(".xdit-lab-status")
     panel.wait_for(timeout=10_000)
     panel.scroll_into_view_if_needed()
@@ -254,8 +265,9 @@ def page_errors(page) -> str:
     return "\n".join(texts) or "(no error text on the page)"
 
 
-def wait_for(page, what: str, condition, timeout_s: float):
-    """Poll condition() until it returns something true; fail early when the panel shows an error."""
+def wait_for(page, what: str, condition, timeout_s: float, *, seen=None):
+    """Poll condition() until it returns something true; fail early when the panel shows an error.
+    `seen()`, when given, says in the failure what the page showed instead."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = condition()
@@ -264,7 +276,7 @@ def wait_for(page, what: str, condition, timeout_s: float):
         if page.locator(".xdit-lab-error").count() and page.locator(".xdit-lab-error").inner_text().strip():
             raise AssertionError(f"the panel shows an error while waiting for {what}")
         page.wait_for_timeout(500)
-    raise AssertionError(f"no {what} within {timeout_s:g} s")
+    raise AssertionError(f"no {what} within {timeout_s:g} s" + (f"; the page showed {seen()}" if seen else ""))
 
 
 def run_all_cells(page):

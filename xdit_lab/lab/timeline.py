@@ -32,10 +32,15 @@ def in_flight(spans: list[dict]) -> list[tuple[dict, dict]]:
 def overlap_s(spans: list[dict]) -> float:
     """Seconds of this rank's step in which a transfer was in flight while the rank computed (no
     collective, posting or wait running): what Ring's overlap hides."""
-    busy = sorted((s["start_s"], s["end_s"]) for s in spans)
+    flying = []  # the union of the in-flight windows: several postings may be in flight at once
+    for start, end in sorted((post["end_s"], wait["start_s"]) for post, wait in in_flight(spans)):
+        if flying and start <= flying[-1][1]:
+            flying[-1][1] = max(flying[-1][1], end)
+        elif end > start:
+            flying.append([start, end])
+    busy = [(s["start_s"], s["end_s"]) for s in spans]
     total = 0.0
-    for post, wait in in_flight(spans):
-        start, end = post["end_s"], wait["start_s"]
+    for start, end in flying:
         covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
         total += max(0.0, end - start - covered)
     return total

@@ -218,3 +218,30 @@ def test_comm_bytes():
     estimate = CostEstimate(work_fraction=0.5, comm_p_hs=3.0, params_fraction=1.0)
     assert estimate.comm_bytes(4096, 1152) == 3 * 4096 * 1152 * 2
     assert estimate.comm_bytes(10, 10, dtype_bytes=4) == 1200
+
+
+def test_ranking_reasons_name_the_figure_that_decides():
+    """Each reason names the first cost-model figure in which a configuration beats the next one; the
+    figures below are worked out by hand from the table in config.py (2 layers, 2 prompts with guidance:
+    4 rows, so dp2·cfg2 and dp4 each carry one)."""
+    from xdit_lab.config import ranking_reasons
+
+    ranked = [
+        ParallelConfig(dp=4, pipefusion=2),  # work 1/2, traffic 1 row × 2/1 = 2, weights 1/2, 2 degrees
+        ParallelConfig(dp=2, cfg=2, pipefusion=2),  # the same, 3 degrees
+        ParallelConfig(dp=4, ring=2),  # work 1/2, traffic 2 × 1/2 × 2 layers = 2, weights 1, 2 degrees
+        ParallelConfig(dp=2, cfg=2, ring=2),  # the same, 3 degrees
+        ParallelConfig(cfg=2, pipefusion=2, ring=2),  # 2 rows: work 1/2, traffic 2 × (2/2 + 2 × 1/2 × 1) = 4
+        ParallelConfig(dp=2, pipefusion=2, ring=2),  # the same figures and degrees; cfg is preferred over dp
+        ParallelConfig(dp=8),  # work 1
+    ]
+    assert ranked == [c for c in ParallelConfig.options(8, num_layers=2, batch=2) if c in ranked]
+    assert ranking_reasons(ranked, 2, batch=2) == [
+        "the same cost as dp2·cfg2·pf2, fewer degrees above 1 (simpler to run)",
+        "the same compute and traffic as dp4·ring2, fewer weights per rank",
+        "the same cost as dp2·cfg2·ring2, fewer degrees above 1 (simpler to run)",
+        "as much compute, less traffic per rank than cfg2·pf2·ring2",
+        "ties with dp2·pf2·ring2: cfg, then Ulysses, are preferred over dp",
+        "less compute per rank than dp8",
+        "",
+    ]

@@ -1,7 +1,7 @@
 """xdit-lab: the command-line driver, one function per subcommand (registered in `_build_parser`).
 
     xdit-lab plan [--world-size N] [--heads H] [--layers L] [--seq-len S] [--hidden-size HS]
-                  [--batch B] [--no-cfg] [--top K]
+                  [--batch B] [--no-cfg] [--top K] [--why]
     torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompt TEXT [--cfg 2 --ulysses 2 ...]
     xdit-lab demo [--ranks N] [--cfg 2 ...]
 
@@ -16,7 +16,7 @@ import argparse
 import contextlib
 import sys
 
-from .config import DEGREES, SCHEDULES, SHORT, ParallelConfig, ParallelConfigError, _visible_gpus
+from .config import DEGREES, SCHEDULES, SHORT, ParallelConfig, ParallelConfigError, _visible_gpus, ranking_reasons
 from .distributed import usable_cpu_cores
 
 
@@ -62,24 +62,33 @@ def _shows_bytes(args) -> bool:
     return args.seq_len is not None and args.hidden_size is not None
 
 
-def plan_table(args, world_size: int) -> tuple[list[list[str]], int]:
+def plan_table(
+    world_size: int,
+    *,
+    heads=None,
+    layers=None,
+    seq_len=None,
+    hidden_size=None,
+    batch=1,
+    use_cfg=True,
+    top=10,
+    reasons=False,
+) -> tuple[list[list[str]], int]:
     """The ranking as rows of strings, header first, and how many configurations fit in all
-    (kept apart from printing, for callers that want the rows)."""
+    (kept apart from printing: the explorer's planning mode shows the same rows, with `reasons`:
+    why each one ranks above the next)."""
     configs = ParallelConfig.options(
-        world_size,
-        num_heads=args.heads,
-        num_layers=args.layers,
-        seq_len=args.seq_len,
-        use_cfg=not args.no_cfg,
-        batch=args.batch,
+        world_size, num_heads=heads, num_layers=layers, seq_len=seq_len, use_cfg=use_cfg, batch=batch
     )
-    show_bytes = _shows_bytes(args)
+    show_bytes = seq_len is not None and hidden_size is not None
     header = ["#", "config", *(SHORT[d] for d in DEGREES), "work/rank", "comm/rank/step (p·hs)"]
     header += ["comm bytes"] if show_bytes else []
-    header += ["params/rank"]
+    header += ["params/rank"] + (["why above the next"] if reasons else [])
     rows = [header]
-    for i, c in enumerate(configs[: args.top or None], start=1):
-        cost = c.cost(args.layers, batch=args.batch, use_cfg=not args.no_cfg)
+    shown = configs[: top or None]
+    why = ranking_reasons(configs, layers, batch=batch, use_cfg=use_cfg)
+    for i, c in enumerate(shown, start=1):
+        cost = c.cost(layers, batch=batch, use_cfg=use_cfg)
         row = [
             str(i),
             c.short(),
@@ -88,17 +97,20 @@ def plan_table(args, world_size: int) -> tuple[list[list[str]], int]:
             _number(cost.comm_p_hs),
         ]
         if show_bytes:
-            row.append(_bytes(cost.comm_bytes(args.seq_len, args.hidden_size)))
+            row.append(_bytes(cost.comm_bytes(seq_len, hidden_size)))
         row.append(f"1/{c.pipefusion}" if c.pipefusion > 1 else "1")
-        rows.append(row)
+        rows.append(row + ([why[i - 1]] if reasons else []))
     return rows, len(configs)
 
 
-def _format(rows: list[list[str]]) -> str:
+def format_plan(rows: list[list[str]]) -> str:
+    """plan_table's rows aligned: names and reasons read best left-aligned, numbers right-aligned."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    # the configuration name reads best left-aligned, numbers right-aligned
+    left = {i for i, name in enumerate(rows[0]) if name in ("config", "why above the next")}
     return "\n".join(
-        "  ".join(cell.ljust(w) if i == 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        "  ".join(
+            cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
         for row in rows
     )
 
@@ -115,8 +127,18 @@ def cmd_plan(args) -> int:
         f"CFG {'off' if args.no_cfg else 'on'}"
     )
     print(f"Parallel configurations for {world_size} ranks ({source}); {shape}")
-    rows, total = plan_table(args, world_size)
-    print(_format(rows))
+    rows, total = plan_table(
+        world_size,
+        heads=args.heads,
+        layers=args.layers,
+        seq_len=args.seq_len,
+        hidden_size=args.hidden_size,
+        batch=args.batch,
+        use_cfg=not args.no_cfg,
+        top=args.top,
+        reasons=args.why,
+    )
+    print(format_plan(rows))
     if total > len(rows) - 1:
         print(f"... {total - (len(rows) - 1)} more (--top 0 shows all {total})")
     print(
@@ -241,6 +263,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=_count(1), default=1, metavar="B", help="prompts per step (default 1)")
     plan.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (one branch, no cfg 2)")
     plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
+    plan.add_argument("--why", action="store_true", help="say why each configuration ranks above the next")
     plan.set_defaults(handler=cmd_plan)
 
     run = commands.add_parser(

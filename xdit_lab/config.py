@@ -274,22 +274,45 @@ class ParallelConfig:
             if not config.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len):
                 found.append(config)
 
-        def rank_key(c: ParallelConfig):
-            cost = c.cost(num_layers, batch=batch, use_cfg=use_cfg)
-            dims = sum(getattr(c, n) > 1 for n in DEGREES)
-            # remaining ties: prefer cfg, then Ulysses (fast links), over data parallel
-            return (
-                round(cost.work_fraction, 9),
-                round(cost.comm_p_hs, 9),
-                cost.params_fraction,
-                dims,
-                c.dp,
-                -c.cfg,
-                -c.ulysses,
-                -c.ring,
-            )
+        return sorted(found, key=lambda c: rank_key(c, num_layers, batch=batch, use_cfg=use_cfg))
 
-        return sorted(found, key=rank_key)
+
+# Why a configuration ranks above the next one, by the first figure of rank_key that differs.
+_RANKED_BY = (
+    "less compute per rank than {}",
+    "as much compute, less traffic per rank than {}",
+    "the same compute and traffic as {}, fewer weights per rank",
+    "the same cost as {}, fewer degrees above 1 (simpler to run)",
+)
+_TIE = "ties with {}: cfg, then Ulysses, are preferred over dp"
+
+
+def rank_key(config: ParallelConfig, num_layers=None, *, batch=1, use_cfg=True) -> tuple:
+    """What options() sorts by: compute per rank, then traffic, then parameter share, then the
+    number of degrees above 1; remaining ties prefer cfg, then Ulysses (fast links), over dp."""
+    cost = config.cost(num_layers, batch=batch, use_cfg=use_cfg)
+    dims = sum(getattr(config, n) > 1 for n in DEGREES)
+    return (
+        round(cost.work_fraction, 9),
+        round(cost.comm_p_hs, 9),
+        cost.params_fraction,
+        dims,
+        config.dp,
+        -config.cfg,
+        -config.ulysses,
+        -config.ring,
+    )
+
+
+def ranking_reasons(configs, num_layers=None, *, batch=1, use_cfg=True) -> list[str]:
+    """Why each configuration of a ranked list (options()) sits above the next one: the first figure
+    of rank_key in which the two differ, named ('' for the last)."""
+    keys = [rank_key(c, num_layers, batch=batch, use_cfg=use_cfg) for c in configs]
+    reasons = []
+    for i, (key, below) in enumerate(zip(keys, keys[1:])):
+        first = next((j for j, (a, b) in enumerate(zip(key, below)) if a != b), len(key))
+        reasons.append((_RANKED_BY[first] if first < len(_RANKED_BY) else _TIE).format(configs[i + 1].short()))
+    return reasons + [""] * bool(configs)
 
 
 def _visible_gpus() -> int:

@@ -9,6 +9,7 @@ import pytest
 from xdit_lab import ParallelConfig
 from xdit_lab.lab import Lab, LabError
 from xdit_lab.lab.explorer import ExplorerController, ModelShape, explain, valid_configs
+from xdit_lab.lab.views import legibility_problems
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 # The digits model's sizes: 4 heads, 4 layers, a 16-pixel image in an 8 × 8 token grid.
@@ -85,8 +86,9 @@ def controller(lab):
 
 
 def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
-    # the tiny PixArt: 4 heads, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
-    assert controller.shape == ModelShape(family="PixArt", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True)
+    # the tiny PixArt: 4 heads of 16, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
+    expected = ModelShape(family="PixArt", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True, hidden_size=64)
+    assert controller.shape == expected
     assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ring2", "ulysses2", "serial"]
     assert controller.choices()["num_patches"] == [None, 1, 2, 3, 4]
     assert controller.choices()["pipefusion_schedule"] == ["drained", "async"]
@@ -98,23 +100,79 @@ def test_reset_step_run(controller):
     assert list(frame.figures) == ["shards", "memory", "comm", "latent"]  # no staleness without PipeFusion
     frame = controller.step()
     assert frame.error is None and "cfg2 on 2 of 2 ranks; step 1 of 3" in frame.status
-    assert list(frame.figures) == ["shards", "memory", "comm", "timeline", "latent"]  # the step just run, in time
+    # the step just run, in time; the steps so far
+    assert list(frame.figures) == ["shards", "memory", "comm", "timeline", "history", "latent"]
     latent = frame.figures["latent"].axes[0]
     assert latent.get_images()[0].get_array().shape == (16, 16 * 2 + 1, 3)  # two prompts side by side
     frame = controller.run()
     assert "step 3 of 3 (done)" in frame.status
+    # one history row per step; cfg 2 is exact, and it moves the other branch's prediction every step
+    assert [row["step"] for row in controller.history] == [1, 2, 3]
+    assert all(row["deviation"] <= 1e-4 and row["bytes"] > 0 for row in controller.history), controller.history
+    assert "from serial < 1e-5" in frame.status
+    assert not legibility_problems(frame.figures["history"])
     frame = controller.step()
     assert "all 3 steps are done" in frame.error and not frame.figures
     controller.set_request(steps=2, seed=1)
     assert "seed 0" in controller.status()  # the running session keeps its own until reset
     assert "step 0 of 2" in controller.reset().status and "seed 1" in controller.status()
+    assert controller.history == []  # a new generation, a new history
+
+
+def _diffusers_latents(folder, prompts, steps):
+    """Diffusers' own pipeline, serially in this process, with the explorer's seed: the final latents."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    return reference(prompts, generator=generator, num_inference_steps=steps, output_type="latent", **KWARGS).images
+
+
+def test_the_deviation_from_serial_is_measured_against_diffusers_own_run(controller, lab):
+    """The explorer's deviation is what a serial diffusers run says it is: below 1e-4 under an exact
+    strategy (ring 2), and PipeFusion's stale K/V (warmup 0: the first step reads zero-filled buffers)
+    measured above that bound: the control that shows the measure can fail. Each equals the difference
+    from diffusers' pipeline run here, which shares no code with the serial run the engine steps."""
+    from xdit_lab.lab.measure import compare_to_serial
+
+    reference = _diffusers_latents(lab.loaded.name_or_path, controller.prompts(), controller.steps)
+    measured = {}
+    for config in (ParallelConfig(ring=2), ParallelConfig(pipefusion=2, num_patches=2, warmup_steps=0)):
+        assert controller.apply_config(config).error is None
+        frame = controller.run()
+        assert frame.error is None and len(controller.history) == controller.steps
+        against_diffusers = compare_to_serial(controller.session.latents, reference)["max_relative"]
+        measured[config.short()] = (controller.history[-1]["deviation"], against_diffusers)
+        if config.pipefusion > 1:
+            assert f"from serial {measured[config.short()][0]:.1e}" in frame.status
+    (ring, ring_diffusers), (stale, stale_diffusers) = measured.values()
+    assert ring <= 1e-4 and ring_diffusers <= 1e-4, measured
+    assert stale > 1e-3 and abs(stale - stale_diffusers) <= 1e-4 * stale_diffusers + 1e-6, measured
+
+
+def test_planning_for_gpus_the_lab_does_not_have(controller):
+    """Planning mode ranks the configurations for 8 GPUs with this model's sizes and the two prompts,
+    as ParallelConfig.options does; it says why a configuration ranks above the next, and why ulysses 8
+    and pipefusion 8 are refused for a model of 4 heads and 2 layers."""
+    text = controller.plan(8)
+    expected = ParallelConfig.options(8, num_heads=4, num_layers=2, seq_len=16, batch=2)
+    rows = [line.split() for line in text.splitlines()[2:] if line.split() and line.split()[0].isdigit()]
+    assert [row[1] for row in rows] == [c.short() for c in expected]
+    assert "the same cost as dp2·cfg2·pf2, fewer degrees above 1" in text.splitlines()[2]
+    assert "ulysses8: 4 attention heads do not divide by ulysses 8" in text
+    assert "pf8: 2 transformer layers cannot fill 8 PipeFusion stages" in text
+    assert "4.1 KB" in text  # dp4·pf2's patch hand-off: 2 p·hs = 2 × 16 tokens × 64 hidden × 2 bytes (bf16)
+    with pytest.raises(ValueError, match="positive number of GPUs"):
+        controller.plan(0)
 
 
 def test_apply_config_pipefusion_then_an_invalid_one(controller, lab):
     frame = controller.apply_config(cfg=1, pipefusion=2, num_patches=2)
     assert frame.error is None and lab.config == ParallelConfig(pipefusion=2, num_patches=2)
     frame = controller.step()
-    assert list(frame.figures) == ["shards", "staleness", "memory", "comm", "timeline", "latent"]
+    assert list(frame.figures) == ["shards", "staleness", "memory", "comm", "timeline", "history", "latent"]
     frame = controller.apply_config(ParallelConfig(cfg=2, dp=2))
     assert "dp2·cfg2 cannot run here" in frame.error and "Lab(n=4)" in frame.error
     assert lab.config == ParallelConfig(pipefusion=2, num_patches=2)  # nothing was loaded
@@ -184,6 +242,13 @@ def test_the_widgets(lab):
     assert "<table>" in panel.table.value and panel.configs.value == ParallelConfig(cfg=2)
     panel.buttons["step"].click()
     assert "step 1 of 2" in panel.status.value and not panel.error.value
+    # planning mode for 8 GPUs, and the panel kept as static HTML for a saved notebook
+    panel.gpus.value = 8
+    panel.plan_button.click()
+    assert "8 GPUs, PixArt" in panel.plan.value and "ulysses8: 4 attention heads" in panel.plan.value
+    snapshot = panel.snapshot().data
+    assert snapshot.count("<img src='data:image/png;base64,") == len(panel.views.children) == 6
+    assert "step 1 of 2" in snapshot and "8 GPUs, PixArt" in snapshot and "alt='xdit-lab-view-history'" in snapshot
     # a manual choice that cannot run is explained and cannot be applied
     panel.pickers["dp"].value = 2
     assert "cannot run" in panel.verdict.value and "Lab(n=4)" in panel.verdict.value

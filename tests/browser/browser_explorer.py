@@ -234,6 +234,18 @@ def drive(page, url):
     print(f"decoded image: {fraction:.1%} of its pixels changed from {first!r} to step 20")
     # (a new title alone, "step 1" to "step 20" over the same image, changes about 1% of the pixels)
     assert fraction > 0.05, f"the decoded image barely changed ({fraction:.1%} of its pixels) from step {step} to 20"
+    # each step measured against the serial run, and drawn in the step history
+    assert "from serial" in status(page), f"the status line after Run says {status(page)!r}"
+    assert page.locator("img.xdit-lab-view-history").count() == 1, "no step history after Run"
+    # planning mode, for more GPUs than this Lab has: typed in, then Plan
+    field = page.locator(".xdit-lab-plan-gpus input")
+    field.fill("16")
+    field.press("Enter")
+    page.get_by_role("button", name="Plan", exact=True).click()
+    plan = page.locator(".xdit-lab-plan")
+    wait_for(page, "the plan for 16 GPUs", lambda: "16 GPUs, PixArt" in plan.inner_text(), CLICK_S)
+    plan.scroll_into_view_if_needed()
+    shot(page, "06-plan")
 
 
 # ---- the page ---------------------------------------------------------------------------------------

@@ -58,14 +58,17 @@ def shutdown(state: dict) -> None:
     """Drop the pipeline and leave the process group (the engine itself keeps running)."""
     from xdit_lab.distributed import shutdown_distributed
 
-    state.update(pipe=None, session=None)
+    state.update(pipe=None, session=None, serial_reference=None)
     shutdown_distributed()
 
 
 def load(state: dict, name_or_path, config, kwargs: dict) -> dict:
     """load_pipeline on every engine; idle ranks of a smaller configuration get an inactive pipeline."""
-    from xdit_lab.pipeline import load_pipeline
+    from xdit_lab.pipeline import load_pipeline, resolve_folder
 
+    reference = state.get("serial_reference")  # the explorer's serial run (explorer.serial_deviation)
+    if reference is not None and reference["key"][0] != str(resolve_folder(name_or_path)):
+        state["serial_reference"] = None  # of another model: freed before this one loads
     old = state.get("pipe")
     state.update(pipe=None, session=None)  # free the old pipeline before loading the next
     if old is not None:

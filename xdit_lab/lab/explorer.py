@@ -19,10 +19,12 @@ ipyparallel sends them by reference to this module, so importing it must stay ch
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 
 from ..config import DEGREES, SCHEDULES, ParallelConfig
 from .errors import LabError
+from .planning import ModelShape, explain, plan, valid_configs
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes in ipyparallel's remote tracebacks
 PICKERS = (*DEGREES, "num_patches", "warmup_steps", "pipefusion_schedule")  # the ParallelConfig knobs offered
@@ -46,10 +48,12 @@ def model_shape(state: dict, height, width) -> dict:
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
     adapter = parallel_state(inner.transformer).adapter
+    head_dim = config.get("attention_head_dim")
     return dict(
         family=adapter.family,
         num_heads=config["num_attention_heads"],
         num_layers=adapter.num_blocks(config),  # every block list PipeFusion cuts (Flux: double and single)
+        hidden_size=config["num_attention_heads"] * head_dim if isinstance(head_dim, int) else None,
         rows=height // multiple,
         cols=width // multiple,
         guidance_scale=defaults["guidance_scale"],
@@ -74,67 +78,46 @@ def preview(state: dict, limit: int):
     return np.asarray(images, dtype=np.float32)
 
 
-# ---- the controller -----------------------------------------------------------------------------------
+def serial_deviation(state: dict) -> dict | None:
+    """(rank 0) How far this engine's session is from the serial run at the same step: max |a - b| / max |b|
+    of the latents (lab/measure.py). The serial run is this package on one rank (a world of one: no peer
+    joins in; equal to diffusers' pipeline, tests/test_pipelines.py), loaded once beside the Lab's pipeline
+    in its dtype, without its step cache or compile, and stepped with the same request.
+    None before a step; 0.0 under the serial configuration, which is the reference itself."""
+    from xdit_lab.config import ParallelConfig
+    from xdit_lab.mesh import RankMesh
+    from xdit_lab.pipeline import load_pipeline
 
+    from .measure import compare_to_serial
 
-@dataclass(frozen=True)
-class ModelShape:
-    family: str
-    num_heads: int
-    num_layers: int
-    rows: int  # image tokens per column, at the call's height
-    cols: int
-    use_cfg: bool  # guidance > 1: there are two branches for cfg 2 to split
-
-    @property
-    def seq_len(self) -> int:
-        return self.rows * self.cols
-
-
-def valid_configs(engines: int, shape: ModelShape, *, num_patches=None, warmup_steps=1) -> list[ParallelConfig]:
-    """Every configuration that runs on `engines` ranks or fewer (the rest idle): all ranks first,
-    each world size best first by the cost model."""
-    found = []
-    for world in range(engines, 0, -1):
-        found += [
-            c
-            for c in ParallelConfig.options(
-                world,
-                num_heads=shape.num_heads,
-                num_layers=shape.num_layers,
-                seq_len=shape.seq_len,
-                use_cfg=shape.use_cfg,
-                num_patches=num_patches,
-                warmup_steps=warmup_steps,
-            )
-            if not _extra_problems(c, shape)
-        ]
-    return found
-
-
-def explain(config: ParallelConfig, engines: int, shape: ModelShape) -> list[str]:
-    """Why `config` cannot run on this Lab and model (empty when it can)."""
-    # A smaller world is fine (idle ranks); only a larger one is a mismatch worth the long advice.
-    world = engines if config.world_size > engines else None
-    found = config.problems(
-        world, num_heads=shape.num_heads, num_layers=shape.num_layers, seq_len=shape.seq_len, available_devices=engines
-    )
-    if world is not None:
-        found.append(f"this Lab has {engines} engines: start Lab(n={config.world_size}) for this configuration")
-    return found + _extra_problems(config, shape)
-
-
-def _extra_problems(config: ParallelConfig, shape: ModelShape) -> list[str]:
-    """Rules that depend on the model and the call, which ParallelConfig alone cannot know."""
-    found = []
-    if config.cfg == 2 and not shape.use_cfg:
-        found.append(
-            "cfg 2 splits the unconditional and conditional branches, but guidance_scale <= 1 runs "
-            "only one; use cfg 1 or a guidance scale above 1"
+    session = state.get("session")
+    if session is None or session.step_index == 0:
+        return None
+    if session.pipe.config.world_size == 1:
+        return dict(max_relative=0.0, relative_l2=0.0)
+    request, dtype = session.request, session.pipe.diffusers_pipeline.transformer.dtype
+    if request.seed is None:
+        raise RuntimeError("the serial reference needs the session's seed (seed=N), not a generator it consumed")
+    reference = state.get("serial_reference")
+    if reference is None or reference["key"] != (str(session.pipe.folder), dtype):
+        state["serial_reference"] = reference = None  # the old one is freed before the next loads
+        serial = ParallelConfig()
+        pipe = load_pipeline(
+            session.pipe.folder, serial, mesh=RankMesh(serial, rank=0, world_size=1), torch_dtype=dtype, progress=False
         )
-    if config.pipefusion > 1 and config.patches > shape.rows:
-        found.append(f"{config.patches} PipeFusion patches are row bands, but the image has {shape.rows} token rows")
-    return found
+        state["serial_reference"] = reference = dict(key=(str(session.pipe.folder), dtype), pipe=pipe, session=None)
+    serial_session = reference["session"]
+    if serial_session is None or serial_session.request != request or serial_session.step_index > session.step_index:
+        r = request
+        serial_session = reference["session"] = reference["pipe"].session(
+            r.prompts, r.negatives, r.num_inference_steps, r.guidance_scale, r.height, r.width, seed=r.seed, **r.options
+        )
+    while serial_session.step_index < session.step_index:
+        serial_session.step()
+    return compare_to_serial(session.latents, serial_session.latents)
+
+
+# ---- the controller -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -164,10 +147,14 @@ class ExplorerController:
         session_kwargs: dict | None = None,
         preview_limit: int = 4,
         timeout_s: float | None = None,
+        compare_serial: bool = True,
     ):
         if lab.loaded is None:
             raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) before the explorer")
         self.lab, self.seed, self.preview_limit, self.timeout_s = lab, seed, preview_limit, timeout_s
+        self.compare_serial = compare_serial  # measure each step against the serial run (serial_deviation)
+        self.history: list[dict] = []  # one row per step of the session: step, seconds, deviation, bytes
+        self.deviation_problem = ""  # why the deviation could not be measured, when it could not
         self.session_kwargs = dict(session_kwargs or {})
         default_steps = self.session_kwargs.pop("num_inference_steps", None)
         self.prompt = prompt or ("a handwritten 7" if lab.loaded.name_or_path == "digits" else "a red cat")
@@ -208,6 +195,14 @@ class ExplorerController:
     def explain(self, config: ParallelConfig) -> list[str]:
         return explain(config, self.engines, self.shape)
 
+    def plan(self, gpus: int) -> str:
+        """Planning mode, for GPUs this Lab does not have: every configuration for `gpus` ranks with
+        this model and the current prompts, ranked by the cost model with the reasons (planning.py)."""
+        return plan(gpus, self.shape, batch=len(self.prompts()))
+
+    def prompts(self) -> list[str]:
+        return [p.strip() for p in self.prompt.split(";") if p.strip()] or [""]
+
     # ---- actions: each returns the Frame to show ---------------------------------------------------
     def apply_config(self, config: ParallelConfig | None = None, **degrees) -> Frame:
         """Load the pipeline under `config` (or the current one with `degrees` changed) and start
@@ -233,8 +228,8 @@ class ExplorerController:
         """A new session with the current prompt, steps and seed (nothing run yet)."""
 
         def start():
-            prompts = [p.strip() for p in self.prompt.split(";") if p.strip()] or [""]
-            self.session = None  # a failed start leaves none behind
+            prompts = self.prompts()
+            self.session, self.history, self.deviation_problem = None, [], ""  # a failed start leaves none
             self.session = self.lab.session(
                 prompts, seed=self.seed, num_inference_steps=self.steps, timeout_s=self.timeout_s, **self.session_kwargs
             )
@@ -244,12 +239,13 @@ class ExplorerController:
         return self._guard(start)
 
     def step(self) -> Frame:
-        return self._advance(lambda session: session.step(timeout_s=self.timeout_s))
+        return self._advance(1)
 
     def run(self) -> Frame:
-        return self._advance(lambda session: session.run(timeout_s=self.timeout_s))
+        return self._advance(None)
 
-    def _advance(self, action) -> Frame:
+    def _advance(self, steps: int | None) -> Frame:
+        """`steps` steps (None: the rest), one at a time, so each gets its row in the history."""
         if self.session is None or self.session.token != self.lab.session_token:
             frame = self.reset()  # none yet, or the Lab moved on (a load or a session from a cell)
             if frame.error:
@@ -258,10 +254,29 @@ class ExplorerController:
             return self._frame(error=f"all {self.session.num_steps} steps are done: Reset starts a new generation")
 
         def advance():
-            action(self.session)
+            for _ in range(self.session.num_steps - self.session.step_index if steps is None else steps):
+                start = time.perf_counter()
+                self.session.step(timeout_s=self.timeout_s)
+                self.history.append(
+                    dict(step=self.session.step_index, seconds=time.perf_counter() - start, deviation=self._deviation())
+                )
             return self.refresh()
 
         return self._guard(advance)
+
+    def _deviation(self) -> float | None:
+        """The session's max relative deviation from the serial run now; None when not measured (why:
+        self.deviation_problem; the serial model may not fit beside the Lab's, for example)."""
+        if not self.compare_serial or self.deviation_problem:
+            return None
+        try:
+            answer = self.lab.call(
+                serial_deviation, ranks=[0], timeout_s=self.timeout_s, what="explorer.serial_deviation"
+            )[0]
+        except LabError as error:
+            self.deviation_problem = str(error).splitlines()[0]
+            return None
+        return None if answer is None else answer["max_relative"]
 
     # ---- what to show ------------------------------------------------------------------------------
     def refresh(self) -> Frame:
@@ -270,6 +285,10 @@ class ExplorerController:
         from .views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness
 
         summaries = self.session.summaries(timeout_s=self.timeout_s)
+        for row in self.history:  # bytes out of the busiest rank in each step, as comm_log measured them
+            row["bytes"] = max(
+                (sum(s["comm"]["measured"][row["step"] - 1].values()) for s in summaries if s is not None), default=0
+            )
         figures = {"shards": draw_shards(summaries)}
         if self.config.pipefusion > 1:
             figures["staleness"] = draw_staleness(summaries)
@@ -277,6 +296,8 @@ class ExplorerController:
         figures["comm"] = draw_comm(summaries)
         if self.session.step_index > 0:
             figures["timeline"] = self.session.timeline(timeout_s=self.timeout_s)
+        if self.history:
+            figures["history"] = draw_history(self.history)
         images = self.lab.call(
             preview, self.preview_limit, ranks=[0], timeout_s=self.timeout_s, what="explorer.preview"
         )[0]
@@ -295,7 +316,13 @@ class ExplorerController:
             return f"{config}; no session yet"
         s = self.session
         where = "done" if s.done else f"next timestep {float(s.timestep):g}"
-        return f"{config}; step {s.step_index} of {s.num_steps} ({where}); seed {self.session_seed}"
+        text = f"{config}; step {s.step_index} of {s.num_steps} ({where}); seed {self.session_seed}"
+        deviation = self.history[-1]["deviation"] if self.history else None
+        if deviation is not None:  # under 1e-5 the digits are float32 rounding, which varies by machine
+            text += f"; from serial {'< 1e-5' if deviation < 1e-5 else f'{deviation:.1e}'}"
+        elif self.deviation_problem:
+            text += f"; no serial reference: {self.deviation_problem}"
+        return text
 
     def _frame(self, figures=None, error=None, details="") -> Frame:
         return Frame(status=self.status(), figures=figures or {}, error=error, details=details)
@@ -312,6 +339,34 @@ class ExplorerController:
             return self._frame(error=f"{type(error).__name__}: {error}")
 
 
+def draw_history(rows: list[dict]):
+    """The session's steps so far: the deviation from serial (log scale, beside the 1e-4 that the exact
+    strategies keep), the wall time of each step as the notebook saw it, and the bytes out of the busiest rank."""
+    from .views import new_figure
+
+    fig = new_figure(figsize=(7.5, 2.8))
+    deviation, seconds = fig.subplots(1, 2)
+    steps = [row["step"] for row in rows]
+    measured = [(row["step"], max(row["deviation"], 1e-12)) for row in rows if row["deviation"] is not None]
+    if measured:
+        deviation.semilogy(*zip(*measured), "o-", color="C3")
+    deviation.axhline(1e-4, color="grey", linestyle="--", linewidth=1, label="1e-4: exact")
+    deviation.set(xlabel="step", ylabel="max relative", title="deviation from serial")
+    deviation.legend(loc="lower right")
+    seconds.bar(steps, [1e3 * row["seconds"] for row in rows], color="C0")
+    seconds.set(xlabel="step", ylabel="ms", title="step wall time")
+    traffic = [row.get("bytes", 0) / 1024 for row in rows]
+    if any(traffic):
+        twin = seconds.twinx()
+        twin.plot(steps, traffic, "s-", color="C1")
+        twin.set_ylim(0, 1.2 * max(traffic))
+        twin.set_ylabel("KiB out, busiest rank", color="C1")
+    for axes in (deviation, seconds):
+        axes.xaxis.get_major_locator().set_params(integer=True)
+    fig.tight_layout()
+    return fig
+
+
 def current_choice(config: ParallelConfig) -> dict:
     """A config's picker values, by picker name."""
     return {name: getattr(config, name) for name in PICKERS}
@@ -321,4 +376,13 @@ def config_from(choice: dict) -> ParallelConfig:
     return ParallelConfig(**{name: choice[name] for name in PICKERS})
 
 
-__all__ = ["ExplorerController", "Frame", "ModelShape", "valid_configs", "explain", "config_from", "current_choice"]
+__all__ = [
+    "ExplorerController",
+    "Frame",
+    "ModelShape",
+    "valid_configs",
+    "explain",
+    "plan",
+    "config_from",
+    "current_choice",
+]

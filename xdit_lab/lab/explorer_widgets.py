@@ -9,6 +9,7 @@ it to the browser console or the kernel log, where nobody sees it.
 
 from __future__ import annotations
 
+import base64
 import html
 import io
 import traceback
@@ -23,7 +24,15 @@ LABELS = {
     "warmup_steps": "warmup",
     "pipefusion_schedule": "schedule",
 }  # the degrees keep their own names
-ORDER = ("latent", "shards", "staleness", "memory", "comm", "timeline")  # views, left to right, top to bottom
+ORDER = (
+    "latent",
+    "shards",
+    "staleness",
+    "memory",
+    "comm",
+    "timeline",
+    "history",
+)  # views, left to right, top to bottom
 
 
 def figure_png(figure, dpi: int = DPI) -> bytes:
@@ -34,7 +43,8 @@ def figure_png(figure, dpi: int = DPI) -> bytes:
 
 class Explorer:
     """The panel: valid configurations, degree pickers (an invalid choice says why), prompt,
-    steps, seed, Step / Run / Reset, the rank table, the status line, errors and the views."""
+    steps, seed, Step / Run / Reset, the rank table, the status line, errors and the views; Plan ranks
+    the configurations for a number of GPUs the Lab does not have; snapshot() keeps the panel as HTML."""
 
     def __init__(self, lab, **kwargs):
         self.controller = c = ExplorerController(lab, **kwargs)
@@ -56,9 +66,12 @@ class Explorer:
         self.steps = w.BoundedIntText(value=c.steps, min=1, max=1000, description="steps", layout=small)
         self.seed = w.IntText(value=c.seed, description="seed", layout=small)
         self.buttons = {name: w.Button(description=name.capitalize()) for name in ("step", "run", "reset")}
-        self.table, self.status, self.error = w.HTML(), w.HTML(), w.HTML()
-        for name in ("table", "status", "error"):  # CSS classes name the parts (a browser test finds them)
+        self.gpus = w.BoundedIntText(value=8, min=1, max=4096, description="plan for", layout=small)
+        self.plan_button = w.Button(description="Plan", tooltip="rank the configurations for this many GPUs")
+        self.table, self.status, self.error, self.plan = w.HTML(), w.HTML(), w.HTML(), w.HTML()
+        for name in ("table", "status", "error", "plan"):  # CSS classes name the parts (a browser test finds them)
             getattr(self, name).add_class(f"xdit-lab-{name}")
+        self.gpus.add_class("xdit-lab-plan-gpus")
         self.views = w.Box(layout=w.Layout(flex_flow="row wrap", align_items="flex-start"))
         self.panel = w.VBox(
             [
@@ -67,6 +80,8 @@ class Explorer:
                 w.HBox(list(self.pickers.values())[:4]),
                 w.HBox([*list(self.pickers.values())[4:], self.apply_button]),
                 self.verdict,
+                w.HBox([self.gpus, w.Label("GPUs"), self.plan_button]),
+                self.plan,
                 w.HBox([self.prompt, self.steps, self.seed]),
                 w.HBox(list(self.buttons.values())),
                 self.status,
@@ -80,6 +95,7 @@ class Explorer:
         for picker in self.pickers.values():
             picker.observe(self._safely(self._on_picker), names="value")
         self.apply_button.on_click(self._safely(lambda _: self.apply()))
+        self.plan_button.on_click(self._safely(lambda _: self.show_plan()))
         for name, button in self.buttons.items():
             button.on_click(self._safely(lambda _, name=name: getattr(self, name)()))
         self.show(c.reset())
@@ -99,6 +115,26 @@ class Explorer:
         self._take_request()
         self._busy(lambda: self.controller.apply_config(config_from(self._picked())))
         self._fill_choices()  # the table's roles changed; the pickers follow the loaded config
+
+    def show_plan(self):
+        """Planning mode: the ranking for the GPUs asked for, with this model and the prompts shown."""
+        self._take_request()
+        text = self.controller.plan(self.gpus.value)
+        self.plan.value = f"<pre style='font-size:11px;white-space:pre;overflow-x:auto'>{html.escape(text)}</pre>"
+
+    def snapshot(self):
+        """The panel as it looks now, as static HTML (status, error, plan and the views as PNGs): what a
+        saved notebook shows where the live widget needs a kernel."""
+        from IPython.display import HTML
+
+        images = "".join(
+            f"<img src='data:image/png;base64,{base64.b64encode(view.value).decode()}' alt='{view._dom_classes[0]}'>"
+            for view in self.views.children
+        )
+        return HTML(
+            f"<div class='xdit-lab-snapshot'>{self.status.value}{self.error.value}{self.plan.value}"
+            f"<div style='display:flex;flex-wrap:wrap;align-items:flex-start'>{images}</div></div>"
+        )
 
     def _advance(self, action):
         if self._take_request():  # prompt, steps or seed changed: Step and Run begin a new generation

@@ -149,3 +149,17 @@ def test_link_model_with_compute_and_latency():
     assert rows[0]["ring_hidden"] == rows[0]["no_overlap"]  # Ulysses: nothing hides
     assert rows[1]["ring_hidden"] < rows[1]["no_overlap"]  # Ring: its hops under the attention
     assert links.link_table(rows).count("<- fastest step") == 1
+
+
+def test_an_exercise_check_tells_right_from_wrong():
+    from xdit_lab.lessons.exercises import check
+
+    assert check(None, 1_310_720, solution="4 × ...").startswith("no answer yet")
+    assert "Solution: 4 × ..." in check(None, 1_310_720, solution="4 × ...")
+    assert check(1_310_720, 1_310_720, solution="").startswith("right")
+    assert check(1_310_720.0, 1_310_720, solution="").startswith("right")  # a float of the same value
+    assert check(2_621_440, 1_310_720, solution="").startswith("not yet")  # the 10-prompt figure
+    assert check([1, 2, 4], [1, 2, 4], solution="").startswith("right")
+    assert check([1, 2, 3, 4], [1, 2, 4], solution="").startswith("not yet")
+    assert check(True, 1, solution="").startswith("not yet")  # True is not the number 1 here
+    assert check("1/5", 0.2, solution="").startswith("not yet")  # a fraction as text is not a number

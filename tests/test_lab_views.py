@@ -123,7 +123,7 @@ def test_kv_age_view_reads_what_the_buffers_recorded(runs, folder):
     written, so a patch sees its own K/V from the step before) changes the K/V-age view: the ages
     come from what each read recorded, not from a rule about which patches should be fresh. The
     buffer ends the step with the same written steps as StaleKV, so a rule would not see it."""
-    from xdit_lab.lab.views import draw_staleness
+    from xdit_lab.lab.stale_views import draw_staleness
 
     config, prompts, size = CASES["pipefusion2"]
     wrong = [
@@ -237,7 +237,8 @@ def _owners_by_hand(config, grid, dp, cfg, pf):
 def test_views_draw_from_the_summaries(runs, name, tmp_path):
     from matplotlib.patches import Rectangle
 
-    from xdit_lab.lab.views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness, legibility_problems
+    from xdit_lab.lab.stale_views import draw_stale_reads, draw_staleness
+    from xdit_lab.lab.views import draw_comm, draw_latent, draw_memory, draw_shards, legibility_problems
 
     outs = runs(name)
     summaries = [out["summaries"][-1] for out in outs]
@@ -260,6 +261,13 @@ def test_views_draw_from_the_summaries(runs, name, tmp_path):
         assert ages.shape == (2, 2) and ages.tolist() == [[0, 1], [0, 1]]  # (stage, layer) × patch
     else:
         assert len(stale.axes) == 1 and not stale.axes[0].images
+    reads = draw_stale_reads(summaries)
+    if config.pipefusion > 1:  # one panel per stage: reading patch × slice read, as the buffer recorded it
+        drawn = [np.asarray(ax.images[0].get_array()).tolist() for ax in reads.axes if ax.images]
+        assert drawn == [[[0, 1], [0, 0]]] * 2  # the triangle: patch 0 read patch 1's slice a step old
+        assert not legibility_problems(reads)
+    else:
+        assert not reads.axes[0].images
 
     memory = draw_memory(summaries)
     segments = len(summaries[0]["memory"]["parameter_bytes"]) + 2
@@ -302,7 +310,7 @@ def test_kv_age_view_on_flux_names_both_block_lists(tmp_path):
     stage 0 holds the double-stream ones and stage 1 the single-stream ones; the K/V-age view names
     each stage's joint attention layers as the whole model does, in the forward's order, with the
     ages its buffers recorded (patch 0 read patch 1's image K/V from the step before)."""
-    from xdit_lab.lab.views import draw_staleness
+    from xdit_lab.lab.stale_views import draw_staleness
 
     folder = save_tiny_pipeline("flux", tmp_path / "flux")
     ranks = run_on_ranks(_flux_two_steps, 2, folder, timeout_s=240)

@@ -282,7 +282,8 @@ class ExplorerController:
     def refresh(self) -> Frame:
         """The views of the session as it stands: shards, staleness (PipeFusion), memory, comm, the last
         step's timeline (after a step), latent."""
-        from .views import draw_comm, draw_latent, draw_memory, draw_shards, draw_staleness
+        from .stale_views import draw_staleness
+        from .views import draw_comm, draw_latent, draw_memory, draw_shards
 
         summaries = self.session.summaries(timeout_s=self.timeout_s)
         for row in self.history:  # bytes out of the busiest rank in each step, as comm_log measured them

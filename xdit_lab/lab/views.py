@@ -5,12 +5,12 @@ in a notebook (a Figure displays itself), in tests and under the Agg backend; sa
 `fig.savefig(path)`. Every rank has one colour in every view (`rank_color`).
 
     draw_shards(summaries)     which rank computes which image token, per cfg/dp group and stage
-    draw_staleness(summaries)  PipeFusion: age in steps of the K/V each patch read, per stage and layer
     draw_memory(summaries)     bytes per rank: parameters by component, K/V buffers, activations
     draw_comm(summaries)       bytes out per step per group: measured beside the closed form
     draw_latent(image, step)   one latent channel or an RGB image
 
-The accelerations' views (the step cache, the parallel decode) are in lab/acceleration_views.py.
+PipeFusion's stale K/V views are in lab/stale_views.py; the accelerations' (the step cache, the
+parallel decode) in lab/acceleration_views.py.
 """
 
 from __future__ import annotations
@@ -205,67 +205,6 @@ def draw_shards(summaries) -> Figure:
 
 
 # ---- staleness ----------------------------------------------------------------------------------------
-
-
-def draw_staleness(summaries) -> Figure:
-    """Rows: (stage, attention layer); columns: patches; colour: age in steps of the patch's K/V
-    when the last step read it (the oldest any patch saw; 0 = fresh), as the buffers recorded at
-    each read (StaleKV.reads, through rank_summary)."""
-    summaries = _by_rank(summaries)
-    stages = {}
-    for s in summaries:  # every rank of a stage has the same ages (only its heads or ring part differ)
-        if s["staleness"] is not None and s["staleness"]["layers"]:
-            stages.setdefault(s["staleness"]["stage"], s["staleness"])
-    fig = new_figure(figsize=(6.4, 1.6 + 0.45 * sum(len(st["layers"]) for st in stages.values())), layout="constrained")
-    if not stages:
-        ax = fig.subplots()
-        ax.axis("off")
-        why = (
-            "no PipeFusion in this configuration: every attention reads fresh K/V"
-            if summaries[0]["staleness"] is None
-            else "no PipeFusion step has run yet"
-        )
-        ax.text(0.5, 0.5, why, ha="center", va="center", wrap=True)
-        return fig
-    labels, ages = [], []
-    for stage in sorted(stages):
-        info = stages[stage]
-        for layer in info["layers"]:
-            short = layer.replace("single_transformer_blocks.", "single block ").replace(
-                "transformer_blocks.", "block "
-            )
-            labels.append(f"stage {stage} · {short}")
-            ages.append([np.nan if a is None else a for a in info["age"][layer]])
-    ages = np.array(ages, dtype=float)
-    ax = fig.subplots()
-    top = max(1.0, float(np.nanmax(ages)) if np.isfinite(ages).any() else 1.0)
-    image = ax.imshow(ages, cmap="Reds", vmin=0, vmax=top, aspect="auto", interpolation="nearest")
-    for (i, j), age in np.ndenumerate(ages):
-        ax.text(
-            j,
-            i,
-            "–" if np.isnan(age) else f"{age:.0f}",
-            ha="center",
-            va="center",
-            fontsize=9,
-            color="white" if age > top / 2 else "black",
-        )
-    ax.set_yticks(range(len(labels)), labels, fontsize=9)
-    patches = next(iter(stages.values()))["patches"]
-    ax.set_xticks(
-        range(ages.shape[1]), [f"patch {p}\ntokens {a}–{b - 1}" for p, (a, b) in enumerate(patches)], fontsize=9
-    )
-    fig.colorbar(image, ax=ax, label="oldest K/V read (steps)", ticks=range(int(top) + 1))
-    info = next(iter(stages.values()))
-    kind = (
-        "pipelined: patch p reads later patches' K/V from the step before"
-        if info["pipelined"]
-        else "warmup: all patches at once, every K/V fresh"
-    )
-    if info.get("buffer") not in (None, "StaleKV"):  # a control's deliberately wrong buffer: say so
-        kind = f"buffer {info['buffer']}, ages as it recorded them"
-    ax.set_title(f"Stale K/V in step {info['step'] + 1} of {summaries[0]['num_steps']}\n{kind}", fontsize=9)
-    return fig
 
 
 # ---- memory ---------------------------------------------------------------------------------------------

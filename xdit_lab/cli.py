@@ -73,10 +73,10 @@ def plan_table(
     use_cfg=True,
     top=10,
     reasons=False,
-) -> tuple[list[list[str]], int]:
-    """The ranking as rows of strings, header first, and how many configurations fit in all
-    (kept apart from printing: the explorer's planning mode shows the same rows, with `reasons`:
-    why each one ranks above the next)."""
+) -> tuple[list[list[str]], list[ParallelConfig]]:
+    """The ranking as rows of strings, header first (the best `top`), and every configuration that
+    fits, best first (kept apart from printing: the explorer's planning mode shows the same rows,
+    with `reasons`: why each one ranks above the next)."""
     configs = ParallelConfig.options(
         world_size, num_heads=heads, num_layers=layers, seq_len=seq_len, use_cfg=use_cfg, batch=batch
     )
@@ -100,7 +100,7 @@ def plan_table(
             row.append(_bytes(cost.comm_bytes(seq_len, hidden_size)))
         row.append(f"1/{c.pipefusion}" if c.pipefusion > 1 else "1")
         rows.append(row + ([why[i - 1]] if reasons else []))
-    return rows, len(configs)
+    return rows, configs
 
 
 def format_plan(rows: list[list[str]]) -> str:
@@ -127,7 +127,7 @@ def cmd_plan(args) -> int:
         f"CFG {'off' if args.no_cfg else 'on'}"
     )
     print(f"Parallel configurations for {world_size} ranks ({source}); {shape}")
-    rows, total = plan_table(
+    rows, configs = plan_table(
         world_size,
         heads=args.heads,
         layers=args.layers,
@@ -139,8 +139,8 @@ def cmd_plan(args) -> int:
         reasons=args.why,
     )
     print(format_plan(rows))
-    if total > len(rows) - 1:
-        print(f"... {total - (len(rows) - 1)} more (--top 0 shows all {total})")
+    if len(configs) > len(rows) - 1:
+        print(f"... {len(configs) - (len(rows) - 1)} more (--top 0 shows all {len(configs)})")
     print(
         "Units: work = single-image transformer forwards per rank per step (lower is faster); comm = elements "
         "moved per rank per step in units of p·hs (p tokens per image, hs hidden size)"

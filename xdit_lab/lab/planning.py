@@ -85,7 +85,7 @@ def plan(gpus: int, shape: ModelShape, *, batch: int = 1) -> str:
     ranks above the next, then each degree alone at `gpus` that the model refuses, and why."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"plan for a positive number of GPUs, got {gpus!r}")
-    rows, _ = plan_table(
+    rows, configs = plan_table(
         gpus,
         heads=shape.num_heads,
         layers=shape.num_layers,
@@ -97,8 +97,7 @@ def plan(gpus: int, shape: ModelShape, *, batch: int = 1) -> str:
         reasons=True,
     )
     # the call's own rules (guidance, patch rows) leave out what the degree rules alone allow
-    names = {c.short(): c for c in ParallelConfig.options(gpus, num_heads=shape.num_heads, use_cfg=shape.use_cfg)}
-    kept = [rows[0]] + [row for row in rows[1:] if not _extra_problems(names.get(row[1], ParallelConfig()), shape)]
+    kept = [rows[0]] + [row for row, config in zip(rows[1:], configs) if not _extra_problems(config, shape)]
     lines = [
         f"{gpus} GPUs, {shape.family}: {shape.num_heads} heads, {shape.num_layers} layers, {shape.seq_len} image "
         f"tokens, {batch} prompt(s){', guidance on' if shape.use_cfg else ''}; {len(kept) - 1} configurations, best first",

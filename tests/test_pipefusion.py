@@ -405,8 +405,8 @@ def _planned_and_held_kv(folder, configs, prompts):
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-        planned = pipe.memory_plan_for(len(prompts)).activation_bytes["stale K/V"][1]
         kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2)
+        planned = pipe.memory_plan_for(len(prompts), **kwargs).activation_bytes["stale K/V"][1]
         strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
         held = {}
         for batch in (list(prompts), prompts[0]):  # the request's plan; the load's plan (one prompt)

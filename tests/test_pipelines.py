@@ -2,7 +2,9 @@
 
 Each family's tiny pipeline is saved once as a diffusers folder. On every rank, the stock
 diffusers pipeline produces the reference latents; then load_pipeline runs the same arguments
-under each configuration: max abs error <= 1e-4 · max(1, max |reference|) in float32."""
+under each configuration: max abs error <= 1e-4 · max(1, max |reference|) in float32. Each run
+also checks the request's memory plan (pipe.memory_plan_for, made before the call) against the
+latents, conditioning and stale K/V the rank held between steps."""
 
 import pytest
 import torch
@@ -58,7 +60,9 @@ def _reference_and_parallel(folder, family, configs):
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-        result = pipe(PROMPTS, negative_prompt=NEGATIVES, seed=0, output_type="latent", **kwargs)
+        planned = pipe.memory_plan_for(PROMPTS, negative_prompt=NEGATIVES, **kwargs).activation_bytes  # before the call
+        session = pipe.session(PROMPTS, negative_prompt=NEGATIVES, seed=0, **kwargs).run()
+        result = session.result(output_type="latent")
         latents = output_latents(result)
         rows.append(
             dict(
@@ -68,9 +72,31 @@ def _reference_and_parallel(folder, family, configs):
                 shape=tuple(latents.shape),
                 expected_shape=tuple(expected.shape),
                 groups=sorted({g for step in result.comm_per_step for g, b in step.items() if b}),
+                planned={
+                    name: planned[name][1] for name in ("latents", "conditioning", "stale K/V") if name in planned
+                },
+                held=_held_between_steps(pipe, session),
             )
         )
     return rows
+
+
+def _held_between_steps(pipe, session) -> dict[str, int]:
+    """What this rank keeps from one step to the next besides the weights, counted tensor by tensor."""
+    from xdit_lab.models import PipeFusionStage, parallel_state
+
+    def size(tensors):
+        leaves = torch.utils._pytree.tree_leaves(list(tensors))
+        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+    held = dict(
+        latents=size([session.prepared.latents]),
+        conditioning=size(session.prepared.conditioning.values()),  # each entry a tensor, or None
+    )
+    strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
+    if isinstance(strategy, PipeFusionStage):
+        held["stale K/V"] = size(t for b in strategy.buffers.values() for t in (b.keys, b.values))
+    return held
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -87,6 +113,9 @@ def test_latents_equal_diffusers_pipeline(folders, family, world_size):
             config = next(c for c in CONFIGS[world_size] if c.short() == row["config"])
             expected_groups = {g for g in ("ulysses", "ring", "pipefusion", "cfg", "dp") if getattr(config, g) > 1}
             assert expected_groups <= set(row["groups"]), where
+            # the request's memory plan, made before the call, equals what the rank held between steps
+            assert row["held"]["latents"] > 0 and row["held"]["conditioning"] > 0, where
+            assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
 
 
 def test_pixart_sigma_through_load_pipeline(tmp_path):

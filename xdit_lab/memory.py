@@ -79,7 +79,7 @@ class MemoryPlan:
     ranks_per_host: int = 1
     notes: list[str] = field(default_factory=list)
     # activations on top of the weights, as (serial, per rank): "decode peak" (the VAE's), and for a
-    # request (ParallelPipeline.memory_plan_for) "stale K/V" (PipeFusion's buffers)
+    # request (ParallelPipeline.memory_plan_for) "latents", "conditioning", "stale K/V" (PipeFusion's)
     activation_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
     # the transformer as PipeFusion splits it: bytes every stage keeps, and each block's bytes
     transformer_blocks: tuple[int, list[int]] | None = None
@@ -196,7 +196,7 @@ def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtyp
         and adapter.attention_kind(key.removesuffix(".to_k.weight")) in STALE_KINDS
     )
     if adapter.latent_layout == "frames":
-        return None  # a video's frames are not known before the call; memory_plan_for does not plan them either
+        return None  # a video's frames are not known before the call; memory_plan_for plans them with the call's
     if adapter.latent_layout == "tokens":  # FluxPipeline packs 2 × 2 latent pixels into one token
         grid = tuple(side // 2 for side in latent)
     else:

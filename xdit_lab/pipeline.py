@@ -17,7 +17,6 @@ is named. Ranks left idle by a configuration smaller than the world load nothing
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -29,11 +28,12 @@ from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .loading import load_stage_transformer
 from .memory import MemoryPlan, check_plan, plan_memory
-from .mesh import CFG, DP, PIPEFUSION, RankMesh
-from .models import PipeFusionStage, StepCache, compile_problems, parallel_state, parallelize
+from .mesh import PIPEFUSION, RankMesh
+from .models import StepCache, compile_problems, parallelize
 from .models.families import FAMILIES
 from .pipelines import recipe_for
 from .pipelines.base import Request
+from .request_memory import plan_request
 from .session import DenoiseSession
 from .sharding import batch_rows, stage_ranges
 from .vae import apply_parallel_vae
@@ -261,7 +261,7 @@ class ParallelPipeline:
     def active(self) -> bool:
         return self.diffusers_pipeline is not None
 
-    def session(
+    def request(
         self,
         prompt,
         negative_prompt=None,
@@ -271,15 +271,9 @@ class ParallelPipeline:
         width=None,
         generator=None,
         seed=None,
-        progress=False,
         **options,
-    ) -> DenoiseSession:
-        """Prepare a generation and return it unstarted: step() it, or run() it."""
-        if not self.active:
-            raise RuntimeError(
-                f"rank {self.mesh.rank} is idle under {self.config.short()}: only ranks with "
-                f"pipe.active run generations"
-            )
+    ) -> Request:
+        """The Request a call with these arguments runs: the call defaults filled in, checked."""
         defaults = self.call_defaults
         negative_prompt = defaults.get("negative_prompt") if negative_prompt is None else negative_prompt
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -311,7 +305,18 @@ class ParallelPipeline:
             ),
         )
         self.check_size(request)
-        return DenoiseSession(self, request, progress=progress)
+        return request
+
+    def session(self, prompt, *args, progress=False, **kwargs) -> DenoiseSession:
+        """Prepare a generation and return it unstarted: step() it, or run() it. Arguments as
+        `pipe(...)` takes them (negative_prompt, num_inference_steps, guidance_scale, height, width,
+        generator, seed, and the family's options)."""
+        if not self.active:
+            raise RuntimeError(
+                f"rank {self.mesh.rank} is idle under {self.config.short()}: only ranks with "
+                f"pipe.active run generations"
+            )
+        return DenoiseSession(self, self.request(prompt, *args, **kwargs), progress=progress)
 
     def __call__(
         self,
@@ -341,32 +346,16 @@ class ParallelPipeline:
         )
         return session.run().result(output_type=output_type, return_dict=return_dict)
 
-    def memory_plan_for(self, prompts: int, height=None, width=None, guidance_scale=None) -> MemoryPlan:
-        """The load's plan, plus what `prompts` prompts at this size (the model's defaults where None)
-        leave on this rank once a step ran: PipeFusion's K/V buffers (row "stale K/V")."""
-        plan = dataclasses.replace(self.memory_plan, activation_bytes=dict(self.memory_plan.activation_bytes))
-        plan.notes = list(plan.notes)
-        inner, defaults = self.diffusers_pipeline, self.call_defaults
-        state = parallel_state(inner.transformer) if self.active else None
-        if state is None or not isinstance(state.strategy, PipeFusionStage):
-            return plan
-        multiple, default = self.recipe.size_multiple(inner)
-        height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
-        guidance = defaults["guidance_scale"] if guidance_scale is None else guidance_scale
-        coords = self.mesh.group_rank(CFG), self.mesh.group_rank(DP)
-        total = prompts * (2 if guidance > 1 else 1)
-        start, stop, _ = batch_rows(total, self.config.cfg, self.config.dp, *coords)  # as the forward splits them
-        rows = stop - start
-        kv = state.strategy.planned_buffer_bytes(inner.transformer, rows, (height // multiple, width // multiple))
-        plan.notes = [note for note in plan.notes if not note.startswith("stale K/V")]
-        if kv is None:  # a video: its buffers grow with frames, which the request's size does not say
-            plan.notes.append("stale K/V: not planned for a video")
-        else:
-            plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
-            plan.notes.append(
-                f"stale K/V: PipeFusion's buffers for {prompts} prompt(s) at {height}×{width}, {rows} row(s) on this rank"
-            )
-        return plan
+    def memory_plan_for(self, prompts, height=None, width=None, **arguments) -> MemoryPlan:
+        """The load's plan, plus what a call with `prompts` (a count, or the prompts) at this size and
+        with the other arguments `pipe(...)` takes (guidance_scale, negative_prompt, the family's
+        options; the model's defaults where left out) leaves on this rank once a step ran: its
+        latents, its conditioning and, under PipeFusion, the stale K/V buffers
+        (request_memory.plan_request). A step's transient activations are not in it."""
+        if not self.active:  # an idle rank holds nothing for a request
+            return self.memory_plan
+        prompts = [""] * prompts if isinstance(prompts, int) else prompts
+        return plan_request(self, self.request(prompts, height=height, width=width, **arguments))
 
     def check_size(self, request: Request) -> None:
         """Height and width must tile into whole patches, and give every rank tokens to hold."""

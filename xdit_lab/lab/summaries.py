@@ -23,6 +23,7 @@ from ..config import ParallelConfig
 from ..memory import rank_memory
 from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
 from ..models import PipeFusionStage, parallel_state
+from ..request_memory import held_bytes
 from ..sharding import PatchLayout, batch_rows, patch_ranges, shard_range, shard_sizes
 from ..vae import DECODED
 
@@ -238,16 +239,6 @@ def _staleness(stage) -> dict:
     )
 
 
-def _tensor_bytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
 def _memory(pipe, session, stage) -> dict:
     figures = rank_memory(pipe)
     params = figures.pop("parameter_bytes")
@@ -258,12 +249,12 @@ def _memory(pipe, session, stage) -> dict:
         for name in ("transformer_blocks", "single_transformer_blocks")
         for p in getattr(transformer, name, torch.nn.ModuleList()).parameters()
     )
-    kv = sum(_tensor_bytes([b.keys, b.values]) for b in stage.buffers.values()) if stage is not None else 0
+    kv = sum(held_bytes([b.keys, b.values]) for b in stage.buffers.values()) if stage is not None else 0
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
         activations = max(0, figures["max_allocated"] - total - kv)
         source = "CUDA peak allocated − parameters − KV buffers"
     else:  # no allocator peak on CPU: the tensors the session keeps between steps
-        activations = _tensor_bytes([session.prepared.latents, session.prepared.conditioning])
+        activations = held_bytes([session.prepared.latents, session.prepared.conditioning])
         source = "session latents + conditioning tensors (CPU)"
     return dict(
         parameter_bytes=params,

@@ -6,7 +6,8 @@
     mmap_refused()                      a context in which safetensors refuses mmap (as some file systems do)
     mmap_demo(path)                     one safetensors file read through mmap, then with mmap refused
     load_with_mmap_refused(state, ...)  (engine) load_pipeline with mmap refused, then generate
-    kv_planned_and_held(state, n)       (engine) PipeFusion K/V buffers: the request's plan and what the stage holds
+    planned_and_held(state, n)          (engine) latents, conditioning, stale K/V: the request's plan and what the rank holds
+    step_peak(state)                    (engine) what the next step allocates at its peak and frees again (not planned)
     planned_totals(state, counts)       (engine) bytes per rank the request's plan gives for each number of prompts
 
 Engine-side functions take the Lab's state dict (`lab.call(fn, ...)`) and return small dicts.
@@ -174,18 +175,46 @@ def load_with_mmap_refused(state: dict, name_or_path, config, prompts, seed: int
     return out
 
 
-def kv_planned_and_held(state: dict, prompts: int) -> dict:
-    """(engine) After a step of `prompts` prompts: PipeFusion's K/V buffers as the request's memory
-    plan gives them (pipe.memory_plan_for) and as this stage really holds them, and the plan's table."""
-    from ..models import parallel_state
+def planned_and_held(state: dict, prompts: int) -> dict:
+    """(engine) After a step of the Lab's session of `prompts` prompts: what the request's memory plan
+    (pipe.memory_plan_for) gives for the latents, the conditioning and PipeFusion's stale K/V, and
+    what this rank holds of each, counted tensor by tensor; the plan's total and table."""
+    from ..models import PipeFusionStage, parallel_state
 
-    pipe = state["pipe"]
+    pipe, prepared = state["pipe"], state["session"].prepared
     plan = pipe.memory_plan_for(prompts)
+
+    def size(tensors):
+        leaves = torch.utils._pytree.tree_leaves(list(tensors))
+        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+    held = dict(latents=size([prepared.latents]), conditioning=size(prepared.conditioning.values()))
     strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
-    held = sum(t.numel() * t.element_size() for b in strategy.buffers.values() for t in (b.keys, b.values))
-    return dict(planned=plan.activation_bytes["stale K/V"][1], held=held, total=plan.total_per_rank, table=plan.table())
+    if isinstance(strategy, PipeFusionStage):
+        held["stale K/V"] = size(t for b in strategy.buffers.values() for t in (b.keys, b.values))
+    planned = {name: plan.activation_bytes[name][1] for name in held}
+    return dict(planned=planned, held=held, total=plan.total_per_rank, table=plan.table())
 
 
-def planned_totals(state: dict, prompt_counts: list[int]) -> dict[int, int]:
-    """(engine) Bytes per rank the request's memory plan gives for each number of prompts."""
-    return {n: state["pipe"].memory_plan_for(n).total_per_rank for n in prompt_counts}
+def step_peak(state: dict) -> int | None:
+    """(engine) The most bytes the Lab session's next step allocates at once and frees again (its
+    activations, the scheduler's new latents), measured tensor by tensor (lab.measure.PeakTensorBytes):
+    not held between steps, so not in the memory plan."""
+    from ..lab.measure import PeakTensorBytes
+
+    if state.get("session") is None:  # an idle rank steps nothing
+        return None
+    with PeakTensorBytes() as meter:
+        state["session"].step()
+    return meter.peak
+
+
+def planned_totals(state: dict, prompt_counts: list[int]) -> dict[int, dict]:
+    """(engine) For each number of prompts, the request's memory plan on this rank: its total, and
+    the latents and conditioning in it (the same on every rank, PipeFusion or not)."""
+    totals = {}
+    for n in prompt_counts:
+        plan = state["pipe"].memory_plan_for(n)
+        request = sum(plan.activation_bytes[name][1] for name in ("latents", "conditioning"))
+        totals[n] = dict(total=plan.total_per_rank, latents_and_conditioning=request)
+    return totals

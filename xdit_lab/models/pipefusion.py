@@ -137,14 +137,11 @@ class PipeFusionStage:
             blocks[-1].register_forward_hook(stage._hand_over)
         return stage
 
-    def planned_buffer_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> int | None:
+    def planned_buffer_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> int:
         """Bytes of the K/V buffers this stage holds once a step ran with `rows` batch rows on this
-        rank and an image of `grid` tokens (stale_kv_bytes, for the attention layers of its blocks);
-        None for a video, whose frames the grid does not say."""
+        rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's frames stacked as
+        rows: FamilyAdapter.token_grid): stale_kv_bytes, for the attention layers of its blocks."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
-        grid = self.state.adapter.patch_grid(grid)
-        if grid is None:
-            return None
         return stale_kv_bytes(
             layers=sum(
                 1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) in STALE_KINDS

@@ -1,0 +1,92 @@
+"""What a request adds to the load's memory plan, on this rank, before it runs: the tensors a
+session keeps from step to step.
+
+    load's plan      weights per component, the VAE decode's peak          (memory.plan_memory)
+    + latents        prompts × one prompt's latent                          every rank, whole
+    + conditioning   rows × one row's text conditioning (+ what no row has)  every rank, gathered
+    + stale K/V      PipeFusion's buffers: the stage's layers × its rows     (models/pipefusion.py)
+
+Latents and conditioning are whole on every rank (the encode's all-gather hands each rank the
+batch's conditioning, and the scheduler steps every prompt's latent), so they are the same under
+every configuration. Their bytes per prompt come from the family's own encode and prepare, run for
+the request's first prompt: no per-family table to fall out of step with diffusers, and the cost of one
+prompt through the text encoder. What a step allocates and frees inside the forward is not held
+between steps and is not planned here; lab.measure.PeakTensorBytes (CPU) or the CUDA allocator's
+peak measures it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from .memory import MemoryPlan
+from .mesh import CFG, DP
+from .models import PipeFusionStage, parallel_state
+from .models.families import adapter_for
+from .pipelines.base import Request
+from .sharding import batch_rows
+
+
+def held_bytes(value) -> int:
+    """Bytes of the tensors in a tensor, or a dict, list or tuple of them (nested); other values count 0."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(held_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(held_bytes(v) for v in value)
+    return 0
+
+
+def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int]:
+    """(latent bytes per prompt, conditioning bytes per prompt over its branches, conditioning bytes
+    that no row has, such as Flux's ids), from the family's encode and prepare run for the request's
+    first prompt at `request`'s size and options. The pipeline's scheduler is restored afterwards."""
+    inner, recipe = pipe.diffusers_pipeline, pipe.recipe
+    negatives = None if request.negatives is None else request.negatives[:1]  # Flux: true CFG only with negatives
+    one = dataclasses.replace(request, prompts=request.prompts[:1], negatives=negatives, generator=None, seed=0)
+    scheduler = copy.deepcopy(inner.scheduler)  # prepare sets its timesteps
+    try:
+        with torch.no_grad():
+            prepared = recipe.encode(inner, one, pipe.device)
+            recipe.prepare(inner, one, prepared, pipe.device)
+    finally:
+        inner.scheduler = scheduler
+    unbatched = (*adapter_for(inner.transformer).unbatched, *recipe.unbatched_conditioning)
+    conditioning = prepared.conditioning.items()
+    per_prompt = held_bytes([value for key, value in conditioning if key not in unbatched])
+    shared = held_bytes([value for key, value in conditioning if key in unbatched])
+    return held_bytes(prepared.latents), per_prompt, shared
+
+
+def plan_request(pipe, request: Request) -> MemoryPlan:
+    """The load's plan plus the rows "latents", "conditioning" and, under PipeFusion, "stale K/V":
+    what this rank holds once a step of `request` ran, besides the weights."""
+    plan = dataclasses.replace(pipe.memory_plan, activation_bytes=dict(pipe.memory_plan.activation_bytes))
+    plan.notes = [note for note in pipe.memory_plan.notes if not note.startswith("stale K/V")]
+    prompts = len(request.prompts)
+    latent, per_prompt, shared = one_prompt_bytes(pipe, request)
+    plan.activation_bytes["latents"] = (prompts * latent,) * 2
+    plan.activation_bytes["conditioning"] = (prompts * per_prompt + shared,) * 2
+    branches = 2 if pipe.recipe.do_cfg(request) else 1
+    plan.notes.append(f"latents, conditioning: {prompts} prompt(s) × {branches} branch(es), whole on every rank")
+    state = parallel_state(pipe.diffusers_pipeline.transformer)
+    if state is None or not isinstance(state.strategy, PipeFusionStage):
+        return plan
+    multiple, default = pipe.recipe.size_multiple(pipe.diffusers_pipeline)
+    height, width = request.height or default[0], request.width or default[1]
+    coords = pipe.mesh.group_rank(CFG), pipe.mesh.group_rank(DP)
+    start, stop, _ = batch_rows(prompts * branches, pipe.config.cfg, pipe.config.dp, *coords)  # as the forward splits
+    frames = pipe.recipe.token_frames(pipe.diffusers_pipeline, request)  # a video's frames stack as rows
+    grid = (height // multiple * frames, width // multiple)
+    kv = state.strategy.planned_buffer_bytes(pipe.diffusers_pipeline.transformer, stop - start, grid)
+    plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
+    plan.notes.append(
+        f"stale K/V: PipeFusion's buffers for {prompts} prompt(s) at {height}×{width}"
+        + (f", {frames} token frames" if frames > 1 else "")
+        + f", {stop - start} row(s) on this rank"
+    )
+    return plan

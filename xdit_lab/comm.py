@@ -14,8 +14,9 @@ leave this rank for the call to complete, in the direct model: an all-to-all kee
 
 `comm_timeline()` records when: a `Span` of host time (time.perf_counter) per blocking collective,
 per posting of sends and receives, and per wait on them, so a step's time splits into compute
-(between spans), collectives, transfers in flight (posted, not yet waited) and waiting. On a GPU the
-host clock sees launches: kernels and NCCL run later, on the device's streams.
+(between spans), collectives, transfers in flight (posted, not yet waited) and waiting. Compute that
+a strategy names (PipeFusion's patches: `computing(group, tag)`) is a span too. On a GPU the host
+clock sees launches: kernels and NCCL run later, on the device's streams.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def comm_log():
 
 @dataclass(frozen=True)
 class Span:
-    kind: str  # "collective" (blocking), "post" (sends and receives started) or "wait"
+    kind: str  # "collective" (blocking), "post" (sends and receives started), "wait" or "compute" (named)
     op: str
     group: str
     tag: str
@@ -128,10 +129,18 @@ def _timed(kind: str, op: str, group: str, tag: str, bytes_out: int = 0, **numbe
         yield
         return
     start = time.perf_counter()
-    yield
-    span = Span(kind, op, group, tag, start, time.perf_counter(), bytes_out, **numbers)
-    for timeline in _OPEN_TIMELINES:
-        timeline.spans.append(span)
+    try:
+        yield
+    finally:  # PipeFusion's stages end their blocks by raising (models/pipefusion.py): still a span
+        span = Span(kind, op, group, tag, start, time.perf_counter(), bytes_out, **numbers)
+        for timeline in _OPEN_TIMELINES:
+            timeline.spans.append(span)
+
+
+def computing(group: str, tag: str):
+    """`with computing("pipefusion", "patch 2"): ...`: the block's host time as a "compute" span of
+    the open timelines, so a view can say what was computed when (nothing moves: no log record)."""
+    return _timed("compute", "compute", group, tag)
 
 
 def _recorded(op: str, group: str, size: int, tensor: torch.Tensor, bytes_out: int, tag: str = ""):

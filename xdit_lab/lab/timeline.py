@@ -7,6 +7,12 @@ and waited (comm.comm_timeline, recorded by every DenoiseSession.step).
     rank 0 |####|......ring kv in flight......|==|###|        # collective   = wait   . in flight
     rank 1 |####|....|==|..........................|###|      (blank: compute)
 
+Compute that a strategy names is drawn and labelled: PipeFusion's patches ("p2": patch 2 through
+this stage's blocks), so a PipeFusion step is the patch × stage chart, measured:
+
+    stage 0 |p0|p1|p2|p3|=========drain=========|
+    stage 1 |==fill==|p0|p1|p2|p3|#|
+
 Each rank's times are its own host clock from the start of its step (ranks' clocks are not
 compared). A transfer is in flight from its posting to the end of the wait that completes it:
 compute inside that interval is overlap. On a GPU the host clock sees launches, not kernels.
@@ -38,7 +44,7 @@ def overlap_s(spans: list[dict]) -> float:
             flying[-1][1] = max(flying[-1][1], end)
         elif end > start:
             flying.append([start, end])
-    busy = [(s["start_s"], s["end_s"]) for s in spans]
+    busy = [(s["start_s"], s["end_s"]) for s in spans if s["kind"] != "compute"]
     total = 0.0
     for start, end in flying:
         covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
@@ -58,7 +64,7 @@ def draw_timeline(per_rank: dict[int, dict]) -> Figure:
     ranks = sorted(per_rank)
     fig = new_figure(figsize=(9, 0.7 * len(ranks) + 1.6))
     ax = fig.add_subplot()
-    groups = set()
+    groups, computed = set(), []
     for row, rank in enumerate(ranks):
         step = per_rank[rank]
         ms = [dict(s, start_s=s["start_s"] * 1e3, end_s=s["end_s"] * 1e3) for s in step["spans"]]
@@ -68,6 +74,9 @@ def draw_timeline(per_rank: dict[int, dict]) -> Figure:
                 [(post["end_s"], wait["end_s"] - post["end_s"])], (row - 0.06, 0.12), color=_color(post["group"])
             )
         for span in ms:
+            if span["kind"] == "compute":
+                computed.append((row, span))
+                continue
             groups.add(span["group"])
             width = max(span["end_s"] - span["start_s"], 1e-3)
             style = dict(color=_color(span["group"]), edgecolor="black", linewidth=0.3)
@@ -80,15 +89,32 @@ def draw_timeline(per_rank: dict[int, dict]) -> Figure:
     ax.set_xlabel("milliseconds from the step's start (each rank's own clock)", fontsize=9)
     ax.tick_params(labelsize=9)
     first = per_rank[ranks[0]]
+    named = "; white: a patch's compute, grey: other" if computed else "; grey: compute"
     ax.set_title(
-        f"step {first['step'] + 1}: collectives (solid), waits (hatched), transfers in flight (thin); grey: compute",
+        f"step {first['step'] + 1}: collectives (solid), waits (hatched), transfers in flight (thin){named}",
         fontsize=10,
     )
     handles = [Patch(color=_color(g), label=g) for g in GROUP_ORDER if g in groups]
+    if computed:
+        handles.append(Patch(facecolor="white", edgecolor="black", label="patch p"))
     if handles:
         ax.legend(handles=handles, fontsize=9, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
+    _draw_computed(fig, ax, computed)
     return fig
+
+
+def _draw_computed(fig: Figure, ax, computed: list[tuple[int, dict]]) -> None:
+    """Named compute (PipeFusion's patches) as white boxes, labelled "p2" (or "p0-3") where the
+    label fits its box at 9 pt (about 0.6 em a character) once the layout is fixed."""
+    low, high = ax.get_xlim()
+    px_per_ms = ax.get_position().width * fig.get_figwidth() * fig.dpi / (high - low)
+    for row, span in computed:
+        width = max(span["end_s"] - span["start_s"], 1e-3)
+        ax.broken_barh([(span["start_s"], width)], (row - 0.3, 0.6), facecolor="white", edgecolor="black", lw=0.6)
+        label = "p" + span["tag"].split(" ", 1)[1] if " " in span["tag"] else span["tag"]
+        if width * px_per_ms > (0.6 * 9 * len(label) + 4) * fig.dpi / 72:
+            ax.text(span["start_s"] + width / 2, row, label, ha="center", va="center", fontsize=9)
 
 
 def chrome_trace(per_rank: dict[int, dict]) -> dict:

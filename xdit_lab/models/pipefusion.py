@@ -236,8 +236,10 @@ class PipeFusionStage:
                 comm.wait(requests)
                 self.incoming = incoming
             started = time.perf_counter()
+            label = f"patch {active[0]}" if len(active) == 1 else f"patches {active[0]}-{active[-1]}"
             try:
-                output = run_active()
+                with comm.computing(PIPEFUSION, label):  # the timeline's patch × stage chart
+                    output = run_active()
             except _StageDone as done:  # in the dtype the next stage's buffers hold
                 handed = [(t.to(self.dtype), mesh.pipeline_next) for t in (done.hidden, done.text) if t is not None]
                 sends += comm.exchange(handed, [], mesh, PIPEFUSION, tag="patch")

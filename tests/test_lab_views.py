@@ -379,3 +379,61 @@ def test_the_timeline_holds_every_transfer_of_the_step(runs, name, tmp_path):
     timed = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
     assert len(timed) == sum(len(out["spans"]["spans"]) for out in runs(name))
     assert {e["tid"] for e in timed} <= set(per_rank)
+
+
+def test_a_pipefusion_step_is_the_patch_by_stage_chart(runs):
+    """PipeFusion names each patch's compute in the step's timeline: on every stage the patches run
+    in order, one at a time, never inside a collective or a wait, and the last stage starts patch p
+    only once its wait for patch p's activations is over. The view draws one box per patch."""
+    from matplotlib.collections import PolyCollection
+
+    from xdit_lab.lab.timeline import draw_timeline
+    from xdit_lab.lab.views import legibility_problems
+
+    config = CASES["pipefusion2"][0]
+    per_rank = {rank: out["spans"] for rank, out in enumerate(runs("pipefusion2"))}
+    for rank, step in per_rank.items():
+        computed = [s for s in step["spans"] if s["kind"] == "compute"]
+        assert [s["tag"] for s in computed] == [f"patch {p}" for p in range(config.patches)], (rank, computed)
+        assert all(a["end_s"] <= b["start_s"] for a, b in zip(computed, computed[1:])), rank
+        blocking = [s for s in step["spans"] if s["kind"] in ("collective", "wait")]
+        for c in computed:
+            assert not any(b["start_s"] < c["end_s"] and c["start_s"] < b["end_s"] for b in blocking), (rank, c)
+    waits = [s for s in per_rank[config.pipefusion - 1]["spans"] if s["kind"] == "wait"]
+    computed = [s for s in per_rank[config.pipefusion - 1]["spans"] if s["kind"] == "compute"]
+    assert all(wait["end_s"] <= patch["start_s"] for wait, patch in zip(waits, computed))
+    fig = draw_timeline(per_rank)
+    white = [
+        c
+        for c in fig.axes[0].collections
+        if isinstance(c, PolyCollection) and tuple(c.get_facecolor()[0]) == (1.0, 1.0, 1.0, 1.0) and not c.get_hatch()
+    ]
+    assert len(white) == config.pipefusion * config.patches
+    assert not legibility_problems(fig), legibility_problems(fig)
+
+
+def test_deviation_text_hides_only_the_rounding():
+    """Lessons and the explorer print a deviation from serial: under the floor (float32 rounding,
+    machine-dependent digits) as '< 1e-5', at or above it with two significant figures."""
+    from xdit_lab.lab.measure import deviation_text
+
+    assert deviation_text(3.2e-7) == "< 1e-5"
+    assert deviation_text(1e-5) == "1.0e-05"
+    assert deviation_text(2.34e-3) == "2.3e-03"
+    assert deviation_text(5e-5, floor=1e-4) == "< 1e-4"
+
+
+def test_every_notebook_figure_is_a_package_view():
+    """One style for every figure: the tutorials and notebooks draw only through the package's views
+    (each checked for legibility in these tests), never with pyplot of their own."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    drawing = ("plt.subplots", "plt.figure", "plt.plot", "plt.imshow", "plt.bar", ".add_subplot(", "plt.show")
+    found = []
+    for path in sorted([*root.glob("tutorials/*.ipynb"), *root.glob("notebooks/*.ipynb")]):
+        for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+            source = "".join(cell["source"]) if cell["cell_type"] == "code" else ""
+            found += [f"{path.name} cell {index}: {call}" for call in drawing if call in source]
+    assert not found, found

@@ -76,9 +76,18 @@ def _reference_and_parallel(folder, family, configs):
                     name: planned[name][1] for name in ("latents", "conditioning", "stale K/V") if name in planned
                 },
                 held=_held_between_steps(pipe, session),
+                summary=_layout_summary(session) if config == ParallelConfig(ulysses=2) else None,
             )
         )
     return rows
+
+
+def _layout_summary(session) -> dict:
+    """What the token-layout view reads of this rank's summary."""
+    from xdit_lab.lab.summaries import rank_summary
+
+    summary = rank_summary(session)
+    return {key: summary[key] for key in ("rank", "family", "grid", "image_tokens", "shapes", "shard")}
 
 
 def _held_between_steps(pipe, session) -> dict[str, int]:
@@ -116,6 +125,35 @@ def test_latents_equal_diffusers_pipeline(folders, family, world_size):
             # the request's memory plan, made before the call, equals what the rank held between steps
             assert row["held"]["latents"] > 0 and row["held"]["conditioning"] > 0, where
             assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
+    if world_size == 2:  # the ulysses 2 run: where the family's text sits, as the token-layout view draws it
+        _check_token_layout(family, [next(r["summary"] for r in rows if r["summary"]) for rows in per_rank])
+
+
+TEXT_AT = dict(pixart="cross", sd3="last", flux="first", cogvideox="first", wan="cross")
+
+
+def _check_token_layout(family, summaries):
+    """The summaries say where the family's text sits (diffusers' own forward, read from the
+    adapter's attention kinds); the view draws each rank's image shard after the text when it comes
+    first, and the text after the image (SD3) or apart (cross-attention) otherwise."""
+    from xdit_lab.lab.layout_views import draw_token_layouts
+    from xdit_lab.lab.views import legibility_problems
+
+    assert {s["shapes"]["text_at"] for s in summaries} == {TEXT_AT[family]}, family
+    image, text = summaries[0]["image_tokens"], summaries[0]["shapes"]["text_len"]
+    assert text > 0 and sum(stop - start for s in summaries for start, stop in s["shard"]["tokens"]) == image
+    fig = draw_token_layouts({family: summaries})
+    bars = sorted(tuple(path.vertices[0][0] for path in c.get_paths()) for c in fig.axes[0].collections)
+    starts = sorted(x for (x,) in bars)
+    offset = text if TEXT_AT[family] == "first" else 0
+    shards = sorted(offset + start for s in summaries for start, _ in s["shard"]["tokens"])
+    text_start = {"first": 0, "last": image}.get(TEXT_AT[family])
+    assert all(x in starts for x in shards), (family, starts, shards)
+    if text_start is not None:
+        assert text_start in starts, (family, starts)
+    else:  # cross-attention: the text is drawn apart, after the image
+        assert max(starts) > image, (family, starts)
+    assert not legibility_problems(fig), legibility_problems(fig)
 
 
 def test_pixart_sigma_through_load_pipeline(tmp_path):

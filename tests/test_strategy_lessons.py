@@ -129,3 +129,28 @@ def test_compare_to_serial_and_quality_rows():
         "100",
         "1.0e-01",
     ]
+
+
+def test_the_price_of_stale_kv_is_drawn_as_the_table_prints_it():
+    """06's figure: one line per patch count over the warmup steps, each point the row's own
+    relative L2 and accuracy (not recomputed), the serial accuracy as a reference, legible."""
+    from xdit_lab.lab.views import legibility_problems
+    from xdit_lab.lessons.tables import draw_stale_price
+
+    serial = torch.ones(4, 4)
+    rows = [quality_row("serial", serial, serial, [1, 2], [1, 2])]
+    for warmup in (0, 1, 2):
+        for patches in (2, 4):
+            latents = serial + 0.01 * patches / (warmup + 1)
+            rows.append(
+                quality_row(f"warmup {warmup}, {patches} patches", latents, serial, [1, 2 if warmup else 3], [1, 2])
+            )
+    fig = draw_stale_price(rows)
+    l2_axis, accuracy_axis = fig.axes
+    l2_lines = {line.get_label(): list(line.get_ydata()) for line in l2_axis.get_lines()}
+    assert l2_lines == {
+        f"{p} patches": [pytest.approx(0.01 * p / (w + 1), rel=0.05) for w in (0, 1, 2)] for p in (2, 4)
+    }
+    accuracy = {line.get_label(): list(line.get_ydata()) for line in accuracy_axis.get_lines()}
+    assert accuracy["2 patches"] == accuracy["4 patches"] == [50, 100, 100] and accuracy["serial"] == [100, 100]
+    assert not legibility_problems(fig), legibility_problems(fig)

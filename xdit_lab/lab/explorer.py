@@ -320,7 +320,9 @@ class ExplorerController:
         text = f"{config}; step {s.step_index} of {s.num_steps} ({where}); seed {self.session_seed}"
         deviation = self.history[-1]["deviation"] if self.history else None
         if deviation is not None:  # under 1e-5 the digits are float32 rounding, which varies by machine
-            text += f"; from serial {'< 1e-5' if deviation < 1e-5 else f'{deviation:.1e}'}"
+            from .measure import deviation_text
+
+            text += f"; from serial {deviation_text(deviation)}"
         elif self.deviation_problem:
             text += f"; no serial reference: {self.deviation_problem}"
         return text

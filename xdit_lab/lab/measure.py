@@ -15,6 +15,7 @@ tables are text with integers or rounded figures, so a notebook can print them i
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 
 import torch
@@ -42,6 +43,12 @@ def compare_to_serial(parallel, serial) -> dict:
 
 def max_relative_difference(parallel, serial) -> float:
     return compare_to_serial(parallel, serial)["max_relative"]
+
+
+def deviation_text(value: float, floor: float = 1e-5) -> str:
+    """A deviation as a lesson prints it: '< 1e-5' under `floor`, a power of ten (float32 rounding
+    there, whose digits vary by machine), else two significant figures ('2.3e-03')."""
+    return f"< 1e{round(math.log10(floor))}" if value < floor else significant(value)
 
 
 def significant(value: float, digits: int = 2) -> str:

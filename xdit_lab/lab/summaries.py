@@ -108,6 +108,9 @@ def token_grid(session) -> tuple[int, int]:
     patch = transformer.config.get("patch_size") or 1
     if latents.dim() == 4:  # PixArt, SD3, DiT: [B, C, H, W]
         return latents.shape[-2] // patch, latents.shape[-1] // patch
+    if latents.dim() == 5 and isinstance(patch, (list, tuple)):  # Wan: [B, C, F, H, W], patches (t, h, w)
+        frames, rows, cols = (size // p for size, p in zip(latents.shape[-3:], patch))
+        return frames * rows, cols  # frame-major, as CogVideoX's
     if latents.dim() == 5:  # CogVideoX: [B, F, C, H, W]; tokens frame-major, so frames stack as row blocks
         return latents.shape[1] * (latents.shape[-2] // patch), latents.shape[-1] // patch
     # Flux: packed tokens [B, S, C]; rows from the image height and the size a token covers
@@ -139,6 +142,15 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         first_block_self_layers=first.count("self"),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,  # text tokens of the last forward
+        # where the text sits in attention: before or after the image tokens in one joint attention,
+        # or apart, as the K/V of a cross-attention (None: no text)
+        text_at="first"
+        if "joint_first" in kinds
+        else "last"
+        if "joint_last" in kinds
+        else "cross"
+        if "cross" in kinds
+        else None,
         # PipeFusion: a stage hands on the text states with each patch where its blocks change them (SD3, Flux, ...)
         handed_text=getattr(state.strategy, "hands_text", False),
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)

@@ -7,17 +7,21 @@ text with integers or rounded figures, so a notebook can print it in a checked c
     batch_table(summaries, prompts)      which rank computes which rows of the [uncond; cond] batch
     compare_to_serial(latents, serial)   max relative difference and relative L2 of the latents
     quality_row(...)                     classifier accuracy (%) and relative L2 (2 significant figures)
+    draw_stale_price(rows)               those rows against warmup steps, one line per patch count (06)
     bytes_by_config(runs)                one row per (configuration, rank): bytes per group, parameters
     timing_table(session timings)        denoise seconds and ms per step, per configuration and rank
 """
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+from matplotlib.figure import Figure
 
 from ..lab.measure import compare_to_serial, significant
 from ..lab.table import text_table
-from ..lab.views import GROUP_ORDER, role, spans
+from ..lab.views import GROUP_ORDER, new_figure, role, spans
 
 # ---- accuracy against the serial run --------------------------------------------------------------
 
@@ -43,6 +47,35 @@ def quality_table(rows: list[dict]) -> str:
         ["configuration", "images", "accuracy %", "rel. L2 vs serial"],
         [[r["name"], str(r["images"]), str(r["accuracy_pct"]), r["relative_l2"]] for r in rows],
     )
+
+
+def draw_stale_price(rows: list[dict]) -> Figure:
+    """quality_row results named "warmup W, P patches" (and "serial"), drawn as the table prints
+    them: relative L2 from serial and accuracy against warmup steps, one line per patch count."""
+    grid = {}
+    for row in rows:
+        match = re.fullmatch(r"warmup (\d+), (\d+) patches", row["name"])
+        if match:
+            grid[int(match[1]), int(match[2])] = row
+    warmups, patch_counts = sorted({w for w, _ in grid}), sorted({p for _, p in grid})
+    fig = new_figure(figsize=(7, 2.8), layout="constrained")
+    l2_axis, accuracy_axis = fig.subplots(1, 2)
+    for patches, marker in zip(patch_counts, "osd^v"):
+        line = dict(marker=marker, label=f"{patches} patches")
+        l2_axis.plot(warmups, [float(grid[w, patches]["relative_l2"]) for w in warmups], **line)
+        accuracy_axis.plot(warmups, [grid[w, patches]["accuracy_pct"] for w in warmups], **line)
+    serial = next((row for row in rows if row["name"] == "serial"), None)
+    if serial is not None:
+        accuracy_axis.axhline(serial["accuracy_pct"], color="grey", linestyle=":", label="serial")
+    l2_axis.set(ylabel="rel. L2 vs serial", ylim=(0, None))
+    accuracy_axis.set(ylabel="accuracy %", ylim=(0, 105))
+    for axis in (l2_axis, accuracy_axis):
+        axis.set_xlabel("warmup steps", fontsize=9)
+        axis.yaxis.label.set_fontsize(9)
+        axis.set_xticks(warmups)
+        axis.tick_params(labelsize=9)
+    accuracy_axis.legend(fontsize=9, loc="lower right")
+    return fig
 
 
 # ---- who computes which rows ------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The cost model's work per rank equals the work the ranks really do.
+"""The cost model's work per rank equals the work the ranks really do, and its traffic the bytes
+the sequence-parallel groups really send.
 
 `ParallelConfig.cost().work_fraction` claims how many single-image transformer forwards the
 busiest rank runs per denoising step. Here the ranks count them: a hook on every transformer block
 adds up rows × image tokens entering it, and one forward of one image through the whole model is
 image tokens × layers. One spawned run on 4 ranks covers every degree (and a few hybrids), with
 guidance on and off, for 1 and 3 prompts; configurations smaller than 4 ranks leave the rest idle.
+The same run records the bytes each rank sent per step in the ulysses and ring groups.
 """
 
 from xdit_lab import ParallelConfig, load_pipeline
@@ -24,14 +26,17 @@ CONFIGS = [
     ParallelConfig(dp=2, ulysses=2),
     ParallelConfig(cfg=2, pipefusion=2),
     ParallelConfig(pipefusion=2, ring=2),
+    ParallelConfig(ring=4),
+    ParallelConfig(ring=2, ulysses=2),
 ]
 CALLS = [(guidance, batch) for guidance in (2.0, 1.0) for batch in (1, 3)]
 STEPS = 2  # with PipeFusion's one warmup step: one whole-image step, then one patch at a time
 
 
 def _count_forwards(configs, calls):
-    """On every rank: per (config, guidance, batch), single-image forwards of this rank per step."""
-    counted = {}
+    """On every rank: per (config, guidance, batch), single-image forwards of this rank per step, and
+    the bytes it sent per step in the ulysses and ring groups."""
+    counted, sent = {}, {}
     for config in configs:
         pipe = load_pipeline("digits", config, progress=False)
         if not pipe.active:
@@ -57,14 +62,18 @@ def _count_forwards(configs, calls):
                 session.step()
                 per_step.append(tokens[0] / (image_tokens * layers))
             counted[(config.short(), guidance, batch)] = per_step
+            sent[(config.short(), guidance, batch)] = [
+                sum(n for group, n in step.items() if group in ("ulysses", "ring")) for step in session.comm_per_step
+            ]
         for hook in hooks:
             hook.remove()
         del pipe
-    return counted
+    return counted, sent
 
 
 def test_cost_model_work_equals_the_forwards_counted_on_the_ranks(one_thread):
-    ranks = run_on_ranks(_count_forwards, 4, CONFIGS, CALLS, timeout_s=600)
+    answers = run_on_ranks(_count_forwards, 4, CONFIGS, CALLS, timeout_s=600)
+    ranks, sent = [counted for counted, _ in answers], [bytes_sent for _, bytes_sent in answers]
     checked = 0
     for config in CONFIGS:
         for guidance, batch in CALLS:
@@ -78,6 +87,10 @@ def test_cost_model_work_equals_the_forwards_counted_on_the_ranks(one_thread):
             assert all(per_step[0] == per_step[1] for per_step in counts), (key, counts)  # warmup or not
             claimed = config.cost(4, batch=batch, use_cfg=guidance > 1).work_fraction
             assert busiest == claimed, f"{key}: ranks run {busiest} forwards per step, the cost model says {claimed}"
+            if config.pipefusion == 1 and config.sp_degree > 1:  # its traffic: the attention's all-to-alls and hops
+                most = max(max(rank[key]) for rank in sent if key in rank)
+                planned = config.cost(4, batch=batch, use_cfg=guidance > 1).comm_bytes(64, 128, dtype_bytes=4)
+                assert most == planned, f"{key}: the busiest rank sent {most} B per step, the cost model says {planned}"
             checked += 1
     assert checked == len(CONFIGS) * len(CALLS) - 2 * sum(c.cfg == 2 for c in CONFIGS)
 

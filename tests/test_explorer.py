@@ -26,7 +26,7 @@ def shorts(configs):
 
 def test_two_engines_offer_every_pair_then_serial():
     offered = valid_configs(2, DIGITS)
-    assert shorts(offered) == ["cfg2", "dp2", "pf2", "ring2", "ulysses2", "serial"]
+    assert shorts(offered) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "serial"]
     assert all(not explain(c, 2, DIGITS) for c in offered)
 
 
@@ -89,7 +89,7 @@ def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
     # the tiny PixArt: 4 heads of 16, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
     expected = ModelShape(family="PixArt", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True, hidden_size=64)
     assert controller.shape == expected
-    assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ring2", "ulysses2", "serial"]
+    assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "serial"]
     assert controller.choices()["num_patches"] == [None, 1, 2, 3, 4]
     assert controller.choices()["pipefusion_schedule"] == ["drained", "async"]
 

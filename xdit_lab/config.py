@@ -7,10 +7,12 @@ processes. `validate()` names every broken rule at once and, on a world-size mis
 lists the configurations that do fit. `options()` enumerates every valid configuration and
 ranks it with the cost model below.
 
-Cost model (per rank, per denoising step and per image branch, from the published cost table
-of these methods; p = tokens per image, hs = hidden size, L = transformer layers, P = parameter
-bytes, N = the method's degree):
-    Ulysses      (4/N)·p·hs·L      q, k, v and out each cross once (2 all-to-alls), (N-1)/N of a shard
+Cost model (per rank, per denoising step and per image branch: the elements a rank sends, as
+the ranks' own records count them; p = tokens per image, hs = hidden size, L = transformer
+layers, P = parameter bytes, N = the method's degree):
+    Ulysses      4(N-1)/N²·p·hs·L  q, k, v and out (1/N of the tokens each) cross once; a rank keeps
+                                   1/N of each. The published table's 4/N counts the whole shard,
+                                   which would rank Ulysses 2 below Ring 2 where they send the same.
     Ring         2(N-1)/N·p·hs·L   K and V shards (1/N each) travel N-1 hops of the ring
     PipeFusion   2·p·hs            one patch activation handed to the next stage, and back
     CFG, DP      ~0                only the final noise prediction is gathered
@@ -224,7 +226,7 @@ class ParallelConfig:
         u, r, n = self.ulysses, self.ring, self.pipefusion
         per_image = 0.0
         if u > 1:
-            per_image += (4 / u) * (1 / r) * (layers / n)
+            per_image += 4 * (u - 1) / u**2 * (1 / r) * (layers / n)
         if r > 1:
             per_image += 2 * ((r - 1) / r) * (1 / u) * (layers / n)
         if n > 1:
@@ -284,7 +286,12 @@ _RANKED_BY = (
     "the same compute and traffic as {}, fewer weights per rank",
     "the same cost as {}, fewer degrees above 1 (simpler to run)",
 )
-_TIE = "ties with {}: cfg, then Ulysses, are preferred over dp"
+_TIES = (  # then the degrees: less dp, more cfg, more Ulysses (fast links), more Ring
+    "ties with {}: less dp (preferred last)",
+    "ties with {}: more cfg",
+    "ties with {}: more Ulysses (its all-to-alls stay on the fast links)",
+    "ties with {}: more Ring",
+)
 
 
 def rank_key(config: ParallelConfig, num_layers=None, *, batch=1, use_cfg=True) -> tuple:
@@ -311,7 +318,7 @@ def ranking_reasons(configs, num_layers=None, *, batch=1, use_cfg=True) -> list[
     reasons = []
     for i, (key, below) in enumerate(zip(keys, keys[1:])):
         first = next((j for j, (a, b) in enumerate(zip(key, below)) if a != b), len(key))
-        reasons.append((_RANKED_BY[first] if first < len(_RANKED_BY) else _TIE).format(configs[i + 1].short()))
+        reasons.append((*_RANKED_BY, *_TIES, "the same as {}")[first].format(configs[i + 1].short()))
     return reasons + [""] * bool(configs)
 
 

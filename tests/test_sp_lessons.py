@@ -55,6 +55,12 @@ def test_ulysses_inside_ring_gathers_the_ring_block(demos):
     assert [sorted({t for t, _ in r["after"]}) for r in results] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
     assert [sorted({h for _, h in r["after"]}) for r in results] == [[0, 1], [2, 3]] * 2
     assert all(sp.exchange_check(results).values())
+    fig = sp.draw_ulysses_exchange(results)  # four ranks: two a row, so it fits a notebook unscaled
+    assert sum(ax.get_visible() for ax in fig.axes) == 8
+    assert not legibility_problems(fig), legibility_problems(fig)
+    fig = sp.draw_ulysses_exchange(results[:3])  # an odd count: the last pair's empty panels hidden
+    assert sum(ax.get_visible() for ax in fig.axes) == 6
+    assert not legibility_problems(fig), legibility_problems(fig)
 
 
 def test_ring_schedule_and_merge_errors(demos):
@@ -124,6 +130,14 @@ def test_bytes_at_a_pixart_size_and_link_times():
     assert text.count("<- least") == 2
     assert len(links.draw_link_times(rows).axes) == 2
     assert not legibility_problems(links.draw_link_times(rows)), legibility_problems(links.draw_link_times(rows))
+    three = links.link_rows(  # tutorial 04's three scenarios: two panels a row
+        [ParallelConfig(ulysses=4), usp],
+        shapes,
+        {f"{n} a box": dict(ranks_per_node=n, fast_bytes_per_s=fast, slow_bytes_per_s=slow) for n in (4, 2, 1)},
+    )
+    fig = links.draw_link_times(three)
+    assert sum(ax.get_visible() for ax in fig.axes) == 3
+    assert not legibility_problems(fig), legibility_problems(fig)
 
 
 def test_link_model_with_compute_and_latency():

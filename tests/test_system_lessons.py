@@ -235,3 +235,15 @@ def test_family_helpers():
     assert max_relative_difference(torch.tensor([100.0, -199.0]), reference) == pytest.approx(1 / 200)
     with pytest.raises(ValueError, match="differ in shape"):
         max_relative_difference(torch.zeros(3), reference)
+
+
+def test_adapter_source_quotes_the_entry_the_package_uses():
+    """Tutorial 11's show-the-code: the quoted text, evaluated, is the adapter in FAMILIES."""
+    from xdit_lab.lessons.families import adapter_source
+    from xdit_lab.models.families import FAMILIES, FamilyAdapter
+
+    for adapter in FAMILIES.values():
+        (quoted,) = eval(adapter_source(adapter.family), {"FamilyAdapter": FamilyAdapter})  # "FamilyAdapter(...),"
+        assert quoted == adapter, adapter.family
+    with pytest.raises(KeyError, match="no FamilyAdapter entry"):
+        adapter_source("Hunyuan")

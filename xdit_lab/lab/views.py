@@ -28,11 +28,14 @@ GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP)  # the degrees in their o
 
 
 DPI = 100  # every figure of the package, at least; text at 9 pt or more (tests/test_lab_views.py checks)
+MAX_WIDTH_IN = 10  # a notebook's output area shows 1000 pixels unscaled: wider figures shrink their text
 
 
 def new_figure(**kwargs) -> Figure:
-    """A Figure in the package's one style: DPI, whatever the notebook's rcParams say."""
-    return Figure(dpi=kwargs.pop("dpi", DPI), **kwargs)
+    """A Figure in the package's one style: DPI, whatever the notebook's rcParams say, and at most
+    MAX_WIDTH_IN wide (a figure whose panels grow with the ranks narrows them instead)."""
+    width, height = kwargs.pop("figsize", (6.4, 4.8))
+    return Figure(dpi=kwargs.pop("dpi", DPI), figsize=(min(width, MAX_WIDTH_IN), height), **kwargs)
 
 
 def _legend_columns(fig: Figure, labels: list[str], pt: float = 9) -> int:
@@ -42,8 +45,9 @@ def _legend_columns(fig: Figure, labels: list[str], pt: float = 9) -> int:
 
 
 def legibility_problems(fig: Figure, min_pt: float = 9) -> list[str]:
-    """What breaks the one style in a figure once drawn: a dpi under DPI, text under `min_pt`, text
-    cut off by the figure's edge. Empty list: legible."""
+    """What breaks the one style in a figure once drawn: a dpi under DPI, a width over MAX_WIDTH_IN
+    (a notebook would scale it, and its text, down), text under `min_pt`, text cut off by the
+    figure's edge. Empty list: legible."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.text import Text
 
@@ -51,6 +55,8 @@ def legibility_problems(fig: Figure, min_pt: float = 9) -> list[str]:
     canvas.draw()
     renderer, edge = canvas.get_renderer(), fig.bbox
     problems = [f"dpi {fig.dpi:g} < {DPI}"] if fig.dpi < DPI else []
+    if fig.get_figwidth() > MAX_WIDTH_IN:
+        problems.append(f"{fig.get_figwidth():.1f} in wide > {MAX_WIDTH_IN} in: a notebook shows it scaled down")
     undrawn = set()  # labels of ticks outside the axis' view: kept by matplotlib, never drawn
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
@@ -160,7 +166,7 @@ def draw_shards(summaries) -> Figure:
         c = s["coords"]
         panels.setdefault((c[DP], c[CFG], c[PIPEFUSION]), []).append(s)
     keys = sorted(panels)
-    ncols = min(len(keys), 4)
+    ncols = min(len(keys), 2)  # two panels a row fit a notebook unscaled
     nrows = -(-len(keys) // ncols)
     rows, cols = summaries[0]["grid"]
     fig = new_figure(figsize=(3.4 * ncols + 0.6, 3.4 * nrows * rows / max(cols, 1) + 1.6), layout="constrained")

@@ -2,6 +2,7 @@
 
 family_call_kwargs(family, steps)   call arguments for a tiny pipeline, real CFG for every family
 output_latents(output)              .frames (video) or .images of a pipeline output
+adapter_source(family)              a family's entry in models/families.py, as written there
 """
 
 from __future__ import annotations
@@ -22,3 +23,20 @@ def family_call_kwargs(family: str, steps: int = 3) -> dict:
 def output_latents(output):
     """The latents of a pipeline output called with output_type="latent": .frames for video, else .images."""
     return output.frames if hasattr(output, "frames") else output.images
+
+
+def adapter_source(family: str) -> str:
+    """The source of one family's `FamilyAdapter(...)` entry in the installed models/families.py
+    (family: its short name, "PixArt", "Flux", ...), dedented: the data a family is."""
+    import inspect
+    import textwrap
+
+    from ..models import families
+
+    lines = inspect.getsource(families).splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "FamilyAdapter(" and lines[i + 1].strip() == f'"{family}",':
+            indent = line[: len(line) - len(line.lstrip())]
+            end = next(j for j in range(i + 1, len(lines)) if lines[j] == f"{indent}),")
+            return textwrap.dedent("\n".join(lines[i : end + 1]))
+    raise KeyError(f"no FamilyAdapter entry for {family!r} in {families.__file__}")

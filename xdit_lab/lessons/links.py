@@ -201,8 +201,12 @@ def draw_link_times(rows) -> Figure:
     """One panel per scenario: a bar per configuration, stacked by group, in milliseconds per step; with
     compute, a line at the compute and ✓ on the fastest step (else on the least traffic)."""
     scenarios = list(dict.fromkeys(row["scenario"] for row in rows))
-    fig = new_figure(figsize=(0.6 + 3.4 * len(scenarios), 3.2), layout="constrained")
-    axes = fig.subplots(1, len(scenarios), squeeze=False).ravel()
+    columns = min(2, len(scenarios))  # two panels a row: the figure fits a notebook unscaled
+    lines = -(-len(scenarios) // columns)
+    fig = new_figure(figsize=(0.6 + 3.4 * columns, 3.2 * lines), layout="constrained")
+    axes = fig.subplots(lines, columns, squeeze=False).ravel()
+    for ax in axes[len(scenarios) :]:
+        ax.set_visible(False)
     import matplotlib
 
     colours = dict(zip(GROUP_ORDER, matplotlib.colormaps["Set2"].colors))
@@ -239,5 +243,6 @@ def draw_link_times(rows) -> Figure:
         ax.set_ylim(0, tallest * 1e3 * 1.2)
         ax.set_title(scenario, fontsize=10)
         ax.legend(fontsize=9, frameon=False)
-    axes[0].set_ylabel("ms per step")
+    for ax in axes[::columns]:
+        ax.set_ylabel("ms per step", fontsize=9)
     return fig

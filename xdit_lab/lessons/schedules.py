@@ -101,11 +101,15 @@ def markdown(table: list[dict]) -> str:
         "bubble (closed form) | async / drained (measured) | (closed form) | deviation from drained |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def against_drained(row, key, spec):  # "–" on the drained rows themselves: nothing to compare with
+        return format(row[key], spec) if key in row else "–"
+
     for r in table:
         lines.append(
             f"| {r['config']} | {r['patches']} | {r['pipelined_steps']} | {r['median_s']:.2f} | "
             f"{r['spread_s'][0]:.2f}-{r['spread_s'][1]:.2f} | {' / '.join(f'{b:.3f}' for b in r['bubble_by_stage'])} | "
-            f"{r['closed_form_bubble']:.3f} | {r.get('vs_drained', float('nan')):.3f} | "
-            f"{r.get('closed_form_vs_drained', float('nan')):.3f} | {r.get('deviation', float('nan')):.1e} |"
+            f"{r['closed_form_bubble']:.3f} | {against_drained(r, 'vs_drained', '.3f')} | "
+            f"{against_drained(r, 'closed_form_vs_drained', '.3f')} | {against_drained(r, 'deviation', '.1e')} |"
         )
     return "\n".join(lines)

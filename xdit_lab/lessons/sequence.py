@@ -232,13 +232,20 @@ def draw_ulysses_exchange(results) -> Figure:
     results = _results(results)
     world = max(r["rank"] for r in results) + 1
     tokens, heads = results[0]["tokens"], results[0]["heads"]
-    fig = new_figure(figsize=(0.6 + 3.4 * len(results), 4.4), layout="constrained")
-    axes = fig.subplots(2, len(results), squeeze=False)
+    columns = min(2, len(results))  # two ranks a row: the figure fits a notebook unscaled
+    pairs = -(-len(results) // columns)
+    fig = new_figure(figsize=(0.6 + 3.4 * columns, 4.4 * pairs), layout="constrained")
+    axes = fig.subplots(2 * pairs, columns, squeeze=False)
     cmap = ListedColormap([rank_color(r, world) for r in range(world)]).with_extremes(bad="#eeeeee")
     norm = BoundaryNorm(np.arange(-0.5, world + 0.5), world)
-    for column, result in enumerate(results):
+    for empty in range(len(results), pairs * columns):  # an odd count of ranks: the last pair's second column
+        pair, column = divmod(empty, columns)
+        axes[2 * pair, column].set_visible(False)
+        axes[2 * pair + 1, column].set_visible(False)
+    for index, result in enumerate(results):
+        pair, column = divmod(index, columns)
         for row, key in enumerate(("before", "after")):
-            ax = axes[row, column]
+            ax = axes[2 * pair + row, column]
             held = np.full((heads, tokens), -1)
             for t, h in result[key]:
                 held[h, t] = result["rank"]
@@ -260,7 +267,7 @@ def draw_ulysses_exchange(results) -> Figure:
                 ax.set_ylabel("head", fontsize=9)
             if row == 1:
                 ax.set_xlabel("token", fontsize=9)
-    fig.suptitle("Ulysses all-to-all: sequence shards (top) become head shards (bottom)", fontsize=10)
+    fig.suptitle("Ulysses all-to-all: sequence shards (above) become head shards (below)", fontsize=10)
     return fig
 
 

@@ -180,18 +180,15 @@ def planned_and_held(state: dict, prompts: int) -> dict:
     (pipe.memory_plan_for) gives for the latents, the conditioning and PipeFusion's stale K/V, and
     what this rank holds of each, counted tensor by tensor; the plan's total and table."""
     from ..models import PipeFusionStage, parallel_state
+    from ..request_memory import held_bytes
 
     pipe, prepared = state["pipe"], state["session"].prepared
     plan = pipe.memory_plan_for(prompts)
 
-    def size(tensors):
-        leaves = torch.utils._pytree.tree_leaves(list(tensors))
-        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-    held = dict(latents=size([prepared.latents]), conditioning=size(prepared.conditioning.values()))
+    held = dict(latents=held_bytes(prepared.latents), conditioning=held_bytes(prepared.conditioning))
     strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
     if isinstance(strategy, PipeFusionStage):
-        held["stale K/V"] = size(t for b in strategy.buffers.values() for t in (b.keys, b.values))
+        held["stale K/V"] = held_bytes([(b.keys, b.values) for b in strategy.buffers.values()])
     planned = {name: plan.activation_bytes[name][1] for name in held}
     return dict(planned=planned, held=held, total=plan.total_per_rank, table=plan.table())
 

@@ -11,7 +11,7 @@ from xdit_lab.models import StepCache
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "cogvideox", "wan", "dit"]
 TEXT_LEN = 6
 
 
@@ -99,6 +99,7 @@ def test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile():
     cases = [
         ("sd3", ParallelConfig(ulysses=2)),  # text after the image
         ("flux2", ParallelConfig(ring=2)),  # text first, image ids sharded before the forward
+        ("qwenimage", ParallelConfig(ring=2)),  # padded text: a key mask handed to the attention operator
         ("cogvideox", ParallelConfig(ring=2)),  # text and image embedded in one tensor
         ("wan", ParallelConfig(ulysses=2)),  # a grid sharded at the embedding, rotary tables hooked
     ]

@@ -12,7 +12,7 @@ from xdit_lab.models import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "cogvideox", "wan", "dit"]
 CASES = [  # (name, latent height, width, text length, batch)
     ("even", 8, 8, 8, 4),
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1
@@ -47,6 +47,11 @@ def _compare(family, configs):
             model = parallelize(model, config, mesh)
             with torch.no_grad(), comm_log() as log:
                 output = model(**inputs).sample
+            unmasked_error = None
+            if "encoder_hidden_states_mask" in inputs:  # the control: padded text attended as if it were real
+                with torch.no_grad():
+                    unmasked = model(**(inputs | {"encoder_hidden_states_mask": None})).sample
+                unmasked_error = (unmasked - reference).abs().max().item()
             rows.append(
                 dict(
                     config=config.short(),
@@ -58,6 +63,7 @@ def _compare(family, configs):
                     groups=sorted({r.group for r in log if r.bytes_out > 0}),
                     weights_shared=pointers == [p.data_ptr() for p in model.parameters()],
                     param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                    unmasked_error=unmasked_error,
                 )
             )
     return rows
@@ -73,6 +79,8 @@ def test_parallel_forward_equals_serial_diffusers(family, world_size):
             assert row["shape"] == row["ref_shape"], where
             assert row["error"] <= row["bound"], f"{where}: error {row['error']:.3g} > {row['bound']:.3g}"
             assert row["weights_shared"], where
+            if row["unmasked_error"] is not None:  # Qwen-Image's padded text: the mask is what makes it exact
+                assert row["unmasked_error"] > 10 * row["bound"], f"{where}: unmasked {row['unmasked_error']:.3g}"
             # every degree above 1 shows its traffic in its own group's records
             config = next(c for c in CONFIGS[world_size] if c.short() == row["config"])
             expected = {g for g in ("ulysses", "ring", "cfg", "dp") if getattr(config, g) > 1}
@@ -163,3 +171,34 @@ def test_what_sequence_parallelism_cannot_split_yet_is_refused_by_name():
             assert message and "timestep per token" in message and "cfg and dp only" in message, message
     for message in run_on_ranks(_flux2_reference_cache, 2, timeout_s=120):
         assert message and "kv_cache_mode" in message and "cfg and dp only" in message, message
+
+
+def _refused_shapes():
+    """(what PipeFusion says of an edit's several images per sample, what ulysses says of a mask over
+    image keys): each on 2 ranks."""
+    messages = []
+    model = parallelize(tiny_transformer("qwenimage", layers=2), ParallelConfig(pipefusion=2))
+    inputs = tiny_inputs("qwenimage", 2) | {"img_shapes": [[(1, 2, 4), (1, 2, 4)]] * 2}  # 16 tokens, two images
+    flux = parallelize(tiny_transformer("flux"), ParallelConfig(ulysses=2))
+    flux_inputs = tiny_inputs("flux", 2)
+    keys = flux_inputs["hidden_states"].shape[1] + flux_inputs["encoder_hidden_states"].shape[1]
+    mask = {"attention_mask": torch.ones(2, keys, dtype=torch.bool)}
+    for run in (lambda: model(**inputs), lambda: flux(**flux_inputs, joint_attention_kwargs=mask)):
+        try:
+            with torch.no_grad():
+                run()
+        except NotImplementedError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_what_qwen_image_cannot_split_is_refused_by_name():
+    """Qwen-Image-Edit's zero_cond_t (a modulation index per image token, built whole in the forward)
+    under sequence parallelism; an edit's several images per sample under PipeFusion, which cuts one
+    image's rows; and a mask that is not a padded-text key mask (Flux given one) under ulysses."""
+    with pytest.raises(ParallelConfigError, match="zero_cond_t set: .* cfg and dp only"):
+        parallelize(tiny_transformer("qwenimage", zero_cond_t=True), ParallelConfig(ulysses=2))
+    for several_images, flux_mask in run_on_ranks(_refused_shapes, 2, timeout_s=120):
+        assert "2 images per sample" in several_images and "without PipeFusion" in several_images
+        assert "transformer_blocks.0.attn (joint_first attention of Flux) passes an attention mask" in flux_mask
+        assert "padded-text key mask" in flux_mask

@@ -69,6 +69,16 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
             guidance_embeds=False,
         )
         model = diffusers.Flux2Transformer2DModel(**(config | overrides))
+    elif family == "qwenimage":  # modelled on diffusers' own test of QwenImageTransformer2DModel
+        config = dict(
+            common,
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            joint_attention_dim=TEXT_DIM,
+            axes_dims_rope=(8, 4, 4),
+        )
+        model = diffusers.QwenImageTransformer2DModel(**(config | overrides))
     elif family == "cogvideox":
         config = dict(
             common,
@@ -102,7 +112,7 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
         config = dict(common, in_channels=4, out_channels=8, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
         model = diffusers.DiTTransformer2DModel(**(config | overrides))
     else:
-        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, cogvideox, wan or dit")
+        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, qwenimage, cogvideox, wan or dit")
     return model.eval()
 
 
@@ -145,6 +155,16 @@ def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8,
             inputs["pooled_projections"] = randn(batch, TEXT_DIM)
         img_ids = torch.stack(grid, dim=-1).reshape(height * width, axes)
         return dict(inputs, timestep=timestep / 1000, img_ids=img_ids, txt_ids=txt_ids)
+    if family == "qwenimage":  # 2 × 2 latent pixels packed per token; padded text, a different length per sample
+        grid = (1, height // 2, width // 2)
+        valid = torch.arange(text_len)[None, :] < (text_len - torch.arange(batch) % 3)[:, None]
+        return dict(
+            hidden_states=randn(batch, grid[1] * grid[2], 16),
+            encoder_hidden_states=text,
+            encoder_hidden_states_mask=valid,
+            timestep=timestep / 1000,
+            img_shapes=[[grid]] * batch,
+        )
     if family == "cogvideox":
         return dict(
             hidden_states=randn(batch, 3, 4, height, width), encoder_hidden_states=text, timestep=timestep.long()

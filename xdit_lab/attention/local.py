@@ -12,11 +12,15 @@ Backends, reported by `attention_backend(device, dtype, head_dim)`:
     cpu_flash       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     math            explicit scores and logsumexp: slow, exact, any device (the reference)
 What each kernel accepts is written once, in `why_not(...)`, a pure function of the device
-type, dtype, head_dim and GPU compute capability: the flash kernels take float16/bfloat16 on
+type, dtype, head_dim, GPU compute capability and whether the call masks keys: the flash kernels take float16/bfloat16 on
 Ampere or newer (capability 8.0+), torch's with head_dim a multiple of 8 up to 256. The first
 backend that accepts a call runs it (a fallback is logged with its reason, once). Force one with
 `set_attention_backend(name)` or the XDIT_LAB_ATTENTION environment variable: a forced backend
 that cannot run a call raises, saying why and which backends can.
+
+Key masks (`key_mask`, [B, Sk] bool, True: attend) exist for padded text only (Qwen-Image): the
+joint kernels attend the image keys unmasked with the fastest kernel, and the few text keys in a
+separate masked call (cpu_flash or math) merged by LSE, so a mask never slows the image part.
 """
 
 from __future__ import annotations
@@ -51,16 +55,20 @@ def why_not(
     head_dim: int | None = None,
     capability: tuple[int, int] | None = None,
     flash_attn_installed: bool = False,
+    masked: bool = False,
 ) -> str | None:
     """Why `backend` cannot run attention on these tensors, or None when it can.
 
-    head_dim None skips the head_dim rules; capability is the GPU's (major, minor)."""
+    head_dim None skips the head_dim rules; capability is the GPU's (major, minor); masked: the call
+    has a key mask."""
     if backend == "math":
         return None
     if backend == "cpu_flash":
         return None if device_type == "cpu" else f"it runs on CPU tensors only, not {device_type}"
     if device_type != "cuda":
         return f"it needs CUDA tensors, not {device_type}"
+    if masked:  # flash kernels take no mask; the efficient one's bias needs padding we do not do
+        return "xdit_lab hands key masks (padded text) only to cpu_flash and math"
     major, minor = capability or (0, 0)
     if backend == "flash_attn" and not flash_attn_installed:
         return "the flash-attn package is not installed (README: On a CUDA machine)"
@@ -90,31 +98,35 @@ def why_not(
 
 
 def attention_backend(
-    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int | None = None
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    head_dim: int | None = None,
+    masked: bool = False,
 ) -> str:
-    """The backend that runs attention on tensors of this device, dtype and head_dim."""
+    """The backend that runs attention on tensors of this device, dtype and head_dim (with a key
+    mask when masked)."""
     device = torch.device(device)
     forced = _override or os.environ.get("XDIT_LAB_ATTENTION") or None
     capability = _capability(device.index) if device.type == "cuda" else None
-    return _decide(
-        device.type, dtype, head_dim, capability, _flash_attn_installed() if device.type == "cuda" else False, forced
-    )
+    installed = _flash_attn_installed() if device.type == "cuda" else False
+    return _decide(device.type, dtype, head_dim, capability, installed, forced, masked)
 
 
 @functools.cache
-def _decide(device_type, dtype, head_dim, capability, flash_attn_installed, forced) -> str:
+def _decide(device_type, dtype, head_dim, capability, flash_attn_installed, forced, masked=False) -> str:
     """The first backend of this device type's preference that can run the call (cached per kind of call)."""
     where = f"{str(dtype).replace('torch.', '')} tensors with head_dim {head_dim} on {device_type}" + (
         f" (compute capability {capability[0]}.{capability[1]})" if capability else ""
     )
+    where += " with a key mask" if masked else ""
     reasons = {
-        name: why_not(name, device_type, dtype, head_dim, capability, flash_attn_installed)
+        name: why_not(name, device_type, dtype, head_dim, capability, flash_attn_installed, masked)
         for name in PREFERENCE.get(device_type, ("math",))
     }
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"XDIT_LAB_ATTENTION={forced!r} is not a backend; choose one of {', '.join(BACKENDS)}")
-        why = why_not(forced, device_type, dtype, head_dim, capability, flash_attn_installed)
+        why = why_not(forced, device_type, dtype, head_dim, capability, flash_attn_installed, masked)
         if why:
             able = [name for name, reason in reasons.items() if reason is None]
             raise ValueError(
@@ -145,14 +157,25 @@ def _flash_attn_installed() -> bool:
     return True
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None):
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+):
     """softmax(q·kᵀ·scale)·v with its log-sum-exp.
 
     q [B, H, Sq, D], k and v [B, H, Sk, D] (SDPA layout). Returns out [B, H, Sq, D] in q's dtype
-    and lse [B, H, Sq] in float32, natural log. Sk must be at least 1."""
+    and lse [B, H, Sq] in float32, natural log. Sk must be at least 1. key_mask: optional [B, Sk]
+    bool, True where a key is attended; a sample with no key left gives out 0 and lse -inf, which
+    merge_attention weighs 0."""
     if k.shape[2] == 0:
         raise ValueError("local_attention needs at least one key (the CPU kernel crashes on none)")
-    backend = attention_backend(q.device, q.dtype, q.shape[-1])
+    backend = attention_backend(q.device, q.dtype, q.shape[-1], masked=key_mask is not None)
+    if key_mask is not None:
+        return _masked_attention(q, k, v, key_mask, scale, backend)
     if backend == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[:2]
     elif backend == "sdpa_flash":
@@ -174,25 +197,56 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     return out, lse.float()
 
 
-def joint_local_attention(q, k, v, *, joint=None, scale=None):
+def joint_local_attention(q, k, v, *, joint=None, joint_mask=None, scale=None):
     """Attention over the whole (gathered) sequence on one rank, image and text in one call.
 
-    joint: optional (q, k, v) of text tokens, appended after the image tokens. Returns
-    (image_out, text_out or None)."""
+    joint: optional (q, k, v) of text tokens, appended after the image tokens; joint_mask: optional
+    [B, T] bool over the text keys (True: attend), which makes it two calls merged by LSE: image keys
+    unmasked, text keys masked. Returns (image_out, text_out or None)."""
     if joint is None:
         return local_attention(q, k, v, scale=scale)[0], None
     image_len = q.shape[2]
-    q, k, v = (torch.cat([image, text], dim=2) for image, text in zip((q, k, v), joint))
-    out = local_attention(q, k, v, scale=scale)[0]
+    if joint_mask is None:
+        q, k, v = (torch.cat([image, text], dim=2) for image, text in zip((q, k, v), joint))
+        out = local_attention(q, k, v, scale=scale)[0]
+    else:
+        q = torch.cat([q, joint[0]], dim=2)
+        out, lse = local_attention(q, k, v, scale=scale)
+        out, _ = merge_attention(out, lse, *local_attention(q, joint[1], joint[2], scale=scale, key_mask=joint_mask))
+        out = out.to(q.dtype)
     return out[:, :, :image_len], out[:, :, image_len:]
 
 
-def _math_attention(q, k, v, scale):
+def _math_attention(q, k, v, scale, bias=None):
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    weights = torch.exp(scores - torch.where(lse == float("-inf"), 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(weights, v.float())
     return out.to(q.dtype), lse
+
+
+def _masked_attention(q, k, v, key_mask, scale, backend):
+    """Attention with a key-padding mask, as an additive bias of 0 or -inf. A sample whose keys are
+    all masked gets out 0 and lse -inf from the mask itself (no host sync): the CPU kernel would
+    report lse 0 for it, which a merge would weigh as a real block."""
+    if key_mask.dtype != torch.bool or key_mask.shape != (q.shape[0], k.shape[2]):
+        raise ValueError(
+            f"key_mask must be bool [batch, keys] = [{q.shape[0]}, {k.shape[2]}], got {key_mask.dtype} "
+            f"{tuple(key_mask.shape)}"
+        )
+    bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=q.device).masked_fill(~key_mask, float("-inf"))
+    bias = bias[:, None, None, :]
+    if backend == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias.to(q.dtype), scale=scale
+        )[:2]
+    else:
+        out, lse = _math_attention(q, k, v, scale, bias)
+    dead = ~key_mask.any(dim=1)[:, None, None]  # [B, 1, 1]
+    return out.masked_fill(dead[..., None], 0.0), lse.float().masked_fill(dead, float("-inf"))
 
 
 def merge_attention(

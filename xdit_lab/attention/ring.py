@@ -11,7 +11,8 @@ Each rank sends N-1 K/V blocks. Joint text K/V (whole on every rank) is attended
 locally, not passed around. Text queries (also whole on every rank) are computed against the
 local block only; the ranks then all-gather these small partial results with their LSE and
 merge them in block order, so text costs each rank 1/N of the work and every rank ends with
-bit-identical text outputs.
+bit-identical text outputs. Padded text (a key mask over the text, Qwen-Image) only changes the two
+local calls on the text K/V; the blocks that travel are image tokens, never masked.
 """
 
 from __future__ import annotations
@@ -26,11 +27,22 @@ from .local import local_attention, merge_attention
 
 
 def ring_attention(
-    q, k, v, mesh, block_sizes: list[int], *, joint=None, scale=None, group: str = RING, tag_prefix: str = ""
+    q,
+    k,
+    v,
+    mesh,
+    block_sizes: list[int],
+    *,
+    joint=None,
+    joint_mask=None,
+    scale=None,
+    group: str = RING,
+    tag_prefix: str = "",
 ):
     """q, k, v [B, H, S_me, D]: this ring rank's block. block_sizes: every ring rank's block
-    length, in ring order. joint: optional (q, k, v) of replicated text tokens. group: the mesh
-    group that forms the ring (the sp group when Ulysses cannot split the heads).
+    length, in ring order. joint: optional (q, k, v) of replicated text tokens; joint_mask:
+    optional [B, T] bool over their keys. group: the mesh group that forms the ring (the sp group
+    when Ulysses cannot split the heads).
     Returns (out [B, H, S_me, D], joint_out or None)."""
     n = len(block_sizes)
     me = mesh.group_rank(group)
@@ -40,7 +52,7 @@ def ring_attention(
 
     out = lse = None
     if joint is not None and q.shape[2]:
-        out, lse = local_attention(q, joint[1], joint[2], scale=scale)  # text K/V, exactly once
+        out, lse = local_attention(q, joint[1], joint[2], scale=scale, key_mask=joint_mask)  # text K/V, once
 
     # Two flat buffers, each big enough for the largest block, take turns: one is sent and
     # computed on while the next block arrives in the other (no allocation per step).
@@ -64,10 +76,10 @@ def ring_attention(
     out = out.to(q.dtype) if out is not None else torch.zeros_like(q)
     if joint is None:
         return out, None
-    return out, _joint_queries(joint, k, v, mesh, scale, group, tag_prefix)
+    return out, _joint_queries(joint, joint_mask, k, v, mesh, scale, group, tag_prefix)
 
 
-def _joint_queries(joint, k, v, mesh, scale, group, tag_prefix):
+def _joint_queries(joint, joint_mask, k, v, mesh, scale, group, tag_prefix):
     """Text queries against all image blocks and the text: each ring rank does its own block."""
     text_q, text_k, text_v = joint
     if k.shape[2]:
@@ -78,7 +90,7 @@ def _joint_queries(joint, k, v, mesh, scale, group, tag_prefix):
     # out and lse travel together: lse as one extra feature column (float32 keeps it exact)
     packed = torch.cat([part_out.float(), part_lse.unsqueeze(-1)], dim=-1)
     gathered = comm.all_gather(packed.unsqueeze(0), mesh, group, dim=0, tag=tag_prefix + "joint_partial")
-    out, lse = local_attention(text_q, text_k, text_v, scale=scale)
+    out, lse = local_attention(text_q, text_k, text_v, scale=scale, key_mask=joint_mask)
     for block in gathered:  # fixed ring order: the same floating-point sums on every rank
         out, lse = merge_attention(out, lse, block[..., :-1], block[..., -1])  # an empty block's is a no-op
     return out.to(text_q.dtype)

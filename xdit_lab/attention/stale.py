@@ -73,10 +73,13 @@ class StaleKV:
         return self.keys, self.values
 
 
-def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int, *, joint=None, scale=None):
+def stale_attention(
+    q, k, v, mesh, buffer: StaleKV, active: list[int], step: int, *, joint=None, joint_mask=None, scale=None
+):
     """Attention of the active patches' queries over the whole sequence: fresh K/V for the active
     patches, the buffer's (possibly stale) K/V for the rest. q, k, v: this rank's tokens of the
-    active patches [B, H, n, D]. Returns (out, joint_out)."""
+    active patches [B, H, n, D]; joint_mask: optional [B, T] bool over the text keys. Returns
+    (out, joint_out)."""
     layout, ulysses = buffer.layout, mesh.group_size(ULYSSES)
     ring = mesh.group_size(RING)
     sources = [buffer.ring_rank * ulysses + j for j in range(ulysses)]
@@ -89,13 +92,15 @@ def stale_attention(q, k, v, mesh, buffer: StaleKV, active: list[int], step: int
     buffer.write(k, v, active, step)
     keys, values = buffer.read(active, step)
     if ring == 1:
-        out, joint_out = joint_local_attention(q, keys, values, joint=joint, scale=scale)
+        out, joint_out = joint_local_attention(q, keys, values, joint=joint, joint_mask=joint_mask, scale=scale)
     else:  # each ring rank's buffer holds its part of every patch, written on the same schedule
         block_sizes = [
             sum(layout.chunk_len(p, r * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches)))
             for r in range(ring)
         ]
-        out, joint_out = ring_attention(q, keys, values, mesh, block_sizes, joint=joint, scale=scale)
+        out, joint_out = ring_attention(
+            q, keys, values, mesh, block_sizes, joint=joint, joint_mask=joint_mask, scale=scale
+        )
     if ulysses > 1:
         out, joint_out = heads_to_seq(out, mesh, seq_sizes, joint=joint_out, tag="out")
     return out, joint_out

@@ -74,17 +74,18 @@ def _starts(sizes: list[int]) -> list[int]:
     return [0, *itertools.accumulate(sizes)][:-1]
 
 
-def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None, scale=None):
+def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None, joint_mask=None, scale=None):
     """Attention over the Ulysses group's whole sequence, computed on H/N heads per rank.
 
     seq_sizes: every group rank's local sequence length, in group order. `inner(q, k, v,
-    joint=..., scale=...)` computes attention on the gathered tensors and returns
-    (out, joint_out); it is local attention, or Ring attention when Ulysses runs inside Ring."""
+    joint=..., joint_mask=..., scale=...)` computes attention on the gathered tensors and returns
+    (out, joint_out); it is local attention, or Ring attention when Ulysses runs inside Ring. A
+    text key mask is per sample, the same for every head: it goes to `inner` as it is."""
     n = len(seq_sizes)
     me = mesh.group_rank(ULYSSES)
     per_rank = q.shape[1] // n
     q, k, v = seq_to_heads((q, k, v), mesh, seq_sizes, tag="qkv")
     if joint is not None:  # replicated text: every rank already has every head
         joint = tuple(t.narrow(1, me * per_rank, per_rank) for t in joint)
-    out, joint_out = inner(q, k, v, joint=joint, scale=scale)
+    out, joint_out = inner(q, k, v, joint=joint, joint_mask=joint_mask, scale=scale)
     return heads_to_seq(out, mesh, seq_sizes, joint=joint_out, tag="out")

@@ -9,7 +9,8 @@ Ring attention runs over those blocks, and the second all-to-all hands the shard
 Three kinds of attention, as diffusers' DiT families use them:
   self   q, k, v all sharded (image tokens)
   joint  plus joint_q/k/v: text tokens whole on every rank (SD3, Flux, CogVideoX); text keys are
-         attended exactly once, and the text output comes back whole on every rank
+         attended exactly once, and the text output comes back whole on every rank; joint_mask
+         [B, T] bool masks padded text keys (Qwen-Image)
   cross  kv_sharded=False: queries sharded, text K/V whole and local (PixArt); no communication
 """
 
@@ -34,6 +35,7 @@ def sp_attention(
     joint_q=None,
     joint_k=None,
     joint_v=None,
+    joint_mask=None,
     seq_len: int | None = None,
     scale: float | None = None,
     kv_sharded: bool = True,
@@ -45,6 +47,11 @@ def sp_attention(
     collective). Returns this rank's output shard, and with joint_q the text output as well:
     `(out, joint_out)`."""
     joint = _check_inputs(q, k, v, mesh, joint_q, joint_k, joint_v, kv_sharded)
+    if joint_mask is not None and (joint is None or joint_mask.shape != (q.shape[0], joint_k.shape[2])):
+        raise ValueError(
+            f"joint_mask masks text keys: it needs joint tokens and shape [batch, text] = "
+            f"[{q.shape[0]}, {None if joint is None else joint_k.shape[2]}], got {tuple(joint_mask.shape)}"
+        )
     if not kv_sharded:  # cross-attention: every query row sees the whole text locally
         return local_attention(q, k, v, scale=scale)[0]
 
@@ -58,13 +65,17 @@ def sp_attention(
         joint_local_attention
         if ring == 1
         else (
-            lambda q_, k_, v_, *, joint, scale: ring_attention(q_, k_, v_, mesh, block_sizes, joint=joint, scale=scale)
+            lambda q_, k_, v_, *, joint, joint_mask, scale: ring_attention(
+                q_, k_, v_, mesh, block_sizes, joint=joint, joint_mask=joint_mask, scale=scale
+            )
         )
     )
     if ulysses > 1:
-        out, joint_out = ulysses_attention(q, k, v, mesh, ulysses_sizes, inner, joint=joint, scale=scale)
+        out, joint_out = ulysses_attention(
+            q, k, v, mesh, ulysses_sizes, inner, joint=joint, joint_mask=joint_mask, scale=scale
+        )
     else:
-        out, joint_out = inner(q, k, v, joint=joint, scale=scale)
+        out, joint_out = inner(q, k, v, joint=joint, joint_mask=joint_mask, scale=scale)
     return out if joint is None else (out, joint_out)
 
 

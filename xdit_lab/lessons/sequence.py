@@ -102,8 +102,8 @@ def _traced_ring(record, zero_lse: bool):
 
     kernel, merge = ring_module.local_attention, ring_module.merge_attention
 
-    def traced_kernel(q, k, v, *, scale=None):
-        out, lse = kernel(q, k, v, scale=scale)
+    def traced_kernel(q, k, v, *, scale=None, key_mask=None):
+        out, lse = kernel(q, k, v, scale=scale, key_mask=key_mask)
         record("block", k)
         return out, (lse * 0 if zero_lse else lse)  # a zero LSE, as some CPU fallbacks return
 

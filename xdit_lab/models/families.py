@@ -5,7 +5,8 @@ copied: diffusers' model runs unchanged and hooks.py takes over at the places na
 Attention kinds (matched on the module's qualified name):
     self        image tokens only: sequence-parallel
     cross       image queries, text keys/values (PixArt): local, no communication
-    joint_first text tokens before image tokens in q/k/v (Flux, Flux.2, CogVideoX)
+    joint_first text tokens before image tokens in q/k/v (Flux, Flux.2, CogVideoX, Qwen-Image,
+                whose padded text keys are masked)
     joint_last  text tokens after image tokens (SD3)
 Wan's cross-attention (text, and for image-to-video the image context) is cross: it moves nothing.
 """
@@ -30,13 +31,20 @@ class FamilyAdapter:
     attention: dict = field(default_factory=dict)  # qualified-name regex -> kind
     text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor
     grid_at_shard: bool = False  # Wan: shard_at gives [B, C, F, H, W]; its tokens are the flattened grid
-    rotary_at: str | None = None  # Flux: pos_embed gives (cos, sin) rows for [text; image]
-    rotary_image_only: bool = False  # Wan: rope gives (cos, sin) [1, S, 1, D], image tokens only
+    rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as:
+    # "text_then_image": rows for [text; image], a table or (cos, sin) (Flux)
+    # "image": (cos, sin) [1, S, 1, D], image tokens only (Wan)
+    # "image_and_text": (image rows [S, D], text rows [T, D]) (Qwen-Image)
+    rotary_layout: str = "text_then_image"
+    text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
     image_rows_kwarg: str | None = None  # a forward argument with one row per image token (dim -2):
     # CogVideoX's rotary tables (a tuple), Flux.2's img_ids
+    per_token_config: tuple = ()  # model config keys that, when set, condition each image token by an
+    # index the forward builds whole (Qwen-Image-Edit's zero_cond_t): no strategy can split its tokens yet
     unbatched: tuple = ()  # forward arguments without a batch dimension
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
-    step_cache: bool = True  # StepCache checked against diffusers' First-Block Cache on this family
+    # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
+    step_cache_refused: str | None = None
     # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
     block_lists: tuple = ("transformer_blocks",)
     block_counts: tuple = ("num_layers",)  # the config key holding each list's length
@@ -101,6 +109,16 @@ class FamilyAdapter:
         patches as bands of rows. Packed tokens (Flux) carry their grid in img_ids (row, column in
         columns 1 and 2): reading it is a host sync, so call this once per latent size."""
         patch = model_config.get("patch_size") or 1
+        if self.latent_layout == "tokens" and "img_shapes" in arguments:  # Qwen-Image: [(frames, rows, cols)]
+            images = arguments["img_shapes"][0]  # per sample; diffusers' rotary reads the first
+            images = images if isinstance(images, list) else [images]
+            if len(images) != 1:
+                raise NotImplementedError(
+                    f"{len(images)} images per sample (an edit's reference images) do not form one grid of rows; "
+                    f"PipeFusion cuts one image into row bands: run it without PipeFusion"
+                )
+            frames, rows, cols = images[0]
+            return frames * rows, cols
         if self.latent_layout == "tokens":
             ids = arguments["img_ids"]
             cols = int(ids.reshape(-1, ids.shape[-1])[:, 2].max()) + 1
@@ -139,6 +157,20 @@ class FamilyAdapter:
         grouped = flat.view(c, f // pt, pt, h // ph, ph, w // pw, pw)
         return grouped.permute(1, 3, 5, 0, 2, 4, 6).reshape(f // pt * (h // ph) * (w // pw), -1)
 
+    def keep_rotary_rows(self, tables, text: int, keep):
+        """The rotary tables of the image tokens a rank holds, and every text row. `keep(t, dim)`
+        keeps the rank's image rows of t along dim (a contiguous shard, or a stage's active patches)."""
+        if self.rotary_layout == "image":
+            return tuple(keep(t, 1) for t in tables)
+        if self.rotary_layout == "image_and_text":
+            image, text_rows = tables
+            return keep(image, 0), text_rows
+
+        def rows(t):
+            return torch.cat([t[:text], keep(t[text:], 0)], dim=0)
+
+        return tuple(rows(t) for t in tables) if isinstance(tables, tuple) else rows(tables)
+
     def patch_grid(self, grid: tuple[int, int]) -> tuple[int, int] | None:
         """The (rows, cols) PipeFusion cuts into patches, for an image of grid[0] × grid[1] tokens; None
         for a video, whose frames stack more rows than one image has."""
@@ -147,6 +179,8 @@ class FamilyAdapter:
     def prediction_shape(self, latents, model_config) -> tuple[int, ...]:
         """The shape of the model's output for `latents`: the latents with the output channels."""
         channels = model_config.get("out_channels") or model_config.get("in_channels")
+        if self.latent_layout == "tokens":  # packed: a token carries its patch's pixels (Qwen-Image's 2 × 2)
+            channels *= (model_config.get("patch_size") or 1) ** 2
         dim = {"image": 1, "tokens": 2, "frames": 2, "video": 1}[self.latent_layout]
         return (*latents.shape[:dim], channels, *latents.shape[dim + 1 :])
 
@@ -211,7 +245,21 @@ FAMILIES = {
             block_counts=("num_layers", "num_single_layers"),
             joined_block_lists=("single_transformer_blocks",),
             latent_layout="tokens",
-            step_cache=False,  # diffusers' First-Block Cache raises on it: no reference to check against
+            step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
+        ),
+        FamilyAdapter(
+            "Qwen-Image",
+            "QwenImageTransformer2DModel",
+            shard_at="img_in",
+            gather_at="proj_out",
+            attention={r"^transformer_blocks\.\d+\.attn$": "joint_first"},
+            rotary_at="pos_embed",
+            rotary_layout="image_and_text",
+            text_key_mask=True,
+            per_token_config=("zero_cond_t",),
+            latent_layout="tokens",
+            step_cache_refused="it is checked against diffusers' First-Block Cache through a pipeline, and "
+            "QwenImagePipeline has no load_pipeline recipe yet",
         ),
         FamilyAdapter(
             "CogVideoX",
@@ -232,7 +280,7 @@ FAMILIES = {
             attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
             grid_at_shard=True,
             rotary_at="rope",
-            rotary_image_only=True,
+            rotary_layout="image",
             block_lists=("blocks",),
             latent_layout="video",
         ),

@@ -205,18 +205,38 @@ class AttentionInterceptor(TorchFunctionMode):
         if self.kind == "cross":
             return func(*args, **kwargs)
         query, key, value, mask, dropout_p, is_causal, scale, _ = _sdpa_arguments(*args, **kwargs)
-        if mask is not None or is_causal or dropout_p:
-            raise NotImplementedError(
-                f"{self.kind} attention with a mask, causal or dropout is not sequence-parallel yet"
-            )
+        if is_causal or dropout_p:
+            raise NotImplementedError(f"{self.kind} attention that is causal or has dropout is not sequence-parallel")
+        text_mask = None if mask is None else self._text_key_mask(mask, query)
         # The lengths travel as arguments: under compile, what the forward wrote on the state so far
         # reaches it only after the graph, while the operator runs inside it.
         lengths = self.state.text_len, self.state.image_len
         if torch.compiler.is_compiling():
             return torch.ops.xdit_lab.attend(
-                query, key, value, self.state.handle, self.kind, self.name, scale, *lengths
+                query, key, value, self.state.handle, self.kind, self.name, scale, *lengths, text_mask
             )
-        return self.state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths)
+        return self.state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths, text_mask)
+
+    def _text_key_mask(self, mask, query):
+        """[B, T] bool over the joint text keys, from the mask a family with padded text builds over all
+        of its keys (Qwen-Image: [B, 1, 1, T + S], the image columns True by construction). Any other
+        mask would mask image keys this rank does not hold: refused."""
+        text, adapter = self.state.text_len, self.state.adapter
+        keys = query.shape[2]  # [text; this rank's image tokens] (or [image; text])
+        if not (
+            adapter.text_key_mask
+            and self.kind in ("joint_first", "joint_last")
+            and text
+            and mask.dtype == torch.bool
+            and tuple(mask.shape) == (query.shape[0], 1, 1, keys)
+        ):
+            raise NotImplementedError(
+                f"{self.name} ({self.kind} attention of {adapter.family}) passes an attention mask "
+                f"({str(mask.dtype).replace('torch.', '')} {tuple(mask.shape)}); the parallel kernels take only a "
+                f"padded-text key mask, [batch, 1, 1, text + image] bool, from families that declare one "
+                f"(FamilyAdapter.text_key_mask)"
+            )
+        return mask[:, 0, 0, :text] if self.kind == "joint_first" else mask[:, 0, 0, keys - text :]
 
 
 # forward arguments that address blocks by index (SD3's skip-layer guidance, ControlNet residuals)
@@ -285,13 +305,14 @@ def _attend_op(
     scale: float | None,
     text_len: int,
     image_len: int | None,
+    text_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     strategy = comm.from_handle(state).strategy
-    return strategy.attend(kind, name, query, key, value, scale, text_len, image_len).contiguous()
+    return strategy.attend(kind, name, query, key, value, scale, text_len, image_len, text_mask).contiguous()
 
 
 @_attend_op.register_fake
-def _(query, key, value, state, kind, name, scale, text_len, image_len):
+def _(query, key, value, state, kind, name, scale, text_len, image_len, text_mask):
     return query.new_empty(query.shape)  # attention returns the queries' shape, contiguous
 
 

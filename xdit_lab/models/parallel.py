@@ -48,19 +48,23 @@ def parallelize(
     if parallel_state(transformer) is not None:
         raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
     unsupported = compile_problems(config, cache) if compile else []
-    if cache is not None and not adapter.step_cache:
-        unsupported.append(
-            f"StepCache is not offered on {adapter.family} yet: diffusers' First-Block Cache, the reference it is "
-            f"checked against, does not run on it"
-        )
+    if cache is not None and adapter.step_cache_refused:
+        unsupported.append(f"StepCache is not offered on {adapter.family} yet: {adapter.step_cache_refused}")
     if cache is not None and config.pipefusion_schedule == "async":
         unsupported.append(
             "a StepCache does not run under pipefusion_schedule='async': it decides for a whole step before "
             "any patch moves, while the async schedule has two steps in flight; use the drained schedule"
         )
+    model_config = transformer.config
+    per_token = [key for key in adapter.per_token_config if model_config.get(key)]
+    if per_token and (config.sp_degree > 1 or getattr(config, PIPEFUSION) > 1):
+        unsupported.append(
+            f"this {adapter.family} model has {', '.join(per_token)} set: it conditions each image token by an index "
+            f"its forward builds for the whole sequence, which no strategy can split yet; run it under cfg and dp "
+            f"only (ulysses = ring = pipefusion = 1)"
+        )
     if unsupported:
         raise ParallelConfigError("; ".join(unsupported))
-    model_config = transformer.config
     config.validate(
         num_heads=model_config.get("num_attention_heads"),
         num_layers=adapter.num_blocks(model_config),

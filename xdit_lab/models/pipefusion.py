@@ -23,18 +23,16 @@ for the whole image during warmup):
     receives first would stall a middle stage's sends. Messages are in the model's dtype.
 Under pipefusion_schedule="async", past the warmup, one call runs one patch (`cursor`) and the
 session steps the scheduler patch by patch (session.py); the last stage returns the prediction.
-Joint-attention families (SD3, Flux, CogVideoX) also change their text tokens in every block, so
-a stage hands over two tensors per patch: the patch's image tokens and the text states its blocks
-produced for that patch (whole text, on every sp rank). Their joint attention keeps image K/V per
-patch like self-attention, and recomputes text K/V with each patch. The blocks are the adapter's
-stack (Flux: double-stream, then single-stream blocks), cut into stages as one list; rotary rows
-and per-token arguments (CogVideoX's rotary tables) follow the active patches.
+Joint-attention families (SD3, Flux, CogVideoX, Qwen-Image) change their text in every block, so a
+stage hands over the patch's image tokens and the text states its blocks produced for that patch
+(whole, on every sp rank). Their attention keeps image K/V per patch and recomputes text K/V (and
+its padding mask) with each patch. The blocks are the adapter's stack (Flux: double-stream, then
+single-stream), cut into stages as one list; rotary rows and per-token arguments follow the patches.
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
 patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
 step the scheduler alike). The drained bubble is (N-1)/(M+N-1) of a step; the async one is
-(N-1)/(K·M+N-1) of K pipelined steps.
-Within a stage, tokens may also be split over ulysses × ring: every patch is sharded over them
-the same way (sharding.PatchLayout).
+(N-1)/(K·M+N-1) of K pipelined steps. Within a stage, tokens may also be split over ulysses × ring:
+every patch is sharded over them the same way (sharding.PatchLayout).
 """
 
 from __future__ import annotations
@@ -314,16 +312,10 @@ class PipeFusionStage:
         return torch.cat([tokens[:, :text], image], dim=1) if text else image
 
     def shard_rotary(self, tables):
-        """Flux: rows for [text; image]; keep the text rows and this rank's rows of the active patches.
-        Wan: (cos, sin) [1, S, 1, D] of image tokens only."""
-        if self.state.adapter.rotary_image_only:
-            return tuple(t.index_select(1, self._index("shard", t.device)) for t in tables)
-        text = self.state.text_len
-
-        def rows(t):
-            return torch.cat([t[:text], t[text:].index_select(0, self._index("shard", t.device))], dim=0)
-
-        return tuple(rows(t) for t in tables) if isinstance(tables, tuple) else rows(tables)
+        """The rotary tables' rows of this rank's tokens of the active patches, and every text row."""
+        return self.state.adapter.keep_rotary_rows(
+            tables, self.state.text_len, lambda t, dim: t.index_select(dim, self._index("shard", t.device))
+        )
 
     def gather(self, tokens):
         """The active patches' tokens, gathered over sp into this step's output buffer: after the last
@@ -335,7 +327,7 @@ class PipeFusionStage:
         self.output[:, self._index("gather", tokens.device)] = gathered
         return self.output
 
-    def attend(self, kind, name, query, key, value, scale, text, image_len):
+    def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None):
         if kind not in STALE_KINDS:
             raise NotImplementedError(f"PipeFusion handles self and joint attention, not {kind}")
         if name not in self.buffers:
@@ -344,7 +336,16 @@ class PipeFusionStage:
             )
         (q, k, v), joint = split_text(kind, text, query, key, value)
         out, joint_out = stale_attention(
-            q, k, v, self.mesh, self.buffers[name], self.active, self.step, joint=joint, scale=scale
+            q,
+            k,
+            v,
+            self.mesh,
+            self.buffers[name],
+            self.active,
+            self.step,
+            joint=joint,
+            joint_mask=text_mask,
+            scale=scale,
         )
         return join_text(kind, out, joint_out)
 

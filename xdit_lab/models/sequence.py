@@ -65,28 +65,21 @@ class SequenceShards:
         return self._take_image_shard(tokens)
 
     def shard_rotary(self, tables):
-        """Flux: rows for [text; image]; keep the text rows and this rank's image rows. Wan: (cos, sin)
-        [1, S, 1, D] of image tokens only, computed before the tokens are sharded."""
-        if self.state.adapter.rotary_image_only:
-            return tuple(self._take_image_shard(t, dim=1) for t in tables)
-        text, (start, stop) = self.state.text_len, self.shard_range
-
-        def rows(t):
-            return torch.cat([t[:text], t[text + start : text + stop]], dim=0)
-
-        return tuple(rows(t) for t in tables) if isinstance(tables, tuple) else rows(tables)
+        """This rank's rows of the rotary tables (families.FamilyAdapter.keep_rotary_rows). Wan's are
+        computed before the tokens are sharded: the shard is taken from the table's own length."""
+        return self.state.adapter.keep_rotary_rows(tables, self.state.text_len, self._take_image_shard)
 
     def gather(self, tokens):
         sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))
         return comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
 
-    def attend(self, kind, name, query, key, value, scale, text, image_len):
+    def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None):
         (q, k, v), joint = split_text(kind, text, query, key, value)
         if joint is None:
             return sp_attention(q, k, v, self.mesh, seq_len=image_len, scale=scale)
         jq, jk, jv = joint
         out, joint_out = sp_attention(
-            q, k, v, self.mesh, joint_q=jq, joint_k=jk, joint_v=jv, seq_len=image_len, scale=scale
+            q, k, v, self.mesh, joint_q=jq, joint_k=jk, joint_v=jv, joint_mask=text_mask, seq_len=image_len, scale=scale
         )
         return join_text(kind, out, joint_out)
 

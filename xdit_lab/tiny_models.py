@@ -112,7 +112,9 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
         config = dict(common, in_channels=4, out_channels=8, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
         model = diffusers.DiTTransformer2DModel(**(config | overrides))
     else:
-        raise ValueError(f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, qwenimage, cogvideox, wan or dit")
+        raise ValueError(
+            f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, qwenimage, cogvideox, wan or dit"
+        )
     return model.eval()
 
 

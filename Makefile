@@ -44,7 +44,7 @@ test: export CUDA_VISIBLE_DEVICES :=
 test: $(STAMP) $(KERNEL)
 	$(BIN)/ruff check xdit_lab tests benchmarks
 	$(BIN)/ruff format --check xdit_lab tests benchmarks
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q --durations=60 tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg $(NOTEBOOKS)
 
 # The explorer in a real browser: JupyterLab served on 127.0.0.1, notebooks/explorer.ipynb run

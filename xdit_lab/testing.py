@@ -23,7 +23,16 @@ import time
 import traceback
 
 _CONTEXT = None
-PRELOAD = ["torch", "torch.distributed", "diffusers", "xdit_lab"]
+# diffusers imports its models and pipelines lazily, on a class's first use: about 2 s of CPU that
+# every rank of every run would pay again (4 ranks share 2 cores here). The forkserver pays it once.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "diffusers",
+    "diffusers.models.modeling_utils",
+    "diffusers.pipelines.pipeline_utils",
+    "xdit_lab",
+]
 
 
 class RankFailure(RuntimeError):

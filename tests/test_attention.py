@@ -174,3 +174,31 @@ def test_backend_is_reported_and_can_be_overridden():
     assert torch.allclose(lse, local_attention(q, k, v)[1], atol=1e-5)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'; choose one of flash_attn"):
         set_attention_backend("fast")
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+def test_padded_text_key_mask_equals_sdpa_with_the_whole_mask(backend):
+    """Image and text attended with a [B, T] key mask over the text (Qwen-Image's padding) equal SDPA
+    given the whole [B, 1, 1, S + T] mask, for every pattern: a full text, a padded one, a hole, and a
+    text that is all padding (that sample's text block must weigh nothing: its lse is -inf). The
+    control: the kernel's own lse for that all-padding block (0 on CPU) would change the result."""
+    from xdit_lab.attention import joint_local_attention, set_attention_backend
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, 2, 9, 8, generator=g) for _ in range(3))
+    text = tuple(torch.randn(4, 2, 5, 8, generator=g) for _ in range(3))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 0, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    whole = torch.cat([torch.ones(4, 9, dtype=torch.bool), mask], dim=1)[:, None, None]
+    reference = F.scaled_dot_product_attention(*(torch.cat(pair, dim=2) for pair in zip((q, k, v), text)), whole)
+    try:
+        set_attention_backend(backend)
+        out, text_out = joint_local_attention(q, k, v, joint=text, joint_mask=mask)
+        _, dead_lse = local_attention(q, text[1], text[2], key_mask=mask)
+    finally:
+        set_attention_backend(None)
+    assert (torch.cat([out, text_out], dim=2) - reference).abs().max() < 1e-5
+    assert torch.isinf(dead_lse[3]).all() and torch.isfinite(dead_lse[:3]).all()
+    image_out, image_lse = local_attention(q, k, v)
+    zero_lse = torch.where(torch.isinf(dead_lse), 0.0, dead_lse)  # what the kernel reports for no keys
+    wrong, _ = merge_attention(image_out, image_lse, torch.zeros_like(q), zero_lse)
+    assert (wrong[3] - reference[3, :, :9]).abs().max() > 1e-2

@@ -12,8 +12,9 @@ Backends, reported by `attention_backend(device, dtype, head_dim)`:
     cpu_flash       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     math            explicit scores and logsumexp: slow, exact, any device (the reference)
 What each kernel accepts is written once, in `why_not(...)`, a pure function of the device
-type, dtype, head_dim, GPU compute capability and whether the call masks keys: the flash kernels take float16/bfloat16 on
-Ampere or newer (capability 8.0+), torch's with head_dim a multiple of 8 up to 256. The first
+type, dtype, head_dim, GPU compute capability and whether the call masks keys: the flash kernels
+take float16/bfloat16 on Ampere or newer (capability 8.0+), torch's with head_dim a multiple of 8
+up to 256. The first
 backend that accepts a call runs it (a fallback is logged with its reason, once). Force one with
 `set_attention_backend(name)` or the XDIT_LAB_ATTENTION environment variable: a forced backend
 that cannot run a call raises, saying why and which backends can.

@@ -23,17 +23,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS, NEGATIVES, STEPS = ["a red cat", "a blue dog"], ["", "a photo"], 6
 # thresholds between the tiny models' measured changes, each at least 0.5% away from every change
 # measured (parallel runs differ from serial by about 1e-6 relative)
-THRESHOLDS = {"pixart": 0.3, "flux": 0.48, "cogvideox": 0.3, "sd3": 0.4}
+THRESHOLDS = {"pixart": 0.3, "flux": 0.48, "cogvideox": 0.3, "sd3": 0.4, "qwenimage": 0.58}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return {f: save_tiny_pipeline(f, tmp_path_factory.mktemp(f)) for f in ("pixart", "flux", "cogvideox", "sd3")}
+    families = ("pixart", "flux", "cogvideox", "sd3", "qwenimage")
+    return {f: save_tiny_pipeline(f, tmp_path_factory.mktemp(f)) for f in families}
 
 
 def _call_kwargs(family):
     kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=STEPS)
-    if family != "flux":  # Flux's true CFG runs two transformer calls a step, each with its own diffusers cache
+    if family not in ("flux", "qwenimage"):  # their true CFG runs two transformer calls a step, each its own cache
         kwargs["negative_prompt"] = NEGATIVES
     return kwargs
 
@@ -153,10 +154,10 @@ def test_pixart_hybrids_on_4_ranks_equal_diffusers_first_block_cache(folders):
     _check(per_rank, PIXART_4, "pixart", skipping=True)
 
 
-@pytest.mark.parametrize("family", ["flux", "cogvideox"])
+@pytest.mark.parametrize("family", ["flux", "cogvideox", "qwenimage"])
 def test_joint_families_equal_diffusers_first_block_cache(folders, family):
-    """Flux runs without true CFG here (diffusers' Flux pipeline calls the transformer once per
-    branch, each with its own cache); CogVideoX with CFG, so cfg 2 splits it."""
+    """Flux and Qwen-Image run without true CFG here (their diffusers pipelines call the transformer
+    once per branch, each with its own cache); CogVideoX with CFG, so cfg 2 splits it."""
     uses_cfg = family == "cogvideox"
     configs = {
         2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
@@ -390,5 +391,3 @@ def test_step_cache_without_a_reference_is_refused_by_name():
 
     with pytest.raises(ParallelConfigError, match="StepCache is not offered on Flux.2"):
         parallelize(tiny_transformer("flux2"), ParallelConfig(), cache=StepCache(0.1))
-    with pytest.raises(ParallelConfigError, match="not offered on Qwen-Image yet: .* no load_pipeline recipe yet"):
-        parallelize(tiny_transformer("qwenimage"), ParallelConfig(), cache=StepCache(0.1))

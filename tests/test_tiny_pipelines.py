@@ -17,6 +17,7 @@ EXPECTED = {
     "flux": ("FluxPipeline", (2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
     "cogvideox": ("CogVideoXPipeline", (2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
     "wan": ("WanPipeline", (2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
+    "qwenimage": ("QwenImagePipeline", (2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
 }
 
 
@@ -24,12 +25,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _call(pipe, family, output_type):
-    extra = {"true_cfg_scale": 3.0} if family == "flux" else {}  # Flux's guidance_scale needs guidance_embeds
+    # Flux's and Qwen-Image's CFG is true_cfg_scale; their guidance_scale is a guidance-distilled model's input
+    extra = {"true_cfg_scale": 3.0} if family in ("flux", "qwenimage") else {"guidance_scale": 3.0}
     out = pipe(
         prompt=["a red cat", "a blue dog"],
         negative_prompt=["", "photo"],
         num_inference_steps=2,
-        guidance_scale=3.0,
         generator=torch.Generator().manual_seed(0),
         output_type=output_type,
         **extra,
@@ -59,7 +60,7 @@ def test_tiny_pipeline_saves_reloads_and_runs(family, tmp_path):
     assert images.shape == image_shape and np.isfinite(images).all()
 
 
-@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "cogvideox"])
+@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "cogvideox", "qwenimage"])
 def test_same_seed_same_weights(family, tmp_path):
     a, b = (save_tiny_pipeline(family, tmp_path / name, seed=seed) for name, seed in [("a", 0), ("b", 0)])
     c = save_tiny_pipeline(family, tmp_path / "c", seed=1)

@@ -103,7 +103,8 @@ def read_call_defaults(folder: Path, recipe) -> dict:
 
 def _rows_of_one_prompt(config, guidance_scale: float) -> int:
     """The most batch rows a rank computes for one prompt, as the forward splits them (batch_rows)."""
-    total = 2 if guidance_scale > 1 and config.cfg == 1 else 1  # cfg 2 takes one branch (or refuses the call)
+    # cfg 2 takes one branch (or refuses the call); None: a family whose CFG is true_cfg_scale (Qwen-Image)
+    total = 2 if (guidance_scale or 0) > 1 and config.cfg == 1 else 1
     return max(stop - start for start, stop, _ in (batch_rows(total, 1, config.dp, 0, d) for d in range(config.dp)))
 
 

@@ -9,8 +9,8 @@ session keeps from step to step.
 Latents and conditioning are whole on every rank (the encode's all-gather hands each rank the
 batch's conditioning, and the scheduler steps every prompt's latent), so they are the same under
 every configuration. Their bytes per prompt come from the family's own encode and prepare, run for
-the request's first prompt: no per-family table to fall out of step with diffusers, and the cost of one
-prompt through the text encoder. What a step allocates and frees inside the forward is not held
+the request's first prompt (for every prompt where the text is padded to the longest, Qwen-Image): no
+per-family table to fall out of step with diffusers, and the cost of one prompt through the text encoder. What a step allocates and frees inside the forward is not held
 between steps and is not planned here; lab.measure.PeakTensorBytes (CPU) or the CUDA allocator's
 peak measures it.
 """
@@ -48,6 +48,8 @@ def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int]:
     inner, recipe = pipe.diffusers_pipeline, pipe.recipe
     negatives = None if request.negatives is None else request.negatives[:1]  # Flux: true CFG only with negatives
     one = dataclasses.replace(request, prompts=request.prompts[:1], negatives=negatives, generator=None, seed=0)
+    if recipe.padded_text:  # every row is padded to the longest text of all prompts: encode them all
+        one = dataclasses.replace(request, generator=None, seed=0)
     scheduler = copy.deepcopy(inner.scheduler)  # prepare sets its timesteps
     try:
         with torch.no_grad():
@@ -57,9 +59,9 @@ def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int]:
         inner.scheduler = scheduler
     unbatched = (*adapter_for(inner.transformer).unbatched, *recipe.unbatched_conditioning)
     conditioning = prepared.conditioning.items()
-    per_prompt = held_bytes([value for key, value in conditioning if key not in unbatched])
+    per_prompt = held_bytes([value for key, value in conditioning if key not in unbatched]) // len(one.prompts)
     shared = held_bytes([value for key, value in conditioning if key in unbatched])
-    return held_bytes(prepared.latents), per_prompt, shared
+    return held_bytes(prepared.latents) // len(one.prompts), per_prompt, shared
 
 
 def plan_request(pipe, request: Request) -> MemoryPlan:

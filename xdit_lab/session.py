@@ -51,7 +51,7 @@ import torch
 from . import comm
 from .mesh import CFG, DP, PIPEFUSION, WORLD
 from .models import parallel_state
-from .pipelines.base import Prepared, Request
+from .pipelines.base import Prepared, Request, pad_text
 from .sharding import shard_sizes
 
 
@@ -326,6 +326,9 @@ def encode_own_prompts(recipe, pipe, request: Request, mesh, device) -> tuple[Pr
         negatives=None if request.negatives is None else request.negatives[mine],
     )
     prepared = recipe.encode(pipe, own, device, branch=mesh.group_rank(CFG) if split_branches else None)
+    if recipe.padded_text:  # every rank's rows padded to the longest text of any rank, so that they gather
+        lengths = comm.all_gather_object(prepared.conditioning[recipe.padded_text[0]].shape[1], mesh, WORLD, tag="text")
+        prepared.conditioning = pad_text(prepared.conditioning, recipe.padded_text, max(lengths))
     branches, rows = (2 if prepared.do_cfg and not split_branches else 1), len(own.prompts)
     unbatched = (*parallel_state(pipe.transformer).adapter.unbatched, *recipe.unbatched_conditioning)
     for key, value in prepared.conditioning.items():

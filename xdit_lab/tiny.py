@@ -46,6 +46,7 @@ PIPELINES = {
     "flux": "FluxPipeline",
     "cogvideox": "CogVideoXPipeline",
     "wan": "WanPipeline",
+    "qwenimage": "QwenImagePipeline",
 }
 
 
@@ -78,6 +79,63 @@ def _clip_tokenizer():
             tokens.append(parts[0])
     vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
     return CLIPTokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), model_max_length=MAX_TOKENS)
+
+
+# the words of QwenImagePipeline's chat template, so that its system prompt is a few tokens, not bytes
+QWEN_TEMPLATE_WORDS = (
+    "system user assistant Describe image by detailing color shape size texture quantity text spatial "
+    "relationships objects background"
+).split()
+
+
+def _qwen_tokenizer():
+    """Qwen2's byte-level BPE over the 256 byte symbols, with merges that make each of WORDS and the chat
+    template's words one token (alone, or after a space: "Ġword"), and the template's special tokens."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    tokens, merges = ["<|endoftext|>", *sorted(ByteLevel.alphabet())], []
+    for word in [prefix + w for w in WORDS + QWEN_TEMPLATE_WORDS for prefix in ("Ġ", "")]:
+        parts = list(word)
+        while len(parts) > 1:
+            merges.append((parts[0], parts[1]))
+            parts = [parts[0] + parts[1]] + parts[2:]
+            tokens.append(parts[0])
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tokenizer
+
+
+def _qwen_vl_encoder(seed: int, vocab_size: int):
+    """Qwen2.5-VL, text and a one-layer vision tower, TEXT_DIM wide (what QwenImagePipeline encodes with)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    rope = {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}  # 8 = head_dim 16 / 2
+    text = dict(
+        hidden_size=TEXT_DIM,
+        intermediate_size=TEXT_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        rope_scaling=rope,
+        rope_theta=1e6,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        hidden_size=TEXT_DIM,
+        vocab_size=vocab_size,
+        vision_start_token_id=vocab_size - 1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def _t5_encoder(seed: int, vocab_size: int, width: int = TEXT_DIM, *, umt5: bool = False):
@@ -152,6 +210,22 @@ def _video_vae(seed: int):
         temporal_compression_ratio=4,
         sample_height=32,
         sample_width=32,
+    ).eval()
+
+
+def _qwen_vae(seed: int, latent_channels: int):
+    """Qwen-Image's VAE (Wan's causal 3D VAE, one frame at a time) at its smallest: 4x spatial."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
+    return AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=latent_channels,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels,
     ).eval()
 
 
@@ -241,6 +315,23 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                 vae=_wan_vae(seed + 2, 4),
                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
             )
+        elif family == "qwenimage":  # 2 x 2 patches of 4 latent channels packed into 16
+            qwen_tok = _qwen_tokenizer()
+            parts = dict(
+                transformer=tiny_transformer("qwenimage", seed=seed),
+                text_encoder=_qwen_vl_encoder(seed + 1, len(qwen_tok)),
+                tokenizer=qwen_tok,
+                vae=_qwen_vae(seed + 2, 4),
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
+                    shift=1.0,
+                    use_dynamic_shifting=True,
+                    base_shift=0.5,
+                    max_shift=0.9,
+                    base_image_seq_len=256,
+                    max_image_seq_len=8192,
+                    time_shift_type="exponential",
+                ),
+            )
         else:  # cogvideox (2b's sampler: v-prediction, zero-SNR, trailing)
             parts = dict(
                 transformer=tiny_transformer("cogvideox", seed=seed),
@@ -275,6 +366,8 @@ def tiny_pipeline_kwargs(family: str) -> dict:
         "flux": size,
         "cogvideox": dict(height=32, width=32, num_frames=9, max_sequence_length=MAX_TOKENS),
         "wan": dict(height=64, width=64, num_frames=5, max_sequence_length=MAX_TOKENS),  # 2 latent frames of 8 × 8
+        # 8 × 8 latent: 4 × 4 tokens; the text as long as each prompt encodes, padded and masked in a batch
+        "qwenimage": dict(height=32, width=32),
     }
     if family not in table:
         raise ValueError(f"unknown tiny pipeline family {family!r}; choose one of {', '.join(table)}")

@@ -33,8 +33,10 @@ PICKERS = (*DEGREES, "num_patches", "warmup_steps", "pipefusion_schedule")  # th
 # ---- on the engines ---------------------------------------------------------------------------------
 
 
-def model_shape(state: dict, height, width) -> dict:
-    """The sizes the rules need, from the pipeline this engine holds (rank 0 is always active)."""
+def model_shape(state: dict, session_kwargs: dict) -> dict:
+    """The sizes the rules need, from the pipeline this engine holds (rank 0 is always active), and
+    whether the explorer's calls have two branches, as the family's recipe decides (true CFG: Flux's
+    and Qwen-Image's with a negative prompt)."""
     import json
 
     from ..models import parallel_state
@@ -44,7 +46,8 @@ def model_shape(state: dict, height, width) -> dict:
         raise RuntimeError("no pipeline is loaded on this engine: call lab.load(...) first")
     inner, defaults = pipe.diffusers_pipeline, pipe.call_defaults
     multiple, default = pipe.recipe.size_multiple(inner)
-    height, width = height or defaults.get("height") or default[0], width or defaults.get("width") or default[1]
+    height = session_kwargs.get("height") or defaults.get("height") or default[0]
+    width = session_kwargs.get("width") or defaults.get("width") or default[1]
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
     adapter = parallel_state(inner.transformer).adapter
@@ -56,7 +59,7 @@ def model_shape(state: dict, height, width) -> dict:
         hidden_size=config["num_attention_heads"] * head_dim if isinstance(head_dim, int) else None,
         rows=height // multiple,
         cols=width // multiple,
-        guidance_scale=defaults["guidance_scale"],
+        use_cfg=pipe.recipe.do_cfg(pipe.request("a prompt", **session_kwargs)),
         num_inference_steps=defaults["num_inference_steps"],
     )
 
@@ -159,16 +162,9 @@ class ExplorerController:
         default_steps = self.session_kwargs.pop("num_inference_steps", None)
         self.prompt = prompt or ("a handwritten 7" if lab.loaded.name_or_path == "digits" else "a red cat")
         self.session, self.session_seed = None, None
-        answer = lab.call(
-            model_shape,
-            self.session_kwargs.get("height"),
-            self.session_kwargs.get("width"),
-            ranks=[0],
-            what="explorer.model_shape",
-        )[0]
-        recipe_steps, recipe_guidance = answer.pop("num_inference_steps"), answer.pop("guidance_scale")
-        self.steps = steps or default_steps or recipe_steps
-        self.shape = ModelShape(**answer, use_cfg=self.session_kwargs.get("guidance_scale", recipe_guidance) > 1)
+        answer = lab.call(model_shape, self.session_kwargs, ranks=[0], what="explorer.model_shape")[0]
+        recipe_steps = answer.pop("num_inference_steps")
+        self.steps, self.shape = steps or default_steps or recipe_steps, ModelShape(**answer)
 
     # ---- what is valid ----------------------------------------------------------------------------
     @property

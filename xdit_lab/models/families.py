@@ -258,8 +258,6 @@ FAMILIES = {
             text_key_mask=True,
             per_token_config=("zero_cond_t",),
             latent_layout="tokens",
-            step_cache_refused="it is checked against diffusers' First-Block Cache through a pipeline, and "
-            "QwenImagePipeline has no load_pipeline recipe yet",
         ),
         FamilyAdapter(
             "CogVideoX",

@@ -4,12 +4,13 @@ from .base import Prepared, Recipe, Request
 from .cogvideox import CogVideoXRecipe
 from .flux import FluxRecipe
 from .pixart import PixArtRecipe
+from .qwenimage import QwenImageRecipe
 from .sd3 import SD3Recipe
 from .wan import WanRecipe
 
 RECIPES = {
     name: recipe
-    for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), CogVideoXRecipe(), WanRecipe())
+    for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), QwenImageRecipe(), CogVideoXRecipe(), WanRecipe())
     for name in recipe.pipeline_classes
 }
 

@@ -93,6 +93,8 @@ class Recipe:
         return 1
 
     unbatched_conditioning: tuple[str, ...] = ()  # conditioning the same for every row (Flux: txt_ids)
+    # conditioning [rows, text, ...] whose text a batch pads to its longest, masked (Qwen-Image's embeds and mask)
+    padded_text: tuple[str, ...] = ()
 
     def do_cfg(self, request: Request) -> bool:
         """Whether the batch is [unconditional; conditional] (two branches) or conditional alone."""
@@ -114,6 +116,9 @@ class Recipe:
             )
             for b in branches
         ]
+        if self.padded_text:  # each branch is encoded padded to its own longest text
+            length = max(part[self.padded_text[0]].shape[1] for part in parts)
+            parts = [pad_text(part, self.padded_text, length) for part in parts]
         conditioning = {
             key: value if key in self.unbatched_conditioning else torch.cat([part[key] for part in parts])
             for key, value in parts[0].items()
@@ -162,6 +167,18 @@ def video_prompt_embeds(pipe, request: Request, texts: list[str], device) -> tor
         device=device,
     )
     return embeds
+
+
+def pad_text(conditioning: dict, keys: tuple[str, ...], length: int) -> dict:
+    """`conditioning` with each of `keys` ([rows, text, ...]) padded to `length` text tokens with zeros
+    (False in a mask): padding the masked attention never attends to."""
+    padded = dict(conditioning)
+    for key in keys:
+        value = conditioning[key]
+        if value.shape[1] < length:
+            pad = value.new_zeros((value.shape[0], length - value.shape[1], *value.shape[2:]))
+            padded[key] = torch.cat([value, pad], dim=1)
+    return padded
 
 
 def negatives_or_empty(request: Request) -> list[str]:

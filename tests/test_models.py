@@ -12,7 +12,9 @@ from xdit_lab.models import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit"]
+# the control of families with padded text: the forward argument that masks it, and "nothing padded"
+UNMASKED = {"qwenimage": ("encoder_hidden_states_mask", None), "hunyuanvideo": ("encoder_attention_mask", "ones")}
 CASES = [  # (name, latent height, width, text length, batch)
     ("even", 8, 8, 8, 4),
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1
@@ -48,9 +50,11 @@ def _compare(family, configs):
             with torch.no_grad(), comm_log() as log:
                 output = model(**inputs).sample
             unmasked_error = None
-            if "encoder_hidden_states_mask" in inputs:  # the control: padded text attended as if it were real
+            if family in UNMASKED:  # the control: padded text attended as if it were real
+                key, value = UNMASKED[family]
+                value = torch.ones_like(inputs[key]) if value == "ones" else value
                 with torch.no_grad():
-                    unmasked = model(**(inputs | {"encoder_hidden_states_mask": None})).sample
+                    unmasked = model(**(inputs | {key: value})).sample
                 unmasked_error = (unmasked - reference).abs().max().item()
             rows.append(
                 dict(
@@ -79,7 +83,7 @@ def test_parallel_forward_equals_serial_diffusers(family, world_size):
             assert row["shape"] == row["ref_shape"], where
             assert row["error"] <= row["bound"], f"{where}: error {row['error']:.3g} > {row['bound']:.3g}"
             assert row["weights_shared"], where
-            if row["unmasked_error"] is not None:  # Qwen-Image's padded text: the mask is what makes it exact
+            if row["unmasked_error"] is not None:  # padded text: the mask is what makes it exact
                 assert row["unmasked_error"] > 10 * row["bound"], f"{where}: unmasked {row['unmasked_error']:.3g}"
             # every degree above 1 shows its traffic in its own group's records
             config = next(c for c in CONFIGS[world_size] if c.short() == row["config"])
@@ -190,6 +194,14 @@ def _refused_shapes():
         except NotImplementedError as error:
             messages.append(str(error))
     return messages
+
+
+def test_hunyuan_video_token_replace_is_refused_by_name():
+    """HunyuanVideo I2V's token replace modulates the first frame's tokens apart, by a count the forward
+    takes whole: refused under sequence parallelism and PipeFusion, before anything runs."""
+    for config in (ParallelConfig(ring=2), ParallelConfig(pipefusion=2)):
+        with pytest.raises(ParallelConfigError, match="image_condition_type=token_replace set: .* cfg and dp only"):
+            parallelize(tiny_transformer("hunyuanvideo", image_condition_type="token_replace"), config)
 
 
 def test_what_qwen_image_cannot_split_is_refused_by_name():

@@ -450,10 +450,11 @@ def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
 # states its blocks produced with each patch; rotary rows follow the patches. Each world size is one spawned
 # run over every family and configuration (CI time).
 
-JOINT = ("sd3", "flux", "flux2", "qwenimage", "cogvideox", "wan")  # and Wan: a video's tokens, image-only rotary
+JOINT = ("sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan")  # Wan: image-only rotary
 JOINT_STAGES = {
     "sd3": [(0, 2), (2, 4)],
     "qwenimage": [(0, 2), (2, 4)],
+    "hunyuanvideo": [(0, 3), (3, 6)],
     "flux": [(0, 3), (3, 6)],
     "flux2": [(0, 3), (3, 6)],
     "cogvideox": [(0, 2), (2, 4)],
@@ -464,7 +465,7 @@ JOINT_CONFIGS = {
     4: [
         ParallelConfig(pipefusion=2, ulysses=2),
         ParallelConfig(pipefusion=2, ring=2),
-        ParallelConfig(pipefusion=2, cfg=2),  # not Flux, Flux.2: their pipelines have no CFG batch
+        ParallelConfig(pipefusion=2, cfg=2),  # not Flux, Flux.2, HunyuanVideo: guidance-distilled, no CFG batch
     ],
 }
 
@@ -473,7 +474,7 @@ def _joint(world_size):
     runs = []
     for family in JOINT:
         for config in JOINT_CONFIGS[world_size]:
-            if family in ("flux", "flux2") and config.cfg > 1:
+            if family in ("flux", "flux2", "hunyuanvideo") and config.cfg > 1:
                 continue
             for warmup in (STEPS, 1) if world_size == 2 else (STEPS,):  # 1: stale steps after the first
                 config = config.replace(warmup_steps=warmup)
@@ -493,7 +494,7 @@ def test_joint_families_equal_serial_when_every_step_warms_up(world_size):
     double-stream blocks are larger than its single-stream ones, so "half" is of the stack, by block)."""
     for rank, runs in enumerate(_joint_ranks(world_size)):
         exact = [r for r in runs if r["config"].warmup_steps == STEPS]
-        assert len(exact) == {2: 12, 4: 16}[world_size]  # families × configurations (Flux, Flux.2 without cfg)
+        assert len(exact) == {2: 14, 4: 18}[world_size]  # families × configurations (some without cfg)
         for run in exact:
             config = run["config"]
             where = f"{run['family']} {config.short()} patches {config.patches} rank {rank}"
@@ -513,11 +514,12 @@ def test_joint_stale_steps_deviate_and_hand_text_with_every_patch():
     whose blocks return the image only: 1 message, no text)."""
     batch, hidden = 4, 4 * 16
     # 8 × 8 latent pixels: Flux's are not patchified, Qwen-Image packs 2 × 2
-    image = {"sd3": 16, "flux": 64, "flux2": 64, "qwenimage": 16, "cogvideox": 3 * 16, "wan": 2 * 16}
-    text = {"sd3": 6, "flux": 6, "flux2": 6, "qwenimage": 6, "cogvideox": 8, "wan": 0}  # Wan's blocks keep the text
+    image = {"sd3": 16, "flux": 64, "flux2": 64, "qwenimage": 16, "hunyuanvideo": 2 * 16, "cogvideox": 3 * 16}
+    image["wan"] = 2 * 16
+    text = {"sd3": 6, "flux": 6, "flux2": 6, "qwenimage": 6, "hunyuanvideo": 6, "cogvideox": 8, "wan": 0}  # Wan's: none
     for rank, runs in enumerate(_joint_ranks(2)):
         stale = [r for r in runs if r["config"].warmup_steps == 1]
-        assert len(stale) == 12
+        assert len(stale) == 14
         for run in stale:
             family, config, rows = run["family"], run["config"], run["rows"]
             where = f"{family} patches {config.patches} rank {rank}"

@@ -391,3 +391,5 @@ def test_step_cache_without_a_reference_is_refused_by_name():
 
     with pytest.raises(ParallelConfigError, match="StepCache is not offered on Flux.2"):
         parallelize(tiny_transformer("flux2"), ParallelConfig(), cache=StepCache(0.1))
+    with pytest.raises(ParallelConfigError, match="not offered on HunyuanVideo yet: .* no load_pipeline recipe yet"):
+        parallelize(tiny_transformer("hunyuanvideo"), ParallelConfig(), cache=StepCache(0.1))

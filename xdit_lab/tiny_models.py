@@ -79,6 +79,21 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
             axes_dims_rope=(8, 4, 4),
         )
         model = diffusers.QwenImageTransformer2DModel(**(config | overrides))
+    elif family == "hunyuanvideo":  # modelled on diffusers' own test of HunyuanVideoTransformer3DModel
+        config = dict(
+            common,
+            in_channels=4,
+            out_channels=4,
+            num_single_layers=2,
+            num_refiner_layers=1,
+            patch_size=2,
+            patch_size_t=1,
+            text_embed_dim=TEXT_DIM,
+            pooled_projection_dim=TEXT_DIM,
+            rope_axes_dim=(4, 6, 6),
+            guidance_embeds=True,  # HunyuanVideo is guidance-distilled
+        )
+        model = diffusers.HunyuanVideoTransformer3DModel(**(config | overrides))
     elif family == "cogvideox":
         config = dict(
             common,
@@ -113,7 +128,7 @@ def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int 
         model = diffusers.DiTTransformer2DModel(**(config | overrides))
     else:
         raise ValueError(
-            f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, qwenimage, cogvideox, wan or dit"
+            f"unknown tiny family {family!r}; choose pixart, sd3, flux, flux2, qwenimage, hunyuanvideo, cogvideox, wan or dit"
         )
     return model.eval()
 
@@ -166,6 +181,16 @@ def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8,
             encoder_hidden_states_mask=valid,
             timestep=timestep / 1000,
             img_shapes=[[grid]] * batch,
+        )
+    if family == "hunyuanvideo":  # two latent frames; padded text, a different length per sample
+        valid = torch.arange(text_len)[None, :] < (text_len - torch.arange(batch) % 3)[:, None]
+        return dict(
+            hidden_states=randn(batch, 4, 2, height, width),
+            encoder_hidden_states=text,
+            encoder_attention_mask=valid.long(),
+            pooled_projections=randn(batch, TEXT_DIM),
+            timestep=timestep.long(),
+            guidance=torch.full((batch,), 6000.0),  # HunyuanVideoPipeline's guidance_scale 6 × 1000
         )
     if family == "cogvideox":
         return dict(

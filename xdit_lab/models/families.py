@@ -7,7 +7,8 @@ Attention kinds (matched on the module's qualified name):
     cross       image queries, text keys/values (PixArt): local, no communication
     joint_first text tokens before image tokens in q/k/v (Flux, Flux.2, CogVideoX, Qwen-Image,
                 whose padded text keys are masked)
-    joint_last  text tokens after image tokens (SD3)
+    joint_last  text tokens after image tokens (SD3, HunyuanVideo, whose padded text keys are masked)
+    text        text tokens alone (HunyuanVideo's token refiner): whole on every rank, runs as it is
 Wan's cross-attention (text, and for image-to-video the image context) is cross: it moves nothing.
 """
 
@@ -33,14 +34,15 @@ class FamilyAdapter:
     grid_at_shard: bool = False  # Wan: shard_at gives [B, C, F, H, W]; its tokens are the flattened grid
     rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as:
     # "text_then_image": rows for [text; image], a table or (cos, sin) (Flux)
-    # "image": (cos, sin) [1, S, 1, D], image tokens only (Wan)
+    # "image": (cos, sin) of image tokens only, [1, S, 1, D] (Wan) or [S, D] (HunyuanVideo)
     # "image_and_text": (image rows [S, D], text rows [T, D]) (Qwen-Image)
     rotary_layout: str = "text_then_image"
     text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
     image_rows_kwarg: str | None = None  # a forward argument with one row per image token (dim -2):
     # CogVideoX's rotary tables (a tuple), Flux.2's img_ids
-    per_token_config: tuple = ()  # model config keys that, when set, condition each image token by an
-    # index the forward builds whole (Qwen-Image-Edit's zero_cond_t): no strategy can split its tokens yet
+    per_token_config: tuple = ()  # model config "key" (set) or "key=value" entries that condition each image
+    # token by an index the forward builds whole (Qwen-Image-Edit's zero_cond_t, HunyuanVideo I2V's token
+    # replace): no strategy can split its tokens yet
     unbatched: tuple = ()  # forward arguments without a batch dimension
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
@@ -123,8 +125,8 @@ class FamilyAdapter:
             ids = arguments["img_ids"]
             cols = int(ids.reshape(-1, ids.shape[-1])[:, 2].max()) + 1
             return latents.shape[1] // cols, cols
-        if self.latent_layout == "video":  # Wan: [B, C, F, H, W], patches (t, h, w); frame-major
-            (pt, ph, pw), (frames, height, width) = patch, latents.shape[-3:]
+        if self.latent_layout == "video":  # Wan, HunyuanVideo: [B, C, F, H, W], patches (t, h, w); frame-major
+            (pt, ph, pw), (frames, height, width) = self.video_patch(model_config), latents.shape[-3:]
             return frames // pt * (height // ph), width // pw
         rows = latents.shape[-2] // patch
         if self.latent_layout == "frames":  # CogVideoX: frame-major, then rows
@@ -152,16 +154,34 @@ class FamilyAdapter:
                 raise NotImplementedError(f"{f} latent frames do not divide by patch_size_t {pt}")
             grouped = flat.view(f // pt, pt, c, h // patch, patch, w // patch, patch)
             return grouped.permute(0, 3, 5, 1, 2, 4, 6).reshape(f // pt * (h // patch) * (w // patch), -1)
-        c, f, h, w = shape  # "video", Wan [C, F, H, W] with patches (t, h, w)
-        pt, ph, pw = patch
+        c, f, h, w = shape  # "video", Wan and HunyuanVideo [C, F, H, W] with patches (t, h, w)
+        pt, ph, pw = self.video_patch(model_config)
         grouped = flat.view(c, f // pt, pt, h // ph, ph, w // pw, pw)
         return grouped.permute(1, 3, 5, 0, 2, 4, 6).reshape(f // pt * (h // ph) * (w // pw), -1)
+
+    @staticmethod
+    def video_patch(model_config) -> tuple[int, int, int]:
+        """(frames, rows, cols) of a video token: Wan's patch_size tuple, or HunyuanVideo's patch_size and
+        patch_size_t."""
+        patch = model_config.get("patch_size")
+        if isinstance(patch, (tuple, list)):
+            return tuple(patch)
+        return model_config.get("patch_size_t") or 1, patch, patch
+
+    def per_token_settings(self, model_config) -> list[str]:
+        """The per_token_config entries this model's config sets."""
+        found = []
+        for entry in self.per_token_config:
+            key, _, value = entry.partition("=")
+            if (model_config.get(key) == value) if value else model_config.get(key):
+                found.append(entry)
+        return found
 
     def keep_rotary_rows(self, tables, text: int, keep):
         """The rotary tables of the image tokens a rank holds, and every text row. `keep(t, dim)`
         keeps the rank's image rows of t along dim (a contiguous shard, or a stage's active patches)."""
         if self.rotary_layout == "image":
-            return tuple(keep(t, 1) for t in tables)
+            return tuple(keep(t, 1 if t.dim() == 4 else 0) for t in tables)
         if self.rotary_layout == "image_and_text":
             image, text_rows = tables
             return keep(image, 0), text_rows
@@ -260,6 +280,26 @@ FAMILIES = {
             latent_layout="tokens",
         ),
         FamilyAdapter(
+            "HunyuanVideo",
+            "HunyuanVideoTransformer3DModel",
+            shard_at="x_embedder",
+            gather_at="proj_out",
+            attention={
+                r"^transformer_blocks\.\d+\.attn$": "joint_last",
+                r"^single_transformer_blocks\.\d+\.attn$": "joint_last",  # [image; text] joined in the processor
+                r"^context_embedder\.token_refiner\.refiner_blocks\.\d+\.attn$": "text",
+            },
+            rotary_at="rope",  # computed from the latents, before the tokens are sharded
+            rotary_layout="image",
+            text_key_mask=True,
+            per_token_config=("image_condition_type=token_replace",),
+            block_lists=("transformer_blocks", "single_transformer_blocks"),
+            block_counts=("num_layers", "num_single_layers"),
+            latent_layout="video",
+            step_cache_refused="it is checked against diffusers' First-Block Cache through a pipeline, and "
+            "HunyuanVideoPipeline has no load_pipeline recipe yet",
+        ),
+        FamilyAdapter(
             "CogVideoX",
             "CogVideoXTransformer3DModel",
             shard_at="patch_embed",
@@ -332,19 +372,6 @@ def check_diffusers_version(version: str | None = None) -> None:
             f"(module names and attention layouts change between releases). "
             f"Install a supported release: pip install 'diffusers>={low},<{high}'"
         )
-
-
-def image_tokens_at_default_size(transformer) -> int | None:
-    """Image tokens at the model's configured sample size (for setup-time shape checks)."""
-    model_config = transformer.config
-    sample, patch = model_config.get("sample_size"), model_config.get("patch_size") or 1
-    if type(transformer).__name__ == "CogVideoXTransformer3DModel":
-        frames = (model_config.sample_frames - 1) // model_config.temporal_compression_ratio + 1
-        frames = -(-frames // (model_config.get("patch_size_t") or 1))
-        return frames * (model_config.sample_height // patch) * (model_config.sample_width // patch)
-    if type(transformer).__name__ == "FluxTransformer2DModel" or not isinstance(sample, int):
-        return None  # Flux takes packed tokens of any length
-    return (sample // patch) ** 2
 
 
 def output_conditioning_from_block_0(transformer, block_0) -> None:

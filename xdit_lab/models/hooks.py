@@ -202,7 +202,7 @@ class AttentionInterceptor(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         self.reached = True
-        if self.kind == "cross":
+        if self.kind in ("cross", "text"):  # whole text K/V (or text alone) on every rank: exact as it is
             return func(*args, **kwargs)
         query, key, value, mask, dropout_p, is_causal, scale, _ = _sdpa_arguments(*args, **kwargs)
         if is_causal or dropout_p:

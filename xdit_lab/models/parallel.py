@@ -19,7 +19,7 @@ import torch
 from ..config import PIPEFUSION, ParallelConfig, ParallelConfigError
 from ..mesh import RankMesh
 from .cache import StepCache, apply_step_cache
-from .families import adapter_for, check_diffusers_version, image_tokens_at_default_size
+from .families import adapter_for, check_diffusers_version
 from .hooks import ParallelState, gather_batch, install_hooks, parallel_state, run_forward, split_batch
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
@@ -56,7 +56,7 @@ def parallelize(
             "any patch moves, while the async schedule has two steps in flight; use the drained schedule"
         )
     model_config = transformer.config
-    per_token = [key for key in adapter.per_token_config if model_config.get(key)]
+    per_token = adapter.per_token_settings(model_config)
     if per_token and (config.sp_degree > 1 or getattr(config, PIPEFUSION) > 1):
         unsupported.append(
             f"this {adapter.family} model has {', '.join(per_token)} set: it conditions each image token by an index "
@@ -91,6 +91,19 @@ def parallelize(
     if compile:
         transformer.forward = _compiled(transformer.forward)
     return transformer
+
+
+def image_tokens_at_default_size(transformer) -> int | None:
+    """Image tokens at the model's configured sample size (for setup-time shape checks)."""
+    model_config = transformer.config
+    sample, patch = model_config.get("sample_size"), model_config.get("patch_size") or 1
+    if type(transformer).__name__ == "CogVideoXTransformer3DModel":
+        frames = (model_config.sample_frames - 1) // model_config.temporal_compression_ratio + 1
+        frames = -(-frames // (model_config.get("patch_size_t") or 1))
+        return frames * (model_config.sample_height // patch) * (model_config.sample_width // patch)
+    if type(transformer).__name__ == "FluxTransformer2DModel" or not isinstance(sample, int):
+        return None  # Flux takes packed tokens of any length
+    return (sample // patch) ** 2
 
 
 def compile_problems(config, cache=None) -> list[str]:

@@ -23,10 +23,10 @@ from xdit_lab.testing import run_on_ranks
 def decode(world_size, rows, cols):
     from xdit_lab.lab.measure import PeakTensorBytes
     from xdit_lab.memory import decode_peak_bytes
-    from xdit_lab.tiny import _vae
+    from xdit_lab.tiny_parts import image_vae
     from xdit_lab.vae import apply_parallel_vae
 
-    vae = _vae(0, 4)
+    vae = image_vae(0, 4)
     z = torch.randn(1, 4, rows, cols, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         if world_size > 1:

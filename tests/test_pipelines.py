@@ -14,7 +14,7 @@ from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
-FAMILIES = ["pixart", "sd3", "flux", "qwenimage", "cogvideox", "wan"]
+FAMILIES = ["pixart", "sd3", "flux", "qwenimage", "hunyuanvideo", "cogvideox", "wan"]
 CONFIGS = {
     1: [ParallelConfig()],
     2: [
@@ -42,7 +42,7 @@ def folders(tmp_path_factory):
 
 def _call_kwargs(family):
     kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=3)
-    if family == "flux":
+    if family in ("flux", "hunyuanvideo"):
         kwargs.setdefault("true_cfg_scale", 2.0)  # real CFG, so that cfg 2 has two branches to split
     return kwargs
 
@@ -129,7 +129,9 @@ def test_latents_equal_diffusers_pipeline(folders, family, world_size):
         _check_token_layout(family, [next(r["summary"] for r in rows if r["summary"]) for rows in per_rank])
 
 
-TEXT_AT = dict(pixart="cross", sd3="last", flux="first", qwenimage="first", cogvideox="first", wan="cross")
+TEXT_AT = dict(
+    pixart="cross", sd3="last", flux="first", qwenimage="first", hunyuanvideo="last", cogvideox="first", wan="cross"
+)
 
 
 def _check_token_layout(family, summaries):

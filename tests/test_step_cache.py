@@ -23,24 +23,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS, NEGATIVES, STEPS = ["a red cat", "a blue dog"], ["", "a photo"], 6
 # thresholds between the tiny models' measured changes, each at least 0.5% away from every change
 # measured (parallel runs differ from serial by about 1e-6 relative)
-THRESHOLDS = {"pixart": 0.3, "flux": 0.48, "cogvideox": 0.3, "sd3": 0.4, "qwenimage": 0.58}
+THRESHOLDS = {"pixart": 0.3, "flux": 0.48, "cogvideox": 0.3, "sd3": 0.4, "qwenimage": 0.58, "hunyuanvideo": 0.3}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    families = ("pixart", "flux", "cogvideox", "sd3", "qwenimage")
+    families = ("pixart", "flux", "cogvideox", "sd3", "qwenimage", "hunyuanvideo")
     return {f: save_tiny_pipeline(f, tmp_path_factory.mktemp(f)) for f in families}
 
 
 def _call_kwargs(family):
     kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=STEPS)
-    if family not in ("flux", "qwenimage"):  # their true CFG runs two transformer calls a step, each its own cache
+    if family not in ("flux", "qwenimage", "hunyuanvideo"):  # true CFG: two transformer calls a step, two caches
         kwargs["negative_prompt"] = NEGATIVES
     return kwargs
 
 
 def _latents(output, family):
-    return output.frames if family == "cogvideox" else output.images
+    return output.frames if family in ("cogvideox", "hunyuanvideo") else output.images
 
 
 def _diffusers_first_block_cache(folder, family, threshold, prompts=PROMPTS):
@@ -154,10 +154,10 @@ def test_pixart_hybrids_on_4_ranks_equal_diffusers_first_block_cache(folders):
     _check(per_rank, PIXART_4, "pixart", skipping=True)
 
 
-@pytest.mark.parametrize("family", ["flux", "cogvideox", "qwenimage"])
+@pytest.mark.parametrize("family", ["flux", "cogvideox", "qwenimage", "hunyuanvideo"])
 def test_joint_families_equal_diffusers_first_block_cache(folders, family):
-    """Flux and Qwen-Image run without true CFG here (their diffusers pipelines call the transformer
-    once per branch, each with its own cache); CogVideoX with CFG, so cfg 2 splits it."""
+    """Flux, Qwen-Image and HunyuanVideo run without true CFG here (their diffusers pipelines call the
+    transformer once per branch, each with its own cache); CogVideoX with CFG, so cfg 2 splits it."""
     uses_cfg = family == "cogvideox"
     configs = {
         2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
@@ -391,5 +391,3 @@ def test_step_cache_without_a_reference_is_refused_by_name():
 
     with pytest.raises(ParallelConfigError, match="StepCache is not offered on Flux.2"):
         parallelize(tiny_transformer("flux2"), ParallelConfig(), cache=StepCache(0.1))
-    with pytest.raises(ParallelConfigError, match="not offered on HunyuanVideo yet: .* no load_pipeline recipe yet"):
-        parallelize(tiny_transformer("hunyuanvideo"), ParallelConfig(), cache=StepCache(0.1))

@@ -18,6 +18,7 @@ EXPECTED = {
     "cogvideox": ("CogVideoXPipeline", (2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
     "wan": ("WanPipeline", (2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
     "qwenimage": ("QwenImagePipeline", (2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
+    "hunyuanvideo": ("HunyuanVideoPipeline", (2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
 }
 
 
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _call(pipe, family, output_type):
-    # Flux's and Qwen-Image's CFG is true_cfg_scale; their guidance_scale is a guidance-distilled model's input
-    extra = {"true_cfg_scale": 3.0} if family in ("flux", "qwenimage") else {"guidance_scale": 3.0}
+    # Flux's, Qwen-Image's and HunyuanVideo's CFG is true_cfg_scale; their guidance_scale is a distilled model's input
+    extra = {"true_cfg_scale": 3.0} if family in ("flux", "qwenimage", "hunyuanvideo") else {"guidance_scale": 3.0}
     out = pipe(
         prompt=["a red cat", "a blue dog"],
         negative_prompt=["", "photo"],
@@ -36,7 +37,7 @@ def _call(pipe, family, output_type):
         **extra,
         **tiny_pipeline_kwargs(family),
     )
-    return out.frames if family in ("cogvideox", "wan") else out.images
+    return out.frames if family in ("cogvideox", "wan", "hunyuanvideo") else out.images
 
 
 @pytest.mark.parametrize("family", list(EXPECTED))
@@ -60,7 +61,7 @@ def test_tiny_pipeline_saves_reloads_and_runs(family, tmp_path):
     assert images.shape == image_shape and np.isfinite(images).all()
 
 
-@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "cogvideox", "qwenimage"])
+@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "cogvideox", "qwenimage", "hunyuanvideo"])
 def test_same_seed_same_weights(family, tmp_path):
     a, b = (save_tiny_pipeline(family, tmp_path / name, seed=seed) for name, seed in [("a", 0), ("b", 0)])
     c = save_tiny_pipeline(family, tmp_path / "c", seed=1)

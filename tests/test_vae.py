@@ -82,9 +82,9 @@ def test_bands_equal_the_whole_decode(config, rows):
 
 
 def _3d_vae_bands():
-    from xdit_lab.tiny import _video_vae
+    from xdit_lab.tiny_parts import video_vae
 
-    return apply_parallel_vae(_video_vae(0), RankMesh(ParallelConfig(ulysses=2)))
+    return apply_parallel_vae(video_vae(0), RankMesh(ParallelConfig(ulysses=2)))
 
 
 def test_3d_vaes_decode_whole():
@@ -251,9 +251,9 @@ def test_peak_tensor_bytes_counts_what_lives_at_once():
 
 def _band_peak(rows):
     from xdit_lab.lab.measure import PeakTensorBytes
-    from xdit_lab.tiny import _vae
+    from xdit_lab.tiny_parts import image_vae
 
-    vae = _vae(0, 4)
+    vae = image_vae(0, 4)
     z = torch.randn(1, 4, rows, rows, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         with PeakTensorBytes() as whole:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 def family_call_kwargs(family: str, steps: int = 3) -> dict:
     """Call arguments for `save_tiny_pipeline(family)`'s pipeline, diffusers' and load_pipeline's alike:
-    the tiny size, `steps` steps, and real classifier-free guidance (Flux, Qwen-Image: true_cfg_scale,
-    since their tiny models have no guidance embedding), so that cfg 2 has two branches to split."""
+    the tiny size, `steps` steps, and real classifier-free guidance (Flux, Qwen-Image, HunyuanVideo:
+    true_cfg_scale; their guidance_scale is a guidance-distilled model's input), so that cfg 2 has
+    two branches to split."""
     from ..tiny import tiny_pipeline_kwargs
 
     kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=steps)
-    if family in ("flux", "qwenimage"):  # guidance_scale is a guidance-distilled model's input there
+    if family in ("flux", "qwenimage", "hunyuanvideo"):  # guidance_scale is a distilled model's input there
         kwargs["true_cfg_scale"] = 2.0
     else:
         kwargs["guidance_scale"] = 3.0

@@ -296,8 +296,6 @@ FAMILIES = {
             block_lists=("transformer_blocks", "single_transformer_blocks"),
             block_counts=("num_layers", "num_single_layers"),
             latent_layout="video",
-            step_cache_refused="it is checked against diffusers' First-Block Cache through a pipeline, and "
-            "HunyuanVideoPipeline has no load_pipeline recipe yet",
         ),
         FamilyAdapter(
             "CogVideoX",

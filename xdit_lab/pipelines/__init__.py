@@ -3,6 +3,7 @@
 from .base import Prepared, Recipe, Request
 from .cogvideox import CogVideoXRecipe
 from .flux import FluxRecipe
+from .hunyuanvideo import HunyuanVideoRecipe
 from .pixart import PixArtRecipe
 from .qwenimage import QwenImageRecipe
 from .sd3 import SD3Recipe
@@ -10,7 +11,15 @@ from .wan import WanRecipe
 
 RECIPES = {
     name: recipe
-    for recipe in (PixArtRecipe(), SD3Recipe(), FluxRecipe(), QwenImageRecipe(), CogVideoXRecipe(), WanRecipe())
+    for recipe in (
+        PixArtRecipe(),
+        SD3Recipe(),
+        FluxRecipe(),
+        QwenImageRecipe(),
+        HunyuanVideoRecipe(),
+        CogVideoXRecipe(),
+        WanRecipe(),
+    )
     for name in recipe.pipeline_classes
 }
 

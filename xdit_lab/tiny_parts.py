@@ -1,0 +1,282 @@
+"""The parts of tiny pipelines: tokenizers, text encoders and VAEs with random weights, built locally.
+
+Nothing can be downloaded: tokenizers are built from a word list (plus single characters, so any prompt
+tokenizes) with transformers' own tokenizer classes, so a saved folder loads with stock
+`DiffusionPipeline.from_pretrained` and the pipelines' type checks see the classes they expect. Each
+part is seeded; tiny.py assembles them around the tiny transformers into whole pipelines.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+
+from .tiny_models import TEXT_DIM
+
+WORDS = (
+    "a an the of and in on with photo picture drawing handwritten digit number cat dog bird car tree house "
+    "red blue green black white yellow small big"
+).split() + list(string.digits)
+MAX_TOKENS = 8  # CLIP's model_max_length, and `max_sequence_length` for T5 (CogVideoX needs text length = 8)
+
+# HunyuanVideoPipeline's prompt template, shortened to the tiny tokenizer's special tokens: crop_start is the
+# template's tokens before the prompt, which the pipeline crops off the Llama states
+HUNYUAN_TEMPLATE = "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+
+
+def t5_tokenizer():
+    """Unigram pieces "▁word" for WORDS and single characters as a fallback; "</s>" appended, "<pad>" = 0."""
+    from transformers import T5Tokenizer
+
+    chars = string.ascii_letters + string.digits + string.punctuation
+    vocab = (
+        [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+        + [("▁" + w, -1.0) for w in WORDS]
+        + [(c, -5.0) for c in chars]
+    )
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def clip_tokenizer():
+    """Byte-level BPE over the 256 byte symbols, with merges that make each of WORDS one token (never <unk>,
+    which is CLIP's end-of-text token and would move the pooled position)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+
+    alphabet = sorted(ByteLevel.alphabet())
+    tokens, merges = ["<|startoftext|>", "<|endoftext|>"] + alphabet + [c + "</w>" for c in alphabet], []
+    for word in WORDS:
+        parts = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(parts) > 1:
+            merges.append((parts[0], parts[1]))
+            parts = [parts[0] + parts[1]] + parts[2:]
+            tokens.append(parts[0])
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    return CLIPTokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), model_max_length=MAX_TOKENS)
+
+
+# the words of QwenImagePipeline's chat template, so that its system prompt is a few tokens, not bytes
+QWEN_TEMPLATE_WORDS = (
+    "system user assistant Describe image by detailing color shape size texture quantity text spatial "
+    "relationships objects background"
+).split()
+
+
+def qwen_tokenizer():
+    """Qwen2's byte-level BPE over the 256 byte symbols, with merges that make each of WORDS and the chat
+    template's words one token (alone, or after a space: "Ġword"), and the template's special tokens."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    tokens, merges = ["<|endoftext|>", *sorted(ByteLevel.alphabet())], []
+    for word in [prefix + w for w in WORDS + QWEN_TEMPLATE_WORDS for prefix in ("Ġ", "")]:
+        parts = list(word)
+        while len(parts) > 1:
+            merges.append((parts[0], parts[1]))
+            parts = [parts[0] + parts[1]] + parts[2:]
+            tokens.append(parts[0])
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tokenizer
+
+
+def qwen_vl_encoder(seed: int, vocab_size: int):
+    """Qwen2.5-VL, text and a one-layer vision tower, TEXT_DIM wide (what QwenImagePipeline encodes with)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    rope = {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}  # 8 = head_dim 16 / 2
+    text = dict(
+        hidden_size=TEXT_DIM,
+        intermediate_size=TEXT_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        rope_scaling=rope,
+        rope_theta=1e6,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        hidden_size=TEXT_DIM,
+        vocab_size=vocab_size,
+        vision_start_token_id=vocab_size - 1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def llama_tokenizer():
+    """Llama's BPE over single characters (byte fallback), with merges that make each of WORDS after a
+    space ("▁word") one token, HunyuanVideo's template special tokens, and padding on the right."""
+    from transformers import LlamaTokenizer
+
+    chars = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "\n", "▁"]
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{i:02X}>" for i in range(256)], *chars]
+    merges = []
+    for word in ["▁" + w for w in WORDS]:
+        parts = list(word)
+        while len(parts) > 1:
+            merges.append((parts[0], parts[1]))
+            parts = [parts[0] + parts[1]] + parts[2:]
+            tokens.append(parts[0])
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), padding_side="right")
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
+    tokenizer.pad_token = "<unk>"
+    return tokenizer
+
+
+def llama_encoder(seed: int, vocab_size: int):
+    """LlamaModel, TEXT_DIM wide, four layers (the pipeline reads the states two layers before the last)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=TEXT_DIM,
+        intermediate_size=2 * TEXT_DIM,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaModel(config).eval()
+
+
+def hunyuan_vae(seed: int, latent_channels: int):
+    """HunyuanVideo's causal 3D VAE at its smallest: 8x spatial, 4x temporal compression, as the real one's."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    torch.manual_seed(seed)
+    return AutoencoderKLHunyuanVideo(
+        latent_channels=latent_channels,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        scaling_factor=0.476986,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    ).eval()
+
+
+def t5_encoder(seed: int, vocab_size: int, width: int = TEXT_DIM, *, umt5: bool = False):
+    """T5's encoder, or UMT5's (Wan's text encoder: T5 with per-layer relative position biases)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    prefix = "UMT5" if umt5 else "T5"
+    config = getattr(transformers, f"{prefix}Config")(
+        vocab_size=vocab_size,
+        d_model=width,
+        d_kv=8,
+        num_heads=4,
+        num_layers=2,
+        d_ff=2 * width,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return getattr(transformers, f"{prefix}EncoderModel")(config).eval()
+
+
+def clip_encoder(seed: int, vocab_size: int, width: int, projection: bool, positions: int = MAX_TOKENS):
+    """CLIP text model; eos id 1 (not 2, which would select the legacy argmax pooling). positions: the
+    longest input (HunyuanVideoPipeline pads CLIP's to 77 whatever the tokenizer says)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        projection_dim=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def image_vae(seed: int, latent_channels: int, **config):
+    """Two blocks: one 2x downsampling (vae_scale_factor 2)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=latent_channels,
+        sample_size=16,
+        **config,
+    ).eval()
+
+
+def video_vae(seed: int):
+    """Three blocks: 4x spatial and (first two blocks) 4x temporal compression, like CogVideoX's 8x / 4x."""
+    from diffusers import AutoencoderKLCogVideoX
+
+    torch.manual_seed(seed)
+    return AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 3,
+        up_block_types=("CogVideoXUpBlock3D",) * 3,
+        block_out_channels=(8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        sample_height=32,
+        sample_width=32,
+    ).eval()
+
+
+def qwen_vae(seed: int, latent_channels: int):
+    """Qwen-Image's VAE (Wan's causal 3D VAE, one frame at a time) at its smallest: 4x spatial."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
+    return AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=latent_channels,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels,
+    ).eval()
+
+
+def wan_vae(seed: int, latent_channels: int):
+    """Wan's 3D causal VAE at its smallest: 8x spatial, 4x temporal compression, as Wan 2.1's."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(
+        base_dim=4,
+        z_dim=latent_channels,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels,
+    ).eval()

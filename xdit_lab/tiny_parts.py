@@ -250,33 +250,27 @@ def video_vae(seed: int):
     ).eval()
 
 
-def qwen_vae(seed: int, latent_channels: int):
-    """Qwen-Image's VAE (Wan's causal 3D VAE, one frame at a time) at its smallest: 4x spatial."""
-    from diffusers import AutoencoderKLQwenImage
+def _causal_3d_vae(cls_name: str, seed: int, latent_channels: int, **shape):
+    """Wan's causal 3D VAE family (AutoencoderKLWan, AutoencoderKLQwenImage), with zero means, unit stds."""
+    import diffusers
 
     torch.manual_seed(seed)
-    return AutoencoderKLQwenImage(
-        base_dim=8,
+    return getattr(diffusers, cls_name)(
         z_dim=latent_channels,
-        dim_mult=[1, 2, 4],
         num_res_blocks=1,
-        temperal_downsample=[False, True],
         latents_mean=[0.0] * latent_channels,
         latents_std=[1.0] * latent_channels,
+        **shape,
     ).eval()
+
+
+def qwen_vae(seed: int, latent_channels: int):
+    """Qwen-Image's VAE (Wan's causal 3D VAE, one frame at a time) at its smallest: 4x spatial."""
+    shape = dict(base_dim=8, dim_mult=[1, 2, 4], temperal_downsample=[False, True])
+    return _causal_3d_vae("AutoencoderKLQwenImage", seed, latent_channels, **shape)
 
 
 def wan_vae(seed: int, latent_channels: int):
     """Wan's 3D causal VAE at its smallest: 8x spatial, 4x temporal compression, as Wan 2.1's."""
-    from diffusers import AutoencoderKLWan
-
-    torch.manual_seed(seed)
-    return AutoencoderKLWan(
-        base_dim=4,
-        z_dim=latent_channels,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * latent_channels,
-        latents_std=[1.0] * latent_channels,
-    ).eval()
+    shape = dict(base_dim=4, dim_mult=[1, 1, 1, 1], temperal_downsample=[False, True, True])
+    return _causal_3d_vae("AutoencoderKLWan", seed, latent_channels, **shape)

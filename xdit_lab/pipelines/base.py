@@ -156,6 +156,38 @@ class Recipe:
         return self.output_class(images=images)
 
 
+class TrueCFGRecipe(Recipe):
+    """A family whose pipeline runs true CFG as a second forward, when true_cfg_scale > 1 and negative
+    prompts are given (Flux, Qwen-Image, HunyuanVideo), and whose guidance_scale is an input of
+    guidance-distilled models (kept in prepared.extra["distilled_guidance"]). Here the two branches
+    go in one batch [negative; positive], which cfg 2 then splits."""
+
+    def do_cfg(self, request: Request) -> bool:
+        return request.options["true_cfg_scale"] > 1 and request.negatives is not None
+
+    def encode(self, pipe, request: Request, device, branch: int | None = None) -> Prepared:
+        prepared = super().encode(pipe, request, device, branch)
+        prepared.guidance_scale = request.options["true_cfg_scale"]
+        prepared.extra["distilled_guidance"] = request.guidance_scale
+        return prepared
+
+
+def video_latents(pipe, request: Request, height: int, width: int, device) -> torch.Tensor:
+    """The starting latents [B, C, F, H, W] of a video pipeline (Wan, HunyuanVideo), float32 as those
+    pipelines keep them (the model's input is cast to its dtype)."""
+    return pipe.prepare_latents(
+        len(request.prompts),
+        pipe.transformer.config.in_channels,
+        height,
+        width,
+        request.options["num_frames"],
+        torch.float32,
+        device,
+        generator_of(request),
+        None,
+    )
+
+
 def video_prompt_embeds(pipe, request: Request, texts: list[str], device) -> torch.Tensor:
     """One row of T5 embeddings per text, as CogVideoX's and Wan's pipelines encode (same signature)."""
     embeds, _ = pipe.encode_prompt(

@@ -11,10 +11,10 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 
-from .base import Recipe, generator_of
+from .base import TrueCFGRecipe, generator_of
 
 
-class FluxRecipe(Recipe):
+class FluxRecipe(TrueCFGRecipe):
     family = "Flux"
     pipeline_classes = ("FluxPipeline",)
     output_class = FluxPipelineOutput
@@ -30,9 +30,6 @@ class FluxRecipe(Recipe):
 
     unbatched_conditioning = ("txt_ids",)
 
-    def do_cfg(self, request):
-        return request.options["true_cfg_scale"] > 1 and request.negatives is not None
-
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds, pooled, text_ids = pipe.encode_prompt(
             prompt=texts,
@@ -42,12 +39,6 @@ class FluxRecipe(Recipe):
             max_sequence_length=request.options["max_sequence_length"],
         )
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
-
-    def encode(self, pipe, request, device, branch=None):
-        prepared = super().encode(pipe, request, device, branch)
-        prepared.guidance_scale = request.options["true_cfg_scale"]  # true CFG's; the distilled scale is an input
-        prepared.extra["distilled_guidance"] = request.guidance_scale
-        return prepared
 
     def prepare(self, pipe, request, prepared, device):
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor

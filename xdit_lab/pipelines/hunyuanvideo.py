@@ -14,10 +14,10 @@ import torch
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE, retrieve_timesteps
 from diffusers.pipelines.hunyuan_video.pipeline_output import HunyuanVideoPipelineOutput
 
-from .base import Recipe, generator_of
+from .base import TrueCFGRecipe, video_latents
 
 
-class HunyuanVideoRecipe(Recipe):
+class HunyuanVideoRecipe(TrueCFGRecipe):
     family = "HunyuanVideo"
     pipeline_classes = ("HunyuanVideoPipeline",)
     output_class = HunyuanVideoPipelineOutput
@@ -34,9 +34,6 @@ class HunyuanVideoRecipe(Recipe):
         frames = (request.options["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
         return frames // pipe.transformer.config.patch_size_t
 
-    def do_cfg(self, request):
-        return request.options["true_cfg_scale"] > 1 and request.negatives is not None
-
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds, pooled, mask = pipe.encode_prompt(
             prompt=texts,
@@ -51,12 +48,6 @@ class HunyuanVideoRecipe(Recipe):
             pooled_projections=pooled.to(dtype),
         )
 
-    def encode(self, pipe, request, device, branch=None):
-        prepared = super().encode(pipe, request, device, branch)
-        prepared.guidance_scale = request.options["true_cfg_scale"]  # true CFG's; the distilled scale is an input
-        prepared.extra["distilled_guidance"] = request.guidance_scale
-        return prepared
-
     def prepare(self, pipe, request, prepared, device):
         default_height, default_width = self.size_multiple(pipe)[1]
         height, width = request.height or default_height, request.width or default_width
@@ -64,17 +55,7 @@ class HunyuanVideoRecipe(Recipe):
         sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas)
         pipe.scheduler.set_begin_index(0)
-        prepared.latents = pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.config.in_channels,
-            height,
-            width,
-            request.options["num_frames"],
-            torch.float32,  # HunyuanVideoPipeline keeps its latents in float32 and casts the model's input
-            device,
-            generator_of(request),
-            None,
-        )
+        prepared.latents = video_latents(pipe, request, height, width, device)
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input.to(pipe.transformer.dtype)  # flow matching feeds latents as they are

@@ -15,10 +15,10 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from .base import Recipe, generator_of
+from .base import TrueCFGRecipe, generator_of
 
 
-class QwenImageRecipe(Recipe):
+class QwenImageRecipe(TrueCFGRecipe):
     family = "Qwen-Image"
     pipeline_classes = ("QwenImagePipeline",)
     output_class = QwenImagePipelineOutput
@@ -33,9 +33,6 @@ class QwenImageRecipe(Recipe):
     def default_latent_side(self, transformer_config):
         return 128  # QwenImagePipeline's default_sample_size (not in the transformer's config)
 
-    def do_cfg(self, request):
-        return request.options["true_cfg_scale"] > 1 and request.negatives is not None
-
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds, mask = pipe.encode_prompt(
             prompt=texts,
@@ -46,11 +43,6 @@ class QwenImageRecipe(Recipe):
         if mask is None:  # diffusers drops a mask that masks nothing; a batch of two branches needs one
             mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         return dict(encoder_hidden_states=embeds, encoder_hidden_states_mask=mask.bool())
-
-    def encode(self, pipe, request, device, branch=None):
-        prepared = super().encode(pipe, request, device, branch)
-        prepared.guidance_scale = request.options["true_cfg_scale"]  # true CFG's; guidance_scale is an input
-        return prepared
 
     def prepare(self, pipe, request, prepared, device):
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
@@ -68,10 +60,11 @@ class QwenImageRecipe(Recipe):
             None,
         )
         prepared.extra["image_shape"] = (1, height // pipe.vae_scale_factor // 2, width // pipe.vae_scale_factor // 2)
-        guidance = request.guidance_scale
-        if pipe.transformer.config.guidance_embeds and guidance is None:
+        distilled = pipe.transformer.config.guidance_embeds
+        if distilled and request.guidance_scale is None:
             raise ValueError("this Qwen-Image model is guidance-distilled: give guidance_scale")
-        prepared.extra["distilled_guidance"] = guidance if pipe.transformer.config.guidance_embeds else None
+        if not distilled:  # diffusers ignores the scale then
+            prepared.extra["distilled_guidance"] = None
         steps = request.num_inference_steps
         config = pipe.scheduler.config
         mu = calculate_shift(

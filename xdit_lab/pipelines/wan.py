@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
-from .base import Recipe, generator_of, video_prompt_embeds
+from .base import Recipe, video_latents, video_prompt_embeds
 
 
 class WanRecipe(Recipe):
@@ -53,17 +53,7 @@ class WanRecipe(Recipe):
         pipe.scheduler.set_timesteps(request.num_inference_steps, device=device)
         pipe.scheduler.set_begin_index(0)
         prepared.timesteps = pipe.scheduler.timesteps
-        prepared.latents = pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.config.in_channels,
-            height,
-            width,
-            request.options["num_frames"],
-            torch.float32,  # WanPipeline keeps its latents in float32 and casts the model's input
-            device,
-            generator_of(request),
-            None,
-        )
+        prepared.latents = video_latents(pipe, request, height, width, device)
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input.to(pipe.transformer.dtype)  # flow matching feeds latents as they are

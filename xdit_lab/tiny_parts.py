@@ -45,15 +45,21 @@ def clip_tokenizer():
     from transformers import CLIPTokenizer
 
     alphabet = sorted(ByteLevel.alphabet())
-    tokens, merges = ["<|startoftext|>", "<|endoftext|>"] + alphabet + [c + "</w>" for c in alphabet], []
-    for word in WORDS:
-        parts = list(word[:-1]) + [word[-1] + "</w>"]
+    base = ["<|startoftext|>", "<|endoftext|>"] + alphabet + [c + "</w>" for c in alphabet]
+    vocab, merges = _bpe(base, [[*word[:-1], word[-1] + "</w>"] for word in WORDS])
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=MAX_TOKENS)
+
+
+def _bpe(base: list[str], words: list[list[str]]) -> tuple[dict, list]:
+    """A BPE vocabulary and merges: the `base` symbols, then merges left to right that make each of
+    `words` (given as its symbols) one token."""
+    tokens, merges = list(base), []
+    for parts in words:
         while len(parts) > 1:
             merges.append((parts[0], parts[1]))
             parts = [parts[0] + parts[1]] + parts[2:]
             tokens.append(parts[0])
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    return CLIPTokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), model_max_length=MAX_TOKENS)
+    return {t: i for i, t in enumerate(dict.fromkeys(tokens))}, list(dict.fromkeys(merges))
 
 
 # the words of QwenImagePipeline's chat template, so that its system prompt is a few tokens, not bytes
@@ -69,15 +75,9 @@ def qwen_tokenizer():
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
-    tokens, merges = ["<|endoftext|>", *sorted(ByteLevel.alphabet())], []
-    for word in [prefix + w for w in WORDS + QWEN_TEMPLATE_WORDS for prefix in ("Ġ", "")]:
-        parts = list(word)
-        while len(parts) > 1:
-            merges.append((parts[0], parts[1]))
-            parts = [parts[0] + parts[1]] + parts[2:]
-            tokens.append(parts[0])
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)))
+    words = [list(prefix + w) for w in WORDS + QWEN_TEMPLATE_WORDS for prefix in ("Ġ", "")]
+    vocab, merges = _bpe(["<|endoftext|>", *sorted(ByteLevel.alphabet())], words)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     return tokenizer
 
@@ -119,16 +119,9 @@ def llama_tokenizer():
     from transformers import LlamaTokenizer
 
     chars = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "\n", "▁"]
-    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{i:02X}>" for i in range(256)], *chars]
-    merges = []
-    for word in ["▁" + w for w in WORDS]:
-        parts = list(word)
-        while len(parts) > 1:
-            merges.append((parts[0], parts[1]))
-            parts = [parts[0] + parts[1]] + parts[2:]
-            tokens.append(parts[0])
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
-    tokenizer = LlamaTokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), padding_side="right")
+    base = ["<unk>", "<s>", "</s>", *[f"<0x{i:02X}>" for i in range(256)], *chars]
+    vocab, merges = _bpe(base, [list("▁" + w) for w in WORDS])
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, padding_side="right")
     tokenizer.add_special_tokens(
         {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
     )

@@ -9,10 +9,10 @@ session keeps from step to step.
 Latents and conditioning are whole on every rank (the encode's all-gather hands each rank the
 batch's conditioning, and the scheduler steps every prompt's latent), so they are the same under
 every configuration. Their bytes per prompt come from the family's own encode and prepare, run for
-the request's first prompt (for every prompt where the text is padded to the longest, Qwen-Image): no
-per-family table to fall out of step with diffusers, and the cost of one prompt through the text encoder. What a step allocates and frees inside the forward is not held
-between steps and is not planned here; lab.measure.PeakTensorBytes (CPU) or the CUDA allocator's
-peak measures it.
+the request's first prompt (for all of them where a batch pads its text to the longest, Qwen-Image):
+no per-family table to fall out of step with diffusers, and the cost of one prompt through the text
+encoder. What a step allocates and frees inside the forward is not held between steps and is not
+planned here; lab.measure.PeakTensorBytes (CPU) or the CUDA allocator's peak measures it.
 """
 
 from __future__ import annotations

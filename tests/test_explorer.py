@@ -62,7 +62,9 @@ def test_an_invalid_choice_is_explained(config, engines, expected):
 
 def test_cfg_without_guidance_is_explained():
     text = "\n".join(explain(ParallelConfig(cfg=2), 2, ModelShape("PixArt", 4, 4, 8, 8, use_cfg=False)))
-    assert "guidance_scale <= 1" in text
+    assert "these calls have one; give them a guidance_scale above 1, or use cfg 1" in text
+    flux2 = ModelShape("Flux.2", 4, 4, 8, 8, use_cfg=False, cfg_needs=None)  # guidance-distilled: never two
+    assert "Flux.2's pipeline has one" in "\n".join(explain(ParallelConfig(cfg=2), 2, flux2))
 
 
 # ---- on a real 2-engine Lab -----------------------------------------------------------------------------

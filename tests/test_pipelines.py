@@ -14,7 +14,8 @@ from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
-FAMILIES = ["pixart", "sd3", "flux", "qwenimage", "hunyuanvideo", "cogvideox", "wan"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan"]
+ONE_BRANCH = ("flux2",)  # guidance-distilled, no negative prompt: cfg 2 is refused (tested below)
 CONFIGS = {
     1: [ParallelConfig()],
     2: [
@@ -53,15 +54,15 @@ def _reference_and_parallel(folder, family, configs):
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     kwargs = _call_kwargs(family)
-    expected = reference(
-        PROMPTS, negative_prompt=NEGATIVES, generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs
-    )
+    if family not in ONE_BRANCH:
+        kwargs["negative_prompt"] = NEGATIVES
+    expected = reference(prompt=PROMPTS, generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs)
     expected = output_latents(expected)
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-        planned = pipe.memory_plan_for(PROMPTS, negative_prompt=NEGATIVES, **kwargs).activation_bytes  # before the call
-        session = pipe.session(PROMPTS, negative_prompt=NEGATIVES, seed=0, **kwargs).run()
+        planned = pipe.memory_plan_for(PROMPTS, **kwargs).activation_bytes  # before the call
+        session = pipe.session(PROMPTS, seed=0, **kwargs).run()
         result = session.result(output_type="latent")
         latents = output_latents(result)
         rows.append(
@@ -111,15 +112,15 @@ def _held_between_steps(pipe, session) -> dict[str, int]:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_latents_equal_diffusers_pipeline(folders, family, world_size):
-    per_rank = run_on_ranks(
-        _reference_and_parallel, world_size, folders[family], family, CONFIGS[world_size], timeout_s=300
-    )
+    configs = [c for c in CONFIGS[world_size] if not (family in ONE_BRANCH and c.cfg > 1)]
+    per_rank = run_on_ranks(_reference_and_parallel, world_size, folders[family], family, configs, timeout_s=300)
     for rank, rows in enumerate(per_rank):
+        assert [row["config"] for row in rows] == [config.short() for config in configs]
         for row in rows:
             where = f"{family} {row['config']} rank {rank}"
             assert row["shape"] == row["expected_shape"], where
             assert row["error"] <= row["bound"], f"{where}: {row['error']:.3g} > {row['bound']:.3g}"
-            config = next(c for c in CONFIGS[world_size] if c.short() == row["config"])
+            config = next(c for c in configs if c.short() == row["config"])
             expected_groups = {g for g in ("ulysses", "ring", "pipefusion", "cfg", "dp") if getattr(config, g) > 1}
             assert expected_groups <= set(row["groups"]), where
             # the request's memory plan, made before the call, equals what the rank held between steps
@@ -130,7 +131,14 @@ def test_latents_equal_diffusers_pipeline(folders, family, world_size):
 
 
 TEXT_AT = dict(
-    pixart="cross", sd3="last", flux="first", qwenimage="first", hunyuanvideo="last", cogvideox="first", wan="cross"
+    pixart="cross",
+    sd3="last",
+    flux="first",
+    flux2="first",
+    qwenimage="first",
+    hunyuanvideo="last",
+    cogvideox="first",
+    wan="cross",
 )
 
 
@@ -241,6 +249,40 @@ def test_bfloat16_strategies_within_bfloat16_rounding():
     assert max_relative_difference(parallel[f"{stale.short()} warmup 1"], reference) > tolerance
 
 
+def _one_branch_refusals(folders):
+    """What a call with one branch meets under cfg 2, and a negative prompt on a family without one."""
+    from xdit_lab.config import ParallelConfigError
+
+    refused = {}
+    try:
+        load_pipeline(folders["flux2"], ParallelConfig(cfg=2), progress=False)
+    except ParallelConfigError as error:
+        refused["flux2 cfg 2"] = str(error)
+    flux2 = load_pipeline(folders["flux2"], ParallelConfig(dp=2), progress=False)
+    try:
+        flux2.session(PROMPTS, negative_prompt=NEGATIVES, seed=0, **_call_kwargs("flux2"))
+    except ValueError as error:
+        refused["flux2 negatives"] = str(error)
+    flux2.close()
+    pixart = load_pipeline(folders["pixart"], ParallelConfig(cfg=2), progress=False)
+    try:
+        pixart.session(PROMPTS, seed=0, **dict(_call_kwargs("pixart"), guidance_scale=1.0))
+    except ValueError as error:
+        refused["pixart guidance 1"] = str(error)
+    return refused
+
+
+def test_a_call_with_one_branch_is_refused_under_cfg_2_by_name(folders):
+    """Flux.2 is guidance-distilled: its pipeline has no unconditional branch and no negative prompt,
+    so cfg 2 is refused at load and a negative prompt at the call. Under cfg 2, a PixArt call at
+    guidance 1 (one branch) is refused with what would give it two, where it used to split the prompts
+    as if they were the branches."""
+    for refused in run_on_ranks(_one_branch_refusals, 2, folders, timeout_s=120):
+        assert "Flux.2's pipeline has one branch" in refused["flux2 cfg 2"] and "dp 2" in refused["flux2 cfg 2"]
+        assert "takes no negative_prompt" in refused["flux2 negatives"]
+        assert "a guidance_scale above 1, or load with cfg 1" in refused["pixart guidance 1"]
+
+
 def _load_refused(folder):
     try:
         load_pipeline(folder, ParallelConfig(), progress=False)
@@ -260,3 +302,22 @@ def test_wan_two_expert_pipeline_is_refused_by_name(tmp_path):
     WanPipeline(**parts, boundary_ratio=0.875).save_pretrained(tmp_path / "wan22")
     (message,) = run_on_ranks(_load_refused, 1, tmp_path / "wan22", timeout_s=120)
     assert message and "two-expert pipeline (boundary_ratio, transformer_2)" in message, message
+
+
+def test_the_load_plan_counts_the_rows_the_recipe_runs():
+    """The load's plan sizes PipeFusion's stale K/V at the rows of one prompt at the call defaults, as
+    the recipe decides them (a negative prompt counted as given). It used to read guidance_scale > 1,
+    which counted Flux's distilled 3.5 as two branches and Qwen-Image's None as one."""
+    from xdit_lab.pipelines import recipe_for
+    from xdit_lab.request_memory import rows_of_one_prompt
+
+    def rows(pipeline, config, **defaults):
+        recipe = recipe_for(pipeline)
+        return rows_of_one_prompt(config, recipe, {**recipe.defaults, **defaults})
+
+    one = ParallelConfig()
+    assert rows("PixArtAlphaPipeline", one) == 2 and rows("PixArtAlphaPipeline", ParallelConfig(cfg=2)) == 1
+    assert rows("PixArtAlphaPipeline", one, guidance_scale=1.0) == 1
+    assert rows("FluxPipeline", one) == 1 and rows("FluxPipeline", one, true_cfg_scale=2.0) == 2
+    assert rows("QwenImagePipeline", one) == 2  # true_cfg_scale 4.0 by default
+    assert rows("Flux2Pipeline", one) == 1 and rows("PixArtAlphaPipeline", ParallelConfig(dp=2)) == 1

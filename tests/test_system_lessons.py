@@ -228,6 +228,9 @@ def test_family_helpers():
     assert kwargs["num_inference_steps"] == 2 and kwargs["true_cfg_scale"] > 1
     assert "true_cfg_scale" not in families.family_call_kwargs("sd3")
     assert families.family_call_kwargs("cogvideox")["num_frames"] == 9
+    assert families.family_call_kwargs("sd3", negative_prompt="blur")["negative_prompt"] == "blur"
+    flux2 = families.family_call_kwargs("flux2", negative_prompt="blur")  # guidance-distilled: one branch
+    assert not {"negative_prompt", "guidance_scale", "true_cfg_scale"} & set(flux2)
     video = types.SimpleNamespace(frames=torch.ones(1), images=None)
     assert families.output_latents(video) is video.frames
     assert families.output_latents(types.SimpleNamespace(images=torch.zeros(1))).shape == (1,)

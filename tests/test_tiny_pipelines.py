@@ -15,6 +15,7 @@ EXPECTED = {
     "pixart-sigma": ("PixArtSigmaPipeline", (2, 4, 8, 8), (2, 16, 16, 3)),
     "sd3": ("StableDiffusion3Pipeline", (2, 16, 8, 8), (2, 16, 16, 3)),
     "flux": ("FluxPipeline", (2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
+    "flux2": ("Flux2Pipeline", (2, 16, 16), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
     "cogvideox": ("CogVideoXPipeline", (2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
     "wan": ("WanPipeline", (2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
     "qwenimage": ("QwenImagePipeline", (2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
@@ -28,9 +29,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _call(pipe, family, output_type):
     # Flux's, Qwen-Image's and HunyuanVideo's CFG is true_cfg_scale; their guidance_scale is a distilled model's input
     extra = {"true_cfg_scale": 3.0} if family in ("flux", "qwenimage", "hunyuanvideo") else {"guidance_scale": 3.0}
+    if family != "flux2":  # guidance-distilled, without a negative prompt
+        extra["negative_prompt"] = ["", "photo"]
     out = pipe(
         prompt=["a red cat", "a blue dog"],
-        negative_prompt=["", "photo"],
         num_inference_steps=2,
         generator=torch.Generator().manual_seed(0),
         output_type=output_type,
@@ -61,7 +63,7 @@ def test_tiny_pipeline_saves_reloads_and_runs(family, tmp_path):
     assert images.shape == image_shape and np.isfinite(images).all()
 
 
-@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "cogvideox", "qwenimage", "hunyuanvideo"])
+@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "flux2", "cogvideox", "qwenimage", "hunyuanvideo"])
 def test_same_seed_same_weights(family, tmp_path):
     a, b = (save_tiny_pipeline(family, tmp_path / name, seed=seed) for name, seed in [("a", 0), ("b", 0)])
     c = save_tiny_pipeline(family, tmp_path / "c", seed=1)
@@ -90,6 +92,23 @@ def test_tokenizers_reload_with_whole_word_tokens(tmp_path):
     assert t5("").input_ids == [t5.eos_token_id]
     # Unknown words fall back to characters (bytes for CLIP), never to CLIP's <unk> = end-of-text.
     assert clip("zebra, 7!").input_ids.count(clip.eos_token_id) == 1
+
+
+def test_flux2_chat_reloads_with_whole_word_tokens(tmp_path):
+    """Flux2Pipeline's tokenizer renders its system message and the prompt in Mistral's chat format,
+    the message a few dozen tokens (one per word), padded to max_sequence_length as the pipeline asks."""
+    from diffusers import DiffusionPipeline
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    tokenizer = DiffusionPipeline.from_pretrained(save_tiny_pipeline("flux2", tmp_path)).tokenizer
+    inputs = tokenizer.apply_chat_template(
+        format_input(["a red cat"]), tokenize=True, return_dict=True, padding="max_length", max_length=64
+    )
+    tokens, mask = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0]), inputs["attention_mask"][0]
+    text = tokens[64 - sum(mask) :]  # padded on the left, as Mistral's tokenizer pads
+    assert set(tokens[: 64 - sum(mask)]) == {"<unk>"} and mask[-sum(mask) :] == [1] * sum(mask)
+    assert text[:2] == ["<s>", "[SYSTEM_PROMPT]"] and text[-5:] == ["[INST]", "a", "▁red", "▁cat", "[/INST]"]
+    assert 30 < len(text) < 64 and "▁descriptions" in text
 
 
 def test_unknown_family():

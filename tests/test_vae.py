@@ -25,18 +25,18 @@ VAE_CONFIG = dict(
 )
 
 
-def _vae():
-    from diffusers import AutoencoderKL
+def _vae(kind="AutoencoderKL"):
+    import diffusers
 
     torch.manual_seed(0)
-    return AutoencoderKL(**VAE_CONFIG).eval()
+    return getattr(diffusers, kind)(**VAE_CONFIG).eval()
 
 
-def _decode_in_bands(config, rows, cols):
+def _decode_in_bands(config, rows, cols, kind="AutoencoderKL"):
     from xdit_lab.sharding import shard_range
     from xdit_lab.vae import band_group
 
-    vae = _vae()
+    vae = _vae(kind)
     z = torch.randn(2, 4, rows, cols, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         whole = vae.decode(z).sample
@@ -60,18 +60,19 @@ def _decode_in_bands(config, rows, cols):
 
 
 @pytest.mark.parametrize(
-    "config, rows",
+    "config, rows, kind",
     [
-        (ParallelConfig(ulysses=2), 7),
-        (ParallelConfig(ring=3), 7),
-        (ParallelConfig(ulysses=2, ring=2), 9),
-        (ParallelConfig(pipefusion=2, ulysses=2), 9),
+        (ParallelConfig(ulysses=2), 7, "AutoencoderKL"),
+        (ParallelConfig(ring=3), 7, "AutoencoderKL"),
+        (ParallelConfig(ulysses=2, ring=2), 9, "AutoencoderKL"),
+        (ParallelConfig(pipefusion=2, ulysses=2), 9, "AutoencoderKL"),
+        (ParallelConfig(ulysses=2), 7, "AutoencoderKLFlux2"),  # Flux.2's: the same 2D decoder
     ],
-    ids=lambda v: v.short() if isinstance(v, ParallelConfig) else f"{v}rows",
+    ids=lambda v: v.short() if isinstance(v, ParallelConfig) else f"{v}rows" if isinstance(v, int) else v,
 )
-def test_bands_equal_the_whole_decode(config, rows):
-    cols = 6
-    for rank, out in enumerate(run_on_ranks(_decode_in_bands, config.world_size, config, rows, cols, timeout_s=120)):
+def test_bands_equal_the_whole_decode(config, rows, kind):
+    cols, world = 6, config.world_size
+    for rank, out in enumerate(run_on_ranks(_decode_in_bands, world, config, rows, cols, kind, timeout_s=120)):
         where = f"{config.short()} rank {rank}"
         assert out["shape"], where
         assert out["error"] <= out["bound"], f"{where}: {out['error']:.3g} > {out['bound']:.3g}"
@@ -93,18 +94,18 @@ def test_3d_vaes_decode_whole():
     assert run_on_ranks(_3d_vae_bands, 2) == [False, False]
 
 
-def _pipeline_images(folder, configs, prompts=("a red cat", "a blue dog")):
+def _pipeline_images(folder, configs, prompts=("a red cat", "a blue dog"), family="pixart"):
     from diffusers import DiffusionPipeline
 
     from xdit_lab import load_pipeline
     from xdit_lab.tiny import tiny_pipeline_kwargs
     from xdit_lab.vae import DECODED
 
-    kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2)
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=2)
     prompts = list(prompts)
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    expected = reference(prompts, generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).images
+    expected = reference(prompt=prompts, generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).images
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
@@ -146,6 +147,20 @@ def test_pipeline_images_equal_diffusers_with_and_without_bands(tmp_path):
             assert row["vae_tags"] == ["vae_gather", "vae_halo", "vae_kv", "vae_norm"], row["config"]
             assert row["vae_groups"] == [group], row["config"]
         assert whole["vae_tags"] == [] and "vae_parallel=False" in whole["config"]
+
+
+def test_flux2_images_equal_diffusers_in_bands_and_shares(tmp_path):
+    """Flux2Pipeline's decode (tokens scattered back by their ids, the VAE's batch norm undone, 2 × 2
+    patches unfolded) under ulysses 2, in bands on its VAE, and under dp 2, each rank decoding its
+    own image: equal to diffusers' pipeline run serially."""
+    from xdit_lab.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("flux2", tmp_path / "flux2")
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(dp=2)]
+    for rank, (sp, dp) in enumerate(run_on_ranks(_pipeline_images, 2, folder, configs, family="flux2")):
+        assert sp["error"] <= 1e-4 and dp["error"] <= 1e-4, f"rank {rank}: {sp['error']:.3g}, {dp['error']:.3g}"
+        assert sp["vae_groups"] == ["sp"] and "vae_halo" in sp["vae_tags"], sp
+        assert dp["vae_groups"] == ["dp"] and dp["decoded_images"] == 1, dp
 
 
 # Three prompts, both CFG branches (PixArt's guidance 4.5): 6 text-encoder rows serially. Per rank,

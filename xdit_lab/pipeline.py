@@ -33,9 +33,9 @@ from .models import StepCache, compile_problems, parallelize
 from .models.families import FAMILIES
 from .pipelines import recipe_for
 from .pipelines.base import Request
-from .request_memory import plan_request
+from .request_memory import plan_request, rows_of_one_prompt
 from .session import DenoiseSession
-from .sharding import batch_rows, stage_ranges
+from .sharding import stage_ranges
 from .vae import apply_parallel_vae
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
@@ -101,13 +101,6 @@ def read_call_defaults(folder: Path, recipe) -> dict:
     return defaults
 
 
-def _rows_of_one_prompt(config, guidance_scale: float) -> int:
-    """The most batch rows a rank computes for one prompt, as the forward splits them (batch_rows)."""
-    # cfg 2 takes one branch (or refuses the call); None: a family whose CFG is true_cfg_scale (Qwen-Image)
-    total = 2 if (guidance_scale or 0) > 1 and config.cfg == 1 else 1
-    return max(stop - start for start, stop, _ in (batch_rows(total, 1, config.dp, 0, d) for d in range(config.dp)))
-
-
 def load_pipeline(
     name_or_path,
     config: ParallelConfig | None = None,
@@ -121,7 +114,7 @@ def load_pipeline(
     compile: bool = False,
     **from_pretrained_kwargs,
 ) -> ParallelPipeline:
-    """Load a PixArt-α/Σ, SD3, Flux.1 or CogVideoX pipeline folder and parallelize it on this rank.
+    """Load a pipeline folder of a family with a recipe (pipelines.RECIPES) and parallelize it on this rank.
 
     Call on every rank. `config` defaults to one rank (serial); without torch.distributed
     initialised, the world is joined here as `init_distributed()` would (a world of one in a
@@ -137,6 +130,7 @@ def load_pipeline(
     folder = resolve_folder(name_or_path)
     index = read_model_index(folder)
     recipe = recipe_for(index.get("_class_name", "?"))
+    recipe.check_branches(config.cfg)
     call_defaults = {**recipe.defaults, **read_call_defaults(folder, recipe)}
     if not dist.is_initialized():
         init_distributed()
@@ -159,7 +153,7 @@ def load_pipeline(
             stage_split=stage_split,
             decode_latent=recipe.default_latent(folder, call_defaults),
             decode_bands=config.sp_degree * config.pipefusion if config.vae_parallel else 1,
-            stale_kv=(config, _rows_of_one_prompt(config, call_defaults["guidance_scale"])),
+            stale_kv=(config, rows_of_one_prompt(config, recipe, call_defaults)),
         )
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
@@ -306,6 +300,7 @@ class ParallelPipeline:
             ),
         )
         self.check_size(request)
+        self.recipe.check_negatives(request)  # cfg 2 with one branch: refused where the batch splits
         return request
 
     def session(self, prompt, *args, progress=False, **kwargs) -> DenoiseSession:

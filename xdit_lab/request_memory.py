@@ -92,3 +92,15 @@ def plan_request(pipe, request: Request) -> MemoryPlan:
         + f", {stop - start} row(s) on this rank"
     )
     return plan
+
+
+def rows_of_one_prompt(config, recipe, call_defaults: dict) -> int:
+    """The most batch rows a rank computes for one prompt at the call defaults, as the forward splits
+    them (batch_rows): what the load's plan sizes PipeFusion's stale K/V at. A negative prompt counts
+    as given, since a call may bring one (true-CFG families have two branches only with it)."""
+    options = {key: value for key, value in call_defaults.items() if key in recipe.options}
+    negatives = None if recipe.cfg_needs is None else [""]
+    default = Request(["a prompt"], negatives, 1, call_defaults["guidance_scale"], None, None, None)
+    default.options = recipe.check_options(options)
+    total = 2 if recipe.do_cfg(default) and config.cfg == 1 else 1  # cfg 2 takes one branch
+    return max(stop - start for start, stop, _ in (batch_rows(total, 1, config.dp, 0, d) for d in range(config.dp)))

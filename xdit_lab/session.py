@@ -314,6 +314,7 @@ def encode_own_prompts(recipe, pipe, request: Request, mesh, device) -> tuple[Pr
     and contributes no rows; its forward computes a stand-in row, dropped by the gather.
     Returns the prepared conditioning and the indices of this rank's own prompts."""
     dp, total = mesh.group_size(DP), len(request.prompts)
+    recipe.check_branches(mesh.group_size(CFG), request)
     split_branches = mesh.group_size(CFG) == 2 and recipe.do_cfg(request)
     if dp == 1 and not split_branches:
         return recipe.encode(pipe, request, device), range(total)

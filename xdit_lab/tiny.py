@@ -19,10 +19,13 @@ from .tiny_parts import (
     MAX_TOKENS,
     clip_encoder,
     clip_tokenizer,
+    flux2_vae,
     hunyuan_vae,
     image_vae,
     llama_encoder,
     llama_tokenizer,
+    mistral3_encoder,
+    mistral_tokenizer,
     qwen_tokenizer,
     qwen_vae,
     qwen_vl_encoder,
@@ -52,6 +55,7 @@ PIPELINES = {
     "pixart-sigma": "PixArtSigmaPipeline",
     "sd3": "StableDiffusion3Pipeline",
     "flux": "FluxPipeline",
+    "flux2": "Flux2Pipeline",
     "cogvideox": "CogVideoXPipeline",
     "wan": "WanPipeline",
     "qwenimage": "QwenImagePipeline",
@@ -112,6 +116,24 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                     use_quant_conv=False,
                     use_post_quant_conv=False,
                 ),
+                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
+                    shift=3.0,
+                    use_dynamic_shifting=True,
+                    base_shift=0.5,
+                    max_shift=1.15,
+                    base_image_seq_len=256,
+                    max_image_seq_len=4096,
+                ),
+            )
+        elif family == "flux2":  # Mistral 3's states after 3 layers stacked (3 x 32 wide); 2 x 2 x 4 packed into 16
+            mistral_tok = mistral_tokenizer()
+            parts = dict(
+                transformer=tiny_transformer(
+                    "flux2", seed=seed, joint_attention_dim=3 * TEXT_DIM, guidance_embeds=True
+                ),
+                text_encoder=mistral3_encoder(seed + 1, len(mistral_tok)),
+                tokenizer=mistral_tok,
+                vae=flux2_vae(seed + 2, 4),
                 scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
                     shift=3.0,
                     use_dynamic_shifting=True,
@@ -194,6 +216,8 @@ def tiny_pipeline_kwargs(family: str) -> dict:
         "pixart-sigma": dict(size, use_resolution_binning=False, clean_caption=False),
         "sd3": size,
         "flux": size,
+        # the system message and the prompt are some 50 tokens: padded to 64 (the pipeline's default: 512)
+        "flux2": dict(height=16, width=16, max_sequence_length=64),
         "cogvideox": dict(height=32, width=32, num_frames=9, max_sequence_length=MAX_TOKENS),
         "wan": dict(height=64, width=64, num_frames=5, max_sequence_length=MAX_TOKENS),  # 2 latent frames of 8 × 8
         # 8 × 8 latent: 4 × 4 tokens; the text as long as each prompt encodes, padded and masked in a batch

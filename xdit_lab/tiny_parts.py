@@ -8,6 +8,7 @@ part is seeded; tiny.py assembles them around the tiny transformers into whole p
 
 from __future__ import annotations
 
+import re
 import string
 
 import torch
@@ -116,17 +117,83 @@ def qwen_vl_encoder(seed: int, vocab_size: int):
 def llama_tokenizer():
     """Llama's BPE over single characters (byte fallback), with merges that make each of WORDS after a
     space ("▁word") one token, HunyuanVideo's template special tokens, and padding on the right."""
+    specials = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    return _llama_bpe(WORDS, specials, padding_side="right")
+
+
+def _llama_bpe(words: list[str], specials: list[str], **kwargs):
+    """transformers' LlamaTokenizer over single characters (byte fallback), with merges that make each of
+    `words` after a space ("▁word") one token, and `specials` as special tokens; "<unk>" pads."""
     from transformers import LlamaTokenizer
 
     chars = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "\n", "▁"]
     base = ["<unk>", "<s>", "</s>", *[f"<0x{i:02X}>" for i in range(256)], *chars]
-    vocab, merges = _bpe(base, [list("▁" + w) for w in WORDS])
-    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, padding_side="right")
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
-    )
+    vocab, merges = _bpe(base, [list("▁" + w) for w in dict.fromkeys(words)])
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, **kwargs)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
     tokenizer.pad_token = "<unk>"
     return tokenizer
+
+
+# Flux2Pipeline's chat, in Mistral's format: a system prompt, then the user's prompt (text parts only)
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if content is not string -%}"
+    "{%- set content = content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}[SYSTEM_PROMPT]{{ content }}[/SYSTEM_PROMPT]"
+    "{%- else -%}[INST]{{ content }}[/INST]{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def mistral_tokenizer():
+    """A Mistral-format tokenizer for Flux2Pipeline: Llama's character BPE with WORDS and the pipeline's
+    system message one token per word, Mistral's chat special tokens, and MISTRAL_CHAT_TEMPLATE.
+
+    The real pipeline's `tokenizer` is a PixtralProcessor; its image half needs torchvision, which this
+    project does not install. For text prompts the processor's `apply_chat_template` renders the
+    template and calls its tokenizer, the same call the pipeline makes here on the tokenizer itself."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    words = WORDS + re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE)
+    specials = ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
+    return _llama_bpe(words, specials, chat_template=MISTRAL_CHAT_TEMPLATE)
+
+
+def mistral3_encoder(seed: int, vocab_size: int):
+    """Mistral 3 (Flux.2's text encoder), TEXT_DIM wide with a one-layer Pixtral vision tower, and 30
+    text layers: Flux2Pipeline stacks the states after layers 10, 20 and 30 by default."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(
+        model_type="mistral",
+        hidden_size=TEXT_DIM,
+        intermediate_size=TEXT_DIM,
+        num_hidden_layers=30,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=TEXT_DIM // 2,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(
+        model_type="pixtral",
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=8,
+        image_size=32,
+        patch_size=8,
+    )
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab_size - 1)
+    return Mistral3ForConditionalGeneration(config).eval()
 
 
 def llama_encoder(seed: int, vocab_size: int):
@@ -223,6 +290,26 @@ def image_vae(seed: int, latent_channels: int, **config):
         sample_size=16,
         **config,
     ).eval()
+
+
+def flux2_vae(seed: int, latent_channels: int):
+    """Flux.2's VAE (image_vae's two blocks) with its batch norm over 2 × 2 patches of the latent,
+    whose running statistics (random here, not 0 and 1) the pipeline undoes before decoding."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=latent_channels,
+        sample_size=16,
+    ).eval()
+    vae.bn.running_mean.normal_()
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
 
 
 def video_vae(seed: int):

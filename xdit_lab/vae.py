@@ -20,8 +20,8 @@ F.group_norm and F.scaled_dot_product_attention to the band-aware versions below
 collective is logged with a tag starting "vae". The result equals `vae.decode` of the whole
 latent up to float rounding. Bands are on with ParallelConfig(vae_parallel=True), the default;
 the split of images over dp × cfg always is. Under PipeFusion every stage holds the whole latents
-too: the bands go over stages × sp (the mesh's "image" group). CogVideoX's 3D VAE decodes each
-rank's images whole.
+too: the bands go over stages × sp (the mesh's "image" group). Flux.2's VAE is the same 2D decoder;
+the 3D VAEs of the video families decode each rank's images whole.
 """
 
 from __future__ import annotations
@@ -41,20 +41,22 @@ from .mesh import CFG, DP, IMAGE, PIPEFUSION, SP
 from .sharding import shard_range, shard_sizes
 
 log = logging.getLogger("xdit_lab.vae")
+BANDED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # 2D: diffusers' Decoder behind post_quant_conv
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
 def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     """Make `vae.decode` do only this rank's part: its images of the batch (split over the dp × cfg
     ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
-    vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing changed) when one rank holds
-    every image and there are no bands to split. Bands need an AutoencoderKL (2D): CogVideoX's 3D
-    VAE decodes its images whole (said once in the log)."""
+    vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing
+    changed) when one rank holds every image and there are no bands to split. Bands need a 2D VAE
+    (BANDED_VAES): the 3D VAEs of the video families decode their images whole (said in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
-    if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ != "AutoencoderKL":
+    if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ not in BANDED_VAES:
         log.warning(
-            "%s decodes this rank's images whole: row bands over the ranks of an image need an AutoencoderKL (2D)",
+            "%s decodes this rank's images whole: row bands over the ranks of an image need a 2D VAE (%s)",
             type(vae).__name__,
+            ", ".join(BANDED_VAES),
         )
         bands = False
     bands = bands and mesh.group_size(IMAGE) > 1

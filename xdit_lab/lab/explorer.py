@@ -60,6 +60,7 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
         rows=height // multiple,
         cols=width // multiple,
         use_cfg=pipe.recipe.do_cfg(pipe.request("a prompt", **session_kwargs)),
+        cfg_needs=pipe.recipe.cfg_needs,
         num_inference_steps=defaults["num_inference_steps"],
     )
 

@@ -25,8 +25,9 @@ class ModelShape:
     num_layers: int
     rows: int  # image tokens per column, at the call's height
     cols: int
-    use_cfg: bool  # guidance > 1: there are two branches for cfg 2 to split
+    use_cfg: bool  # the calls have two branches for cfg 2 to split (guidance > 1, for most families)
     hidden_size: int | None = None  # heads × head dim: the planning table's traffic in bytes
+    cfg_needs: str | None = "a guidance_scale above 1"  # what gives a call two; None: never (the recipe's)
 
     @property
     def seq_len(self) -> int:
@@ -71,8 +72,11 @@ def _extra_problems(config: ParallelConfig, shape: ModelShape) -> list[str]:
     found = []
     if config.cfg == 2 and not shape.use_cfg:
         found.append(
-            "cfg 2 splits the unconditional and conditional branches, but guidance_scale <= 1 runs "
-            "only one; use cfg 1 or a guidance scale above 1"
+            f"cfg 2 splits the unconditional and conditional branches, but {shape.family}'s pipeline has "
+            "one (its guidance is the model's input); use cfg 1"
+            if shape.cfg_needs is None
+            else "cfg 2 splits the unconditional and conditional branches, but these calls have one; "
+            f"give them {shape.cfg_needs}, or use cfg 1"
         )
     if config.pipefusion > 1 and config.patches > shape.rows:
         found.append(f"{config.patches} PipeFusion patches are row bands, but the image has {shape.rows} token rows")

@@ -3,6 +3,7 @@
 from .base import Prepared, Recipe, Request
 from .cogvideox import CogVideoXRecipe
 from .flux import FluxRecipe
+from .flux2 import Flux2Recipe
 from .hunyuanvideo import HunyuanVideoRecipe
 from .pixart import PixArtRecipe
 from .qwenimage import QwenImageRecipe
@@ -15,6 +16,7 @@ RECIPES = {
         PixArtRecipe(),
         SD3Recipe(),
         FluxRecipe(),
+        Flux2Recipe(),
         QwenImageRecipe(),
         HunyuanVideoRecipe(),
         CogVideoXRecipe(),

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import ParallelConfigError
+
 
 @dataclass
 class Request:
@@ -96,9 +98,34 @@ class Recipe:
     # conditioning [rows, text, ...] whose text a batch pads to its longest, masked (Qwen-Image's embeds and mask)
     padded_text: tuple[str, ...] = ()
 
+    # what gives a call the two branches [unconditional; conditional] that cfg 2 splits; None: the
+    # family never has them (and takes no negative prompt)
+    cfg_needs: str | None = "a guidance_scale above 1"
+
     def do_cfg(self, request: Request) -> bool:
         """Whether the batch is [unconditional; conditional] (two branches) or conditional alone."""
         return request.guidance_scale > 1.0
+
+    def check_branches(self, cfg: int, request: Request | None = None) -> None:
+        """Refuse, by name, cfg 2 where there is one branch to split: at load (request None) for a
+        family that never has two, and for a request that has one."""
+        if cfg == 2 and self.cfg_needs is None:
+            raise ParallelConfigError(
+                f"cfg 2 splits the branches [unconditional; conditional], but {self.family}'s pipeline has "
+                f"one branch (its guidance_scale is the model's input): use cfg 1, and dp 2 to split prompts"
+            )
+        if request is not None and cfg == 2 and not self.do_cfg(request):
+            raise ValueError(
+                f"cfg 2 splits the branches [unconditional; conditional], but this {self.family} call has "
+                f"one: give it {self.cfg_needs}, or load with cfg 1"
+            )
+
+    def check_negatives(self, request: Request) -> None:
+        if request.negatives is not None and self.cfg_needs is None:
+            raise ValueError(
+                f"{self.family}'s pipeline takes no negative_prompt: it has no unconditional branch "
+                f"(its guidance_scale is the model's input); drop negative_prompt"
+            )
 
     def encode_texts(self, pipe, request: Request, texts: list[str], device, *, negative: bool) -> dict:
         """The transformer's conditioning for `texts`, one row each, as the family's pipeline encodes
@@ -161,6 +188,8 @@ class TrueCFGRecipe(Recipe):
     prompts are given (Flux, Qwen-Image, HunyuanVideo), and whose guidance_scale is an input of
     guidance-distilled models (kept in prepared.extra["distilled_guidance"]). Here the two branches
     go in one batch [negative; positive], which cfg 2 then splits."""
+
+    cfg_needs = "a negative_prompt and a true_cfg_scale above 1"
 
     def do_cfg(self, request: Request) -> bool:
         return request.options["true_cfg_scale"] > 1 and request.negatives is not None

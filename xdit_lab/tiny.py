@@ -116,14 +116,7 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                     use_quant_conv=False,
                     use_post_quant_conv=False,
                 ),
-                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
-                    shift=3.0,
-                    use_dynamic_shifting=True,
-                    base_shift=0.5,
-                    max_shift=1.15,
-                    base_image_seq_len=256,
-                    max_image_seq_len=4096,
-                ),
+                scheduler=_flux_scheduler(),
             )
         elif family == "flux2":  # Mistral 3's states after 3 layers stacked (3 x 32 wide); 2 x 2 x 4 packed into 16
             mistral_tok = mistral_tokenizer()
@@ -134,14 +127,7 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                 text_encoder=mistral3_encoder(seed + 1, len(mistral_tok)),
                 tokenizer=mistral_tok,
                 vae=flux2_vae(seed + 2, 4),
-                scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
-                    shift=3.0,
-                    use_dynamic_shifting=True,
-                    base_shift=0.5,
-                    max_shift=1.15,
-                    base_image_seq_len=256,
-                    max_image_seq_len=4096,
-                ),
+                scheduler=_flux_scheduler(),
             )
         elif family == "wan":  # Wan 2.1's layout: one transformer, flow matching with shift
             parts = dict(
@@ -193,6 +179,20 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                 ),
             )
         return getattr(diffusers, PIPELINES[family])(**parts)
+
+
+def _flux_scheduler():
+    """Flux.1's and Flux.2's: flow matching with a shift that grows with the image's tokens."""
+    import diffusers
+
+    return diffusers.FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
 
 
 def save_tiny_pipeline(family: str, path, *, seed: int = 0) -> Path:

@@ -275,12 +275,13 @@ def clip_encoder(seed: int, vocab_size: int, width: int, projection: bool, posit
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
 
-def image_vae(seed: int, latent_channels: int, **config):
-    """Two blocks: one 2x downsampling (vae_scale_factor 2)."""
-    from diffusers import AutoencoderKL
+def image_vae(seed: int, latent_channels: int, kind: str = "AutoencoderKL", **config):
+    """Two blocks: one 2x downsampling (vae_scale_factor 2). kind: diffusers' class, AutoencoderKL or
+    Flux.2's AutoencoderKLFlux2 (the same blocks, and a batch norm over 2 × 2 patches of the latent)."""
+    import diffusers
 
     torch.manual_seed(seed)
-    return AutoencoderKL(
+    return getattr(diffusers, kind)(
         down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2,
         block_out_channels=(8, 16),
@@ -293,20 +294,9 @@ def image_vae(seed: int, latent_channels: int, **config):
 
 
 def flux2_vae(seed: int, latent_channels: int):
-    """Flux.2's VAE (image_vae's two blocks) with its batch norm over 2 × 2 patches of the latent,
-    whose running statistics (random here, not 0 and 1) the pipeline undoes before decoding."""
-    from diffusers import AutoencoderKLFlux2
-
-    torch.manual_seed(seed)
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=8,
-        latent_channels=latent_channels,
-        sample_size=16,
-    ).eval()
+    """Flux.2's VAE, its batch norm's running statistics random (not 0 and 1): the pipeline undoes
+    them before decoding, and a decode that did not would differ."""
+    vae = image_vae(seed, latent_channels, "AutoencoderKLFlux2")
     vae.bn.running_mean.normal_()
     vae.bn.running_var.uniform_(0.5, 2.0)
     return vae

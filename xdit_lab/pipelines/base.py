@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..config import ParallelConfigError
@@ -199,6 +200,79 @@ class TrueCFGRecipe(Recipe):
         prepared.guidance_scale = request.options["true_cfg_scale"]
         prepared.extra["distilled_guidance"] = request.guidance_scale
         return prepared
+
+
+class PackedLatentsRecipe(Recipe):
+    """A family whose latents are packed 2×2 patches per token (Flux, Flux.2, Qwen-Image): sizes in
+    multiples of twice the VAE's factor, the pipeline's default_sample_size and prepare_latents,
+    flow-matching sigmas shifted by the image's tokens, and the transformer's call."""
+
+    def size_multiple(self, pipe):
+        default = pipe.default_sample_size * pipe.vae_scale_factor
+        return pipe.vae_scale_factor * 2, (default, default)
+
+    def default_latent_side(self, transformer_config):
+        return 128  # these pipelines' default_sample_size (not in the transformer's config)
+
+    def packed_latents(self, pipe, request: Request, prepared: Prepared, device):
+        """What the pipeline's prepare_latents returns (the packed latents, and ids where the family
+        has them) at the request's size, in the text's dtype; the size goes in prepared.extra["size"]."""
+        default_height, default_width = self.size_multiple(pipe)[1]
+        height, width = request.height or default_height, request.width or default_width
+        prepared.extra["size"] = (height, width)
+        return pipe.prepare_latents(
+            len(request.prompts),
+            pipe.transformer.config.in_channels // 4,
+            height,
+            width,
+            prepared.conditioning["encoder_hidden_states"].dtype,
+            device,
+            generator_of(request),
+            None,
+        )
+
+    def set_timesteps(self, pipe, request: Request, prepared: Prepared, device, mu: float, *, flow_sigmas=True):
+        """Sigmas 1 → 1/steps, shifted by `mu`, as these pipelines set them; with `flow_sigmas` (Flux's
+        and Flux.2's), none where the scheduler makes its own (use_flow_sigmas)."""
+        from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
+
+        steps = request.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if flow_sigmas and getattr(pipe.scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas, mu=mu)
+        pipe.scheduler.set_begin_index(0)
+
+    def image_tokens_shift(self, pipe, tokens: int) -> float:
+        """Flux's and Qwen-Image's mu: linear in the image's tokens, from the scheduler's config."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = pipe.scheduler.config
+        return calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+
+    def scale_model_input(self, pipe, model_input, t):
+        return model_input.to(pipe.transformer.dtype)
+
+    def guidance_input(self, pipe, prepared: Prepared) -> float | None:
+        """The guidance a guidance-distilled transformer takes as an input (None: it takes none)."""
+        return prepared.extra["distilled_guidance"] if pipe.transformer.config.guidance_embeds else None
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        rows, scale = model_input.shape[0], self.guidance_input(pipe, prepared)
+        guidance = None if scale is None else torch.full([rows], scale, device=model_input.device, dtype=torch.float32)
+        return dict(
+            hidden_states=model_input,
+            timestep=t.expand(rows).to(model_input.dtype) / 1000,
+            guidance=guidance,
+            return_dict=False,
+            **prepared.conditioning,
+        )
 
 
 def video_latents(pipe, request: Request, height: int, width: int, device) -> torch.Tensor:

@@ -9,28 +9,20 @@ diffusers' does, so the ranks' rows stack as they are."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
+from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.pipelines.flux2.pipeline_output import Flux2PipelineOutput
 
-from .base import Recipe, generator_of
+from .base import PackedLatentsRecipe
 
 
-class Flux2Recipe(Recipe):
+class Flux2Recipe(PackedLatentsRecipe):
     family = "Flux.2"
     pipeline_classes = ("Flux2Pipeline",)
     output_class = Flux2PipelineOutput
     defaults = dict(num_inference_steps=50, guidance_scale=4.0)  # the distilled guidance, an input
     options = dict(max_sequence_length=512, text_encoder_out_layers=(10, 20, 30))
     cfg_needs = None  # never two branches: see the module's docstring
-
-    def size_multiple(self, pipe):
-        default = pipe.default_sample_size * pipe.vae_scale_factor
-        return pipe.vae_scale_factor * 2, (default, default)  # latents are packed in 2×2 patches
-
-    def default_latent_side(self, transformer_config):
-        return 128  # Flux2Pipeline's default_sample_size (not in the transformer's config)
 
     def do_cfg(self, request):
         return False
@@ -47,43 +39,14 @@ class Flux2Recipe(Recipe):
         return dict(encoder_hidden_states=embeds, txt_ids=text_ids[0])
 
     def prepare(self, pipe, request, prepared, device):
-        default = pipe.default_sample_size * pipe.vae_scale_factor
-        height, width = request.height or default, request.width or default
-        prepared.extra["size"] = (height, width)
-        embeds = prepared.conditioning["encoder_hidden_states"]
-        prepared.latents, image_ids = pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.config.in_channels // 4,
-            height,
-            width,
-            embeds.dtype,
-            device,
-            generator_of(request),
-            None,
-        )
+        prepared.latents, image_ids = self.packed_latents(pipe, request, prepared, device)
         prepared.conditioning["img_ids"] = image_ids[0]
         prepared.extra["image_ids"] = image_ids  # where each token goes back in the latent, for decode
-        steps = request.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
-        mu = compute_empirical_mu(image_seq_len=prepared.latents.shape[1], num_steps=steps)
-        prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas, mu=mu)
-        pipe.scheduler.set_begin_index(0)
+        mu = compute_empirical_mu(image_seq_len=prepared.latents.shape[1], num_steps=request.num_inference_steps)
+        self.set_timesteps(pipe, request, prepared, device, mu)
 
-    def scale_model_input(self, pipe, model_input, t):
-        return model_input.to(pipe.transformer.dtype)
-
-    def model_kwargs(self, pipe, prepared, model_input, t):
-        rows = model_input.shape[0]
-        guidance = torch.full([rows], prepared.guidance_scale, device=model_input.device, dtype=torch.float32)
-        return dict(
-            hidden_states=model_input,
-            timestep=t.expand(rows).to(model_input.dtype) / 1000,
-            guidance=guidance,
-            return_dict=False,
-            **prepared.conditioning,
-        )
+    def guidance_input(self, pipe, prepared):
+        return prepared.guidance_scale  # handed over always, as Flux2Pipeline does
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":

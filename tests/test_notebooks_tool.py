@@ -50,6 +50,11 @@ def _sanitized(text: str) -> str:
         ("tcp://localhost:45123", "tcp://localhost:PORT"),
         ("engine pid 12345 joined", "engine pid PID joined"),
         ("Lab (cluster '1795322427-krup', 2 ranks)", "Lab (cluster CLUSTER-ID, 2 ranks)"),
+        (  # in whichever order diffusers' imports make transformers print them
+            "[transformers] `SiglipImageProcessor` requires torchvision (not installed); falling back.\n"
+            "[transformers] `CLIPImageProcessor` requires torchvision (not installed); falling back.\n",
+            "[transformers] an image processor falls back without torchvision\n" * 2,
+        ),
     ],
 )
 def test_the_sanitizer_blanks_what_varies(varies, blanked):

@@ -46,12 +46,14 @@ def _graphs(configs, break_at_block=False, families=FAMILIES):
         (4, [ParallelConfig(ulysses=2, ring=2)], ["sd3", "flux2", "cogvideox", "wan"]),
     ],
 )
+@pytest.mark.timeout(1020)
 def test_every_family_traces_as_one_graph(world_size, configs, families):
     for rows in run_on_ranks(_graphs, world_size, configs, False, families, timeout_s=900):
         for family, config, graphs, breaks, reasons in rows:
             assert (graphs, breaks) == (1, 0), (family, config, reasons)
 
 
+@pytest.mark.timeout(720)
 def test_explain_sees_a_graph_break_control():
     """The instrument can fail: a graph break forced inside the first block is counted."""
     for rows in run_on_ranks(_graphs, 2, [ParallelConfig(ulysses=2)], True, ["flux"], timeout_s=600):
@@ -94,6 +96,7 @@ def _compiled_against_eager(cases):
     return rows
 
 
+@pytest.mark.timeout(1020)
 def test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile():
     # one family per way of holding text and positions (PixArt under cfg 2: the pipeline test below)
     cases = [

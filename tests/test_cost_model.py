@@ -9,6 +9,8 @@ guidance on and off, for 1 and 3 prompts; configurations smaller than 4 ranks le
 The same run records the bytes each rank sent per step in the ulysses and ring groups.
 """
 
+import pytest
+
 from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.digits.components import prompt_for
 from xdit_lab.testing import run_on_ranks
@@ -71,6 +73,7 @@ def _count_forwards(configs, calls):
     return counted, sent
 
 
+@pytest.mark.timeout(720)
 def test_cost_model_work_equals_the_forwards_counted_on_the_ranks(one_thread):
     answers = run_on_ranks(_count_forwards, 4, CONFIGS, CALLS, timeout_s=600)
     ranks, sent = [counted for counted, _ in answers], [bytes_sent for _, bytes_sent in answers]

@@ -487,6 +487,7 @@ def _joint_ranks(world_size):
     return run_on_ranks(_joint, world_size, world_size, timeout_s=600)
 
 
+@pytest.mark.timeout(720)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_joint_families_equal_serial_when_every_step_warms_up(world_size):
     """pf2, pf2 with 4 patches, pf2·u2, pf2·r2, pf2·cfg2: every step within 1e-4 of diffusers' serial

@@ -86,6 +86,7 @@ def digits():
     return ranks, serial
 
 
+@pytest.mark.timeout(720)
 def test_async_is_exact_at_full_warmup_and_equals_drained_past_it(digits):
     ranks, serial = digits
     for rows in ranks:
@@ -153,6 +154,7 @@ def _families(folders):
     return rows
 
 
+@pytest.mark.timeout(720)
 def test_every_latent_layout_steps_patch_by_patch(tmp_path):
     """SD3 (image), Flux (packed tokens), CogVideoX (frames) and Wan (video): async equals drained,
     so each patch's latents were cut out, stepped and put back where the model's tokens say."""
@@ -176,6 +178,7 @@ def test_every_latent_layout_steps_patch_by_patch(tmp_path):
         ),
     ],
 )
+@pytest.mark.timeout(720)
 def test_async_composes_with_sequence_and_cfg_and_three_stages(world_size, drained):
     pipelined = [c.replace(pipefusion_schedule="async") for c in drained]
     for rows in run_on_ranks(_digits_latents, world_size, drained + pipelined, [], timeout_s=600):

@@ -6,7 +6,7 @@ For the exact strategies (ulysses 2, ring 2, cfg 2, dp 2) and for PipeFusion wit
 (pipefusion 2 and 4, num_patches 2, 4, 8), prints the deviation of the final latents from the
 serial run (relative L2, same seeds) and the share of images the classifier reads as the
 prompted digit, serial first. Each PipeFusion row is followed by its controls: the same run with
-deliberately wrong K/V buffers (xdit_lab.lab.measure.wrong_stale_kv: zeros where the stale K/V
+deliberately wrong K/V buffers (xdit_lab.lessons.controls.wrong_stale_kv: zeros where the stale K/V
 belong; each patch reading its own K/V from the step before). The tests' bound on PipeFusion's
 deviation (tests/test_pipefusion.py, STALE_BOUND) sits between the real rows and the controls.
 """
@@ -15,7 +15,7 @@ import argparse
 import itertools
 
 from xdit_lab import ParallelConfig
-from xdit_lab.lab.measure import CONTROLS, generate_with_control
+from xdit_lab.lessons.controls import CONTROLS, generate_with_control
 from xdit_lab.testing import run_on_ranks
 
 

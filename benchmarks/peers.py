@@ -55,10 +55,10 @@ import torch
 import torch.distributed as dist
 
 from xdit_lab import ParallelConfig, RankMesh, comm_log, parallelize
-from xdit_lab.lab.summaries import expected_bytes_per_step
 from xdit_lab.pipeline import loading_bars_hidden
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import TEXT_DIM, tiny_pipeline, tiny_transformer
+from xdit_lab.traffic import expected_bytes_per_step
 
 HEADS, HEAD_DIM, BLOCKS, TEXT_TOKENS = 8, 64, 3, 64
 

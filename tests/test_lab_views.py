@@ -37,8 +37,8 @@ CASES = {
 
 def _two_steps(folder, config, prompts, size, control=None):
     """Two steps, a rank summary after each; under `control`'s deliberately wrong K/V buffers when named."""
-    from xdit_lab.lab.measure import wrong_stale_kv
     from xdit_lab.lab.summaries import rank_summary
+    from xdit_lab.lessons.controls import wrong_stale_kv
 
     with wrong_stale_kv(control) if control else contextlib.nullcontext():
         pipe = load_pipeline(folder, config, progress=False)
@@ -161,7 +161,7 @@ WRONG = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_measured_bytes_equal_the_closed_forms(runs, name):
-    from xdit_lab.lab.summaries import expected_bytes_per_step
+    from xdit_lab.traffic import expected_bytes_per_step
 
     config, wrong = CASES[name][0], WRONG[name]
     for s in _final(runs, name):
@@ -329,7 +329,7 @@ def test_kv_age_view_on_flux_names_both_block_lists(tmp_path):
     assert len(figure.axes[0].images) == 1
     # bytes per step equal the closed form, which counts the text states stage 0 hands on with each
     # patch: without them (control) it falls short on stage 0
-    from xdit_lab.lab.summaries import expected_bytes_per_step
+    from xdit_lab.traffic import expected_bytes_per_step
 
     config = ParallelConfig(pipefusion=2, **PF)
     for rank, (_, s) in enumerate(ranks):

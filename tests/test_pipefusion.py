@@ -287,7 +287,7 @@ STALE_BOUND = 0.05
 def _digits(config, per_digit, controls=()):
     """On a rank of `config`: the digits drawn with PipeFusion's own buffers, then under each
     control's deliberately wrong ones, with the bytes each run sent per group."""
-    from xdit_lab.lab.measure import generate_with_control
+    from xdit_lab.lessons.controls import generate_with_control
 
     runs = {}
     for control in (None, *controls):

@@ -358,7 +358,7 @@ def test_bytes_of_skipped_steps_equal_the_closed_form_and_the_view_draws_them(fo
     in group world): measured equals expected_bytes_per_step told the skips; the formula without the
     cache (control) does not. draw_cache shows the same skips."""
     from xdit_lab.lab.acceleration_views import cache_savings, draw_cache
-    from xdit_lab.lab.summaries import expected_bytes_per_step
+    from xdit_lab.traffic import expected_bytes_per_step
 
     per_rank = run_on_ranks(_summaries_with_cache, 2, folders["pixart"], config, timeout_s=120)
     for summaries in per_rank:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cli import format_plan, plan_table
 from ..config import DEGREES, SHORT, ParallelConfig
+from ..plan_table import format_plan, plan_table
 
 
 @dataclass(frozen=True)

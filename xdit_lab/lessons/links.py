@@ -61,8 +61,8 @@ def dit_shapes(
 
 def bytes_per_rank(config, shapes: dict, step: int = 0) -> dict[int, dict[str, int]]:
     """expected_bytes_per_step for every rank of `config`: {rank: {group: bytes}} (no processes needed)."""
-    from ..lab.summaries import expected_bytes_per_step
     from ..mesh import RankMesh
+    from ..traffic import expected_bytes_per_step
 
     mesh = RankMesh(config, rank=0, world_size=config.world_size)  # coordinates only: no groups are made
     return {

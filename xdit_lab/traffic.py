@@ -1,0 +1,112 @@
+"""The exact traffic model: the bytes one rank sends in one denoising step, per group, in closed form.
+
+The twin of the cost model (config.py), which ranks configurations in units of p·hs per image: this one
+counts exact bytes for one rank of a run, from the sizes the run had (a rank summary's `shapes`:
+batch rows, token grid, heads, head_dim, text length, attention layers by kind, dtype), so that a view or a
+test can put the formula beside what comm_log() measured, rank by rank and step by step.
+"""
+
+from __future__ import annotations
+
+from .config import ParallelConfig
+from .mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
+from .sharding import PatchLayout, patch_ranges, shard_sizes
+
+
+def expected_bytes_per_step(
+    config,
+    shapes: dict | None = None,
+    *,
+    coords: dict | None = None,
+    step: int | None = None,
+    cache_skips: list[bool] | None = None,
+) -> dict[str, int]:
+    """Bytes out of one rank in one denoising step, per group, as the closed forms give them.
+
+    Pass a rank summary (its last step by default), or a ParallelConfig (or its fields), the
+    summary's `shapes`, the rank's `coords` and the step index. With b = this rank's batch rows,
+    h = heads, d = head_dim, e = bytes per element, per sequence-parallel attention layer:
+      ulysses     2 all-to-alls: q, k, v together send (N-1)/N of 3·b·h·S_me·d; o sends b·(h/N)·(S_group - S_me)·d
+                  (= 4·(N-1)/N of the local q, k, v, o for even shards); joint text, in o's: b·(h/N)·T·d to each peer
+      ring        N-1 sends of the K/V block held [2, b, h/ulysses, block, d]; joint text: a float32
+                  gather of the text partials with their LSE [b, h/ulysses, T, d+1]
+      sp          the token gather before unpatchify, padded to the longest shard
+      pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
+                  states where its blocks return them (SD3, Flux, CogVideoX); the last stage
+                  broadcasts the noise prediction [b, sample] to the other stages; async, past the
+                  warmup, it sends the whole latents back to stage 0 instead (a patch at a time), and
+                  after the last step broadcasts them, and the dp and cfg gathers run once per patch
+                  on the last stage only
+      dp, cfg     the output gather (dp pads to the largest share)
+      world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
+                  decision's all-reduce of two float32; at a skipped step only the first block's
+                  attention layers run (on PipeFusion's first stage)
+    Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
+    at a time after), its queries are that set's tokens and Ring passes the whole stale buffer.
+    Exact for the code as written (checked in tests/test_lab_views.py); one dtype is assumed for
+    activations, noise and output (the session runs in one dtype)."""
+    if isinstance(config, dict) and "shapes" in config:  # a rank summary
+        summary = config
+        config, shapes, coords = summary["config"], summary["shapes"], summary["coords"]
+        step = summary["step"] - 1 if step is None else step
+        cache_skips = summary["cache"]["skips"] if summary.get("cache") else None
+    if isinstance(config, dict):
+        config = ParallelConfig(**config)
+    c, s, e = config, shapes, shapes["dtype_bytes"]
+    step = 0 if step is None else step
+    u, r, sp = c.ulysses, c.ring, c.sp_degree
+    my_u, my_r = coords[ULYSSES], coords[RING]
+    sp_rank = my_r * u + my_u
+    per_branch = s["batch"] // c.cfg
+    dp_sizes = shard_sizes(per_branch, c.dp)
+    b = max(dp_sizes[coords[DP]], 1)  # a dp group without samples computes one stand-in
+    tokens, h, d, text = s["rows"] * s["cols"], s["heads"], s["head_dim"], s["text_len"]
+    sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
+    last_stage = coords[PIPEFUSION] == c.pipefusion - 1
+
+    if c.pipefusion == 1:  # one forward over this rank's shard; Ring passes the shards themselves
+        forwards = [shard_sizes(tokens, sp)]
+        kv_sizes = forwards[0]
+    else:
+        layout = PatchLayout(patch_ranges(s["rows"], s["cols"], c.patches), sp)
+        patch_sets = [list(range(c.patches))] if step < c.warmup_steps else [[p] for p in range(c.patches)]
+        forwards = [layout.rank_sizes(active) for active in patch_sets]
+        kv_sizes = layout.rank_sizes(list(range(c.patches)))  # the buffer: every patch
+    skipped = bool(cache_skips and cache_skips[step])
+    self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]
+    joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"]
+    joint = joint_layers if text else 0
+    layers = self_layers + joint_layers
+
+    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
+    if cache_skips is not None and step > 0 and c.world_size > 1:
+        out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
+    for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
+        group = sizes[my_r * u : (my_r + 1) * u]
+        me = group[my_u]
+        if u > 1:
+            qkv = 3 * b * (h - h // u) * me * d
+            o = b * (h // u) * (sum(group) - me) * d
+            out[ULYSSES] += layers * (qkv + o) * e + joint * b * (h // u) * text * d * (u - 1) * e
+        if r > 1:
+            blocks = [sum(kv_sizes[i * u : (i + 1) * u]) for i in range(r)]
+            held = sum(blocks[(my_r - k) % r] for k in range(r - 1))  # the block held at each of N-1 sends
+            out[RING] += layers * 2 * b * (h // u) * held * d * e + joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
+        if c.pipefusion > 1 and not last_stage:
+            handed = sizes[sp_rank] + (text if s.get("handed_text") else 0)  # this patch's tokens (and text)
+            out[PIPEFUSION] += b * handed * h * d * e
+        elif sp > 1:
+            out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
+    pipelined = c.pipefusion_schedule == "async" and step >= c.warmup_steps
+    latents = s.get("latent_rows", 0) * s.get("latent_elements", 0) * s.get("latent_bytes", 0)
+    if pipelined and last_stage:  # the latents back to stage 0, patch by patch; after the last step, to all
+        out[PIPEFUSION] += latents * (c.pipefusion - 1 if step == s["steps"] - 1 else 1)
+    elif c.pipefusion > 1 and last_stage:
+        out[PIPEFUSION] += b * sample * e * (c.pipefusion - 1)
+    # the batch gathers: once a step; pipelined, once per patch and only where the prediction is
+    gathers = (c.patches if last_stage else 0) if pipelined else 1
+    if c.dp > 1:
+        out[DP] += gathers * max(dp_sizes) * sample * e * (c.dp - 1)
+    if c.cfg > 1:
+        out[CFG] += gathers * per_branch * sample * e * (c.cfg - 1)
+    return {group: n for group, n in out.items() if n}

@@ -13,7 +13,7 @@ from xdit_lab.lab.views import legibility_problems
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 # The digits model's sizes: 4 heads, 4 layers, a 16-pixel image in an 8 × 8 token grid.
-DIGITS = ModelShape(family="PixArt", num_heads=4, num_layers=4, rows=8, cols=8, use_cfg=True)
+DIGITS = ModelShape(family="pixart", num_heads=4, num_layers=4, rows=8, cols=8, use_cfg=True)
 KWARGS = dict(tiny_pipeline_kwargs("pixart"), guidance_scale=3.0)
 
 
@@ -39,8 +39,8 @@ def test_four_engines_offer_hybrids_and_subsets():
     assert hybrids <= set(shorts(offered))
     assert all(not explain(c, 4, DIGITS) for c in offered)
     # a model with 2 heads cannot split them 4 ways; without guidance there is no cfg branch to split
-    assert "ulysses4" not in shorts(valid_configs(4, ModelShape("PixArt", 2, 4, 8, 8, True)))
-    assert not [c for c in valid_configs(4, ModelShape("PixArt", 4, 4, 8, 8, use_cfg=False)) if c.cfg > 1]
+    assert "ulysses4" not in shorts(valid_configs(4, ModelShape("pixart", 2, 4, 8, 8, True)))
+    assert not [c for c in valid_configs(4, ModelShape("pixart", 4, 4, 8, 8, use_cfg=False)) if c.cfg > 1]
 
 
 @pytest.mark.parametrize(
@@ -61,10 +61,10 @@ def test_an_invalid_choice_is_explained(config, engines, expected):
 
 
 def test_cfg_without_guidance_is_explained():
-    text = "\n".join(explain(ParallelConfig(cfg=2), 2, ModelShape("PixArt", 4, 4, 8, 8, use_cfg=False)))
+    text = "\n".join(explain(ParallelConfig(cfg=2), 2, ModelShape("pixart", 4, 4, 8, 8, use_cfg=False)))
     assert "these calls have one; give them a guidance_scale above 1, or use cfg 1" in text
-    flux2 = ModelShape("Flux.2", 4, 4, 8, 8, use_cfg=False, cfg_needs=None)  # guidance-distilled: never two
-    assert "Flux.2's pipeline has one" in "\n".join(explain(ParallelConfig(cfg=2), 2, flux2))
+    flux2 = ModelShape("flux2", 4, 4, 8, 8, use_cfg=False, cfg_needs=None)  # guidance-distilled: never two
+    assert "flux2's pipeline has one" in "\n".join(explain(ParallelConfig(cfg=2), 2, flux2))
 
 
 # ---- on a real 2-engine Lab -----------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def controller(lab):
 
 def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
     # the tiny PixArt: 4 heads of 16, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
-    expected = ModelShape(family="PixArt", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True, hidden_size=64)
+    expected = ModelShape(family="pixart", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True, hidden_size=64)
     assert controller.shape == expected
     assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "serial"]
     assert controller.choices()["num_patches"] == [None, 1, 2, 3, 4]

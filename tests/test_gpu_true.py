@@ -355,7 +355,6 @@ def test_lab_configure_frees_the_old_model_and_its_groups(tmp_path, monkeypatch)
 
 def _pipefusion_order(stages, steps):
     from xdit_lab import sharding as pf_module
-    from xdit_lab.models import pipefusion as pipelined
 
     posted, built = [], []
     exchange = comm.exchange
@@ -370,7 +369,7 @@ def _pipefusion_order(stages, steps):
         built.append(tuple(active))
         return rank_tokens(self, active, sp_rank)
 
-    pipelined.comm.exchange, pf_module.PatchLayout.rank_tokens = spy_exchange, spy_rank_tokens
+    comm.exchange, pf_module.PatchLayout.rank_tokens = spy_exchange, spy_rank_tokens
     try:
         config = ParallelConfig(pipefusion=stages, num_patches=4)
         model = parallelize(tiny_transformer("pixart", seed=0, layers=stages), config, RankMesh(config))
@@ -381,7 +380,7 @@ def _pipefusion_order(stages, steps):
                 outputs = model(**inputs).sample
                 builds.append(len(built))
     finally:
-        pipelined.comm.exchange, pf_module.PatchLayout.rank_tokens = exchange, rank_tokens
+        comm.exchange, pf_module.PatchLayout.rank_tokens = exchange, rank_tokens
     return dict(posted=posted, builds=builds, finite=bool(outputs.isfinite().all()))
 
 

@@ -41,12 +41,15 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(name: str, table: dict[str, int]) -> int | None:
+    entry = entry_of(name, table)
+    return None if entry is None else table[entry]
+
+
+def entry_of(name: str, table: dict[str, int]) -> str | None:
+    """The README table's entry a module belongs to: its own file, or the subpackage it sits in."""
     relative = name.split(".", 1)[1] if "." in name else ""
     path = relative.replace(".", "/")
-    for key in (f"{path}.py", f"{path}/", f"{path.split('/')[0]}/"):
-        if key in table:
-            return table[key]
-    return None
+    return next((key for key in (f"{path}.py", f"{path}/", f"{path.split('/')[0]}/") if key in table), None)
 
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
@@ -150,7 +153,42 @@ def test_every_row_names_modules_that_exist():
     assert not missing, f"README.md's layer table names modules that do not exist: {missing}"
 
 
-def test_no_module_is_over_400_lines():
-    """One idea per module: a module that grows past 400 lines holds two."""
-    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 400}
-    assert not long, f"modules over 400 lines: {long}"
+def floors(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """For every node of an acyclic import graph, its longest chain of imports downward (itself first)."""
+    chains: dict[str, list[str]] = {}
+
+    def chain(node):
+        if node not in chains:
+            below = max((chain(target) for target in graph.get(node, ())), key=len, default=[])
+            chains[node] = [node, *below]
+        return chains[node]
+
+    for node in graph:
+        chain(node)
+    return chains
+
+
+MOST_FLOORS = 10
+
+
+def test_the_house_is_at_most_ten_floors_deep():
+    """The longest chain of imports between the README table's entries (a subpackage is one entry: its
+    modules import each other freely) climbs at most ten floors. A deep house makes every change at the
+    bottom travel through every floor above it."""
+    table, known = layer_table(), modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        if name == "xdit_lab":
+            continue
+        entry = entry_of(name, table)
+        targets = {entry_of(target, table) for target in imports(name, path, known) - {"xdit_lab"}}
+        graph.setdefault(entry, set()).update(targets - {entry})
+    deepest = max(floors(graph).values(), key=len)
+    assert len(deepest) <= MOST_FLOORS, f"{len(deepest)} floors: " + " -> ".join(deepest)
+    assert len(set(table.values())) <= MOST_FLOORS, "README's layer table has more layers than the floors allowed"
+
+
+def test_floors_count_the_longest_chain():
+    """Control: a chain of eleven entries is eleven floors, whatever shorter chains beside it."""
+    graph = {f"m{i}": {f"m{i + 1}"} for i in range(10)} | {"m10": set(), "side": {"m9"}}
+    assert len(floors(graph)["m0"]) == 11 and len(floors(graph)["side"]) == 3

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, parallelize
+from xdit_lab.families import adapter_for
 from xdit_lab.lab.measure import compare_to_serial
 from xdit_lab.loading import load_stage_transformer
 from xdit_lab.models import parallel_state
-from xdit_lab.models.families import adapter_for
 from xdit_lab.sharding import patch_ranges, stage_ranges
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
@@ -21,14 +21,14 @@ def _inputs(family, seed):
     return tiny_inputs(family, 4, height=8, width=8, seed=seed, text_len=8 if family == "cogvideox" else 6)
 
 
-def _steps(config, family="pixart", stage_split=None):
+def _steps(config, family="pixart"):
     """STEPS transformer calls (one per diffusion step) with changing inputs, against serial."""
     model = tiny_transformer(family, layers=LAYERS)
     per_block = [sum(p.numel() for p in block.parameters()) for block in adapter_for(model).blocks(model)]
     inputs = [_inputs(family, s) for s in range(STEPS)]
     with torch.no_grad():
         reference = [model(**x).sample for x in inputs]
-    model = parallelize(model, config, stage_split=stage_split)
+    model = parallelize(model, config)
     rows = []
     with torch.no_grad():
         for x, ref in zip(inputs, reference):
@@ -262,7 +262,7 @@ def _uneven_split():
     inputs = tiny_inputs("pixart", 2, height=8, width=8)
     with torch.no_grad():
         reference = model(**inputs).sample
-        model = parallelize(model, ParallelConfig(pipefusion=2, warmup_steps=5), stage_split=[1, 3])
+        model = parallelize(model, ParallelConfig(pipefusion=2, warmup_steps=5, stage_split=[1, 3]))
         error = (model(**inputs).sample - reference).abs().max().item()
     return len(model.transformer_blocks), error
 
@@ -276,7 +276,7 @@ def test_stage_split_can_be_overridden():
 # PipeFusion's deviation from serial on the bundled model (relative L2 of the final latents).
 # benchmarks/digits_quality.py measured, on 100 digits (10 per digit, 20 DPM-Solver++ steps), for
 # pipefusion 2 with 1 warmup step and 2 patches: 0.0155, the classifier reading 100% of the digits;
-# and, with deliberately wrong buffers (xdit_lab.lab.measure), 0.124 with zeros where the stale K/V
+# and, with deliberately wrong buffers (xdit_lab.lessons.controls), 0.124 with zeros where the stale K/V
 # belong and 0.057 with each patch reading its own K/V from the step before. The bound is about 3×
 # the real figure and below the zeros control (here on 20 digits: 0.012 real, 0.094 zeros). The
 # subtler control only just exceeds it on 100 digits and not on tutorial 06's ten (0.042): what
@@ -352,9 +352,10 @@ def test_memory_plan_counts_the_largest_stage_and_the_shared_tensors():
     blocks = [sum(v for k, v in sizes.items() if k.startswith(f"transformer_blocks.{i}.")) for i in range(4)]
     shared = sum(sizes.values()) - sum(blocks)
     assert min(blocks) > 0 and shared > 0
-    even = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, pipefusion=2)
+    even = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, config=ParallelConfig(pipefusion=2))
     assert even.per_rank_bytes["transformer"] == shared + blocks[0] + blocks[1]
-    uneven = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, pipefusion=2, stage_split=[1, 3])
+    split = ParallelConfig(pipefusion=2, stage_split=[1, 3])
+    uneven = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, config=split)
     assert uneven.per_rank_bytes["transformer"] == shared + sum(blocks[1:])  # the larger stage is planned
 
 
@@ -535,7 +536,10 @@ def test_joint_stale_steps_deviate_and_hand_text_with_every_patch():
 
 
 def _flux2_splits():
-    return [_steps(ParallelConfig(pipefusion=2, warmup_steps=STEPS), "flux2", split) for split in ([4, 2], [5, 1])]
+    return [
+        _steps(ParallelConfig(pipefusion=2, warmup_steps=STEPS, stage_split=split), "flux2")
+        for split in ([4, 2], [5, 1])
+    ]
 
 
 def test_flux2_stages_hand_over_its_joined_single_stream_tokens():

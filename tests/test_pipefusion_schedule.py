@@ -38,12 +38,12 @@ def _digits_latents(configs, controls, extras=False):
     final latents and each step's bytes out by (group, tag); then the refusal of a noisy scheduler."""
     from diffusers import DDPMScheduler
 
-    from xdit_lab.session import DenoiseSession
+    from xdit_lab.models.pipefusion import PipeFusionStage
 
     rows = {}
     for config, control in [(c, False) for c in configs] + [(c, True) for c in controls]:
         pipe = load_pipeline(DIGITS_DIR, config, mesh=RankMesh(config), progress=False)
-        DenoiseSession.drops_returned_latents = control
+        PipeFusionStage.drops_returned_latents = control
         try:
             session = pipe.session(DIGITS, num_inference_steps=STEPS, seed=3)  # the folder's own defaults
             steps = []
@@ -56,7 +56,7 @@ def _digits_latents(configs, controls, extras=False):
                         sent[r.group, r.tag] = sent.get((r.group, r.tag), 0) + r.bytes_out
                 steps.append(sent)
         finally:
-            DenoiseSession.drops_returned_latents = False
+            PipeFusionStage.drops_returned_latents = False
         rows[_name(config, control)] = dict(latents=session.latents.clone(), steps=steps, last=pipe.mesh.is_last_stage)
     if not extras:
         return rows

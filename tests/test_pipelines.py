@@ -175,9 +175,9 @@ def test_pixart_sigma_through_load_pipeline(tmp_path):
     bound catches gross staleness here; tests/test_pipefusion.py bounds it on the digits model.)"""
     import json
 
-    folder = save_tiny_pipeline("pixart-sigma", tmp_path / "pixart-sigma")
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart-sigma", pipeline_class="PixArtSigmaPipeline")
     assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "PixArtSigmaPipeline"
-    steps = _call_kwargs("pixart-sigma")["num_inference_steps"]
+    steps = _call_kwargs("pixart")["num_inference_steps"]
     configs = [
         ParallelConfig(ulysses=2),
         ParallelConfig(ring=2),
@@ -186,7 +186,7 @@ def test_pixart_sigma_through_load_pipeline(tmp_path):
     ]
     control = ParallelConfig(pipefusion=2, warmup_steps=0)
     for rank, rows in enumerate(
-        run_on_ranks(_reference_and_parallel, 2, folder, "pixart-sigma", [*configs, control], timeout_s=300)
+        run_on_ranks(_reference_and_parallel, 2, folder, "pixart", [*configs, control], timeout_s=300)
     ):
         assert [row["config"] for row in rows] == [config.short() for config in (*configs, control)]
         assert rows[-1]["error"] > rows[-1]["bound"], f"rank {rank}: stale K/V in every step within the bound"
@@ -278,7 +278,7 @@ def test_a_call_with_one_branch_is_refused_under_cfg_2_by_name(folders):
     guidance 1 (one branch) is refused with what would give it two, where it used to split the prompts
     as if they were the branches."""
     for refused in run_on_ranks(_one_branch_refusals, 2, folders, timeout_s=120):
-        assert "Flux.2's pipeline has one branch" in refused["flux2 cfg 2"] and "dp 2" in refused["flux2 cfg 2"]
+        assert "flux2's pipeline has one branch" in refused["flux2 cfg 2"] and "dp 2" in refused["flux2 cfg 2"]
         assert "takes no negative_prompt" in refused["flux2 negatives"]
         assert "a guidance_scale above 1, or load with cfg 1" in refused["pixart guidance 1"]
 
@@ -309,6 +309,7 @@ def test_the_load_plan_counts_the_rows_the_recipe_runs():
     the recipe decides them (a negative prompt counted as given). It used to read guidance_scale > 1,
     which counted Flux's distilled 3.5 as two branches and Qwen-Image's None as one."""
     from xdit_lab.pipelines import recipe_for
+
     from xdit_lab.request_memory import rows_of_one_prompt
 
     def rows(pipeline, config, **defaults):

@@ -389,5 +389,5 @@ def test_step_cache_without_a_reference_is_refused_by_name():
     from xdit_lab import parallelize
     from xdit_lab.tiny import tiny_transformer
 
-    with pytest.raises(ParallelConfigError, match="StepCache is not offered on Flux.2"):
+    with pytest.raises(ParallelConfigError, match="StepCache is not offered on flux2"):
         parallelize(tiny_transformer("flux2"), ParallelConfig(), cache=StepCache(0.1))

@@ -241,12 +241,15 @@ def test_family_helpers():
 
 
 def test_adapter_source_quotes_the_entry_the_package_uses():
-    """Tutorial 11's show-the-code: the quoted text, evaluated, is the adapter in FAMILIES."""
+    """Tutorial 11's show-the-code: the quoted text, evaluated in its family's module, is the adapter the
+    package uses (FAMILIES); a family that does not exist is named."""
+    from xdit_lab.families import FAMILIES, family
     from xdit_lab.lessons.families import adapter_source
-    from xdit_lab.models.families import FAMILIES, FamilyAdapter
 
     for adapter in FAMILIES.values():
-        (quoted,) = eval(adapter_source(adapter.family), {"FamilyAdapter": FamilyAdapter})  # "FamilyAdapter(...),"
+        source = adapter_source(adapter.family)
+        assert source.startswith("ADAPTER = FamilyAdapter(") and source.endswith(")"), source
+        quoted = eval(source.removeprefix("ADAPTER = "), vars(family(adapter.family)))
         assert quoted == adapter, adapter.family
-    with pytest.raises(KeyError, match="no FamilyAdapter entry"):
+    with pytest.raises(KeyError, match="no family 'Hunyuan'"):
         adapter_source("Hunyuan")

@@ -9,17 +9,17 @@ import torch
 
 from xdit_lab.tiny import MAX_TOKENS, PIPELINES, save_tiny_pipeline, tiny_pipeline_kwargs
 
-# family: (pipeline class, latent shape for 2 prompts, decoded "np" shape)
+# (family, pipeline class): (latent shape for 2 prompts, decoded "np" shape); the family's default class first
 EXPECTED = {
-    "pixart": ("PixArtAlphaPipeline", (2, 4, 8, 8), (2, 16, 16, 3)),
-    "pixart-sigma": ("PixArtSigmaPipeline", (2, 4, 8, 8), (2, 16, 16, 3)),
-    "sd3": ("StableDiffusion3Pipeline", (2, 16, 8, 8), (2, 16, 16, 3)),
-    "flux": ("FluxPipeline", (2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
-    "flux2": ("Flux2Pipeline", (2, 16, 16), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
-    "cogvideox": ("CogVideoXPipeline", (2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
-    "wan": ("WanPipeline", (2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
-    "qwenimage": ("QwenImagePipeline", (2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
-    "hunyuanvideo": ("HunyuanVideoPipeline", (2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
+    ("pixart", "PixArtAlphaPipeline"): ((2, 4, 8, 8), (2, 16, 16, 3)),
+    ("pixart", "PixArtSigmaPipeline"): ((2, 4, 8, 8), (2, 16, 16, 3)),
+    ("sd3", "StableDiffusion3Pipeline"): ((2, 16, 8, 8), (2, 16, 16, 3)),
+    ("flux", "FluxPipeline"): ((2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
+    ("flux2", "Flux2Pipeline"): ((2, 16, 16), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
+    ("cogvideox", "CogVideoXPipeline"): ((2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
+    ("wan", "WanPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
+    ("qwenimage", "QwenImagePipeline"): ((2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
+    ("hunyuanvideo", "HunyuanVideoPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
 }
 
 
@@ -42,14 +42,16 @@ def _call(pipe, family, output_type):
     return out.frames if family in ("cogvideox", "wan", "hunyuanvideo") else out.images
 
 
-@pytest.mark.parametrize("family", list(EXPECTED))
-def test_tiny_pipeline_saves_reloads_and_runs(family, tmp_path):
+@pytest.mark.parametrize("family, cls", list(EXPECTED))
+def test_tiny_pipeline_saves_reloads_and_runs(family, cls, tmp_path):
     from diffusers import DiffusionPipeline
 
-    cls, latent_shape, image_shape = EXPECTED[family]
-    assert save_tiny_pipeline(family, tmp_path / "pipe") == tmp_path / "pipe"
+    latent_shape, image_shape = EXPECTED[family, cls]
+    default = cls == PIPELINES[family]  # the family's first pipeline is what a plain call builds
+    chosen = {} if default else {"pipeline_class": cls}
+    assert save_tiny_pipeline(family, tmp_path / "pipe", **chosen) == tmp_path / "pipe"
     index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
-    assert index["_class_name"] == cls == PIPELINES[family]
+    assert index["_class_name"] == cls
     assert list((tmp_path / "pipe").rglob("*.safetensors")) and not list((tmp_path / "pipe").rglob("*.bin"))
 
     pipe = DiffusionPipeline.from_pretrained(tmp_path / "pipe")

@@ -83,7 +83,7 @@ def test_bands_equal_the_whole_decode(config, rows, kind):
 
 
 def _3d_vae_bands():
-    from xdit_lab.tiny_parts import video_vae
+    from xdit_lab.tiny.parts import video_vae
 
     return apply_parallel_vae(video_vae(0), RankMesh(ParallelConfig(ulysses=2)))
 
@@ -266,7 +266,7 @@ def test_peak_tensor_bytes_counts_what_lives_at_once():
 
 def _band_peak(rows):
     from xdit_lab.lab.measure import PeakTensorBytes
-    from xdit_lab.tiny_parts import image_vae
+    from xdit_lab.tiny.parts import image_vae
 
     vae = image_vae(0, 4)
     z = torch.randn(1, 4, rows, rows, generator=torch.Generator().manual_seed(0))

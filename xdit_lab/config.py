@@ -69,6 +69,9 @@ class ParallelConfig:
     # the last stage finishes this one (session.py: what step() means then)
     pipefusion_schedule: str = "drained"
     vae_parallel: bool = True  # decode in row bands over the ranks that share an image (vae.py)
+    # PipeFusion's blocks per stage, e.g. (10, 9, 9); None: balanced (sharding.stage_ranges). Every module
+    # that needs a stage's blocks asks stage_ranges() below, so the split is decided in one place.
+    stage_split: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
         return f"ParallelConfig({self._fields()})"
@@ -84,6 +87,13 @@ class ParallelConfig:
             not isinstance(self.num_patches, int) or isinstance(self.num_patches, bool)
         ):
             raise ParallelConfigError(f"num_patches must be an int or None, got {self.num_patches!r}")
+        if self.stage_split is not None:
+            split = self.stage_split
+            if not isinstance(split, (list, tuple)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in split
+            ):
+                raise ParallelConfigError(f"stage_split must be blocks per stage, a list of ints, got {split!r}")
+            object.__setattr__(self, "stage_split", tuple(split))  # frozen: hashable, one spelling
         if self.pipefusion_schedule not in SCHEDULES:
             raise ParallelConfigError(
                 f"pipefusion_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {self.pipefusion_schedule!r}"
@@ -118,6 +128,13 @@ class ParallelConfig:
     def replace(self, **changes) -> ParallelConfig:
         return dataclasses.replace(self, **changes)
 
+    def stage_ranges(self, num_blocks: int) -> list[tuple[int, int]]:
+        """[start, stop) of the blocks each PipeFusion stage holds, of a model with `num_blocks` stacked
+        blocks: balanced, or as `stage_split` says (one range for pipefusion 1)."""
+        from .sharding import stage_ranges
+
+        return stage_ranges(num_blocks, self.pipefusion, None if self.stage_split is None else list(self.stage_split))
+
     # ---- rules ---------------------------------------------------------------------------
     def problems(
         self, world_size=None, *, num_heads=None, num_layers=None, seq_len=None, available_devices=None
@@ -139,6 +156,11 @@ class ParallelConfig:
                 f"num_patches {self.num_patches} is below the {self.pipefusion} PipeFusion stages: "
                 f"every stage needs a patch in flight; use num_patches >= {self.pipefusion}"
             )
+        if self.stage_split is not None and (len(self.stage_split) != self.pipefusion or min(self.stage_split) < 1):
+            found.append(
+                f"stage_split {list(self.stage_split)} must give each of the {self.pipefusion} PipeFusion stages "
+                f"at least one block: {self.pipefusion} counts of 1 or more"
+            )
         if self.pipefusion_schedule == "async" and self.pipefusion < 2:
             found.append(
                 f"pipefusion_schedule='async' overlaps PipeFusion stages across steps, but pipefusion is "
@@ -151,6 +173,11 @@ class ParallelConfig:
             found.append(
                 f"{num_heads} attention heads do not divide by ulysses {self.ulysses}; "
                 f"ulysses degrees that fit: {', '.join(map(str, fits))}"
+            )
+        if num_layers is not None and self.stage_split is not None and sum(self.stage_split) != num_layers:
+            found.append(
+                f"stage_split {list(self.stage_split)} holds {sum(self.stage_split)} blocks, but the model has "
+                f"{num_layers}; make the counts add up to {num_layers}"
             )
         if num_layers is not None and num_layers < self.pipefusion:
             found.append(
@@ -181,8 +208,9 @@ class ParallelConfig:
         return self
 
     def _fields(self) -> str:
-        """The fields as keyword arguments; vae_parallel and pipefusion_schedule only when not their default."""
-        quiet = {"vae_parallel", "pipefusion_schedule"}
+        """The fields as keyword arguments; vae_parallel, pipefusion_schedule and stage_split only when not
+        their default."""
+        quiet = {"vae_parallel", "pipefusion_schedule", "stage_split"}
         fields = [f for f in dataclasses.fields(self) if f.name not in quiet or getattr(self, f.name) != f.default]
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
 

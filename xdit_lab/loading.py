@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .families import FAMILIES
 from .memory import read_safetensors_header
 
 SAFETENSORS_DTYPES = {
@@ -56,8 +57,6 @@ def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[in
     (Flux's stack: its double-stream blocks, then its single-stream ones)."""
     import diffusers
     from accelerate import init_empty_weights
-
-    from .models.families import FAMILIES
 
     cls = getattr(diffusers, class_name)
     adapter = FAMILIES[class_name]

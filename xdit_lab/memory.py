@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .models.families import block_index
-from .sharding import stage_ranges
+from .config import ParallelConfig
+from .families import FAMILIES, block_index
 
 DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
 FLOATS = {"F64", "F32", "F16", "BF16"}
@@ -127,40 +127,45 @@ def plan_memory(
     components: list[str],
     *,
     dtype: torch.dtype | None,
-    pipefusion: int = 1,
+    config: ParallelConfig | None = None,
     ranks_per_host: int = 1,
-    stage_split: list[int] | None = None,
     decode_latent: tuple[int, int] | None = None,
-    decode_bands: int = 1,
-    stale_kv: tuple | None = None,
+    stale_kv_rows: int | None = None,
 ) -> MemoryPlan:
-    """Bytes of every component's safetensors, and what one rank holds of them: under PipeFusion a
-    stage holds its transformer blocks (the largest stage's share is planned) plus every tensor
-    outside the blocks (embeddings, output layers); every other component is whole on every rank.
+    """Bytes of every component's safetensors, and what one rank holds of them under `config` (default:
+    one rank): under PipeFusion a stage holds its transformer blocks (the largest stage's share is
+    planned) plus every tensor outside the blocks (embeddings, output layers); every other component
+    is whole on every rank.
 
     With `decode_latent` (latent rows, cols), the plan adds the VAE decode's activation peak for
-    one image of that latent: whole, and per rank in `decode_bands` row bands (vae.py). With
-    `stale_kv` (the ParallelConfig, batch rows per rank) and pipefusion > 1, it adds the largest
-    stage's stale K/V buffers for those rows at that latent (models/pipefusion.py)."""
+    one image of that latent: whole, and per rank in the row bands the config decodes it in (vae.py).
+    With `stale_kv_rows` (batch rows per rank) and pipefusion > 1, it adds the largest stage's stale
+    K/V buffers for those rows at that latent (models/pipefusion/)."""
+    config = ParallelConfig() if config is None else config
     whole, per_rank, transformer_blocks = {}, {}, None
     for name in components:
         tensors = component_tensor_bytes(folder / name, dtype)
         whole[name] = per_rank[name] = sum(tensors.values())
         if name == "transformer":
-            config = json.loads((folder / name / "config.json").read_text())
-            blocks, shared = block_bytes(tensors, config)
+            transformer_config = json.loads((folder / name / "config.json").read_text())
+            blocks, shared = block_bytes(tensors, transformer_config)
             if blocks:
                 transformer_blocks = (shared, [blocks.get(i, 0) for i in range(max(blocks) + 1)])
-            if pipefusion > 1:
-                per_rank[name] = _largest_stage_bytes(blocks, shared, pipefusion, stage_split)
+            if config.pipefusion > 1:
+                per_rank[name] = _largest_stage_bytes(blocks, shared, config)
     plan = MemoryPlan(whole, per_rank, ranks_per_host)
     plan.transformer_blocks = transformer_blocks
-    if stale_kv is not None and decode_latent is not None and pipefusion > 1 and "transformer" in components:
-        kv = _stale_kv_bytes(Path(folder), stale_kv, decode_latent, dtype, stage_split)
+    if (
+        stale_kv_rows is not None
+        and decode_latent is not None
+        and config.pipefusion > 1
+        and "transformer" in components
+    ):
+        kv = _stale_kv_bytes(Path(folder), config, stale_kv_rows, decode_latent, dtype)
         if kv:
             plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
             plan.notes.append(
-                f"stale K/V: PipeFusion's buffers for one prompt at the default size, {stale_kv[1]} row(s)"
+                f"stale K/V: PipeFusion's buffers for one prompt at the default size, {stale_kv_rows} row(s)"
             )
     config_path = Path(folder) / "vae" / "config.json"
     if decode_latent is not None and "vae" in components and config_path.is_file():
@@ -170,20 +175,23 @@ def plan_memory(
             shape = (1, vae_config["latent_channels"], *decode_latent)
             plan.activation_bytes["decode peak"] = (
                 decode_peak_bytes(vae_config, shape, element),
-                decode_peak_bytes(vae_config, shape, element, bands=decode_bands),
+                decode_peak_bytes(vae_config, shape, element, bands=decode_bands(config)),
             )
             plan.notes.append(f"decode peak: one image of a {decode_latent[0]}×{decode_latent[1]} latent")
     return plan
 
 
-def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtype, stage_split) -> int | None:
+def decode_bands(config: ParallelConfig) -> int:
+    """Row bands the VAE decodes one image in: over the ranks that share it (vae.py), or whole."""
+    return config.sp_degree * config.pipefusion if config.vae_parallel else 1
+
+
+def _stale_kv_bytes(folder: Path, config: ParallelConfig, rows: int, latent: tuple[int, int], dtype) -> int | None:
     """The largest stage's stale K/V buffers, from the transformer's config and header: its
     self-attention layers (the family adapter's names), heads, patches and this rank's rows."""
     from .attention.stale import stale_kv_bytes
-    from .models.families import FAMILIES
-    from .models.pipefusion import STALE_KINDS
+    from .families.adapter import SEQUENCE_PARALLEL_KINDS as STALE_KINDS  # a PipeFusion stage keeps their K/V
 
-    config, rows = stale_kv
     model = json.loads((folder / "transformer" / "config.json").read_text())
     adapter = FAMILIES.get(model.get("_class_name"))
     if adapter is None:
@@ -195,15 +203,10 @@ def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtyp
         and adapter.block_index(key, model) is not None
         and adapter.attention_kind(key.removesuffix(".to_k.weight")) in STALE_KINDS
     )
-    if adapter.latent_layout == "frames":
-        return None  # a video's frames are not known before the call; memory_plan_for plans them with the call's
-    if adapter.latent_layout == "tokens":  # FluxPipeline packs 2 × 2 latent pixels into one token
-        grid = tuple(side // 2 for side in latent)
-    else:
-        grid = tuple(side // (model.get("patch_size") or 1) for side in latent)
-    grid = adapter.patch_grid(grid)
-    if grid[0] < config.patches:
-        return None  # the default size cannot be cut into these patches; the call is refused later
+    grid = adapter.latents.planned_grid(latent, model)  # None for a video: its frames come with the call
+    grid = grid and adapter.latents.patch_grid(grid)
+    if grid is None or grid[0] < config.patches:
+        return None  # not known before the call, or too small to cut: the call is planned (or refused) then
     return max(
         stale_kv_bytes(
             layers=sum(per_block[i] for i in range(start, stop)),
@@ -217,7 +220,7 @@ def _stale_kv_bytes(folder: Path, stale_kv: tuple, latent: tuple[int, int], dtyp
             ring_rank=ring_rank,
             element_bytes=_float_bytes(folder / "transformer", dtype),
         )
-        for start, stop in stage_ranges(adapter.num_blocks(model), config.pipefusion, stage_split)
+        for start, stop in config.stage_ranges(adapter.num_blocks(model))
         for ring_rank in range(config.ring)
     )
 
@@ -282,10 +285,11 @@ def decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *, ban
     return batch * (held + max(peaks)) * element_bytes
 
 
-def _largest_stage_bytes(blocks: dict[int, int], shared: int, stages: int, stage_split: list[int] | None) -> int:
-    if len(blocks) < stages:  # not a layout PipeFusion can split; load_pipeline refuses it later
+def _largest_stage_bytes(blocks: dict[int, int], shared: int, config: ParallelConfig) -> int:
+    try:
+        ranges = config.stage_ranges(len(blocks))
+    except ValueError:  # not a split PipeFusion can make; load_pipeline refuses it later
         return shared + sum(blocks.values())
-    ranges = stage_ranges(len(blocks), stages, stage_split)
     return shared + max(sum(blocks.get(i, 0) for i in range(start, stop)) for start, stop in ranges)
 
 
@@ -341,7 +345,9 @@ def _pipefusion_advice(plan: MemoryPlan, limit_bytes: int, current: int) -> str:
     others = plan.total_per_rank - plan.per_rank_bytes["transformer"]
 
     def stage_bytes(stages):
-        return shared + max(sum(blocks[start:stop]) for start, stop in stage_ranges(len(blocks), stages))
+        return shared + max(
+            sum(blocks[start:stop]) for start, stop in ParallelConfig(pipefusion=stages).stage_ranges(len(blocks))
+        )
 
     degrees = range(max(2, current + 1), len(blocks) + 1)
     fitting = [n for n in degrees if others + stage_bytes(n) <= limit_bytes]

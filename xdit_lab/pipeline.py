@@ -26,16 +26,13 @@ import torch.distributed as dist
 
 from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
+from .families import FAMILIES, Request, recipe_for
 from .loading import load_stage_transformer
 from .memory import MemoryPlan, check_plan, plan_memory
 from .mesh import PIPEFUSION, RankMesh
 from .models import StepCache, compile_problems, parallelize
-from .models.families import FAMILIES
-from .pipelines import recipe_for
-from .pipelines.base import Request
 from .request_memory import plan_request, rows_of_one_prompt
 from .session import DenoiseSession
-from .sharding import stage_ranges
 from .vae import apply_parallel_vae
 
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
@@ -109,19 +106,17 @@ def load_pipeline(
     torch_dtype: torch.dtype = torch.float32,
     memory_limit_bytes: int | None = None,
     progress: bool = True,
-    stage_split: list[int] | None = None,
     cache: StepCache | None = None,
     compile: bool = False,
     **from_pretrained_kwargs,
 ) -> ParallelPipeline:
-    """Load a pipeline folder of a family with a recipe (pipelines.RECIPES) and parallelize it on this rank.
+    """Load a pipeline folder of a family with a recipe (families.RECIPES) and parallelize it on this rank.
 
     Call on every rank. `config` defaults to one rank (serial); without torch.distributed
     initialised, the world is joined here as `init_distributed()` would (a world of one in a
     plain Python process, torchrun's world under torchrun). `memory_limit_bytes` overrides the
     memory a rank is assumed to have (default: free GPU memory, or available RAM shared by this
-    host's ranks). `stage_split` gives PipeFusion's blocks per stage when the balanced split is
-    not wanted. `cache=StepCache(threshold)` skips the blocks after the first at steps where the
+    host's ranks). `cache=StepCache(threshold)` skips the blocks after the first at steps where the
     first block barely changed, decided by all ranks together (results carry `cache_skips`).
     `compile=True` compiles the transformer whole (see `parallelize`); the first step pays for it."""
     config = ParallelConfig() if config is None else config
@@ -148,12 +143,10 @@ def load_pipeline(
             folder,
             components,
             dtype=torch_dtype,
-            pipefusion=config.pipefusion,
+            config=config,
             ranks_per_host=min(local_ranks, config.world_size),
-            stage_split=stage_split,
             decode_latent=recipe.default_latent(folder, call_defaults),
-            decode_bands=config.sp_degree * config.pipefusion if config.vae_parallel else 1,
-            stale_kv=(config, rows_of_one_prompt(config, recipe, call_defaults)),
+            stale_kv_rows=rows_of_one_prompt(config, recipe, call_defaults),
         )
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
@@ -167,8 +160,7 @@ def load_pipeline(
             # a stage materialises only its own blocks (plus embeddings and output layers)
             transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
             adapter = FAMILIES[index["transformer"][1]]
-            stages = stage_ranges(adapter.num_blocks(transformer_config), config.pipefusion, stage_split)
-            blocks = stages[mesh.coords[PIPEFUSION]]
+            blocks = config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
             from_pretrained_kwargs["transformer"] = load_stage_transformer(
                 folder / "transformer", index["transformer"][1], blocks, torch_dtype
             )
@@ -191,7 +183,7 @@ def load_pipeline(
         inner.set_progress_bar_config(disable=True)
         recipe.check_pipeline(inner)
         inner.to(info.device)
-        parallelize(inner.transformer, config, mesh, stage_split=stage_split, cache=cache, compile=compile)
+        parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(

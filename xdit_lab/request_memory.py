@@ -22,11 +22,10 @@ import dataclasses
 
 import torch
 
+from .families import Request, adapter_for
 from .memory import MemoryPlan
 from .mesh import CFG, DP
-from .models import PipeFusionStage, parallel_state
-from .models.families import adapter_for
-from .pipelines.base import Request
+from .models import parallel_state
 from .sharding import batch_rows
 
 
@@ -65,10 +64,10 @@ def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int]:
 
 
 def plan_request(pipe, request: Request) -> MemoryPlan:
-    """The load's plan plus the rows "latents", "conditioning" and, under PipeFusion, "stale K/V":
-    what this rank holds once a step of `request` ran, besides the weights."""
+    """The load's plan plus the rows "latents", "conditioning" and what the token strategy keeps between
+    steps (PipeFusion: "stale K/V"): what this rank holds once a step of `request` ran, besides the weights."""
     plan = dataclasses.replace(pipe.memory_plan, activation_bytes=dict(pipe.memory_plan.activation_bytes))
-    plan.notes = [note for note in pipe.memory_plan.notes if not note.startswith("stale K/V")]
+    plan.notes = [note for note in pipe.memory_plan.notes if not note.startswith("stale K/V")]  # replaced below
     prompts = len(request.prompts)
     latent, per_prompt, shared = one_prompt_bytes(pipe, request)
     plan.activation_bytes["latents"] = (prompts * latent,) * 2
@@ -76,7 +75,7 @@ def plan_request(pipe, request: Request) -> MemoryPlan:
     branches = 2 if pipe.recipe.do_cfg(request) else 1
     plan.notes.append(f"latents, conditioning: {prompts} prompt(s) × {branches} branch(es), whole on every rank")
     state = parallel_state(pipe.diffusers_pipeline.transformer)
-    if state is None or not isinstance(state.strategy, PipeFusionStage):
+    if state is None:
         return plan
     multiple, default = pipe.recipe.size_multiple(pipe.diffusers_pipeline)
     height, width = request.height or default[0], request.width or default[1]
@@ -84,13 +83,14 @@ def plan_request(pipe, request: Request) -> MemoryPlan:
     start, stop, _ = batch_rows(prompts * branches, pipe.config.cfg, pipe.config.dp, *coords)  # as the forward splits
     frames = pipe.recipe.token_frames(pipe.diffusers_pipeline, request)  # a video's frames stack as rows
     grid = (height // multiple * frames, width // multiple)
-    kv = state.strategy.planned_buffer_bytes(pipe.diffusers_pipeline.transformer, stop - start, grid)
-    plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
-    plan.notes.append(
-        f"stale K/V: PipeFusion's buffers for {prompts} prompt(s) at {height}×{width}"
-        + (f", {frames} token frames" if frames > 1 else "")
-        + f", {stop - start} row(s) on this rank"
-    )
+    kept = state.strategy.planned_kept_bytes(pipe.diffusers_pipeline.transformer, stop - start, grid)
+    for name, n in kept.items():  # what the token strategy keeps between steps (PipeFusion: its stale K/V)
+        plan.activation_bytes[name] = (0, n)  # a single rank keeps none of it
+        plan.notes.append(
+            f"{name}: kept between steps for {prompts} prompt(s) at {height}×{width}"
+            + (f", {frames} token frames" if frames > 1 else "")
+            + f", {stop - start} row(s) on this rank"
+        )
     return plan
 
 

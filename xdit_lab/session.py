@@ -19,29 +19,15 @@ Each step: duplicate the latents for the [unconditional; conditional] batch, run
 scheduler. What differs between families (conditioning, timesteps, decoding) comes from the
 family's recipe; the loop does not change.
 
-PipeFusion's async schedule (pipefusion_schedule="async") changes what a step is, past the
-warmup. Every rank still calls step() once per diffusion step, but step() runs *this rank's stage*
-through every patch of its next step, and ranks no longer finish a step together:
-
-    time →       t0    t1    t2    t3    t4    t5          2 stages, 2 patches;
-    stage 0     s1p0  s1p1  s2p0  s2p1  ...                s1p0: step 1, patch 0
-    stage 1           s1p0  s1p1  s2p0  s2p1
-                         └ guide, scheduler step of patch 0, its latents back to stage 0
-
-The last stage guides and steps the scheduler patch by patch (one copy of the scheduler per
-patch, so multistep histories stay per patch), and sends each patch's new latents back to stage
-0, which starts the next step on them while later stages finish this one: only the first and
-last steps have a bubble. So after step(), only the last stage holds the step's latents
-(`latents` on the other ranks lags behind); after the final step they are broadcast to every
-rank. With an elementwise scheduler the values equal the drained schedule's: stage 0 reads the
-same stale K/V either way. Schedulers that look at the whole sample (dynamic thresholding),
-draw noise at each step, or scale the model input by the step are refused by name.
+What one step runs is the token strategy's: one transformer call (models/step.py) for sequence
+shards and PipeFusion's drained schedule, or this rank's stage through the patches of its next step
+under PipeFusion's async schedule (models/pipefusion/schedules.py, which says what `latents` hold
+then). The loop below does not ask which.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import time
@@ -49,9 +35,10 @@ import time
 import torch
 
 from . import comm
-from .mesh import CFG, DP, PIPEFUSION, WORLD
+from .families import Prepared, Request
+from .families.recipe import pad_text
+from .mesh import CFG, DP, WORLD
 from .models import parallel_state
-from .pipelines.base import Prepared, Request, pad_text
 from .sharding import shard_sizes
 
 
@@ -90,11 +77,6 @@ class PhaseTimings:
 
 
 class DenoiseSession:
-    # The control for the async PipeFusion schedule: True has stage 0 receive the latents the last
-    # stage sends back but keep its own (one step behind), the mistake the return path prevents; a
-    # test sets it to show that the deviation bound catches it.
-    drops_returned_latents = False
-
     def __init__(self, pipe, request: Request, *, progress: bool = False):
         self.pipe, self.request, self.recipe = pipe, request, pipe.recipe
         self.timings = PhaseTimings(pipe.device)
@@ -106,7 +88,6 @@ class DenoiseSession:
         self.comm_encode: dict[str, int] = {}  # bytes out of this rank while encoding, per group
         self.progress = progress
         self.step_index = 0
-        self.patch_states = None  # async PipeFusion: (scheduler, recipe extras) per patch, on every rank
         inner = pipe.diffusers_pipeline
         parallel_state(inner.transformer).reset()  # e.g. PipeFusion warms up again, the cache empties
         if pipe.device.type == "cuda":
@@ -145,82 +126,16 @@ class DenoiseSession:
         """Run exactly one scheduler step on all ranks."""
         if self.done:
             raise RuntimeError(f"all {self.num_steps} steps are done; call result() or start a new session")
-        inner, prepared = self.pipe.diffusers_pipeline, self.prepared
-        t = prepared.timesteps[self.step_index]
-        strategy = parallel_state(inner.transformer).strategy
+        state = parallel_state(self.pipe.diffusers_pipeline.transformer)
+        t = self.prepared.timesteps[self.step_index]
         with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, comm.comm_timeline() as spans:
-            if getattr(strategy, "pipelined", False):
-                self._step_patches(strategy, t)
-            else:
-                self._step_whole(t)
+            state.strategy.run_step(self, t)
         self.comm_per_step.append(log.bytes_by_group())
         self.last_step_spans = dict(step=self.step_index, seconds=spans.end_s - spans.start_s, spans=spans.rows())
-        cache = parallel_state(inner.transformer).cache
-        self.cache_skips.append(bool(cache and cache.skips[-1]))  # the same on every rank: agreed
-        self.cache_changes.append(cache.changes[-1] if cache else None)
+        self.cache_skips.append(bool(state.cache and state.cache.skips[-1]))  # the same on every rank: agreed
+        self.cache_changes.append(state.cache.changes[-1] if state.cache else None)
         self.step_index += 1
         return self
-
-    def _step_whole(self, t) -> None:
-        inner, prepared, recipe = self.pipe.diffusers_pipeline, self.prepared, self.recipe
-        latents = prepared.latents
-        model_input = torch.cat([latents, latents]) if prepared.do_cfg else latents
-        model_input = recipe.scale_model_input(inner, model_input, t)
-        noise = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))[0]
-        noise = recipe.guide(inner, prepared, noise, self.step_index)
-        prepared.latents = recipe.scheduler_step(inner, prepared, noise, t, latents, self.step_index)
-
-    def _step_patches(self, stage, t) -> None:
-        """The async PipeFusion schedule: this rank's stage runs every patch of its next step (see the
-        module docstring); the last stage steps each patch and sends its latents back to stage 0."""
-        inner, prepared, recipe, mesh = self.pipe.diffusers_pipeline, self.prepared, self.recipe, self.pipe.mesh
-        latents = prepared.latents = prepared.latents.contiguous()  # written patch by patch, in place
-        flat, patches = latents.view(latents.shape[0], -1), stage.config.patches
-        if self.patch_states is None:  # the first pipelined step: every rank holds the same latents
-            check_patchwise_scheduler(recipe, inner, prepared, latents, t)
-            self.patch_states = [(copy.deepcopy(inner.scheduler), dict(prepared.extra)) for _ in range(patches)]
-        arriving = []
-        if stage.awaiting:  # stage 0: this step's latents, patch by patch, from the last stage
-            for buffer in stage.awaiting:
-                arriving.append(
-                    (buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION, returning=True))
-                )
-            stage.awaiting = None
-        sent, last_step = [], self.step_index + 1 == self.num_steps
-        for p in range(patches):
-            if arriving:
-                buffer, requests = arriving[p]
-                comm.wait(requests)
-                if not self.drops_returned_latents:
-                    flat[:, stage.patch_latents(latents, p)] = buffer
-            model_input = torch.cat([latents, latents]) if prepared.do_cfg else latents
-            model_input = recipe.scale_model_input(inner, model_input, t)  # checked: it does not scale
-            output = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))
-            if not mesh.is_last_stage:
-                continue
-            noise = recipe.guide(inner, prepared, output[0].clone(), self.step_index)  # the output is a reused buffer
-            whole = (inner.scheduler, prepared.extra)
-            inner.scheduler, prepared.extra = self.patch_states[p]
-            try:  # a copy: the scheduler may keep the sample it was given, and these latents change in place
-                stepped = recipe.scheduler_step(inner, prepared, noise, t, latents.clone(), self.step_index)
-                self.patch_states[p] = (inner.scheduler, prepared.extra)
-            finally:
-                inner.scheduler, prepared.extra = whole
-            elements = stage.patch_latents(latents, p)
-            flat[:, elements] = stepped.reshape(flat.shape)[:, elements]
-            if not last_step:
-                region = flat[:, elements]
-                sent += comm.exchange(
-                    [(region, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="latents", returning=True
-                )
-        comm.wait(stage.returning)  # the previous step's: stage 0 took them before this step's patches
-        stage.returning = sent
-        if mesh.is_first_stage and not last_step:  # what the last stage sends back, kept on the stage (reset)
-            stage.awaiting = [
-                latents.new_empty(len(latents), len(stage.patch_latents(latents, p))) for p in range(patches)
-            ]
-        if last_step:  # every rank holds the final latents, as after a drained step
-            comm.broadcast(latents, mesh, PIPEFUSION, src_group_rank=stage.config.pipefusion - 1, tag="latents")
 
     def run(self) -> DenoiseSession:
         """Run the remaining steps (with a progress bar on the first rank when asked)."""
@@ -259,45 +174,6 @@ class DenoiseSession:
             output.comm_decode[group] = output.comm_decode.get(group, 0) + n
         output.cache_skips = list(self.cache_skips)
         return output
-
-
-# Schedulers that draw noise at every step: stepped once per patch, each patch would draw its own.
-NOISY_SCHEDULERS = (
-    "CogVideoXDPMScheduler",
-    "DDPMScheduler",
-    "DPMSolverSDEScheduler",
-    "EulerAncestralDiscreteScheduler",
-    "KDPM2AncestralDiscreteScheduler",
-    "LCMScheduler",
-    "TCDScheduler",
-)
-
-
-def check_patchwise_scheduler(recipe, pipe, prepared: Prepared, latents: torch.Tensor, t) -> None:
-    """Raise unless stepping the scheduler patch by patch (the async PipeFusion schedule) gives what
-    one step over the whole latents gives: the step is elementwise, draws no noise, and the model
-    input is not scaled by the step (only the last stage steps the scheduler)."""
-    scheduler, config = pipe.scheduler, pipe.scheduler.config
-    name, found = type(scheduler).__name__, []
-    if config.get("thresholding"):
-        found.append("its dynamic thresholding takes quantiles over the whole sample")
-    noisy = (
-        name in NOISY_SCHEDULERS
-        or str(config.get("algorithm_type", "")).startswith("sde")
-        or config.get("stochastic_sampling")
-        or prepared.extra.get("step_kwargs", {}).get("eta", 0)
-    )
-    if noisy:
-        found.append("it draws noise at every step, which each patch would draw apart")
-    scaled = recipe.scale_model_input(pipe, latents, t)
-    if not torch.equal(scaled.to(latents.dtype), latents):
-        found.append("it scales the model input by the step, which only the last stage follows")
-    if found:
-        raise ValueError(
-            f"pipefusion_schedule='async' steps the scheduler patch by patch, and {name} cannot be: "
-            f"{'; '.join(found)}. Use the drained schedule, or a deterministic scheduler such as "
-            f"DPMSolverMultistepScheduler or FlowMatchEulerDiscreteScheduler"
-        )
 
 
 def encode_own_prompts(recipe, pipe, request: Request, mesh, device) -> tuple[Prepared, range]:

@@ -36,7 +36,7 @@ PICKERS = (*DEGREES, "num_patches", "warmup_steps", "pipefusion_schedule")  # th
 def model_shape(state: dict, session_kwargs: dict) -> dict:
     """The sizes the rules need, from the pipeline this engine holds (rank 0 is always active), and
     whether the explorer's calls have two branches, as the family's recipe decides (a true-CFG family,
-    pipelines.base.TrueCFGRecipe, has two only with a negative prompt)."""
+    families.recipe.TrueCFGRecipe, has two only with a negative prompt)."""
     import json
 
     from ..models import parallel_state

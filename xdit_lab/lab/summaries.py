@@ -20,10 +20,10 @@ import dataclasses
 import torch
 
 from ..memory import rank_memory
-from ..mesh import CFG, DP, PIPEFUSION, SP
-from ..models import PipeFusionStage, parallel_state
+from ..mesh import CFG, DP
+from ..models import parallel_state
 from ..request_memory import held_bytes
-from ..sharding import PatchLayout, batch_rows, patch_ranges, shard_range
+from ..sharding import batch_rows
 from ..traffic import expected_bytes_per_step
 from ..vae import DECODED
 
@@ -41,7 +41,6 @@ def rank_summary(session) -> dict:
     pipe, mesh, config = session.pipe, session.pipe.mesh, session.pipe.config
     transformer = pipe.diffusers_pipeline.transformer
     state = parallel_state(transformer)
-    stage = state.strategy if isinstance(state.strategy, PipeFusionStage) else None
     rows, cols = token_grid(session)
     step = session.step_index
     summary = dict(
@@ -57,10 +56,10 @@ def rank_summary(session) -> dict:
         grid=[rows, cols],
         image_tokens=rows * cols,
         shapes=_shapes(session, transformer, state, rows, cols),
-        shard=_shard(mesh, config, state, stage, rows, cols),
+        shard=state.strategy.token_pieces(rows, cols),
         batch=_batch(session, state),
-        staleness=_staleness(stage) if stage is not None else None,
-        memory=_memory(pipe, session, stage),
+        staleness=_staleness(state.strategy.staleness()),
+        memory=_memory(pipe, session, state.strategy),
         cache=_cache(session, state),
         encode=dict(prompts=list(session.own_prompts), bytes=dict(session.comm_encode)),
         decode=_decode(session),
@@ -103,17 +102,12 @@ def _decode(session) -> dict | None:
 
 
 def token_grid(session) -> tuple[int, int]:
-    """(rows, cols) of image tokens: latent height and width over the transformer's patch size."""
+    """(rows, cols) of image tokens, as the family's latent layout orders them (a video's frames stacked
+    as rows). Packed tokens (Flux) carry no grid: rows from the image height and the size a token covers."""
     latents, transformer = session.latents, session.pipe.diffusers_pipeline.transformer
-    patch = transformer.config.get("patch_size") or 1
-    if latents.dim() == 4:  # PixArt, SD3, DiT: [B, C, H, W]
-        return latents.shape[-2] // patch, latents.shape[-1] // patch
-    if latents.dim() == 5 and isinstance(patch, (list, tuple)):  # Wan: [B, C, F, H, W], patches (t, h, w)
-        frames, rows, cols = (size // p for size, p in zip(latents.shape[-3:], patch))
-        return frames * rows, cols  # frame-major, as CogVideoX's
-    if latents.dim() == 5:  # CogVideoX: [B, F, C, H, W]; tokens frame-major, so frames stack as row blocks
-        return latents.shape[1] * (latents.shape[-2] // patch), latents.shape[-1] // patch
-    # Flux: packed tokens [B, S, C]; rows from the image height and the size a token covers
+    layout = parallel_state(transformer).adapter.latents
+    if layout.name != "tokens":
+        return layout.token_grid(latents, transformer.config, {})
     multiple = session.recipe.size_multiple(session.pipe.diffusers_pipeline)[0]
     rows = session.prepared.extra["size"][0] // multiple
     return rows, latents.shape[1] // rows
@@ -152,7 +146,7 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         if "cross" in kinds
         else None,
         # PipeFusion: a stage hands on the text states with each patch where its blocks change them (SD3, Flux, ...)
-        handed_text=getattr(state.strategy, "hands_text", False),
+        handed_text=state.strategy.hands_text,
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
         dtype_bytes=next(transformer.parameters()).element_size(),
         # the async PipeFusion schedule sends latents back to stage 0: their size, and the last step
@@ -160,37 +154,6 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         latent_elements=session.latents[0].numel(),
         latent_bytes=session.latents.element_size(),
         steps=session.num_steps,
-    )
-
-
-def _shard(mesh, config, state, stage, rows, cols) -> dict:
-    """The image tokens this rank computes: one range under USP, one piece of every patch under PipeFusion."""
-    sp, sp_rank = config.sp_degree, mesh.group_rank(SP)
-    if stage is None:
-        shard = state.strategy.shard_range
-        recorded = shard is not None and state.image_len == rows * cols
-        start, stop = shard if recorded else shard_range(rows * cols, sp, sp_rank)
-        return dict(
-            sp_size=sp,
-            sp_rank=sp_rank,
-            tokens=[[start, stop]],
-            pipefusion=None,
-            source="SequenceShards.shard_range" if recorded else "computed (no forward yet)",
-        )
-    recorded = stage.layout is not None and stage.grid == (rows, cols)
-    layout = stage.layout if recorded else PatchLayout(patch_ranges(rows, cols, config.patches), sp)
-    pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
-    return dict(
-        sp_size=sp,
-        sp_rank=sp_rank,
-        tokens=pieces,
-        pipefusion=dict(
-            stage=mesh.coords[PIPEFUSION],
-            blocks=list(stage.blocks),
-            patches=[list(p) for p in layout.patches],
-            patch_tokens=pieces,
-        ),
-        source="PatchLayout" if recorded else "computed (no forward yet)",
     )
 
 
@@ -215,7 +178,7 @@ def _batch(session, state) -> dict:
     )
 
 
-def _staleness(stage) -> dict:
+def _staleness(info: dict | None) -> dict | None:
     """Per attention layer of this stage: the step that last wrote each patch's K/V, and how old
     the K/V were that attention read in the last step, as the buffers recorded at each read.
 
@@ -223,8 +186,10 @@ def _staleness(stage) -> dict:
     step of the read minus the step that wrote the slice it read; None: a slice never written).
     A warmup step runs all patches at once; a pipelined step runs them one at a time, each
     writing its own K/V before it reads. age[p] = the oldest any patch read. Under Ring a rank
-    records its own part of every patch (every ring rank writes its part on the same schedule)."""
-    info = stage.staleness()
+    records its own part of every patch (every ring rank writes its part on the same schedule).
+    None where the strategy keeps no K/V between steps (sequence shards)."""
+    if info is None:
+        return None
     last = info["step"] - 1  # the diffusion step the buffers were last used in
     patches = len(info["patches"] or [])
     written, ages, reads, pipelined = {}, {}, {}, False
@@ -251,7 +216,7 @@ def _staleness(stage) -> dict:
     )
 
 
-def _memory(pipe, session, stage) -> dict:
+def _memory(pipe, session, strategy) -> dict:
     figures = rank_memory(pipe)
     params = figures.pop("parameter_bytes")
     total = figures.pop("parameter_total")
@@ -261,7 +226,7 @@ def _memory(pipe, session, stage) -> dict:
         for name in ("transformer_blocks", "single_transformer_blocks")
         for p in getattr(transformer, name, torch.nn.ModuleList()).parameters()
     )
-    kv = sum(held_bytes([b.keys, b.values]) for b in stage.buffers.values()) if stage is not None else 0
+    kv = sum(strategy.kept_bytes().values())  # what the strategy keeps between steps (PipeFusion: stale K/V)
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
         activations = max(0, figures["max_allocated"] - total - kv)
         source = "CUDA peak allocated − parameters − KV buffers"

@@ -2,7 +2,7 @@
 
 family_call_kwargs(family, ...)     call arguments for a tiny pipeline, real CFG where the family has it
 output_latents(output)              .frames (video) or .images of a pipeline output
-adapter_source(family)              a family's entry in models/families.py, as written there
+adapter_source(family)              a family's ADAPTER in families/<family>.py, as written there
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ def family_call_kwargs(family: str, steps: int = 3, negative_prompt=None) -> dic
     cfg 2 has two branches to split (Flux, Qwen-Image, HunyuanVideo: true_cfg_scale; their
     guidance_scale is a guidance-distilled model's input). Flux.2 has no unconditional branch: it
     gets neither, and keeps its model's own guidance."""
-    from ..pipelines import recipe_for
-    from ..pipelines.base import TrueCFGRecipe
-    from ..tiny import PIPELINES, tiny_pipeline_kwargs
+    from ..families import family as family_module
+    from ..families.recipe import TrueCFGRecipe
+    from ..tiny import tiny_pipeline_kwargs
 
-    recipe = recipe_for(PIPELINES[family])
+    recipe = family_module(family).RECIPE
     kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=steps)
     if recipe.cfg_needs is None:  # guidance-distilled, one branch
         return kwargs
@@ -37,17 +37,14 @@ def output_latents(output):
 
 
 def adapter_source(family: str) -> str:
-    """The source of one family's `FamilyAdapter(...)` entry in the installed models/families.py
-    (family: its short name, "PixArt", "Flux", ...), dedented: the data a family is."""
+    """The source of one family's `ADAPTER = FamilyAdapter(...)` in the installed
+    xdit_lab/families/<family>.py, as written there: the data a family is."""
     import inspect
-    import textwrap
 
-    from ..models import families
+    from ..families import family as family_module
 
-    lines = inspect.getsource(families).splitlines()
-    for i, line in enumerate(lines):
-        if line.strip() == "FamilyAdapter(" and lines[i + 1].strip() == f'"{family}",':
-            indent = line[: len(line) - len(line.lstrip())]
-            end = next(j for j in range(i + 1, len(lines)) if lines[j] == f"{indent}),")
-            return textwrap.dedent("\n".join(lines[i : end + 1]))
-    raise KeyError(f"no FamilyAdapter entry for {family!r} in {families.__file__}")
+    module = family_module(family)
+    lines = inspect.getsource(module).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ADAPTER = FamilyAdapter("))
+    end = next(j for j in range(start, len(lines)) if lines[j] == ")")
+    return "\n".join(lines[start : end + 1])

@@ -179,16 +179,14 @@ def planned_and_held(state: dict, prompts: int) -> dict:
     """(engine) After a step of the Lab's session of `prompts` prompts: what the request's memory plan
     (pipe.memory_plan_for) gives for the latents, the conditioning and PipeFusion's stale K/V, and
     what this rank holds of each, counted tensor by tensor; the plan's total and table."""
-    from ..models import PipeFusionStage, parallel_state
+    from ..models import parallel_state
     from ..request_memory import held_bytes
 
     pipe, prepared = state["pipe"], state["session"].prepared
     plan = pipe.memory_plan_for(prompts)
 
     held = dict(latents=held_bytes(prepared.latents), conditioning=held_bytes(prepared.conditioning))
-    strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
-    if isinstance(strategy, PipeFusionStage):
-        held["stale K/V"] = held_bytes([(b.keys, b.values) for b in strategy.buffers.values()])
+    held.update(parallel_state(pipe.diffusers_pipeline.transformer).strategy.kept_bytes())  # PipeFusion: stale K/V
     planned = {name: plan.activation_bytes[name][1] for name in held}
     return dict(planned=planned, held=held, total=plan.total_per_rank, table=plan.table())
 

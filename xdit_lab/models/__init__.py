@@ -1,15 +1,14 @@
 """diffusers DiT families under data, CFG, sequence and pipeline parallelism.
 
-families.py   one adapter per family: where to shard and gather, attention kinds, its block stack
 hooks.py      the machinery every strategy shares (batch split, hooks, attention interception)
 sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
-pipefusion.py token strategy: a PipeFusion stage, patch by patch on stale K/V
+pipefusion/   token strategy: a PipeFusion stage, patch by patch on stale K/V, and its two schedules
+step.py       one denoising step as one transformer call (every strategy's, PipeFusion's drained)
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
 parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take
 """
 
 from .cache import StepCache
-from .families import FAMILIES, SUPPORTED_DIFFUSERS, adapter_for, check_diffusers_version
 from .hooks import ParallelState, parallel_state
 from .parallel import compile_problems, parallelize
 from .pipefusion import PipeFusionStage
@@ -17,10 +16,6 @@ from .sequence import SequenceShards
 
 __all__ = [
     "StepCache",
-    "FAMILIES",
-    "SUPPORTED_DIFFUSERS",
-    "adapter_for",
-    "check_diffusers_version",
     "ParallelState",
     "parallel_state",
     "parallelize",

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import comm
+from ..families import block_metadata
 from ..mesh import WORLD
-from .families import block_metadata
 
 METHODS = ("first_block",)
 

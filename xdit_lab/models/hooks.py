@@ -1,5 +1,5 @@
 """The hook machinery every strategy shares: diffusers' model runs unchanged, and xdit_lab takes
-over at the places the family adapter (families.py) names:
+over at the places the family adapter (xdit_lab/families/) names:
 
   1. the forward's inputs: the batch [uncond; cond] is split over the cfg group, then over dp
   2. the patch embedding's output: the strategy keeps this rank's tokens         strategy.shard
@@ -83,7 +83,7 @@ def install_hooks(transformer, state: ParallelState) -> None:
                 raise TypeError(
                     f"attention module {name} ({type(module).__name__}) of {type(transformer).__name__} is not known "
                     f"to the {adapter.family} adapter: its tokens may be sharded, so it cannot run unchanged; "
-                    f"extend the adapter (xdit_lab.models.families)"
+                    f"extend the adapter (xdit_lab/families/<family>.py)"
                 )
             continue
         known += 1

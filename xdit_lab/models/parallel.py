@@ -3,7 +3,7 @@
     transformer = parallelize(transformer, ParallelConfig(cfg=2, ulysses=2))
     transformer(**inputs)          # every rank returns the same, full output
 
-The family adapter (families.py) says where to take over; hooks.py installs the hooks; the token
+The family adapter (xdit_lab/families/<family>.py) says where to take over; hooks.py installs the hooks; the token
 strategy decides what each rank holds: sequence shards (sequence.py) or, with pipefusion > 1, a
 PipeFusion stage (pipefusion.py). Weights are not copied; the module keeps its forward signature.
 """
@@ -17,9 +17,9 @@ import weakref
 import torch
 
 from ..config import PIPEFUSION, ParallelConfig, ParallelConfigError
+from ..families import adapter_for, check_diffusers_version
 from ..mesh import RankMesh
 from .cache import StepCache, apply_step_cache
-from .families import adapter_for, check_diffusers_version
 from .hooks import ParallelState, gather_batch, install_hooks, parallel_state, run_forward, split_batch
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
@@ -30,14 +30,12 @@ def parallelize(
     config: ParallelConfig,
     mesh: RankMesh | None = None,
     *,
-    stage_split: list[int] | None = None,
     cache: StepCache | None = None,
     compile: bool = False,
 ):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
 
     Call it on every rank after init_distributed. Every rank returns the same full output.
-    `stage_split` overrides PipeFusion's balanced split: blocks per stage, e.g. [10, 9, 9].
     `cache` skips the blocks after the first at steps where the first one barely changed
     (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over.
     `compile=True` compiles the parallel forward with torch.compile, whole: one graph, in which each
@@ -68,7 +66,7 @@ def parallelize(
     config.validate(
         num_heads=model_config.get("num_attention_heads"),
         num_layers=adapter.num_blocks(model_config),
-        seq_len=image_tokens_at_default_size(transformer),
+        seq_len=adapter.latents.default_image_tokens(model_config),
     )
     mesh = mesh or RankMesh(config)
     if mesh.config != config:
@@ -81,7 +79,7 @@ def parallelize(
 
     state = ParallelState(adapter, mesh)
     if getattr(config, PIPEFUSION) > 1:
-        state.strategy = PipeFusionStage.apply(transformer, state, config, stage_split)
+        state.strategy = PipeFusionStage.apply(transformer, state, config)
     else:
         state.strategy = SequenceShards(state)
     if cache is not None:
@@ -91,19 +89,6 @@ def parallelize(
     if compile:
         transformer.forward = _compiled(transformer.forward)
     return transformer
-
-
-def image_tokens_at_default_size(transformer) -> int | None:
-    """Image tokens at the model's configured sample size (for setup-time shape checks)."""
-    model_config = transformer.config
-    sample, patch = model_config.get("sample_size"), model_config.get("patch_size") or 1
-    if type(transformer).__name__ == "CogVideoXTransformer3DModel":
-        frames = (model_config.sample_frames - 1) // model_config.temporal_compression_ratio + 1
-        frames = -(-frames // (model_config.get("patch_size_t") or 1))
-        return frames * (model_config.sample_height // patch) * (model_config.sample_width // patch)
-    if type(transformer).__name__ == "FluxTransformer2DModel" or not isinstance(sample, int):
-        return None  # Flux takes packed tokens of any length
-    return (sample // patch) ** 2
 
 
 def compile_problems(config, cache=None) -> list[str]:

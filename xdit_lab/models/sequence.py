@@ -20,6 +20,7 @@ from ..attention import sp_attention
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
 from .hooks import join_text, refuse_unsplittable, split_text
+from .step import whole_step
 
 
 class SequenceShards:
@@ -45,6 +46,34 @@ class SequenceShards:
     def reset(self) -> None:
         """A new generation: nothing carries over between steps."""
 
+    # ---- what the rank keeps and holds: the questions every token strategy answers ------------------
+    hands_text = False  # nothing is handed on between stages
+
+    def run_step(self, session, t) -> None:
+        """One denoising step of `session`: one transformer call (models/step.py)."""
+        whole_step(session, t)
+
+    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
+        """What this rank keeps between steps beside the latents and conditioning: nothing."""
+        return {}
+
+    def kept_bytes(self) -> dict[str, int]:
+        return {}
+
+    def token_pieces(self, rows: int, cols: int) -> dict:
+        """The image tokens this rank computes for a rows × cols token grid: one contiguous shard (the
+        last forward's, when it had this many tokens, else computed the same way)."""
+        sp, sp_rank = self.mesh.group_size(SP), self.mesh.group_rank(SP)
+        recorded = self.shard_range is not None and self.state.image_len == rows * cols
+        start, stop = self.shard_range if recorded else shard_range(rows * cols, sp, sp_rank)
+        return dict(
+            sp_size=sp,
+            sp_rank=sp_rank,
+            tokens=[[start, stop]],
+            pipefusion=None,
+            source="SequenceShards.shard_range" if recorded else "computed (no forward yet)",
+        )
+
     def staleness(self):
         return None
 
@@ -65,9 +94,9 @@ class SequenceShards:
         return self._take_image_shard(tokens)
 
     def shard_rotary(self, tables):
-        """This rank's rows of the rotary tables (families.FamilyAdapter.keep_rotary_rows). Wan's are
+        """This rank's rows of the rotary tables (the adapter's RotaryLayout.keep_rows). Wan's are
         computed before the tokens are sharded: the shard is taken from the table's own length."""
-        return self.state.adapter.keep_rotary_rows(tables, self.state.text_len, self._take_image_shard)
+        return self.state.adapter.rotary.keep_rows(tables, self.state.text_len, self._take_image_shard)
 
     def gather(self, tokens):
         sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))

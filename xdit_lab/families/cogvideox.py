@@ -1,18 +1,30 @@
-"""CogVideoX: T5 text, video latents [B, F, C, H, W], joint attention, DDIM or DPM schedulers."""
+"""CogVideoX: T5 text, video latents [B, F, C, H, W], joint attention with the text first (embedded with
+the video in one tensor), rotary tables per image token passed to the forward, DDIM or DPM schedulers."""
 
 from __future__ import annotations
 
-from diffusers import CogVideoXDPMScheduler
-from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
-from diffusers.pipelines.cogvideo.pipeline_output import CogVideoXPipelineOutput
+from .adapter import FRAMES, FamilyAdapter
+from .recipe import Recipe, generator_of, video_prompt_embeds
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
-from .base import Recipe, generator_of, video_prompt_embeds
+ADAPTER = FamilyAdapter(
+    "cogvideox",
+    "CogVideoXTransformer3DModel",
+    shard_at="patch_embed",
+    gather_at="proj_out",
+    attention={r"\.attn1$": "joint_first"},
+    latents=FRAMES,
+    text_before_image_at_shard=True,
+    image_rows_kwarg="image_rotary_emb",
+    unbatched=("image_rotary_emb",),
+)
 
 
 class CogVideoXRecipe(Recipe):
-    family = "CogVideoX"
+    family = "cogvideox"
     pipeline_classes = ("CogVideoXPipeline",)
-    output_class = CogVideoXPipelineOutput
+    output_class = "diffusers.pipelines.cogvideo.pipeline_output:CogVideoXPipelineOutput"
+    output_field = "frames"
     defaults = dict(num_inference_steps=50, guidance_scale=6.0)
     options = dict(num_frames=None, eta=0.0, max_sequence_length=226)
 
@@ -32,6 +44,8 @@ class CogVideoXRecipe(Recipe):
         return dict(encoder_hidden_states=embeds)
 
     def prepare(self, pipe, request, prepared, device):
+        from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
+
         config = pipe.transformer.config
         height = request.height or config.sample_height * pipe.vae_scale_factor_spatial
         width = request.width or config.sample_width * pipe.vae_scale_factor_spatial
@@ -62,6 +76,8 @@ class CogVideoXRecipe(Recipe):
         return super().guide(pipe, prepared, noise.float(), step_index)
 
     def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
+        from diffusers import CogVideoXDPMScheduler
+
         step_kwargs = prepared.extra["step_kwargs"]
         if not isinstance(pipe.scheduler, CogVideoXDPMScheduler):
             latents = pipe.scheduler.step(noise, t, latents, **step_kwargs, return_dict=False)[0]
@@ -84,5 +100,43 @@ class CogVideoXRecipe(Recipe):
         video = pipe.decode_latents(latents[:, prepared.extra["extra_frames"] :])
         return pipe.video_processor.postprocess_video(video=video, output_type=output_type)
 
-    def wrap_output(self, images):
-        return self.output_class(frames=images)
+
+RECIPE = CogVideoXRecipe()
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    return dict(hidden_states=randn(batch, 3, 4, height, width), encoder_hidden_states=text, timestep=timestep.long())
+
+
+TINY = TinySpec(
+    transformer=dict(
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=32,
+        text_embed_dim=TEXT_DIM,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+    ),
+    inputs=tiny_inputs,
+    pipeline_classes=("CogVideoXPipeline",),
+    parts=dict(
+        transformer=Part("transformer"),
+        text_encoder=Part("t5_encoder", seed=1, vocab_of="tokenizer"),
+        tokenizer=Part("t5_tokenizer"),
+        vae=Part("video_vae", seed=2),
+        scheduler=Part(  # CogVideoX-2b's sampler: v-prediction, zero-SNR, trailing
+            "CogVideoXDDIMScheduler",
+            kwargs=dict(
+                clip_sample=False,
+                prediction_type="v_prediction",
+                rescale_betas_zero_snr=True,
+                timestep_spacing="trailing",
+            ),
+        ),
+    ),
+    call=dict(height=32, width=32, num_frames=9, max_sequence_length=MAX_TOKENS),  # 9 frames -> 3 latent frames
+)

@@ -1,17 +1,26 @@
-"""Stable Diffusion 3 / 3.5: two CLIP and one T5 text encoders, joint attention, flow matching."""
+"""Stable Diffusion 3 / 3.5: two CLIP and one T5 text encoders, joint attention with the text after the
+image, flow matching. SD3.5's dual attention layers add an image-only self-attention (attn2) beside
+the joint one in the same block."""
 
 from __future__ import annotations
 
-from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
+from .adapter import FamilyAdapter
+from .recipe import Recipe, generator_of
+from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
-from .base import Recipe, generator_of
+ADAPTER = FamilyAdapter(
+    "sd3",
+    "SD3Transformer2DModel",
+    shard_at="pos_embed",
+    gather_at="proj_out",
+    attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
+)
 
 
 class SD3Recipe(Recipe):
-    family = "SD3"
+    family = "sd3"
     pipeline_classes = ("StableDiffusion3Pipeline",)
-    output_class = StableDiffusion3PipelineOutput
+    output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)
     options = dict(max_sequence_length=256, clip_skip=None, mu=None)
 
@@ -29,6 +38,11 @@ class SD3Recipe(Recipe):
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled)
 
     def prepare(self, pipe, request, prepared, device):
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
         embeds = prepared.conditioning["encoder_hidden_states"]
@@ -70,3 +84,57 @@ class SD3Recipe(Recipe):
         latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
         image = pipe.vae.decode(latents, return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type=output_type)
+
+
+RECIPE = SD3Recipe()
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    return dict(
+        hidden_states=randn(batch, 16, height, width),
+        encoder_hidden_states=text,
+        pooled_projections=randn(batch, TEXT_DIM),
+        timestep=timestep,
+    )
+
+
+TINY = TinySpec(  # CLIP 16 + 16 wide = T5 32 = the joint dim; pooled 16 + 16
+    transformer=dict(
+        sample_size=8,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        joint_attention_dim=TEXT_DIM,
+        caption_projection_dim=INNER,
+        pooled_projection_dim=TEXT_DIM,
+        pos_embed_max_size=32,
+    ),
+    inputs=tiny_inputs,
+    pipeline_classes=("StableDiffusion3Pipeline",),
+    parts=dict(
+        transformer=Part("transformer"),
+        text_encoder=Part(
+            "clip_encoder", seed=3, vocab_of="tokenizer", kwargs=dict(width=TEXT_DIM // 2, projection=True)
+        ),
+        text_encoder_2=Part(
+            "clip_encoder", seed=4, vocab_of="tokenizer", kwargs=dict(width=TEXT_DIM // 2, projection=True)
+        ),
+        text_encoder_3=Part("t5_encoder", seed=1, vocab_of="tokenizer_3"),
+        tokenizer=Part("clip_tokenizer"),
+        tokenizer_2=Part("clip_tokenizer"),
+        tokenizer_3=Part("t5_tokenizer"),
+        vae=Part(
+            "image_vae",
+            seed=2,
+            kwargs=dict(
+                latent_channels=16,
+                scaling_factor=1.5305,
+                shift_factor=0.0609,
+                use_quant_conv=False,
+                use_post_quant_conv=False,
+            ),
+        ),
+        scheduler=Part("FlowMatchEulerDiscreteScheduler", kwargs=dict(shift=3.0)),
+    ),
+    call=dict(height=16, width=16, max_sequence_length=MAX_TOKENS),
+)

@@ -3,7 +3,8 @@
 Nothing can be downloaded: tokenizers are built from a word list (plus single characters, so any prompt
 tokenizes) with transformers' own tokenizer classes, so a saved folder loads with stock
 `DiffusionPipeline.from_pretrained` and the pipelines' type checks see the classes they expect. Each
-part is seeded; tiny.py assembles them around the tiny transformers into whole pipelines.
+part is seeded; a family's TINY names the parts of its pipeline (families/tiny_spec.Part), and
+xdit_lab.tiny assembles them around the family's tiny transformer.
 """
 
 from __future__ import annotations
@@ -13,17 +14,23 @@ import string
 
 import torch
 
-from .tiny_models import TEXT_DIM
+from ..families.tiny_spec import MAX_TOKENS, TEXT_DIM
 
 WORDS = (
     "a an the of and in on with photo picture drawing handwritten digit number cat dog bird car tree house "
     "red blue green black white yellow small big"
 ).split() + list(string.digits)
-MAX_TOKENS = 8  # CLIP's model_max_length, and `max_sequence_length` for T5 (CogVideoX needs text length = 8)
 
 # HunyuanVideoPipeline's prompt template, shortened to the tiny tokenizer's special tokens: crop_start is the
 # template's tokens before the prompt, which the pipeline crops off the Llama states
 HUNYUAN_TEMPLATE = "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+
+
+def hunyuan_prompt_template() -> dict:
+    """HunyuanVideoPipeline's `prompt_template` for the tiny Llama tokenizer: the template, and how many of
+    its tokens come before the prompt (crop_start, cropped off the Llama states)."""
+    prefix = HUNYUAN_TEMPLATE.split("{}")[0]
+    return {"template": HUNYUAN_TEMPLATE, "crop_start": len(llama_tokenizer()(prefix).input_ids)}
 
 
 def t5_tokenizer():

@@ -1,25 +1,28 @@
-"""PixArt-α and PixArt-Σ: T5 text, cross-attention, learned sigma, DPM-Solver by default."""
+"""PixArt-α and PixArt-Σ: T5 text by cross-attention, learned sigma, DPM-Solver by default.
+
+The image tokens attend to each other (self, sequence-parallel) and to the whole text (cross: local
+on every rank, nothing moves)."""
 
 from __future__ import annotations
 
 import torch
-from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
-from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
-    ASPECT_RATIO_256_BIN,
-    ASPECT_RATIO_512_BIN,
-    ASPECT_RATIO_1024_BIN,
-    retrieve_timesteps,
+
+from .adapter import FamilyAdapter
+from .recipe import Recipe, generator_of
+from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
+
+ADAPTER = FamilyAdapter(
+    "pixart",
+    "PixArtTransformer2DModel",
+    shard_at="pos_embed",
+    gather_at="proj_out",
+    attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
 )
-
-from .base import Recipe, generator_of
-
-BINS = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
 
 
 class PixArtRecipe(Recipe):
-    family = "PixArt"
+    family = "pixart"
     pipeline_classes = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
-    output_class = ImagePipelineOutput
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options = dict(eta=0.0, use_resolution_binning=True, clean_caption=True, max_sequence_length=None)
 
@@ -35,17 +38,25 @@ class PixArtRecipe(Recipe):
         return dict(encoder_hidden_states=embeds, encoder_attention_mask=mask)
 
     def prepare(self, pipe, request, prepared, device):
+        from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
+            ASPECT_RATIO_256_BIN,
+            ASPECT_RATIO_512_BIN,
+            ASPECT_RATIO_1024_BIN,
+            retrieve_timesteps,
+        )
+
+        bins = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
         sample_size = pipe.transformer.config.sample_size
         height = request.height or sample_size * pipe.vae_scale_factor
         width = request.width or sample_size * pipe.vae_scale_factor
         prepared.extra["size"] = (height, width)
         if request.options["use_resolution_binning"]:
-            if sample_size not in BINS:
+            if sample_size not in bins:
                 raise ValueError(
                     f"resolution binning needs a sample size of 32, 64 or 128, not {sample_size}; "
                     f"pass use_resolution_binning=False"
                 )
-            height, width = pipe.image_processor.classify_height_width_bin(height, width, ratios=BINS[sample_size])
+            height, width = pipe.image_processor.classify_height_width_bin(height, width, ratios=bins[sample_size])
         generator = generator_of(request)
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
         if hasattr(pipe.scheduler, "set_begin_index"):
@@ -94,3 +105,39 @@ class PixArtRecipe(Recipe):
             height, width = prepared.extra["size"]
             image = pipe.image_processor.resize_and_crop_tensor(image, width, height)
         return pipe.image_processor.postprocess(image, output_type=output_type)
+
+
+RECIPE = PixArtRecipe()
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    return dict(
+        hidden_states=randn(batch, 4, height, width),
+        encoder_hidden_states=text,
+        timestep=timestep,
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+    )
+
+
+TINY = TinySpec(  # learned sigma: out = 2 × 4 latent channels
+    transformer=dict(
+        in_channels=4,
+        out_channels=8,
+        cross_attention_dim=INNER,
+        caption_channels=TEXT_DIM,
+        sample_size=8,
+        patch_size=2,
+        norm_type="ada_norm_single",
+        use_additional_conditions=False,
+    ),
+    inputs=tiny_inputs,
+    pipeline_classes=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
+    parts=dict(
+        transformer=Part("transformer"),
+        text_encoder=Part("t5_encoder", seed=1, vocab_of="tokenizer"),
+        tokenizer=Part("t5_tokenizer"),
+        vae=Part("image_vae", seed=2, kwargs=dict(latent_channels=4, scaling_factor=0.18215)),
+        scheduler=Part("DPMSolverMultistepScheduler"),
+    ),
+    call=dict(height=16, width=16, max_sequence_length=MAX_TOKENS, use_resolution_binning=False, clean_caption=False),
+)

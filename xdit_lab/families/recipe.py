@@ -9,6 +9,7 @@ the transformer takes, how the scheduler steps, and how latents become images.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +48,12 @@ class Prepared:
 
 
 class Recipe:
-    family = ""
+    family = ""  # the family's module name
     pipeline_classes: tuple[str, ...] = ()
-    output_class = None  # diffusers' output dataclass of the family's pipeline
+    # diffusers' output dataclass of the family's pipeline ("module:Class", imported when first used), and
+    # the field that holds what decode returns
+    output_class = "diffusers.pipelines.pipeline_utils:ImagePipelineOutput"
+    output_field = "images"
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
 
@@ -181,7 +185,8 @@ class Recipe:
         raise NotImplementedError
 
     def wrap_output(self, images):
-        return self.output_class(images=images)
+        module, name = self.output_class.split(":")
+        return getattr(importlib.import_module(module), name)(**{self.output_field: images})
 
 
 class TrueCFGRecipe(Recipe):

@@ -1,25 +1,39 @@
-"""Qwen-Image: a Qwen2.5-VL text encoder, packed 2×2 latent tokens, joint attention over padded
-text, true CFG with a norm-preserving rescale, flow matching.
+"""Qwen-Image: a Qwen2.5-VL text encoder, packed 2×2 latent tokens, joint attention with the text first
+over padded text (masked), true CFG with a norm-preserving rescale, flow matching.
 
 diffusers' QwenImagePipeline encodes the prompts and the negative prompts apart, each padded to its
 own longest prompt with a mask (None when nothing is padded), and runs the negative branch as a
 second forward. Here both branches go in one batch [negative; positive], which cfg 2 then splits:
 their text is padded to one length with the mask extended (`padded_text`), which the transformer's
 masked attention makes exact, and the session pads every rank's rows to the longest over the ranks
-before it gathers them."""
+before it gathers them. The parallel kernels take the mask as a key mask over the text alone."""
 
 from __future__ import annotations
 
 import torch
-from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 
-from .base import PackedLatentsRecipe, TrueCFGRecipe
+from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter
+from .recipe import PackedLatentsRecipe, TrueCFGRecipe
+from .tiny_spec import TEXT_DIM, Part, TinySpec
+
+ADAPTER = FamilyAdapter(
+    "qwenimage",
+    "QwenImageTransformer2DModel",
+    shard_at="img_in",
+    gather_at="proj_out",
+    attention={r"^transformer_blocks\.\d+\.attn$": "joint_first"},
+    latents=TOKENS,
+    rotary_at="pos_embed",
+    rotary=IMAGE_AND_TEXT,
+    text_key_mask=True,
+    per_token_config=("zero_cond_t",),
+)
 
 
 class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    family = "Qwen-Image"
+    family = "qwenimage"
     pipeline_classes = ("QwenImagePipeline",)
-    output_class = QwenImagePipelineOutput
+    output_class = "diffusers.pipelines.qwenimage.pipeline_output:QwenImagePipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=None)  # guidance_scale: a distilled model's input
     options = dict(true_cfg_scale=4.0, max_sequence_length=512)
     padded_text = ("encoder_hidden_states", "encoder_hidden_states_mask")
@@ -66,3 +80,52 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
         image = pipe.vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
         return pipe.image_processor.postprocess(image, output_type=output_type)
+
+
+RECIPE = QwenImageRecipe()
+
+
+def padded_text_mask(batch: int, text_len: int) -> torch.Tensor:
+    """[batch, text_len] bool: each sample's text a different length (0 to 2 padded tokens), as a batch pads it."""
+    return torch.arange(text_len)[None, :] < (text_len - torch.arange(batch) % 3)[:, None]
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    """2 × 2 latent pixels packed per token; padded text, a different length per sample."""
+    grid = (1, height // 2, width // 2)
+    return dict(
+        hidden_states=randn(batch, grid[1] * grid[2], 16),
+        encoder_hidden_states=text,
+        encoder_hidden_states_mask=padded_text_mask(batch, text.shape[1]),
+        timestep=timestep / 1000,
+        img_shapes=[[grid]] * batch,
+    )
+
+
+TINY = TinySpec(  # modelled on diffusers' own test of QwenImageTransformer2DModel
+    transformer=dict(
+        patch_size=2, in_channels=16, out_channels=4, joint_attention_dim=TEXT_DIM, axes_dims_rope=(8, 4, 4)
+    ),
+    inputs=tiny_inputs,
+    pipeline_classes=("QwenImagePipeline",),
+    parts=dict(  # 2 × 2 patches of 4 latent channels packed into 16
+        transformer=Part("transformer"),
+        text_encoder=Part("qwen_vl_encoder", seed=1, vocab_of="tokenizer"),
+        tokenizer=Part("qwen_tokenizer"),
+        vae=Part("qwen_vae", seed=2, kwargs=dict(latent_channels=4)),
+        scheduler=Part(
+            "FlowMatchEulerDiscreteScheduler",
+            kwargs=dict(
+                shift=1.0,
+                use_dynamic_shifting=True,
+                base_shift=0.5,
+                max_shift=0.9,
+                base_image_seq_len=256,
+                max_image_seq_len=8192,
+                time_shift_type="exponential",
+            ),
+        ),
+    ),
+    # an 8 × 8 latent: 4 × 4 tokens; the text as long as each prompt encodes, padded and masked in a batch
+    call=dict(height=32, width=32),
+)

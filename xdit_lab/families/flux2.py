@@ -1,6 +1,6 @@
 """Flux.2 [dev]: a Mistral 3 text encoder (three layers' states stacked), packed 2×2 latent tokens
 with 4-axis position ids, a guidance-distilled transformer, flow matching, a VAE with a batch norm
-over the patched latent.
+over the patched latent. Its single-stream blocks take [text; image] as one tensor.
 
 diffusers' Flux2Pipeline has no negative prompt and no unconditional branch: guidance_scale is the
 model's input (guidance-distilled), so cfg 2 has nothing to split and a negative prompt is refused.
@@ -10,16 +10,35 @@ diffusers' does, so the ranks' rows stack as they are."""
 from __future__ import annotations
 
 import torch
-from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
-from diffusers.pipelines.flux2.pipeline_output import Flux2PipelineOutput
 
-from .base import PackedLatentsRecipe
+from .adapter import TOKENS, FamilyAdapter
+from .flux import FLUX_SCHEDULER, packed_inputs
+from .recipe import PackedLatentsRecipe
+from .tiny_spec import TEXT_DIM, Part, TinySpec
+
+ADAPTER = FamilyAdapter(
+    "flux2",
+    "Flux2Transformer2DModel",
+    shard_at="x_embedder",
+    gather_at="proj_out",
+    attention={
+        r"^transformer_blocks\.\d+\.attn$": "joint_first",
+        r"^single_transformer_blocks\.\d+\.attn$": "joint_first",
+    },
+    latents=TOKENS,
+    image_rows_kwarg="img_ids",  # its rotary tables are computed from them, text ids apart
+    unbatched=("img_ids", "txt_ids"),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    block_counts=("num_layers", "num_single_layers"),
+    joined_block_lists=("single_transformer_blocks",),
+    step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
+)
 
 
 class Flux2Recipe(PackedLatentsRecipe):
-    family = "Flux.2"
+    family = "flux2"
     pipeline_classes = ("Flux2Pipeline",)
-    output_class = Flux2PipelineOutput
+    output_class = "diffusers.pipelines.flux2.pipeline_output:Flux2PipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=4.0)  # the distilled guidance, an input
     options = dict(max_sequence_length=512, text_encoder_out_layers=(10, 20, 30))
     cfg_needs = None  # never two branches: see the module's docstring
@@ -39,6 +58,8 @@ class Flux2Recipe(PackedLatentsRecipe):
         return dict(encoder_hidden_states=embeds, txt_ids=text_ids[0])
 
     def prepare(self, pipe, request, prepared, device):
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
         prepared.latents, image_ids = self.packed_latents(pipe, request, prepared, device)
         prepared.conditioning["img_ids"] = image_ids[0]
         prepared.extra["image_ids"] = image_ids  # where each token goes back in the latent, for decode
@@ -58,3 +79,34 @@ class Flux2Recipe(PackedLatentsRecipe):
         latents = pipe._unpatchify_latents(latents * std + mean)
         image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type=output_type)
+
+
+RECIPE = Flux2Recipe()
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    return dict(packed_inputs(batch, height, width, text, timestep, randn, axes=4), timestep=timestep / 1000)
+
+
+TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
+    transformer=dict(
+        patch_size=1,
+        in_channels=16,
+        num_single_layers=2,
+        joint_attention_dim=TEXT_DIM,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    ),
+    inputs=tiny_inputs,
+    pipeline_classes=("Flux2Pipeline",),
+    parts=dict(  # Mistral 3's states after 3 layers stacked (3 × 32 wide); 2 × 2 × 4 latent channels packed into 16
+        transformer=Part("transformer", kwargs=dict(joint_attention_dim=3 * TEXT_DIM, guidance_embeds=True)),
+        text_encoder=Part("mistral3_encoder", seed=1, vocab_of="tokenizer"),
+        tokenizer=Part("mistral_tokenizer"),
+        vae=Part("flux2_vae", seed=2, kwargs=dict(latent_channels=4)),
+        scheduler=FLUX_SCHEDULER,
+    ),
+    # the system message and the prompt are some 50 tokens: padded to 64 (the pipeline's default: 512)
+    call=dict(height=16, width=16, max_sequence_length=64),
+)

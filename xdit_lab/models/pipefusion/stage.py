@@ -1,28 +1,14 @@
-"""PipeFusion: this rank runs one stage of the blocks, patch by patch, on partly stale K/V.
+"""PipeFusionStage: the token strategy of PipeFusion. This rank holds one stage of the blocks and runs
+them patch by patch on partly stale K/V (the package's docstring draws the pipeline).
 
-Each of N stages holds L/N contiguous blocks; the image's tokens are cut into M patches (row
-bands). Stage s runs patch p as soon as stage s-1 hands it over, so N stages work on N different
-patches at once and only patch activations cross between stages:
-
-    time →        t0        t1        t2        t3
-    stage 0    patch 0   patch 1   patch 2   patch 3
-    stage 1              patch 0   patch 1   patch 2   patch 3
-
-When a patch attends, the K/V of patches not yet processed in this step are the previous step's
-(attention/stale.py keeps them). The first `warmup_steps` run the whole image at once, so every
-K/V is fresh; with warmup_steps >= num_inference_steps the result equals serial attention.
-
-One call of the transformer is one diffusion step (the drained schedule), so the denoising loop
-does not change. Inside the call every stage runs the model's own forward once per patch (once
-for the whole image during warmup):
+Inside one transformer call every stage runs the model's own forward once per patch (once for the
+whole image during warmup):
   - the embeddings are computed from the whole latent and this rank keeps the patch's tokens; a
     later stage replaces them, at its first block, with what the previous stage sent
   - a stage that is not the last stops after its last block and sends the activations on
   - a stage posts patch i+1's receive before patch i's send: NCCL runs a group's point-to-point
     ops on one stream in the order posted, and a receive holds up what follows it, so posting all
     receives first would stall a middle stage's sends. Messages are in the model's dtype.
-Under pipefusion_schedule="async", past the warmup, one call runs one patch (`cursor`) and the
-session steps the scheduler patch by patch (session.py); the last stage returns the prediction.
 Joint-attention families (SD3, Flux, CogVideoX, Qwen-Image) change their text in every block, so a
 stage hands over the patch's image tokens and the text states its blocks produced for that patch
 (whole, on every sp rank). Their attention keeps image K/V per patch and recomputes text K/V (and
@@ -30,9 +16,8 @@ its padding mask) with each patch. The blocks are the adapter's stack (Flux: dou
 single-stream), cut into stages as one list; rotary rows and per-token arguments follow the patches.
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
 patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
-step the scheduler alike). The drained bubble is (N-1)/(M+N-1) of a step; the async one is
-(N-1)/(K·M+N-1) of K pipelined steps. Within a stage, tokens may also be split over ulysses × ring:
-every patch is sharded over them the same way (sharding.PatchLayout).
+step the scheduler alike). Within a stage, tokens may also be split over ulysses × ring: every
+patch is sharded over them the same way (sharding.PatchLayout).
 """
 
 from __future__ import annotations
@@ -42,14 +27,17 @@ import time
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from .. import comm
-from ..attention.stale import StaleKV, stale_attention, stale_kv_bytes
-from ..mesh import PIPEFUSION, RING, SP, ULYSSES
-from ..sharding import PatchLayout, patch_ranges, stage_ranges
-from .families import block_metadata, output_conditioning_from_block_0
-from .hooks import join_text, refuse_per_block, refuse_unsplittable, split_text
+from ... import comm
+from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
+from ...families import block_metadata
+from ...families.adapter import SEQUENCE_PARALLEL_KINDS
+from ...mesh import PIPEFUSION, RING, SP, ULYSSES
+from ...sharding import PatchLayout, patch_ranges
+from ..hooks import join_text, refuse_per_block, refuse_unsplittable, split_text
+from ..step import whole_step
+from .schedules import async_step
 
-STALE_KINDS = ("self", "joint_first", "joint_last")  # attention whose image K/V a stage keeps per patch
+STALE_KINDS = SEQUENCE_PARALLEL_KINDS  # attention whose image K/V a stage keeps per patch
 
 
 class _StageDone(Exception):
@@ -64,10 +52,13 @@ class PipeFusionStage:
     """The token strategy of PipeFusion: this rank's stage, its patch layout, stale K/V buffers and
     the step counter.
 
-    `buffer_type` makes each layer's buffer; a test or a control (xdit_lab.lab.measure) may set a
-    deliberately wrong one, on a stage or on the class, to show that a bound catches it."""
+    Controls, deliberately wrong, that a test or a lesson sets on a stage or on the class to show that a
+    bound catches them: `buffer_type` makes each layer's K/V buffer (xdit_lab.lessons.controls), and
+    `drops_returned_latents` has stage 0 of the async schedule receive the latents the last stage sends
+    back but keep its own (one step behind), the mistake the return path prevents."""
 
     buffer_type = StaleKV
+    drops_returned_latents = False
 
     def __init__(self, state, config, blocks: tuple[int, int], model_config, dtype: torch.dtype):
         self.state, self.mesh, self.config = state, state.mesh, config
@@ -94,16 +85,16 @@ class PipeFusionStage:
         self.latent_elements: dict = {}  # (latent shape, patch) -> that patch's flat latent positions
         self.awaiting = None  # stage 0, async: buffers for the latents the last stage has sent back
         self.returning: list = []  # the last stage, async: its sends of latents back to stage 0
+        self.patch_states = None  # async: (scheduler, recipe extras) per patch, on every rank
         self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
 
     @classmethod
-    def apply(cls, transformer, state, config, stage_split=None) -> PipeFusionStage:
+    def apply(cls, transformer, state, config) -> PipeFusionStage:
         """Keep this stage's blocks of `transformer` (drop the others, unless it was loaded as a stage)
         and hook its first and last block to receive and hand over activations."""
         mesh, adapter = state.mesh, state.adapter
         stage_index = mesh.coords[PIPEFUSION]
-        total = adapter.num_blocks(transformer.config)
-        start, stop = stage_ranges(total, config.pipefusion, stage_split)[stage_index]
+        start, stop = config.stage_ranges(adapter.num_blocks(transformer.config))[stage_index]
         loaded = getattr(transformer, "_xdit_lab_stage_blocks", None)
         block_0 = None
         if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
@@ -115,13 +106,13 @@ class PipeFusionStage:
                 f"blocks {(start, stop)}"
             )
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
-        if adapter.family == "DiT" and mesh.is_last_stage and start > 0:
+        if adapter.output_conditioning is not None and mesh.is_last_stage and start > 0:
             if block_0 is None:
                 raise ValueError(
-                    "a DiT stage loaded without block 0 cannot condition its output layer; build the "
+                    f"a {adapter.family} stage loaded without block 0 cannot condition its output layer; build the "
                     "transformer whole and let parallelize drop the other stages' blocks"
                 )
-            output_conditioning_from_block_0(transformer, block_0)
+            adapter.output_conditioning(transformer, block_0)
         stage.block_names = adapter.stage_block_names(transformer.config, start, stop)
         blocks = adapter.blocks(transformer)
         stage.first_block, stage.last_block = block_metadata(blocks[0]), block_metadata(blocks[-1])
@@ -135,12 +126,13 @@ class PipeFusionStage:
             blocks[-1].register_forward_hook(stage._hand_over)
         return stage
 
-    def planned_buffer_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> int:
-        """Bytes of the K/V buffers this stage holds once a step ran with `rows` batch rows on this
-        rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's frames stacked as
-        rows: FamilyAdapter.token_grid): stale_kv_bytes, for the attention layers of its blocks."""
+    # ---- what the rank keeps and holds: the questions every token strategy answers ------------------
+    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
+        """{"stale K/V": bytes} of the buffers this stage keeps between steps once a step ran with `rows`
+        batch rows on this rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's
+        frames stacked as rows: LatentLayout.token_grid): stale_kv_bytes, for its blocks' attention."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
-        return stale_kv_bytes(
+        kv = stale_kv_bytes(
             layers=sum(
                 1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) in STALE_KINDS
             ),
@@ -154,6 +146,40 @@ class PipeFusionStage:
             ring_rank=self.mesh.group_rank(RING),
             element_bytes=element,
         )
+        return {"stale K/V": kv}
+
+    def kept_bytes(self) -> dict[str, int]:
+        """{"stale K/V": bytes} of the buffers this stage holds now, counted tensor by tensor."""
+        held = [t for b in self.buffers.values() for t in (b.keys, b.values) if t is not None]
+        return {"stale K/V": sum(t.numel() * t.element_size() for t in held)}
+
+    def token_pieces(self, rows: int, cols: int) -> dict:
+        """The image tokens this rank computes for a rows × cols token grid: its piece of every patch
+        (the layout of the last forward when it had this grid, else computed the same way)."""
+        sp, sp_rank = self.config.sp_degree, self.mesh.group_rank(SP)
+        recorded = self.layout is not None and self.grid == (rows, cols)
+        layout = self.layout if recorded else PatchLayout(patch_ranges(rows, cols, self.config.patches), sp)
+        pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
+        return dict(
+            sp_size=sp,
+            sp_rank=sp_rank,
+            tokens=pieces,
+            pipefusion=dict(
+                stage=self.mesh.coords[PIPEFUSION],
+                blocks=list(self.blocks),
+                patches=[list(p) for p in layout.patches],
+                patch_tokens=pieces,
+            ),
+            source="PatchLayout" if recorded else "computed (no forward yet)",
+        )
+
+    def run_step(self, session, t) -> None:
+        """One denoising step of `session`: one transformer call (the drained schedule, and every warmup
+        step), or this stage's patches of its next step under the async schedule (schedules.py)."""
+        if self.pipelined:
+            async_step(self, session, t)
+        else:
+            whole_step(session, t)
 
     def reset(self) -> None:
         """A new generation: warm up again with empty buffers. An async session left between steps
@@ -165,11 +191,12 @@ class PipeFusionStage:
         comm.wait(self.returning)
         self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
         self.cursor, self.pending_sends, self.awaiting, self.returning = 0, [], None, []
+        self.patch_states = None
 
     @property
     def pipelined(self) -> bool:
-        """The async schedule past its warmup: each call runs one patch, and the session steps the
-        scheduler patch by patch on the last stage (session.py)."""
+        """The async schedule past its warmup: each call runs one patch, and the last stage steps the
+        scheduler patch by patch (schedules.py)."""
         return self.config.pipefusion_schedule == "async" and self.step >= self.config.warmup_steps
 
     def patch_latents(self, latents: torch.Tensor, patch: int) -> torch.Tensor:
@@ -177,7 +204,7 @@ class PipeFusionStage:
         key = (size := tuple(latents.shape[1:]), patch)
         if key not in self.latent_elements:  # the grid is known once a forward ran on this size
             start, stop = patch_ranges(*self.token_grids[size], self.config.patches)[patch]
-            positions = self.state.adapter.latent_positions(latents, self.model_config)
+            positions = self.state.adapter.latents.latent_positions(latents, self.model_config)
             self.latent_elements[key] = positions[start:stop].flatten()
         return self.latent_elements[key]
 
@@ -189,7 +216,7 @@ class PipeFusionStage:
         refuse_per_block(bound.arguments)
         size = tuple(latents.shape[1:])  # one sample's: the batch does not change the grid
         if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
-            self.token_grids[size] = adapter.token_grid(latents, self.model_config, bound.arguments)
+            self.token_grids[size] = adapter.latents.token_grid(latents, self.model_config, bound.arguments)
         patch_sets = self._begin_step(*self.token_grids[size])
         sp_rank, batch = mesh.group_rank(SP), latents.shape[0]
         text = bound.arguments.get("encoder_hidden_states")
@@ -248,7 +275,7 @@ class PipeFusionStage:
         if cache is not None:
             cache.end()
         if output is None:  # not the last stage: the prediction comes from there
-            noise = latents.new_empty(adapter.prediction_shape(latents, self.model_config), dtype=self.dtype)
+            noise = latents.new_empty(adapter.latents.prediction_shape(latents, self.model_config), dtype=self.dtype)
         else:  # the last patch's output: gather() filled one buffer with every patch's tokens
             noise = output[0] if isinstance(output, tuple) else output.sample
             noise = noise.to(self.dtype)  # the broadcast's dtype, as the other stages allocated it
@@ -313,7 +340,7 @@ class PipeFusionStage:
 
     def shard_rotary(self, tables):
         """The rotary tables' rows of this rank's tokens of the active patches, and every text row."""
-        return self.state.adapter.keep_rotary_rows(
+        return self.state.adapter.rotary.keep_rows(
             tables, self.state.text_len, lambda t, dim: t.index_select(dim, self._index("shard", t.device))
         )
 

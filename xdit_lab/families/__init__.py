@@ -1,0 +1,100 @@
+"""The diffusers DiT families xdit_lab runs, one file each: `families/<name>.py` holds the family's
+adapter (`ADAPTER`, how its transformer is cut: adapter.py), its pipeline recipe (`RECIPE`, what the
+pipeline does around the transformer: recipe.py; None where no pipeline is offered) and its tiny
+specimen (`TINY`: tiny_spec.py). The module's name is the family's one spelling, in tables, tiny keys
+and errors. This package finds the family files itself: adding a family is adding a file (README: Adding a
+family).
+
+    FAMILIES        transformer class name -> FamilyAdapter
+    RECIPES         pipeline class name -> Recipe
+    family(name)    a family's module, by its name ("flux")
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+
+from .adapter import FamilyAdapter, block_metadata
+from .recipe import Prepared, Recipe, Request
+
+SUPPORTED_DIFFUSERS = ("0.42", "0.43")  # tested range: >= first, < second
+
+MODULES = {
+    info.name: module
+    for info in pkgutil.iter_modules(__path__)
+    if hasattr(module := importlib.import_module(f"{__name__}.{info.name}"), "ADAPTER")
+}
+FAMILIES = {module.ADAPTER.class_name: module.ADAPTER for module in MODULES.values()}
+RECIPES = {
+    name: module.RECIPE for module in MODULES.values() if module.RECIPE for name in module.RECIPE.pipeline_classes
+}
+
+
+def family(name: str):
+    """The family's module (its ADAPTER, RECIPE and TINY) by its name."""
+    if name not in MODULES:
+        raise KeyError(f"no family {name!r}; families: {', '.join(MODULES)}")
+    return MODULES[name]
+
+
+def adapter_for(transformer) -> FamilyAdapter:
+    """The adapter of a diffusers transformer, by its class (through the class's bases: FSDP2 and
+    torch.compile wrap a model in a subclass of its own)."""
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in FAMILIES:
+            return FAMILIES[cls.__name__]
+    raise TypeError(
+        f"xdit_lab cannot parallelize {type(transformer).__name__}; supported transformers: {', '.join(FAMILIES)}"
+    )
+
+
+def recipe_for(pipeline_class: str) -> Recipe:
+    if pipeline_class not in RECIPES:
+        raise ValueError(f"xdit_lab does not run {pipeline_class}; supported pipelines: {', '.join(RECIPES)}")
+    return RECIPES[pipeline_class]
+
+
+def block_index(transformer_config: dict, key: str) -> int | None:
+    """The stacked block index of a tensor name in a transformer folder (None outside the blocks, or
+    for a class xdit_lab does not parallelize): Flux's double-stream blocks, then its single ones."""
+    adapter = FAMILIES.get(transformer_config.get("_class_name"))
+    return adapter.block_index(key, transformer_config) if adapter else None
+
+
+@functools.cache
+def check_diffusers_version(version: str | None = None) -> None:
+    """Raise when the installed diffusers is outside the range these adapters were tested on
+    (checked once per process and version)."""
+    from packaging.version import Version
+
+    if version is None:
+        import diffusers
+
+        version = diffusers.__version__
+    low, high = SUPPORTED_DIFFUSERS
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(
+            f"diffusers {version} is installed, but xdit_lab's model adapters support diffusers >= {low}, < {high} "
+            f"(module names and attention layouts change between releases). "
+            f"Install a supported release: pip install 'diffusers>={low},<{high}'"
+        )
+
+
+__all__ = [
+    "FAMILIES",
+    "MODULES",
+    "RECIPES",
+    "SUPPORTED_DIFFUSERS",
+    "FamilyAdapter",
+    "Prepared",
+    "Recipe",
+    "Request",
+    "adapter_for",
+    "block_index",
+    "block_metadata",
+    "check_diffusers_version",
+    "family",
+    "recipe_for",
+]

@@ -1,0 +1,354 @@
+"""FamilyAdapter: what xdit_lab needs to know of a diffusers DiT family to run it in parallel, as data.
+
+No forward is copied: diffusers' model runs unchanged, and models/hooks.py takes over at the places an
+adapter names (where the image tokens are sharded and gathered, where the rotary tables are, which
+attention module is which kind), while the token strategy (models/sequence.py, models/pipefusion/)
+reads the layouts below to cut tokens, rotary rows and latents the way this family holds them.
+
+Attention kinds (matched on the module's qualified name):
+    self        image tokens only: sequence-parallel
+    cross       image queries, text keys/values (PixArt): local, no communication
+    joint_first text tokens before image tokens in q/k/v (Flux, Flux.2, CogVideoX, Qwen-Image)
+    joint_last  text tokens after image tokens (SD3, HunyuanVideo)
+    text        text tokens alone (HunyuanVideo's token refiner): whole on every rank, runs as it is
+
+The first three are the image's own attention: its image tokens are sharded, so it is sequence-parallel,
+and a PipeFusion stage keeps its image K/V per patch from step to step (SEQUENCE_PARALLEL_KINDS).
+
+Latent layouts (how `hidden_states` hold one sample, and in which order the model's tokens run):
+    IMAGE    [C, H, W]       p × p pixels a token, row-major            PixArt, SD3, DiT
+    TOKENS   [S, C]          packed tokens, a token a row              Flux, Flux.2, Qwen-Image
+    FRAMES   [F, C, H, W]    frame-major, then rows (CogVideoX)
+    VIDEO    [C, F, H, W]    (t, h, w) patches, frame-major            Wan, HunyuanVideo
+Rotary layouts (what the module at `rotary_at` returns):
+    TEXT_THEN_IMAGE  rows for [text; image], a table or (cos, sin)                      Flux
+    IMAGE_ONLY       (cos, sin) of image tokens only, [1, S, 1, D] or [S, D]            Wan, HunyuanVideo
+    IMAGE_AND_TEXT   (image rows [S, D], text rows [T, D])                             Qwen-Image
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+SEQUENCE_PARALLEL_KINDS = ("self", "joint_first", "joint_last")
+
+# ---- latent layouts --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LatentLayout:
+    """How `hidden_states` hold the image of one sample, and the order of the model's image tokens."""
+
+    name = ""
+    channel_dim = 1  # where the output's channels sit in [B, ...]
+
+    def patch_size(self, model_config) -> int:
+        return model_config.get("patch_size") or 1
+
+    def token_grid(self, latents, model_config, arguments) -> tuple[int, int]:
+        """(rows, cols) of the image tokens in the order the model holds them; PipeFusion cuts its
+        patches as bands of rows (a video's frames stack as rows)."""
+        patch = self.patch_size(model_config)
+        return latents.shape[-2] // patch, latents.shape[-1] // patch
+
+    def latent_positions(self, latents, model_config) -> torch.Tensor:
+        """[S, X]: for each image token, in the model's order, the flat positions in one sample of
+        `latents` it is made of. PipeFusion's async schedule steps the scheduler patch by patch and
+        sends a patch's latents back to stage 0: these are that patch's elements."""
+        c, h, w = latents.shape[1:]
+        p = self.patch_size(model_config)
+        flat = torch.arange(c * h * w, device=latents.device)
+        return flat.view(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape(h * w // p**2, -1)
+
+    def prediction_shape(self, latents, model_config) -> tuple[int, ...]:
+        """The shape of the model's output for `latents`: the latents with the output channels."""
+        channels = model_config.get("out_channels") or model_config.get("in_channels")
+        dim = self.channel_dim
+        return (*latents.shape[:dim], self.output_channels(channels, model_config), *latents.shape[dim + 1 :])
+
+    def output_channels(self, channels: int, model_config) -> int:
+        return channels
+
+    def patch_grid(self, grid: tuple[int, int]) -> tuple[int, int] | None:
+        """The (rows, cols) PipeFusion cuts into patches, for an image of grid[0] × grid[1] tokens;
+        None for a video, whose frames stack more rows than one image has."""
+        return grid
+
+    def default_image_tokens(self, model_config) -> int | None:
+        """Image tokens at the model's configured sample size (setup-time shape checks); None when the
+        config does not say."""
+        sample = model_config.get("sample_size")
+        return (sample // self.patch_size(model_config)) ** 2 if isinstance(sample, int) else None
+
+    def planned_grid(self, latent: tuple[int, int], model_config) -> tuple[int, int] | None:
+        """The token grid PipeFusion cuts, for a latent of (rows, cols) pixels at the default size (the
+        memory plan's, before loading); None where the call's frames are needed."""
+        return tuple(side // self.patch_size(model_config) for side in latent)
+
+
+@dataclass(frozen=True)
+class ImageLatents(LatentLayout):
+    name = "image"  # [B, C, H, W], p × p pixels a token
+
+
+@dataclass(frozen=True)
+class PackedTokens(LatentLayout):
+    """[B, S, C]: the pipeline packs 2 × 2 latent pixels into a token before the model sees it."""
+
+    name = "tokens"
+    channel_dim = 2
+
+    def token_grid(self, latents, model_config, arguments):
+        if "img_shapes" in arguments:  # Qwen-Image: [(frames, rows, cols)] per sample
+            images = arguments["img_shapes"][0]  # diffusers' rotary reads the first
+            images = images if isinstance(images, list) else [images]
+            if len(images) != 1:
+                raise NotImplementedError(
+                    f"{len(images)} images per sample (an edit's reference images) do not form one grid of rows; "
+                    f"PipeFusion cuts one image into row bands: run it without PipeFusion"
+                )
+            frames, rows, cols = images[0]
+            return frames * rows, cols
+        ids = arguments["img_ids"]  # Flux: (row, column) in columns 1 and 2; a host sync, once per size
+        cols = int(ids.reshape(-1, ids.shape[-1])[:, 2].max()) + 1
+        return latents.shape[1] // cols, cols
+
+    def latent_positions(self, latents, model_config):
+        return torch.arange(latents.shape[1:].numel(), device=latents.device).view(latents.shape[1:])
+
+    def output_channels(self, channels, model_config):  # a token carries its patch's pixels (Qwen-Image's 2 × 2)
+        return channels * self.patch_size(model_config) ** 2
+
+    def default_image_tokens(self, model_config):
+        return None  # packed tokens of any length
+
+    def planned_grid(self, latent, model_config):
+        return tuple(side // 2 for side in latent)  # the pipelines pack 2 × 2 latent pixels
+
+
+@dataclass(frozen=True)
+class FrameLatents(LatentLayout):
+    """CogVideoX's [B, F, C, H, W]: tokens frame-major (patch_size_t frames a token), then rows."""
+
+    name = "frames"
+    channel_dim = 2
+
+    def token_grid(self, latents, model_config, arguments):
+        rows, cols = super().token_grid(latents, model_config, arguments)
+        frames = -(-latents.shape[1] // (model_config.get("patch_size_t") or 1))
+        return frames * rows, cols
+
+    def latent_positions(self, latents, model_config):
+        f, c, h, w = latents.shape[1:]
+        p, pt = self.patch_size(model_config), model_config.get("patch_size_t") or 1
+        if f % pt:
+            raise NotImplementedError(f"{f} latent frames do not divide by patch_size_t {pt}")
+        flat = torch.arange(f * c * h * w, device=latents.device)
+        grouped = flat.view(f // pt, pt, c, h // p, p, w // p, p)
+        return grouped.permute(0, 3, 5, 1, 2, 4, 6).reshape(f // pt * (h // p) * (w // p), -1)
+
+    def patch_grid(self, grid):
+        return None
+
+    def default_image_tokens(self, model_config):
+        patch = self.patch_size(model_config)
+        frames = (model_config.sample_frames - 1) // model_config.temporal_compression_ratio + 1
+        frames = -(-frames // (model_config.get("patch_size_t") or 1))
+        return frames * (model_config.sample_height // patch) * (model_config.sample_width // patch)
+
+    def planned_grid(self, latent, model_config):
+        return None  # the frames come with the call (memory_plan_for plans them then)
+
+
+@dataclass(frozen=True)
+class VideoLatents(LatentLayout):
+    """Wan's and HunyuanVideo's [B, C, F, H, W], (t, h, w) patches, tokens frame-major."""
+
+    name = "video"
+
+    @staticmethod
+    def video_patch(model_config) -> tuple[int, int, int]:
+        """(frames, rows, cols) of a token: Wan's patch_size tuple, or HunyuanVideo's patch_size and patch_size_t."""
+        patch = model_config.get("patch_size")
+        if isinstance(patch, (tuple, list)):
+            return tuple(patch)
+        return model_config.get("patch_size_t") or 1, patch, patch
+
+    def token_grid(self, latents, model_config, arguments):
+        (pt, ph, pw), (frames, height, width) = self.video_patch(model_config), latents.shape[-3:]
+        return frames // pt * (height // ph), width // pw
+
+    def latent_positions(self, latents, model_config):
+        c, f, h, w = latents.shape[1:]
+        pt, ph, pw = self.video_patch(model_config)
+        flat = torch.arange(c * f * h * w, device=latents.device)
+        grouped = flat.view(c, f // pt, pt, h // ph, ph, w // pw, pw)
+        return grouped.permute(1, 3, 5, 0, 2, 4, 6).reshape(f // pt * (h // ph) * (w // pw), -1)
+
+    def patch_grid(self, grid):
+        return None
+
+    def default_image_tokens(self, model_config):
+        return None  # the frames come with the call
+
+    def planned_grid(self, latent, model_config):
+        return None  # the frames come with the call (memory_plan_for plans them then)
+
+
+IMAGE, TOKENS, FRAMES, VIDEO = ImageLatents(), PackedTokens(), FrameLatents(), VideoLatents()
+
+
+# ---- rotary layouts --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RotaryLayout:
+    """What the module at `rotary_at` returns, and how a rank keeps the rows of the tokens it holds."""
+
+    def keep_rows(self, tables, text: int, keep):
+        """The tables' rows of the image tokens a rank holds, and every text row. `keep(t, dim)` keeps
+        the rank's image rows of t along dim (a contiguous shard, or a stage's active patches)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TextThenImage(RotaryLayout):
+    """Rows for [text; image]: one table, or (cos, sin) (Flux)."""
+
+    def keep_rows(self, tables, text, keep):
+        def rows(t):
+            return torch.cat([t[:text], keep(t[text:], 0)], dim=0)
+
+        return tuple(rows(t) for t in tables) if isinstance(tables, tuple) else rows(tables)
+
+
+@dataclass(frozen=True)
+class ImageOnly(RotaryLayout):
+    """(cos, sin) of the image tokens only, [1, S, 1, D] (Wan) or [S, D] (HunyuanVideo)."""
+
+    def keep_rows(self, tables, text, keep):
+        return tuple(keep(t, 1 if t.dim() == 4 else 0) for t in tables)
+
+
+@dataclass(frozen=True)
+class ImageAndText(RotaryLayout):
+    """(image rows [S, D], text rows [T, D]) (Qwen-Image)."""
+
+    def keep_rows(self, tables, text, keep):
+        image, text_rows = tables
+        return keep(image, 0), text_rows
+
+
+TEXT_THEN_IMAGE, IMAGE_ONLY, IMAGE_AND_TEXT = TextThenImage(), ImageOnly(), ImageAndText()
+
+
+# ---- the adapter -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    family: str  # the family's module name in xdit_lab/families, its one spelling
+    class_name: str  # diffusers' transformer class
+    shard_at: str  # submodule whose output holds the whole image tokens [B, S, C] (positions added)
+    gather_at: str  # submodule whose output holds this rank's tokens, before unpatchify
+    attention: dict = field(default_factory=dict)  # qualified-name regex -> kind
+    latents: LatentLayout = IMAGE
+    text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor
+    grid_at_shard: bool = False  # Wan: shard_at gives [B, C, F, H, W]; its tokens are the flattened grid
+    rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as `rotary`
+    rotary: RotaryLayout = TEXT_THEN_IMAGE
+    text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
+    image_rows_kwarg: str | None = None  # a forward argument with one row per image token (dim -2):
+    # CogVideoX's rotary tables (a tuple), Flux.2's img_ids
+    per_token_config: tuple = ()  # model config "key" (set) or "key=value" entries that condition each image
+    # token by an index the forward builds whole (Qwen-Image-Edit's zero_cond_t, HunyuanVideo I2V's token
+    # replace): no strategy can split its tokens yet
+    unbatched: tuple = ()  # forward arguments without a batch dimension
+    not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
+    # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
+    step_cache_refused: str | None = None
+    # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
+    block_lists: tuple = ("transformer_blocks",)
+    block_counts: tuple = ("num_layers",)  # the config key holding each list's length
+    joined_block_lists: tuple = ()  # lists whose blocks take [text; image] as one tensor (Flux.2's single-stream)
+    # (transformer, block 0) -> None: what a PipeFusion stage without the model's block 0 installs so that its
+    # output layer still gets block 0's conditioning (DiT), or None where the output layer needs nothing of it
+    output_conditioning: Callable | None = None
+
+    def attention_kind(self, qualified_name: str) -> str | None:
+        for pattern, kind in self.attention.items():
+            if re.search(pattern, qualified_name):
+                return kind
+        return None
+
+    def num_blocks(self, model_config) -> int:
+        """Blocks PipeFusion can cut (every list of them, counted from the model's config)."""
+        return sum(model_config.get(key) or 0 for key in self.block_counts)
+
+    def block_names(self, model_config) -> list[str]:
+        """The stacked blocks' qualified names, in the forward's order."""
+        return [
+            f"{name}.{i}"
+            for name, count in zip(self.block_lists, self.block_counts)
+            for i in range(model_config.get(count) or 0)
+        ]
+
+    def stage_block_names(self, model_config, start: int, stop: int) -> dict[str, str]:
+        """{name in a stage holding stacked blocks [start, stop): name in the whole model}, e.g. Flux's
+        stage (3, 6) of 4 + 2 blocks: transformer_blocks.0 is the model's transformer_blocks.3."""
+        names, kept = {}, {}
+        for name in self.block_names(model_config)[start:stop]:
+            block_list = name.rsplit(".", 1)[0]
+            names[f"{block_list}.{kept.setdefault(block_list, 0)}"] = name
+            kept[block_list] += 1
+        return names
+
+    def block_index(self, key: str, model_config) -> int | None:
+        """The stacked index of the block a parameter name belongs to ("single_transformer_blocks.2.x"
+        is block num_layers + 2 of Flux), or None outside the blocks."""
+        offset = 0
+        for name, count in zip(self.block_lists, self.block_counts):
+            match = re.match(rf"^{name}\.(\d+)\.", key)
+            if match:
+                return offset + int(match.group(1))
+            offset += model_config.get(count) or 0
+        return None
+
+    def blocks(self, transformer) -> list:
+        """The model's blocks, every list of them in the forward's order (a stage: those it holds)."""
+        return [block for name in self.block_lists for block in getattr(transformer, name)]
+
+    def keep_blocks(self, transformer, start: int, stop: int) -> None:
+        """Keep stacked blocks [start, stop) in the model's lists (a list may end up empty)."""
+        offset = 0
+        for name in self.block_lists:
+            blocks = list(getattr(transformer, name))
+            first, last = max(start - offset, 0), max(min(stop - offset, len(blocks)), 0)
+            setattr(transformer, name, torch.nn.ModuleList(blocks[first:last]))
+            offset += len(blocks)
+
+    def per_token_settings(self, model_config) -> list[str]:
+        """The per_token_config entries this model's config sets."""
+        found = []
+        for entry in self.per_token_config:
+            key, _, value = entry.partition("=")
+            if (model_config.get(key) == value) if value else model_config.get(key):
+                found.append(entry)
+        return found
+
+
+def block_metadata(block):
+    """Where a block returns its image and text states: diffusers' own declaration of its blocks."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    try:
+        return TransformerBlockRegistry.get(type(block))
+    except ValueError:
+        raise TypeError(
+            f"xdit_lab does not know where {type(block).__name__} returns its hidden states "
+            f"(diffusers' TransformerBlockRegistry has no entry for it)"
+        ) from None

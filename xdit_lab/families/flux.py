@@ -1,0 +1,137 @@
+"""Flux.1: CLIP pooled + T5 text, packed 2×2 latent tokens, joint attention with the text first (in the
+double-stream blocks, and as one stream in the single-stream blocks), rotary tables over [text; image],
+a guidance embedding, true CFG optional.
+
+diffusers' FluxPipeline runs the negative prompt as a second forward (true CFG, when true_cfg_scale > 1
+and a negative prompt is given); here both go in one batch [negative; positive], which cfg 2 then
+splits over two ranks."""
+
+from __future__ import annotations
+
+from .adapter import TOKENS, FamilyAdapter
+from .recipe import PackedLatentsRecipe, TrueCFGRecipe
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+
+ADAPTER = FamilyAdapter(
+    "flux",
+    "FluxTransformer2DModel",
+    shard_at="x_embedder",
+    gather_at="proj_out",
+    attention={
+        r"^transformer_blocks\.\d+\.attn$": "joint_first",
+        r"^single_transformer_blocks\.\d+\.attn$": "joint_first",
+    },
+    latents=TOKENS,
+    rotary_at="pos_embed",
+    unbatched=("img_ids", "txt_ids"),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    block_counts=("num_layers", "num_single_layers"),
+)
+
+
+class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
+    family = "flux"
+    pipeline_classes = ("FluxPipeline",)
+    output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
+    defaults = dict(num_inference_steps=28, guidance_scale=3.5)
+    options = dict(true_cfg_scale=1.0, max_sequence_length=512)
+
+    unbatched_conditioning = ("txt_ids",)
+
+    def encode_texts(self, pipe, request, texts, device, *, negative):
+        embeds, pooled, text_ids = pipe.encode_prompt(
+            prompt=texts,
+            prompt_2=None,
+            device=device,
+            num_images_per_prompt=1,
+            max_sequence_length=request.options["max_sequence_length"],
+        )
+        return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
+
+    def prepare(self, pipe, request, prepared, device):
+        prepared.latents, prepared.conditioning["img_ids"] = self.packed_latents(pipe, request, prepared, device)
+        self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
+
+    def decode(self, pipe, prepared, latents, output_type):
+        if output_type == "latent":
+            return latents
+        height, width = prepared.extra["size"]
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        image = pipe.vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type=output_type)
+
+
+RECIPE = FluxRecipe()
+
+
+def packed_inputs(batch, height, width, text, timestep, randn, *, axes: int) -> dict:
+    """Packed tokens and their ids per token, (0, row, column) (Flux.2's with a 4th axis; text: its index)."""
+    import torch
+
+    grid = torch.meshgrid(
+        torch.zeros(1),
+        torch.arange(float(height)),
+        torch.arange(float(width)),
+        *[torch.zeros(1)] * (axes - 3),
+        indexing="ij",
+    )
+    txt_ids = torch.zeros(text.shape[1], axes)
+    txt_ids[:, 3:] = torch.arange(float(text.shape[1]))[:, None]
+    img_ids = torch.stack(grid, dim=-1).reshape(height * width, axes)
+    return dict(
+        hidden_states=randn(batch, height * width, 16), encoder_hidden_states=text, img_ids=img_ids, txt_ids=txt_ids
+    )
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    inputs = packed_inputs(batch, height, width, text, timestep, randn, axes=3)
+    return dict(inputs, pooled_projections=randn(batch, TEXT_DIM), timestep=timestep / 1000)
+
+
+# Flux.1's and Flux.2's scheduler: flow matching with a shift that grows with the image's tokens
+FLUX_SCHEDULER = Part(
+    "FlowMatchEulerDiscreteScheduler",
+    kwargs=dict(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    ),
+)
+
+TINY = TinySpec(  # 2 × 2 patches of 16 latent channels packed into 64
+    transformer=dict(
+        patch_size=1,
+        in_channels=16,
+        num_single_layers=2,
+        joint_attention_dim=TEXT_DIM,
+        pooled_projection_dim=TEXT_DIM,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 6, 6),
+    ),
+    inputs=tiny_inputs,
+    pipeline_classes=("FluxPipeline",),
+    parts=dict(
+        transformer=Part("transformer", kwargs=dict(in_channels=64)),
+        text_encoder=Part("clip_encoder", seed=3, vocab_of="tokenizer", kwargs=dict(width=TEXT_DIM, projection=False)),
+        text_encoder_2=Part("t5_encoder", seed=1, vocab_of="tokenizer_2"),
+        tokenizer=Part("clip_tokenizer"),
+        tokenizer_2=Part("t5_tokenizer"),
+        vae=Part(
+            "image_vae",
+            seed=2,
+            kwargs=dict(
+                latent_channels=16,
+                scaling_factor=0.3611,
+                shift_factor=0.1159,
+                use_quant_conv=False,
+                use_post_quant_conv=False,
+            ),
+        ),
+        scheduler=FLUX_SCHEDULER,
+    ),
+    call=dict(height=16, width=16, max_sequence_length=MAX_TOKENS),
+)

@@ -1,0 +1,161 @@
+"""HunyuanVideo: Llama states (padded to max_sequence_length, masked) and CLIP's pooled embedding,
+video latents [B, C, F, H, W], joint attention with the text after the image (masked padding), a token
+refiner over the text alone, guidance-distilled, flow matching.
+
+diffusers' HunyuanVideoPipeline runs the negative prompt as a second forward (true CFG, when
+true_cfg_scale > 1 and a negative prompt is given); here both go in one batch [negative; positive],
+which cfg 2 then splits. Every prompt's text is padded to the same max_sequence_length, so the
+branches and the ranks' rows stack as they are."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
+from .qwenimage import padded_text_mask
+from .recipe import TrueCFGRecipe, video_latents
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+
+ADAPTER = FamilyAdapter(
+    "hunyuanvideo",
+    "HunyuanVideoTransformer3DModel",
+    shard_at="x_embedder",
+    gather_at="proj_out",
+    attention={
+        r"^transformer_blocks\.\d+\.attn$": "joint_last",
+        r"^single_transformer_blocks\.\d+\.attn$": "joint_last",  # [image; text] joined in the processor
+        r"^context_embedder\.token_refiner\.refiner_blocks\.\d+\.attn$": "text",
+    },
+    latents=VIDEO,
+    rotary_at="rope",  # computed from the latents, before the tokens are sharded
+    rotary=IMAGE_ONLY,
+    text_key_mask=True,
+    per_token_config=("image_condition_type=token_replace",),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    block_counts=("num_layers", "num_single_layers"),
+)
+
+
+class HunyuanVideoRecipe(TrueCFGRecipe):
+    family = "hunyuanvideo"
+    pipeline_classes = ("HunyuanVideoPipeline",)
+    output_class = "diffusers.pipelines.hunyuan_video.pipeline_output:HunyuanVideoPipelineOutput"
+    output_field = "frames"
+    defaults = dict(num_inference_steps=50, guidance_scale=6.0)  # the distilled guidance, an input
+    options = dict(true_cfg_scale=1.0, num_frames=129, max_sequence_length=256, prompt_template=None)
+
+    def check_options(self, options):
+        options = super().check_options(options)
+        if options["prompt_template"] is None:  # diffusers' own template, imported when a call needs it
+            from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+            options["prompt_template"] = DEFAULT_PROMPT_TEMPLATE
+        return options
+
+    def size_multiple(self, pipe):
+        return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size, (720, 1280)  # the default size
+
+    def default_latent_side(self, transformer_config):
+        return None  # a video: the 2D decode plan does not apply
+
+    def token_frames(self, pipe, request):
+        frames = (request.options["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+        return frames // pipe.transformer.config.patch_size_t
+
+    def encode_texts(self, pipe, request, texts, device, *, negative):
+        embeds, pooled, mask = pipe.encode_prompt(
+            prompt=texts,
+            prompt_template=request.options["prompt_template"],
+            device=device,
+            max_sequence_length=request.options["max_sequence_length"],
+        )
+        dtype = pipe.transformer.dtype
+        return dict(
+            encoder_hidden_states=embeds.to(dtype),
+            encoder_attention_mask=mask.to(dtype),
+            pooled_projections=pooled.to(dtype),
+        )
+
+    def prepare(self, pipe, request, prepared, device):
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import retrieve_timesteps
+
+        default_height, default_width = self.size_multiple(pipe)[1]
+        height, width = request.height or default_height, request.width or default_width
+        steps = request.num_inference_steps
+        sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
+        prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas)
+        pipe.scheduler.set_begin_index(0)
+        prepared.latents = video_latents(pipe, request, height, width, device)
+
+    def scale_model_input(self, pipe, model_input, t):
+        return model_input.to(pipe.transformer.dtype)  # flow matching feeds latents as they are
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        rows, dtype = model_input.shape[0], pipe.transformer.dtype
+        guidance = torch.full([rows], prepared.extra["distilled_guidance"], dtype=dtype, device=model_input.device)
+        return dict(
+            hidden_states=model_input,
+            timestep=t.expand(rows).to(torch.float32),
+            guidance=guidance * 1000.0,
+            return_dict=False,
+            **prepared.conditioning,
+        )
+
+    def decode(self, pipe, prepared, latents, output_type):
+        if output_type == "latent":
+            return latents
+        video = pipe.vae.decode(latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        return pipe.video_processor.postprocess_video(video, output_type=output_type)
+
+
+RECIPE = HunyuanVideoRecipe()
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    """Two latent frames; padded text, a different length per sample."""
+    return dict(
+        hidden_states=randn(batch, 4, 2, height, width),
+        encoder_hidden_states=text,
+        encoder_attention_mask=padded_text_mask(batch, text.shape[1]).long(),
+        pooled_projections=randn(batch, TEXT_DIM),
+        timestep=timestep.long(),
+        guidance=torch.full((batch,), 6000.0),  # HunyuanVideoPipeline's guidance_scale 6 × 1000
+    )
+
+
+TINY = TinySpec(  # modelled on diffusers' own test of HunyuanVideoTransformer3DModel
+    transformer=dict(
+        in_channels=4,
+        out_channels=4,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=TEXT_DIM,
+        pooled_projection_dim=TEXT_DIM,
+        rope_axes_dim=(4, 6, 6),
+        guidance_embeds=True,  # HunyuanVideo is guidance-distilled
+    ),
+    inputs=tiny_inputs,
+    pipeline_classes=("HunyuanVideoPipeline",),
+    parts=dict(  # Llama states (padded, masked) and CLIP's pooled embedding
+        transformer=Part("transformer"),
+        text_encoder=Part("llama_encoder", seed=1, vocab_of="tokenizer"),
+        tokenizer=Part("llama_tokenizer"),
+        text_encoder_2=Part(
+            "clip_encoder", seed=3, vocab_of="tokenizer_2", kwargs=dict(width=TEXT_DIM, projection=False, positions=77)
+        ),
+        tokenizer_2=Part("clip_tokenizer"),
+        vae=Part("hunyuan_vae", seed=2, kwargs=dict(latent_channels=4)),
+        scheduler=Part("FlowMatchEulerDiscreteScheduler", kwargs=dict(shift=7.0)),
+    ),
+    # 2 latent frames of 8 × 8: 2 × 4 × 4 tokens; the text padded to 8, masked
+    call=dict(
+        height=64,
+        width=64,
+        num_frames=5,
+        max_sequence_length=MAX_TOKENS,
+        prompt_template=Part("hunyuan_prompt_template"),
+    ),
+)

@@ -1,0 +1,123 @@
+"""Specimens: tiny diffusers models and pipelines with random weights, for tests, benchmarks and tutorials.
+
+Nothing here is runtime: these are the fixtures every strategy is checked on. Each family's file
+(xdit_lab/families/<family>.py) says what its specimen is made of (`TINY`, a table: tiny_spec.py); this
+package builds it, the same way for every family:
+
+    tiny_transformer(family)             the family's diffusers transformer, HEADS × HEAD_DIM, two layers,
+                                         seeded (every rank builds the same weights); milliseconds a forward
+    tiny_inputs(family, batch)           its forward's keyword arguments
+    tiny_pipeline(family)                a whole stock diffusers pipeline around it: text encoders, local
+                                         tokenizers, VAE, scheduler (parts.py), each part seeded
+    save_tiny_pipeline(family, path)     that pipeline saved as an ordinary diffusers folder
+    tiny_pipeline_kwargs(family)         call arguments that run it in well under a second on a CPU
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..families import MODULES
+from ..families import family as family_module
+from ..families.tiny_spec import HEAD_DIM, HEADS, INNER, MAX_TOKENS, TEXT_DIM, Part
+from . import parts as part_builders
+
+# family -> the diffusers pipeline its tiny parts make by default (families without a pipeline left out)
+PIPELINES = {name: module.TINY.pipeline_classes[0] for name, module in MODULES.items() if module.TINY.pipeline_classes}
+
+__all__ = [
+    "HEADS",
+    "HEAD_DIM",
+    "MAX_TOKENS",
+    "PIPELINES",
+    "TEXT_DIM",
+    "save_tiny_pipeline",
+    "tiny_inputs",
+    "tiny_pipeline",
+    "tiny_pipeline_kwargs",
+    "tiny_transformer",
+]
+
+
+def _spec(family: str):
+    if family not in MODULES:
+        raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(MODULES)}")
+    return family_module(family).TINY
+
+
+def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int = HEADS, **overrides):
+    """The family's diffusers transformer at its tiny size (TINY.transformer), with random weights from `seed`."""
+    import diffusers
+
+    spec = _spec(family)
+    torch.manual_seed(seed)
+    settings = dict(num_attention_heads=heads, attention_head_dim=HEAD_DIM, num_layers=layers)
+    settings |= {key: heads * HEAD_DIM if value == INNER else value for key, value in spec.transformer.items()}
+    cls = getattr(diffusers, family_module(family).ADAPTER.class_name)
+    return cls(**(settings | overrides)).eval()
+
+
+def tiny_inputs(family: str, batch: int = 2, *, height: int = 8, width: int = 8, text_len: int = 6, seed: int = 1):
+    """Forward kwargs for `tiny_transformer(family)`: a latent of height × width (in latent pixels), random
+    text [batch, text_len, TEXT_DIM] and timesteps in [0, 1000), each family's own arguments beside them."""
+    spec = _spec(family)
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    text = randn(batch, text_len, TEXT_DIM)
+    timestep = torch.rand(batch, generator=g) * 1000
+    return spec.inputs(batch, height, width, text, timestep, randn)
+
+
+def _build(part: Part, family: str, seed: int, built: dict):
+    """One part: a tokenizer, a seeded text encoder or VAE, a scheduler (a diffusers class), the transformer."""
+    import diffusers
+
+    if part.builder == "transformer":
+        return tiny_transformer(family, seed=seed, **part.kwargs)
+    builder = getattr(part_builders, part.builder, None) or getattr(diffusers, part.builder)
+    args = [] if part.seed is None else [seed + part.seed]
+    if part.vocab_of is not None:
+        args.append(len(built[part.vocab_of]))
+    return builder(*args, **part.kwargs)
+
+
+def tiny_pipeline(family: str, *, seed: int = 0, pipeline_class: str | None = None):
+    """A stock diffusers pipeline of `family` with tiny random parts, each seeded from `seed`;
+    `pipeline_class` picks another of the family's pipelines (pixart: "PixArtSigmaPipeline")."""
+    import diffusers
+
+    spec = _spec(family)
+    if not spec.pipeline_classes:
+        raise ValueError(f"{family} has no tiny pipeline; families with one: {', '.join(PIPELINES)}")
+    pipeline_class = pipeline_class or spec.pipeline_classes[0]
+    if pipeline_class not in spec.pipeline_classes:
+        raise ValueError(f"{family}'s tiny parts make {', '.join(spec.pipeline_classes)}, not {pipeline_class}")
+    built = {}
+    with torch.random.fork_rng():  # leave the caller's global RNG alone
+        # tokenizers first: a text encoder takes its tokenizer's vocabulary size
+        for name, part in sorted(spec.parts.items(), key=lambda item: item[1].vocab_of is not None):
+            built[name] = _build(part, family, seed, built)
+    return getattr(diffusers, pipeline_class)(**{name: built[name] for name in spec.parts})
+
+
+def save_tiny_pipeline(family: str, path, *, seed: int = 0, pipeline_class: str | None = None) -> Path:
+    """Build `tiny_pipeline(family, ...)` and save it as a diffusers folder (model_index.json + safetensors)."""
+    path = Path(path)
+    tiny_pipeline(family, seed=seed, pipeline_class=pipeline_class).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def tiny_pipeline_kwargs(family: str) -> dict:
+    """Call arguments that run the family's tiny pipeline in well under a second (TINY.call)."""
+    spec = _spec(family)
+    if not spec.pipeline_classes:
+        raise ValueError(f"{family} has no tiny pipeline; families with one: {', '.join(PIPELINES)}")
+    return {
+        key: getattr(part_builders, value.builder)() if isinstance(value, Part) else value
+        for key, value in spec.call.items()
+    }

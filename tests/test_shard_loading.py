@@ -508,3 +508,31 @@ def test_a_rank_holds_and_reads_only_its_shard(big_folder):
         "load_file",
         [round(r["read_bytes"] / MiB) for r in control],
     )
+
+
+def test_a_pipefusion_stage_reads_only_its_blocks_without_mmap(tiny_folders):
+    """loading.load_stage_transformer reads through load_weights: with safetensors' mmap refused it
+    still loads (it never asks for a mapping), reads the stage's tensors and not the other stage's
+    blocks (rchar), and holds them as safetensors' own reader returns them, under its own names."""
+    from safetensors.torch import load_file
+
+    from xdit_lab.lessons.loading import mmap_refused
+    from xdit_lab.loading import load_stage_transformer
+
+    folder = tiny_folders / "flux"
+    saved = load_file(folder / "diffusion_pytorch_model.safetensors")
+    before = _io()["rchar"]
+    with mmap_refused() as refusals:  # Flux's stacked blocks 1, 2: double-stream block 1, single-stream block 0
+        stage = load_stage_transformer(folder, "FluxTransformer2DModel", (1, 3), torch.float32)
+    rchar = _io()["rchar"] - before
+    assert refusals == {"safe_open": 0, "load_file": 0}
+    assert len(stage.transformer_blocks) == 1 and len(stage.single_transformer_blocks) == 1
+    held = dict(stage.named_parameters())
+    in_file = {  # the stage's double-stream block 0 is the file's block 1; every other name is the file's
+        name: "transformer_blocks.1." + name.split(".", 2)[2] if name.startswith("transformer_blocks.") else name
+        for name in held
+    }
+    assert all(torch.equal(t, saved[in_file[name]]) for name, t in held.items())
+    stage_bytes = sum(t.numel() * 4 for t in held.values())
+    assert stage_bytes < 0.75 * sum(t.numel() * 4 for t in saved.values())  # the double-stream blocks stay unread
+    assert stage_bytes <= rchar <= stage_bytes + 64 * 1024, (rchar, stage_bytes)

@@ -126,7 +126,9 @@ def load(folder: Path, blocks: int, width: int, method: str, address_limit: bool
     except BaseException as e:  # under --address-limit: what the reader says (DCP's CheckpointException
         if isinstance(e, KeyboardInterrupt):  # is a BaseException)
             raise
-        error = f"{type(e).__name__}: {' '.join(str(e).split())[-200:]}"
+        message = " ".join(str(e).split())
+        mmap = re.search(r"unable to mmap \d+ bytes from file \S+", message, re.IGNORECASE)
+        error = f"{type(e).__name__}: {mmap.group(0) if mmap else message[-160:]}"
     seconds = time.perf_counter() - start
     rise = status_kib("VmHWM") - rss0
     io1, file_kib, anon_kib = io(), status_kib("RssFile"), status_kib("RssAnon")

@@ -99,8 +99,8 @@ def test_engine_helpers_on_two_ranks():
         assert all(0 < step <= wall for step, wall in zip(o["timings"]["steps"], o["walls"]))
         assert max(o["timings"]["steps"]) < o["timings"]["denoise"] <= sum(o["walls"])
         assert o["calls"] == [0, 0, 1]
-        # mmap refused: the stage's transformer by plain reads, the other parts by diffusers' disable_mmap retry
-        assert o["refusals"]["safe_open"] >= 1 and o["refusals"]["load_file"] >= 1
+        # mmap refused: the stage's transformer by plain reads (never mapped), the rest by diffusers' disable_mmap retry
+        assert o["refusals"]["safe_open"] == 0 and o["refusals"]["load_file"] >= 1
         assert o["same"]
     assert [o["latents_from"] for o in out] == [True, False]
 

@@ -1,9 +1,10 @@
 """Per-rank loading: a PipeFusion stage materialises only its own blocks of the transformer.
 
 The model is built with empty (meta) parameters, the blocks of other stages are dropped, and
-only the tensors this stage keeps are read from the safetensors files (safe_open reads tensors
-one by one). Where mmap is refused ("Unable to mmap N bytes"), the same tensors are read with
-plain file reads at the byte ranges the header gives.
+only the tensors this stage keeps are read from the safetensors files, with plain reads at the
+byte ranges the header gives (shard_loading.load_weights: no file is mapped). `read_tensors`
+reads named tensors through mmap, and with plain reads where mmap is refused ("Unable to mmap N
+bytes").
 """
 
 from __future__ import annotations
@@ -14,19 +15,8 @@ import torch
 
 from .families import FAMILIES
 from .memory import read_safetensors_header
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+from .safetensors_io import SAFETENSORS_DTYPES
+from .shard_loading import load_weights, materialize
 
 
 def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -67,23 +57,17 @@ def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[in
     # a kept block's name in the model -> its name in this stage
     renamed = {whole: mine for mine, whole in adapter.stage_block_names(model.config, start, stop).items()}
     adapter.keep_blocks(model, start, stop)
-    state = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        wanted = {}
-        for key in read_safetensors_header(file):
-            index = adapter.block_index(key, model.config)
-            if index is None:
-                wanted[key] = key
-            elif start <= index < stop:
-                block_list, position, rest = key.split(".", 2)
-                wanted[key] = f"{renamed[f'{block_list}.{position}']}.{rest}"
-        for key, tensor in read_tensors(file, list(wanted)).items():
-            state[wanted[key]] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    still_empty = [name for name, p in model.named_parameters() if p.is_meta]
-    if still_empty or unexpected:
-        raise ValueError(
-            f"{folder} does not match {class_name}: missing {still_empty[:5]}, unexpected {unexpected[:5]}"
-        )
+
+    def stage_name(key: str) -> str | None:  # a file key's name in this stage; None: another stage's block
+        index = adapter.block_index(key, model.config)
+        if index is None:
+            return key
+        if not start <= index < stop:
+            return None
+        block_list, position, rest = key.split(".", 2)
+        return f"{renamed[f'{block_list}.{position}']}.{rest}"
+
+    # plain reads of this stage's tensors only, never a mapping of the whole file (shard_loading.py)
+    load_weights(materialize(model, "cpu", dtype=dtype), folder, dtype=dtype, rename=stage_name)
     model._xdit_lab_stage_blocks = (start, stop, total)
     return model.eval()

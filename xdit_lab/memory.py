@@ -55,9 +55,10 @@ def read_safetensors_header(path: Path) -> dict:
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     data_end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
     if 8 + header_len + data_end > size:
+        last = max(tensors, key=lambda k: tensors[k]["data_offsets"][1])  # the tensor that runs past the end
         raise CorruptWeightsError(
-            f"{path} is truncated: its header promises {data_end:,} bytes of tensors, the file "
-            f"holds {size - 8 - header_len:,}; save or copy it again"
+            f"{path} is truncated: its header promises {data_end:,} bytes of tensors (up to the end of "
+            f"{last!r}), the file holds {size - 8 - header_len:,}; save or copy it again"
         )
     return tensors
 

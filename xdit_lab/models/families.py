@@ -347,10 +347,13 @@ def adapter_named(family: str) -> FamilyAdapter:
 
 
 def adapter_for(transformer) -> FamilyAdapter:
+    """The family adapter of a transformer, found through its class's MRO: FSDP2's fully_shard swaps the
+    class for a subclass (FSDPFluxTransformer2DModel), whose base is still the family's class."""
+    for cls in type(transformer).__mro__:
+        if cls.__name__ in FAMILIES:
+            return FAMILIES[cls.__name__]
     name = type(transformer).__name__
-    if name not in FAMILIES:
-        raise TypeError(f"xdit_lab cannot parallelize {name}; supported transformers: {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+    raise TypeError(f"xdit_lab cannot parallelize {name}; supported transformers: {', '.join(FAMILIES)}")
 
 
 @functools.cache

@@ -279,7 +279,11 @@ def _rows(two_ranks, rank=0):
 def test_two_ranks_exact_and_closed_form(two_ranks):
     _check(two_ranks["cases"], [out["rows"] for out in two_ranks["per_rank"]])
     rows = _rows(two_ranks)
-    print("\nheld of the blocks, rank 0: " + ", ".join(f"{n} {r['local_blocks']}" for n, r in rows.items()))
+    held = {
+        n: r["local_blocks"] / _block_bytes(_stage_units(c, r["stage"])[0])
+        for c, (n, r) in zip(two_ranks["cases"], rows.items())
+    }
+    print("\nshare of the blocks held, rank 0: " + ", ".join(f"{n} {h:.3f}" for n, h in held.items()))
     print(
         "weights bytes_out, call 0, rank 0: " + ", ".join(f"{n} {r['calls'][0]['bytes_out']}" for n, r in rows.items())
     )
@@ -373,6 +377,21 @@ def test_four_ranks_usp_and_pipefusion_stages():
 
 
 # ---- refusals and the world of one, in this process ----------------------------------------------------
+
+
+def test_weight_units_from_shapes_alone():
+    """A cost model builds the units from a checkpoint's shapes: a model made on the meta device gives
+    the same units and bytes as the real one."""
+    with torch.device("meta"):
+        meta = _model("flux")
+    real = _model("flux")
+    units = weight_units(real, adapter_for(real).blocks(real))
+    assert weight_units(meta, adapter_for(meta).blocks(meta)) == units
+    assert len(units) == 5 and weight_gather_bytes(units, 2) == sum(p.numel() * 4 for p in real.parameters()) // 2
+    assert weight_gather_bytes(units, 4) == 3 * weight_gather_bytes(units, 2) // 2  # every dim 0 divides by 4
+    pixart = _model("pixart")  # its scale_shift_tables have 6 and 2 rows: padded to 2 and 1 a rank on 4
+    padded = weight_gather_bytes(weight_units(pixart, adapter_for(pixart).blocks(pixart)), 4)
+    assert padded > 3 * sum(p.numel() * 4 for p in pixart.parameters()) // 4
 
 
 def test_no_blocks_and_no_repeated_layers_are_refused_by_name():

@@ -5,6 +5,8 @@ hooks.py      the machinery every strategy shares (batch split, hooks, attention
 sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
 pipefusion.py token strategy: a PipeFusion stage, patch by patch on stale K/V
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
+sharded_weights.py  torch's FSDP2 over the ranks that hold the same weights (shard_weights=True), and
+              the closed form of its gathered bytes
 parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take
 """
 
@@ -14,6 +16,7 @@ from .hooks import ParallelState, parallel_state
 from .parallel import compile_problems, parallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
+from .sharded_weights import ShardedWeights, shard_text_encoder, shard_weights, weight_gather_bytes, weight_units
 
 __all__ = [
     "StepCache",
@@ -27,4 +30,9 @@ __all__ = [
     "compile_problems",
     "PipeFusionStage",
     "SequenceShards",
+    "ShardedWeights",
+    "shard_weights",
+    "shard_text_encoder",
+    "weight_gather_bytes",
+    "weight_units",
 ]

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..mesh import WEIGHTS, WORLD
@@ -81,7 +82,12 @@ def shard_weights(module, mesh, group: str, blocks, *, separate: Sequence[str] =
     calls outside their block, sharded as units of their own first.
 
     Call it on every rank of the group, after parallelize. On a group of one rank nothing is sharded:
-    it warns and returns a ShardedWeights whose `reason` says so."""
+    it warns and returns a ShardedWeights whose `reason` says so.
+
+    reshard_after_forward=True is passed for the root too: left at FSDP2's default (None), the root
+    is not resharded (a training heuristic) and its parameters stay whole after the first forward.
+    The prefetch overlaps on a GPU (FSDP2's all-gather stream); over gloo it is a blocking gather
+    issued when the previous block starts, before that block computes."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     runs = _runs(blocks)
@@ -102,7 +108,13 @@ def shard_weights(module, mesh, group: str, blocks, *, separate: Sequence[str] =
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         raise ValueError(f"this {type(module).__name__} is already sharded with fully_shard; shard a fresh one")
     parameter = next(module.parameters(), None)
-    device_mesh = mesh.device_mesh(group, parameter.device.type if parameter is not None else "cpu")
+    device_type = parameter.device.type if parameter is not None else "cpu"
+    if device_type == "cpu" and dist.get_backend(mesh.group(group)) == "nccl":
+        raise ValueError(
+            f"this {type(module).__name__}'s parameters are on the CPU but the {group} group runs NCCL, which "
+            f"gathers GPU memory only: move the model to this rank's GPU before parallelize / shard_weights"
+        )
+    device_mesh = mesh.device_mesh(group, device_type)
     names = {id(m): name for name, m in module.named_modules()}
     units = [module.get_submodule(name) for name in separate]
     units += [block for run in runs for block in run]
@@ -158,9 +170,8 @@ def _free_after_exception(module, _args, _output):
 def shard_transformer(transformer, state) -> ShardedWeights:
     """parallelize(..., shard_weights=True): the adapter's blocks (a PipeFusion stage: the blocks it
     holds) over the weights group, then the root."""
-    blocks = state.adapter.blocks(transformer)
-    separate = [name for name in CALLED_OUTSIDE_THEIR_BLOCK.get(state.adapter.family, ()) if blocks]
-    shards = shard_weights(transformer, state.mesh, WEIGHTS, blocks, separate=separate)
+    separate = CALLED_OUTSIDE_THEIR_BLOCK.get(state.adapter.family, ())
+    shards = shard_weights(transformer, state.mesh, WEIGHTS, state.adapter.blocks(transformer), separate=separate)
     if shards.sharded:
         log.info("sharded %s over %s: %d units", type(transformer).__name__, WEIGHTS, len(shards.units))
     return shards

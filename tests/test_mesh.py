@@ -23,9 +23,12 @@ def _group_sums(config):
 
 def _expected_members(config, rank, name):
     """Brute force: ranks whose coordinates equal this rank's in every dimension outside the group."""
-    varying = {"sp": ("ring", "ulysses"), "image": ("pipefusion", "ring", "ulysses"), "world": DEGREES}.get(
-        name, (name,)
-    )
+    varying = {
+        "sp": ("ring", "ulysses"),
+        "image": ("pipefusion", "ring", "ulysses"),
+        "world": DEGREES,
+        "weights": ("dp", "cfg", "ring", "ulysses"),  # the ranks that hold the same weights: one stage's
+    }.get(name, (name,))
     sizes = [getattr(config, d) for d in DEGREES]
 
     def coords(r):

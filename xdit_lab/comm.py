@@ -22,6 +22,7 @@ clock sees launches: kernels and NCCL run later, on the device's streams.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 import weakref
@@ -279,6 +280,39 @@ def broadcast(x: torch.Tensor, mesh, group: str, *, src_group_rank: int = 0, tag
     with _recorded("broadcast", group, n, x, sent, tag):
         dist.broadcast(x, src=src, group=mesh.group(group))
     return x
+
+
+# ---- FSDP2's all-gathers of sharded weights -----------------------------------------------------------
+
+
+def weights_all_gather(mesh, group: str, *, tag: str = "weights"):
+    """The all-gather to hand torch's FSDP2 (`FSDPModule.set_custom_all_gather`): torch's own
+    (`DefaultAllGather`, one `dist.all_gather_single` of the unit's padded shards, concatenated), each
+    call recorded here under `group` with `tag`, like every other collective: `bytes` is this rank's
+    shard of the unit, `bytes_out` that times N-1, as `all_gather` counts it. It runs on FSDP2's
+    all-gather stream on a GPU (no host sync here); an asynchronous call (FSDP2's async_op) is a
+    posting in the timeline, the blocking ones a collective."""
+    return _recorded_fsdp_all_gather()(mesh, group, tag)
+
+
+@functools.cache
+def _recorded_fsdp_all_gather():
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class RecordedAllGather(DefaultAllGather):
+        def __init__(self, mesh, group: str, tag: str):
+            super().__init__()
+            self.mesh, self.group, self.tag = mesh, group, tag
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+            n = group.size()
+            sent = input_tensor.numel() * input_tensor.element_size() * (n - 1)
+            _record("all_gather", self.group, n, input_tensor, sent, self.tag)
+            kind = "post" if async_op else "collective"
+            with _timed(kind, "all_gather", self.group, self.tag, sent):
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    return RecordedAllGather
 
 
 # ---- point to point ---------------------------------------------------------------------------------

@@ -31,17 +31,20 @@ from .config import CFG, DEGREES, DP, PIPEFUSION, RING, SHORT, ULYSSES, Parallel
 from .distributed import current_info
 
 # Named groups: the five degrees, SP (the ring × ulysses ranks that share one image's tokens),
-# IMAGE (every rank that computes part of one image: PipeFusion stages × sp, the VAE decode's bands)
-# and WORLD (every rank of the configuration, which may be a subset of the processes). Code names a
-# group by these constants; the strings are what comm records and views show.
-SP, IMAGE, WORLD = "sp", "image", "world"
-GROUP_NAMES = (*DEGREES, SP, IMAGE, WORLD)
+# IMAGE (every rank that computes part of one image: PipeFusion stages × sp, the VAE decode's bands),
+# WORLD (every rank of the configuration, which may be a subset of the processes) and WEIGHTS (the
+# ranks that hold the same weights: every degree but pipefusion, so one PipeFusion stage's ranks; FSDP2
+# shards the transformer over it, models/sharded_weights.py). Code names a group by these constants;
+# the strings are what comm records and views show.
+SP, IMAGE, WORLD, WEIGHTS = "sp", "image", "world", "weights"
+GROUP_NAMES = (*DEGREES, SP, IMAGE, WORLD, WEIGHTS)
 _GROUP_DIMS = {name: (name,) for name in DEGREES} | {
     SP: (RING, ULYSSES),
     IMAGE: (PIPEFUSION, RING, ULYSSES),
     WORLD: DEGREES,
+    WEIGHTS: (DP, CFG, RING, ULYSSES),
 }
-__all__ = ["RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSES", "SP", "IMAGE", "WORLD"]
+__all__ = ["RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSES", "SP", "IMAGE", "WORLD", "WEIGHTS"]
 
 
 class RankMesh:
@@ -73,6 +76,7 @@ class RankMesh:
         self._group_ranks: dict[str, list[int]] = {}
         self._made: list[dist.ProcessGroup] = []  # every group this process made, in order, for close()
         self._return_group = None  # the async PipeFusion schedule's second pipefusion communicator
+        self._device_meshes: dict = {}  # (group name, device type) -> a 1-D DeviceMesh over it, for FSDP2
         self.closed = False
         self.handle = comm.handle(self)  # how a compiled graph's collectives find this mesh
         if dist.is_initialized():
@@ -148,6 +152,7 @@ class RankMesh:
             return
         self.closed = True
         made, self._made = self._made, []
+        self._device_meshes.clear()  # they name our groups: released with them
         if not dist.is_initialized():
             return  # shutting the world down destroyed every group already
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -174,6 +179,21 @@ class RankMesh:
             )
         return group
 
+    def device_mesh(self, name: str, device_type: str = "cpu"):
+        """A 1-D torch DeviceMesh over this rank's group `name` (made once, cached; released by close()),
+        for torch's own FSDP2 (`fully_shard(module, mesh=...)`), whose all-gathers then run on our group.
+        None when the group is this rank alone. `device_type`: where the sharded parameters live
+        ("cpu" over gloo, "cuda" over nccl)."""
+        group = self.group(name)
+        if group is None:
+            return None
+        key = (name, device_type)
+        if key not in self._device_meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._device_meshes[key] = DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
+        return self._device_meshes[key]
+
     def group_ranks(self, name: str) -> list[int]:
         """Global ranks in this rank's group `name`, in group-rank order."""
         self._check_name(name)
@@ -187,6 +207,8 @@ class RankMesh:
             return self.config.sp_degree * self.shape[PIPEFUSION]
         if name == WORLD:
             return self.config.world_size
+        if name == WEIGHTS:
+            return self.config.world_size // self.shape[PIPEFUSION]
         return self.shape[name]
 
     def group_rank(self, name: str) -> int:

@@ -278,6 +278,10 @@ class FamilyAdapter:
     # (transformer, block 0) -> None: what a PipeFusion stage without the model's block 0 installs so that its
     # output layer still gets block 0's conditioning (DiT), or None where the output layer needs nothing of it
     output_conditioning: Callable | None = None
+    # submodules the forward calls outside the block that holds them (DiT's output layer takes its
+    # conditioning from transformer_blocks.0.norm1.emb after every block ran): sharded weights make each
+    # an FSDP2 unit of its own, gathered wherever it is called (models/sharded_weights.py)
+    called_outside_their_block: tuple = ()
 
     def attention_kind(self, qualified_name: str) -> str | None:
         for pattern, kind in self.attention.items():

@@ -38,6 +38,7 @@ ADAPTER = FamilyAdapter(
     gather_at="proj_out_2",
     attention={r"\.attn1$": "self"},
     output_conditioning=output_conditioning_from_block_0,
+    called_outside_their_block=("transformer_blocks.0.norm1.emb",),
 )
 
 RECIPE = None  # no pipeline: the transformer runs under every strategy, its pipeline is not offered

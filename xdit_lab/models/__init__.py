@@ -5,6 +5,8 @@ sequence.py   token strategy: one contiguous shard per sequence-parallel rank (u
 pipefusion/   token strategy: a PipeFusion stage, patch by patch on stale K/V, and its two schedules
 step.py       one denoising step as one transformer call (every strategy's, PipeFusion's drained)
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
+sharded_weights.py  torch's FSDP2 over the ranks that hold the same weights (shard_weights=True),
+              and the closed form of its gathered bytes
 parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take
 """
 
@@ -13,6 +15,7 @@ from .hooks import ParallelState, parallel_state
 from .parallel import compile_problems, parallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
+from .sharded_weights import ShardedWeights, shard_text_encoder, shard_weights, weight_gather_bytes, weight_units
 
 __all__ = [
     "StepCache",
@@ -22,4 +25,9 @@ __all__ = [
     "compile_problems",
     "PipeFusionStage",
     "SequenceShards",
+    "ShardedWeights",
+    "shard_weights",
+    "shard_text_encoder",
+    "weight_gather_bytes",
+    "weight_units",
 ]

@@ -23,6 +23,7 @@ from .cache import StepCache, apply_step_cache
 from .hooks import ParallelState, gather_batch, install_hooks, parallel_state, run_forward, split_batch
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
+from .sharded_weights import shard_transformer
 
 
 def parallelize(
@@ -32,6 +33,7 @@ def parallelize(
     *,
     cache: StepCache | None = None,
     compile: bool = False,
+    shard_weights: bool = False,
 ):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
 
@@ -40,11 +42,23 @@ def parallelize(
     (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over.
     `compile=True` compiles the parallel forward with torch.compile, whole: one graph, in which each
     attention's parallel kernel and each gather is one operator that runs (and is recorded) as in
-    eager. A compiled model runs under torch.no_grad (inference only)."""
+    eager. A compiled model runs under torch.no_grad (inference only).
+    `shard_weights=True` shards the blocks, then the rest, over the ranks that hold the same weights
+    with torch's FSDP2 (sharded_weights.py): each rank keeps 1/N of them, and each block is gathered
+    just before it runs; `parallel_state(t).weights` says what was sharded (nothing on a group of one).
+    With compile=True too, FSDP2's gathers run eagerly between compiled pieces (torch marks its hooks
+    as not traceable): exact and recorded alike, but in several graphs (a break at every block) rather than one."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
         raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in transformer.modules()):
+        raise ValueError(
+            f"this {type(transformer).__name__} was sharded with fully_shard before parallelize: parallelize the "
+            f"whole model first, then shard it (parallelize(..., shard_weights=True))"
+        )
     unsupported = compile_problems(config, cache) if compile else []
     if cache is not None and adapter.step_cache_refused:
         unsupported.append(f"StepCache is not offered on {adapter.family} yet: {adapter.step_cache_refused}")
@@ -86,6 +100,8 @@ def parallelize(
         state.cache = apply_step_cache(transformer, state, cache)
     install_hooks(transformer, state)
     transformer.forward = _parallel_forward(transformer, state)
+    if shard_weights:  # after the hooks: FSDP2 gathers before them and frees after them
+        state.weights = shard_transformer(transformer, state)
     if compile:
         transformer.forward = _compiled(transformer.forward)
     return transformer

@@ -224,7 +224,7 @@ IDS = torch.arange(2 * 7).reshape(2, 7) % (VOCAB - 2)
 
 
 def _encoder(kind):
-    from xdit_lab import tiny_parts
+    from xdit_lab.tiny import parts as tiny_parts
 
     if kind in ("t5", "umt5"):
         return tiny_parts.t5_encoder(0, VOCAB, umt5=kind == "umt5")

@@ -199,7 +199,7 @@ def _stage_loading(folder):
     from xdit_lab import load_pipeline
     from xdit_lab.lessons.loading import mmap_refused
     from xdit_lab.loading import read_tensors
-    from xdit_lab.memory import read_safetensors_header
+    from xdit_lab.safetensors_io import read_safetensors_header
     from xdit_lab.tiny import tiny_pipeline_kwargs
 
     config = ParallelConfig(pipefusion=2, warmup_steps=1)
@@ -346,7 +346,8 @@ def test_stale_kv_under_ring(digits_serial, digits_pipefusion):
 
 def test_memory_plan_counts_the_largest_stage_and_the_shared_tensors():
     from xdit_lab.digits import DIGITS_DIR
-    from xdit_lab.memory import plan_memory, read_safetensors_header, tensor_bytes
+    from xdit_lab.memory import plan_memory, tensor_bytes
+    from xdit_lab.safetensors_io import read_safetensors_header
 
     header = read_safetensors_header(DIGITS_DIR / "transformer" / "diffusion_pytorch_model.safetensors")
     sizes = {key: tensor_bytes(info, torch.float32) for key, info in header.items()}
@@ -368,14 +369,8 @@ def test_a_refused_plan_suggests_only_pipefusion_degrees_that_exist_and_fit():
     import re
 
     from xdit_lab.digits import DIGITS_DIR
-    from xdit_lab.memory import (
-        MemoryPlanError,
-        check_plan,
-        human_bytes,
-        plan_memory,
-        read_safetensors_header,
-        tensor_bytes,
-    )
+    from xdit_lab.memory import MemoryPlanError, check_plan, human_bytes, plan_memory, tensor_bytes
+    from xdit_lab.safetensors_io import read_safetensors_header
 
     header = read_safetensors_header(DIGITS_DIR / "transformer" / "diffusion_pytorch_model.safetensors")
     sizes = {key: tensor_bytes(info, torch.float32) for key, info in header.items()}

@@ -13,7 +13,7 @@ import struct
 import pytest
 import torch
 
-from xdit_lab.memory import CorruptWeightsError
+from xdit_lab.safetensors_io import CorruptWeightsError
 from xdit_lab.shard_loading import WeightsMismatchError, load_weights, materialize
 from xdit_lab.testing import run_on_ranks
 

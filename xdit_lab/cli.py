@@ -100,9 +100,10 @@ def _option(text: str) -> tuple[str, object]:
 
 def cmd_run(args) -> int:
     from .distributed import shutdown_distributed
-    from .memory import CorruptWeightsError, MemoryPlanError
+    from .memory import MemoryPlanError
     from .pipeline import loading_bars_hidden
     from .run import run_generation
+    from .safetensors_io import CorruptWeightsError
 
     config = ParallelConfig(
         dp=args.dp,

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from .families import FAMILIES
-from .memory import read_safetensors_header
-from .safetensors_io import SAFETENSORS_DTYPES
+from .safetensors_io import SAFETENSORS_DTYPES, read_safetensors_header
 from .shard_loading import load_weights, materialize
 
 

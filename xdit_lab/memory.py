@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,47 +19,14 @@ import torch
 
 from .config import ParallelConfig
 from .families import FAMILIES, block_index
+from .safetensors_io import read_safetensors_header
 
 DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
 FLOATS = {"F64", "F32", "F16", "BF16"}
 
 
-class CorruptWeightsError(ValueError):
-    """A safetensors file that cannot be what it claims to be."""
-
-
 class MemoryPlanError(MemoryError):
     """The plan does not fit the memory a rank has; the message holds the numbers."""
-
-
-def read_safetensors_header(path: Path) -> dict:
-    """The tensor table of a safetensors file, checked against the file's size."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptWeightsError(f"{path} is not a safetensors file: {size} bytes, shorter than its header")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise CorruptWeightsError(
-                f"{path} is truncated or corrupt: its header claims {header_len:,} bytes but "
-                f"the file has {size:,}; save or copy it again"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CorruptWeightsError(
-                f"{path} has a corrupt safetensors header ({error}); save or copy it again"
-            ) from None
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    data_end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
-    if 8 + header_len + data_end > size:
-        last = max(tensors, key=lambda k: tensors[k]["data_offsets"][1])  # the tensor that runs past the end
-        raise CorruptWeightsError(
-            f"{path} is truncated: its header promises {data_end:,} bytes of tensors (up to the end of "
-            f"{last!r}), the file holds {size - 8 - header_len:,}; save or copy it again"
-        )
-    return tensors
 
 
 def tensor_bytes(info: dict, dtype: torch.dtype | None) -> int:

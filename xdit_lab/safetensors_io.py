@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-from .memory import CorruptWeightsError, read_safetensors_header
-
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -32,6 +30,55 @@ SAFETENSORS_DTYPES = {
 }
 DEFAULT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")  # diffusers', transformers' unsharded
 CHUNK_BYTES = 16 * 2**20  # the most one read (and the staging buffer of a cast) holds
+
+
+class CorruptWeightsError(ValueError):
+    """A safetensors file that cannot be what it claims to be."""
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The tensor table of a safetensors file, checked before any byte of data is read: the header's length
+    and JSON, each tensor's dtype and byte count against its shape, and that no tensor runs past the end
+    of the file (a truncated copy is named here, not deep inside a loader)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptWeightsError(f"{path} is not a safetensors file: {size} bytes, shorter than its header")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CorruptWeightsError(
+                f"{path} is truncated or corrupt: its header claims {header_len:,} bytes but "
+                f"the file has {size:,}; save or copy it again"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CorruptWeightsError(
+                f"{path} has a corrupt safetensors header ({error}); save or copy it again"
+            ) from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    data_end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    if 8 + header_len + data_end > size:
+        last = max(tensors, key=lambda k: tensors[k]["data_offsets"][1])  # the tensor that runs past the end
+        raise CorruptWeightsError(
+            f"{path} is truncated: its header promises {data_end:,} bytes of tensors (up to the end of "
+            f"{last!r}), the file holds {size - 8 - header_len:,}; save or copy it again"
+        )
+    for key, info in tensors.items():
+        if info.get("dtype") not in SAFETENSORS_DTYPES:
+            raise CorruptWeightsError(
+                f"{path}: {key!r} has dtype {info.get('dtype')!r}, which this reader does not know "
+                f"(it reads {', '.join(SAFETENSORS_DTYPES)})"
+            )
+        start, stop = info["data_offsets"]
+        expected = numel(info["shape"]) * itemsize(info["dtype"])
+        if stop - start != expected:
+            raise CorruptWeightsError(
+                f"{path}: {key!r} is {info['dtype']} {info['shape']} ({expected:,} bytes) but its header gives it "
+                f"{stop - start:,} bytes; the file is corrupt: save or copy it again"
+            )
+    return tensors
 
 
 def safetensors_files(source) -> list[Path]:
@@ -88,24 +135,10 @@ def _indexed_files(index: Path) -> list[Path]:
 
 
 def checked_header(path: Path) -> tuple[int, dict]:
-    """(where the data starts, {key: dtype, shape, data_offsets}), each entry checked against itself:
-    memory.read_safetensors_header checks the length, the JSON and that no tensor runs past the file."""
+    """(where the data starts, the tensor table read_safetensors_header checked)."""
     tensors = read_safetensors_header(path)
     with open(path, "rb") as f:
         data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-    for key, info in tensors.items():
-        if info.get("dtype") not in SAFETENSORS_DTYPES:
-            raise CorruptWeightsError(
-                f"{path}: {key!r} has dtype {info.get('dtype')!r}, which this reader does not know "
-                f"(it reads {', '.join(SAFETENSORS_DTYPES)})"
-            )
-        start, stop = info["data_offsets"]
-        expected = numel(info["shape"]) * itemsize(info["dtype"])
-        if stop - start != expected:
-            raise CorruptWeightsError(
-                f"{path}: {key!r} is {info['dtype']} {info['shape']} ({expected:,} bytes) but its header gives it "
-                f"{stop - start:,} bytes; the file is corrupt: save or copy it again"
-            )
     return data_start, tensors
 
 

@@ -192,7 +192,7 @@ def load_weights(
     `rename` maps a file key to the module's name: a callable, or a mapping (a key it lacks keeps its
     name); None skips the key (a PipeFusion stage's other blocks). Every disagreement between files
     and module is raised at once, before any data is read, with the file, the key and the fix; a
-    corrupt header raises memory.CorruptWeightsError. Call materialize first."""
+    corrupt header raises safetensors_io.CorruptWeightsError. Call materialize first."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors stores little-endian data; this reader runs on little-endian hosts only")
     files = safetensors_files(folder_or_files)

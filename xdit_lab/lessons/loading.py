@@ -127,7 +127,7 @@ def mmap_demo(path) -> dict:
     from safetensors import safe_open
 
     from ..loading import read_tensors
-    from ..memory import read_safetensors_header
+    from ..safetensors_io import read_safetensors_header
 
     path = Path(path).resolve()
     keys = list(read_safetensors_header(path))

@@ -181,9 +181,10 @@ def _resident():
 
 
 def _fsdp_forward_memory(kwargs):
-    """On every rank: the peak resident memory a forward adds (from the sharded state) and the bytes
-    FSDP2's all-gathers receive in a forward, for: the blocks resharded after each forward (as
-    planned), kept unsharded (the control), and the model whole, unsharded (activations alone)."""
+    """On every rank: the peak resident memory a forward adds to the state before it and the bytes
+    FSDP2's all-gathers receive in it, for: the blocks resharded after each forward (as planned; the
+    second forward, past lazy initialisation), kept unsharded once gathered (the control: its first
+    forward), and the model whole, unsharded (its second forward: activations alone)."""
     import diffusers
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -220,13 +221,14 @@ def _fsdp_forward_memory(kwargs):
             received.append(output.numel() * output.element_size() - input.numel() * input.element_size())
             return gather(output, input, *args, **kw)
 
-        base = _resident()[0]
-        open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) here
         dist.all_gather_single = counted
         try:
             with torch.no_grad():
-                model(**inputs)
+                if variant != "kept":  # a first forward: lazy initialisation, one-time allocations
+                    model(**inputs)
                 first = sum(received)
+                base = _resident()[0]
+                open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) here
                 model(**inputs)
         finally:
             dist.all_gather_single = gather
@@ -247,7 +249,7 @@ def test_the_gather_buffer_and_traffic_are_what_fsdp2_adds(tmp_path):
     ranks = run_on_ranks(_fsdp_forward_memory, 3, BIG_FLUX, timeout_s=300)
     for rank in ranks:
         gathered = rank["resharded"]["peak"] - rank["plain"]["peak"]  # the activations taken out
-        assert 0.9 * planned <= gathered <= planned, (gathered, planned)
+        assert 0.95 * planned <= gathered <= 1.01 * planned, (gathered, planned)  # measured: 0.998-1.000
         assert rank["kept"]["peak"] - rank["plain"]["peak"] > planned  # control: the blocks never resharded
         # traffic: each rank receives the other two ranks' padded shards of every parameter
         assert rank["resharded"]["traffic"] == 2 * weights.held(3)

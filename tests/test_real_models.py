@@ -201,3 +201,22 @@ def test_the_command_as_a_newcomer_calls_it(folders):
     assert small.returncode == 0, small.stderr[-2000:]
     assert "nothing fits 2 × 8.59 GB: the smallest GPU that would is" in small.stdout
     assert "| " not in small.stdout and "GB/rank" in small.stdout
+
+
+def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fit_real_models.py", "--models", "FLUX.1-dev", "--gpus", "2", "4"]
+        + ["--memory", "24GB", "--folders", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| FLUX.1-dev")]
+    assert [row[1] for row in rows] == ["2 × 24 GB", "4 × 24 GB"]
+    for row in rows:  # the best fit's GB per rank within the GPU, the replicated row beside it above it
+        best, exact = float(row[2].rsplit(", ", 1)[1]), float(row[3].rsplit(", ", 1)[1])
+        assert best <= 24 and exact <= 24 and "sharded" in row[3]
+    assert float(rows[0][4].rstrip(" |")) > 24  # replicated FLUX on 2 GPUs does not fit

@@ -85,8 +85,9 @@ class Weights:
             the root             unsharded from the forward's start to its end (+ its own output
                                  until block 0's copy-out: 2 roots + 2 blocks, if that is more)
 
-        Measured on gloo ranks (tests/test_fit.py): 0.98 of this; gloo's all-gather adds a temporary
-        of the output's size, which takes the place of the run-ahead that a GPU's streams allow."""
+        Measured on 3 gloo ranks (tests/test_fit.py, blocks of 38 MB): 118.45 MB of the 118.50 planned.
+        There gloo's all-gather adds a temporary of the output's size, which takes the place of the
+        next block's output that a GPU's all-gather stream allocates while block i still runs."""
         if ranks == 1:
             return 0
         start, stop = blocks if blocks is not None else (0, len(self.blocks))

@@ -148,6 +148,8 @@ def plan_model(
     `options`: the family's call options (max_sequence_length, num_frames, ...)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive whole number of prompts, got {batch!r}")
     if not isinstance(gpu_memory_bytes, int) or gpu_memory_bytes < 1:
         raise ValueError(f"gpu_memory_bytes must be a positive whole number of bytes, got {gpu_memory_bytes!r}")
     model = read_model_folder(folder, dtype)
@@ -213,11 +215,9 @@ def fit_rank_key(row: FitRow) -> tuple:
 def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned) -> FitRow:
     world = config.world_size
     transformer, t = model.transformer, model.transformer.config
-    stages = stage_ranges(len(transformer.blocks), config.pipefusion) if config.pipefusion > 1 else [(0, None)]
     shards = world // config.pipefusion if shard else 1
     per_stage = []  # (weights, gather, stale K/V) of each stage: the busiest is planned
-    for start, stop in stages:
-        span = (start, stop if stop is not None else len(transformer.blocks))
+    for span in stage_ranges(len(transformer.blocks), config.pipefusion):
         stale = _stale_kv(model, call, shape, config, span) if config.pipefusion > 1 else 0
         per_stage.append((transformer.held(shards, span), transformer.gather(shards, span), stale))
     held, gather, stale = max(per_stage, key=sum)

@@ -249,6 +249,11 @@ def make_call(
             f"the planner has no closed form for {folder.pipeline_class}'s latents and conditioning; "
             f"pipelines it plans: {', '.join(REQUEST_FORMS)}"
         )
+    if "vae" not in folder.configs:
+        raise ModelFolderError(
+            f"{folder.path} has no vae component: the planner sizes the latents from the VAE's config; "
+            f"copy the whole pipeline folder"
+        )
     form, recipe = REQUEST_FORMS[folder.pipeline_class], recipe_for(folder.pipeline_class)
     defaults_file = folder.path / "call_defaults.json"
     call_defaults = read_json(defaults_file, "call defaults") if defaults_file.is_file() else {}

@@ -2,12 +2,15 @@
 
     xdit-lab plan [--world-size N] [--heads H] [--layers L] [--seq-len S] [--hidden-size HS]
                   [--batch B] [--no-cfg] [--top K] [--why]
+    xdit-lab plan --model FOLDER --world-size N --gpu-memory 24GB [--dtype bfloat16] [--height H --width W]
+                  [--json] [--top K]
     torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompt TEXT [--cfg 2 --ulysses 2 ...]
     xdit-lab demo [--ranks N] [--cfg 2 ...]
 
 `plan` ranks every parallel configuration that fits N ranks with ParallelConfig's cost model
-(see xdit_lab/config.py) and prints it as a table. `run` generates on every rank torchrun starts
-(xdit_lab/run.py); `demo` spawns local ranks and draws the bundled model's ten digits (demo.py).
+(see xdit_lab/config.py) and prints it as a table; with --model, what each rank of N GPUs would hold
+of that folder's model under each configuration, sharded or not (xdit_lab/fit/). `run` generates on
+every rank torchrun starts (xdit_lab/run.py); `demo` spawns local ranks and draws the bundled model's ten digits (demo.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 
 from .config import DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
 from .distributed import usable_cpu_cores
+from .fit.command import memory_size
 from .plan_table import format_plan, plan_table
 
 
@@ -49,7 +53,31 @@ def _shows_bytes(args) -> bool:
     return args.seq_len is not None and args.hidden_size is not None
 
 
+def cmd_plan_model(args) -> int:
+    """`plan --model`: what each rank would hold of a model folder under every configuration (fit/)."""
+    import torch
+
+    from .fit.command import print_plan
+
+    given = [
+        f"--{name.replace('_', '-')}" for name in ("heads", "layers", "seq_len", "hidden_size") if getattr(args, name)
+    ]
+    if given or args.why:
+        raise ParallelConfigError(
+            f"{', '.join(given + ['--why'] * args.why)} cannot be given with --model: the folder's configs say them"
+        )
+    if args.gpu_memory is None:
+        raise ParallelConfigError("--model needs --gpu-memory: the memory of one GPU, e.g. --gpu-memory 24GB")
+    world_size = args.world_size if args.world_size is not None else local_world_size()[0]
+    options = dict(height=args.height, width=args.width, batch=args.batch, use_cfg=False if args.no_cfg else None)
+    return print_plan(args.model, world_size, args.gpu_memory, getattr(torch, args.dtype), args.json, args.top, options)
+
+
 def cmd_plan(args) -> int:
+    if args.model is not None:
+        return cmd_plan_model(args)
+    if args.gpu_memory is not None or args.json or args.height or args.width:
+        raise ParallelConfigError("--gpu-memory, --json, --height and --width plan a model: give --model FOLDER too")
     if args.world_size is None:
         world_size, why = local_world_size()
         source = f"this machine: {why}"
@@ -199,6 +227,14 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (one branch, no cfg 2)")
     plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
     plan.add_argument("--why", action="store_true", help="say why each configuration ranks above the next")
+    plan.add_argument("--model", metavar="FOLDER", help="a diffusers folder: plan what each rank holds of it")
+    plan.add_argument(
+        "--gpu-memory", type=memory_size, metavar="SIZE", help="with --model: one GPU's memory (24GB, 22.5GiB, bytes)"
+    )
+    plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="with --model")
+    plan.add_argument("--height", type=_count(1), help="with --model: the image height (default: the model's)")
+    plan.add_argument("--width", type=_count(1), help="with --model: the image width (default: the model's)")
+    plan.add_argument("--json", action="store_true", help="with --model: print the rows as a JSON list")
     plan.set_defaults(handler=cmd_plan)
 
     run = commands.add_parser(

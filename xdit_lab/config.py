@@ -16,7 +16,11 @@ layers, P = parameter bytes, N = the method's degree):
     Ring         2(N-1)/N·p·hs·L   K and V shards (1/N each) travel N-1 hops of the ring
     PipeFusion   2·p·hs            one patch activation handed to the next stage, and back
     CFG, DP      ~0                only the final noise prediction is gathered
-    parameters   P per rank under sequence/CFG/data parallelism, P/N under PipeFusion
+    parameters   P per rank under sequence/CFG/data parallelism, P/N under PipeFusion, P/world sharded
+    gathers      F·(S-1)/S·P/N     with shard_weights (FSDP2 over the S = world/N ranks that hold the
+                                   same stage): every forward all-gathers the stage's weights again;
+                                   F forwards per step (a PipeFusion stage runs one per patch past the
+                                   warmup), in units of P (CostEstimate.gather_weights)
 In a hybrid, Ring passes K/V that Ulysses has already split by heads (so ÷ulysses), Ulysses
 works on the ring's share of the sequence (so ÷ring), and each PipeFusion stage holds
 L/pipefusion layers. The model's batch is every prompt's rows, twice with guidance
@@ -51,6 +55,7 @@ class CostEstimate:
     work_fraction: float  # transformer compute per rank, in single-image forwards (lower is faster)
     comm_p_hs: float  # elements moved per rank per step, in units of p·hs
     params_fraction: float  # parameter bytes per rank, as a fraction of the whole model P
+    gather_weights: float = 0.0  # weight bytes all-gathered per rank per step (shard_weights), in units of P
 
     def comm_bytes(self, seq_len: int, hidden_size: int, dtype_bytes: int = 2) -> float:
         return self.comm_p_hs * seq_len * hidden_size * dtype_bytes
@@ -242,12 +247,23 @@ class ParallelConfig:
         return text
 
     # ---- cost model and enumeration ---------------------------------------------------------
-    def cost(self, num_layers: int | None = None, *, batch: int = 1, use_cfg: bool = True) -> CostEstimate:
+    def cost(
+        self,
+        num_layers: int | None = None,
+        *,
+        batch: int = 1,
+        use_cfg: bool = True,
+        shard_weights: bool = False,
+        forwards_per_step: int | None = None,
+    ) -> CostEstimate:
         """Per-rank work, communication and parameter share of one denoising step (table above).
 
         `batch` prompts, each run twice (unconditional and conditional) when `use_cfg`. The rows
         are split over cfg, then dp, exactly as the forward splits them: the busiest rank's rows
-        count (tests/test_cost_model.py counts them on real ranks)."""
+        count (tests/test_cost_model.py counts them on real ranks). With `shard_weights` (FSDP2
+        over the world / pipefusion ranks that hold the same blocks), `gather_weights` counts the
+        weights a rank all-gathers per step: (S-1)/S of its stage's share for each of
+        `forwards_per_step` forwards (default: one, or one per patch under PipeFusion)."""
         layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
         branches = 2 if (use_cfg or self.cfg == 2) else 1
         images_per_rank = max(1, -(-(batch * branches) // (self.cfg * self.dp)))
@@ -259,10 +275,16 @@ class ParallelConfig:
             per_image += 2 * ((r - 1) / r) * (1 / u) * (layers / n)
         if n > 1:
             per_image += 2 / (u * r)
+        shards = self.world_size // n  # ranks that hold the same stage's weights
+        gather = 0.0
+        if shard_weights and shards > 1:
+            forwards = forwards_per_step if forwards_per_step is not None else (self.patches if n > 1 else 1)
+            gather = forwards * (shards - 1) / shards / n
         return CostEstimate(
             work_fraction=images_per_rank / (u * r * n),
             comm_p_hs=images_per_rank * per_image,
-            params_fraction=1 / n,
+            params_fraction=1 / (n * shards) if shard_weights else 1 / n,
+            gather_weights=gather,
         )
 
     @staticmethod

@@ -4,7 +4,7 @@ the video in one tensor), rotary tables per image token passed to the forward, D
 from __future__ import annotations
 
 from .adapter import FRAMES, FamilyAdapter
-from .recipe import Recipe, generator_of, video_prompt_embeds
+from .recipe import Recipe, RequestShape, generator_of, latent_frames, vae_scale, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -42,6 +42,29 @@ class CogVideoXRecipe(Recipe):
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds = video_prompt_embeds(pipe, request, texts, device)
         return dict(encoder_hidden_states=embeds)
+
+    def planned_request(self, configs, call, element):
+        t = configs["transformer"]
+        scale = vae_scale(configs["vae"])[0]
+        frames = latent_frames(configs, call)
+        patch_t = t.get("patch_size_t") or 1
+        frames += -frames % patch_t  # CogVideoX 1.5 pads the latent frames to its temporal patch
+        rows, cols = call.height // scale, call.width // scale
+        latents = frames * t["in_channels"] * rows * cols * element
+        per_row = call.options["max_sequence_length"] * t["text_embed_dim"] * element
+        patch = t["patch_size"]
+        grid = (frames // patch_t * (rows // patch), cols // patch)
+        shared = 0
+        if t.get("use_rotary_positional_embeddings"):  # (cos, sin) [tokens, head_dim], float32
+            shared = 2 * grid[0] * grid[1] * t["attention_head_dim"] * 4
+        return RequestShape(latents, per_row, shared, grid, None, frames)
+
+    def planned_default_size(self, configs):
+        t, scale = configs["transformer"], vae_scale(configs["vae"])[0]
+        return t["sample_height"] * scale, t["sample_width"] * scale
+
+    def planned_option_defaults(self, configs):
+        return {"num_frames": configs["transformer"]["sample_frames"]}
 
     def prepare(self, pipe, request, prepared, device):
         from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps

@@ -9,7 +9,7 @@ splits over two ranks."""
 from __future__ import annotations
 
 from .adapter import TOKENS, FamilyAdapter
-from .recipe import PackedLatentsRecipe, TrueCFGRecipe
+from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -51,6 +51,15 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     def prepare(self, pipe, request, prepared, device):
         prepared.latents, prepared.conditioning["img_ids"] = self.packed_latents(pipe, request, prepared, device)
         self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
+
+    def planned_request(self, configs, call, element):
+        t = configs["transformer"]
+        rows, cols, latents = self.packed_grid(configs, call, element)
+        text = call.options["max_sequence_length"]
+        per_row = text * t["joint_attention_dim"] * element + t["pooled_projection_dim"] * element
+        shared = text * 3 * element + rows * cols * 3 * element  # txt_ids and img_ids [tokens, 3], in the text's dtype
+        channels = configs["vae"]["latent_channels"]
+        return RequestShape(latents, per_row, shared, (rows, cols), (channels, 2 * rows, 2 * cols))
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":

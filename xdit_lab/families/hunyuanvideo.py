@@ -14,7 +14,7 @@ import torch
 
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
 from .qwenimage import padded_text_mask
-from .recipe import TrueCFGRecipe, video_latents
+from .recipe import RequestShape, TrueCFGRecipe, latent_frames, vae_scale, video_latents
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -90,6 +90,20 @@ class HunyuanVideoRecipe(TrueCFGRecipe):
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input.to(pipe.transformer.dtype)  # flow matching feeds latents as they are
+
+    def planned_request(self, configs, call, element):
+        t = configs["transformer"]
+        scale = vae_scale(configs["vae"])[0]
+        frames = latent_frames(configs, call)
+        rows, cols = call.height // scale, call.width // scale
+        latents = t["in_channels"] * frames * rows * cols * 4  # float32, as HunyuanVideoPipeline keeps them
+        text = call.options["max_sequence_length"]  # Llama's states padded to it, with a mask in the model's dtype
+        per_row = text * t["text_embed_dim"] * element + text * element + t["pooled_projection_dim"] * element
+        pt, ph, pw = VIDEO.video_patch(t)
+        return RequestShape(latents, per_row, 0, (frames // pt * (rows // ph), cols // pw), None, frames)
+
+    def planned_default_size(self, configs):
+        return 720, 1280  # HunyuanVideoPipeline's
 
     def model_kwargs(self, pipe, prepared, model_input, t):
         rows, dtype = model_input.shape[0], pipe.transformer.dtype

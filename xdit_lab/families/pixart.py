@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import FamilyAdapter
-from .recipe import Recipe, generator_of
+from .recipe import Recipe, RequestShape, generator_of, vae_scale
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -38,25 +38,14 @@ class PixArtRecipe(Recipe):
         return dict(encoder_hidden_states=embeds, encoder_attention_mask=mask)
 
     def prepare(self, pipe, request, prepared, device):
-        from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
-            ASPECT_RATIO_256_BIN,
-            ASPECT_RATIO_512_BIN,
-            ASPECT_RATIO_1024_BIN,
-            retrieve_timesteps,
-        )
+        from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import retrieve_timesteps
 
-        bins = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
         sample_size = pipe.transformer.config.sample_size
         height = request.height or sample_size * pipe.vae_scale_factor
         width = request.width or sample_size * pipe.vae_scale_factor
         prepared.extra["size"] = (height, width)
         if request.options["use_resolution_binning"]:
-            if sample_size not in bins:
-                raise ValueError(
-                    f"resolution binning needs a sample size of 32, 64 or 128, not {sample_size}; "
-                    f"pass use_resolution_binning=False"
-                )
-            height, width = pipe.image_processor.classify_height_width_bin(height, width, ratios=bins[sample_size])
+            height, width = binned_size(sample_size, height, width)
         generator = generator_of(request)
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
         if hasattr(pipe.scheduler, "set_begin_index"):
@@ -81,6 +70,21 @@ class PixArtRecipe(Recipe):
                 "aspect_ratio": torch.tensor([float(height / width)]).repeat(rows, 1).to(embeds),
             }
         prepared.conditioning["added_cond_kwargs"] = added
+
+    def planned_request(self, configs, call, element):
+        t = configs["transformer"]
+        height, width = call.height, call.width
+        if call.options.get("use_resolution_binning", True):
+            height, width = binned_size(t["sample_size"], height, width)
+        scale = vae_scale(configs["vae"])[0]
+        rows, cols = height // scale, width // scale
+        text = call.options["max_sequence_length"]
+        micro = 3 * element if t["sample_size"] == 128 else 0  # the resolution [2] and aspect ratio [1] per row
+        per_row = text * configs["text_encoder"]["d_model"] * element + text * 8 + micro  # states, the int64 mask
+        patch = t["patch_size"]
+        latents = t["in_channels"] * rows * cols * element
+        decoded = (configs["vae"]["latent_channels"], rows, cols)
+        return RequestShape(latents, per_row, 0, (rows // patch, cols // patch), decoded)
 
     def model_kwargs(self, pipe, prepared, model_input, t):
         timestep = (t if t.dim() else t[None]).to(model_input.device).expand(model_input.shape[0])
@@ -108,6 +112,25 @@ class PixArtRecipe(Recipe):
 
 
 RECIPE = PixArtRecipe()
+
+
+def binned_size(sample_size: int, height: int, width: int) -> tuple[int, int]:
+    """The size PixArt's pipeline really renders with resolution binning: the nearest aspect-ratio bin of
+    the model's sample size."""
+    from diffusers.image_processor import PixArtImageProcessor
+    from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
+        ASPECT_RATIO_256_BIN,
+        ASPECT_RATIO_512_BIN,
+        ASPECT_RATIO_1024_BIN,
+    )
+
+    bins = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
+    if sample_size not in bins:
+        raise ValueError(
+            f"resolution binning needs a sample size of 32, 64 or 128, not {sample_size}; "
+            f"pass use_resolution_binning=False"
+        )
+    return PixArtImageProcessor.classify_height_width_bin(height, width, ratios=bins[sample_size])
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter
-from .recipe import PackedLatentsRecipe, TrueCFGRecipe
+from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -57,6 +57,16 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             raise ValueError("this Qwen-Image model is guidance-distilled: give guidance_scale")
         mu = self.image_tokens_shift(pipe, prepared.latents.shape[1])
         self.set_timesteps(pipe, request, prepared, device, mu, flow_sigmas=False)
+
+    def planned_request(self, configs, call, element):
+        rows, cols, latents = self.packed_grid(configs, call, element)
+        text = call.options["max_sequence_length"]
+        per_row = text * (configs["transformer"]["joint_attention_dim"] * element + 1)  # states and the bool mask
+        why = (
+            f"conditioning: at most max_sequence_length {text} text tokens a row; Qwen-Image pads a batch to its "
+            f"longest prompt, whose length is known only once it is tokenized"
+        )
+        return RequestShape(latents, per_row, 0, (rows, cols), None, bounds=(why,))
 
     def model_kwargs(self, pipe, prepared, model_input, t):
         image_shapes = [[prepared.extra["image_shape"]]] * model_input.shape[0]

@@ -35,6 +35,49 @@ class Request:
     options: dict = field(default_factory=dict)  # family-specific pipeline arguments
 
 
+@dataclass(frozen=True)
+class Call:
+    """A request as the planner sees it before anything is loaded: size, prompts, branches, options."""
+
+    height: int
+    width: int
+    prompts: int
+    branches: int
+    options: dict
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What a request keeps besides the weights, in bytes, and its token layout: a recipe's closed form
+    (Recipe.planned_request), from the folder's configs alone."""
+
+    latents_per_prompt: int
+    conditioning_per_row: int  # one prompt, one branch
+    shared: int  # conditioning that no row has (Flux's ids, CogVideoX's rotary tables)
+    grid: tuple[int, int]  # (rows, cols) of tokens PipeFusion cuts into patches (a video's frames stacked as rows)
+    decode_latent: tuple[int, int, int] | None  # (channels, rows, cols) an AutoencoderKL decodes; None: no closed form
+    frames: int = 1  # latent frames (video)
+    bounds: tuple[str, ...] = ()  # terms that are upper bounds, and why
+
+    @property
+    def image_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def vae_scale(vae: dict) -> tuple[int, int]:
+    """(spatial, temporal) downsampling of a VAE, from its config as each pipeline computes it."""
+    if "temperal_downsample" in vae:  # Wan's and Qwen-Image's VAE
+        return 2 ** len(vae["temperal_downsample"]), 2 ** sum(vae["temperal_downsample"])
+    if "spatial_compression_ratio" in vae:  # HunyuanVideo's
+        return vae["spatial_compression_ratio"], vae.get("temporal_compression_ratio", 1)
+    return 2 ** (len(vae["block_out_channels"]) - 1), vae.get("temporal_compression_ratio", 1)
+
+
+def latent_frames(configs: dict, call: Call) -> int:
+    """A video's latent frames for the call's num_frames, as the VAE compresses time."""
+    return (call.options["num_frames"] - 1) // vae_scale(configs["vae"])[1] + 1
+
+
 @dataclass
 class Prepared:
     """Conditioning, latents and schedule of one generation, on one rank."""
@@ -89,6 +132,27 @@ class Recipe:
             return height // scale, (call_defaults.get("width") or height) // scale
         side = self.default_latent_side(transformer)
         return None if side is None else (side, side)
+
+    # ---- the planner's closed forms, from the folder's configs alone (xdit_lab.fit; checked against
+    # what encode and prepare hold on tiny pipelines, tests/test_fit.py) ------------------------------------
+    def planned_request(self, configs: dict[str, dict], call: Call, element: int) -> RequestShape:
+        """What a request keeps besides the weights (`configs`: every component's config.json, and the
+        tokenizers'), with floats of `element` bytes."""
+        raise NotImplementedError(f"no closed form for {self.family}'s latents and conditioning")
+
+    def planned_default_size(self, configs: dict[str, dict]) -> tuple[int, int]:
+        """(height, width) the pipeline renders by default: the transformer's sample size, in pixels."""
+        side = self.default_latent_side(configs["transformer"])
+        return side * vae_scale(configs["vae"])[0], side * vae_scale(configs["vae"])[0]
+
+    def planned_multiple(self, configs: dict[str, dict]) -> int:
+        """What height and width must be multiples of: the VAE's downsampling × the patch size."""
+        patch = configs["transformer"].get("patch_size") or 1
+        return vae_scale(configs["vae"])[0] * (patch[-1] if isinstance(patch, (list, tuple)) else patch)
+
+    def planned_option_defaults(self, configs: dict[str, dict]) -> dict:
+        """Option defaults this recipe leaves to the model (None in `options`), from the configs."""
+        return {}
 
     def default_latent_side(self, transformer_config: dict) -> int | None:
         """The latent's rows (= cols) at the pipeline's default size, from the transformer's config
@@ -247,6 +311,15 @@ class PackedLatentsRecipe(Recipe):
             sigmas = None
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas, mu=mu)
         pipe.scheduler.set_begin_index(0)
+
+    def packed_grid(self, configs: dict, call: Call, element: int) -> tuple[int, int, int]:
+        """Packed latents, 2 × 2 latent pixels a token: (rows, cols, bytes per prompt)."""
+        scale = vae_scale(configs["vae"])[0]
+        rows, cols = call.height // (scale * 2), call.width // (scale * 2)
+        return rows, cols, rows * cols * configs["transformer"]["in_channels"] * element
+
+    def planned_multiple(self, configs):
+        return vae_scale(configs["vae"])[0] * 2
 
     def image_tokens_shift(self, pipe, tokens: int) -> float:
         """Flux's and Qwen-Image's mu: linear in the image's tokens, from the scheduler's config."""

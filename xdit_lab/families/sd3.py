@@ -5,7 +5,7 @@ the joint one in the same block."""
 from __future__ import annotations
 
 from .adapter import FamilyAdapter
-from .recipe import Recipe, generator_of
+from .recipe import Recipe, RequestShape, generator_of, vae_scale
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -78,6 +78,16 @@ class SD3Recipe(Recipe):
     def scale_model_input(self, pipe, model_input, t):
         return model_input  # flow matching feeds latents as they are
 
+    def planned_request(self, configs, call, element):
+        t = configs["transformer"]
+        scale = vae_scale(configs["vae"])[0]
+        rows, cols = call.height // scale, call.width // scale
+        text = clip_length(configs) + call.options["max_sequence_length"]  # [CLIP; T5]
+        per_row = text * t["joint_attention_dim"] * element + t["pooled_projection_dim"] * element
+        patch = t["patch_size"]
+        latents = t["in_channels"] * rows * cols * element
+        return RequestShape(latents, per_row, 0, (rows // patch, cols // patch), (t["in_channels"], rows, cols))
+
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":
             return latents
@@ -87,6 +97,15 @@ class SD3Recipe(Recipe):
 
 
 RECIPE = SD3Recipe()
+
+
+def clip_length(configs: dict) -> int:
+    """CLIP's padded length: its tokenizer's model_max_length where the folder has the tokenizer's config,
+    else the encoder's positions (77), which is what the published tokenizers say."""
+    length = configs.get("tokenizer", {}).get("model_max_length")
+    if isinstance(length, int) and length < 10**6:
+        return length
+    return configs["text_encoder"]["max_position_embeddings"]
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):

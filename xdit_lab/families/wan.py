@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
-from .recipe import Recipe, video_latents, video_prompt_embeds
+from .recipe import Recipe, RequestShape, latent_frames, vae_scale, video_latents, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -73,6 +73,19 @@ class WanRecipe(Recipe):
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input.to(pipe.transformer.dtype)  # flow matching feeds latents as they are
+
+    def planned_request(self, configs, call, element):
+        t = configs["transformer"]
+        scale = vae_scale(configs["vae"])[0]
+        frames = latent_frames(configs, call)
+        rows, cols = call.height // scale, call.width // scale
+        latents = t["in_channels"] * frames * rows * cols * 4  # WanPipeline keeps its latents in float32
+        per_row = call.options["max_sequence_length"] * t["text_dim"] * element
+        pt, ph, pw = VIDEO.video_patch(t)
+        return RequestShape(latents, per_row, 0, (frames // pt * (rows // ph), cols // pw), None, frames)
+
+    def planned_default_size(self, configs):
+        return 480, 832  # WanPipeline's
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":

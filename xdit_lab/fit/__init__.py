@@ -1,0 +1,79 @@
+"""Which parallel configuration of a model fits these GPUs, asked before a byte of weights is read.
+
+`plan_model(folder, world_size, gpu_memory_bytes)` reads a diffusers folder's model_index.json, each
+component's config.json and the headers of its safetensors files (memory.read_safetensors_header),
+nothing else, and returns one FitRow per way to run it on `world_size` GPUs:
+
+    every valid ParallelConfig (ParallelConfig.options with the model's heads, blocks and tokens)
+      × shard_weights in (False, True)        FSDP2: each parameter cut on dim 0 over the ranks that
+                                               hold the same blocks, gathered just before a block runs
+      × text encoders "gpu" | "sharded" | "host"   whole on every GPU, FSDP2 over the world, or kept in
+                                               host memory and run there (offload: no GPU bytes)
+
+A row says what one rank holds, by term, and whether the sum fits:
+
+    weights       per component: whole; a PipeFusion stage's blocks and everything outside the blocks;
+                  or, sharded, torch.chunk's largest piece of every parameter (buffers stay whole)
+    gather        with sharded weights, the unsharded copies alive at once: three of the largest block
+                  (the running one, its all-gather buffer, the next one's) plus the root (outside the
+                  blocks), unsharded through a forward (Weights.gather); for sharded text encoders the
+                  same during the encode. The encode's and the denoise's gathers are never alive
+                  together: the larger of the two
+    latents       every prompt's latents, whole on every rank
+    conditioning  every row's text conditioning (both branches under CFG), whole on every rank
+    stale K/V     PipeFusion's buffers on the busiest stage (attention/stale.py)
+    decode peak   the VAE decode's activations in row bands (memory.decode_peak_bytes; AutoencoderKL)
+
+    e.g. FLUX.1-dev, ulysses 4, shard_weights, text encoders sharded, 4 GPUs:
+        rank r:  transformer ¼ of each parameter (5.95 GB) | T5 + CLIP ¼ (2.4 GB) | VAE whole (0.17 GB)
+                 + during a block: 3 × the largest block whole (3 × 680 MB) + the root whole (128 MB)
+
+Latents and conditioning come from each family recipe's closed form (Recipe.planned_request), checked against
+what the family's own encode and prepare hold on tiny pipelines (tests/test_fit.py). Where a term
+cannot be known from the configs (a video VAE's decode peak; Qwen-Image's text length, which depends
+on the prompt), the row says so (`unknown`, `bounds`) instead of guessing. Transient activations of
+a forward (attention, MLP intermediates) are not planned, as in memory.py: they are measured.
+
+Rows are ranked: fitting rows first, then by the cost model (ParallelConfig.cost), whose traffic now
+includes FSDP2's gathers, turned into bytes per step and into seconds on NVLink and on PCIe.
+"""
+
+from .folder import ModelFolder, ModelFolderError, Tensor, Weights, read_component, read_model_folder
+from .plan import (
+    GB,
+    LINKS,
+    NVLINK_BYTES_PER_S,
+    PCIE_BYTES_PER_S,
+    PLACEMENTS,
+    FitRow,
+    PlannedRequest,
+    fit_rank_key,
+    format_rows,
+    plan_model,
+    smallest_fit,
+)
+from .requests import Call, RequestShape, make_call, request_shape
+
+__all__ = [
+    "GB",
+    "LINKS",
+    "NVLINK_BYTES_PER_S",
+    "PCIE_BYTES_PER_S",
+    "PLACEMENTS",
+    "Call",
+    "FitRow",
+    "ModelFolder",
+    "ModelFolderError",
+    "PlannedRequest",
+    "RequestShape",
+    "Tensor",
+    "Weights",
+    "fit_rank_key",
+    "format_rows",
+    "make_call",
+    "plan_model",
+    "read_component",
+    "read_model_folder",
+    "request_shape",
+    "smallest_fit",
+]

@@ -1,0 +1,65 @@
+"""`xdit-lab plan --model FOLDER --world-size N --gpu-memory 24GB`: the plan printed as a table (or a
+JSON list), and when nothing fits, the smallest GPU that would and for which configuration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from .folder import ModelFolderError
+from .plan import LINKS, format_rows, plan_model, smallest_fit
+
+MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+MEMORY_UNITS.update(KIB=2**10, MIB=2**20, GIB=2**30, TIB=2**40)
+
+
+def memory_size(text: str) -> int:
+    """argparse type for one GPU's memory: '24GB' (10^9 bytes), '22.5GiB' (2^30) or a byte count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
+    unit = match and match.group(2).upper()
+    if not match or unit not in MEMORY_UNITS or (not unit and "." in match.group(1)):
+        raise argparse.ArgumentTypeError(
+            f"expected a memory size such as 24GB (10^9 bytes), 22.5GiB (2^30 bytes) or a byte count "
+            f"(24000000000); units: KB, MB, GB, TB, KiB, MiB, GiB, TiB; got {text!r}"
+        )
+    size = int(float(match.group(1)) * MEMORY_UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"the GPU memory must be at least one byte, got {text!r}")
+    return size
+
+
+def print_plan(folder, world_size: int, gpu_memory: int, dtype, as_json: bool, top: int, request: dict) -> int:
+    """Plan `folder` for `world_size` GPUs of `gpu_memory` bytes and print it; 2 (and the error on
+    stderr) when the folder or the request is wrong."""
+    try:
+        rows = plan_model(folder, world_size, gpu_memory, dtype=dtype, **request)
+    except (ModelFolderError, ValueError, OSError) as error:  # the user's input: say what is wrong, no traceback
+        print(f"xdit-lab plan: error: {error}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps([row.to_json() for row in rows[: top or None]], indent=1))
+    else:
+        planned = rows[0].request
+        each = f"{gpu_memory / 1e9:.3g} GB ({gpu_memory / 2**30:.3g} GiB)"
+        print(f"{planned.describe()}; {world_size} GPU(s) of {each} each")
+        print(format_rows(rows, top))
+        if len(rows) > top > 0:
+            print(f"... {len(rows) - top} more (--top 0 shows all {len(rows)})")
+        for note in dict.fromkeys([*planned.notes, *rows[0].unknown]):
+            print(f"note: {note}")
+        links = ", ".join(f"{name} {bandwidth / 1e9:.0f} GB/s" for name, bandwidth in LINKS.items())
+        print(
+            f"GB = 10^9 bytes per rank, by term; fitting rows first, then by the cost model (work, then bytes sent "
+            f"per step, FSDP2's weight gathers included); seconds per step at {links} (xdit_lab.fit's constants)."
+        )
+    if not any(row.fits for row in rows):
+        best = smallest_fit(rows)
+        print(
+            f"nothing fits {world_size} × {gpu_memory / 1e9:.3g} GB: the smallest GPU that would is "
+            f"{best.per_rank_bytes / 1e9:.2f} GB ({best.per_rank_bytes / 2**30:.2f} GiB), under {best.config.short()} "
+            f"with {'sharded' if best.shard_weights else 'whole'} weights and text encoders {best.text_encoders}",
+            file=sys.stderr if as_json else sys.stdout,
+        )
+    return 0

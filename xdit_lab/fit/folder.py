@@ -1,0 +1,276 @@
+"""What a model folder holds, read from its index, its configs and its safetensors headers (no weights),
+cut where FSDP2 cuts it: per component, the blocks (each an FSDP unit) and the root around them.
+
+    Tensor   one stored tensor as loaded: shape, bytes per element, parameter or buffer
+    Weights  a component: root + blocks; whole, held per rank (sharded over N), gathered in a forward
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..families import FAMILIES, FamilyAdapter
+from ..safetensors_io import CorruptWeightsError, read_safetensors_header
+
+
+class ModelFolderError(ValueError):
+    """A model folder the planner cannot read; the message says what is wrong and what to do."""
+
+
+# ---- what the folder holds, from its headers -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One stored tensor as loaded: its shape, bytes per element, and whether FSDP2 shards it (a
+    parameter) or leaves it whole on every rank (a buffer)."""
+
+    shape: tuple[int, ...]
+    element: int
+    parameter: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.element
+
+    def shard_bytes(self, ranks: int) -> int:
+        """What the busiest of `ranks` holds: FSDP2 cuts dim 0 as torch.chunk does, ceil(dim0 / ranks)
+        rows on the first ranks (and pads every rank's shard to that size)."""
+        if ranks == 1 or not self.parameter or not self.shape:
+            return self.nbytes
+        return -(-self.shape[0] // ranks) * math.prod(self.shape[1:]) * self.element
+
+
+@dataclass
+class Weights:
+    """One component's tensors from its safetensors headers, cut where FSDP2 cuts: the blocks (each
+    its own FSDP unit, in the forward's order) and the root (everything outside the blocks)."""
+
+    name: str
+    class_name: str
+    config: dict
+    root: list[Tensor]
+    blocks: list[list[Tensor]]
+    stored_bytes: int  # as stored on disk (the published totals)
+    names: list[str] = field(default_factory=list)  # every tensor's name, as the headers give them
+
+    @functools.cached_property
+    def whole(self) -> int:
+        return sum(t.nbytes for t in self.root) + sum(t.nbytes for block in self.blocks for t in block)
+
+    def held(self, ranks: int = 1, blocks: tuple[int, int] | None = None) -> int:
+        """Bytes one rank holds of the root and blocks [start, stop) (all by default), sharded over `ranks`."""
+        start, stop = blocks if blocks is not None else (0, len(self.blocks))
+        kept = [t for block in self.blocks[start:stop] for t in block]
+        return sum(t.shard_bytes(ranks) for t in (*self.root, *kept))
+
+    def gather(self, ranks: int, blocks: tuple[int, int] | None = None) -> int:
+        """The unsharded copies a forward holds at once when sharded over `ranks`, on top of the shards
+        (which FSDP2 keeps): three of the largest block of [start, stop) and the root's parameters.
+
+        FSDP2 (torch 2.13, _fsdp_param_group.wait_for_unshard) all-gathers a block into one output
+        buffer, copies it out into the block's unsharded parameters, and in the forward frees that
+        buffer only at the next block's copy-out, so that the copy-out overlaps the next all-gather:
+
+            block i running      block i unsharded  +  block i's all-gather output (held)
+            next one prefetched  +  block i+1's all-gather output
+            the root             unsharded from the forward's start to its end (+ its own output
+                                 until block 0's copy-out: 2 roots + 2 blocks, if that is more)
+
+        Measured on 3 gloo ranks (tests/test_fit.py, blocks of 38 MB): 118.45 MB of the 118.50 planned.
+        There gloo's all-gather adds a temporary of the output's size, which takes the place of the
+        next block's output that a GPU's all-gather stream allocates while block i still runs."""
+        if ranks == 1:
+            return 0
+        start, stop = blocks if blocks is not None else (0, len(self.blocks))
+        largest = max((sum(t.nbytes for t in b if t.parameter) for b in self.blocks[start:stop]), default=0)
+        root = sum(t.nbytes for t in self.root if t.parameter)
+        return max(3 * largest, 2 * largest + root) + root
+
+
+@dataclass
+class ModelFolder:
+    """What the planner read: the pipeline class, each component's configuration and its tensors."""
+
+    path: Path
+    pipeline_class: str
+    configs: dict[str, dict]  # every component's config.json (and tokenizer configs, where present)
+    weights: dict[str, Weights]  # components with weights, as loaded in the plan's dtype
+    element: int  # bytes per element of the plan's dtype
+    notes: list[str] = field(default_factory=list)
+    stale_layers: list[int] | None = None  # per block, filled by stale_layers()
+
+    @property
+    def transformer(self) -> Weights:
+        return self.weights["transformer"]
+
+    @property
+    def adapter(self) -> FamilyAdapter:
+        return FAMILIES[self.transformer.class_name]
+
+    @property
+    def text_encoders(self) -> list[str]:
+        return [name for name in self.weights if name.startswith(("text_encoder", "image_encoder"))]
+
+
+def read_model_folder(folder, dtype: torch.dtype = torch.bfloat16) -> ModelFolder:
+    """Read a diffusers folder's index, configs and safetensors headers (no weights), checking each."""
+    path = Path(folder).expanduser()
+    if not path.exists():
+        raise ModelFolderError(f"no model folder at {path}: pass a diffusers pipeline folder (with model_index.json)")
+    if not path.is_dir():
+        raise ModelFolderError(
+            f"{path} is a file, not a folder: pass the diffusers pipeline folder that holds model_index.json"
+        )
+    index = read_json(path / "model_index.json", "the pipeline's index")
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise ModelFolderError(
+            f"{path / 'model_index.json'} is not a diffusers pipeline index: it needs a JSON object with "
+            f'"_class_name" (the pipeline class) and one [library, class] entry per component'
+        )
+    pipeline_class = index["_class_name"]
+    element = torch.empty((), dtype=dtype).element_size()
+    configs, weights, notes = {}, {}, []
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or None in entry:
+            continue
+        library, class_name = entry
+        sub = path / name
+        if (sub / "tokenizer_config.json").is_file():
+            configs[name] = read_json(sub / "tokenizer_config.json", f"{name}'s tokenizer configuration")
+        if not _has_weights(library, class_name, sub):
+            continue
+        if not sub.is_dir():
+            raise ModelFolderError(
+                f"model_index.json lists the component {name!r} ({library} {class_name}), but {sub} is missing: "
+                f"copy the whole pipeline folder, or remove {name!r} from model_index.json if it is not used"
+            )
+        config = read_json(sub / "config.json", f"{name}'s configuration")
+        configs[name] = config
+        weights[name] = _read_weights(name, library, class_name, config, sub, element, notes)
+    if "transformer" not in weights:
+        raise ModelFolderError(f"{path} has no transformer component with weights: the planner plans a DiT pipeline")
+    if weights["transformer"].class_name not in FAMILIES:
+        raise ModelFolderError(
+            f"xdit_lab does not parallelize {weights['transformer'].class_name}; "
+            f"supported transformers: {', '.join(FAMILIES)}"
+        )
+    return ModelFolder(path, pipeline_class, configs, weights, element, notes)
+
+
+def read_component(folder, dtype: torch.dtype = torch.bfloat16, *, library: str = "diffusers") -> Weights:
+    """One component folder's Weights (config.json's class, its safetensors headers), as loaded in `dtype`."""
+    path = Path(folder)
+    config = read_json(path / "config.json", f"{path.name}'s configuration")
+    class_name = config.get("_class_name") or (config.get("architectures") or ["?"])[0]
+    element = torch.empty((), dtype=dtype).element_size()
+    return _read_weights(path.name, library, class_name, config, path, element, [])
+
+
+def read_json(path: Path, what: str):
+    if not path.is_file():
+        raise ModelFolderError(
+            f"{path} is missing ({what}): pass a complete diffusers pipeline folder"
+            + (" (model_index.json is at its top)" if path.name == "model_index.json" else "")
+        )
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelFolderError(f"{path} is not valid JSON ({error}): save or copy it again") from None
+
+
+def _has_weights(library: str, class_name: str, sub: Path) -> bool:
+    """Whether a component holds weights: its class is a torch module (a model, not a tokenizer or a
+    scheduler); for a class that cannot be imported here, whether its folder has safetensors."""
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError):
+        return any(sub.glob("*.safetensors"))
+    return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+
+
+def _read_weights(name, library, class_name, config, sub: Path, element: int, notes: list) -> Weights:
+    files = sorted(sub.glob("*.safetensors"))
+    if not files:
+        raise ModelFolderError(
+            f"{sub} has no .safetensors files: the planner reads safetensors headers only "
+            f"(re-save the component with safe_serialization=True)"
+        )
+    for index_file in sub.glob("*.safetensors.index.json"):
+        listed = read_json(index_file, f"{name}'s shard index").get("weight_map", {})
+        missing = sorted({file for file in listed.values() if not (sub / file).is_file()})
+        if missing:
+            raise ModelFolderError(
+                f"{index_file} names weight files that are missing: {', '.join(missing)}; copy them too"
+            )
+    headers = {}
+    for file in files:
+        try:
+            table = read_safetensors_header(file)
+            headers.update({key: (info["dtype"], tuple(info["shape"])) for key, info in table.items()})
+        except (KeyError, TypeError, AttributeError) as error:
+            raise CorruptWeightsError(
+                f"{file} has a malformed safetensors header ({type(error).__name__}: {error}); save or copy it again"
+            ) from None
+    buffers = _buffer_names(library, class_name, config, notes, name)
+    adapter = FAMILIES.get(class_name) if name == "transformer" else None
+    root: list[Tensor] = []
+    blocks: dict = {}
+    stored = 0
+    for key, (dtype, shape) in headers.items():
+        stored_element = _SAFETENSORS_BYTES.get(dtype, 4)
+        stored += math.prod(shape) * stored_element
+        tensor = Tensor(shape, element if dtype in _FLOATS else stored_element, key not in buffers)
+        block = adapter.block_index(key, config) if adapter is not None else _encoder_block(key)
+        (root if block is None else blocks.setdefault(block, [])).append(tensor)
+    if adapter is not None:  # stacked order, every block the config names (an empty one holds nothing)
+        ordered = [blocks.get(i, []) for i in range(adapter.num_blocks(config))]
+    else:
+        ordered = list(blocks.values())
+    return Weights(name, class_name, config, root, ordered, stored, list(headers))
+
+
+_FLOATS = {"F64", "F32", "F16", "BF16"}  # cast to the plan's dtype on load, as load_pipeline's torch_dtype does
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+_SAFETENSORS_BYTES.update(BOOL=1, F8_E4M3=1, F8_E5M2=1)
+_NUMBERED = re.compile(r"^(.*?\.\d+)\.")
+
+
+def _encoder_block(key: str) -> str | None:
+    """A text encoder's block: the first numbered module in the tensor's name ('encoder.block.3',
+    'text_model.encoder.layers.11', 'model.language_model.layers.0'), None outside any list."""
+    match = _NUMBERED.match(key)
+    return match.group(1) if match else None
+
+
+def _buffer_names(library, class_name, config, notes, name) -> frozenset[str]:
+    """Names of the persistent buffers the class saves beside its parameters (SD3's pos_embed), which
+    FSDP2 leaves whole: found by building the class from its configuration on the meta device."""
+    found = _buffers_of(library, class_name, json.dumps(config, sort_keys=True))
+    if isinstance(found, str):  # an exotic class: plan every tensor as a parameter, and say so
+        notes.append(f"{name}: {class_name} could not be built from its config ({found}); its buffers count as sharded")
+        return frozenset()
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _buffers_of(library: str, class_name: str, config_json: str) -> frozenset[str] | str:
+    """The persistent buffers of `class_name` built from a configuration (cached: a few tenths of a
+    second for a model of billions of parameters), or why it could not be built."""
+    config = json.loads(config_json)
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+        with torch.device("meta"):
+            model = cls(cls.config_class.from_dict(config)) if library == "transformers" else cls.from_config(config)
+    except Exception as error:  # noqa: BLE001 - any failure only means the buffers stay unknown
+        return f"{type(error).__name__}: {error}"
+    parameters = {key for key, _ in model.named_parameters()}
+    return frozenset(key for key in model.state_dict() if key not in parameters)

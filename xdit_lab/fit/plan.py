@@ -1,0 +1,362 @@
+"""The rows of a plan: every configuration × sharded or whole weights × where the text encoders
+live, what one rank holds under each (FitRow), ranked; and the table the command prints."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import DEGREES, CostEstimate, ParallelConfig
+from ..memory import decode_peak_bytes
+from ..sharding import batch_rows
+from .folder import ModelFolder, read_model_folder
+from .requests import Call, RequestShape, make_call, request_shape
+
+# Link bandwidths the planner turns traffic into seconds with (one direction, per GPU, peak; NCCL
+# reaches some 80% of them):
+NVLINK_BYTES_PER_S = 450e9  # NVLink 4 (H100 SXM): 900 GB/s per GPU both ways, NVIDIA's H100 datasheet
+PCIE_BYTES_PER_S = 32e9  # PCIe 4.0 x16: 16 GT/s × 16 lanes × 128/130 ≈ 31.5 GB/s (PCI-SIG), 24 GB cards' link
+LINKS = {"NVLink": NVLINK_BYTES_PER_S, "PCIe": PCIE_BYTES_PER_S}
+
+PLACEMENTS = ("gpu", "sharded", "host")  # where text encoders live; ranked in this order at equal cost
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """What every row of a plan was planned for (shared by the rows)."""
+
+    folder: Path
+    pipeline_class: str
+    transformer_class: str
+    dtype: str
+    height: int
+    width: int
+    frames: int
+    prompts: int
+    branches: int
+    image_tokens: int
+    transformer_bytes: int
+    notes: tuple[str, ...]
+
+    def describe(self) -> str:
+        frames = f", {self.frames} latent frames" if self.frames > 1 else ""
+        return (
+            f"{self.pipeline_class} ({self.transformer_class}, {self.transformer_bytes / GB:.1f} GB in {self.dtype}) "
+            f"at {self.height}×{self.width}{frames}: {self.image_tokens:,} image tokens, {self.prompts} prompt(s) × "
+            f"{self.branches} branch(es)"
+        )
+
+
+@dataclass
+class FitRow:
+    """One way to run the model on world_size GPUs and what a rank holds then (bytes, by term)."""
+
+    config: ParallelConfig
+    shard_weights: bool
+    text_encoders: str  # "gpu", "sharded" or "host"
+    weights: dict[str, int]  # per component, on this rank's GPU
+    gather: int
+    latents: int
+    conditioning: int
+    stale_kv: int
+    decode_peak: int | None  # None: no closed form (see unknown)
+    gpu_memory_bytes: int
+    cost: CostEstimate
+    activation_traffic: int  # bytes a rank sends per step (sequence parallelism, PipeFusion)
+    gather_traffic: int  # bytes a rank all-gathers per step (sharded weights)
+    encode_gather_traffic: int  # bytes a rank all-gathers per request (sharded text encoders)
+    host_bytes: int  # text encoders kept in host memory by this rank's process
+    unknown: tuple[str, ...] = ()
+    bounds: tuple[str, ...] = ()
+    request: PlannedRequest | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def terms(self) -> dict[str, int | None]:
+        return {
+            **{f"weights: {name}": size for name, size in self.weights.items()},
+            "gather buffer": self.gather,
+            "latents": self.latents,
+            "conditioning": self.conditioning,
+            "stale K/V": self.stale_kv,
+            "decode peak": self.decode_peak,
+        }
+
+    @property
+    def per_rank_bytes(self) -> int:
+        """The sum of the known terms (the unknown ones are named in `unknown`)."""
+        return sum(size for size in self.terms.values() if size is not None)
+
+    @property
+    def fits(self) -> bool:
+        return self.per_rank_bytes <= self.gpu_memory_bytes
+
+    @property
+    def traffic_per_step(self) -> int:
+        return self.activation_traffic + self.gather_traffic
+
+    def seconds_per_step(self, bytes_per_s: float) -> float:
+        """The step's traffic over one link of `bytes_per_s` (NVLINK_BYTES_PER_S, PCIE_BYTES_PER_S)."""
+        return self.traffic_per_step / bytes_per_s
+
+    def name(self) -> str:
+        return self.config.short() + ("·sharded" if self.shard_weights else "")
+
+    def to_json(self) -> dict:
+        return dict(
+            config=self.config.short(),
+            degrees={d: getattr(self.config, d) for d in DEGREES},
+            num_patches=self.config.patches if self.config.pipefusion > 1 else None,
+            shard_weights=self.shard_weights,
+            text_encoders=self.text_encoders,
+            per_rank_bytes=self.per_rank_bytes,
+            gpu_memory_bytes=self.gpu_memory_bytes,
+            fits=self.fits,
+            terms=self.terms,
+            unknown_terms=list(self.unknown),
+            bounds=list(self.bounds),
+            host_bytes_per_rank=self.host_bytes,
+            cost=dataclasses.asdict(self.cost),
+            traffic_bytes_per_step=dict(activations=self.activation_traffic, weight_gathers=self.gather_traffic),
+            encode_gather_bytes_per_request=self.encode_gather_traffic,
+            seconds_per_step={link: self.seconds_per_step(bw) for link, bw in LINKS.items()},
+        )
+
+
+def plan_model(
+    folder,
+    world_size: int,
+    gpu_memory_bytes: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    height: int | None = None,
+    width: int | None = None,
+    batch: int = 1,
+    use_cfg: bool | None = None,
+    options: dict | None = None,
+) -> list[FitRow]:
+    """Every way to run the pipeline in `folder` on `world_size` GPUs of `gpu_memory_bytes` each, what
+    one rank holds under each (FitRow), ranked: fitting rows first, then by the cost model with
+    FSDP2's gathers (work, then bytes sent per step, then text encoders on the GPU before sharded
+    before host, then memory). Reads model_index.json, the configs and the safetensors headers only.
+
+    `height`, `width`: the request's size (default: the folder's call defaults, else the family's).
+    `use_cfg`: two branches or one (default: what the family's recipe runs at its default call).
+    `options`: the family's call options (max_sequence_length, num_frames, ...)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive whole number of prompts, got {batch!r}")
+    if not isinstance(gpu_memory_bytes, int) or gpu_memory_bytes < 1:
+        raise ValueError(f"gpu_memory_bytes must be a positive whole number of bytes, got {gpu_memory_bytes!r}")
+    model = read_model_folder(folder, dtype)
+    call = make_call(model, height=height, width=width, batch=batch, use_cfg=use_cfg, options=options)
+    shape = request_shape(model, call)
+    t = model.transformer.config
+    blocks = model.adapter.num_blocks(t)
+    configs = ParallelConfig.options(
+        world_size,
+        num_heads=t["num_attention_heads"],
+        num_layers=blocks,
+        seq_len=shape.image_tokens,
+        use_cfg=call.branches == 2,
+        batch=batch,
+    )
+    configs = [c for c in configs if c.pipefusion == 1 or shape.grid[0] >= c.patches]
+    planned = PlannedRequest(
+        model.path,
+        model.pipeline_class,
+        model.transformer.class_name,
+        str(dtype).removeprefix("torch."),
+        call.height,
+        call.width,
+        shape.frames,
+        call.prompts,
+        call.branches,
+        shape.image_tokens,
+        model.transformer.whole,
+        (*model.notes, *shape.bounds),
+    )
+    rows = []
+    for config in configs:
+        for shard in (False, True):
+            if shard and world_size // config.pipefusion == 1:
+                continue  # nothing to shard: every rank of a stage is alone with its blocks
+            for placement in PLACEMENTS:
+                if placement == "sharded" and (world_size == 1 or not model.text_encoders):
+                    continue
+                if placement != "gpu" and not model.text_encoders:
+                    continue
+                rows.append(_row(model, call, shape, config, shard, placement, gpu_memory_bytes, planned))
+    return sorted(rows, key=fit_rank_key)
+
+
+def fit_rank_key(row: FitRow) -> tuple:
+    """Fitting rows first; then least work, least traffic per step (FSDP2's gathers included), text
+    encoders on the GPU before sharded before host (the encode's speed), least memory, simplest."""
+    config = row.config
+    return (
+        not row.fits,
+        round(row.cost.work_fraction, 9),
+        row.traffic_per_step,
+        PLACEMENTS.index(row.text_encoders),
+        row.per_rank_bytes,
+        sum(getattr(config, d) > 1 for d in DEGREES),
+        config.dp,
+        -config.cfg,
+        -config.ulysses,
+        -config.ring,
+    )
+
+
+def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned) -> FitRow:
+    world = config.world_size
+    transformer, t = model.transformer, model.transformer.config
+    shards = world // config.pipefusion if shard else 1
+    per_stage = []  # (weights, gather, stale K/V) of each stage: the busiest is planned
+    for span in config.stage_ranges(len(transformer.blocks)):
+        stale = _stale_kv(model, call, shape, config, span) if config.pipefusion > 1 else 0
+        per_stage.append((transformer.held(shards, span), transformer.gather(shards, span), stale))
+    held, gather, stale = max(per_stage, key=sum)
+    weights = {"transformer": held}
+    encode_gather, host, encoder_gathers = 0, 0, [0]
+    for name in model.text_encoders:
+        encoder = model.weights[name]
+        if placement == "gpu":
+            weights[name] = encoder.whole
+        elif placement == "sharded":
+            weights[name] = encoder.held(world)
+            encoder_gathers.append(encoder.gather(world))
+            encode_gather += encoder.whole * (world - 1) // world
+        else:
+            weights[name] = 0
+            host += encoder.whole
+    for name, component in model.weights.items():
+        weights.setdefault(name, component.whole)  # the VAE and anything else: whole on every rank
+    blocks = len(transformer.blocks)
+    cost = config.cost(blocks, batch=call.prompts, use_cfg=call.branches == 2, shard_weights=shard)
+    hidden = t["num_attention_heads"] * t["attention_head_dim"]
+    unknown = []
+    decode = None
+    if shape.decode_latent is not None and model.configs["vae"].get("_class_name") == "AutoencoderKL":
+        bands = config.sp_degree * config.pipefusion if config.vae_parallel else 1
+        decode = decode_peak_bytes(model.configs["vae"], (1, *shape.decode_latent), model.element, bands=bands)
+    else:
+        vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
+        unknown.append(f"decode peak: {vae} has no closed form here (AutoencoderKL's only); measure it")
+    return FitRow(
+        config=config,
+        shard_weights=shard,
+        text_encoders=placement,
+        weights=weights,
+        gather=max(gather, *encoder_gathers),
+        latents=call.prompts * shape.latents_per_prompt,
+        conditioning=call.prompts * call.branches * shape.conditioning_per_row + shape.shared,
+        stale_kv=stale,
+        decode_peak=decode,
+        gpu_memory_bytes=gpu_memory,
+        cost=cost,
+        activation_traffic=round(cost.comm_bytes(shape.image_tokens, hidden, model.element)),
+        gather_traffic=round(cost.gather_weights * transformer.whole),
+        encode_gather_traffic=encode_gather,
+        host_bytes=host,
+        unknown=tuple(unknown),
+        bounds=shape.bounds,
+        request=planned,
+    )
+
+
+def _stale_kv(model: ModelFolder, call: Call, shape: RequestShape, config, span) -> int:
+    """PipeFusion's stale K/V on a stage holding blocks [start, stop): its self/joint attention layers,
+    the busiest rank's batch rows, this rank's tokens (attention/stale.py's stale_kv_bytes)."""
+    from ..attention.stale import stale_kv_bytes
+
+    t = model.transformer.config
+    total = call.prompts * call.branches
+    rows = max(
+        stop - start
+        for c in range(config.cfg)
+        for d in range(config.dp)
+        for start, stop, _ in [batch_rows(total, config.cfg, config.dp, c, d)]
+    )
+    return max(
+        stale_kv_bytes(
+            layers=sum(stale_layers(model)[span[0] : span[1]]),
+            rows=rows,
+            heads=t["num_attention_heads"],
+            head_dim=t["attention_head_dim"],
+            grid=shape.grid,
+            patches=config.patches,
+            ulysses=config.ulysses,
+            ring=config.ring,
+            ring_rank=ring_rank,
+            element_bytes=model.element,
+        )
+        for ring_rank in range(config.ring)
+    )
+
+
+def stale_layers(model: ModelFolder) -> list[int]:
+    """Per transformer block, its attention layers whose image K/V a PipeFusion stage keeps (self and
+    joint, not cross: the family adapter's kinds), named in the header by their K projections."""
+    if model.stale_layers is None:
+        from ..models.pipefusion import STALE_KINDS
+
+        t, adapter = model.transformer.config, model.adapter
+        counts = [0] * len(model.transformer.blocks)
+        for key in model.transformer.names:
+            index = adapter.block_index(key, t)
+            if key.endswith(".to_k.weight") and index is not None:
+                counts[index] += adapter.attention_kind(key.removesuffix(".to_k.weight")) in STALE_KINDS
+        model.stale_layers = counts
+    return model.stale_layers
+
+
+# ---- reading a plan -----------------------------------------------------------------------------------------
+
+
+def smallest_fit(rows: list[FitRow]) -> FitRow:
+    """The row that needs the least GPU memory: what to buy when nothing fits."""
+    return min(rows, key=lambda row: (row.per_rank_bytes, fit_rank_key(row)))
+
+
+def gigabytes(n: float | None) -> str:
+    return "?" if n is None else f"{n / GB:.2f}"
+
+
+def format_rows(rows: list[FitRow], top: int = 10) -> str:
+    """The ranked rows as an aligned table, GB (10⁹ bytes) per rank by term."""
+    shown = rows[: top or None]
+    components = list(shown[0].weights) if shown else []
+    header = ["#", "config", "weights", "text enc", "GB/rank", "fits", *components]
+    header += ["gather", "latents+cond", "stale K/V", "decode", "work", "GB sent/step", "s/step NVLink", "s/step PCIe"]
+    table = [header]
+    for i, row in enumerate(shown, start=1):
+        table.append(
+            [
+                str(i),
+                row.config.short(),
+                "sharded" if row.shard_weights else "whole",
+                row.text_encoders,
+                gigabytes(row.per_rank_bytes),
+                "yes" if row.fits else "no",
+                *(gigabytes(row.weights[name]) for name in components),
+                gigabytes(row.gather),
+                gigabytes(row.latents + row.conditioning),
+                gigabytes(row.stale_kv),
+                gigabytes(row.decode_peak),
+                f"{row.cost.work_fraction:.3g}",
+                gigabytes(row.traffic_per_step),
+                f"{row.seconds_per_step(NVLINK_BYTES_PER_S):.3f}",
+                f"{row.seconds_per_step(PCIE_BYTES_PER_S):.3f}",
+            ]
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    left = {1, 2, 3}
+    return "\n".join(
+        "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in table
+    )

@@ -30,11 +30,12 @@ from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs, tiny_transfo
 
 PROMPTS, NEGATIVES = ["a red cat", "a blue dog"], ["", "a photo"]
 TRUE_CFG = ("flux", "hunyuanvideo", "qwenimage")  # two branches only with negative prompts
+SIGMA = "PixArtSigmaPipeline"  # the pixart family's second pipeline (tiny_pipeline's pipeline_class)
 # name: (tiny family, edits to the transformer's config, call changes): switches the real configs use
 VARIANTS = {
     "pixart": ("pixart", {}, {}),
-    "pixart-sigma": ("pixart-sigma", {}, {}),
-    "pixart-1024-binned": ("pixart-sigma", {"sample_size": 128}, {"use_resolution_binning": True, "height": 40}),
+    "pixart-sigma": ("pixart", {}, {}),
+    "pixart-1024-binned": ("pixart", {"sample_size": 128}, {"use_resolution_binning": True, "height": 40}),
     "sd3": ("sd3", {}, {}),
     "flux": ("flux", {}, {}),
     "cogvideox": ("cogvideox", {}, {}),
@@ -51,12 +52,13 @@ SIZE_KEYS = ("height", "width", "num_frames")
 def tiny_folders(tmp_path_factory):
     built, folders = {}, {}
     for name, (family, edits, _) in VARIANTS.items():
-        if family not in built:
-            built[family] = save_tiny_pipeline(family, tmp_path_factory.mktemp(family))
-        folder = built[family]
+        cls = SIGMA if name.startswith("pixart-") else None
+        if (family, cls) not in built:
+            built[family, cls] = save_tiny_pipeline(family, tmp_path_factory.mktemp(family), pipeline_class=cls)
+        folder = built[family, cls]
         if edits:
             folder = tmp_path_factory.mktemp(name)
-            shutil.copytree(built[family], folder, dirs_exist_ok=True)
+            shutil.copytree(built[family, cls], folder, dirs_exist_ok=True)
             path = folder / "transformer" / "config.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), **edits}))
         folders[name] = folder

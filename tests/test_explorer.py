@@ -247,10 +247,10 @@ def test_the_widgets(lab):
     # planning mode for 8 GPUs, and the panel kept as static HTML for a saved notebook
     panel.gpus.value = 8
     panel.plan_button.click()
-    assert "8 GPUs, PixArt" in panel.plan.value and "ulysses8: 4 attention heads" in panel.plan.value
+    assert "8 GPUs, pixart" in panel.plan.value and "ulysses8: 4 attention heads" in panel.plan.value
     snapshot = panel.snapshot().data
     assert snapshot.count("<img src='data:image/png;base64,") == len(panel.views.children) == 6
-    assert "step 1 of 2" in snapshot and "8 GPUs, PixArt" in snapshot and "alt='xdit-lab-view-history'" in snapshot
+    assert "step 1 of 2" in snapshot and "8 GPUs, pixart" in snapshot and "alt='xdit-lab-view-history'" in snapshot
     # a manual choice that cannot run is explained and cannot be applied
     panel.pickers["dp"].value = 2
     assert "cannot run" in panel.verdict.value and "Lab(n=4)" in panel.verdict.value

@@ -243,7 +243,7 @@ def drive(page, url):
     field.press("Enter")
     page.get_by_role("button", name="Plan", exact=True).click()
     plan = page.locator(".xdit-lab-plan")
-    wait_for(page, "the plan for 16 GPUs", lambda: "16 GPUs, PixArt" in plan.inner_text(), CLICK_S)
+    wait_for(page, "the plan for 16 GPUs", lambda: "16 GPUs, pixart" in plan.inner_text(), CLICK_S)
     plan.scroll_into_view_if_needed()
     shot(page, "06-plan")
 

@@ -167,6 +167,8 @@ def cmd_run(args) -> int:
                 options=dict(args.option),
                 cache_threshold=args.cache_threshold,
                 compile=args.compile,
+                shard_weights=args.shard_weights,
+                on_host=tuple(args.on_host),
             )
     except (
         ParallelConfigError,
@@ -290,6 +292,19 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile the transformer whole with torch.compile (not with PipeFusion or a cache); "
         "the first step pays for the compile, see timings",
+    )
+    run.add_argument(
+        "--shard-weights",
+        action="store_true",
+        help="shard the transformer's weights over the ranks that hold the same ones, and the text encoders' over "
+        "all ranks (torch FSDP2): each rank holds 1/N and gathers a block as it runs; see xdit-lab plan --model",
+    )
+    run.add_argument(
+        "--on-host",
+        action="append",
+        default=[],
+        metavar="COMPONENT",
+        help="keep this text encoder (e.g. text_encoder_2) in host memory and run it there; repeat for more",
     )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")

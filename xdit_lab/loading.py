@@ -1,10 +1,13 @@
-"""Per-rank loading: a PipeFusion stage materialises only its own blocks of the transformer.
+"""Per-rank loading: a rank materialises only what it will hold.
 
-The model is built with empty (meta) parameters, the blocks of other stages are dropped, and
-only the tensors this stage keeps are read from the safetensors files, with plain reads at the
-byte ranges the header gives (shard_loading.load_weights: no file is mapped). `read_tensors`
-reads named tensors through mmap, and with plain reads where mmap is refused ("Unable to mmap N
-bytes").
+Every component loaded here is built with empty (meta) parameters (empty_model), cut to what this rank
+keeps, and filled with plain reads at the byte ranges the safetensors headers give
+(shard_loading.load_weights: no file is mapped):
+  - a PipeFusion stage keeps only its own blocks of the transformer (keep_stage, load_stage_transformer);
+  - with sharded weights (load_pipeline(..., shard_weights=True)) the model is sharded with FSDP2 first
+    (models.sharded_weights), and each rank reads only its rows of every parameter (load_sharded).
+`read_tensors` reads named tensors through mmap, and with plain reads where mmap is refused ("Unable to
+mmap N bytes").
 """
 
 from __future__ import annotations
@@ -41,21 +44,45 @@ def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype):
-    """The diffusers transformer in `folder` with only its stacked blocks [start, stop) materialised
-    (Flux's stack: its double-stream blocks, then its single-stream ones)."""
-    import diffusers
+def empty_model(folder: Path, library: str, class_name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A component's class built from its folder's config with empty (meta) parameters in `dtype` and real
+    buffers (accelerate's init_empty_weights keeps them: the rotary and position tables computed at
+    construction are in no checkpoint). A transformers model's tied weights are tied here, as its own
+    loader ties them, so that the one stored copy fills both names."""
+    import importlib
+
     from accelerate import init_empty_weights
 
-    cls = getattr(diffusers, class_name)
-    adapter = FAMILIES[class_name]
+    cls = getattr(importlib.import_module(library), class_name)
     with init_empty_weights():
-        model = cls.from_config(cls.load_config(folder))
+        if library == "transformers":
+            from transformers import AutoConfig
+
+            model = cls._from_config(AutoConfig.from_pretrained(folder))
+        else:
+            model = cls.from_config(cls.load_config(folder))
+    if library == "transformers":
+        model.tie_weights()
+    cast: dict[int, torch.nn.Parameter] = {}  # one new parameter per old one: tied weights stay tied
+    for module in model.modules():  # parameters only: buffers keep the dtype they were built in, as diffusers'
+        for name, parameter in list(module._parameters.items()):
+            if parameter is not None and parameter.is_floating_point() and parameter.dtype != dtype:
+                if id(parameter) not in cast:  # on meta: no memory, no copy
+                    cast[id(parameter)] = torch.nn.Parameter(parameter.to(dtype), requires_grad=False)
+                module._parameters[name] = cast[id(parameter)]
+    return model.eval()
+
+
+def keep_stage(model, class_name: str, stage_blocks: tuple[int, int]):
+    """Drop the blocks outside PipeFusion stage [start, stop) from an empty transformer; returns the
+    file key -> module key renaming of the stage's tensors (None for another stage's block)."""
+    adapter = FAMILIES[class_name]
     total = adapter.num_blocks(model.config)
     start, stop = stage_blocks
     # a kept block's name in the model -> its name in this stage
     renamed = {whole: mine for mine, whole in adapter.stage_block_names(model.config, start, stop).items()}
     adapter.keep_blocks(model, start, stop)
+    model._xdit_lab_stage_blocks = (start, stop, total)
 
     def stage_name(key: str) -> str | None:  # a file key's name in this stage; None: another stage's block
         index = adapter.block_index(key, model.config)
@@ -66,7 +93,77 @@ def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[in
         block_list, position, rest = key.split(".", 2)
         return f"{renamed[f'{block_list}.{position}']}.{rest}"
 
+    return stage_name
+
+
+def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype):
+    """The diffusers transformer in `folder` with only its stacked blocks [start, stop) materialised
+    (Flux's stack: its double-stream blocks, then its single-stream ones)."""
+    model = empty_model(folder, "diffusers", class_name, dtype)
+    stage_name = keep_stage(model, class_name, stage_blocks)
     # plain reads of this stage's tensors only, never a mapping of the whole file (shard_loading.py)
     load_weights(materialize(model, "cpu", dtype=dtype), folder, dtype=dtype, rename=stage_name)
-    model._xdit_lab_stage_blocks = (start, stop, total)
     return model.eval()
+
+
+def load_sharded_transformer(folder: Path, class_name: str, config, mesh, dtype, device, **parallel) -> torch.nn.Module:
+    """The transformer in `folder` parallelized under `config` with its weights sharded (FSDP2 over the ranks
+    of its stage), built empty and filled with this rank's rows only: no rank reads or maps the whole
+    checkpoint. `parallel`: parallelize's other options (cache, compile)."""
+    from .mesh import PIPEFUSION
+    from .models import parallelize
+
+    model = empty_model(folder, "diffusers", class_name, dtype)
+    rename = None
+    if config.pipefusion > 1:  # a stage keeps its own blocks, then shards them over the stage's ranks
+        blocks = config.stage_ranges(FAMILIES[class_name].num_blocks(model.config))[mesh.coords[PIPEFUSION]]
+        rename = keep_stage(model, class_name, blocks)
+    parallelize(model, config, mesh, shard_weights=True, **parallel)
+    return load_sharded(model, folder, dtype, device, rename)
+
+
+def load_sharded_text_encoder(folder: Path, class_name: str, mesh, dtype, device) -> torch.nn.Module:
+    """A transformers text encoder sharded over the world (FSDP2: models.sharded_weights.shard_text_encoder),
+    built empty and filled with this rank's rows only."""
+    from .models import shard_text_encoder
+
+    model = empty_model(folder, "transformers", class_name, dtype)
+    rename = transformers_key_renaming(model)  # before sharding: transformers finds the mapping by the class
+    shard_text_encoder(model, mesh)
+    return load_sharded(model, folder, dtype, device, rename)
+
+
+def load_sharded(model, folder: Path, dtype: torch.dtype, device, rename=None) -> torch.nn.Module:
+    """Fill an empty model that is already sharded (FSDP2: models.sharded_weights) from its folder: each
+    rank materializes and reads only its own rows of every parameter, and whole buffers
+    (shard_loading.materialize, load_weights). A transformers model's file keys are renamed to its
+    module's by `rename` (transformers_key_renaming, found before the model was sharded)."""
+    load_weights(materialize(model, device, dtype=dtype), folder, dtype=dtype, rename=rename)
+    return model.eval()
+
+
+def transformers_key_renaming(model):
+    """file key -> module key, as transformers' from_pretrained renames a checkpoint's keys for `model`
+    (transformers 5's conversion mapping: Mistral 3's and Qwen2.5-VL's published keys differ from their
+    modules'); None where this transformers release has no such mapping. A conversion that changes
+    tensors (not only names) cannot be read row by row: refused by name."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers 4: checkpoint keys are the module's
+        return None
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if converters:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s checkpoint is converted tensor by tensor when transformers loads it "
+            f"({type(converters[0]).__name__}), which a rank reading only its own rows cannot do; load it "
+            f"without shard_weights, or keep it on the host (on_host=...)"
+        )
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    keys = model.state_dict()
+
+    def rename(key: str) -> str:
+        return rename_source_key(key, renamings, [], model.base_model_prefix, keys)[0]
+
+    return rename

@@ -346,10 +346,12 @@ def human_bytes(n: float) -> str:
 def rank_memory(pipe) -> dict:
     """What this rank holds now: parameter bytes per component, and the allocator's (CUDA) or the
     process's (CPU: resident and peak resident set) figures."""
+    from .models.sharded_weights import local_parameter_bytes
+
     params = {}
     for name, component in pipe.diffusers_pipeline.components.items():
-        if isinstance(component, torch.nn.Module):
-            params[name] = sum(p.numel() * p.element_size() for p in component.parameters())
+        if isinstance(component, torch.nn.Module):  # a sharded parameter counts this rank's shard only
+            params[name] = local_parameter_bytes(component)
     figures = {"parameter_bytes": params, "parameter_total": sum(params.values())}
     if pipe.device.type == "cuda":
         figures.update(

@@ -17,8 +17,10 @@ is named. Ranks left idle by a configuration smaller than the world load nothing
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,8 +29,8 @@ import torch.distributed as dist
 from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .families import FAMILIES, Request, recipe_for
-from .loading import load_stage_transformer
-from .memory import MemoryPlan, check_plan, plan_memory
+from .loading import load_sharded_text_encoder, load_sharded_transformer, load_stage_transformer
+from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import PIPEFUSION, RankMesh
 from .models import StepCache, compile_problems, parallelize
 from .request_memory import plan_request, rows_of_one_prompt
@@ -108,7 +110,9 @@ def load_pipeline(
     progress: bool = True,
     cache: StepCache | None = None,
     compile: bool = False,
-    **from_pretrained_kwargs,
+    shard_weights: bool = False,
+    on_host: tuple[str, ...] = (),
+    **unknown,
 ) -> ParallelPipeline:
     """Load a pipeline folder of a family with a recipe (families.RECIPES) and parallelize it on this rank.
 
@@ -118,7 +122,17 @@ def load_pipeline(
     memory a rank is assumed to have (default: free GPU memory, or available RAM shared by this
     host's ranks). `cache=StepCache(threshold)` skips the blocks after the first at steps where the
     first block barely changed, decided by all ranks together (results carry `cache_skips`).
-    `compile=True` compiles the transformer whole (see `parallelize`); the first step pays for it."""
+    `compile=True` compiles the transformer whole (see `parallelize`); the first step pays for it.
+
+    `shard_weights=True` shards the transformer's weights over the ranks that hold the same ones (the
+    world under dp × cfg × ring × ulysses, a stage's ranks under PipeFusion) and every text encoder's over
+    the world, with torch's FSDP2: each rank keeps 1/N of them and gathers a block just before it runs
+    (models/sharded_weights.py; the gathers are recorded under "weights" in comm_log()). Each rank reads
+    from the files only the rows it keeps (loading.py). On one rank there is nothing to shard: it says so.
+    `on_host=("text_encoder_2",)` keeps those text encoders in host memory and runs them there (their
+    outputs come to this rank's device): nothing of them on the GPU, a slower encode."""
+    if unknown:
+        raise TypeError(unknown_keywords(unknown))
     config = ParallelConfig() if config is None else config
     if compile and compile_problems(config, cache):  # before any weight is read
         raise ParallelConfigError("; ".join(compile_problems(config, cache)))
@@ -127,17 +141,25 @@ def load_pipeline(
     recipe = recipe_for(index.get("_class_name", "?"))
     recipe.check_branches(config.cfg)
     call_defaults = {**recipe.defaults, **read_call_defaults(folder, recipe)}
+    components = [
+        name
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()
+    ]
+    on_host = check_on_host(on_host, folder, index, components)
     if not dist.is_initialized():
         init_distributed()
     info = current_info()
     owns_mesh = mesh is None  # a mesh made here is closed with the pipeline (or if loading fails)
     mesh = mesh or RankMesh(config)
     try:
-        components = [
-            name
-            for name, value in index.items()
-            if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()
-        ]
+        sharding = shard_weights and config.world_size > 1
+        if shard_weights and not sharding:
+            warnings.warn(
+                f"shard_weights=True on {config.world_size} rank: there is nothing to shard over, every weight stays "
+                f"whole on this rank; run on more ranks (e.g. ParallelConfig(ulysses=2) on 2) to shard them",
+                stacklevel=2,
+            )
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
         plan = plan_memory(
             folder,
@@ -148,32 +170,45 @@ def load_pipeline(
             decode_latent=recipe.default_latent(folder, call_defaults),
             stale_kv_rows=rows_of_one_prompt(config, recipe, call_defaults),
         )
+        if sharding or on_host:  # who holds which weights, as the planner counts them (fit/)
+            plan = placed_plan(plan, folder, torch_dtype, config, sharding, on_host)
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
             return ParallelPipeline(
                 None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults, owns_mesh=owns_mesh
             )
 
-        from diffusers import DiffusionPipeline
-
-        if config.pipefusion > 1 and "transformer" in components:
+        loaded = {}  # components built here, each rank reading only what it keeps; diffusers loads the rest
+        if sharding and "transformer" in components:  # parallelized, sharded, then this rank's rows read
+            loaded["transformer"] = load_sharded_transformer(
+                folder / "transformer",
+                index["transformer"][1],
+                config,
+                mesh,
+                torch_dtype,
+                info.device,
+                cache=cache,
+                compile=compile,
+            )
+        elif config.pipefusion > 1 and "transformer" in components:
             # a stage materialises only its own blocks (plus embeddings and output layers)
             transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
             adapter = FAMILIES[index["transformer"][1]]
             blocks = config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
-            from_pretrained_kwargs["transformer"] = load_stage_transformer(
+            loaded["transformer"] = load_stage_transformer(
                 folder / "transformer", index["transformer"][1], blocks, torch_dtype
             )
+        for name in text_encoders(index, components) if sharding else ():
+            if name not in on_host:
+                loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, torch_dtype, info.device)
         try:
-            inner = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype, **from_pretrained_kwargs)
+            inner = from_pretrained(folder, index, torch_dtype, loaded)
         except (OSError, RuntimeError) as error:
             if not _mentions_mmap(error):
                 raise
             # mmap can fail on some file systems or under address-space limits: read the files instead.
             try:
-                inner = DiffusionPipeline.from_pretrained(
-                    folder, dtype=torch_dtype, disable_mmap=True, **from_pretrained_kwargs
-                )
+                inner = from_pretrained(folder, index, torch_dtype, loaded, disable_mmap=True)
             except Exception as retry_error:
                 raise MemoryError(
                     f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "
@@ -182,8 +217,13 @@ def load_pipeline(
                 ) from retry_error
         inner.set_progress_bar_config(disable=True)
         recipe.check_pipeline(inner)
-        inner.to(info.device)
-        parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
+        for name, component in inner.components.items():
+            if isinstance(component, torch.nn.Module) and name not in loaded:
+                component.to("cpu" if name in on_host else info.device)
+        for name in on_host:
+            run_on_host(getattr(inner, name), info.device)
+        if not sharding:  # a sharded transformer was parallelized before its weights were read
+            parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(
@@ -202,6 +242,129 @@ def load_pipeline(
         if owns_mesh:
             mesh.close()
         raise
+
+
+def from_pretrained(folder: Path, index: dict, dtype, loaded: dict, **kwargs):
+    """diffusers' DiffusionPipeline.from_pretrained with the components built here (`loaded`) in place of
+    the folder's. diffusers reads a component that its pipeline's __init__ takes as optional (Wan's
+    transformer: `transformer=None`) from the folder even when it is passed in, and keeps that copy:
+    those are hidden from it (a view of the folder whose index lists them as absent) and set after."""
+    import tempfile
+
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    _, optional = DiffusionPipeline._get_signature_keys(getattr(diffusers, index["_class_name"]))
+    hidden = {name: module for name, module in loaded.items() if name in optional}
+    passed = {name: module for name, module in loaded.items() if name not in hidden}
+    if not hidden:
+        return DiffusionPipeline.from_pretrained(folder, dtype=dtype, **passed, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="xdit_lab_view_") as view:
+        for entry in folder.iterdir():
+            if entry.name != "model_index.json":
+                (Path(view) / entry.name).symlink_to(entry.resolve())
+        (Path(view) / "model_index.json").write_text(json.dumps({**index, **{name: [None, None] for name in hidden}}))
+        inner = DiffusionPipeline.from_pretrained(view, dtype=dtype, **passed, **kwargs)
+    inner.register_modules(**hidden)
+    return inner
+
+
+LOAD_KEYWORDS = (
+    "mesh",
+    "torch_dtype",
+    "memory_limit_bytes",
+    "progress",
+    "cache",
+    "compile",
+    "shard_weights",
+    "on_host",
+)
+
+
+def unknown_keywords(unknown: dict) -> str:
+    """A clear error for keywords load_pipeline does not take (before, they went to diffusers' from_pretrained
+    and were ignored: `shard_wieghts=True` ran replicated without a word)."""
+    lines = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, LOAD_KEYWORDS, n=1)
+        lines.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"load_pipeline() got keyword argument(s) it does not know: {', '.join(lines)}; it takes the folder, "
+        f"the ParallelConfig and {', '.join(LOAD_KEYWORDS)}"
+    )
+
+
+def text_encoders(index: dict, components: list[str]) -> list[str]:
+    """The pipeline's transformers text encoders (text_encoder, text_encoder_2, ...), in its index's order."""
+    return [name for name in components if name.startswith("text_encoder") and index[name][0] == "transformers"]
+
+
+def check_on_host(on_host, folder: Path, index: dict, components: list[str]) -> tuple[str, ...]:
+    """`on_host` as a tuple of this pipeline's text encoders, or a clear error naming the ones it has."""
+    names = (on_host,) if isinstance(on_host, str) else tuple(on_host)
+    known = text_encoders(index, components)
+    wrong = [name for name in names if name not in known]
+    if wrong:
+        raise ValueError(
+            f"on_host names {', '.join(map(repr, wrong))}, which {folder.name} has no text encoder called: its text "
+            f"encoders are {', '.join(map(repr, known)) or 'none'} (the transformer and the VAE stay on the device)"
+        )
+    return names
+
+
+def placed_plan(plan: MemoryPlan, folder: Path, dtype, config, sharding: bool, on_host: tuple[str, ...]) -> MemoryPlan:
+    """The load's plan with each component's weights as this rank holds them when they are sharded (FSDP2:
+    the transformer over its stage's ranks, text encoders over the world) or kept in host memory, and the
+    gather buffer a sharded forward holds: counted by the planner (fit.held_weights), from the headers."""
+    import dataclasses
+
+    from .fit import held_weights, read_model_folder
+
+    model = read_model_folder(folder, dtype)
+    placements = {name: "host" if name in on_host else "sharded" if sharding else "gpu" for name in model.text_encoders}
+    weights, gather, _, _, host = held_weights(model, config, sharding, placements)
+    placed = dataclasses.replace(
+        plan,
+        per_rank_bytes={**plan.per_rank_bytes, **weights},
+        activation_bytes=dict(plan.activation_bytes),
+        notes=list(plan.notes),
+    )
+    if gather:
+        placed.activation_bytes["weight gathers"] = (0, gather)  # a single rank gathers nothing
+        placed.notes.append(
+            f"weights sharded over {config.world_size // config.pipefusion} rank(s) of a stage (text encoders over "
+            f"{config.world_size}); weight gathers: the largest blocks and the root a sharded forward holds whole"
+        )
+    if on_host:
+        placed.notes.append(f"in host memory, not on the device: {', '.join(on_host)} ({human_bytes(host)})")
+    return placed
+
+
+def run_on_host(module: torch.nn.Module, device) -> None:
+    """Keep `module` (a text encoder in host memory) running there: its inputs come to the host, its outputs
+    go to `device`, so the pipeline's encode calls it as if it were on the device."""
+
+    def inputs_to_host(_module, args, kwargs):
+        return _moved(args, "cpu"), _moved(kwargs, "cpu")
+
+    def outputs_to_device(_module, _args, _kwargs, output):
+        return _moved(output, device)
+
+    module.register_forward_pre_hook(inputs_to_host, with_kwargs=True)
+    module.register_forward_hook(outputs_to_device, with_kwargs=True)
+
+
+def _moved(value, device):
+    """Every tensor in `value` (tensors, tuples, lists, dicts and transformers' ModelOutput) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):  # a ModelOutput too: set in place, it keeps its class and attributes
+        for key in list(value.keys()):
+            value[key] = _moved(value[key], device)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(v, device) for v in value) if not hasattr(value, "_fields") else value
+    return value
 
 
 def _mentions_mmap(error: BaseException | None) -> bool:

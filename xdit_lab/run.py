@@ -63,12 +63,24 @@ def run_generation(
     options: dict | None = None,
     cache_threshold: float | None = None,
     compile: bool = False,
+    shard_weights: bool = False,
+    on_host: tuple[str, ...] = (),
 ) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
-    `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer."""
+    `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer;
+    `shard_weights` and `on_host` place the weights as load_pipeline's arguments of those names do."""
     init_distributed(timeout_s=timeout_s)
     cache = None if cache_threshold is None else StepCache(cache_threshold)
-    pipe = load_pipeline(model, config, torch_dtype=DTYPES[dtype], progress=progress, cache=cache, compile=compile)
+    pipe = load_pipeline(
+        model,
+        config,
+        torch_dtype=DTYPES[dtype],
+        progress=progress,
+        cache=cache,
+        compile=compile,
+        shard_weights=shard_weights,
+        on_host=on_host,
+    )
     if not pipe.active:
         return None  # a configuration smaller than the world: this rank sits out
     with comm.comm_log() as log:
@@ -111,6 +123,8 @@ def run_generation(
         timings=result.timings,
         cache_threshold=cache_threshold,
         compiled=compile,
+        shard_weights=shard_weights,
+        on_host=list(on_host),
         cache_skips=result.cache_skips,
         memory_plan={
             "per_rank_bytes": pipe.memory_plan.per_rank_bytes,

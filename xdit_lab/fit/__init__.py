@@ -49,6 +49,7 @@ from .plan import (
     PlannedRequest,
     fit_rank_key,
     format_rows,
+    held_weights,
     plan_model,
     smallest_fit,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "Tensor",
     "Weights",
     "fit_rank_key",
+    "held_weights",
     "format_rows",
     "make_call",
     "plan_model",

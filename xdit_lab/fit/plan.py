@@ -212,22 +212,29 @@ def fit_rank_key(row: FitRow) -> tuple:
     )
 
 
-def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned) -> FitRow:
+def held_weights(model: ModelFolder, config, shard: bool, placement, stale=None) -> tuple[dict, int, int, int, int]:
+    """What one rank holds of each component's weights under `config`: ({component: bytes on this rank's
+    device}, the gather buffer, the busiest stage's stale K/V (from `stale(span)`, if given), bytes all-gathered
+    per request for sharded text encoders, bytes of text encoders kept in host memory). The transformer
+    sharded over the ranks of a stage (world / pipefusion) when `shard`; text encoders whole ("gpu"),
+    sharded over the world ("sharded") or in host memory ("host"): one placement for all, or a dict of
+    them by component (missing ones: "gpu"); the rest whole on every rank."""
     world = config.world_size
-    transformer, t = model.transformer, model.transformer.config
+    transformer = model.transformer
     shards = world // config.pipefusion if shard else 1
     per_stage = []  # (weights, gather, stale K/V) of each stage: the busiest is planned
     for span in config.stage_ranges(len(transformer.blocks)):
-        stale = _stale_kv(model, call, shape, config, span) if config.pipefusion > 1 else 0
-        per_stage.append((transformer.held(shards, span), transformer.gather(shards, span), stale))
-    held, gather, stale = max(per_stage, key=sum)
+        kept = stale(span) if stale is not None and config.pipefusion > 1 else 0
+        per_stage.append((transformer.held(shards, span), transformer.gather(shards, span), kept))
+    held, gather, kept = max(per_stage, key=sum)
     weights = {"transformer": held}
     encode_gather, host, encoder_gathers = 0, 0, [0]
     for name in model.text_encoders:
         encoder = model.weights[name]
-        if placement == "gpu":
+        where = placement.get(name, "gpu") if isinstance(placement, dict) else placement
+        if where == "gpu":
             weights[name] = encoder.whole
-        elif placement == "sharded":
+        elif where == "sharded":
             weights[name] = encoder.held(world)
             encoder_gathers.append(encoder.gather(world))
             encode_gather += encoder.whole * (world - 1) // world
@@ -236,6 +243,14 @@ def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, pla
             host += encoder.whole
     for name, component in model.weights.items():
         weights.setdefault(name, component.whole)  # the VAE and anything else: whole on every rank
+    return weights, max(gather, *encoder_gathers), kept, encode_gather, host
+
+
+def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned) -> FitRow:
+    transformer, t = model.transformer, model.transformer.config
+    weights, gather, stale, encode_gather, host = held_weights(
+        model, config, shard, placement, lambda span: _stale_kv(model, call, shape, config, span)
+    )
     blocks = len(transformer.blocks)
     cost = config.cost(blocks, batch=call.prompts, use_cfg=call.branches == 2, shard_weights=shard)
     hidden = t["num_attention_heads"] * t["attention_head_dim"]
@@ -252,7 +267,7 @@ def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, pla
         shard_weights=shard,
         text_encoders=placement,
         weights=weights,
-        gather=max(gather, *encoder_gathers),
+        gather=gather,
         latents=call.prompts * shape.latents_per_prompt,
         conditioning=call.prompts * call.branches * shape.conditioning_per_row + shape.shared,
         stale_kv=stale,

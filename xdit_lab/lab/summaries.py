@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from ..memory import rank_memory
 from ..mesh import CFG, DP
 from ..models import parallel_state
+from ..models.sharded_weights import local_parameter_bytes
 from ..request_memory import held_bytes
 from ..sharding import batch_rows
 from ..traffic import expected_bytes_per_step
@@ -221,11 +220,8 @@ def _memory(pipe, session, strategy) -> dict:
     params = figures.pop("parameter_bytes")
     total = figures.pop("parameter_total")
     transformer = pipe.diffusers_pipeline.transformer
-    blocks = sum(
-        p.numel() * p.element_size()
-        for name in ("transformer_blocks", "single_transformer_blocks")
-        for p in getattr(transformer, name, torch.nn.ModuleList()).parameters()
-    )
+    state = parallel_state(transformer)  # the blocks this rank holds, of every block list; a shard's own bytes
+    blocks = sum(local_parameter_bytes(block) for block in state.adapter.blocks(transformer))
     kv = sum(strategy.kept_bytes().values())  # what the strategy keeps between steps (PipeFusion: stale K/V)
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
         activations = max(0, figures["max_allocated"] - total - kv)

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..distributed import current_info
 from ..mesh import WEIGHTS, WORLD
 
 log = logging.getLogger("xdit_lab.models")
@@ -103,7 +104,10 @@ def shard_weights(module, mesh, group: str, blocks, *, separate: Sequence[str] =
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         raise ValueError(f"this {type(module).__name__} is already sharded with fully_shard; shard a fresh one")
     parameter = next(module.parameters(), None)
-    device_type = parameter.device.type if parameter is not None else "cpu"
+    if parameter is None or parameter.is_meta:  # built empty, to be filled shard by shard: where it will live
+        device_type = current_info().device.type
+    else:
+        device_type = parameter.device.type
     if device_type == "cpu" and dist.get_backend(mesh.group(group)) == "nccl":
         raise ValueError(
             f"this {type(module).__name__}'s parameters are on the CPU but the {group} group runs NCCL, which "

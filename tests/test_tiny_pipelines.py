@@ -114,7 +114,10 @@ def test_flux2_chat_reloads_with_whole_word_tokens(tmp_path):
 
 
 def test_unknown_family():
-    with pytest.raises(ValueError, match="unknown tiny pipeline family"):
+    """A family without a pipeline (DiT) and one that does not exist are each named, with the choices."""
+    with pytest.raises(ValueError, match="dit has no tiny pipeline; families with one: .*pixart"):
         save_tiny_pipeline("dit", "/nonexistent")
-    with pytest.raises(ValueError, match="unknown tiny pipeline family"):
+    with pytest.raises(ValueError, match="dit has no tiny pipeline"):
         tiny_pipeline_kwargs("dit")
+    with pytest.raises(ValueError, match="unknown tiny family 'pixart-sigma'; choose one of .*pixart"):
+        tiny_pipeline_kwargs("pixart-sigma")

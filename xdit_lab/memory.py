@@ -341,29 +341,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def rank_memory(pipe) -> dict:
-    """What this rank holds now: parameter bytes per component, and the allocator's (CUDA) or the
-    process's (CPU: resident and peak resident set) figures."""
-    from .models.sharded_weights import local_parameter_bytes
-
-    params = {}
-    for name, component in pipe.diffusers_pipeline.components.items():
-        if isinstance(component, torch.nn.Module):  # a sharded parameter counts this rank's shard only
-            params[name] = local_parameter_bytes(component)
-    figures = {"parameter_bytes": params, "parameter_total": sum(params.values())}
-    if pipe.device.type == "cuda":
-        figures.update(
-            allocated=torch.cuda.memory_allocated(pipe.device),
-            max_allocated=torch.cuda.max_memory_allocated(pipe.device),
-            reserved=torch.cuda.memory_reserved(pipe.device),
-        )
-    else:
-        try:
-            with open("/proc/self/status") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-            figures.update(rss=int(status["VmRSS"].split()[0]) * 1024, peak_rss=int(status["VmHWM"].split()[0]) * 1024)
-        except (OSError, KeyError):
-            pass
-    return figures

@@ -13,6 +13,8 @@ the request's first prompt (for all of them where a batch pads its text to the l
 no per-family table to fall out of step with diffusers, and the cost of one prompt through the text
 encoder. What a step allocates and frees inside the forward is not held between steps and is not
 planned here; lab.measure.PeakTensorBytes (CPU) or the CUDA allocator's peak measures it.
+rank_memory(pipe) says what a rank holds now, measured: its parameters (a shard's own bytes under
+sharded weights) and the allocator's or the process's figures.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .families import Request, adapter_for
 from .memory import MemoryPlan
 from .mesh import CFG, DP
 from .models import parallel_state
+from .models.sharded_weights import local_parameter_bytes
 from .sharding import batch_rows
 
 
@@ -104,3 +107,27 @@ def rows_of_one_prompt(config, recipe, call_defaults: dict) -> int:
     default.options = recipe.check_options(options)
     total = 2 if recipe.do_cfg(default) and config.cfg == 1 else 1  # cfg 2 takes one branch
     return max(stop - start for start, stop, _ in (batch_rows(total, 1, config.dp, 0, d) for d in range(config.dp)))
+
+
+def rank_memory(pipe) -> dict:
+    """What this rank holds now: parameter bytes per component, and the allocator's (CUDA) or the
+    process's (CPU: resident and peak resident set) figures."""
+    params = {}
+    for name, component in pipe.diffusers_pipeline.components.items():
+        if isinstance(component, torch.nn.Module):  # a sharded parameter counts this rank's shard only
+            params[name] = local_parameter_bytes(component)
+    figures = {"parameter_bytes": params, "parameter_total": sum(params.values())}
+    if pipe.device.type == "cuda":
+        figures.update(
+            allocated=torch.cuda.memory_allocated(pipe.device),
+            max_allocated=torch.cuda.max_memory_allocated(pipe.device),
+            reserved=torch.cuda.memory_reserved(pipe.device),
+        )
+    else:
+        try:
+            with open("/proc/self/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            figures.update(rss=int(status["VmRSS"].split()[0]) * 1024, peak_rss=int(status["VmHWM"].split()[0]) * 1024)
+        except (OSError, KeyError):
+            pass
+    return figures

@@ -21,10 +21,10 @@ import torch
 from . import comm
 from .config import ParallelConfig
 from .distributed import current_info, init_distributed
-from .memory import rank_memory
 from .mesh import WORLD
 from .models import StepCache
 from .pipeline import load_pipeline
+from .request_memory import rank_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

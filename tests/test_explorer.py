@@ -251,6 +251,14 @@ def test_the_widgets(lab):
     snapshot = panel.snapshot().data
     assert snapshot.count("<img src='data:image/png;base64,") == len(panel.views.children) == 6
     assert "step 1 of 2" in snapshot and "8 GPUs, pixart" in snapshot and "alt='xdit-lab-view-history'" in snapshot
+    # planning a model folder for GPUs of a size: blank is the loaded model, at the panel's request
+    panel.plan_memory.value = "1GB"
+    panel.plan_folder_button.click()
+    assert "PixArtAlphaPipeline" in panel.plan.value and "8 GPU(s) of 1 GB" in panel.plan.value
+    assert "<th>GB/rank</th>" in panel.plan.value and "<td>yes</td>" in panel.plan.value and not panel.error.value
+    panel.plan_folder.value = "/nonexistent/model"  # what is wrong is said where the plan would be
+    panel.plan_folder_button.click()
+    assert "no model_index.json there" in panel.plan.value and not panel.error.value
     # a manual choice that cannot run is explained and cannot be applied
     panel.pickers["dp"].value = 2
     assert "cannot run" in panel.verdict.value and "Lab(n=4)" in panel.verdict.value

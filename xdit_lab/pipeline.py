@@ -40,6 +40,7 @@ from .vae import apply_parallel_vae
 BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
 CALL_DEFAULTS = "call_defaults.json"  # a folder's own defaults for pipe(...), beside model_index.json
 CALL_ARGUMENTS = ("negative_prompt", "num_inference_steps", "guidance_scale", "height", "width")
+ON_HOST = "xdit_lab_on_host"  # set on a module run_on_host keeps in host memory (the Lab's memory view reads it)
 
 
 @contextlib.contextmanager
@@ -342,7 +343,9 @@ def placed_plan(plan: MemoryPlan, folder: Path, dtype, config, sharding: bool, o
 
 def run_on_host(module: torch.nn.Module, device) -> None:
     """Keep `module` (a text encoder in host memory) running there: its inputs come to the host, its outputs
-    go to `device`, so the pipeline's encode calls it as if it were on the device."""
+    go to `device`, so the pipeline's encode calls it as if it were on the device. The module is marked
+    (ON_HOST), so that what reads it later knows it is in host memory even where the device is the CPU."""
+    setattr(module, ON_HOST, True)
 
     def inputs_to_host(_module, args, kwargs):
         return _moved(args, "cpu"), _moved(kwargs, "cpu")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..families import FAMILIES, FamilyAdapter
+from ..models.sharded_weights import gather_buffer_bytes
 from ..safetensors_io import CorruptWeightsError, read_safetensors_header
 
 
@@ -93,7 +94,7 @@ class Weights:
         start, stop = blocks if blocks is not None else (0, len(self.blocks))
         largest = max((sum(t.nbytes for t in b if t.parameter) for b in self.blocks[start:stop]), default=0)
         root = sum(t.nbytes for t in self.root if t.parameter)
-        return max(3 * largest, 2 * largest + root) + root
+        return gather_buffer_bytes(largest, root)
 
 
 @dataclass

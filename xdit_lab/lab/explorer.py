@@ -197,6 +197,25 @@ class ExplorerController:
         this model and the current prompts, ranked by the cost model with the reasons (planning.py)."""
         return plan(gpus, self.shape, batch=len(self.prompts()))
 
+    def plan_folder(self, folder: str, gpus: int, gpu_memory):
+        """Planning mode for a model folder on `gpus` GPUs of `gpu_memory` ('24GB' or bytes): plan_model's
+        rows, best first (lab/folder_planning.py); ValueError says what is wrong. A blank folder plans the
+        loaded model in the dtype it was loaded in, for the explorer's own request (its prompts, size and
+        call options); another folder at that model's defaults, in bfloat16 (plan_model's default)."""
+        import torch
+
+        from ..pipeline import resolve_folder
+        from .folder_planning import plan_folder
+
+        if str(folder).strip():
+            return plan_folder(folder, gpus, gpu_memory)
+        options = dict(self.session_kwargs)
+        size = dict(height=options.pop("height", None), width=options.pop("width", None))
+        loaded = self.lab.loaded
+        dtype = loaded.kwargs.get("torch_dtype") or torch.float32  # load_pipeline's default
+        folder = resolve_folder(loaded.name_or_path)
+        return plan_folder(folder, gpus, gpu_memory, batch=len(self.prompts()), options=options, dtype=dtype, **size)
+
     def prompts(self) -> list[str]:
         return [p.strip() for p in self.prompt.split(";") if p.strip()] or [""]
 

@@ -44,7 +44,8 @@ def figure_png(figure, dpi: int = DPI) -> bytes:
 class Explorer:
     """The panel: valid configurations, degree pickers (an invalid choice says why), prompt,
     steps, seed, Step / Run / Reset, the rank table, the status line, errors and the views; Plan ranks
-    the configurations for a number of GPUs the Lab does not have; snapshot() keeps the panel as HTML."""
+    the configurations for a number of GPUs the Lab does not have, Plan model what of a model folder fits
+    that many GPUs of a given memory; snapshot() keeps the panel as HTML."""
 
     def __init__(self, lab, **kwargs):
         self.controller = c = ExplorerController(lab, **kwargs)
@@ -68,6 +69,11 @@ class Explorer:
         self.buttons = {name: w.Button(description=name.capitalize()) for name in ("step", "run", "reset")}
         self.gpus = w.BoundedIntText(value=8, min=1, max=4096, description="plan for", layout=small)
         self.plan_button = w.Button(description="Plan", tooltip="rank the configurations for this many GPUs")
+        self.plan_folder = w.Text(description="model", placeholder="a model folder (blank: the loaded model)")
+        self.plan_memory = w.Text(value="24GB", description="GPU memory", layout=w.Layout(width="200px"))
+        self.plan_folder_button = w.Button(description="Plan model", tooltip="what fits these GPUs, from the headers")
+        self.plan_folder.add_class("xdit-lab-plan-folder")
+        self.plan_memory.add_class("xdit-lab-plan-memory")
         self.table, self.status, self.error, self.plan = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         for name in ("table", "status", "error", "plan"):  # CSS classes name the parts (a browser test finds them)
             getattr(self, name).add_class(f"xdit-lab-{name}")
@@ -81,6 +87,7 @@ class Explorer:
                 w.HBox([*list(self.pickers.values())[4:], self.apply_button]),
                 self.verdict,
                 w.HBox([self.gpus, w.Label("GPUs"), self.plan_button]),
+                w.HBox([self.plan_folder, self.plan_memory, self.plan_folder_button]),
                 self.plan,
                 w.HBox([self.prompt, self.steps, self.seed]),
                 w.HBox(list(self.buttons.values())),
@@ -96,6 +103,7 @@ class Explorer:
             picker.observe(self._safely(self._on_picker), names="value")
         self.apply_button.on_click(self._safely(lambda _: self.apply()))
         self.plan_button.on_click(self._safely(lambda _: self.show_plan()))
+        self.plan_folder_button.on_click(self._safely(lambda _: self.show_folder_plan()))
         for name, button in self.buttons.items():
             button.on_click(self._safely(lambda _, name=name: getattr(self, name)()))
         self.show(c.reset())
@@ -121,6 +129,18 @@ class Explorer:
         self._take_request()
         text = self.controller.plan(self.gpus.value)
         self.plan.value = f"<pre style='font-size:11px;white-space:pre;overflow-x:auto'>{html.escape(text)}</pre>"
+
+    def show_folder_plan(self):
+        """Planning mode for a model folder: what each way to run it holds per rank on the GPUs asked for,
+        best first, and the smallest GPU that would fit when nothing does (lab/folder_planning.py)."""
+        from .folder_planning import folder_plan_html
+
+        try:
+            plan = self.controller.plan_folder(self.plan_folder.value, self.gpus.value, self.plan_memory.value)
+        except ValueError as error:  # the folder or the memory typed in: say what is wrong
+            self.plan.value = f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(str(error))}</pre>"
+            return
+        self.plan.value = folder_plan_html(plan)
 
     def snapshot(self):
         """The panel as it looks now, as static HTML (status, error, plan and the views as PNGs): what a

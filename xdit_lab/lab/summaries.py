@@ -24,6 +24,7 @@ from ..request_memory import held_bytes, rank_memory
 from ..sharding import batch_rows
 from ..traffic import expected_bytes_per_step
 from ..vae import DECODED
+from .held import component_holdings, plan_terms
 
 
 def rank_summary(session) -> dict:
@@ -32,7 +33,9 @@ def rank_summary(session) -> dict:
     rank, mesh (str), coords {dp, cfg, pipefusion, ring, ulysses}, device, family, config (the
     ParallelConfig's fields), step (steps done), num_steps, timestep (of the last step done, or
     None), grid [rows, cols] of image tokens, image_tokens, shapes (what expected_bytes_per_step
-    needs), shard, batch, staleness (None without PipeFusion), memory, cache (None without a
+    needs), shard, batch, staleness (None without PipeFusion), memory (parameter bytes per component;
+    `components`: each as this rank holds it, sharded or whole, on the device or the host, and
+    `weight_gather_bytes`, from the modules (lab/held.py); `plan`: the load's plan beside), cache (None without a
     StepCache: threshold, skips, changes, local_changes, seconds per step), decode (None before
     result(): the rows and images this rank decoded, bytes per group:tag, the halo closed form), comm {measured, expected}:
     one {group: bytes out of this rank} per step done."""
@@ -222,9 +225,12 @@ def _memory(pipe, session, strategy) -> dict:
     state = parallel_state(transformer)  # the blocks this rank holds, of every block list; a shard's own bytes
     blocks = sum(local_parameter_bytes(block) for block in state.adapter.blocks(transformer))
     kv = sum(strategy.kept_bytes().values())  # what the strategy keeps between steps (PipeFusion: stale K/V)
+    components = component_holdings(pipe)  # each as this rank holds it: shards, buffers, on the host or not
+    gathers = max((c["gather_bytes"] for c in components.values()), default=0)  # whole during a sharded forward
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
-        activations = max(0, figures["max_allocated"] - total - kv)
-        source = "CUDA peak allocated − parameters − KV buffers"
+        on_device = sum(c["held_bytes"] for c in components.values() if not c["on_host"])
+        activations = max(0, figures["max_allocated"] - on_device - kv - gathers)
+        source = "CUDA peak allocated − weights on the GPU − KV buffers" + (" − weight gathers" if gathers else "")
     else:  # no allocator peak on CPU: the tensors the session keeps between steps
         activations = held_bytes([session.prepared.latents, session.prepared.conditioning])
         source = "session latents + conditioning tensors (CPU)"
@@ -236,4 +242,7 @@ def _memory(pipe, session, strategy) -> dict:
         activation_bytes=activations,
         activation_source=source,
         process=figures,
+        components=components,
+        weight_gather_bytes=gathers,
+        plan=plan_terms(pipe.memory_plan),
     )

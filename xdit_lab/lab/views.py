@@ -5,7 +5,8 @@ in a notebook (a Figure displays itself), in tests and under the Agg backend; sa
 `fig.savefig(path)`. Every rank has one colour in every view (`rank_color`).
 
     draw_shards(summaries)     which rank computes which image token, per cfg/dp group and stage
-    draw_memory(summaries)     bytes per rank: parameters by component, K/V buffers, activations
+    draw_memory(summaries)     bytes per rank: each component (sharded, or in host memory), K/V buffers,
+                               activations, weight gathers; the load's plan beside
     draw_comm(summaries)       bytes out per step per group: measured beside the closed form
     draw_latent(image, step)   one latent channel or an RGB image
 
@@ -217,37 +218,105 @@ def draw_shards(summaries) -> Figure:
 
 
 def draw_memory(summaries) -> Figure:
-    """Stacked bars per rank: parameters by component, PipeFusion K/V buffers, activations."""
-    summaries = _by_rank(summaries)
-    components = sorted({name for s in summaries for name in s["memory"]["parameter_bytes"]})
-    segments = [
-        (f"params: {name}", [s["memory"]["parameter_bytes"].get(name, 0) for s in summaries]) for name in components
-    ]
-    segments.append(("K/V buffers (PipeFusion)", [s["memory"]["kv_buffer_bytes"] for s in summaries]))
-    segments.append(("activations", [s["memory"]["activation_bytes"] for s in summaries]))
-    totals = np.sum([values for _, values in segments], axis=0)
-    unit, name = _scale(float(totals.max()))
-    fig = new_figure(figsize=(max(5.6, 1.6 + 1.1 * len(summaries)), 4.8), layout="constrained")
-    ax = fig.subplots()
-    x = np.arange(len(summaries))
-    bottom = np.zeros(len(summaries))
+    """What each rank holds, measured (left panel), beside the load's plan (right panel).
+
+    Left, per rank, a stacked bar of what is on its device: each component as the rank holds it
+    (rank_summary's memory["components"], counted tensor by tensor; a component FSDP2 shards is named
+    with its group and marked with the share of the whole this rank holds), PipeFusion's K/V buffers,
+    the activations and, with sharded weights, the gather buffer (the whole blocks a forward holds at
+    once, from this rank's FSDP2 units; hatched: held only while a forward runs). A text encoder kept in
+    host memory (load_pipeline(on_host=...)) is a bar of its own beside, cross-hatched: not on the
+    device. Right: the load's plan (pipe.memory_plan, from the headers before a byte was read: the
+    busiest rank), term by term in the same colours."""
     import matplotlib
 
+    summaries = _by_rank(summaries)
+    held = [s["memory"]["components"] for s in summaries]
+    names = sorted({name for h in held for name in h})
+    host = [name for name in names if any(h.get(name, {}).get("on_host") for h in held)]
+    device = [name for name in names if name not in host]
+    plan = summaries[0]["memory"]["plan"]
+
+    def label(name):
+        c = next(h[name] for h in held if name in h)
+        return f"{name} (FSDP2 shard, {c['group']} group)" if c["sharded"] else name
+
+    def component(name, key):
+        return [h.get(name, {}).get(key, 0) for h in held]
+
+    # (colour key, legend label, bytes per rank, hatch): the device's bar, then the host's
+    measured = [(name, label(name), component(name, "held_bytes"), None) for name in device]
+    measured.append(("kv", "K/V buffers (PipeFusion)", [s["memory"]["kv_buffer_bytes"] for s in summaries], None))
+    measured.append(("activations", "activations", [s["memory"]["activation_bytes"] for s in summaries], None))
+    gathers = [s["memory"]["weight_gather_bytes"] for s in summaries]
+    if any(gathers):
+        measured.append(("gathers", "weight gathers (during a forward)", gathers, "//"))
+    on_host = [(name, f"{name} (in host memory)", component(name, "held_bytes"), "xx") for name in host]
+    term = {"weight gathers": "gathers", "stale K/V": "kv"}  # the plan's activation terms by colour key
+    planned = [(name, name, [plan["per_rank_bytes"].get(name, 0)], None) for name in device]
+    planned += [
+        (term.get(name, name), f"{name} (planned)", [size], "//" if name == "weight gathers" else None)
+        for name, size in plan["activation_bytes"].items()
+    ]
+    planned_host = [(name, name, [plan["component_bytes"].get(name, 0)], "xx") for name in plan["on_host"]]
+
+    keys = list(dict.fromkeys(key for key, *_ in (*measured, *on_host, *planned, *planned_host)))
     colours = matplotlib.colormaps["Set2"]
-    for i, (label, values) in enumerate(segments):
-        values = np.asarray(values, dtype=float) / unit
-        ax.bar(x, values, bottom=bottom, label=label, color=colours(i % colours.N), width=0.6)
-        bottom += values
-    for xi, total in zip(x, totals):
-        ax.text(xi, total / unit, human_bytes(total), ha="center", va="bottom", fontsize=9)
+    colour = {key: colours(i % colours.N) for i, key in enumerate(keys)}
+    stacks = [measured, on_host, planned, planned_host]
+    totals = [np.sum([values for _, _, values, _ in stack], axis=0) if stack else np.zeros(1) for stack in stacks]
+    unit, unit_name = _scale(float(max(t.max() for t in totals)))
+    top = max(t.max() for t in totals) / unit * 1.15
+
+    n = len(summaries)
+    fig = new_figure(figsize=(max(5.6, 2.4 + (1.6 if host else 1.1) * n + 1.6), 5.0), layout="constrained")
+    ratios = [max(n, 2) * (1.5 if host else 1.0), 1.6 if planned_host else 1.1]
+    ax, plan_ax = fig.subplots(1, 2, sharey=True, gridspec_kw=dict(width_ratios=ratios))
+    x = np.arange(n)
+    width = 0.4 if host else 0.6
+    labels = {}  # legend: one entry per colour key, the measured label first
+
+    def stack(axes, positions, segments, fractions=False):
+        bottom = np.zeros(len(positions))
+        for key, text, values, hatch in segments:
+            values = np.asarray(values, dtype=float) / unit
+            axes.bar(positions, values, width, bottom=bottom, color=colour[key], hatch=hatch, edgecolor="white")
+            labels.setdefault(key, (text, hatch))
+            if fractions and key in device:  # the share of the whole each rank holds of a sharded component
+                for xi, b, v, c in zip(positions, bottom, values, (h.get(key) for h in held)):
+                    if c and c["sharded"] and v >= 0.05 * top:
+                        axes.text(xi, b + v / 2, f"{c['fraction']:.0%}", ha="center", va="center", fontsize=9)
+            bottom += values
+        return bottom
+
+    device_x = x - 0.21 if host else x
+    for xi, total in zip(device_x, stack(ax, device_x, measured, fractions=True)):
+        ax.text(xi, total, human_bytes(total * unit), ha="center", va="bottom", fontsize=9)
+    if host:
+        for xi, total in zip(x + 0.21, stack(ax, x + 0.21, on_host)):
+            ax.text(xi, total, f"host\n{human_bytes(total * unit)}", ha="center", va="bottom", fontsize=9)
     ax.set_xticks(x, [f"rank {s['rank']}\n{role(s)}" for s in summaries], fontsize=9)
-    ax.set_ylabel(name)
-    ax.set_ylim(0, totals.max() / unit * 1.12)
-    fig.legend(fontsize=9, loc="outside lower center", ncols=3, frameon=False)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylabel(unit_name)
+    ax.set_ylim(0, top)
     ax.set_title(
-        f"Memory per rank ({summaries[0]['device']})\nactivations: {summaries[0]['memory']['activation_source']}",
+        f"Held per rank ({summaries[0]['device']}), measured\nactivations: {summaries[0]['memory']['activation_source']}",
         fontsize=9,
     )
+    positions = [0.0, 1.0] if planned_host else [0.0]
+    for xi, segments in zip(positions, (planned, planned_host)):
+        total = stack(plan_ax, [xi], segments)[0]
+        where = "host" if xi else "device"
+        plan_ax.text(xi, total, f"{where}\n{human_bytes(total * unit)}", ha="center", va="bottom", fontsize=9)
+    plan_ax.set_xticks(positions, ["device", "host"][: len(positions)], fontsize=9)
+    plan_ax.set_xlim(-0.6, positions[-1] + 0.6)
+    plan_ax.set_title("planned (headers)\nbusiest rank", fontsize=9)
+    handles = [
+        Patch(facecolor=colour[key], hatch=hatch, edgecolor="white", label=text)
+        for key, (text, hatch) in labels.items()
+    ]
+    columns = _legend_columns(fig, [h.get_label() for h in handles])
+    fig.legend(handles=handles, fontsize=9, loc="outside lower center", ncols=columns, frameon=False)
     return fig
 
 

@@ -253,6 +253,14 @@ def weight_gather_bytes(
     return (group_size - 1) * total
 
 
+def gather_buffer_bytes(largest_block: int, root: int) -> int:
+    """The unsharded copies a sharded forward holds at once, on top of the shards, from the whole parameter
+    bytes of its largest block unit and of its root: max(3 × largest, 2 × largest + root) + root (the
+    running block, its all-gather output, the next block's, and the root whole through the forward;
+    fit/folder.py's Weights.gather derives it from FSDP2's unshard order and measures it)."""
+    return max(3 * largest_block, 2 * largest_block + root) + root
+
+
 def local_parameter_bytes(module) -> int:
     """Bytes of parameters this rank holds: a sharded parameter (a DTensor) counts its local shard
     (`p.to_local()`, unpadded); `p.numel()` of a DTensor is the whole parameter's, on every rank."""

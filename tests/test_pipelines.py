@@ -1,8 +1,8 @@
 """Parallel pipelines against diffusers' own pipeline loaded from the same folder, run serially.
 
-Each family's tiny pipeline is saved once as a diffusers folder. On every rank, the stock
-diffusers pipeline produces the reference latents; then load_pipeline runs the same arguments
-under each configuration: max abs error <= 1e-4 · max(1, max |reference|) in float32. Each run
+Each family's tiny pipeline is saved once as a diffusers folder, and the stock diffusers pipeline
+produces its reference latents once, in the test process (one reference per family, not one per
+rank and world size); then load_pipeline runs the same arguments on the ranks under each configuration: max abs error <= 1e-4 · max(1, max |reference|) in float32. Each run
 also checks the request's memory plan (pipe.memory_plan_for, made before the call) against the
 latents, conditioning and stale K/V the rank held between steps."""
 
@@ -48,16 +48,32 @@ def _call_kwargs(family):
     return kwargs
 
 
-def _reference_and_parallel(folder, family, configs):
+def _family_kwargs(family):
+    kwargs = _call_kwargs(family)
+    if family not in ONE_BRANCH:
+        kwargs["negative_prompt"] = NEGATIVES
+    return kwargs
+
+
+def _reference(folder, family):
+    """diffusers' own pipeline from the folder, run serially: the latents every configuration must give."""
     from diffusers import DiffusionPipeline
 
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    kwargs = _call_kwargs(family)
-    if family not in ONE_BRANCH:
-        kwargs["negative_prompt"] = NEGATIVES
-    expected = reference(prompt=PROMPTS, generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs)
-    expected = output_latents(expected)
+    generator = torch.Generator().manual_seed(0)
+    return output_latents(
+        reference(prompt=PROMPTS, generator=generator, output_type="latent", **_family_kwargs(family))
+    )
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    return {family: _reference(folders[family], family) for family in FAMILIES}
+
+
+def _parallel(folder, family, configs, expected):
+    kwargs = _family_kwargs(family)
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
@@ -93,7 +109,7 @@ def _layout_summary(session) -> dict:
 
 def _held_between_steps(pipe, session) -> dict[str, int]:
     """What this rank keeps from one step to the next besides the weights, counted tensor by tensor."""
-    from xdit_lab.models import PipeFusionStage, parallel_state
+    from xdit_lab.models import parallel_state
 
     def size(tensors):
         leaves = torch.utils._pytree.tree_leaves(list(tensors))
@@ -104,16 +120,16 @@ def _held_between_steps(pipe, session) -> dict[str, int]:
         conditioning=size(session.prepared.conditioning.values()),  # each entry a tensor, or None
     )
     strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
-    if isinstance(strategy, PipeFusionStage):
-        held["stale K/V"] = size(t for b in strategy.buffers.values() for t in (b.keys, b.values))
+    held.update(strategy.kept_bytes())  # PipeFusion: its stale K/V buffers, counted tensor by tensor
     return held
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_latents_equal_diffusers_pipeline(folders, family, world_size):
+def test_latents_equal_diffusers_pipeline(folders, references, family, world_size):
     configs = [c for c in CONFIGS[world_size] if not (family in ONE_BRANCH and c.cfg > 1)]
-    per_rank = run_on_ranks(_reference_and_parallel, world_size, folders[family], family, configs, timeout_s=300)
+    expected = references[family]
+    per_rank = run_on_ranks(_parallel, world_size, folders[family], family, configs, expected, timeout_s=300)
     for rank, rows in enumerate(per_rank):
         assert [row["config"] for row in rows] == [config.short() for config in configs]
         for row in rows:
@@ -185,8 +201,9 @@ def test_pixart_sigma_through_load_pipeline(tmp_path):
         ParallelConfig(pipefusion=2, warmup_steps=steps),
     ]
     control = ParallelConfig(pipefusion=2, warmup_steps=0)
+    expected = _reference(folder, "pixart")
     for rank, rows in enumerate(
-        run_on_ranks(_reference_and_parallel, 2, folder, "pixart", [*configs, control], timeout_s=300)
+        run_on_ranks(_parallel, 2, folder, "pixart", [*configs, control], expected, timeout_s=300)
     ):
         assert [row["config"] for row in rows] == [config.short() for config in (*configs, control)]
         assert rows[-1]["error"] > rows[-1]["bound"], f"rank {rank}: stale K/V in every step within the bound"
@@ -308,8 +325,7 @@ def test_the_load_plan_counts_the_rows_the_recipe_runs():
     """The load's plan sizes PipeFusion's stale K/V at the rows of one prompt at the call defaults, as
     the recipe decides them (a negative prompt counted as given). It used to read guidance_scale > 1,
     which counted Flux's distilled 3.5 as two branches and Qwen-Image's None as one."""
-    from xdit_lab.pipelines import recipe_for
-
+    from xdit_lab.families import recipe_for
     from xdit_lab.request_memory import rows_of_one_prompt
 
     def rows(pipeline, config, **defaults):

@@ -8,7 +8,7 @@
 
 Image tokens are coloured by the rank that holds them under sequence parallelism (its shard before
 the Ulysses all-to-all, from the run's summaries); the text is whole on every rank: an adapter
-names where it sits (models/families.py), and sp_attention is told so.
+names where it sits (families/<family>.py), and sp_attention is told so.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def _timed(kind: str, op: str, group: str, tag: str, bytes_out: int = 0, **numbe
     start = time.perf_counter()
     try:
         yield
-    finally:  # PipeFusion's stages end their blocks by raising (models/pipefusion.py): still a span
+    finally:  # PipeFusion's stages end their blocks by raising (models/pipefusion/stage.py): still a span
         span = Span(kind, op, group, tag, start, time.perf_counter(), bytes_out, **numbers)
         for timeline in _OPEN_TIMELINES:
             timeline.spans.append(span)

@@ -4,7 +4,7 @@ session keeps from step to step.
     load's plan      weights per component, the VAE decode's peak          (memory.plan_memory)
     + latents        prompts × one prompt's latent                          every rank, whole
     + conditioning   rows × one row's text conditioning (+ what no row has)  every rank, gathered
-    + stale K/V      PipeFusion's buffers: the stage's layers × its rows     (models/pipefusion.py)
+    + stale K/V      PipeFusion's buffers: the stage's layers × its rows     (models/pipefusion/)
 
 Latents and conditioning are whole on every rank (the encode's all-gather hands each rank the
 batch's conditioning, and the scheduler steps every prompt's latent), so they are the same under

@@ -11,7 +11,7 @@ they are:
 With sequence parallelism inside a stage, the buffer holds K/V after the Ulysses all-to-all (for
 heads/ulysses), ordered ulysses-rank-major, patch-minor; with ring > 1 each ring rank holds its
 part of every patch and the buffers travel the ring. The schedule that decides which patches run
-when is in models/pipefusion.py; the index math in sharding.py. stale_kv_bytes: what the buffers
+when is in models/pipefusion/; the index math in sharding.py. stale_kv_bytes: what the buffers
 hold, for the memory plan.
 """
 

@@ -18,7 +18,7 @@ over at the places the family adapter (xdit_lab/families/) names:
      and the forward's output is gathered over dp and cfg, so every rank returns the full batch
 
 How tokens are split is the strategy's alone: one contiguous shard per sequence-parallel rank
-(sequence.py), or a PipeFusion stage's patches (pipefusion.py). The hooks below never ask which.
+(sequence.py), or a PipeFusion stage's patches (pipefusion/). The hooks below never ask which.
 `parallel_state(module)` is the one way to read what a parallelized module knows.
 """
 

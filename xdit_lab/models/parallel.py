@@ -5,7 +5,7 @@
 
 The family adapter (xdit_lab/families/<family>.py) says where to take over; hooks.py installs the hooks; the token
 strategy decides what each rank holds: sequence shards (sequence.py) or, with pipefusion > 1, a
-PipeFusion stage (pipefusion.py). Weights are not copied; the module keeps its forward signature.
+PipeFusion stage (pipefusion/). Weights are not copied; the module keeps its forward signature.
 """
 
 from __future__ import annotations

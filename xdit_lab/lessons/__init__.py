@@ -12,5 +12,6 @@ ipyparallel engines can import it; nothing in the runtime imports it.
     families.py    tutorial 11: call arguments for each family's tiny pipeline
     caching.py     tutorial 12: a StepCache's decisions per rank, and ranks that decide alone
     decoding.py    tutorial 13: the VAE decode's memory and work per rank
+    fitting.py     tutorial 14: a real model planned from its headers; FSDP2's shards and gathers per rank
     exercises.py   every tutorial: an exercise's answer checked against what the ranks measured
 """

@@ -138,6 +138,8 @@ def _errors(folder, tmp):
         lambda: pipe("a", height=30, width=32, **{k: v for k, v in KWARGS.items() if k not in ("height", "width")})
     )
     out["option"] = _error(lambda: pipe("a", strength=0.5, **KWARGS))
+    one_step = {k: v for k, v in KWARGS.items() if k != "num_inference_steps"}
+    out["one step"] = _error(lambda: pipe("a", num_inference_steps=1, **one_step))  # diffusers' own call fails too
     return out
 
 
@@ -152,6 +154,7 @@ def test_clear_errors(folder, tmp_path):
     assert "2 prompts but 1 negative prompts" in out["negatives"][1]
     assert "height 30 not a multiple of 4" in out["size"][1] and "Sizes that fit serial: 4, 8" in out["size"][1]
     assert "do not take strength" in out["option"][1]
+    assert "num_inference_steps=1 on PixArt" in out["one step"][1] and "use 2 steps or more" in out["one step"][1]
 
 
 def _mmap_refused(folder):

@@ -97,9 +97,17 @@ class PixArtRecipe(Recipe):
         return noise
 
     def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
-        # diffusers' PixArt takes the predicted original sample when there is a single step
-        pick = 1 if len(prepared.timesteps) == 1 else 0
-        return pipe.scheduler.step(noise, t, latents, **prepared.extra["step_kwargs"], return_dict=False)[pick]
+        stepped = pipe.scheduler.step(noise, t, latents, **prepared.extra["step_kwargs"], return_dict=False)
+        if len(prepared.timesteps) > 1:
+            return stepped[0]
+        # one step: diffusers' PixArt takes the predicted original sample (DMD's one-step sampling)
+        if len(stepped) < 2:
+            raise ValueError(
+                f"num_inference_steps=1 on PixArt takes the scheduler's predicted original sample (DMD's one-step "
+                f"sampling), which {type(pipe.scheduler).__name__} does not return; use 2 steps or more, or a "
+                f"scheduler that returns it (e.g. DDIMScheduler, LCMScheduler)"
+            )
+        return stepped[1]
 
     def decode(self, pipe, prepared, latents, output_type):
         if output_type == "latent":

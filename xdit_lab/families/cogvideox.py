@@ -117,11 +117,8 @@ class CogVideoXRecipe(Recipe):
             )
         return latents.to(prepared.extra["dtype"])
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
-        video = pipe.decode_latents(latents[:, prepared.extra["extra_frames"] :])
-        return pipe.video_processor.postprocess_video(video=video, output_type=output_type)
+    def decoded(self, pipe, prepared, latents):
+        return pipe.decode_latents(latents[:, prepared.extra["extra_frames"] :])  # the padded frames dropped
 
 
 RECIPE = CogVideoXRecipe()

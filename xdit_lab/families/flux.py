@@ -9,7 +9,7 @@ splits over two ranks."""
 from __future__ import annotations
 
 from .adapter import TOKENS, FamilyAdapter
-from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe
+from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, prompt_embeds, shifted_vae_decoded
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -39,13 +39,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     unbatched_conditioning = ("txt_ids",)
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, pooled, text_ids = pipe.encode_prompt(
-            prompt=texts,
-            prompt_2=None,
-            device=device,
-            num_images_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-        )
+        embeds, pooled, text_ids = prompt_embeds(pipe, request, texts, device, prompt_2=None)
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
     def prepare(self, pipe, request, prepared, device):
@@ -61,14 +55,9 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         channels = configs["vae"]["latent_channels"]
         return RequestShape(latents, per_row, shared, (rows, cols), (channels, 2 * rows, 2 * cols))
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         height, width = prepared.extra["size"]
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(latents, return_dict=False)[0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        return shifted_vae_decoded(pipe, pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor))
 
 
 RECIPE = FluxRecipe()

@@ -13,7 +13,7 @@ import torch
 
 from .adapter import TOKENS, FamilyAdapter
 from .flux import FLUX_SCHEDULER, packed_inputs
-from .recipe import PackedLatentsRecipe
+from .recipe import PackedLatentsRecipe, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -47,13 +47,8 @@ class Flux2Recipe(PackedLatentsRecipe):
         return False
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, text_ids = pipe.encode_prompt(
-            prompt=texts,
-            device=device,
-            num_images_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-            text_encoder_out_layers=tuple(request.options["text_encoder_out_layers"]),
-        )
+        layers = tuple(request.options["text_encoder_out_layers"])
+        embeds, text_ids = prompt_embeds(pipe, request, texts, device, text_encoder_out_layers=layers)
         # the transformer reads one row of ids whatever the batch (ids[0]): hand it that row, unbatched
         return dict(encoder_hidden_states=embeds, txt_ids=text_ids[0])
 
@@ -69,16 +64,13 @@ class Flux2Recipe(PackedLatentsRecipe):
     def guidance_input(self, pipe, prepared):
         return prepared.guidance_scale  # handed over always, as Flux2Pipeline does
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         latents = pipe._unpack_latents_with_ids(latents, prepared.extra["image_ids"])
         norm = pipe.vae.bn
         mean = norm.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(norm.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(latents)
         latents = pipe._unpatchify_latents(latents * std + mean)
-        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        return pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
 
 
 RECIPE = Flux2Recipe()

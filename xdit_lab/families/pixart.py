@@ -101,14 +101,12 @@ class PixArtRecipe(Recipe):
         pick = 1 if len(prepared.timesteps) == 1 else 0
         return pipe.scheduler.step(noise, t, latents, **prepared.extra["step_kwargs"], return_dict=False)[pick]
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
         if tuple(image.shape[-2:]) != prepared.extra["size"]:  # resolution binning changed the size
             height, width = prepared.extra["size"]
             image = pipe.image_processor.resize_and_crop_tensor(image, width, height)
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        return image
 
 
 RECIPE = PixArtRecipe()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter
-from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe
+from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, causal_vae_decoded, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -39,12 +39,7 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     padded_text = ("encoder_hidden_states", "encoder_hidden_states_mask")
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, mask = pipe.encode_prompt(
-            prompt=texts,
-            device=device,
-            num_images_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-        )
+        embeds, mask = prompt_embeds(pipe, request, texts, device)
         if mask is None:  # diffusers drops a mask that masks nothing; a batch of two branches needs one
             mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         return dict(encoder_hidden_states=embeds, encoder_hidden_states_mask=mask.bool())
@@ -80,16 +75,10 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         guided = uncond + prepared.guidance_scale * (cond - uncond)
         return guided * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True))
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         height, width = prepared.extra["size"]
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor).to(pipe.vae.dtype)
-        config = pipe.vae.config
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
-        std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
-        image = pipe.vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        return causal_vae_decoded(pipe, latents)[:, :, 0]  # one frame
 
 
 RECIPE = QwenImageRecipe()

@@ -5,7 +5,7 @@ the joint one in the same block."""
 from __future__ import annotations
 
 from .adapter import FamilyAdapter
-from .recipe import Recipe, RequestShape, generator_of, vae_scale
+from .recipe import Recipe, RequestShape, generator_of, prompt_embeds, shifted_vae_decoded, vae_scale
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -25,15 +25,16 @@ class SD3Recipe(Recipe):
     options = dict(max_sequence_length=256, clip_skip=None, mu=None)
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, _, pooled, _ = pipe.encode_prompt(
-            prompt=texts,
+        clip_skip = None if negative else request.options["clip_skip"]  # diffusers skips none for negatives
+        embeds, _, pooled, _ = prompt_embeds(
+            pipe,
+            request,
+            texts,
+            device,
             prompt_2=None,
             prompt_3=None,
             do_classifier_free_guidance=False,
-            device=device,
-            num_images_per_prompt=1,
-            clip_skip=None if negative else request.options["clip_skip"],  # diffusers skips none for negatives
-            max_sequence_length=request.options["max_sequence_length"],
+            clip_skip=clip_skip,
         )
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled)
 
@@ -88,12 +89,8 @@ class SD3Recipe(Recipe):
         latents = t["in_channels"] * rows * cols * element
         return RequestShape(latents, per_row, 0, (rows // patch, cols // patch), (t["in_channels"], rows, cols))
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
-        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(latents, return_dict=False)[0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+    def decoded(self, pipe, prepared, latents):
+        return shifted_vae_decoded(pipe, latents)
 
 
 RECIPE = SD3Recipe()

@@ -11,32 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import TOKENS, FamilyAdapter
-from .flux import FLUX_SCHEDULER, packed_inputs
+from .adapter import FamilyAdapter
+from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
 from .recipe import PackedLatentsRecipe, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
     "flux2",
     "Flux2Transformer2DModel",
-    shard_at="x_embedder",
-    gather_at="proj_out",
-    attention={
-        r"^transformer_blocks\.\d+\.attn$": "joint_first",
-        r"^single_transformer_blocks\.\d+\.attn$": "joint_first",
-    },
-    latents=TOKENS,
     image_rows_kwarg="img_ids",  # its rotary tables are computed from them, text ids apart
-    unbatched=("img_ids", "txt_ids"),
-    block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
     joined_block_lists=("single_transformer_blocks",),
     step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
+    **FLUX_LAYOUT,
 )
 
 
 class Flux2Recipe(PackedLatentsRecipe):
-    family = "flux2"
     pipeline_classes = ("Flux2Pipeline",)
     output_class = "diffusers.pipelines.flux2.pipeline_output:Flux2PipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=4.0)  # the distilled guidance, an input
@@ -82,13 +72,8 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
     transformer=dict(
-        patch_size=1,
-        in_channels=16,
-        num_single_layers=2,
-        joint_attention_dim=TEXT_DIM,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=False,
+        patch_size=1, in_channels=16, num_single_layers=2, joint_attention_dim=TEXT_DIM,
+        timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
     ),
     inputs=tiny_inputs,
     pipeline_classes=("Flux2Pipeline",),
@@ -101,4 +86,4 @@ TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
     ),
     # the system message and the prompt are some 50 tokens: padded to 64 (the pipeline's default: 512)
     call=dict(height=16, width=16, max_sequence_length=64),
-)
+)  # fmt: skip

@@ -15,16 +15,14 @@ import torch
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
 from .qwenimage import padded_text_mask
 from .recipe import TrueCFGRecipe, VideoRecipe
-from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
 ADAPTER = FamilyAdapter(
     "hunyuanvideo",
     "HunyuanVideoTransformer3DModel",
     shard_at="x_embedder",
-    gather_at="proj_out",
-    attention={
-        r"^transformer_blocks\.\d+\.attn$": "joint_last",
-        r"^single_transformer_blocks\.\d+\.attn$": "joint_last",  # [image; text] joined in the processor
+    attention={  # the single-stream blocks' [image; text] joined in the processor
+        r"^(single_)?transformer_blocks\.\d+\.attn$": "joint_last",
         r"^context_embedder\.token_refiner\.refiner_blocks\.\d+\.attn$": "text",
     },
     latents=VIDEO,
@@ -33,12 +31,10 @@ ADAPTER = FamilyAdapter(
     text_key_mask=True,
     per_token_config=("image_condition_type=token_replace",),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
 )
 
 
 class HunyuanVideoRecipe(VideoRecipe, TrueCFGRecipe):
-    family = "hunyuanvideo"
     pipeline_classes = ("HunyuanVideoPipeline",)
     output_class = "diffusers.pipelines.hunyuan_video.pipeline_output:HunyuanVideoPipelineOutput"
     default_size = (720, 1280)  # HunyuanVideoPipeline's
@@ -112,36 +108,21 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 TINY = TinySpec(  # modelled on diffusers' own test of HunyuanVideoTransformer3DModel
     transformer=dict(
-        in_channels=4,
-        out_channels=4,
-        num_single_layers=2,
-        num_refiner_layers=1,
-        patch_size=2,
-        patch_size_t=1,
-        text_embed_dim=TEXT_DIM,
-        pooled_projection_dim=TEXT_DIM,
-        rope_axes_dim=(4, 6, 6),
+        in_channels=4, out_channels=4, patch_size=2, patch_size_t=1, rope_axes_dim=(4, 6, 6),
+        num_single_layers=2, num_refiner_layers=1, text_embed_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
         guidance_embeds=True,  # HunyuanVideo is guidance-distilled
     ),
     inputs=tiny_inputs,
     pipeline_classes=("HunyuanVideoPipeline",),
     parts=dict(  # Llama states (padded, masked) and CLIP's pooled embedding
-        transformer=Part("transformer"),
-        text_encoder=Part("llama_encoder", seed=1, vocab_of="tokenizer"),
-        tokenizer=Part("llama_tokenizer"),
-        text_encoder_2=Part(
-            "clip_encoder", seed=3, vocab_of="tokenizer_2", kwargs=dict(width=TEXT_DIM, projection=False, positions=77)
-        ),
-        tokenizer_2=Part("clip_tokenizer"),
+        **text_parts("llama", seed=1),
+        **text_parts("clip", seed=3, component="_2", width=TEXT_DIM, projection=False, positions=77),
         vae=Part("hunyuan_vae", seed=2, kwargs=dict(latent_channels=4)),
-        scheduler=Part("FlowMatchEulerDiscreteScheduler", kwargs=dict(shift=7.0)),
+        scheduler=flow_scheduler(shift=7.0),
     ),
     # 2 latent frames of 8 × 8: 2 × 4 × 4 tokens; the text padded to 8, masked
     call=dict(
-        height=64,
-        width=64,
-        num_frames=5,
-        max_sequence_length=MAX_TOKENS,
+        height=64, width=64, num_frames=5, max_sequence_length=MAX_TOKENS,
         prompt_template=Part("hunyuan_prompt_template"),
     ),
-)
+)  # fmt: skip

@@ -14,13 +14,12 @@ import torch
 
 from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter
 from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, causal_vae_decoded, prompt_embeds
-from .tiny_spec import TEXT_DIM, Part, TinySpec
+from .tiny_spec import TEXT_DIM, Part, TinySpec, flow_scheduler
 
 ADAPTER = FamilyAdapter(
     "qwenimage",
     "QwenImageTransformer2DModel",
     shard_at="img_in",
-    gather_at="proj_out",
     attention={r"^transformer_blocks\.\d+\.attn$": "joint_first"},
     latents=TOKENS,
     rotary_at="pos_embed",
@@ -31,7 +30,6 @@ ADAPTER = FamilyAdapter(
 
 
 class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    family = "qwenimage"
     pipeline_classes = ("QwenImagePipeline",)
     output_class = "diffusers.pipelines.qwenimage.pipeline_output:QwenImagePipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=None)  # guidance_scale: a distilled model's input
@@ -108,22 +106,10 @@ TINY = TinySpec(  # modelled on diffusers' own test of QwenImageTransformer2DMod
     inputs=tiny_inputs,
     pipeline_classes=("QwenImagePipeline",),
     parts=dict(  # 2 × 2 patches of 4 latent channels packed into 16
-        transformer=Part("transformer"),
         text_encoder=Part("qwen_vl_encoder", seed=1, vocab_of="tokenizer"),
         tokenizer=Part("qwen_tokenizer"),
         vae=Part("qwen_vae", seed=2, kwargs=dict(latent_channels=4)),
-        scheduler=Part(
-            "FlowMatchEulerDiscreteScheduler",
-            kwargs=dict(
-                shift=1.0,
-                use_dynamic_shifting=True,
-                base_shift=0.5,
-                max_shift=0.9,
-                base_image_seq_len=256,
-                max_image_seq_len=8192,
-                time_shift_type="exponential",
-            ),
-        ),
+        scheduler=flow_scheduler(shift=1.0, max_shift=0.9, max_image_seq_len=8192, time_shift_type="exponential"),
     ),
     # an 8 × 8 latent: 4 × 4 tokens; the text as long as each prompt encodes, padded and masked in a batch
     call=dict(height=32, width=32),

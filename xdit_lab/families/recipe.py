@@ -92,7 +92,6 @@ class Prepared:
 
 
 class Recipe:
-    family = ""  # the family's module name
     pipeline_classes: tuple[str, ...] = ()
     # diffusers' output dataclass of the family's pipeline ("module:Class", imported when first used), and
     # the field that holds what decode returns
@@ -100,6 +99,11 @@ class Recipe:
     output_field = "images"
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
+
+    @property
+    def family(self) -> str:
+        """The family's one spelling: the name of the module that declares the recipe (families/<name>.py)."""
+        return type(self).__module__.rsplit(".", 1)[-1]
 
     def check_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.options))

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
 from .recipe import VideoRecipe, causal_vae_decoded, video_prompt_embeds
-from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
 ADAPTER = FamilyAdapter(
     "wan",
     "WanTransformer3DModel",
     shard_at="patch_embedding",
-    gather_at="proj_out",
     attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
     latents=VIDEO,
     grid_at_shard=True,
@@ -27,7 +26,6 @@ ADAPTER = FamilyAdapter(
 
 
 class WanRecipe(VideoRecipe):
-    family = "wan"
     pipeline_classes = ("WanPipeline",)
     output_class = "diffusers.pipelines.wan.pipeline_output:WanPipelineOutput"
     default_size = (480, 832)  # WanPipeline's
@@ -72,25 +70,16 @@ def tiny_inputs(batch, height, width, text, timestep, randn):  # two latent fram
 
 TINY = TinySpec(  # modelled on diffusers' own test of WanTransformer3DModel
     transformer=dict(
-        patch_size=(1, 2, 2),
-        in_channels=4,
-        out_channels=4,
-        text_dim=TEXT_DIM,
-        freq_dim=32,
-        ffn_dim=32,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        patch_size=(1, 2, 2), in_channels=4, out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ),
     inputs=tiny_inputs,
     pipeline_classes=("WanPipeline",),
     parts=dict(  # Wan 2.1's layout: one transformer, flow matching with shift
-        transformer=Part("transformer"),
-        text_encoder=Part("t5_encoder", seed=1, vocab_of="tokenizer", kwargs=dict(umt5=True)),
-        tokenizer=Part("t5_tokenizer"),
+        **text_parts("t5", seed=1, umt5=True),
         vae=Part("wan_vae", seed=2, kwargs=dict(latent_channels=4)),
-        scheduler=Part("FlowMatchEulerDiscreteScheduler", kwargs=dict(shift=3.0)),
+        scheduler=flow_scheduler(shift=3.0),
     ),
     # 5 frames -> 2 latent frames of 8 × 8
     call=dict(height=64, width=64, num_frames=5, max_sequence_length=MAX_TOKENS),
-)
+)  # fmt: skip

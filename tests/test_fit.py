@@ -164,17 +164,9 @@ def test_a_rank_holds_the_share_fsdp2_gives_it(tmp_path):
 
 
 BIG_FLUX = dict(  # blocks of 38 MB (float32), so that resident memory measures them above the noise
-    patch_size=1,
-    in_channels=16,
-    num_layers=3,
-    num_single_layers=3,
-    attention_head_dim=128,
-    num_attention_heads=4,
-    joint_attention_dim=64,
-    pooled_projection_dim=64,
-    guidance_embeds=False,
-    axes_dims_rope=(32, 48, 48),
-)
+    patch_size=1, in_channels=16, num_layers=3, num_single_layers=3, num_attention_heads=4, attention_head_dim=128,
+    joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=False, axes_dims_rope=(32, 48, 48),
+)  # fmt: skip
 
 
 def _resident():

@@ -97,30 +97,27 @@ def test_parallel_forward_equals_serial_diffusers(family, world_size):
     )
 
 
-def _bad_heads():
-    model = tiny_transformer("pixart", heads=3)
+def _refusal(case: str) -> str | None:
+    """What each rank is told: "heads", parallelizing 3 heads under ulysses 2 (a ParallelConfigError); "tokens",
+    a forward of one patch on two ring ranks (a ValueError). None: nothing was refused."""
+    error_type = {"heads": ParallelConfigError, "tokens": ValueError}[case]
     try:
-        parallelize(model, ParallelConfig(ulysses=2))
-    except ParallelConfigError as error:
+        if case == "heads":
+            parallelize(tiny_transformer("pixart", heads=3), ParallelConfig(ulysses=2))
+        else:
+            model = parallelize(tiny_transformer("pixart"), ParallelConfig(ring=2))
+            model(**tiny_inputs("pixart", 1, height=2, width=2))  # one patch for two ranks
+    except error_type as error:
         return str(error)
 
 
 def test_heads_checked_at_parallelize_time():
-    messages = run_on_ranks(_bad_heads, 2)
+    messages = run_on_ranks(_refusal, 2, "heads")
     assert all("3 attention heads do not divide by ulysses 2" in m for m in messages)
 
 
-def _too_few_tokens():
-    model = parallelize(tiny_transformer("pixart"), ParallelConfig(ring=2))
-    inputs = tiny_inputs("pixart", 1, height=2, width=2)  # one patch for two ranks
-    try:
-        model(**inputs)
-    except ValueError as error:
-        return str(error)
-
-
 def test_too_few_tokens_fails_before_any_kernel():
-    messages = run_on_ranks(_too_few_tokens, 2)
+    messages = run_on_ranks(_refusal, 2, "tokens")
     assert all("1 image tokens cannot be split over 2 sequence-parallel ranks" in m for m in messages)
 
 

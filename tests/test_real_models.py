@@ -25,26 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 ELEMENT = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4}
 
-# REAL-MODELS.md, "Published bytes per component (as stored)": (bytes, exact?). "~" and GB figures are approximate.
+# REAL-MODELS.md, "Published bytes per component (as stored)": a whole number where it gives bytes (exact), a
+# float where it gives "~" or GB (approximate, within 0.5%).
 PUBLISHED = {
-    ("FLUX.1-dev", "transformer"): (23_802_816_640, True),
-    ("FLUX.1-dev", "text_encoder_2"): (9_524_621_312, True),
-    ("FLUX.1-dev", "text_encoder"): (246_120_960, True),
-    ("FLUX.1-dev", "vae"): (168e6, False),
-    ("SD3.5-large", "transformer"): (16_292_561_536, True),
-    ("SD3.5-large", "text_encoder"): (0.247e9, False),
-    ("SD3.5-large", "text_encoder_2"): (1.389e9, False),
-    ("SD3.5-large", "text_encoder_3"): (9.525e9, False),
-    ("PixArt-Σ-XL-2-1024-MS", "transformer"): (610_856_096 * 4, True),  # the file: 2,443,492,488 (below)
-    ("PixArt-Σ-XL-2-1024-MS", "text_encoder"): (19.05e9, False),
-    ("CogVideoX-5b", "transformer"): (11_140_566_144, True),
-    ("CogVideoX-5b", "text_encoder"): (9_524_621_312, True),
-    ("Wan2.1-T2V-14B", "transformer"): (28_576_983_168, True),
-    ("Wan2.1-T2V-14B", "text_encoder"): (22.72e9, False),
-    ("HunyuanVideo", "transformer"): (25_642_025_088, True),
-    ("HunyuanVideo", "text_encoder"): (15_010_373_632, True),
-    ("Qwen-Image", "transformer"): (40_860_802_176, True),
-    ("Qwen-Image", "text_encoder"): (16_584_333_312, True),
+    "FLUX.1-dev": dict(transformer=23_802_816_640, text_encoder_2=9_524_621_312, text_encoder=246_120_960, vae=168e6),
+    "SD3.5-large": dict(
+        transformer=16_292_561_536, text_encoder=0.247e9, text_encoder_2=1.389e9, text_encoder_3=9.525e9
+    ),
+    "PixArt-Σ-XL-2-1024-MS": dict(transformer=610_856_096 * 4, text_encoder=19.05e9),  # the file: 2,443,492,488 (below)
+    "CogVideoX-5b": dict(transformer=11_140_566_144, text_encoder=9_524_621_312),
+    "Wan2.1-T2V-14B": dict(transformer=28_576_983_168, text_encoder=22.72e9),
+    "HunyuanVideo": dict(transformer=25_642_025_088, text_encoder=15_010_373_632),
+    "Qwen-Image": dict(transformer=40_860_802_176, text_encoder=16_584_333_312),
 }
 PLANNED = ["FLUX.1-dev", "SD3.5-large", "Wan2.1-T2V-14B", "CogVideoX-5b"]
 GPU_SETS = [(n, memory) for n in (2, 4, 8) for memory in (24 * GB, 80 * GB)]
@@ -73,12 +65,12 @@ def stored(folder: Path) -> dict[str, tuple[str, tuple]]:
     return found
 
 
-@pytest.mark.parametrize("model, component", sorted(PUBLISHED))
+@pytest.mark.parametrize("model, component", sorted((m, c) for m, parts in PUBLISHED.items() for c in parts))
 def test_weight_bytes_equal_the_published_totals(folders, model, component):
     tensors = stored(folders[model] / component)
     total = sum(math.prod(shape) * ELEMENT[dtype] for dtype, shape in tensors.values())
-    published, exact = PUBLISHED[(model, component)]
-    if exact:
+    published = PUBLISHED[model][component]
+    if isinstance(published, int):  # REAL-MODELS.md gives the bytes
         assert total == published
     else:
         assert abs(total - published) <= 0.005 * published, (total, published)
@@ -220,3 +212,52 @@ def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
         best, exact = float(row[2].rsplit(", ", 1)[1]), float(row[3].rsplit(", ", 1)[1])
         assert best <= 24 and exact <= 24 and "sharded" in row[3]
     assert float(rows[0][4].rstrip(" |")) > 24  # replicated FLUX on 2 GPUs does not fit
+
+
+def test_the_published_configurations_ship_in_the_wheel_and_read_back(tmp_path):
+    """published.json is package data: the wheel built from this tree (a copy, so no build folder is left
+    here) holds it, and what it holds reads back as REAL_MODELS, every argument as published.json writes
+    it and every shared configuration a component extends with its keys."""
+    import shutil
+    import zipfile
+
+    from xdit_lab.real_models.table import PUBLISHED as PUBLISHED_JSON
+    from xdit_lab.real_models.table import load_real_models
+
+    source = tmp_path / "source"
+    for name in ("pyproject.toml", "README.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "xdit_lab", source / "xdit_lab", ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path / "wheel")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheel").glob("xdit_lab-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = archive.read("xdit_lab/real_models/published.json")
+    assert shipped == PUBLISHED_JSON.read_bytes()
+    (tmp_path / "published.json").write_bytes(shipped)
+    assert load_real_models(tmp_path / "published.json") == REAL_MODELS
+
+    written = json.loads(shipped)
+    assert list(written["models"]) == list(REAL_MODELS)
+    for name, model in written["models"].items():
+        assert REAL_MODELS[name].pipeline_class == model["pipeline_class"]
+        for part, component in model["components"].items():
+            read = REAL_MODELS[name].components[part]
+            assert (read.library, read.class_name) == (component["library"], component["class_name"])
+            assert str(read.dtype).removeprefix("torch.") == component.get("dtype", "None")
+            kwargs = dict(component.get("kwargs", {}))
+            extended = kwargs.pop("$extends", None)
+            while extended is not None:  # the shared configuration's keys, where the component does not set them
+                shared = dict(written["configs"][extended])
+                extended = shared.pop("$extends", None)
+                kwargs = shared | kwargs
+            assert json.loads(json.dumps(read.kwargs)) == kwargs  # tuples written as arrays
+    assert REAL_MODELS["FLUX.1-dev"].components["vae"].kwargs["block_out_channels"] == (128, 256, 512, 512)
+    assert REAL_MODELS["Qwen-Image"].components["text_encoder"].kwargs["rope_scaling"]["mrope_section"] == [16, 24, 24]

@@ -11,18 +11,12 @@ import torch
 
 from xdit_lab import ParallelConfig, RankMesh, comm_log
 from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny.parts import vae_blocks
 from xdit_lab.vae import apply_parallel_vae, halo_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VAE_CONFIG = dict(
-    down_block_types=("DownEncoderBlock2D",) * 3,
-    up_block_types=("UpDecoderBlock2D",) * 3,
-    block_out_channels=(8, 16, 16),
-    layers_per_block=1,
-    norm_num_groups=4,
-    latent_channels=4,
-)
+VAE_CONFIG = dict(vae_blocks("DownEncoderBlock2D", "UpDecoderBlock2D", (8, 16, 16), groups=4), latent_channels=4)
 
 
 def _vae(kind="AutoencoderKL"):

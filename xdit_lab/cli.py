@@ -40,6 +40,22 @@ def _count(minimum: int):
     return parse
 
 
+def _add_strategy_arguments(parser: argparse.ArgumentParser, *, degree_default: int | None) -> None:
+    """The parallel strategy's arguments, the same for `run` and `demo`: each degree (named as
+    ParallelConfig's fields), PipeFusion's patches and its synchronous warm-up steps."""
+    for degree in DEGREES:
+        default = "" if degree_default is None else f" (default {degree_default})"
+        parser.add_argument(f"--{degree}", type=_count(1), default=degree_default, help=f"{degree} degree{default}")
+    parser.add_argument("--num-patches", type=_count(1), help="PipeFusion patches (default: one per stage)")
+    parser.add_argument("--warmup-steps", type=_count(0), default=1, help="PipeFusion synchronous steps (default 1)")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, *, steps_default: str) -> None:
+    """Denoising steps (`steps_default`: where the default comes from) and the seed, for `run` and `demo`."""
+    parser.add_argument("--steps", type=_count(1), help=f"denoising steps (default: {steps_default})")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def local_world_size() -> tuple[int, str]:
     """Ranks this machine can run, and why: its visible CUDA GPUs, else its usable CPU cores."""
     gpus = _visible_gpus()
@@ -53,15 +69,18 @@ def _shows_bytes(args) -> bool:
     return args.seq_len is not None and args.hidden_size is not None
 
 
+# `plan`'s arguments that shape the cost model (plan_table takes them under these names); a model folder's
+# configs say them, so `plan --model` refuses them
+MODEL_SHAPE_ARGUMENTS = ("heads", "layers", "seq_len", "hidden_size")
+
+
 def cmd_plan_model(args) -> int:
     """`plan --model`: what each rank would hold of a model folder under every configuration (fit/)."""
     import torch
 
     from .fit.command import print_plan
 
-    given = [
-        f"--{name.replace('_', '-')}" for name in ("heads", "layers", "seq_len", "hidden_size") if getattr(args, name)
-    ]
+    given = [f"--{name.replace('_', '-')}" for name in MODEL_SHAPE_ARGUMENTS if getattr(args, name)]
     if given or args.why:
         raise ParallelConfigError(
             f"{', '.join(given + ['--why'] * args.why)} cannot be given with --model: the folder's configs say them"
@@ -89,16 +108,9 @@ def cmd_plan(args) -> int:
         f"CFG {'off' if args.no_cfg else 'on'}"
     )
     print(f"Parallel configurations for {world_size} ranks ({source}); {shape}")
+    shape_arguments = {name: getattr(args, name) for name in MODEL_SHAPE_ARGUMENTS}
     rows, configs = plan_table(
-        world_size,
-        heads=args.heads,
-        layers=args.layers,
-        seq_len=args.seq_len,
-        hidden_size=args.hidden_size,
-        batch=args.batch,
-        use_cfg=not args.no_cfg,
-        top=args.top,
-        reasons=args.why,
+        world_size, **shape_arguments, batch=args.batch, use_cfg=not args.no_cfg, top=args.top, reasons=args.why
     )
     print(format_plan(rows))
     if len(configs) > len(rows) - 1:
@@ -126,6 +138,12 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+# `run`'s arguments that run_generation takes under the same names, as they are
+RUN_ARGUMENTS_AS_NAMED = tuple(
+    "steps seed height width dtype output_type cache_threshold compile shard_weights".split()
+)
+
+
 def cmd_run(args) -> int:
     from .distributed import shutdown_distributed
     from .memory import MemoryPlanError
@@ -133,12 +151,9 @@ def cmd_run(args) -> int:
     from .run import run_generation
     from .safetensors_io import CorruptWeightsError
 
+    degrees = {degree: getattr(args, degree) for degree in DEGREES}
     config = ParallelConfig(
-        dp=args.dp,
-        cfg=args.cfg,
-        pipefusion=args.pipefusion,
-        ulysses=args.ulysses,
-        ring=args.ring,
+        **degrees,
         num_patches=args.num_patches,
         warmup_steps=args.warmup_steps,
         pipefusion_schedule=args.pipefusion_schedule,
@@ -155,19 +170,11 @@ def cmd_run(args) -> int:
                 config,
                 args.output,
                 negative_prompts=negatives,
-                steps=args.steps,
                 guidance_scale=args.guidance,
-                seed=args.seed,
-                height=args.height,
-                width=args.width,
-                dtype=args.dtype,
-                output_type=args.output_type,
+                **{name: getattr(args, name) for name in RUN_ARGUMENTS_AS_NAMED},
                 progress=not args.no_progress,
                 timeout_s=args.timeout,
                 options=dict(args.option),
-                cache_threshold=args.cache_threshold,
-                compile=args.compile,
-                shard_weights=args.shard_weights,
                 on_host=tuple(args.on_host),
             )
     except (
@@ -207,16 +214,24 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _subcommand(commands, handler, summary: str, description: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand `handler` runs, named after it (cmd_run: `run`)."""
+    parser = commands.add_parser(handler.__name__.removeprefix("cmd_"), help=summary, description=description)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xdit-lab", description="Hybrid-parallel inference of Diffusion Transformers."
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    plan = commands.add_parser(
-        "plan",
-        help="rank the parallel configurations that fit N ranks",
-        description="Rank every valid ParallelConfig for N ranks with the cost model.",
+    plan = _subcommand(
+        commands,
+        cmd_plan,
+        "rank the parallel configurations that fit N ranks",
+        "Rank every valid ParallelConfig for N ranks with the cost model.",
     )
     plan.add_argument(
         "--world-size", type=_count(1), metavar="N", help="number of ranks (default: visible CUDA GPUs, else CPU cores)"
@@ -237,21 +252,17 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--height", type=_count(1), help="with --model: the image height (default: the model's)")
     plan.add_argument("--width", type=_count(1), help="with --model: the image width (default: the model's)")
     plan.add_argument("--json", action="store_true", help="with --model: print the rows as a JSON list")
-    plan.set_defaults(handler=cmd_plan)
 
-    run = commands.add_parser(
-        "run",
-        help="generate with a pipeline folder (launch with torchrun)",
-        description="Generate images on every rank that torchrun starts; the first rank writes "
-        "the images and report.json.",
+    run = _subcommand(
+        commands,
+        cmd_run,
+        "generate with a pipeline folder (launch with torchrun)",
+        "Generate images on every rank that torchrun starts; the first rank writes the images and report.json.",
     )
     run.add_argument("--model", required=True, help="a diffusers pipeline folder, or a bundled name (digits)")
     run.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     run.add_argument("--negative-prompt", action="append", help="one per --prompt, or one for all")
-    for degree in DEGREES:
-        run.add_argument(f"--{degree}", type=_count(1), default=1, help=f"{degree} degree (default 1)")
-    run.add_argument("--num-patches", type=_count(1), help="PipeFusion patches (default: one per stage)")
-    run.add_argument("--warmup-steps", type=_count(0), default=1, help="PipeFusion synchronous steps (default 1)")
+    _add_strategy_arguments(run, degree_default=1)
     run.add_argument(
         "--pipefusion-schedule",
         choices=SCHEDULES,
@@ -259,9 +270,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="drained: every step empties the pipeline; async: the next step's patches start while the last "
         "stage finishes (README: PipeFusion's schedules)",
     )
-    run.add_argument("--steps", type=_count(1), help="denoising steps (default: the family's)")
+    _add_sampling_arguments(run, steps_default="the family's")
     run.add_argument("--guidance", type=float, help="guidance scale (default: the family's)")
-    run.add_argument("--seed", type=int, default=0)
     run.add_argument("--height", type=_count(1))
     run.add_argument("--width", type=_count(1))
     run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -308,23 +318,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.set_defaults(handler=cmd_run)
 
-    demo = commands.add_parser(
-        "demo",
-        help="draw the ten digits with the bundled model under a parallel strategy",
-        description="Spawn local ranks (CPU) or use the visible GPUs, draw the digits 0-9 "
-        "with the bundled model, and write a grid PNG and a per-rank report.",
+    demo = _subcommand(
+        commands,
+        cmd_demo,
+        "draw the ten digits with the bundled model under a parallel strategy",
+        "Spawn local ranks (CPU) or use the visible GPUs, draw the digits 0-9 with the bundled model, and write a "
+        "grid PNG and a per-rank report.",
     )
     demo.add_argument("--ranks", type=_count(1), help="processes to start (default: the strategy's, or 2 on CPU)")
-    for degree in DEGREES:
-        demo.add_argument(f"--{degree}", type=_count(1), help=f"{degree} degree")
-    demo.add_argument("--num-patches", type=_count(1), help="PipeFusion patches (default: one per stage)")
-    demo.add_argument("--warmup-steps", type=_count(0), default=1, help="PipeFusion synchronous steps (default 1)")
-    demo.add_argument("--steps", type=_count(1), help="denoising steps (default: the model card's)")
-    demo.add_argument("--seed", type=int, default=0)
+    _add_strategy_arguments(demo, degree_default=None)  # none given: the cost model's best for the ranks
+    _add_sampling_arguments(demo, steps_default="the model card's")
     demo.add_argument("--output", default="outputs/demo", help="folder for the grid, images and report.json")
-    demo.set_defaults(handler=cmd_demo)
     return parser
 
 

@@ -72,14 +72,18 @@ _OPEN_LOGS: list[CommLog] = []
 
 
 @contextlib.contextmanager
+def _recording(recorder, recorders: list):
+    """`recorder` among `recorders`, the open ones every collective reports to, for the duration of the block."""
+    recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        recorders.remove(recorder)
+
+
 def comm_log():
     """Record every collective issued inside the block (nested logs each see all records)."""
-    log = CommLog()
-    _OPEN_LOGS.append(log)
-    try:
-        yield log
-    finally:
-        _OPEN_LOGS.remove(log)
+    return _recording(CommLog(), _OPEN_LOGS)
 
 
 @dataclass(frozen=True)
@@ -112,13 +116,11 @@ _OPEN_TIMELINES: list[CommTimeline] = []
 @contextlib.contextmanager
 def comm_timeline():
     """Record the host time of every collective, posting and wait inside the block."""
-    timeline = CommTimeline()
-    _OPEN_TIMELINES.append(timeline)
-    try:
-        yield timeline
-    finally:
-        timeline.end_s = time.perf_counter()
-        _OPEN_TIMELINES.remove(timeline)
+    with _recording(CommTimeline(), _OPEN_TIMELINES) as timeline:
+        try:
+            yield timeline
+        finally:
+            timeline.end_s = time.perf_counter()
 
 
 _POSTINGS = itertools.count()

@@ -156,7 +156,6 @@ def decode_bands(config: ParallelConfig) -> int:
 def _stale_kv_bytes(folder: Path, config: ParallelConfig, rows: int, latent: tuple[int, int], dtype) -> int | None:
     """The largest stage's stale K/V buffers, from the transformer's config and header: its
     self-attention layers (the family adapter's names), heads, patches and this rank's rows."""
-    from .attention.stale import stale_kv_bytes
     from .families.adapter import SEQUENCE_PARALLEL_KINDS as STALE_KINDS  # a PipeFusion stage keeps their K/V
 
     model = json.loads((folder / "transformer" / "config.json").read_text())
@@ -174,20 +173,35 @@ def _stale_kv_bytes(folder: Path, config: ParallelConfig, rows: int, latent: tup
     grid = grid and adapter.latents.patch_grid(grid)
     if grid is None or grid[0] < config.patches:
         return None  # not known before the call, or too small to cut: the call is planned (or refused) then
+    element = _float_bytes(folder / "transformer", dtype)
+    return max(
+        busiest_stale_kv_bytes(config, model, sum(per_block[i] for i in range(start, stop)), rows, grid, element)
+        for start, stop in config.stage_ranges(adapter.num_blocks(model))
+    )
+
+
+def busiest_stale_kv_bytes(
+    config: ParallelConfig, transformer: dict, layers: int, rows: int, grid, element: int
+) -> int:
+    """The stale K/V buffers of a PipeFusion stage's busiest rank under `config` (the ring rank that keeps
+    the most: stale_kv_bytes), for `layers` attention layers whose K/V it keeps, `rows` batch rows, a
+    `grid` (rows, cols) of tokens and the heads of the transformer's config.json (`transformer`), with
+    `element` bytes per float: what the memory plan and the planner (fit/) count."""
+    from .attention.stale import stale_kv_bytes
+
     return max(
         stale_kv_bytes(
-            layers=sum(per_block[i] for i in range(start, stop)),
+            layers=layers,
             rows=rows,
-            heads=model["num_attention_heads"],
-            head_dim=model["attention_head_dim"],
+            heads=transformer["num_attention_heads"],
+            head_dim=transformer["attention_head_dim"],
             grid=grid,
             patches=config.patches,
             ulysses=config.ulysses,
             ring=config.ring,
             ring_rank=ring_rank,
-            element_bytes=_float_bytes(folder / "transformer", dtype),
+            element_bytes=element,
         )
-        for start, stop in config.stage_ranges(adapter.num_blocks(model))
         for ring_rank in range(config.ring)
     )
 

@@ -472,32 +472,11 @@ class ParallelPipeline:
             )
         return DenoiseSession(self, self.request(prompt, *args, **kwargs), progress=progress)
 
-    def __call__(
-        self,
-        prompt,
-        negative_prompt=None,
-        num_inference_steps=None,
-        guidance_scale=None,
-        height=None,
-        width=None,
-        generator=None,
-        output_type="pil",
-        return_dict=True,
-        seed=None,
-        **options,
-    ):
-        session = self.session(
-            prompt,
-            negative_prompt,
-            num_inference_steps,
-            guidance_scale,
-            height,
-            width,
-            generator,
-            seed,
-            progress=self.progress,
-            **options,
-        )
+    def __call__(self, prompt, *args, output_type="pil", return_dict=True, **kwargs):
+        """Generate, as the diffusers pipeline's own call does: the arguments `request` takes
+        (negative_prompt, num_inference_steps, guidance_scale, height, width, generator, seed, and the
+        family's options), and what to return (output_type, return_dict)."""
+        session = self.session(prompt, *args, progress=self.progress, **kwargs)
         return session.run().result(output_type=output_type, return_dict=return_dict)
 
     def memory_plan_for(self, prompts, height=None, width=None, **arguments) -> MemoryPlan:

@@ -65,8 +65,13 @@ def plan_table(
 
 def format_plan(rows: list[list[str]]) -> str:
     """plan_table's rows aligned: names and reasons read best left-aligned, numbers right-aligned."""
+    return aligned(rows, left={i for i, name in enumerate(rows[0]) if name in ("config", "why above the next")})
+
+
+def aligned(rows: list[list[str]], left: set[int]) -> str:
+    """Rows of strings (header first) as columns two spaces apart: the columns in `left` left-aligned,
+    the others (numbers) right-aligned. The planner's tables (`xdit-lab plan`, with and without --model)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    left = {i for i, name in enumerate(rows[0]) if name in ("config", "why above the next")}
     return "\n".join(
         "  ".join(
             cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))

@@ -64,21 +64,11 @@ def build_tokenizer():
 
 
 def build_text_encoder(seed: int):
-    from transformers import T5Config, T5EncoderModel
+    """The tiny pipelines' T5 encoder (xdit_lab.tiny.parts), 32 wide over WORDS, frozen: the trainer
+    trains the transformer and the VAE, never the text encoder."""
+    from ..tiny.parts import t5_encoder
 
-    torch.manual_seed(seed)
-    config = T5Config(
-        vocab_size=len(WORDS),
-        d_model=32,
-        d_kv=8,
-        num_heads=4,
-        num_layers=2,
-        d_ff=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return T5EncoderModel(config).eval().requires_grad_(False)
+    return t5_encoder(seed, len(WORDS), width=32).requires_grad_(False)
 
 
 def build_vae(seed: int):

@@ -255,16 +255,8 @@ def main(argv=None) -> None:
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--checkpoints", type=int, nargs="*", default=())
-    args = parser.parse_args(argv)
-    summary = train_digits(
-        args.output,
-        steps=args.steps,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        log_every=args.log_every,
-        threads=args.threads,
-        checkpoints=set(args.checkpoints),
-    )
+    options = vars(parser.parse_args(argv))  # train_digits' keyword arguments, by the same names
+    summary = train_digits(options.pop("output"), **dict(options, checkpoints=set(options["checkpoints"])))
     print(json.dumps({k: v for k, v in summary.items() if k != "recipe"}, indent=2))
 
 

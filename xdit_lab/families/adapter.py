@@ -248,13 +248,21 @@ TEXT_THEN_IMAGE, IMAGE_ONLY, IMAGE_AND_TEXT = TextThenImage(), ImageOnly(), Imag
 
 # ---- the adapter -----------------------------------------------------------------------------------------
 
+# the config key that counts each block list, as diffusers' transformers name them (Flux's and
+# HunyuanVideo's double-stream blocks, then their single-stream ones; Wan's blocks)
+BLOCK_COUNTS = {
+    "transformer_blocks": "num_layers",
+    "single_transformer_blocks": "num_single_layers",
+    "blocks": "num_layers",
+}
+
 
 @dataclass(frozen=True)
 class FamilyAdapter:
     family: str  # the family's module name in xdit_lab/families, its one spelling
     class_name: str  # diffusers' transformer class
     shard_at: str  # submodule whose output holds the whole image tokens [B, S, C] (positions added)
-    gather_at: str  # submodule whose output holds this rank's tokens, before unpatchify
+    gather_at: str = "proj_out"  # submodule whose output holds this rank's tokens, before unpatchify
     attention: dict = field(default_factory=dict)  # qualified-name regex -> kind
     latents: LatentLayout = IMAGE
     text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor
@@ -273,7 +281,7 @@ class FamilyAdapter:
     step_cache_refused: str | None = None
     # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
     block_lists: tuple = ("transformer_blocks",)
-    block_counts: tuple = ("num_layers",)  # the config key holding each list's length
+    block_counts: tuple = ()  # the config key holding each list's length; () for diffusers' (BLOCK_COUNTS)
     joined_block_lists: tuple = ()  # lists whose blocks take [text; image] as one tensor (Flux.2's single-stream)
     # (transformer, block 0) -> None: what a PipeFusion stage without the model's block 0 installs so that its
     # output layer still gets block 0's conditioning (DiT), or None where the output layer needs nothing of it
@@ -282,6 +290,10 @@ class FamilyAdapter:
     # conditioning from transformer_blocks.0.norm1.emb after every block ran): sharded weights make each
     # an FSDP2 unit of its own, gathered wherever it is called (models/sharded_weights.py)
     called_outside_their_block: tuple = ()
+
+    def __post_init__(self):
+        if not self.block_counts:
+            object.__setattr__(self, "block_counts", tuple(BLOCK_COUNTS[name] for name in self.block_lists))
 
     def attention_kind(self, qualified_name: str) -> str | None:
         for pattern, kind in self.attention.items():

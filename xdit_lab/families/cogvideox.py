@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from .adapter import FRAMES, FamilyAdapter
 from .recipe import Recipe, RequestShape, generator_of, latent_frames, vae_scale, video_prompt_embeds
-from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, text_parts
 
 ADAPTER = FamilyAdapter(
     "cogvideox",
     "CogVideoXTransformer3DModel",
     shard_at="patch_embed",
-    gather_at="proj_out",
     attention={r"\.attn1$": "joint_first"},
     latents=FRAMES,
     text_before_image_at_shard=True,
@@ -21,7 +20,6 @@ ADAPTER = FamilyAdapter(
 
 
 class CogVideoXRecipe(Recipe):
-    family = "cogvideox"
     pipeline_classes = ("CogVideoXPipeline",)
     output_class = "diffusers.pipelines.cogvideo.pipeline_output:CogVideoXPipelineOutput"
     output_field = "frames"
@@ -117,11 +115,8 @@ class CogVideoXRecipe(Recipe):
             )
         return latents.to(prepared.extra["dtype"])
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
-        video = pipe.decode_latents(latents[:, prepared.extra["extra_frames"] :])
-        return pipe.video_processor.postprocess_video(video=video, output_type=output_type)
+    def decoded(self, pipe, prepared, latents):
+        return pipe.decode_latents(latents[:, prepared.extra["extra_frames"] :])  # the padded frames dropped
 
 
 RECIPE = CogVideoXRecipe()
@@ -133,33 +128,21 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 TINY = TinySpec(
     transformer=dict(
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=32,
-        text_embed_dim=TEXT_DIM,
-        sample_width=8,
-        sample_height=8,
-        sample_frames=9,
-        patch_size=2,
-        temporal_compression_ratio=4,
-        max_text_seq_length=8,
+        in_channels=4, out_channels=4, patch_size=2, time_embed_dim=32, text_embed_dim=TEXT_DIM,
+        max_text_seq_length=8, sample_width=8, sample_height=8, sample_frames=9, temporal_compression_ratio=4,
     ),
     inputs=tiny_inputs,
     pipeline_classes=("CogVideoXPipeline",),
     parts=dict(
-        transformer=Part("transformer"),
-        text_encoder=Part("t5_encoder", seed=1, vocab_of="tokenizer"),
-        tokenizer=Part("t5_tokenizer"),
+        **text_parts("t5", seed=1),
         vae=Part("video_vae", seed=2),
         scheduler=Part(  # CogVideoX-2b's sampler: v-prediction, zero-SNR, trailing
             "CogVideoXDDIMScheduler",
             kwargs=dict(
-                clip_sample=False,
-                prediction_type="v_prediction",
-                rescale_betas_zero_snr=True,
+                clip_sample=False, prediction_type="v_prediction", rescale_betas_zero_snr=True,
                 timestep_spacing="trailing",
             ),
         ),
     ),
     call=dict(height=32, width=32, num_frames=9, max_sequence_length=MAX_TOKENS),  # 9 frames -> 3 latent frames
-)
+)  # fmt: skip

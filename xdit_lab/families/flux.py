@@ -9,28 +9,28 @@ splits over two ranks."""
 from __future__ import annotations
 
 from .adapter import TOKENS, FamilyAdapter
-from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe
-from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, prompt_embeds, shifted_vae_decoded
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, flow_vae, text_parts
+
+# Flux.1's and Flux.2's transformers are cut alike: packed tokens sharded after x_embedder, the text first in
+# the double-stream blocks and in the single-stream ones that follow, the ids without a batch dimension
+FLUX_LAYOUT = dict(
+    shard_at="x_embedder",
+    attention={r"^(single_)?transformer_blocks\.\d+\.attn$": "joint_first"},
+    latents=TOKENS,
+    unbatched=("img_ids", "txt_ids"),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+)
 
 ADAPTER = FamilyAdapter(
     "flux",
     "FluxTransformer2DModel",
-    shard_at="x_embedder",
-    gather_at="proj_out",
-    attention={
-        r"^transformer_blocks\.\d+\.attn$": "joint_first",
-        r"^single_transformer_blocks\.\d+\.attn$": "joint_first",
-    },
-    latents=TOKENS,
     rotary_at="pos_embed",
-    unbatched=("img_ids", "txt_ids"),
-    block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
+    **FLUX_LAYOUT,
 )
 
 
 class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    family = "flux"
     pipeline_classes = ("FluxPipeline",)
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
@@ -39,13 +39,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     unbatched_conditioning = ("txt_ids",)
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, pooled, text_ids = pipe.encode_prompt(
-            prompt=texts,
-            prompt_2=None,
-            device=device,
-            num_images_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-        )
+        embeds, pooled, text_ids = prompt_embeds(pipe, request, texts, device, prompt_2=None)
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
     def prepare(self, pipe, request, prepared, device):
@@ -61,14 +55,9 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         channels = configs["vae"]["latent_channels"]
         return RequestShape(latents, per_row, shared, (rows, cols), (channels, 2 * rows, 2 * cols))
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         height, width = prepared.extra["size"]
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
-        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(latents, return_dict=False)[0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        return shifted_vae_decoded(pipe, pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor))
 
 
 RECIPE = FluxRecipe()
@@ -99,48 +88,21 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 
 # Flux.1's and Flux.2's scheduler: flow matching with a shift that grows with the image's tokens
-FLUX_SCHEDULER = Part(
-    "FlowMatchEulerDiscreteScheduler",
-    kwargs=dict(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    ),
-)
+FLUX_SCHEDULER = flow_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096)
 
 TINY = TinySpec(  # 2 × 2 patches of 16 latent channels packed into 64
     transformer=dict(
-        patch_size=1,
-        in_channels=16,
-        num_single_layers=2,
-        joint_attention_dim=TEXT_DIM,
-        pooled_projection_dim=TEXT_DIM,
-        guidance_embeds=False,
-        axes_dims_rope=(4, 6, 6),
+        patch_size=1, in_channels=16, num_single_layers=2, joint_attention_dim=TEXT_DIM,
+        pooled_projection_dim=TEXT_DIM, guidance_embeds=False, axes_dims_rope=(4, 6, 6),
     ),
     inputs=tiny_inputs,
     pipeline_classes=("FluxPipeline",),
     parts=dict(
         transformer=Part("transformer", kwargs=dict(in_channels=64)),
-        text_encoder=Part("clip_encoder", seed=3, vocab_of="tokenizer", kwargs=dict(width=TEXT_DIM, projection=False)),
-        text_encoder_2=Part("t5_encoder", seed=1, vocab_of="tokenizer_2"),
-        tokenizer=Part("clip_tokenizer"),
-        tokenizer_2=Part("t5_tokenizer"),
-        vae=Part(
-            "image_vae",
-            seed=2,
-            kwargs=dict(
-                latent_channels=16,
-                scaling_factor=0.3611,
-                shift_factor=0.1159,
-                use_quant_conv=False,
-                use_post_quant_conv=False,
-            ),
-        ),
+        **text_parts("clip", seed=3, width=TEXT_DIM, projection=False),
+        **text_parts("t5", seed=1, component="_2"),
+        vae=flow_vae(scaling_factor=0.3611, shift_factor=0.1159),
         scheduler=FLUX_SCHEDULER,
     ),
     call=dict(height=16, width=16, max_sequence_length=MAX_TOKENS),
-)
+)  # fmt: skip

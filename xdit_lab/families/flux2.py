@@ -11,32 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import TOKENS, FamilyAdapter
-from .flux import FLUX_SCHEDULER, packed_inputs
-from .recipe import PackedLatentsRecipe
+from .adapter import FamilyAdapter
+from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
+from .recipe import PackedLatentsRecipe, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
     "flux2",
     "Flux2Transformer2DModel",
-    shard_at="x_embedder",
-    gather_at="proj_out",
-    attention={
-        r"^transformer_blocks\.\d+\.attn$": "joint_first",
-        r"^single_transformer_blocks\.\d+\.attn$": "joint_first",
-    },
-    latents=TOKENS,
     image_rows_kwarg="img_ids",  # its rotary tables are computed from them, text ids apart
-    unbatched=("img_ids", "txt_ids"),
-    block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
     joined_block_lists=("single_transformer_blocks",),
     step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
+    **FLUX_LAYOUT,
 )
 
 
 class Flux2Recipe(PackedLatentsRecipe):
-    family = "flux2"
     pipeline_classes = ("Flux2Pipeline",)
     output_class = "diffusers.pipelines.flux2.pipeline_output:Flux2PipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=4.0)  # the distilled guidance, an input
@@ -47,13 +37,8 @@ class Flux2Recipe(PackedLatentsRecipe):
         return False
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, text_ids = pipe.encode_prompt(
-            prompt=texts,
-            device=device,
-            num_images_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-            text_encoder_out_layers=tuple(request.options["text_encoder_out_layers"]),
-        )
+        layers = tuple(request.options["text_encoder_out_layers"])
+        embeds, text_ids = prompt_embeds(pipe, request, texts, device, text_encoder_out_layers=layers)
         # the transformer reads one row of ids whatever the batch (ids[0]): hand it that row, unbatched
         return dict(encoder_hidden_states=embeds, txt_ids=text_ids[0])
 
@@ -69,16 +54,13 @@ class Flux2Recipe(PackedLatentsRecipe):
     def guidance_input(self, pipe, prepared):
         return prepared.guidance_scale  # handed over always, as Flux2Pipeline does
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         latents = pipe._unpack_latents_with_ids(latents, prepared.extra["image_ids"])
         norm = pipe.vae.bn
         mean = norm.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(norm.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(latents)
         latents = pipe._unpatchify_latents(latents * std + mean)
-        image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        return pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
 
 
 RECIPE = Flux2Recipe()
@@ -90,13 +72,8 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
     transformer=dict(
-        patch_size=1,
-        in_channels=16,
-        num_single_layers=2,
-        joint_attention_dim=TEXT_DIM,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=False,
+        patch_size=1, in_channels=16, num_single_layers=2, joint_attention_dim=TEXT_DIM,
+        timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
     ),
     inputs=tiny_inputs,
     pipeline_classes=("Flux2Pipeline",),
@@ -109,4 +86,4 @@ TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
     ),
     # the system message and the prompt are some 50 tokens: padded to 64 (the pipeline's default: 512)
     call=dict(height=16, width=16, max_sequence_length=64),
-)
+)  # fmt: skip

@@ -14,17 +14,15 @@ import torch
 
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
 from .qwenimage import padded_text_mask
-from .recipe import RequestShape, TrueCFGRecipe, latent_frames, vae_scale, video_latents
-from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .recipe import TrueCFGRecipe, VideoRecipe
+from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
 ADAPTER = FamilyAdapter(
     "hunyuanvideo",
     "HunyuanVideoTransformer3DModel",
     shard_at="x_embedder",
-    gather_at="proj_out",
-    attention={
-        r"^transformer_blocks\.\d+\.attn$": "joint_last",
-        r"^single_transformer_blocks\.\d+\.attn$": "joint_last",  # [image; text] joined in the processor
+    attention={  # the single-stream blocks' [image; text] joined in the processor
+        r"^(single_)?transformer_blocks\.\d+\.attn$": "joint_last",
         r"^context_embedder\.token_refiner\.refiner_blocks\.\d+\.attn$": "text",
     },
     latents=VIDEO,
@@ -33,15 +31,13 @@ ADAPTER = FamilyAdapter(
     text_key_mask=True,
     per_token_config=("image_condition_type=token_replace",),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
-    block_counts=("num_layers", "num_single_layers"),
 )
 
 
-class HunyuanVideoRecipe(TrueCFGRecipe):
-    family = "hunyuanvideo"
+class HunyuanVideoRecipe(VideoRecipe, TrueCFGRecipe):
     pipeline_classes = ("HunyuanVideoPipeline",)
     output_class = "diffusers.pipelines.hunyuan_video.pipeline_output:HunyuanVideoPipelineOutput"
-    output_field = "frames"
+    default_size = (720, 1280)  # HunyuanVideoPipeline's
     defaults = dict(num_inference_steps=50, guidance_scale=6.0)  # the distilled guidance, an input
     options = dict(true_cfg_scale=1.0, num_frames=129, max_sequence_length=256, prompt_template=None)
 
@@ -52,16 +48,6 @@ class HunyuanVideoRecipe(TrueCFGRecipe):
 
             options["prompt_template"] = DEFAULT_PROMPT_TEMPLATE
         return options
-
-    def size_multiple(self, pipe):
-        return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size, (720, 1280)  # the default size
-
-    def default_latent_side(self, transformer_config):
-        return None  # a video: the 2D decode plan does not apply
-
-    def token_frames(self, pipe, request):
-        frames = (request.options["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
-        return frames // pipe.transformer.config.patch_size_t
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds, pooled, mask = pipe.encode_prompt(
@@ -80,30 +66,15 @@ class HunyuanVideoRecipe(TrueCFGRecipe):
     def prepare(self, pipe, request, prepared, device):
         from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import retrieve_timesteps
 
-        default_height, default_width = self.size_multiple(pipe)[1]
-        height, width = request.height or default_height, request.width or default_width
         steps = request.num_inference_steps
         sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas)
         pipe.scheduler.set_begin_index(0)
-        prepared.latents = video_latents(pipe, request, height, width, device)
+        prepared.latents = self.video_latents(pipe, request, device)
 
-    def scale_model_input(self, pipe, model_input, t):
-        return model_input.to(pipe.transformer.dtype)  # flow matching feeds latents as they are
-
-    def planned_request(self, configs, call, element):
-        t = configs["transformer"]
-        scale = vae_scale(configs["vae"])[0]
-        frames = latent_frames(configs, call)
-        rows, cols = call.height // scale, call.width // scale
-        latents = t["in_channels"] * frames * rows * cols * 4  # float32, as HunyuanVideoPipeline keeps them
+    def planned_text_bytes(self, transformer, call, element):
         text = call.options["max_sequence_length"]  # Llama's states padded to it, with a mask in the model's dtype
-        per_row = text * t["text_embed_dim"] * element + text * element + t["pooled_projection_dim"] * element
-        pt, ph, pw = VIDEO.video_patch(t)
-        return RequestShape(latents, per_row, 0, (frames // pt * (rows // ph), cols // pw), None, frames)
-
-    def planned_default_size(self, configs):
-        return 720, 1280  # HunyuanVideoPipeline's
+        return (text * transformer["text_embed_dim"] + text + transformer["pooled_projection_dim"]) * element
 
     def model_kwargs(self, pipe, prepared, model_input, t):
         rows, dtype = model_input.shape[0], pipe.transformer.dtype
@@ -116,11 +87,8 @@ class HunyuanVideoRecipe(TrueCFGRecipe):
             **prepared.conditioning,
         )
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
-        video = pipe.vae.decode(latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]
-        return pipe.video_processor.postprocess_video(video, output_type=output_type)
+    def decoded(self, pipe, prepared, latents):
+        return pipe.vae.decode(latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]
 
 
 RECIPE = HunyuanVideoRecipe()
@@ -140,36 +108,21 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 TINY = TinySpec(  # modelled on diffusers' own test of HunyuanVideoTransformer3DModel
     transformer=dict(
-        in_channels=4,
-        out_channels=4,
-        num_single_layers=2,
-        num_refiner_layers=1,
-        patch_size=2,
-        patch_size_t=1,
-        text_embed_dim=TEXT_DIM,
-        pooled_projection_dim=TEXT_DIM,
-        rope_axes_dim=(4, 6, 6),
+        in_channels=4, out_channels=4, patch_size=2, patch_size_t=1, rope_axes_dim=(4, 6, 6),
+        num_single_layers=2, num_refiner_layers=1, text_embed_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
         guidance_embeds=True,  # HunyuanVideo is guidance-distilled
     ),
     inputs=tiny_inputs,
     pipeline_classes=("HunyuanVideoPipeline",),
     parts=dict(  # Llama states (padded, masked) and CLIP's pooled embedding
-        transformer=Part("transformer"),
-        text_encoder=Part("llama_encoder", seed=1, vocab_of="tokenizer"),
-        tokenizer=Part("llama_tokenizer"),
-        text_encoder_2=Part(
-            "clip_encoder", seed=3, vocab_of="tokenizer_2", kwargs=dict(width=TEXT_DIM, projection=False, positions=77)
-        ),
-        tokenizer_2=Part("clip_tokenizer"),
+        **text_parts("llama", seed=1),
+        **text_parts("clip", seed=3, component="_2", width=TEXT_DIM, projection=False, positions=77),
         vae=Part("hunyuan_vae", seed=2, kwargs=dict(latent_channels=4)),
-        scheduler=Part("FlowMatchEulerDiscreteScheduler", kwargs=dict(shift=7.0)),
+        scheduler=flow_scheduler(shift=7.0),
     ),
     # 2 latent frames of 8 × 8: 2 × 4 × 4 tokens; the text padded to 8, masked
     call=dict(
-        height=64,
-        width=64,
-        num_frames=5,
-        max_sequence_length=MAX_TOKENS,
+        height=64, width=64, num_frames=5, max_sequence_length=MAX_TOKENS,
         prompt_template=Part("hunyuan_prompt_template"),
     ),
-)
+)  # fmt: skip

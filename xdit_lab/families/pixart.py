@@ -9,19 +9,17 @@ import torch
 
 from .adapter import FamilyAdapter
 from .recipe import Recipe, RequestShape, generator_of, vae_scale
-from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec, text_parts
 
 ADAPTER = FamilyAdapter(
     "pixart",
     "PixArtTransformer2DModel",
     shard_at="pos_embed",
-    gather_at="proj_out",
     attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
 )
 
 
 class PixArtRecipe(Recipe):
-    family = "pixart"
     pipeline_classes = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options = dict(eta=0.0, use_resolution_binning=True, clean_caption=True, max_sequence_length=None)
@@ -109,14 +107,12 @@ class PixArtRecipe(Recipe):
             )
         return stepped[1]
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
         if tuple(image.shape[-2:]) != prepared.extra["size"]:  # resolution binning changed the size
             height, width = prepared.extra["size"]
             image = pipe.image_processor.resize_and_crop_tensor(image, width, height)
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        return image
 
 
 RECIPE = PixArtRecipe()
@@ -152,23 +148,15 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 TINY = TinySpec(  # learned sigma: out = 2 × 4 latent channels
     transformer=dict(
-        in_channels=4,
-        out_channels=8,
-        cross_attention_dim=INNER,
-        caption_channels=TEXT_DIM,
-        sample_size=8,
-        patch_size=2,
-        norm_type="ada_norm_single",
-        use_additional_conditions=False,
+        in_channels=4, out_channels=8, cross_attention_dim=INNER, caption_channels=TEXT_DIM, sample_size=8,
+        patch_size=2, norm_type="ada_norm_single", use_additional_conditions=False,
     ),
     inputs=tiny_inputs,
     pipeline_classes=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
     parts=dict(
-        transformer=Part("transformer"),
-        text_encoder=Part("t5_encoder", seed=1, vocab_of="tokenizer"),
-        tokenizer=Part("t5_tokenizer"),
+        **text_parts("t5", seed=1),
         vae=Part("image_vae", seed=2, kwargs=dict(latent_channels=4, scaling_factor=0.18215)),
         scheduler=Part("DPMSolverMultistepScheduler"),
     ),
     call=dict(height=16, width=16, max_sequence_length=MAX_TOKENS, use_resolution_binning=False, clean_caption=False),
-)
+)  # fmt: skip

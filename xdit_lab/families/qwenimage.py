@@ -13,14 +13,13 @@ from __future__ import annotations
 import torch
 
 from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter
-from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe
-from .tiny_spec import TEXT_DIM, Part, TinySpec
+from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, causal_vae_decoded, prompt_embeds
+from .tiny_spec import TEXT_DIM, Part, TinySpec, flow_scheduler
 
 ADAPTER = FamilyAdapter(
     "qwenimage",
     "QwenImageTransformer2DModel",
     shard_at="img_in",
-    gather_at="proj_out",
     attention={r"^transformer_blocks\.\d+\.attn$": "joint_first"},
     latents=TOKENS,
     rotary_at="pos_embed",
@@ -31,7 +30,6 @@ ADAPTER = FamilyAdapter(
 
 
 class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    family = "qwenimage"
     pipeline_classes = ("QwenImagePipeline",)
     output_class = "diffusers.pipelines.qwenimage.pipeline_output:QwenImagePipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=None)  # guidance_scale: a distilled model's input
@@ -39,12 +37,7 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     padded_text = ("encoder_hidden_states", "encoder_hidden_states_mask")
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, mask = pipe.encode_prompt(
-            prompt=texts,
-            device=device,
-            num_images_per_prompt=1,
-            max_sequence_length=request.options["max_sequence_length"],
-        )
+        embeds, mask = prompt_embeds(pipe, request, texts, device)
         if mask is None:  # diffusers drops a mask that masks nothing; a batch of two branches needs one
             mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         return dict(encoder_hidden_states=embeds, encoder_hidden_states_mask=mask.bool())
@@ -80,16 +73,10 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         guided = uncond + prepared.guidance_scale * (cond - uncond)
         return guided * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True))
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
+    def decoded(self, pipe, prepared, latents):
         height, width = prepared.extra["size"]
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor).to(pipe.vae.dtype)
-        config = pipe.vae.config
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
-        std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
-        image = pipe.vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        return causal_vae_decoded(pipe, latents)[:, :, 0]  # one frame
 
 
 RECIPE = QwenImageRecipe()
@@ -119,22 +106,10 @@ TINY = TinySpec(  # modelled on diffusers' own test of QwenImageTransformer2DMod
     inputs=tiny_inputs,
     pipeline_classes=("QwenImagePipeline",),
     parts=dict(  # 2 × 2 patches of 4 latent channels packed into 16
-        transformer=Part("transformer"),
         text_encoder=Part("qwen_vl_encoder", seed=1, vocab_of="tokenizer"),
         tokenizer=Part("qwen_tokenizer"),
         vae=Part("qwen_vae", seed=2, kwargs=dict(latent_channels=4)),
-        scheduler=Part(
-            "FlowMatchEulerDiscreteScheduler",
-            kwargs=dict(
-                shift=1.0,
-                use_dynamic_shifting=True,
-                base_shift=0.5,
-                max_shift=0.9,
-                base_image_seq_len=256,
-                max_image_seq_len=8192,
-                time_shift_type="exponential",
-            ),
-        ),
+        scheduler=flow_scheduler(shift=1.0, max_shift=0.9, max_image_seq_len=8192, time_shift_type="exponential"),
     ),
     # an 8 × 8 latent: 4 × 4 tokens; the text as long as each prompt encodes, padded and masked in a batch
     call=dict(height=32, width=32),

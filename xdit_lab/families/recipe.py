@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import ParallelConfigError
+from .adapter import VIDEO
 
 
 @dataclass
@@ -91,7 +92,6 @@ class Prepared:
 
 
 class Recipe:
-    family = ""  # the family's module name
     pipeline_classes: tuple[str, ...] = ()
     # diffusers' output dataclass of the family's pipeline ("module:Class", imported when first used), and
     # the field that holds what decode returns
@@ -99,6 +99,11 @@ class Recipe:
     output_field = "images"
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
+
+    @property
+    def family(self) -> str:
+        """The family's one spelling: the name of the module that declares the recipe (families/<name>.py)."""
+        return type(self).__module__.rsplit(".", 1)[-1]
 
     def check_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.options))
@@ -246,6 +251,18 @@ class Recipe:
         return pipe.scheduler.step(noise, t, latents, **prepared.extra.get("step_kwargs", {}), return_dict=False)[0]
 
     def decode(self, pipe, prepared: Prepared, latents: torch.Tensor, output_type: str):
+        """What the pipeline returns for the final latents: the latents as they are (output_type "latent"),
+        else the VAE's output (`decoded`) post-processed as the family's pipeline does, images or a
+        video's frames (output_field)."""
+        if output_type == "latent":
+            return latents
+        decoded = self.decoded(pipe, prepared, latents)
+        if self.output_field == "frames":
+            return pipe.video_processor.postprocess_video(decoded, output_type=output_type)
+        return pipe.image_processor.postprocess(decoded, output_type=output_type)
+
+    def decoded(self, pipe, prepared: Prepared, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's output for the final latents, before the pipeline's post-processing."""
         raise NotImplementedError
 
     def wrap_output(self, images):
@@ -353,19 +370,80 @@ class PackedLatentsRecipe(Recipe):
         )
 
 
-def video_latents(pipe, request: Request, height: int, width: int, device) -> torch.Tensor:
-    """The starting latents [B, C, F, H, W] of a video pipeline (Wan, HunyuanVideo), float32 as those
-    pipelines keep them (the model's input is cast to its dtype)."""
-    return pipe.prepare_latents(
-        len(request.prompts),
-        pipe.transformer.config.in_channels,
-        height,
-        width,
-        request.options["num_frames"],
-        torch.float32,
-        device,
-        generator_of(request),
-        None,
+class VideoRecipe(Recipe):
+    """A video family whose pipeline keeps its latents [B, C, F, H, W] in float32 (Wan, HunyuanVideo):
+    its default size in pixels, latent frames from num_frames, (t, h, w) patches a token (adapter.VIDEO),
+    the latents fed to the model as they are in its dtype (flow matching), a video's frames out."""
+
+    output_field = "frames"
+    default_size = (480, 832)  # the pipeline's default (height, width) in pixels
+
+    def size_multiple(self, pipe):
+        return pipe.vae_scale_factor_spatial * VIDEO.video_patch(pipe.transformer.config)[1], self.default_size
+
+    def default_latent_side(self, transformer_config):
+        return None  # a video: the 2D decode plan does not apply
+
+    def token_frames(self, pipe, request):
+        frames = (request.options["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
+        return frames // VIDEO.video_patch(pipe.transformer.config)[0]
+
+    def video_latents(self, pipe, request: Request, device) -> torch.Tensor:
+        """The starting latents at the request's size (the default where it gives none), float32 as these
+        pipelines keep them (the model's input is cast to its dtype)."""
+        height, width = request.height or self.default_size[0], request.width or self.default_size[1]
+        frames, generator = request.options["num_frames"], generator_of(request)
+        channels = pipe.transformer.config.in_channels
+        return pipe.prepare_latents(
+            len(request.prompts), channels, height, width, frames, torch.float32, device, generator
+        )
+
+    def scale_model_input(self, pipe, model_input, t):
+        return model_input.to(pipe.transformer.dtype)  # flow matching feeds latents as they are
+
+    def planned_request(self, configs, call, element):
+        t = configs["transformer"]
+        scale = vae_scale(configs["vae"])[0]
+        frames = latent_frames(configs, call)
+        rows, cols = call.height // scale, call.width // scale
+        latents = t["in_channels"] * frames * rows * cols * 4  # float32, as these pipelines keep them
+        pt, ph, pw = VIDEO.video_patch(t)
+        grid = (frames // pt * (rows // ph), cols // pw)
+        return RequestShape(latents, self.planned_text_bytes(t, call, element), 0, grid, None, frames)
+
+    def planned_text_bytes(self, transformer: dict, call: Call, element: int) -> int:
+        """The conditioning of one prompt and branch, in bytes (RequestShape.conditioning_per_row)."""
+        raise NotImplementedError
+
+    def planned_default_size(self, configs):
+        return self.default_size
+
+
+def causal_vae_decoded(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """Wan's causal 3D VAE (Wan's and Qwen-Image's pipelines): the latents un-normalized by the VAE's
+    per-channel means and stds, in its dtype, then decoded [B, C, F, H, W]."""
+    config = pipe.vae.config
+    latents = latents.to(pipe.vae.dtype)
+    mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
+    std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
+    return pipe.vae.decode(latents * std + mean, return_dict=False)[0]
+
+
+def shifted_vae_decoded(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """SD3's and Flux's AutoencoderKL: the latents scaled and shifted back, then decoded."""
+    latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+    return pipe.vae.decode(latents, return_dict=False)[0]
+
+
+def prompt_embeds(pipe, request: Request, texts: list[str], device, **arguments):
+    """What the pipeline's encode_prompt returns for `texts`, one row each, at the request's
+    max_sequence_length (SD3, Flux, Flux.2, Qwen-Image; `arguments`: the family's own)."""
+    return pipe.encode_prompt(
+        prompt=texts,
+        device=device,
+        num_images_per_prompt=1,
+        max_sequence_length=request.options["max_sequence_length"],
+        **arguments,
     )
 
 

@@ -5,35 +5,34 @@ the joint one in the same block."""
 from __future__ import annotations
 
 from .adapter import FamilyAdapter
-from .recipe import Recipe, RequestShape, generator_of, vae_scale
-from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .recipe import Recipe, RequestShape, generator_of, prompt_embeds, shifted_vae_decoded, vae_scale
+from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, TinySpec, flow_scheduler, flow_vae, text_parts
 
 ADAPTER = FamilyAdapter(
     "sd3",
     "SD3Transformer2DModel",
     shard_at="pos_embed",
-    gather_at="proj_out",
     attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
 )
 
 
 class SD3Recipe(Recipe):
-    family = "sd3"
     pipeline_classes = ("StableDiffusion3Pipeline",)
     output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)
     options = dict(max_sequence_length=256, clip_skip=None, mu=None)
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, _, pooled, _ = pipe.encode_prompt(
-            prompt=texts,
+        clip_skip = None if negative else request.options["clip_skip"]  # diffusers skips none for negatives
+        embeds, _, pooled, _ = prompt_embeds(
+            pipe,
+            request,
+            texts,
+            device,
             prompt_2=None,
             prompt_3=None,
             do_classifier_free_guidance=False,
-            device=device,
-            num_images_per_prompt=1,
-            clip_skip=None if negative else request.options["clip_skip"],  # diffusers skips none for negatives
-            max_sequence_length=request.options["max_sequence_length"],
+            clip_skip=clip_skip,
         )
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled)
 
@@ -88,12 +87,8 @@ class SD3Recipe(Recipe):
         latents = t["in_channels"] * rows * cols * element
         return RequestShape(latents, per_row, 0, (rows // patch, cols // patch), (t["in_channels"], rows, cols))
 
-    def decode(self, pipe, prepared, latents, output_type):
-        if output_type == "latent":
-            return latents
-        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(latents, return_dict=False)[0]
-        return pipe.image_processor.postprocess(image, output_type=output_type)
+    def decoded(self, pipe, prepared, latents):
+        return shifted_vae_decoded(pipe, latents)
 
 
 RECIPE = SD3Recipe()
@@ -119,41 +114,17 @@ def tiny_inputs(batch, height, width, text, timestep, randn):
 
 TINY = TinySpec(  # CLIP 16 + 16 wide = T5 32 = the joint dim; pooled 16 + 16
     transformer=dict(
-        sample_size=8,
-        patch_size=2,
-        in_channels=16,
-        out_channels=16,
-        joint_attention_dim=TEXT_DIM,
-        caption_projection_dim=INNER,
-        pooled_projection_dim=TEXT_DIM,
-        pos_embed_max_size=32,
+        sample_size=8, patch_size=2, in_channels=16, out_channels=16, pos_embed_max_size=32,
+        joint_attention_dim=TEXT_DIM, caption_projection_dim=INNER, pooled_projection_dim=TEXT_DIM,
     ),
     inputs=tiny_inputs,
     pipeline_classes=("StableDiffusion3Pipeline",),
     parts=dict(
-        transformer=Part("transformer"),
-        text_encoder=Part(
-            "clip_encoder", seed=3, vocab_of="tokenizer", kwargs=dict(width=TEXT_DIM // 2, projection=True)
-        ),
-        text_encoder_2=Part(
-            "clip_encoder", seed=4, vocab_of="tokenizer", kwargs=dict(width=TEXT_DIM // 2, projection=True)
-        ),
-        text_encoder_3=Part("t5_encoder", seed=1, vocab_of="tokenizer_3"),
-        tokenizer=Part("clip_tokenizer"),
-        tokenizer_2=Part("clip_tokenizer"),
-        tokenizer_3=Part("t5_tokenizer"),
-        vae=Part(
-            "image_vae",
-            seed=2,
-            kwargs=dict(
-                latent_channels=16,
-                scaling_factor=1.5305,
-                shift_factor=0.0609,
-                use_quant_conv=False,
-                use_post_quant_conv=False,
-            ),
-        ),
-        scheduler=Part("FlowMatchEulerDiscreteScheduler", kwargs=dict(shift=3.0)),
+        **text_parts("clip", seed=3, width=TEXT_DIM // 2, projection=True),
+        **text_parts("clip", seed=4, component="_2", width=TEXT_DIM // 2, projection=True),
+        **text_parts("t5", seed=1, component="_3"),
+        vae=flow_vae(scaling_factor=1.5305, shift_factor=0.0609),
+        scheduler=flow_scheduler(shift=3.0),
     ),
     call=dict(height=16, width=16, max_sequence_length=MAX_TOKENS),
-)
+)  # fmt: skip

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from ..config import DEGREES, CostEstimate, ParallelConfig
-from ..memory import decode_peak_bytes
+from ..memory import busiest_stale_kv_bytes, decode_peak_bytes
+from ..plan_table import aligned
 from ..sharding import batch_rows
 from .folder import ModelFolder, read_model_folder
 from .requests import Call, RequestShape, make_call, request_shape
@@ -287,9 +288,6 @@ def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, pla
 def _stale_kv(model: ModelFolder, call: Call, shape: RequestShape, config, span) -> int:
     """PipeFusion's stale K/V on a stage holding blocks [start, stop): its self/joint attention layers,
     the busiest rank's batch rows, this rank's tokens (attention/stale.py's stale_kv_bytes)."""
-    from ..attention.stale import stale_kv_bytes
-
-    t = model.transformer.config
     total = call.prompts * call.branches
     rows = max(
         stop - start
@@ -297,21 +295,8 @@ def _stale_kv(model: ModelFolder, call: Call, shape: RequestShape, config, span)
         for d in range(config.dp)
         for start, stop, _ in [batch_rows(total, config.cfg, config.dp, c, d)]
     )
-    return max(
-        stale_kv_bytes(
-            layers=sum(stale_layers(model)[span[0] : span[1]]),
-            rows=rows,
-            heads=t["num_attention_heads"],
-            head_dim=t["attention_head_dim"],
-            grid=shape.grid,
-            patches=config.patches,
-            ulysses=config.ulysses,
-            ring=config.ring,
-            ring_rank=ring_rank,
-            element_bytes=model.element,
-        )
-        for ring_rank in range(config.ring)
-    )
+    layers = sum(stale_layers(model)[span[0] : span[1]])
+    return busiest_stale_kv_bytes(config, model.transformer.config, layers, rows, shape.grid, model.element)
 
 
 def stale_layers(model: ModelFolder) -> list[int]:
@@ -369,9 +354,4 @@ def format_rows(rows: list[FitRow], top: int = 10) -> str:
                 f"{row.seconds_per_step(PCIE_BYTES_PER_S):.3f}",
             ]
         )
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    left = {1, 2, 3}
-    return "\n".join(
-        "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-        for r in table
-    )
+    return aligned(table, left={1, 2, 3})  # config, weights, text encoders

@@ -3,6 +3,7 @@ sparse hole, every file under a temporary name first and then renamed into place
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import struct
@@ -49,13 +50,16 @@ def save_header_only(name: str, folder) -> Path:
 
 
 def build_on_meta(component: Component) -> torch.nn.Module:
-    """The component's module with every parameter and buffer on the meta device (shapes, no memory)."""
+    """The component's module with every parameter and buffer on the meta device (shapes, no memory).
+    The classes get a copy of the arguments: transformers' configs fill in nested dicts they are given
+    (Qwen2.5-VL's rope_scaling), which would change REAL_MODELS and every later folder."""
     library = __import__(component.library)
     cls = getattr(library, component.class_name)
+    kwargs = copy.deepcopy(component.kwargs)
     with torch.device("meta"):
         if component.config_class is None:
-            return cls(**component.kwargs)
-        return cls(getattr(library, component.config_class)(**component.kwargs))
+            return cls(**kwargs)
+        return cls(getattr(library, component.config_class)(**kwargs))
 
 
 def stored_tensors(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, tuple[str, list[int]]]:

@@ -90,23 +90,25 @@ def qwen_tokenizer():
     return tokenizer
 
 
+# the special tokens of the Llama-format tokenizers (_llama_bpe): "<unk>" pads, "<s>" begins, "</s>" ends
+LLAMA_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def decoder_text(vocab_size: int, layers: int, **settings) -> dict:
+    """The settings of a decoder-only text model TEXT_DIM wide with two attention heads and two key/value
+    heads (Qwen2.5-VL's text, Mistral 3's, Llama), `layers` deep, beside the model's own `settings`."""
+    sizes = dict(hidden_size=TEXT_DIM, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2)
+    return dict(vocab_size=vocab_size, **sizes, **settings)
+
+
 def qwen_vl_encoder(seed: int, vocab_size: int):
     """Qwen2.5-VL, text and a one-layer vision tower, TEXT_DIM wide (what QwenImagePipeline encodes with)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
     rope = {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}  # 8 = head_dim 16 / 2
-    text = dict(
-        hidden_size=TEXT_DIM,
-        intermediate_size=TEXT_DIM,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=vocab_size,
-        rope_scaling=rope,
-        rope_theta=1e6,
-        bos_token_id=0,
-        eos_token_id=0,
+    text = decoder_text(
+        vocab_size, 2, intermediate_size=TEXT_DIM, rope_scaling=rope, rope_theta=1e6, bos_token_id=0, eos_token_id=0
     )
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
     config = Qwen2_5_VLConfig(
@@ -175,30 +177,12 @@ def mistral3_encoder(seed: int, vocab_size: int):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     torch.manual_seed(seed)
-    text = dict(
-        model_type="mistral",
-        hidden_size=TEXT_DIM,
-        intermediate_size=TEXT_DIM,
-        num_hidden_layers=30,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=TEXT_DIM // 2,
-        vocab_size=vocab_size,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    text = decoder_text(vocab_size, 30, intermediate_size=TEXT_DIM, max_position_embeddings=512, **LLAMA_IDS)
+    text |= dict(model_type="mistral", head_dim=TEXT_DIM // 2)
     vision = dict(
-        model_type="pixtral",
-        hidden_size=16,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        head_dim=8,
-        image_size=32,
-        patch_size=8,
-    )
+        model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        head_dim=8, image_size=32, patch_size=8,
+    )  # fmt: skip
     config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab_size - 1)
     return Mistral3ForConditionalGeneration(config).eval()
 
@@ -209,18 +193,22 @@ def llama_encoder(seed: int, vocab_size: int):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=TEXT_DIM,
-        intermediate_size=2 * TEXT_DIM,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+        **decoder_text(vocab_size, 4, intermediate_size=2 * TEXT_DIM, max_position_embeddings=64, **LLAMA_IDS)
     )
     return LlamaModel(config).eval()
+
+
+def vae_blocks(down: str, up: str, widths: tuple[int, ...], groups: int) -> dict:
+    """A tiny VAE's blocks, as the image and video VAEs of diffusers take them: one `down` and one `up`
+    block per width of `widths`, one layer each, their norms in `groups` groups."""
+    n = len(widths)
+    return dict(
+        down_block_types=(down,) * n,
+        up_block_types=(up,) * n,
+        block_out_channels=widths,
+        layers_per_block=1,
+        norm_num_groups=groups,
+    )
 
 
 def hunyuan_vae(seed: int, latent_channels: int):
@@ -228,16 +216,10 @@ def hunyuan_vae(seed: int, latent_channels: int):
     from diffusers import AutoencoderKLHunyuanVideo
 
     torch.manual_seed(seed)
+    blocks = vae_blocks("HunyuanVideoDownBlock3D", "HunyuanVideoUpBlock3D", (8, 8, 8, 8), groups=4)
+    compression = dict(spatial_compression_ratio=8, temporal_compression_ratio=4)
     return AutoencoderKLHunyuanVideo(
-        latent_channels=latent_channels,
-        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        norm_num_groups=4,
-        scaling_factor=0.476986,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
+        latent_channels=latent_channels, scaling_factor=0.476986, **blocks, **compression
     ).eval()
 
 
@@ -288,16 +270,8 @@ def image_vae(seed: int, latent_channels: int, kind: str = "AutoencoderKL", **co
     import diffusers
 
     torch.manual_seed(seed)
-    return getattr(diffusers, kind)(
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        norm_num_groups=8,
-        latent_channels=latent_channels,
-        sample_size=16,
-        **config,
-    ).eval()
+    blocks = vae_blocks("DownEncoderBlock2D", "UpDecoderBlock2D", (8, 16), groups=8)
+    return getattr(diffusers, kind)(latent_channels=latent_channels, sample_size=16, **blocks, **config).eval()
 
 
 def flux2_vae(seed: int, latent_channels: int):
@@ -314,17 +288,9 @@ def video_vae(seed: int):
     from diffusers import AutoencoderKLCogVideoX
 
     torch.manual_seed(seed)
-    return AutoencoderKLCogVideoX(
-        down_block_types=("CogVideoXDownBlock3D",) * 3,
-        up_block_types=("CogVideoXUpBlock3D",) * 3,
-        block_out_channels=(8, 8, 8),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=2,
-        temporal_compression_ratio=4,
-        sample_height=32,
-        sample_width=32,
-    ).eval()
+    blocks = vae_blocks("CogVideoXDownBlock3D", "CogVideoXUpBlock3D", (8, 8, 8), groups=2)
+    sample = dict(sample_height=32, sample_width=32)
+    return AutoencoderKLCogVideoX(latent_channels=4, temporal_compression_ratio=4, **blocks, **sample).eval()
 
 
 def _causal_3d_vae(cls_name: str, seed: int, latent_channels: int, **shape):

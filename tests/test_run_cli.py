@@ -93,16 +93,20 @@ def test_run_failure_leaves_no_partial_file(folder, tmp_path):
 
 def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
     """`--output-type latent` writes latents.pt: under cfg 2, under PipeFusion 2 with every step
-    a warmup step, and compiled (`--compile`) under ulysses 2, equal to diffusers' own pipeline run
-    serially with output_type="latent" (1e-4 relative). Each PipeFusion stage reports part of the
-    transformer's parameters and sends patches."""
+    a warmup step, compiled (`--compile`) under ulysses 2, and with sharded weights (`--shard-weights`)
+    under ring 2, equal to diffusers' own pipeline run serially with output_type="latent" (1e-4
+    relative). Each PipeFusion stage reports part of the transformer's parameters and sends patches;
+    with sharded weights each rank reports half of the transformer and of the text encoder, and
+    gathers them ("weights", "world")."""
     from diffusers import DiffusionPipeline
 
     configs = {
         "cfg": ParallelConfig(cfg=2),
         "pipefusion": ParallelConfig(pipefusion=2, warmup_steps=3),
         "compiled": ParallelConfig(ulysses=2),
+        "sharded": ParallelConfig(ring=2),
     }
+    flags = {"compiled": ["--compile"], "sharded": ["--shard-weights"]}
     _succeed(
         [
             production.torchrun_argv(2, master_port=port)
@@ -112,7 +116,7 @@ def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
                 config,
                 "--output-type",
                 "latent",
-                *(["--compile"] if name == "compiled" else []),
+                *flags.get(name, []),
             )
             for port, (name, config) in zip(_ports(len(configs)), configs.items())
         ],
@@ -138,6 +142,13 @@ def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
     staged = json.loads((tmp_path / "pipefusion" / "report.json").read_text())
     assert staged["config"]["pipefusion"] == 2
     assert all(r["memory"]["parameter_bytes"]["transformer"] < whole["transformer"] for r in staged["ranks"])
+    sharded = json.loads((tmp_path / "sharded" / "report.json").read_text())
+    assert sharded["shard_weights"] is True
+    for r in sharded["ranks"]:
+        held = r["memory"]["parameter_bytes"]
+        assert 0.4 < held["transformer"] / whole["transformer"] <= 0.6, held
+        assert 0.4 < held["text_encoder"] / whole["text_encoder"] <= 0.6, held
+        assert r["bytes_out_by_group"]["weights"] > 0 and r["bytes_out_by_group"]["world"] > 0
     assert all(r["bytes_out_by_group"].get("pipefusion", 0) > 0 for r in staged["ranks"])
 
 

@@ -43,7 +43,7 @@ def _two_steps(folder, config, prompts, size, control=None):
     with wrong_stale_kv(control) if control else contextlib.nullcontext():
         pipe = load_pipeline(folder, config, progress=False)
         kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, height=size[0], width=size[1])
-        session = pipe.session(prompts, seed=0, **kwargs)
+        session = pipe.session(prompts, seed=0, timeline=True, **kwargs)
         after = [rank_summary(session.step()) for _ in range(2)]
     return dict(
         summaries=after, latent=session.latents[0, 0].numpy(), spans=session.last_step_spans, comm=session.comm_per_step

@@ -274,7 +274,12 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--guidance", type=float, help="guidance scale (default: the family's)")
     run.add_argument("--height", type=_count(1))
     run.add_argument("--width", type=_count(1))
-    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    run.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto (default): bfloat16 on a GPU, float32 on a CPU",
+    )
     run.add_argument("--output", required=True, help="folder for the images and report.json")
     run.add_argument(
         "--output-type",

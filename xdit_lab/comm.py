@@ -321,38 +321,42 @@ def _recorded_fsdp_all_gather():
 
 
 def exchange(
-    sends: list[tuple[torch.Tensor, int]],
-    recvs: list[tuple[torch.Tensor, int]],
-    mesh,
-    group: str,
-    *,
-    tag: str = "",
-    returning: bool = False,
-) -> list:
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], mesh, group: str, *, tag: str = ""
+):
     """Start sends and receives together (batch_isend_irecv); return the requests to wait on.
 
-    `sends` and `recvs` pair a tensor with a global peer rank. Receives are filled in place.
-    `returning`: on the group's second communicator (RankMesh.group), recorded under the group.
+    `sends` and `recvs` pair a tensor with a global peer rank. Receives are filled in place. Each
+    message travels on the communicator RankMesh.p2p_group names for its direction (under "pipefusion"
+    the two-rank link: a send to `peer` on rank -> peer, a receive from it on peer -> rank; otherwise
+    the group's own), one batch per communicator.
     CUDA tensors over gloo (ranks sharing a GPU) travel through host copies: gloo's send and recv
     read and write host memory only, and given a device pointer fail ("writev ...: Bad address")."""
-    ops, landing, sent = [], {}, 0
-    pg = mesh.group(group, returning=returning)
-    through_host = any(t.is_cuda for t, _ in (*sends, *recvs)) and dist.get_backend(pg) == "gloo"
-    for tensor, peer in sends:
-        tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
-        _record("send", group, mesh.group_size(group), tensor, tensor.numel() * tensor.element_size(), tag)
-        sent += tensor.numel() * tensor.element_size()
-        ops.append(dist.P2POp(dist.isend, tensor.cpu() if through_host else tensor, peer, group=pg))
-    for tensor, peer in recvs:
-        if through_host:
-            landing[len(ops)] = tensor
-            tensor = torch.empty(tensor.shape, dtype=tensor.dtype)
-        ops.append(dist.P2POp(dist.irecv, tensor, peer, group=pg))
+    batches: dict = {}  # communicator -> its P2POps and, per op index, the device tensor a receive lands in
+    sent, size = 0, mesh.group_size(group)
+    for direction, pairs in (("send", sends), ("recv", recvs)):
+        for tensor, peer in pairs:
+            src, dst = (mesh.rank, peer) if direction == "send" else (peer, mesh.rank)
+            pg = mesh.p2p_group(group, src, dst)
+            ops, landing = batches.setdefault(pg, ([], {}))
+            through_host = tensor.is_cuda and dist.get_backend(pg) == "gloo"
+            if direction == "send":
+                tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
+                _record("send", group, size, tensor, tensor.numel() * tensor.element_size(), tag)
+                sent += tensor.numel() * tensor.element_size()
+                ops.append(dist.P2POp(dist.isend, tensor.cpu() if through_host else tensor, peer, group=pg))
+            else:
+                if through_host:
+                    landing[len(ops)] = tensor
+                    tensor = torch.empty(tensor.shape, dtype=tensor.dtype)
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, group=pg))
+    requests = []
     posting = next(_POSTINGS) if _OPEN_TIMELINES else -1
     with _timed("post", "exchange", group, tag, sent, posting=posting):
-        requests = dist.batch_isend_irecv(ops) if ops else []
-    if landing:  # gloo returns one request per op, in order
-        requests = [_Landing(r, ops[i].tensor, landing[i]) if i in landing else r for i, r in enumerate(requests)]
+        for ops, landing in batches.values():
+            posted = dist.batch_isend_irecv(ops)
+            if landing:  # gloo returns one request per op, in order
+                posted = [_Landing(r, ops[i].tensor, landing[i]) if i in landing else r for i, r in enumerate(posted)]
+            requests += posted
     if _OPEN_TIMELINES:  # what a wait is waiting for, for its span
         requests = [_Named(r, group, tag, posting) for r in requests]
     return requests

@@ -12,8 +12,10 @@ further. For 8 ranks with ulysses 2, ring 2, cfg 2:
 
 Groups are made here and nowhere else. Every rank of the world must build the mesh (torch's
 `new_group` is collective); a configuration smaller than the world runs on its first
-`config.world_size` ranks and the rest are idle (`mesh.active` is False there). Each group gets
-the world's timeout (a lost peer raises after it, not after NCCL's default), and `close()`
+`config.world_size` ranks and the rest are idle (`mesh.active` is False there). PipeFusion's
+point-to-point messages travel on links: one two-rank communicator per direction between neighbouring
+stages (`link(src, dst)`), so that no message waits behind another direction's (see `_build_links`).
+Each group gets the world's timeout (a lost peer raises after it, not after NCCL's default), and `close()`
 destroys them: every reconfiguration makes a new mesh, and NCCL communicators hold GPU memory
 until destroyed.
 """
@@ -75,7 +77,7 @@ class RankMesh:
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._group_ranks: dict[str, list[int]] = {}
         self._made: list[dist.ProcessGroup] = []  # every group this process made, in order, for close()
-        self._return_group = None  # the async PipeFusion schedule's second pipefusion communicator
+        self._links: dict[tuple[int, int], dist.ProcessGroup] = {}  # (src, dst) -> PipeFusion's link src -> dst
         self._device_meshes: dict = {}  # (group name, device type) -> a 1-D DeviceMesh over it, for FSDP2
         self.closed = False
         self.handle = comm.handle(self)  # how a compiled graph's collectives find this mesh
@@ -133,16 +135,39 @@ class RankMesh:
                     self._group_ranks[name] = members
                     if group is not None:
                         self._made.append(group)
-        if self.config.pipefusion_schedule == "async":
-            # The async schedule's return path (the last stage's latents back to stage 0) gets a
-            # communicator of its own: NCCL runs one communicator's point-to-point ops in the order
-            # posted, so latents queued behind the next step's patches would wait for them forever.
-            for members in self.all_groups(PIPEFUSION):
-                group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
-                if self.rank in members:
-                    self._return_group = group
-                    if group is not None:
-                        self._made.append(group)
+        self._build_links(timeout)
+
+    def all_links(self) -> list[tuple[int, int]]:
+        """PipeFusion's links, each (src, dst) global ranks: stage s -> s+1 in every pipefusion group, and
+        under the async schedule the last stage -> stage 0 (the latents going back). Empty at degree 1."""
+        n = self.shape[PIPEFUSION]
+        if n == 1:
+            return []
+        wrap = self.config.pipefusion_schedule == "async"
+        return [
+            (stages[s], stages[(s + 1) % n])
+            for stages in self.all_groups(PIPEFUSION)  # in stage order: only pipefusion varies within one
+            for s in range(n if wrap else n - 1)
+        ]
+
+    def _build_links(self, timeout) -> None:
+        """One two-rank communicator per direction between neighbouring PipeFusion stages.
+
+            stage     0 ──link 0→1──> 1 ──link 1→2──> 2        the patches' activations
+                      ^                               │
+                      └─────────── link 2→0 ──────────┘        async: a step's latents, back to stage 0
+
+        NCCL runs one communicator's operations in the order they were posted. On one communicator for
+        all of them, a middle stage's send of patch i would wait behind its receive of patch i+1 (posted
+        first, so that it arrives while patch i computes), that is, until the previous stage has computed
+        patch i+1; and a communicator over every stage is initialised by all of its ranks together, which
+        a stage that never uses it never joins. On a link each rank only sends or only receives, in the
+        order the other end posts the matching operations, and both ends use it."""
+        for src, dst in self.all_links():
+            group = dist.new_group(sorted((src, dst)), timeout=timeout)  # collective: every rank, same order
+            if self.rank in (src, dst):
+                self._links[src, dst] = group
+                self._made.append(group)
 
     def close(self) -> None:
         """Destroy this mesh's process groups (their NCCL communicators and buffers). Safe to call
@@ -163,21 +188,38 @@ class RankMesh:
             except ValueError:
                 pass  # not registered any more: the world it belonged to was shut down and made again
 
-    def group(self, name: str, *, returning: bool = False):
-        """The process group of this rank for `name`, or None when its degree is 1. `returning`: the
-        PipeFusion group's second communicator, the async schedule's way back to stage 0."""
+    def group(self, name: str):
+        """The process group of this rank for `name`, or None when its degree is 1."""
         self._check_name(name)
         group = self._groups.get(name)
-        if returning:
-            if name != PIPEFUSION or self.config.pipefusion_schedule != "async":
-                raise ValueError("only the pipefusion group of an async schedule has a return communicator")
-            group = self._return_group
+        self._check_open(group)
+        return group
+
+    def p2p_group(self, name: str, src: int, dst: int):
+        """The communicator a message of group `name` from global rank `src` to `dst` travels on (this rank
+        is one of the two): PipeFusion's link of that direction, or the group's own communicator."""
+        return self.link(src, dst) if name == PIPEFUSION else self.group(name)
+
+    def link(self, src: int, dst: int):
+        """The communicator of PipeFusion's messages from global rank `src` to `dst`, neighbouring stages
+        (`_build_links`); this rank is one of the two."""
+        self._check_name(PIPEFUSION)
+        if (src, dst) not in self._links:
+            raise ValueError(
+                f"no PipeFusion link {src} -> {dst} on rank {self.rank}: links join stage s to s+1 (and, under "
+                f"the async schedule, the last stage to stage 0) within one pipefusion group; this rank's are "
+                f"{sorted(self._links) or 'none'}"
+            )
+        group = self._links[src, dst]
+        self._check_open(group)
+        return group
+
+    def _check_open(self, group) -> None:
         if self.closed and group is not None:
             raise RuntimeError(
                 f"this mesh ({self.config.short()}) was closed: its process groups are destroyed; "
                 f"build a new RankMesh (or load the pipeline again)"
             )
-        return group
 
     def device_mesh(self, name: str, device_type: str = "cpu"):
         """A 1-D torch DeviceMesh over this rank's group `name` (made once, cached; released by close()),

@@ -23,10 +23,8 @@ from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .mesh import WORLD
 from .models import StepCache
-from .pipeline import load_pipeline
+from .pipeline import load_pipeline, resolve_dtype
 from .request_memory import rank_memory
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def atomic_write(path: Path, write) -> Path:
@@ -56,7 +54,7 @@ def run_generation(
     seed: int = 0,
     height=None,
     width=None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     output_type: str = "pil",
     progress: bool = True,
     timeout_s: float = 600,
@@ -68,13 +66,14 @@ def run_generation(
 ) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
     `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer;
-    `shard_weights` and `on_host` place the weights as load_pipeline's arguments of those names do."""
+    `shard_weights` and `on_host` place the weights as load_pipeline's arguments of those names do; `dtype`
+    "auto" is bfloat16 on a GPU, float32 on a CPU (the report names the one it ran in)."""
     init_distributed(timeout_s=timeout_s)
     cache = None if cache_threshold is None else StepCache(cache_threshold)
     pipe = load_pipeline(
         model,
         config,
-        torch_dtype=DTYPES[dtype],
+        torch_dtype=dtype,
         progress=progress,
         cache=cache,
         compile=compile,
@@ -118,7 +117,7 @@ def run_generation(
         negative_prompts=negative_prompts,
         seed=seed,
         steps=len(result.timings["steps"]),
-        dtype=dtype,
+        dtype=str(resolve_dtype(dtype, pipe.device)).removeprefix("torch."),
         outputs=files,
         timings=result.timings,
         cache_threshold=cache_threshold,

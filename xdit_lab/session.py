@@ -41,47 +41,87 @@ from .mesh import CFG, DP, WORLD
 from .models import parallel_state
 from .sharding import shard_sizes
 
+PHASES = ("encode", "prepare", "step", "decode")
+
 
 class PhaseTimings:
-    """Wall-clock seconds per phase: encode, prepare, each denoising step, decode."""
+    """Seconds per phase: encode, prepare, each denoising step, decode, measured without waiting for the device.
+
+    A phase is a pair of marks around its block. On a GPU a mark is a CUDA event recorded on the current
+    stream: kernels run after the host queues them, so the seconds between two events are what the device
+    ran between them, and recording one costs the host nothing. Their elapsed times are read once, when the
+    figures are asked for (`steps`, `encode`, ..., `as_dict()`): that read waits for the phase's last event,
+    never for a step still running. On a CPU a mark is the host clock (nothing runs asynchronously).
+
+        host    [step 0 queued][step 1 queued][step 2 queued] ... as_dict(): waits for the last mark read
+        device     e0 [step 0 runs] e1 [step 1 runs] e2 ...         seconds = elapsed(e0, e1), ...
+    """
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.encode = self.prepare = self.decode = 0.0
-        self.steps: list[float] = []
+        self.device = torch.device(device)
+        self._marks: dict[str, list] = {phase: [] for phase in PHASES}  # per block: (start, end), or its seconds
 
     @contextlib.contextmanager
     def measure(self, phase: str):
-        self._sync()
-        start = time.perf_counter()
+        if phase not in self._marks:
+            raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(PHASES)}")
+        start = self._mark()
         yield
-        self._sync()  # GPU work is asynchronous: time what ran, not what was queued
-        elapsed = time.perf_counter() - start
-        if phase == "step":
-            self.steps.append(elapsed)
-        else:
-            setattr(self, phase, getattr(self, phase) + elapsed)
+        self._marks[phase].append((start, self._mark()))
 
-    def _sync(self):
+    def _mark(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, phase: str) -> list[float]:
+        """Every block of `phase` in seconds; read once (marks become floats, events are released)."""
+        marks = self._marks[phase]
+        for i, mark in enumerate(marks):
+            if isinstance(mark, tuple):
+                start, end = mark
+                if isinstance(start, float):
+                    marks[i] = end - start
+                else:
+                    end.synchronize()  # this event only: the figures were asked for
+                    marks[i] = start.elapsed_time(end) / 1000  # milliseconds -> seconds
+        return list(marks)
+
+    @property
+    def steps(self) -> list[float]:
+        return self._seconds("step")
+
+    @property
+    def encode(self) -> float:
+        return sum(self._seconds("encode"))
+
+    @property
+    def prepare(self) -> float:
+        return sum(self._seconds("prepare"))
+
+    @property
+    def decode(self) -> float:
+        return sum(self._seconds("decode"))
 
     def as_dict(self) -> dict:
-        return dict(
-            encode=self.encode,
-            prepare=self.prepare,
-            steps=list(self.steps),
-            denoise=sum(self.steps),
-            decode=self.decode,
-        )
+        steps = self.steps
+        return dict(encode=self.encode, prepare=self.prepare, steps=steps, denoise=sum(steps), decode=self.decode)
 
 
 class DenoiseSession:
-    def __init__(self, pipe, request: Request, *, progress: bool = False):
+    """One generation, stepped. `timeline=True` (the Lab and the explorer turn it on) records each step's
+    comm_timeline into `last_step_spans`: host clock readings around every collective, posting, wait and
+    PipeFusion patch, for session.timeline(). Off by default: a production step records only the bytes
+    (comm_per_step, always), and waits for nothing on the host."""
+
+    def __init__(self, pipe, request: Request, *, progress: bool = False, timeline: bool = False):
         self.pipe, self.request, self.recipe = pipe, request, pipe.recipe
         self.timings = PhaseTimings(pipe.device)
         self.comm_per_step: list[dict[str, int]] = []  # bytes out of this rank, per group, per step
-        self.last_step_spans: dict | None = None  # the last step's comm_timeline (lab: session.timeline())
+        self.record_timeline = timeline  # may be switched between steps
+        self.last_step_spans: dict | None = None  # the last recorded step's comm_timeline (lab: session.timeline())
         self.cache_skips: list[bool] = []  # per step: whether a StepCache skipped the blocks after the first
         self.cache_changes: list[float | None] = []  # per step: the first block's relative change it measured
         self.comm_decode: dict[tuple[str, str], int] | None = None  # (group, tag): bytes, once decoded
@@ -123,15 +163,19 @@ class DenoiseSession:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> DenoiseSession:
-        """Run exactly one scheduler step on all ranks."""
+        """Run exactly one scheduler step on all ranks. Nothing here waits for the device: the step's
+        kernels and transfers are queued, its timing is a pair of events (PhaseTimings); a StepCache's
+        decision is the one read back (models/cache.py)."""
         if self.done:
             raise RuntimeError(f"all {self.num_steps} steps are done; call result() or start a new session")
         state = parallel_state(self.pipe.diffusers_pipeline.transformer)
         t = self.prepared.timesteps[self.step_index]
-        with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, comm.comm_timeline() as spans:
+        timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
+        with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans:
             state.strategy.run_step(self, t)
         self.comm_per_step.append(log.bytes_by_group())
-        self.last_step_spans = dict(step=self.step_index, seconds=spans.end_s - spans.start_s, spans=spans.rows())
+        if spans is not None:
+            self.last_step_spans = dict(step=self.step_index, seconds=spans.end_s - spans.start_s, spans=spans.rows())
         self.cache_skips.append(bool(state.cache and state.cache.skips[-1]))  # the same on every rank: agreed
         self.cache_changes.append(state.cache.changes[-1] if state.cache else None)
         self.step_index += 1

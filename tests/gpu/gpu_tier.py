@@ -142,8 +142,9 @@ FAMILY_OPTIONS = {  # what each tiny family's pipeline takes (cf. tiny_pipeline_
 
 
 def run_args(model, output, *extra, steps: int) -> list[str]:
-    """`xdit-lab run` of `model` with a fixed seed, writing latents (no VAE), quietly."""
-    common = f"--seed 7 --no-progress --output-type latent --timeout 120 --steps {steps}".split()
+    """`xdit-lab run` of `model` with a fixed seed, writing latents (no VAE), quietly; in float32 (the bounds
+    are float32's; the GPU default, --dtype auto, is bfloat16)."""
+    common = f"--seed 7 --no-progress --output-type latent --timeout 120 --steps {steps} --dtype float32".split()
     return ["run", "--model", str(model), "--output", str(output), *common, *extra]
 
 

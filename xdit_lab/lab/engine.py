@@ -84,8 +84,8 @@ def start_session(state: dict, args: tuple, kwargs: dict):
     pipe = state.get("pipe")
     if pipe is None:
         raise RuntimeError("no pipeline is loaded on this engine: call lab.load(...) first")
-    if pipe.active:
-        state["session"] = pipe.session(*args, **kwargs)
+    if pipe.active:  # the Lab draws each step in time (session.timeline()): recorded here, opt-in elsewhere
+        state["session"] = pipe.session(*args, **{"timeline": True, **kwargs})
     return progress(state)
 
 

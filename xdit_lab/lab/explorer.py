@@ -202,9 +202,7 @@ class ExplorerController:
         rows, best first (lab/folder_planning.py); ValueError says what is wrong. A blank folder plans the
         loaded model in the dtype it was loaded in, for the explorer's own request (its prompts, size and
         call options); another folder at that model's defaults, in bfloat16 (plan_model's default)."""
-        import torch
-
-        from ..pipeline import resolve_folder
+        from ..pipeline import resolve_dtype, resolve_folder
         from .folder_planning import plan_folder
 
         if str(folder).strip():
@@ -212,7 +210,8 @@ class ExplorerController:
         options = dict(self.session_kwargs)
         size = dict(height=options.pop("height", None), width=options.pop("width", None))
         loaded = self.lab.loaded
-        dtype = loaded.kwargs.get("torch_dtype") or torch.float32  # load_pipeline's default
+        device = self.lab.ranks[0].get("device", "cpu") if self.lab.ranks else "cpu"  # load_pipeline's "auto"
+        dtype = resolve_dtype(loaded.kwargs.get("torch_dtype", "auto"), device)
         folder = resolve_folder(loaded.name_or_path)
         return plan_folder(folder, gpus, gpu_memory, batch=len(self.prompts()), options=options, dtype=dtype, **size)
 

@@ -57,9 +57,7 @@ def async_step(stage, session, t) -> None:
     arriving = []
     if stage.awaiting:  # stage 0: this step's latents, patch by patch, from the last stage
         for buffer in stage.awaiting:
-            arriving.append(
-                (buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION, returning=True))
-            )
+            arriving.append((buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)))
         stage.awaiting = None
     sent, last_step = [], session.step_index + 1 == session.num_steps
     for p in range(patches):
@@ -84,7 +82,7 @@ def async_step(stage, session, t) -> None:
         flat[:, elements] = stepped.reshape(flat.shape)[:, elements]
         if not last_step:
             region = flat[:, elements]
-            sent += comm.exchange([(region, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="latents", returning=True)
+            sent += comm.exchange([(region, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="latents")
     comm.wait(stage.returning)  # the previous step's: stage 0 took them before this step's patches
     stage.returning = sent
     if mesh.is_first_stage and not last_step:  # what the last stage sends back, kept on the stage (reset)
@@ -109,8 +107,8 @@ def check_patchwise_scheduler(recipe, pipe, prepared, latents: torch.Tensor, t) 
     )
     if noisy:
         found.append("it draws noise at every step, which each patch would draw apart")
-    scaled = recipe.scale_model_input(pipe, latents, t)
-    if not torch.equal(scaled.to(latents.dtype), latents):
+    scaled = recipe.scale_model_input(pipe, latents, t)  # the same tensor back: unscaled, nothing to read
+    if scaled is not latents and not torch.equal(scaled.to(latents.dtype), latents):  # once per session
         found.append("it scales the model input by the step, which only the last stage follows")
     if found:
         raise ValueError(

@@ -6,9 +6,10 @@ whole image during warmup):
   - the embeddings are computed from the whole latent and this rank keeps the patch's tokens; a
     later stage replaces them, at its first block, with what the previous stage sent
   - a stage that is not the last stops after its last block and sends the activations on
-  - a stage posts patch i+1's receive before patch i's send: NCCL runs a group's point-to-point
-    ops on one stream in the order posted, and a receive holds up what follows it, so posting all
-    receives first would stall a middle stage's sends. Messages are in the model's dtype.
+  - a stage posts patch i+1's receive before it computes patch i, so the next patch arrives while this
+    one computes. Receives come in on the link from the previous stage, sends leave on the link to the
+    next (RankMesh.link: one communicator per direction), so a send never queues behind a receive (NCCL
+    runs one communicator's operations in the order posted). Messages are in the model's dtype.
 Joint-attention families (SD3, Flux, CogVideoX, Qwen-Image) change their text in every block, so a
 stage hands over the patch's image tokens and the text states its blocks produced for that patch
 (whole, on every sp rank). Their attention keeps image K/V per patch and recomputes text K/V (and
@@ -187,7 +188,7 @@ class PipeFusionStage:
         next session's receives would get them."""
         if self.awaiting:
             received = [(buffer, self.mesh.pipeline_prev) for buffer in self.awaiting]
-            comm.wait(comm.exchange([], received, self.mesh, PIPEFUSION, returning=True))
+            comm.wait(comm.exchange([], received, self.mesh, PIPEFUSION))
         comm.wait(self.returning)
         self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
         self.cursor, self.pending_sends, self.awaiting, self.returning = 0, [], None, []
@@ -256,7 +257,7 @@ class PipeFusionStage:
             self.active = active
             if receiving is not None:
                 incoming, requests = receiving
-                if i + 1 < len(patch_sets):  # one patch ahead, posted before this patch's send (see above)
+                if i + 1 < len(patch_sets):  # one patch ahead, arriving while this one computes
                     receiving = receive(patch_sets[i + 1])
                 comm.wait(requests)
                 self.incoming = incoming

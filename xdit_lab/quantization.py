@@ -174,6 +174,15 @@ def quantized_weight_bytes(shape, scheme: str) -> int:
     return out * inner + out * SCHEMES[scheme][1]
 
 
+def quantized_form(tensor: torch.Tensor) -> str | None:
+    """The scheme a parameter is stored in ("int8", "float8"; another torchao subclass by its class name),
+    or None for a plain (or DTensor) parameter."""
+    kind = type(tensor)
+    if not kind.__module__.startswith("torchao"):
+        return None
+    return {"Int8Tensor": "int8", "Float8Tensor": "float8"}.get(kind.__name__, kind.__name__)
+
+
 def stored_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor holds, a torchao subclass by its inner tensors (its own numel counts the whole weight
     at the load dtype), a DTensor by its local part."""

@@ -268,6 +268,38 @@ def test_a_quantized_load_never_holds_the_whole_transformer_in_full_precision(wi
     assert control["rise"] > whole > bound, (control["rise"] / MiB, whole / MiB)
 
 
+# ---- accuracy on the digits: int8's deviation bounded, a coarser scheme above the bound -----------------------
+
+# relative L2 of the final latents against the unquantized run (benchmarks/quantization.py, 4 per digit: int8
+# 0.008, float8 0.033, the int4 control 0.155): int8 sits well under the bound, the control well over it
+INT8_BOUND = 0.03
+
+
+def _digits_deviation(per_digit):
+    """(rank) The digits unquantized, with int8 and with the int4 control (a scale per 32 inputs): each run's
+    relative L2 against the unquantized latents, and the classifier's accuracy."""
+    from xdit_lab.digits.sample import generate_parallel
+    from xdit_lab.lessons.controls import coarser_quantization
+
+    schemes = {"float32": None, "int8": "int8", "control": coarser_quantization(4, 32)}
+    runs = {name: generate_parallel(ParallelConfig(), per_digit, quantization=q) for name, q in schemes.items()}
+    base = runs["float32"]["latents"]
+    return {
+        name: dict(
+            deviation=((run["latents"] - base).norm() / base.norm()).item(),
+            accuracy=sum(r == d for r, d in zip(run["read"], run["digits"])) / len(run["digits"]),
+        )
+        for name, run in runs.items()
+    }
+
+
+def test_int8_weights_stay_within_their_bound_on_the_digits_and_a_coarser_scheme_does_not():
+    found = run_on_ranks(_digits_deviation, 1, 1, timeout_s=900)[0]
+    assert found["int8"]["deviation"] <= INT8_BOUND, found
+    assert found["control"]["deviation"] > INT8_BOUND, found  # the bound can fail
+    assert found["int8"]["accuracy"] >= found["float32"]["accuracy"] - 0.1, found  # one digit in ten at most
+
+
 def test_torchaos_false_alarms_are_dropped_and_its_other_logs_kept():
     """With torchao installed, diffusers' and torchao's imports print three lines that concern nothing run here
     (quantization.FALSE_ALARMS); importing xdit_lab drops exactly those: a record of the same logger with another

@@ -26,13 +26,14 @@ import traceback
 _CONTEXT = None
 # diffusers imports its models and pipelines lazily, on a class's first use: about 2 s of CPU that
 # every rank of every run would pay again (4 ranks share 2 cores here). The forkserver pays it once.
+# xdit_lab first: its import filters the log lines torchao's presence prints (quantization.FALSE_ALARMS) before
+# diffusers' modeling_utils imports torchao.
 PRELOAD = [
-    "torch",
+    "xdit_lab",
     "torch.distributed",
     "diffusers",
     "diffusers.models.modeling_utils",
     "diffusers.pipelines.pipeline_utils",
-    "xdit_lab",
 ]
 
 

@@ -101,7 +101,7 @@ def generate_parallel(config, per_digit: int = 10, cache=None, quantization=None
     t0 = time.perf_counter()
     session = pipe.session([prompt_for(d) for d in digits], generator=generators)  # the folder's defaults
     session.run()
-    latents = session.latents.clone()
+    latents = session.latents.to("cpu", copy=True)  # a CUDA tensor would not travel back to the parent
     images = session.result(output_type="np").images
     return {
         "latents": latents,

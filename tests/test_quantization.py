@@ -11,10 +11,13 @@ Composition: every strategy, a StepCache against diffusers' First-Block Cache, c
 The peak of a quantized load, and the accuracy bound of int8 with its control, follow.
 """
 
+import json
+
 import pytest
 import torch
 
 from xdit_lab import ParallelConfig, RankMesh, StepCache, load_pipeline
+from xdit_lab.distributed import free_port
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.quantization import FALSE_ALARMS
 from xdit_lab.testing import reset_peak, run_on_ranks, status_kib
@@ -266,6 +269,72 @@ def test_a_quantized_load_never_holds_the_whole_transformer_in_full_precision(wi
     print(f"peak rise MiB: ours {ours['rise'] / MiB:.0f}, bound {bound / MiB:.0f}, control {control['rise'] / MiB:.0f}")
     assert ours["rise"] <= bound, (ours["rise"] / MiB, bound / MiB)
     assert control["rise"] > whole > bound, (control["rise"] / MiB, whole / MiB)
+
+
+# ---- as the commands take it ------------------------------------------------------------------------------------
+
+
+def test_xdit_lab_run_quantize_under_torchrun_equals_diffusers_quantized(folders, tmp_path):
+    """`xdit-lab run --quantize int8` under torchrun on 2 ranks (ulysses 2), as tutorial 10's helpers launch
+    it: the latents equal diffusers' quantized pipeline's, and the report says int8 and counts each rank's
+    transformer at its int8 bytes (under half of the float32 files)."""
+    from xdit_lab.lessons import production
+
+    folder, output = folders["pixart"], tmp_path / "run"
+    kwargs = _kwargs("pixart")
+    negatives = kwargs.pop("negative_prompt")
+    argv = production.run_argv(
+        folder, PROMPTS, ParallelConfig(ulysses=2), output, seed=0, negative_prompt=negatives, **kwargs
+    )
+    command = production.torchrun_argv(2, master_port=free_port()) + ["-m", "xdit_lab.cli", *argv]
+    command += ["--quantize", "int8", "--output-type", "latent"]
+    (result,) = production.run_processes([command], 300)
+    assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
+    expected = _reference(folder, "pixart", "int8")
+    latents = torch.load(output / "latents.pt")
+    assert ((latents - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    report = json.loads((output / "report.json").read_text())
+    assert report["quantization"] == "int8"
+    whole = _whole(folder, "transformer")
+    for rank in report["ranks"]:
+        assert rank["memory"]["parameter_bytes"]["transformer"] < 0.5 * whole, rank["memory"]
+
+
+def test_xdit_lab_plan_quantize_counts_int8_bytes_of_a_real_model(tmp_path):
+    """`xdit-lab plan --model FLUX.1-dev --quantize int8 --json` on a header-only folder: every row int8 and
+    unsharded (the combination is refused at load), its transformer a little over half the published bfloat16
+    bytes (one byte per linear weight, a scale and zero point per row, the rest in bfloat16) and its T5 as well;
+    the same command without --quantize (the control) plans the bfloat16 bytes."""
+    import subprocess
+    import sys
+
+    from xdit_lab.real_models import save_header_only
+
+    folder = save_header_only("FLUX.1-dev", tmp_path / "flux-dev")
+    plans = {}
+    for extra in ([], ["--quantize", "int8"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "xdit_lab.cli", "plan", "--model", str(folder), "--world-size", "2"]
+            + ["--gpu-memory", "24GB", "--json", "--top", "0", *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        plans[bool(extra)] = json.loads(done.stdout)
+    whole = {row["config"]: row for row in plans[False] if not row["shard_weights"] and row["text_encoders"] == "gpu"}
+    assert all(row["quantize"] is None for row in plans[False])
+    assert plans[True] and all(row["quantize"] == "int8" and not row["shard_weights"] for row in plans[True])
+    assert all(row["text_encoders"] != "sharded" for row in plans[True])
+    for row in plans[True]:
+        if row["text_encoders"] != "gpu":
+            continue
+        bf16 = whole[row["config"]]["terms"]
+        for name in ("transformer", "text_encoder_2"):
+            ratio = row["terms"][f"weights: {name}"] / bf16[f"weights: {name}"]
+            assert 0.5 < ratio < 0.53, (row["config"], name, ratio)
+    ulysses = next(row for row in plans[True] if row["config"] == "ulysses2" and row["text_encoders"] == "gpu")
+    assert ulysses["fits"] and not whole["ulysses2"]["fits"]  # int8 fits 2 × 24 GB where bfloat16 does not
 
 
 # ---- accuracy on the digits: int8's deviation bounded, a coarser scheme above the bound -----------------------

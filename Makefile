@@ -92,8 +92,8 @@ gpu-check:
 # Wheels for a GPU machine without network (Python 3.12, Linux x86-64): what tests/gpu needs beyond
 # torch, transformers, accelerate, safetensors and einops, at the versions in this .venv. Run it here
 # (with network), carry $(WHEELS) there; it is ignored by git (build/).
-GPU_TIER_PACKAGES := diffusers ipyparallel
-GPU_WHEEL_NAMES := diffusers importlib_metadata lazy-importer ipyparallel ipykernel ipython ipython_pygments_lexers jupyter_client \
+GPU_TIER_PACKAGES := diffusers ipyparallel torchao
+GPU_WHEEL_NAMES := diffusers torchao importlib_metadata lazy-importer ipyparallel ipykernel ipython ipython_pygments_lexers jupyter_client \
 	jupyter_core traitlets decorator pyzmq tornado comm debugpy matplotlib-inline nest-asyncio2 jedi parso pexpect \
 	ptyprocess prompt_toolkit wcwidth stack_data executing asttokens pure_eval platformdirs
 gpu-wheels: $(STAMP)

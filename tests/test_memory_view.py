@@ -2,7 +2,7 @@
 
 On 2 real gloo ranks, a tiny Flux pipeline (two text encoders) loaded with shard_weights=True and its T5
 (text_encoder_2) kept in host memory, stepped once; then, on the same ranks, the same pipeline loaded whole:
-the control, which shows that the checks below can fail. rank_summary's memory["components"] must equal what
+the control, which shows that the checks below can fail; then with int8 weights. rank_summary's memory["components"] must equal what
 the test counts on the rank tensor by tensor (a parameter's local shard, the buffers its state_dict saves),
 and each sharded component about half of the whole as safetensors' own reader counts it from the files.
 
@@ -40,7 +40,8 @@ def _summaries(folder):
     from xdit_lab.lab.summaries import rank_summary
 
     out = {}
-    for name, keywords in (("sharded", dict(shard_weights=True, on_host=ON_HOST)), ("whole", {})):
+    runs = (("sharded", dict(shard_weights=True, on_host=ON_HOST)), ("whole", {}), ("int8", dict(quantization="int8")))
+    for name, keywords in runs:
         pipe = load_pipeline(folder, ParallelConfig(ulysses=2), progress=False, **keywords)
         session = pipe.session(["a red cat"], seed=0, **dict(tiny_pipeline_kwargs("flux"), num_inference_steps=2))
         session.step()
@@ -207,3 +208,25 @@ def test_a_wrong_folder_gpu_count_or_memory_is_said(flux_dev, folder, gpus, memo
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan_folder(flux_dev if folder is None else folder, gpus, memory)
+
+
+def test_quantized_components_are_reported_and_drawn_with_their_scheme(flux):
+    """Loaded with quantization="int8": the transformer and both text encoders say int8, each holds what the
+    plan counted from the headers (the closed form of quantization.SCHEMES, not the summary's count), under
+    the float32 files (the transformer, mostly linear weights, under half); the VAE stays plain. The whole load (the control) says no scheme."""
+    from xdit_lab.lab.views import draw_memory
+
+    folder, ranks = flux
+    for run in ranks:
+        memory = run["int8"]["summary"]["memory"]
+        for name in ("transformer", "text_encoder", "text_encoder_2"):
+            held = memory["components"][name]
+            assert held["quantized"] == ["int8"] and not held["sharded"], (name, held)
+            assert held["held_bytes"] == memory["plan"]["per_rank_bytes"][name], name
+            assert held["held_bytes"] < _from_files(folder, name), name  # tiny encoders: mostly embeddings
+        transformer = memory["components"]["transformer"]["held_bytes"]
+        assert transformer < 0.5 * _from_files(folder, "transformer")
+        assert memory["components"]["vae"]["quantized"] == []
+        assert all(not c["quantized"] for c in run["whole"]["summary"]["memory"]["components"].values())
+    labels = [t.get_text() for t in draw_memory([run["int8"]["summary"] for run in ranks]).legends[0].get_texts()]
+    assert "transformer (int8 weights)" in labels and "text_encoder_2 (int8 weights)" in labels, labels

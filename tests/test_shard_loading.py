@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from xdit_lab.safetensors_io import CorruptWeightsError
 from xdit_lab.shard_loading import WeightsMismatchError, load_weights, materialize
-from xdit_lab.testing import run_on_ranks
+from xdit_lab.testing import reset_peak, run_on_ranks, status_kib
 
 MiB = 2**20
 
@@ -107,11 +106,6 @@ def _fsdp_equality(folder, family, meta):
 def _io() -> dict[str, int]:
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
 @pytest.fixture(scope="module")
@@ -413,15 +407,6 @@ def big_folder(tmp_path_factory):
     return folder
 
 
-def _reset_peak() -> tuple[int, int]:
-    """Reset VmHWM to the current resident set (writing 5 to /proc/self/clear_refs); (the peak
-    before, the peak after), in KiB above the resident set."""
-    before = _status_kib("VmHWM") - _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return before, _status_kib("VmHWM") - _status_kib("VmRSS")
-
-
 def _peak(folder, method):
     """One rank loads its FSDP2 shard of _Blocks (`ours`), or the control reads every file whole with
     safetensors' load_file (`load_file`). The rise of its peak resident set during the load, its
@@ -443,16 +428,16 @@ def _peak(folder, method):
         os.close(fd)
     probe = torch.ones(64 * MiB // 4)  # the reset works: a peak 64 MiB above the resident set goes
     del probe
-    reset = _reset_peak()
+    reset = reset_peak()
     dist.barrier()
-    rss, io = _status_kib("VmRSS"), _io()
+    rss, io = status_kib("VmRSS"), _io()
     if method == "ours":
         materialize(model, "cpu")
         load_weights(model, folder, dtype=torch.float32)
     else:
         held = [load_file(f) for f in files]  # tensors map the files, paged in as they are read:
         sum(float(t.sum()) for tensors in held for t in tensors.values())  # read, as a copy into a model does
-    rise = (_status_kib("VmHWM") - rss) * 1024
+    rise = (status_kib("VmHWM") - rss) * 1024
     after = _io()
     equal = None
     if method == "ours":  # this rank's rows against safetensors' own reader

@@ -9,6 +9,9 @@ from .comm import CommLog, CommRecord, comm_log
 from .config import CostEstimate, ParallelConfig, ParallelConfigError
 from .distributed import init_distributed, shutdown_distributed
 from .mesh import RankMesh
+from .quantization import drop_false_alarms
+
+drop_false_alarms()  # log lines that torchao's presence prints on every pipeline load (see quantization.py)
 
 __version__ = "0.1.0"
 

@@ -23,6 +23,7 @@ from .config import DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _vi
 from .distributed import usable_cpu_cores
 from .fit.command import memory_size
 from .plan_table import format_plan, plan_table
+from .quantization import SCHEMES
 
 
 def _count(minimum: int):
@@ -89,14 +90,17 @@ def cmd_plan_model(args) -> int:
         raise ParallelConfigError("--model needs --gpu-memory: the memory of one GPU, e.g. --gpu-memory 24GB")
     world_size = args.world_size if args.world_size is not None else local_world_size()[0]
     options = dict(height=args.height, width=args.width, batch=args.batch, use_cfg=False if args.no_cfg else None)
+    options["quantize"] = args.quantize
     return print_plan(args.model, world_size, args.gpu_memory, getattr(torch, args.dtype), args.json, args.top, options)
 
 
 def cmd_plan(args) -> int:
     if args.model is not None:
         return cmd_plan_model(args)
-    if args.gpu_memory is not None or args.json or args.height or args.width:
-        raise ParallelConfigError("--gpu-memory, --json, --height and --width plan a model: give --model FOLDER too")
+    if args.gpu_memory is not None or args.json or args.height or args.width or args.quantize:
+        raise ParallelConfigError(
+            "--gpu-memory, --json, --height, --width and --quantize plan a model: give --model FOLDER too"
+        )
     if args.world_size is None:
         world_size, why = local_world_size()
         source = f"this machine: {why}"
@@ -140,7 +144,7 @@ def _option(text: str) -> tuple[str, object]:
 
 # `run`'s arguments that run_generation takes under the same names, as they are
 RUN_ARGUMENTS_AS_NAMED = tuple(
-    "steps seed height width dtype output_type cache_threshold compile shard_weights".split()
+    "steps seed height width dtype output_type cache_threshold compile shard_weights quantization".split()
 )
 
 
@@ -249,6 +253,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--gpu-memory", type=memory_size, metavar="SIZE", help="with --model: one GPU's memory (24GB, 22.5GiB, bytes)"
     )
     plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="with --model")
+    plan.add_argument(
+        "--quantize",
+        choices=list(SCHEMES),
+        help="with --model: the transformer's and text encoders' linear weights in this torchao weight-only scheme",
+    )
     plan.add_argument("--height", type=_count(1), help="with --model: the image height (default: the model's)")
     plan.add_argument("--width", type=_count(1), help="with --model: the image width (default: the model's)")
     plan.add_argument("--json", action="store_true", help="with --model: print the rows as a JSON list")
@@ -320,6 +329,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="COMPONENT",
         help="keep this text encoder (e.g. text_encoder_2) in host memory and run it there; repeat for more",
+    )
+    run.add_argument(
+        "--quantize",
+        dest="quantization",
+        choices=list(SCHEMES),
+        help="load the transformer's and text encoders' linear weights in this torchao weight-only scheme, block "
+        "by block as they are read (int8: 1 byte per weight and a scale per row); not with --shard-weights",
     )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -18,7 +18,7 @@ import torch
 
 from .families import FAMILIES
 from .safetensors_io import SAFETENSORS_DTYPES, read_safetensors_header
-from .shard_loading import load_weights, materialize
+from .shard_loading import load_weights, materialize, transformers_key_renaming
 
 
 def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -142,28 +142,62 @@ def load_sharded(model, folder: Path, dtype: torch.dtype, device, rename=None) -
     return model.eval()
 
 
-def transformers_key_renaming(model):
-    """file key -> module key, as transformers' from_pretrained renames a checkpoint's keys for `model`
-    (transformers 5's conversion mapping: Mistral 3's and Qwen2.5-VL's published keys differ from their
-    modules'); None where this transformers release has no such mapping. A conversion that changes
-    tensors (not only names) cannot be read row by row: refused by name."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-    except ImportError:  # transformers 4: checkpoint keys are the module's
-        return None
-    transforms = get_model_conversion_mapping(model)
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    if converters:
-        raise NotImplementedError(
-            f"{type(model).__name__}'s checkpoint is converted tensor by tensor when transformers loads it "
-            f"({type(converters[0]).__name__}), which a rank reading only its own rows cannot do; load it "
-            f"without shard_weights, or keep it on the host (on_host=...)"
-        )
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    keys = model.state_dict()
+def load_quantized(model, library: str, folder: Path, dtype, device, quantization, name: str, lists, rename=None):
+    """Fill an empty model block by block, quantizing each as soon as it is read (quantization.py): the
+    model's outside-the-blocks part first (its linear layers quantized too), then each block of `lists`
+    ([(attribute, nn.ModuleList)], in the model's order) read, quantized, kept. So a rank holds the
+    quantized blocks and one block in full precision, never the whole model at the load dtype. `rename`: a
+    file key -> module key mapping of the model's keys (a PipeFusion stage's, transformers' conversion)."""
+    from .quantization import quantize_block, quantized_linears
 
-    def rename(key: str) -> str:
-        return rename_source_key(key, renamings, [], model.base_model_prefix, keys)[0]
+    config = quantization.config_for(name)
+    chosen = quantized_linears(model, library, quantization.skipped(name))  # by the library's own rules
+    rename = rename or (lambda key: key)
+    held = {attribute: layers for attribute, layers in lists}
 
-    return rename
+    def put(attribute, layers):  # `attribute` may be dotted: the list sits on a submodule
+        parent, _, leaf = attribute.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, layers)
+
+    for attribute in held:  # the blocks apart: the rest of the model is loaded and quantized without them
+        put(attribute, torch.nn.ModuleList())
+
+    def outside_blocks(key):
+        mine = rename(key)
+        return None if mine is None or any(mine.startswith(f"{a}.") for a in held) else mine
+
+    load_weights(materialize(model, device, dtype=dtype), folder, dtype=dtype, rename=outside_blocks)
+    quantize_block(model, config, chosen)
+    for attribute, layers in held.items():
+        for index, block in enumerate(layers):
+            prefix = f"{attribute}.{index}."
+
+            def in_block(key, prefix=prefix):
+                mine = rename(key)
+                return mine[len(prefix) :] if mine is not None and mine.startswith(prefix) else None
+
+            load_weights(materialize(block, device, dtype=dtype), folder, dtype=dtype, rename=in_block)
+            quantize_block(block, config, chosen, prefix=prefix)
+        put(attribute, layers)
+    return model.eval()
+
+
+def load_quantized_transformer(folder: Path, class_name: str, dtype, device, quantization, stage_blocks=None):
+    """The transformer in `folder`, quantized block by block as it is read (a PipeFusion stage: its blocks)."""
+    model = empty_model(folder, "diffusers", class_name, dtype)
+    rename = keep_stage(model, class_name, stage_blocks) if stage_blocks is not None else None
+    adapter = FAMILIES[class_name]
+    lists = [(attribute, getattr(model, attribute)) for attribute in adapter.block_lists]
+    return load_quantized(model, "diffusers", folder, dtype, device, quantization, "transformer", lists, rename)
+
+
+def load_quantized_text_encoder(folder: Path, class_name: str, dtype, device, quantization, name: str):
+    """A transformers text encoder quantized layer by layer as it is read (its repeated layers: the same
+    lists sharded weights cut, models.sharded_weights.repeated_layers)."""
+    from .models.sharded_weights import repeated_layers
+
+    model = empty_model(folder, "transformers", class_name, dtype)
+    rename = transformers_key_renaming(model)
+    return load_quantized(
+        model, "transformers", folder, dtype, device, quantization, name, repeated_layers(model), rename
+    )

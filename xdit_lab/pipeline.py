@@ -29,10 +29,18 @@ import torch.distributed as dist
 from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .families import FAMILIES, Request, recipe_for
-from .loading import load_sharded_text_encoder, load_sharded_transformer, load_stage_transformer
+from .loading import (
+    load_quantized_text_encoder,
+    load_quantized_transformer,
+    load_sharded_text_encoder,
+    load_sharded_transformer,
+    load_stage_transformer,
+)
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import PIPEFUSION, RankMesh
 from .models import StepCache, compile_problems, parallelize
+from .quantization import QuantizationError
+from .quantization import resolve as resolve_quantization
 from .request_memory import plan_request, rows_of_one_prompt
 from .session import DenoiseSession
 from .vae import apply_parallel_vae
@@ -133,6 +141,7 @@ def load_pipeline(
     compile: bool = False,
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
+    quantization=None,
     **unknown,
 ) -> ParallelPipeline:
     """Load a pipeline folder of a family with a recipe (families.RECIPES) and parallelize it on this rank.
@@ -152,6 +161,9 @@ def load_pipeline(
     from the files only the rows it keeps (loading.py). On one rank there is nothing to shard: it says so.
     `on_host=("text_encoder_2",)` keeps those text encoders in host memory and runs them there (their
     outputs come to this rank's device): nothing of them on the GPU, a slower encode.
+    `quantization="int8"` (or "float8", or diffusers' PipelineQuantizationConfig with torchao configs)
+    quantizes the linear weights of the transformer and the text encoders with torchao, block by block as
+    they are read (quantization.py): the plan counts the quantized bytes before loading.
 
     `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype)."""
     if unknown:
@@ -170,6 +182,13 @@ def load_pipeline(
         if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()
     ]
     on_host = check_on_host(on_host, folder, index, components)
+    quantized = resolve_quantization(quantization, components)
+    if quantized is not None and shard_weights and config.world_size > 1:
+        raise QuantizationError(
+            "quantization with shard_weights: torchao's quantized weights (Int8Tensor, Float8Tensor) do not "
+            "implement FSDP2's all-gather extensions (fsdp_pre_all_gather), so a quantized block cannot be sharded "
+            "and gathered; use one of the two (xdit-lab plan --model says which fits)"
+        )
     if not dist.is_initialized():
         init_distributed()
     info = current_info()
@@ -194,8 +213,8 @@ def load_pipeline(
             decode_latent=recipe.default_latent(folder, call_defaults),
             stale_kv_rows=rows_of_one_prompt(config, recipe, call_defaults),
         )
-        if sharding or on_host:  # who holds which weights, as the planner counts them (fit/)
-            plan = placed_plan(plan, folder, torch_dtype, config, sharding, on_host)
+        if sharding or on_host or quantized:  # who holds which weights, as the planner counts them (fit/)
+            plan = placed_plan(plan, folder, torch_dtype, config, sharding, on_host, quantized)
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
             return ParallelPipeline(
@@ -203,27 +222,29 @@ def load_pipeline(
             )
 
         loaded = {}  # components built here, each rank reading only what it keeps; diffusers loads the rest
-        if sharding and "transformer" in components:  # parallelized, sharded, then this rank's rows read
-            loaded["transformer"] = load_sharded_transformer(
-                folder / "transformer",
-                index["transformer"][1],
-                config,
-                mesh,
-                torch_dtype,
-                info.device,
-                cache=cache,
-                compile=compile,
-            )
-        elif config.pipefusion > 1 and "transformer" in components:
-            # a stage materialises only its own blocks (plus embeddings and output layers)
-            transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
-            adapter = FAMILIES[index["transformer"][1]]
-            blocks = config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
-            loaded["transformer"] = load_stage_transformer(
-                folder / "transformer", index["transformer"][1], blocks, torch_dtype
-            )
+        if quantized is not None:  # read block by block, each block quantized as soon as it is read
+            loaded.update(load_quantized_components(folder, index, config, mesh, torch_dtype, info.device, quantized))
+        if "transformer" in components and "transformer" not in loaded:
+            if sharding:  # parallelized, sharded, then this rank's rows read
+                loaded["transformer"] = load_sharded_transformer(
+                    folder / "transformer",
+                    index["transformer"][1],
+                    config,
+                    mesh,
+                    torch_dtype,
+                    info.device,
+                    cache=cache,
+                    compile=compile,
+                )
+            elif config.pipefusion > 1:  # a stage materialises only its own blocks (and what is outside them)
+                loaded["transformer"] = load_stage_transformer(
+                    folder / "transformer",
+                    index["transformer"][1],
+                    stage_blocks(folder, index, config, mesh),
+                    torch_dtype,
+                )
         for name in text_encoders(index, components) if sharding else ():
-            if name not in on_host:
+            if name not in on_host and name not in loaded:
                 loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, torch_dtype, info.device)
         try:
             inner = from_pretrained(folder, index, torch_dtype, loaded)
@@ -242,7 +263,7 @@ def load_pipeline(
         inner.set_progress_bar_config(disable=True)
         recipe.check_pipeline(inner)
         for name, component in inner.components.items():
-            if isinstance(component, torch.nn.Module) and name not in loaded:
+            if isinstance(component, torch.nn.Module) and (name not in loaded or name in on_host):
                 component.to("cpu" if name in on_host else info.device)
         for name in on_host:
             run_on_host(getattr(inner, name), info.device)
@@ -302,6 +323,7 @@ LOAD_KEYWORDS = (
     "compile",
     "shard_weights",
     "on_host",
+    "quantization",
 )
 
 
@@ -336,17 +358,47 @@ def check_on_host(on_host, folder: Path, index: dict, components: list[str]) -> 
     return names
 
 
-def placed_plan(plan: MemoryPlan, folder: Path, dtype, config, sharding: bool, on_host: tuple[str, ...]) -> MemoryPlan:
+def stage_blocks(folder: Path, index: dict, config, mesh) -> tuple[int, int]:
+    """[start, stop) of the transformer's blocks this rank's PipeFusion stage holds, from the folder's config."""
+    transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
+    adapter = FAMILIES[index["transformer"][1]]
+    return config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
+
+
+def load_quantized_components(folder: Path, index: dict, config, mesh, dtype, device, quantized) -> dict:
+    """The components `quantized` names, each built empty and filled block by block, every block quantized
+    as soon as it is read (loading.load_quantized): the transformer (a PipeFusion stage: its blocks) and
+    transformers text encoders. Anything else is refused by name."""
+    loaded = {}
+    for name in quantized.configs:
+        library, class_name = index[name]
+        if name == "transformer":
+            blocks = stage_blocks(folder, index, config, mesh) if config.pipefusion > 1 else None
+            loaded[name] = load_quantized_transformer(folder / name, class_name, dtype, device, quantized, blocks)
+        elif library == "transformers" and name.startswith("text_encoder"):
+            loaded[name] = load_quantized_text_encoder(folder / name, class_name, dtype, device, quantized, name)
+        else:
+            raise QuantizationError(
+                f"{name} ({class_name}) is not quantized by xdit_lab: it quantizes the transformer and the text "
+                f"encoders as it loads them; leave {name} out of the quantization's components"
+            )
+    return loaded
+
+
+def placed_plan(plan: MemoryPlan, folder: Path, dtype, config, sharding: bool, on_host, quantized=None) -> MemoryPlan:
     """The load's plan with each component's weights as this rank holds them when they are sharded (FSDP2:
-    the transformer over its stage's ranks, text encoders over the world) or kept in host memory, and the
-    gather buffer a sharded forward holds: counted by the planner (fit.held_weights), from the headers."""
+    the transformer over its stage's ranks, text encoders over the world), kept in host memory or quantized,
+    and the gather buffer a sharded forward holds: counted by the planner (fit.held_weights), from the headers.
+    A quantization that is not a named scheme is planned at the load dtype (more than it will hold), said so."""
     import dataclasses
 
     from .fit import held_weights, read_model_folder
 
     model = read_model_folder(folder, dtype)
     placements = {name: "host" if name in on_host else "sharded" if sharding else "gpu" for name in model.text_encoders}
-    weights, gather, _, _, host = held_weights(model, config, sharding, placements)
+    scheme = quantized.scheme if quantized is not None else None
+    covered = tuple(quantized.configs) if scheme is not None else ()
+    weights, gather, _, _, host = held_weights(model, config, sharding, placements, scheme=scheme, quantized=covered)
     placed = dataclasses.replace(
         plan,
         per_rank_bytes={**plan.per_rank_bytes, **weights},
@@ -361,6 +413,13 @@ def placed_plan(plan: MemoryPlan, folder: Path, dtype, config, sharding: bool, o
         )
     if on_host:
         placed.notes.append(f"in host memory, not on the device: {', '.join(on_host)} ({human_bytes(host)})")
+    if scheme is not None:
+        placed.notes.append(f"{scheme} weight-only (torchao): the linear weights of {', '.join(covered)}")
+    elif quantized is not None:
+        placed.notes.append(
+            f"quantized with a config that is no named scheme, or with modules_to_not_convert: "
+            f"{', '.join(quantized.configs)} planned at the load dtype (more than they will hold)"
+        )
     return placed
 
 

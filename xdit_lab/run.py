@@ -63,11 +63,12 @@ def run_generation(
     compile: bool = False,
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
+    quantization: str | None = None,
 ) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
     `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer;
-    `shard_weights` and `on_host` place the weights as load_pipeline's arguments of those names do; `dtype`
-    "auto" is bfloat16 on a GPU, float32 on a CPU (the report names the one it ran in)."""
+    `shard_weights`, `on_host` and `quantization` place and store the weights as load_pipeline's arguments of
+    those names do; `dtype` "auto" is bfloat16 on a GPU, float32 on a CPU (the report names the one it ran in)."""
     init_distributed(timeout_s=timeout_s)
     cache = None if cache_threshold is None else StepCache(cache_threshold)
     pipe = load_pipeline(
@@ -79,6 +80,7 @@ def run_generation(
         compile=compile,
         shard_weights=shard_weights,
         on_host=on_host,
+        quantization=quantization,
     )
     if not pipe.active:
         return None  # a configuration smaller than the world: this rank sits out
@@ -124,6 +126,7 @@ def run_generation(
         compiled=compile,
         shard_weights=shard_weights,
         on_host=list(on_host),
+        quantization=quantization,
         cache_skips=result.cache_skips,
         memory_plan={
             "per_rank_bytes": pipe.memory_plan.per_rank_bytes,

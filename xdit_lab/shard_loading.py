@@ -395,3 +395,30 @@ def _read_item(fd: int, data_start: int, item: _Item, target, chunk_bytes: int) 
         fd, begin, nbytes, SAFETENSORS_DTYPES[info["dtype"]], local, chunk_bytes, f"{item.file}: {item.file_key!r}"
     )
     return nbytes
+
+
+def transformers_key_renaming(model):
+    """file key -> module key, as transformers' from_pretrained renames a checkpoint's keys for `model`
+    (transformers 5's conversion mapping: Mistral 3's and Qwen2.5-VL's published keys differ from their
+    modules'); None where this transformers release has no such mapping. A conversion that changes
+    tensors (not only names) cannot be read row by row: refused by name."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers 4: checkpoint keys are the module's
+        return None
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if converters:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s checkpoint is converted tensor by tensor when transformers loads it "
+            f"({type(converters[0]).__name__}), which a rank reading only its own rows cannot do; load it "
+            f"without shard_weights, or keep it on the host (on_host=...)"
+        )
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    keys = model.state_dict()
+
+    def rename(key: str) -> str:
+        return rename_source_key(key, renamings, [], model.base_model_prefix, keys)[0]
+
+    return rename

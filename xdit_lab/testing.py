@@ -19,19 +19,21 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import re
 import time
 import traceback
 
 _CONTEXT = None
 # diffusers imports its models and pipelines lazily, on a class's first use: about 2 s of CPU that
 # every rank of every run would pay again (4 ranks share 2 cores here). The forkserver pays it once.
+# xdit_lab first: its import filters the log lines torchao's presence prints (quantization.FALSE_ALARMS) before
+# diffusers' modeling_utils imports torchao.
 PRELOAD = [
-    "torch",
+    "xdit_lab",
     "torch.distributed",
     "diffusers",
     "diffusers.models.modeling_utils",
     "diffusers.pipelines.pipeline_utils",
-    "xdit_lab",
 ]
 
 
@@ -151,3 +153,21 @@ def run_on_ranks(
     if failures:
         raise RankFailure(f"{getattr(fn, '__name__', fn)} on {world_size} ranks failed:\n\n" + "\n\n".join(failures))
     return [outcomes[rank][1] for rank in range(world_size)]
+
+
+# ---- a process's peak resident set (Linux /proc), for the tests that bound a load's memory ----------------------
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS: resident now, VmHWM: the peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def reset_peak() -> tuple[int, int]:
+    """Reset VmHWM to the current resident set (writing 5 to /proc/self/clear_refs); (the peak before,
+    the peak after), in KiB above the resident set: a caller checks the reset worked."""
+    before = status_kib("VmHWM") - status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return before, status_kib("VmHWM") - status_kib("VmRSS")

@@ -83,21 +83,25 @@ def measure_accuracy(pipe, per_digit: int = 10, **overrides) -> dict:
     }
 
 
-def generate_parallel(config, per_digit: int = 10, cache=None) -> dict:
+def generate_parallel(config, per_digit: int = 10, cache=None, quantization=None) -> dict:
     """On a rank of `config`: per_digit images of each digit (seeds 0..per_digit-1, one generator
-    each) through load_pipeline (with a StepCache when given); the final latents, what the
-    classifier reads, the seconds the denoising steps took and the steps the cache skipped."""
+    each) through load_pipeline (with a StepCache, a quantization when given); the final latents, what
+    the classifier reads, the seconds the denoising steps took, the steps the cache skipped and the
+    bytes the transformer's weights hold on this rank."""
     import torch
 
     from ..pipeline import load_pipeline
+    from ..quantization import stored_bytes
 
     digits = [d for d in range(10) for _ in range(per_digit)]
     generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per_digit)]
-    pipe = load_pipeline("digits", config, progress=False, cache=cache)
+
+    pipe = load_pipeline("digits", config, progress=False, cache=cache, quantization=quantization)
+    weights = sum(stored_bytes(p) for p in pipe.diffusers_pipeline.transformer.parameters())
     t0 = time.perf_counter()
     session = pipe.session([prompt_for(d) for d in digits], generator=generators)  # the folder's defaults
     session.run()
-    latents = session.latents.clone()
+    latents = session.latents.to("cpu", copy=True)  # a CUDA tensor would not travel back to the parent
     images = session.result(output_type="np").images
     return {
         "latents": latents,
@@ -106,4 +110,5 @@ def generate_parallel(config, per_digit: int = 10, cache=None) -> dict:
         "seconds": time.perf_counter() - t0,
         "denoise_seconds": sum(session.timings.steps),
         "skips": list(session.cache_skips),
+        "transformer_bytes": weights,
     }

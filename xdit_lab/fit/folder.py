@@ -19,6 +19,7 @@ import torch
 
 from ..families import FAMILIES, FamilyAdapter
 from ..models.sharded_weights import gather_buffer_bytes
+from ..quantization import quantized_linears, quantized_weight_bytes
 from ..safetensors_io import CorruptWeightsError, read_safetensors_header
 
 
@@ -37,10 +38,18 @@ class Tensor:
     shape: tuple[int, ...]
     element: int
     parameter: bool = True
+    linear: bool = False  # a weight a quantization scheme replaces (quantization.quantized_linears)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.element
+
+    def held_bytes(self, ranks: int = 1, scheme: str | None = None) -> int:
+        """What the busiest of `ranks` holds: quantized (a linear weight under a named scheme, never
+        sharded: load_pipeline refuses both at once) or its FSDP2 shard."""
+        if scheme is not None and self.linear and len(self.shape) == 2:
+            return quantized_weight_bytes(self.shape, scheme)
+        return self.shard_bytes(ranks)
 
     def shard_bytes(self, ranks: int) -> int:
         """What the busiest of `ranks` holds: FSDP2 cuts dim 0 as torch.chunk does, ceil(dim0 / ranks)
@@ -67,11 +76,12 @@ class Weights:
     def whole(self) -> int:
         return sum(t.nbytes for t in self.root) + sum(t.nbytes for block in self.blocks for t in block)
 
-    def held(self, ranks: int = 1, blocks: tuple[int, int] | None = None) -> int:
-        """Bytes one rank holds of the root and blocks [start, stop) (all by default), sharded over `ranks`."""
+    def held(self, ranks: int = 1, blocks: tuple[int, int] | None = None, scheme: str | None = None) -> int:
+        """Bytes one rank holds of the root and blocks [start, stop) (all by default), sharded over `ranks`
+        or with its linear weights quantized under `scheme` (quantization.SCHEMES)."""
         start, stop = blocks if blocks is not None else (0, len(self.blocks))
         kept = [t for block in self.blocks[start:stop] for t in block]
-        return sum(t.shard_bytes(ranks) for t in (*self.root, *kept))
+        return sum(t.held_bytes(ranks, scheme) for t in (*self.root, *kept))
 
     def gather(self, ranks: int, blocks: tuple[int, int] | None = None) -> int:
         """The unsharded copies a forward holds at once when sharded over `ranks`, on top of the shards
@@ -221,7 +231,7 @@ def _read_weights(name, library, class_name, config, sub: Path, element: int, no
             raise CorruptWeightsError(
                 f"{file} has a malformed safetensors header ({type(error).__name__}: {error}); save or copy it again"
             ) from None
-    buffers = _buffer_names(library, class_name, config, notes, name)
+    buffers, linears, rename = _module_facts(library, class_name, config, notes, name)
     adapter = FAMILIES.get(class_name) if name == "transformer" else None
     root: list[Tensor] = []
     blocks: dict = {}
@@ -229,7 +239,8 @@ def _read_weights(name, library, class_name, config, sub: Path, element: int, no
     for key, (dtype, shape) in headers.items():
         stored_element = _SAFETENSORS_BYTES.get(dtype, 4)
         stored += math.prod(shape) * stored_element
-        tensor = Tensor(shape, element if dtype in _FLOATS else stored_element, key not in buffers)
+        mine = rename(key) or key  # the module's name for it (transformers renames some checkpoints' keys)
+        tensor = Tensor(shape, element if dtype in _FLOATS else stored_element, mine not in buffers, mine in linears)
         block = adapter.block_index(key, config) if adapter is not None else _encoder_block(key)
         (root if block is None else blocks.setdefault(block, [])).append(tensor)
     if adapter is not None:  # stacked order, every block the config names (an empty one holds nothing)
@@ -252,26 +263,32 @@ def _encoder_block(key: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _buffer_names(library, class_name, config, notes, name) -> frozenset[str]:
-    """Names of the persistent buffers the class saves beside its parameters (SD3's pos_embed), which
-    FSDP2 leaves whole: found by building the class from its configuration on the meta device."""
-    found = _buffers_of(library, class_name, json.dumps(config, sort_keys=True))
-    if isinstance(found, str):  # an exotic class: plan every tensor as a parameter, and say so
+def _module_facts(library, class_name, config, notes, name):
+    """(persistent buffers, quantized weights, file key -> module key) of the class built from its
+    configuration on the meta device: the buffers FSDP2 leaves whole (SD3's pos_embed), the nn.Linear
+    weights a quantization scheme replaces (the library's own rules, quantization.quantized_linears), and
+    transformers' renaming of a checkpoint's keys."""
+    found = _facts_of(library, class_name, json.dumps(config, sort_keys=True))
+    if isinstance(found, str):  # an exotic class: plan every tensor as a sharded, unquantized parameter, and say so
         notes.append(f"{name}: {class_name} could not be built from its config ({found}); its buffers count as sharded")
-        return frozenset()
+        return frozenset(), frozenset(), lambda key: key
     return found
 
 
 @functools.lru_cache(maxsize=64)
-def _buffers_of(library: str, class_name: str, config_json: str) -> frozenset[str] | str:
-    """The persistent buffers of `class_name` built from a configuration (cached: a few tenths of a
-    second for a model of billions of parameters), or why it could not be built."""
+def _facts_of(library: str, class_name: str, config_json: str):
+    """_module_facts, cached (a few tenths of a second for a model of billions of parameters), or why the
+    class could not be built."""
+    from ..shard_loading import transformers_key_renaming
+
     config = json.loads(config_json)
     try:
         cls = getattr(importlib.import_module(library), class_name)
         with torch.device("meta"):
             model = cls(cls.config_class.from_dict(config)) if library == "transformers" else cls.from_config(config)
-    except Exception as error:  # noqa: BLE001 - any failure only means the buffers stay unknown
+        rename = (transformers_key_renaming(model) if library == "transformers" else None) or (lambda key: key)
+    except Exception as error:  # noqa: BLE001 - any failure only means the module's facts stay unknown
         return f"{type(error).__name__}: {error}"
     parameters = {key for key, _ in model.named_parameters()}
-    return frozenset(key for key in model.state_dict() if key not in parameters)
+    buffers = frozenset(key for key in model.state_dict() if key not in parameters)
+    return buffers, quantized_linears(model, library), rename

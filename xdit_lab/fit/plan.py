@@ -12,6 +12,7 @@ import torch
 from ..config import DEGREES, CostEstimate, ParallelConfig
 from ..memory import busiest_stale_kv_bytes, decode_peak_bytes
 from ..plan_table import aligned
+from ..quantization import SCHEMES
 from ..sharding import batch_rows
 from .folder import ModelFolder, read_model_folder
 from .requests import Call, RequestShape, make_call, request_shape
@@ -42,11 +43,14 @@ class PlannedRequest:
     image_tokens: int
     transformer_bytes: int
     notes: tuple[str, ...]
+    quantize: str | None = None  # a named scheme (quantization.SCHEMES) on the transformer and text encoders
 
     def describe(self) -> str:
         frames = f", {self.frames} latent frames" if self.frames > 1 else ""
+        quantized = f", its linear weights {self.quantize}" if self.quantize else ""
         return (
-            f"{self.pipeline_class} ({self.transformer_class}, {self.transformer_bytes / GB:.1f} GB in {self.dtype}) "
+            f"{self.pipeline_class} ({self.transformer_class}, {self.transformer_bytes / GB:.1f} GB in {self.dtype}"
+            f"{quantized}) "
             f"at {self.height}×{self.width}{frames}: {self.image_tokens:,} image tokens, {self.prompts} prompt(s) × "
             f"{self.branches} branch(es)"
         )
@@ -71,6 +75,7 @@ class FitRow:
     gather_traffic: int  # bytes a rank all-gathers per step (sharded weights)
     encode_gather_traffic: int  # bytes a rank all-gathers per request (sharded text encoders)
     host_bytes: int  # text encoders kept in host memory by this rank's process
+    quantize: str | None = None  # the transformer's and text encoders' linear weights in this scheme
     unknown: tuple[str, ...] = ()
     bounds: tuple[str, ...] = ()
     request: PlannedRequest | None = field(default=None, repr=False, compare=False)
@@ -104,7 +109,11 @@ class FitRow:
         return self.traffic_per_step / bytes_per_s
 
     def name(self) -> str:
-        return self.config.short() + ("·sharded" if self.shard_weights else "")
+        return (
+            self.config.short()
+            + ("·sharded" if self.shard_weights else "")
+            + (f"·{self.quantize}" * bool(self.quantize))
+        )
 
     def to_json(self) -> dict:
         return dict(
@@ -112,6 +121,7 @@ class FitRow:
             degrees={d: getattr(self.config, d) for d in DEGREES},
             num_patches=self.config.patches if self.config.pipefusion > 1 else None,
             shard_weights=self.shard_weights,
+            quantize=self.quantize,
             text_encoders=self.text_encoders,
             per_rank_bytes=self.per_rank_bytes,
             gpu_memory_bytes=self.gpu_memory_bytes,
@@ -138,6 +148,7 @@ def plan_model(
     batch: int = 1,
     use_cfg: bool | None = None,
     options: dict | None = None,
+    quantize: str | None = None,
 ) -> list[FitRow]:
     """Every way to run the pipeline in `folder` on `world_size` GPUs of `gpu_memory_bytes` each, what
     one rank holds under each (FitRow), ranked: fitting rows first, then by the cost model with
@@ -146,13 +157,18 @@ def plan_model(
 
     `height`, `width`: the request's size (default: the folder's call defaults, else the family's).
     `use_cfg`: two branches or one (default: what the family's recipe runs at its default call).
-    `options`: the family's call options (max_sequence_length, num_frames, ...)."""
+    `options`: the family's call options (max_sequence_length, num_frames, ...).
+    `quantize`: a named scheme ("int8", "float8": quantization.SCHEMES) for the linear weights of the transformer
+    and the text encoders, as load_pipeline(quantization=...) loads them; its rows shard nothing (torchao's
+    quantized tensors have no FSDP2 all-gather: load_pipeline refuses the two together)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive whole number of prompts, got {batch!r}")
     if not isinstance(gpu_memory_bytes, int) or gpu_memory_bytes < 1:
         raise ValueError(f"gpu_memory_bytes must be a positive whole number of bytes, got {gpu_memory_bytes!r}")
+    if quantize is not None and quantize not in SCHEMES:
+        raise ValueError(f"quantize must be one of {', '.join(SCHEMES)} (weight-only, torchao), got {quantize!r}")
     model = read_model_folder(folder, dtype)
     call = make_call(model, height=height, width=width, batch=batch, use_cfg=use_cfg, options=options)
     shape = request_shape(model, call)
@@ -179,19 +195,22 @@ def plan_model(
         call.branches,
         shape.image_tokens,
         model.transformer.whole,
-        (*model.notes, *shape.bounds),
+        (*model.notes, *shape.bounds, *_quantize_notes(quantize)),
+        quantize,
     )
     rows = []
     for config in configs:
         for shard in (False, True):
+            if shard and quantize:
+                continue  # refused by load_pipeline: see _quantize_notes
             if shard and world_size // config.pipefusion == 1:
                 continue  # nothing to shard: every rank of a stage is alone with its blocks
             for placement in PLACEMENTS:
-                if placement == "sharded" and (world_size == 1 or not model.text_encoders):
+                if placement == "sharded" and (world_size == 1 or not model.text_encoders or quantize):
                     continue
                 if placement != "gpu" and not model.text_encoders:
                     continue
-                rows.append(_row(model, call, shape, config, shard, placement, gpu_memory_bytes, planned))
+                rows.append(_row(model, call, shape, config, shard, placement, gpu_memory_bytes, planned, quantize))
     return sorted(rows, key=fit_rank_key)
 
 
@@ -213,44 +232,69 @@ def fit_rank_key(row: FitRow) -> tuple:
     )
 
 
-def held_weights(model: ModelFolder, config, shard: bool, placement, stale=None) -> tuple[dict, int, int, int, int]:
+def held_weights(
+    model: ModelFolder, config, shard: bool, placement, stale=None, scheme: str | None = None, quantized=()
+) -> tuple[dict, int, int, int, int]:
     """What one rank holds of each component's weights under `config`: ({component: bytes on this rank's
     device}, the gather buffer, the busiest stage's stale K/V (from `stale(span)`, if given), bytes all-gathered
     per request for sharded text encoders, bytes of text encoders kept in host memory). The transformer
     sharded over the ranks of a stage (world / pipefusion) when `shard`; text encoders whole ("gpu"),
     sharded over the world ("sharded") or in host memory ("host"): one placement for all, or a dict of
-    them by component (missing ones: "gpu"); the rest whole on every rank."""
+    them by component (missing ones: "gpu"); the rest whole on every rank. With `scheme`, the components in
+    `quantized` hold their linear weights quantized (quantization.py; never with `shard`)."""
     world = config.world_size
     transformer = model.transformer
     shards = world // config.pipefusion if shard else 1
     per_stage = []  # (weights, gather, stale K/V) of each stage: the busiest is planned
     for span in config.stage_ranges(len(transformer.blocks)):
         kept = stale(span) if stale is not None and config.pipefusion > 1 else 0
-        per_stage.append((transformer.held(shards, span), transformer.gather(shards, span), kept))
+        mine = scheme if "transformer" in quantized else None
+        per_stage.append((transformer.held(shards, span, mine), transformer.gather(shards, span), kept))
     held, gather, kept = max(per_stage, key=sum)
     weights = {"transformer": held}
     encode_gather, host, encoder_gathers = 0, 0, [0]
     for name in model.text_encoders:
         encoder = model.weights[name]
         where = placement.get(name, "gpu") if isinstance(placement, dict) else placement
+        held = encoder.held(1, scheme=scheme if name in quantized else None)  # whole, or quantized
         if where == "gpu":
-            weights[name] = encoder.whole
+            weights[name] = held
         elif where == "sharded":
             weights[name] = encoder.held(world)
             encoder_gathers.append(encoder.gather(world))
             encode_gather += encoder.whole * (world - 1) // world
         else:
             weights[name] = 0
-            host += encoder.whole
+            host += held
     for name, component in model.weights.items():
         weights.setdefault(name, component.whole)  # the VAE and anything else: whole on every rank
     return weights, max(gather, *encoder_gathers), kept, encode_gather, host
 
 
-def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned) -> FitRow:
+def _quantize_notes(quantize: str | None) -> tuple[str, ...]:
+    if quantize is None:
+        return ()
+    return (
+        f"{quantize} weight-only (torchao): the linear weights of the transformer and the text encoders, "
+        f"one byte per element plus a scale per output row; the rest at the load dtype",
+        "no sharded rows with quantized weights: torchao's quantized tensors have no FSDP2 all-gather "
+        "(fsdp_pre_all_gather), so load_pipeline refuses the two together; plan without --quantize to see them",
+    )
+
+
+def _row(
+    model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned, quantize=None
+) -> FitRow:
     transformer, t = model.transformer, model.transformer.config
+    covered = ("transformer", *model.text_encoders) if quantize else ()
     weights, gather, stale, encode_gather, host = held_weights(
-        model, config, shard, placement, lambda span: _stale_kv(model, call, shape, config, span)
+        model,
+        config,
+        shard,
+        placement,
+        lambda span: _stale_kv(model, call, shape, config, span),
+        scheme=quantize,
+        quantized=covered,
     )
     blocks = len(transformer.blocks)
     cost = config.cost(blocks, batch=call.prompts, use_cfg=call.branches == 2, shard_weights=shard)
@@ -279,6 +323,7 @@ def _row(model: ModelFolder, call: Call, shape: RequestShape, config, shard, pla
         gather_traffic=round(cost.gather_weights * transformer.whole),
         encode_gather_traffic=encode_gather,
         host_bytes=host,
+        quantize=quantize,
         unknown=tuple(unknown),
         bounds=shape.bounds,
         request=planned,

@@ -200,8 +200,9 @@ class ExplorerController:
     def plan_folder(self, folder: str, gpus: int, gpu_memory):
         """Planning mode for a model folder on `gpus` GPUs of `gpu_memory` ('24GB' or bytes): plan_model's
         rows, best first (lab/folder_planning.py); ValueError says what is wrong. A blank folder plans the
-        loaded model in the dtype it was loaded in, for the explorer's own request (its prompts, size and
-        call options); another folder at that model's defaults, in bfloat16 (plan_model's default)."""
+        loaded model in the dtype it was loaded in, with its quantization when it is a named scheme, for the
+        explorer's own request (its prompts, size and call options); another folder at that model's defaults,
+        in bfloat16 (plan_model's default)."""
         from ..pipeline import resolve_dtype, resolve_folder
         from .folder_planning import plan_folder
 
@@ -213,7 +214,11 @@ class ExplorerController:
         device = self.lab.ranks[0].get("device", "cpu") if self.lab.ranks else "cpu"  # load_pipeline's "auto"
         dtype = resolve_dtype(loaded.kwargs.get("torch_dtype", "auto"), device)
         folder = resolve_folder(loaded.name_or_path)
-        return plan_folder(folder, gpus, gpu_memory, batch=len(self.prompts()), options=options, dtype=dtype, **size)
+        scheme = loaded.kwargs.get("quantization")
+        quantize = scheme if isinstance(scheme, str) else None  # a diffusers config: planned unquantized
+        return plan_folder(
+            folder, gpus, gpu_memory, batch=len(self.prompts()), options=options, dtype=dtype, quantize=quantize, **size
+        )
 
     def prompts(self) -> list[str]:
         return [p.strip() for p in self.prompt.split(";") if p.strip()] or [""]

@@ -24,6 +24,7 @@ import torch
 
 from ..models.sharded_weights import gather_buffer_bytes
 from ..pipeline import ON_HOST
+from ..quantization import quantized_form, stored_bytes
 
 
 def _is_sharded(p) -> bool:
@@ -63,11 +64,12 @@ def holding(component) -> dict:
     """What this rank holds of one component (an nn.Module): bytes held (local parameter shards and
     persistent buffers), the whole's bytes, whether FSDP2 shards it and over which mesh group and how
     many ranks, the share held, whether it is kept in host memory (pipeline.run_on_host), the device
-    of its parameters, and the gather buffer its sharded forward holds (0 when whole)."""
+    of its parameters, the gather buffer its sharded forward holds (0 when whole), and the schemes its
+    quantized weights are stored in (load_pipeline(quantization=...): torchao's, by their inner tensors)."""
     params = list(component.parameters())
     buffers = persistent_buffers(component)
-    local = sum((p.to_local() if _is_sharded(p) else p).nbytes for p in params)
-    whole = sum(p.numel() * p.element_size() for p in params)
+    local = sum(stored_bytes(p) for p in params)
+    whole = sum(p.numel() * p.element_size() if _is_sharded(p) else stored_bytes(p) for p in params)
     buffered = sum(b.nbytes for b in buffers)
     sharded = [p for p in params if _is_sharded(p)]
     mesh = sharded[0].device_mesh if sharded else None
@@ -86,6 +88,7 @@ def holding(component) -> dict:
         on_host=bool(getattr(component, ON_HOST, False)),
         device=str((first.to_local() if _is_sharded(first) else first).device) if first is not None else None,
         gather_bytes=gather,
+        quantized=sorted({form for p in params if (form := quantized_form(p)) is not None}),
     )
 
 

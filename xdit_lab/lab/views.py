@@ -226,7 +226,7 @@ def draw_memory(summaries) -> Figure:
     the activations and, with sharded weights, the gather buffer (the whole blocks a forward holds at
     once, from this rank's FSDP2 units; hatched: held only while a forward runs). A text encoder kept in
     host memory (load_pipeline(on_host=...)) is a bar of its own beside, cross-hatched: not on the
-    device. Right: the load's plan (pipe.memory_plan, from the headers before a byte was read: the
+    device. A component whose linear weights are quantized (load_pipeline(quantization=...)) says its scheme. Right: the load's plan (pipe.memory_plan, from the headers before a byte was read: the
     busiest rank), term by term in the same colours."""
     import matplotlib
 
@@ -239,7 +239,8 @@ def draw_memory(summaries) -> Figure:
 
     def label(name):
         c = next(h[name] for h in held if name in h)
-        return f"{name} (FSDP2 shard, {c['group']} group)" if c["sharded"] else name
+        stored = f" ({'/'.join(c['quantized'])} weights)" if c.get("quantized") else ""
+        return f"{name} (FSDP2 shard, {c['group']} group)" if c["sharded"] else name + stored
 
     def component(name, key):
         return [h.get(name, {}).get(key, 0) for h in held]

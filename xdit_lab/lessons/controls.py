@@ -1,11 +1,13 @@
-"""Controls: deliberately wrong PipeFusion K/V buffers that a bound on stale PipeFusion must catch.
+"""Controls: deliberately wrong variants that a measured bound must catch (stale PipeFusion's K/V buffers,
+a quantization coarser than int8).
 
-A measured bound (the deviation of stale PipeFusion from the serial run) means something only if a
-wrong variant exceeds it. These are those variants, installed for a block of code:
+A measured bound (the deviation of stale PipeFusion, or of int8 weights, from the exact run) means something
+only if a wrong variant exceeds it. These are those variants:
 
     with wrong_stale_kv("zeros"): ...            zeros where the stale K/V should be
     with wrong_stale_kv("read before write"): ... a patch attends to its own K/V of the step before
     generate_with_control(config, n, kind)        (rank) the digits, optionally under one of them
+    coarser_quantization(bits=4, group_size=32)   int4 weights: what a bound on int8 weight-only must catch
 """
 
 from __future__ import annotations
@@ -78,3 +80,20 @@ def generate_with_control(config, per_digit: int = 10, control: str | None = Non
 
     with wrong_stale_kv(control) if control else contextlib.nullcontext():
         return generate_parallel(config, per_digit)
+
+
+def coarser_quantization(bits: int = 4, group_size: int | None = 32):
+    """CONTROL for a bound on int8 weight-only's deviation: the same components (the transformer and the text
+    encoder) quantized coarser, to `bits` bits (torchao's IntxWeightOnlyConfig, a scale per `group_size`
+    inputs, or per output row when None), as diffusers' PipelineQuantizationConfig. Not a scheme to use."""
+    import torch
+    import transformers
+    from diffusers import PipelineQuantizationConfig, TorchAoConfig
+    from torchao.quantization import IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    granularity = PerAxis(0) if group_size is None else PerGroup(group_size)
+    config = IntxWeightOnlyConfig(weight_dtype=getattr(torch, f"int{bits}"), granularity=granularity)
+    return PipelineQuantizationConfig(
+        quant_mapping={"transformer": TorchAoConfig(config), "text_encoder": transformers.TorchAoConfig(config)}
+    )

@@ -69,8 +69,10 @@ def pick(rows, short: str, shard: bool, text_encoders: str):
 
 
 def label(row) -> str:
-    """A row's name as the tables print it: configuration, weights, text encoders."""
-    return f"{row.config.short()}, weights {'sharded' if row.shard_weights else 'whole'}, text enc. {row.text_encoders}"
+    """A row's name as the tables print it: configuration, weights (sharded, whole, or whole in a quantized
+    scheme), text encoders."""
+    weights = "sharded" if row.shard_weights else f"{row.quantize} whole" if row.quantize else "whole"
+    return f"{row.config.short()}, weights {weights}, text enc. {row.text_encoders}"
 
 
 def _gb(n: int | None) -> str:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from .. import comm
 from ..distributed import current_info
 from ..mesh import WEIGHTS, WORLD
+from ..quantization import stored_bytes
 
 log = logging.getLogger("xdit_lab.models")
 
@@ -263,9 +264,6 @@ def gather_buffer_bytes(largest_block: int, root: int) -> int:
 
 def local_parameter_bytes(module) -> int:
     """Bytes of parameters this rank holds: a sharded parameter (a DTensor) counts its local shard
-    (`p.to_local()`, unpadded); `p.numel()` of a DTensor is the whole parameter's, on every rank."""
-    total = 0
-    for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
+    (`p.to_local()`, unpadded; `p.numel()` of a DTensor is the whole parameter's, on every rank), a
+    quantized one its int8 or float8 data and scales (quantization.stored_bytes)."""
+    return sum(stored_bytes(p) for p in module.parameters())

@@ -300,28 +300,20 @@ def test_xdit_lab_run_quantize_under_torchrun_equals_diffusers_quantized(folders
         assert rank["memory"]["parameter_bytes"]["transformer"] < 0.5 * whole, rank["memory"]
 
 
-def test_xdit_lab_plan_quantize_counts_int8_bytes_of_a_real_model(tmp_path):
+def test_xdit_lab_plan_quantize_counts_int8_bytes_of_a_real_model(tmp_path, capsys):
     """`xdit-lab plan --model FLUX.1-dev --quantize int8 --json` on a header-only folder: every row int8 and
     unsharded (the combination is refused at load), its transformer a little over half the published bfloat16
     bytes (one byte per linear weight, a scale and zero point per row, the rest in bfloat16) and its T5 as well;
     the same command without --quantize (the control) plans the bfloat16 bytes."""
-    import subprocess
-    import sys
-
+    from xdit_lab.cli import main
     from xdit_lab.real_models import save_header_only
 
     folder = save_header_only("FLUX.1-dev", tmp_path / "flux-dev")
     plans = {}
     for extra in ([], ["--quantize", "int8"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "xdit_lab.cli", "plan", "--model", str(folder), "--world-size", "2"]
-            + ["--gpu-memory", "24GB", "--json", "--top", "0", *extra],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-        plans[bool(extra)] = json.loads(done.stdout)
+        argv = ["plan", "--model", str(folder), "--world-size", "2", "--gpu-memory", "24GB", "--json", "--top", "0"]
+        assert main(argv + extra) == 0
+        plans[bool(extra)] = json.loads(capsys.readouterr().out)
     whole = {row["config"]: row for row in plans[False] if not row["shard_weights"] and row["text_encoders"] == "gpu"}
     assert all(row["quantize"] is None for row in plans[False])
     assert plans[True] and all(row["quantize"] == "int8" and not row["shard_weights"] for row in plans[True])

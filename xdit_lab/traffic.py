@@ -48,7 +48,8 @@ def expected_bytes_per_step(
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
     at a time after), its queries are that set's tokens and Ring passes the whole stale buffer; the
     joint text stays whole on every rank there. `shapes["text_sharded"]` says whether sequence shards
-    split the joint text (True by default without PipeFusion; the control keeps it whole).
+    split the joint text (True by default without PipeFusion; the control keeps it whole; a text of
+    fewer tokens than sp ranks stays whole).
     Exact for the code as written (checked in tests/test_lab_views.py); one dtype is assumed for
     activations, noise and output (the session runs in one dtype)."""
     if isinstance(config, dict) and "shapes" in config:  # a rank summary
@@ -83,7 +84,7 @@ def expected_bytes_per_step(
     joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"]
     joint = joint_layers if text else 0
     # sequence shards split the joint text like the image (sp-rank order); PipeFusion keeps it whole
-    text_sharded = bool(text and joint and s.get("text_sharded", c.pipefusion == 1))
+    text_sharded = bool(text >= sp and joint and s.get("text_sharded", c.pipefusion == 1))
     text_sizes = shard_sizes(text, sp) if text_sharded else [0] * sp
 
     out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)

@@ -290,9 +290,11 @@ def rebind_sdpa(processor, sdpa):
     functional = types.ModuleType(F.__name__, F.__doc__)
     functional.__dict__.update(vars(F))
     functional.scaled_dot_product_attention = sdpa
-    rebound = types.FunctionType(
-        call.__code__, {**call.__globals__, "F": functional}, call.__name__, call.__defaults__, call.__closure__
-    )
+    # its own globals, without a __name__: torch.compile then reads them as this dict (by id), not as the
+    # module of that name, where F is torch's
+    scope = {name: value for name, value in call.__globals__.items() if name != "__name__"}
+    scope["F"] = functional
+    rebound = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
     rebound.__kwdefaults__, rebound.__qualname__ = call.__kwdefaults__, call.__qualname__
     subclass = type(cls.__name__, (cls,), {"__call__": rebound, "__module__": cls.__module__, "__doc__": cls.__doc__})
     copy = subclass.__new__(subclass)

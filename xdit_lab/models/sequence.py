@@ -66,7 +66,7 @@ class SequenceShards:
             bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=t.dim() - 2) for t in rows)
         elif rows is not None:
             bound.arguments[kwarg] = self._take_image_shard(rows, dim=rows.dim() - 2)
-        if self.text_shard_at == "input" and self.state.text_len:
+        if self.text_shard_at == "input" and self.splits_text():
             bound.arguments["encoder_hidden_states"] = self.shard_text(bound.arguments["encoder_hidden_states"])
             text_rows = bound.arguments.get(adapter.text_rows_kwarg) if adapter.text_rows_kwarg else None
             if text_rows is not None:
@@ -130,15 +130,24 @@ class SequenceShards:
         the tables cover the whole text and keep this rank's rows of it. Wan's are computed before the
         tokens are sharded: the shard is taken from the table's own length."""
         text, keep_text = self.state.text_len, None
-        if self.text_shard_at == "input":
+        if self.text_shard_at == "input" and self.splits_text():
             text = self._text_sizes(text)[self.mesh.group_rank(SP)]
-        elif self.text_shard_at == "block":
+        elif self.text_shard_at == "block" and self.splits_text():
             keep_text = self._take_text_shard
         return self.state.adapter.rotary.keep_rows(tables, text, self._take_image_shard, keep_text)
 
     def shard_text(self, text):
         """This rank's tokens of the joint text states [B, T, C] (dim 1)."""
-        return self._take_text_shard(text, dim=1)
+        return self._take_text_shard(text, dim=1) if self.splits_text() else text
+
+    def splits_text(self, text_len: int | None = None) -> bool:
+        """Whether a joint text of text_len tokens (this forward's when None) is split: where this
+        strategy splits it, and when every sp rank gets a token of it (a text shorter than the sp degree
+        stays whole: an empty shard would be read as "no text" by some processors, e.g. HunyuanVideo's
+        `x[:, :-0]`). Attention passes the length it was given: under compile, what the forward wrote on
+        the state reaches the attention operator only after the graph."""
+        text_len = self.state.text_len if text_len is None else text_len
+        return self.text_shard_at is not None and text_len >= self.mesh.group_size(SP)
 
     def gather(self, tokens):
         sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))
@@ -149,7 +158,7 @@ class SequenceShards:
         as the module holds them (its text shard before or after its image shard)."""
         image_sizes = shard_sizes(image_len, self.mesh.group_size(SP))
         joint = kind in JOINT_KINDS and text > 0
-        if joint and self.text_shard_at is None:  # the control: the text whole on every rank
+        if joint and not self.splits_text(text):  # the text whole on every rank (the control; a short text)
             (q, k, v), (jq, jk, jv) = split_text(kind, text, query, key, value)
             out, joint_out = sp_attention(
                 q,

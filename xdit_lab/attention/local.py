@@ -302,6 +302,8 @@ def merge_stacked(parts, dtype: torch.dtype | None = None, *, token_major: bool 
     if len(parts) == 1:
         out = parts[0][0].to(dtype)
         return out.transpose(1, 2).contiguous().transpose(1, 2) if token_major else out
+    if len(parts) == 2:
+        return _merge_two(parts, dtype, token_major)
     # token-major: the kernels' outputs lie as [B, S, H, D] already (flash kernels write them so)
     outs = torch.stack([out.transpose(1, 2) if token_major else out for out, _ in parts])  # [P, B, S|H, H|S, D]
     lses = torch.stack([lse for _, lse in parts])  # [P, B, H, S], float32
@@ -311,3 +313,19 @@ def merge_stacked(parts, dtype: torch.dtype | None = None, *, token_major: bool 
         weights = weights.transpose(2, 3)
     out = (weights.unsqueeze(-1) * outs).sum(dim=0).to(dtype)  # float32 until here
     return out.transpose(1, 2) if token_major else out
+
+
+def _merge_two(parts, dtype: torch.dtype, token_major: bool) -> torch.Tensor:
+    """merge_stacked of two parts (Ring 2, a masked text beside the image) in four kernels instead of a
+    dozen: the second part's weight is exp(lse1) / (exp(lse0) + exp(lse1)) = sigmoid(lse1 - lse0), and
+    out = lerp(out0, out1, weight). A part with lse -inf weighs 0 (sigmoid of -inf or +inf); where both
+    are -inf (no key at all) the weight's nan is taken as 0, and both outputs are 0 there."""
+    (out0, lse0), (out1, lse1) = parts
+    weight = torch.sigmoid(lse1 - lse0).nan_to_num_(0.0).unsqueeze(-1)  # [B, H, S, 1], float32
+    batch, heads, tokens, head_dim = out0.shape
+    if token_major:
+        out = torch.empty(batch, tokens, heads, head_dim, device=out0.device).transpose(1, 2)
+    else:
+        out = torch.empty(batch, heads, tokens, head_dim, device=out0.device)
+    torch.lerp(out0.float(), out1.float(), weight, out=out)
+    return out.to(dtype)

@@ -307,8 +307,7 @@ def merge_stacked(parts, dtype: torch.dtype | None = None, *, token_major: bool 
     # token-major: the kernels' outputs lie as [B, S, H, D] already (flash kernels write them so)
     outs = torch.stack([out.transpose(1, 2) if token_major else out for out, _ in parts])  # [P, B, S|H, H|S, D]
     lses = torch.stack([lse for _, lse in parts])  # [P, B, H, S], float32
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - total.masked_fill(total == float("-inf"), 0.0))
+    weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)  # exp(lse_p - logsumexp); all -inf: nan, taken as 0
     if token_major:
         weights = weights.transpose(2, 3)
     out = (weights.unsqueeze(-1) * outs).sum(dim=0).to(dtype)  # float32 until here

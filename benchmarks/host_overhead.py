@@ -11,7 +11,8 @@ one process that is rank 0 of a world of N ranks on the "fake" backend
 (`torch.testing._internal.distributed.fake_pg.FakeStore`): every collective returns at once without
 moving anything, so the time left is the host's: diffusers' forward, the parallel hooks and kernels'
 Python, the collectives' bookkeeping. (The outputs are garbage, as nothing arrives; exactness is the
-tests' and peers.py's to show.) Methods, interleaved (A, B, C, A, B, C, ...), median of the repeats:
+tests' and peers.py's to show.) Methods, interleaved (A, B, C, B, C, A, ...: each repeat starts one method later), median of the
+repeats:
 
   serial                     diffusers' forward as it is (no process group involved)
   diffusers ulysses<N>       diffusers' own context parallelism (`enable_parallelism`,
@@ -106,8 +107,10 @@ def measure_world(world: int, repeats: int, double: int, single: int, profile: s
             forward(model, inputs)
             forward(model, inputs)
         times = {name: [] for name in methods}
-        for _ in range(repeats):
-            for name, model in methods.items():
+        names = list(methods)
+        for repeat in range(repeats):  # interleaved, each repeat starting one method later (no fixed order)
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                model = methods[name]
                 start = time.perf_counter()
                 forward(model, inputs)
                 times[name].append((time.perf_counter() - start) * 1e3)

@@ -5,11 +5,12 @@ parallelism (`ContextParallelConfig`), and xdit_lab's Ulysses, Ring and USP, on 
     python benchmarks/peers.py --tokens 1024 4096 16384 --ranks 2 --repeats 7 --json out.json
     python benchmarks/peers.py --pipeline-tokens     # transformers only (an empty list: no pipelines)
     python benchmarks/peers.py --device cuda         # transformers, every rank on cuda:0 over gloo
+    python benchmarks/peers.py --families flux --text-tokens 512 --pipeline-tokens   # FLUX.1-dev's prompt length
 
 What is timed:
   transformer  one forward of a Flux-shaped (joint text) and a PixArt-shaped (self + cross
-               attention) transformer, on the image tokens given; every method runs the
-               same weights (seeded) and the same inputs.
+               attention) transformer, on the image tokens given, beside 64 text tokens
+               (--text-tokens); every method runs the same weights (seeded) and the same inputs.
   pipeline     `pipe(prompt, output_type="latent")` end to end, Flux-shaped, against diffusers'
                FluxPipeline with context parallelism enabled on its transformer.
 Runs are interleaved (method A, B, C, A, B, C, ...) so that a slow spell of the machine hits all
@@ -95,12 +96,12 @@ def build_model(family: str):
     raise ValueError(f"unknown family {family!r}")
 
 
-def build_inputs(family: str, tokens: int) -> dict:
+def build_inputs(family: str, tokens: int, text_tokens: int = TEXT_TOKENS) -> dict:
     side = int(tokens**0.5)
     if side * side != tokens:
         raise ValueError(f"{tokens} image tokens is not a square number; use e.g. 1024, 4096 or 16384")
     g = torch.Generator().manual_seed(1)
-    text = torch.randn(1, TEXT_TOKENS, TEXT_DIM, generator=g)
+    text = torch.randn(1, text_tokens, TEXT_DIM, generator=g)
     if family == "flux":
         ids = torch.stack(
             torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij"), -1
@@ -111,7 +112,7 @@ def build_inputs(family: str, tokens: int) -> dict:
             pooled_projections=torch.randn(1, TEXT_DIM, generator=g),
             timestep=torch.tensor([0.5]),
             img_ids=ids.reshape(tokens, 3).float(),
-            txt_ids=torch.zeros(TEXT_TOKENS, 3),
+            txt_ids=torch.zeros(text_tokens, 3),
             return_dict=False,
         )
     side *= 2  # PixArt patches 2 x 2 latent pixels into a token
@@ -124,10 +125,10 @@ def build_inputs(family: str, tokens: int) -> dict:
     )
 
 
-def closed_form_bytes(family: str, mesh: RankMesh, tokens: int) -> int:
+def closed_form_bytes(family: str, mesh: RankMesh, tokens: int, text_tokens: int = TEXT_TOKENS) -> int:
     """Bytes this rank sends in one forward (fp32), from the package's own closed forms
     (xdit_lab.lab.summaries.expected_bytes_per_step, which derives them term by term): every
-    attention of both models is sequence-parallel, Flux's all joint (64 text tokens), PixArt's
+    attention of both models is sequence-parallel, Flux's all joint (text_tokens beside the image), PixArt's
     self-attention beside a cross-attention that moves nothing."""
     side = int(tokens**0.5)
     joint = BLOCKS if family == "flux" else 0
@@ -137,7 +138,7 @@ def closed_form_bytes(family: str, mesh: RankMesh, tokens: int) -> int:
         cols=side,
         heads=HEADS,
         head_dim=HEAD_DIM,
-        text_len=TEXT_TOKENS,
+        text_len=text_tokens,
         proj_width={"flux": 64, "pixart": 2 * 2 * 8}[family],  # Flux: 64 packed channels; PixArt: a 2 x 2 patch of 8
         joint_layers=joint,
         self_layers=BLOCKS - joint,
@@ -248,7 +249,12 @@ def to_device(inputs: dict, device: torch.device) -> dict:
 
 
 def bench_transformer(
-    family: str, tokens_list: list[int], repeats: int, device: str = "cpu", with_diffusers: bool = True
+    family: str,
+    tokens_list: list[int],
+    repeats: int,
+    device: str = "cpu",
+    with_diffusers: bool = True,
+    text_tokens: int = TEXT_TOKENS,
 ) -> list[dict]:
     """One forward of `family`'s transformer per method. Runs on every rank; returns rank's rows."""
     torch.set_num_threads(1)
@@ -260,7 +266,7 @@ def bench_transformer(
     ours = {f"ours {m.config.short()}": (parallelize(copy.deepcopy(model), m.config, m), m) for m in meshes}
     rows = []
     for tokens in tokens_list:
-        inputs = to_device(build_inputs(family, tokens), device)
+        inputs = to_device(build_inputs(family, tokens, text_tokens), device)
         methods = {name: functools.partial(forward, m, inputs) for name, m in peers.items()}
         methods |= {name: functools.partial(forward, m, inputs) for name, (m, _) in ours.items()}
         refused_now = dict(refused)
@@ -270,10 +276,11 @@ def bench_transformer(
             with comm_log() as log:
                 forward(m, inputs)
             traffic[name] = dict(
-                bytes_sent=sum(r.bytes_out for r in log), closed_form=closed_form_bytes(family, mesh, tokens)
+                bytes_sent=sum(r.bytes_out for r in log),
+                closed_form=closed_form_bytes(family, mesh, tokens, text_tokens),
             )
         rows += rows_for("transformer", family, tokens, times, outputs, serial_out, refused_now, traffic)
-    return [dict(row, device=str(device)) for row in rows]
+    return [dict(row, device=str(device), text_tokens=text_tokens) for row in rows]
 
 
 def load_pipelines(folder: str, ranks: int):
@@ -356,6 +363,12 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], choices=[2, 4])
     parser.add_argument("--families", nargs="+", default=["flux", "pixart"], choices=["flux", "pixart"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--text-tokens",
+        type=int,
+        default=TEXT_TOKENS,
+        help=f"joint text tokens beside the image, transformers (default {TEXT_TOKENS}; FLUX.1-dev's prompt: 512)",
+    )
     parser.add_argument("--pipeline-steps", type=int, default=4)
     parser.add_argument(
         "--pipeline-tokens",
@@ -389,6 +402,7 @@ def main():
                 args.repeats,
                 args.device,
                 not args.without_diffusers,
+                args.text_tokens,
                 timeout_s=7200,
             )
             rows += merge_ranks(per_rank)

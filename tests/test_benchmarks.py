@@ -1,6 +1,7 @@
-"""The peers and compile benchmarks run as their docstrings show, on a tiny size, and what they
-report holds: finite timings, every method within 1e-4 of serial, our bytes equal to the closed
-form, and diffusers' refusals named. (Speed itself is the benchmark's to report, not a test's.)"""
+"""The benchmarks run as their docstrings show, on a tiny size, and what they report holds: finite
+timings, every method within 1e-4 of serial, our bytes equal to the closed form, diffusers' refusals
+named, rows per rank at most diffusers' with the control above. (Speed itself is the benchmark's to
+report, not a test's.)"""
 
 import json
 import math
@@ -15,7 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_peers_benchmark_on_a_tiny_size(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/peers.py", "--tokens", "64", "--ranks", "2", "--repeats", "1"]
+        [
+            sys.executable,
+            "benchmarks/peers.py",
+            "--tokens",
+            "64",
+            "--ranks",
+            "2",
+            "--repeats",
+            "1",
+            "--text-tokens",
+            "24",
+        ]
         + ["--pipeline-steps", "2", "--json", str(out), "--markdown", str(tmp_path / "t.md")],
         cwd=ROOT,
         capture_output=True,
@@ -33,6 +45,7 @@ def test_peers_benchmark_on_a_tiny_size(tmp_path):
         ("flux pipe", "diffusers ulysses2"),
         ("flux pipe", "ours ring2"),
     }
+    assert {r["text_tokens"] for r in timed if r["kind"] == "transformer"} == {24}
     for r in timed:
         assert all(math.isfinite(ms) and ms > 0 for ms in r["ms"] + r["serial_ms"]), r
         assert r["max_rel_error"] < 1e-4, r
@@ -102,3 +115,62 @@ def test_peers_on_cuda_without_a_gpu_says_so():
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
     assert done.returncode == 2 and "--device cuda: torch sees no CUDA GPU here" in done.stderr, done.stderr[-2000:]
+
+
+def test_host_overhead_benchmark_on_a_tiny_size(tmp_path):
+    """benchmarks/host_overhead.py on the fake process group, 1 + 1 blocks, one repeat: every method timed
+    (finite), in one fresh process per world, and the issue's three ratios computed from its medians."""
+    out = tmp_path / "host.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/host_overhead.py", "--ranks", "2", "--repeats", "1", "--double", "1"]
+        + ["--single", "1", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (world,) = json.loads(out.read_text())
+    assert world["world"] == 2
+    assert set(world["ms"]) == {"serial", "diffusers ulysses2", "ours ulysses2", "ours ring2", "ours serial"}
+    assert all(len(ms) == 1 and math.isfinite(ms[0]) and ms[0] > 0 for ms in world["ms"].values()), world
+    medians = {name: ms[0] for name, ms in world["ms"].items()}
+    assert world["ratios"]["ring / ulysses"] == medians["ours ring2"] / medians["ours ulysses2"]
+    assert set(world["ratios"]) == {
+        "ours ulysses / diffusers ulysses",
+        "ring / ulysses",
+        "ours every degree 1 / serial",
+    }
+    assert "| 2 | ring / ulysses |" in done.stdout
+
+
+def test_linear_rows_benchmark_on_a_tiny_size(tmp_path):
+    """benchmarks/linear_rows.py with FLUX.1-dev's width on `meta`, 1 + 1 blocks, 64 image and 24 text
+    tokens, ulysses 2: our rows and FLOPs through the blocks' linear layers per rank at most diffusers'
+    context parallelism's, about half the serial ones; the control (text whole on every rank) above
+    diffusers' by the text's other half at every text-row linear layer. The whole forward's FLOPs differ
+    from diffusers' by the patch embedding of the other rank's image tokens only."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/linear_rows.py", "--ranks", "2", "--double", "1", "--single", "1"]
+        + ["--image-tokens", "64", "--text-tokens", "24", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())}
+    serial, peer = rows["serial"], rows["diffusers ulysses2"]
+    ours, control = rows["ours ulysses2"], rows["ours ulysses2, text whole (control)"]
+    for key in ("rows", "linear_flops"):
+        assert 0 < ours[key] <= peer[key] < control[key] < serial[key], (key, rows)
+    # the whole forward: the same but for the patch embedding (x_embedder, 64 -> 3072), which ours runs on
+    # all 64 image tokens before keeping its 32 (diffusers splits hidden_states at the forward's input)
+    assert ours["forward_flops"] - peer["forward_flops"] == 2 * 32 * 64 * 3072, rows
+    assert peer["forward_flops"] < control["forward_flops"] < serial["forward_flops"], rows
+    assert ours["rows"] <= 0.51 * serial["rows"], rows
+    # the double block's 6 text-stream linears (add_q/k/v, to_add_out, ff_context's 2) and the single block's
+    # 5 token linears (to_q/k/v, proj_mlp, proj_out) each take the other rank's 12 text rows in the control;
+    # adaLN's modulation linears take one row per sample either way
+    assert control["rows"] - ours["rows"] == 12 * (6 + 5), rows

@@ -68,7 +68,9 @@ def test_flux_set_to_flex_attention_is_exact_under_ulysses():
     and the output was 1.6% off with no error."""
     for result in run_on_ranks(_flux_error, 2, "flex", timeout_s=180):
         assert result["error"] < 1e-4, result
-        assert any("'flex'" in w and "native backend" in w for w in result["warnings"]), result["warnings"]
+        assert any("'flex'" in w and "registered backend 'xdit_lab'" in w for w in result["warnings"]), result[
+            "warnings"
+        ]
 
 
 def test_diffusers_attn_backend_variable_is_exact_under_ulysses():
@@ -103,10 +105,91 @@ def _attention_swapped_after_parallelize():
     return None
 
 
+def _processor_replaced_after_parallelize():
+    """SD3's processor calls F.scaled_dot_product_attention itself: parallelize runs a copy of it bound to
+    the kernels; a stock processor set back on one module after parallelize must be caught the same way."""
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    config = ParallelConfig(ulysses=2)
+    model = parallelize(tiny_transformer("sd3", seed=0), config, RankMesh(config))
+    model.transformer_blocks[1].attn.processor = JointAttnProcessor2_0()
+    try:
+        with torch.no_grad():
+            model(**tiny_inputs("sd3", 2, text_len=6))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _backend_set_after_parallelize():
+    """model.set_attention_backend("flex") after parallelize: diffusers' own check refuses it, because the
+    processors carry xdit_lab's site as their parallel config."""
+    config = ParallelConfig(ulysses=2)
+    model = parallelize(tiny_transformer("flux", seed=0), config, RankMesh(config))
+    try:
+        model.set_attention_backend("flex")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_attention_that_bypasses_the_kernels_at_call_time_raises():
     for message in run_on_ranks(_attention_swapped_after_parallelize, 2, timeout_s=180):
         assert message and "transformer_blocks.0.attn" in message and "own shard" in message, message
+    for message in run_on_ranks(_processor_replaced_after_parallelize, 2, timeout_s=180):
+        assert message and "transformer_blocks.1.attn" in message and "own shard" in message, message
+    for message in run_on_ranks(_backend_set_after_parallelize, 2, timeout_s=180):
+        assert message and "does not support context parallelism" in message, message
+
+
+def _nothing_intercepted_without_sp(family):
+    """cfg 2 (and no sequence parallelism): no processor is touched, a user's flex backend stays, and the
+    output equals serial; ulysses 2 beside it: every self/joint processor is xdit_lab's."""
+    model = tiny_transformer(family, seed=0)
+    inputs = tiny_inputs(family, 2, text_len=6)
+    with torch.no_grad():
+        reference = model(**inputs).sample
+    if family == "flux":
+        model.set_attention_backend("flex")
+    before = {name: (type(m.processor), getattr(m.processor, "_attention_backend", None)) for name, m in _attn(model)}
+    model = parallelize(model, ParallelConfig(cfg=2), RankMesh(ParallelConfig(cfg=2)))
+    after = {name: (type(m.processor), getattr(m.processor, "_attention_backend", None)) for name, m in _attn(model)}
+    with torch.no_grad():
+        error = ((model(**inputs).sample - reference).abs().max() / reference.abs().max()).item()
+    sp_model = parallelize(
+        tiny_transformer(family, seed=0), ParallelConfig(ulysses=2), RankMesh(ParallelConfig(ulysses=2))
+    )
+    return dict(
+        unchanged=before == after,
+        error=error,
+        taken_without_sp=[name for name, m in _attn(model) if _taken(m.processor)],
+        taken_with_sp={name: _taken(m.processor) for name, m in _attn(sp_model)},
+    )
+
+
+def _taken(processor) -> bool:
+    """Whether a processor runs xdit_lab's attention: pointed at the registered "xdit_lab" backend with an
+    AttentionSite as its parallel config, or a copy whose code finds another F than torch's functional."""
+    from xdit_lab.models.hooks import BACKEND_NAME, AttentionSite
+
+    if getattr(processor, "_attention_backend", None) == BACKEND_NAME:
+        return isinstance(processor._parallel_config, AttentionSite)
+    return type(processor).__call__.__globals__.get("F") is not F
+
+
+def _attn(model):
+    return [(name, m) for name, m in model.named_modules() if name.endswith(".attn") and hasattr(m, "processor")]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_no_attention_is_intercepted_without_sequence_parallelism(family):
+    """cfg/dp-only runs leave diffusers' attention exactly as it was (no backend, no processor copy), so a
+    user's backend keeps running there and is exact; the control, ulysses 2, takes every one over."""
+    for result in run_on_ranks(_nothing_intercepted_without_sp, 2, family, timeout_s=180):
+        assert result["unchanged"] and not result["taken_without_sp"] and result["error"] < 1e-5, result
+        assert result["taken_with_sp"] and all(result["taken_with_sp"].values()), result
 
 
 # ---- local kernels: what each accepts, and forced backends that cannot run ------------------------------

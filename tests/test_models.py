@@ -211,3 +211,84 @@ def test_what_qwen_image_cannot_split_is_refused_by_name():
         assert "2 images per sample" in several_images and "without PipeFusion" in several_images
         assert "transformer_blocks.0.attn (joint_first attention of flux) passes an attention mask" in flux_mask
         assert "padded-text key mask" in flux_mask
+
+
+# ---- the joint text is split too: rows per rank through the blocks' linear layers ----------------------
+
+
+def _rows_through_block_linears(model, adapter, run) -> int:
+    """Rows (batch × tokens) that every nn.Linear inside the model's blocks took during `run()`."""
+    rows, handles = [0], []
+
+    def count(_module, args):
+        rows[0] += args[0].shape[:-1].numel()
+
+    for block in adapter.blocks(model):
+        for module in block.modules():
+            if isinstance(module, torch.nn.Linear):
+                handles.append(module.register_forward_pre_hook(count))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rows[0]
+
+
+def _rows_per_rank(image_side: int, text_len: int):
+    """Tiny Flux, 1 sample of image_side² image tokens and text_len text tokens, under ulysses 2: rows per
+    rank through the blocks' linear layers for diffusers' own context parallelism (enable_parallelism
+    with a ContextParallelConfig, torch.accelerator.device_count patched to 1 as on any CPU), ours,
+    and ours with the text whole on every rank (the control); and each output's error against serial."""
+    import copy
+    from unittest import mock
+
+    from diffusers import ContextParallelConfig
+
+    from xdit_lab.families import adapter_for
+    from xdit_lab.models import SequenceShards
+
+    config = ParallelConfig(ulysses=2)
+    model = tiny_transformer("flux", seed=0)
+    adapter = adapter_for(model)
+    inputs = tiny_inputs("flux", 1, height=image_side, width=image_side, text_len=text_len)
+    with torch.no_grad():
+        reference = model(**inputs).sample
+    serial_rows = _rows_through_block_linears(model, adapter, lambda: model(**inputs))
+
+    peer = copy.deepcopy(model)
+    with mock.patch.object(torch.accelerator, "device_count", lambda: 1):
+        peer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+    mesh = RankMesh(config)
+    ours = parallelize(copy.deepcopy(model), config, mesh)
+    try:
+        SequenceShards.shards_text = False  # the control: the text whole on every rank, as before
+        control = parallelize(copy.deepcopy(model), config, mesh)
+    finally:
+        SequenceShards.shards_text = True
+    rows, errors = {}, {}
+    for name, candidate in (("diffusers", peer), ("ours", ours), ("control", control)):
+        out = {}
+
+        def run(candidate=candidate, out=out):
+            with torch.no_grad():  # diffusers' gather hook takes the tuple output only
+                out["sample"] = candidate(**inputs, return_dict=False)[0]
+
+        rows[name] = _rows_through_block_linears(candidate, adapter, run)
+        errors[name] = ((out["sample"] - reference).abs().max() / reference.abs().max()).item()
+    return dict(serial=serial_rows, rows=rows, errors=errors)
+
+
+def test_rows_per_rank_through_the_blocks_are_at_most_diffusers_context_parallel():
+    """Each rank pushes its share of the text through every linear layer of the blocks, as diffusers'
+    context parallelism does (it splits encoder_hidden_states and txt_ids at the forward's input): on a
+    tiny Flux with 256 image and 64 text tokens under ulysses 2, ours takes no more rows than diffusers',
+    and half the serial rows give or take the modulation layers (one row per sample). The control, the
+    text whole on every rank as before, takes more than diffusers' (every rank pushed all 64 text tokens)."""
+    for result in run_on_ranks(_rows_per_rank, 2, 16, 64, timeout_s=240):
+        rows, errors = result["rows"], result["errors"]
+        assert all(error < 1e-4 for error in errors.values()), errors
+        assert rows["ours"] <= rows["diffusers"], rows
+        assert rows["control"] > rows["diffusers"], rows
+        assert rows["ours"] < 0.55 * result["serial"], (rows, result["serial"])
+    print(f"\nrows per rank through the blocks' linear layers: {rows}, serial {result['serial']}")

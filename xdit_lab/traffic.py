@@ -27,9 +27,13 @@ def expected_bytes_per_step(
     summary's `shapes`, the rank's `coords` and the step index. With b = this rank's batch rows,
     h = heads, d = head_dim, e = bytes per element, per sequence-parallel attention layer:
       ulysses     2 all-to-alls: q, k, v together send (N-1)/N of 3·b·h·S_me·d; o sends b·(h/N)·(S_group - S_me)·d
-                  (= 4·(N-1)/N of the local q, k, v, o for even shards); joint text, in o's: b·(h/N)·T·d to each peer
-      ring        N-1 sends of the K/V block held [2, b, h/ulysses, block, d]; joint text: a float32
-                  gather of the text partials with their LSE [b, h/ulysses, T, d+1]
+                  (= 4·(N-1)/N of the local q, k, v, o for even shards). Joint text, sequence shards: each
+                  rank's text shard T_me travels beside its image shard (S_me + T_me tokens above, in joint
+                  layers); whole on every rank (PipeFusion, or `text_sharded=False`): in o's, b·(h/N)·T·d
+                  to each peer
+      ring        N-1 sends of the K/V block held [2, b, h/ulysses, block, d], a block holding its ranks'
+                  text shards in joint layers; text whole on every rank: a float32 gather of the text
+                  partials with their LSE [b, h/ulysses, T, d+1] instead
       sp          the token gather before unpatchify, padded to the longest shard
       pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
                   states where its blocks return them (SD3, Flux, CogVideoX); the last stage
@@ -42,7 +46,10 @@ def expected_bytes_per_step(
                   decision's all-reduce of two float32; at a skipped step only the first block's
                   attention layers run (on PipeFusion's first stage)
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
-    at a time after), its queries are that set's tokens and Ring passes the whole stale buffer.
+    at a time after), its queries are that set's tokens and Ring passes the whole stale buffer; the
+    joint text stays whole on every rank there. `shapes["text_sharded"]` says whether sequence shards
+    split the joint text (True by default without PipeFusion; the control keeps it whole; a text of
+    fewer tokens than sp ranks stays whole).
     Exact for the code as written (checked in tests/test_lab_views.py); one dtype is assumed for
     activations, noise and output (the session runs in one dtype)."""
     if isinstance(config, dict) and "shapes" in config:  # a rank summary
@@ -76,22 +83,37 @@ def expected_bytes_per_step(
     self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]
     joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"]
     joint = joint_layers if text else 0
-    layers = self_layers + joint_layers
+    # sequence shards split the joint text like the image (sp-rank order); PipeFusion keeps it whole
+    text_sharded = bool(text >= sp and joint and s.get("text_sharded", c.pipefusion == 1))
+    text_sizes = shard_sizes(text, sp) if text_sharded else [0] * sp
 
     out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
     if cache_skips is not None and step > 0 and c.world_size > 1:
         out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
-        group = sizes[my_r * u : (my_r + 1) * u]
-        me = group[my_u]
+        mine = slice(my_r * u, (my_r + 1) * u)
+        with_text = [n + t for n, t in zip(sizes, text_sizes)]  # a joint layer's tokens per sp rank
         if u > 1:
-            qkv = 3 * b * (h - h // u) * me * d
-            o = b * (h // u) * (sum(group) - me) * d
-            out[ULYSSES] += layers * (qkv + o) * e + joint * b * (h // u) * text * d * (u - 1) * e
+
+            def all_to_alls(group, me):  # q, k, v: this rank's tokens, other heads; o: the others' tokens, own heads
+                return 3 * b * (h - h // u) * me * d + b * (h // u) * (sum(group) - me) * d
+
+            out[ULYSSES] += (
+                self_layers * all_to_alls(sizes[mine], sizes[mine][my_u])
+                + joint_layers * all_to_alls(with_text[mine], with_text[mine][my_u])
+            ) * e
+            if not text_sharded:  # the text output, whole, in o's all-to-all to every peer
+                out[ULYSSES] += joint * b * (h // u) * text * d * (u - 1) * e
         if r > 1:
-            blocks = [sum(kv_sizes[i * u : (i + 1) * u]) for i in range(r)]
-            held = sum(blocks[(my_r - k) % r] for k in range(r - 1))  # the block held at each of N-1 sends
-            out[RING] += layers * 2 * b * (h // u) * held * d * e + joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
+
+            def held(tokens):  # the blocks held at each of the N-1 sends
+                blocks = [sum(tokens[i * u : (i + 1) * u]) for i in range(r)]
+                return sum(blocks[(my_r - k) % r] for k in range(r - 1))
+
+            kv_with_text = [n + t for n, t in zip(kv_sizes, text_sizes)]
+            out[RING] += 2 * b * (h // u) * d * e * (self_layers * held(kv_sizes) + joint_layers * held(kv_with_text))
+            if not text_sharded:  # the text partials with their LSE, gathered in float32
+                out[RING] += joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:
             handed = sizes[sp_rank] + (text if s.get("handed_text") else 0)  # this patch's tokens (and text)
             out[PIPEFUSION] += b * handed * h * d * e

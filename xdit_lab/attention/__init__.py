@@ -3,20 +3,25 @@ attention over stale K/V buffers (stale.py)."""
 
 from .local import (
     BACKENDS,
+    attention,
     attention_backend,
     joint_local_attention,
     local_attention,
     merge_attention,
+    merge_stacked,
     set_attention_backend,
 )
-from .usp import sp_attention
+from .usp import sp_attention, sp_attention_sharded
 
 __all__ = [
     "BACKENDS",
+    "attention",
     "attention_backend",
     "joint_local_attention",
     "local_attention",
     "merge_attention",
+    "merge_stacked",
     "set_attention_backend",
     "sp_attention",
+    "sp_attention_sharded",
 ]

@@ -19,9 +19,15 @@ backend that accepts a call runs it (a fallback is logged with its reason, once)
 `set_attention_backend(name)` or the XDIT_LAB_ATTENTION environment variable: a forced backend
 that cannot run a call raises, saying why and which backends can.
 
-Key masks (`key_mask`, [B, Sk] bool, True: attend) exist for padded text only (Qwen-Image): the
-joint kernels attend the image keys unmasked with the fastest kernel, and the few text keys in a
-separate masked call (cpu_flash or math) merged by LSE, so a mask never slows the image part.
+Where no log-sum-exp is needed (attention over the whole sequence: Ulysses' heads, a single rank)
+`attention(...)` calls torch's own F.scaled_dot_product_attention, which picks flash or cuDNN on a
+GPU; only Ring's blocks need `local_attention`'s LSE, and `merge_stacked` folds all of a query's
+partial results in one go (a fixed handful of operations, however many blocks there were).
+
+Key masks (`key_mask`, [B, Sk] bool, True: attend) exist for padded text only (Qwen-Image,
+HunyuanVideo). Without an LSE, SDPA takes the mask itself. With one, the image keys are attended
+unmasked with the fastest kernel and the few text keys in a separate masked call (cpu_flash or
+math), merged by LSE, so a mask never slows the image part.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger("xdit_lab.attention")
 
@@ -198,6 +205,19 @@ def local_attention(
     return out, lse.float()
 
 
+def attention(q, k, v, *, scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale)·v without its log-sum-exp: where no merge follows (a whole sequence on one
+    rank, Ulysses' heads), torch's F.scaled_dot_product_attention runs it, and picks its fastest kernel
+    (flash or cuDNN on a GPU; with a key mask, one that takes a mask). A backend forced with
+    set_attention_backend or XDIT_LAB_ATTENTION runs instead. q [B, H, Sq, D], k and v [B, H, Sk, D],
+    any strides; key_mask: optional [B, Sk] bool, True where a key is attended (every query row must
+    keep at least one key)."""
+    if _override or os.environ.get("XDIT_LAB_ATTENTION"):
+        return local_attention(q, k, v, scale=scale, key_mask=key_mask)[0]
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def joint_local_attention(q, k, v, *, joint=None, joint_mask=None, scale=None):
     """Attention over the whole (gathered) sequence on one rank, image and text in one call.
 
@@ -205,16 +225,17 @@ def joint_local_attention(q, k, v, *, joint=None, joint_mask=None, scale=None):
     [B, T] bool over the text keys (True: attend), which makes it two calls merged by LSE: image keys
     unmasked, text keys masked. Returns (image_out, text_out or None)."""
     if joint is None:
-        return local_attention(q, k, v, scale=scale)[0], None
+        return attention(q, k, v, scale=scale), None
     image_len = q.shape[2]
     if joint_mask is None:
         q, k, v = (torch.cat([image, text], dim=2) for image, text in zip((q, k, v), joint))
-        out = local_attention(q, k, v, scale=scale)[0]
+        out = attention(q, k, v, scale=scale)
     else:
         q = torch.cat([q, joint[0]], dim=2)
-        out, lse = local_attention(q, k, v, scale=scale)
-        out, _ = merge_attention(out, lse, *local_attention(q, joint[1], joint[2], scale=scale, key_mask=joint_mask))
-        out = out.to(q.dtype)
+        parts = [local_attention(q, k, v, scale=scale)]
+        if joint[1].shape[2]:
+            parts.append(local_attention(q, joint[1], joint[2], scale=scale, key_mask=joint_mask))
+        out = merge_stacked(parts, q.dtype)
     return out[:, :, :image_len], out[:, :, image_len:]
 
 
@@ -267,3 +288,43 @@ def merge_attention(
         block_lse - reference
     ).unsqueeze(-1)
     return out, new_lse
+
+
+def merge_stacked(parts, dtype: torch.dtype | None = None, *, token_major: bool = False) -> torch.Tensor:
+    """One query block's partial results over several key blocks, [(out [B, H, S, D], lse [B, H, S])],
+    merged in one go: softmax over the blocks' log-sum-exps weighs each output. The same handful of
+    operations whatever the number of parts (Ring's merge is O(1) operations, not one chain per
+    block), in float32, returned in `dtype` (the first output's when None). A part with lse -inf (no
+    key attended) weighs 0; where every part is -inf the result is 0, not nan. token_major: the result
+    lies in memory as [B, S, H, D] (returned as its [B, H, S, D] view), the layout the model's own
+    projection reads."""
+    dtype = dtype or parts[0][0].dtype
+    if len(parts) == 1:
+        out = parts[0][0].to(dtype)
+        return out.transpose(1, 2).contiguous().transpose(1, 2) if token_major else out
+    if len(parts) == 2:
+        return _merge_two(parts, dtype, token_major)
+    # token-major: the kernels' outputs lie as [B, S, H, D] already (flash kernels write them so)
+    outs = torch.stack([out.transpose(1, 2) if token_major else out for out, _ in parts])  # [P, B, S|H, H|S, D]
+    lses = torch.stack([lse for _, lse in parts])  # [P, B, H, S], float32
+    weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)  # exp(lse_p - logsumexp); all -inf: nan, taken as 0
+    if token_major:
+        weights = weights.transpose(2, 3)
+    out = (weights.unsqueeze(-1) * outs).sum(dim=0).to(dtype)  # float32 until here
+    return out.transpose(1, 2) if token_major else out
+
+
+def _merge_two(parts, dtype: torch.dtype, token_major: bool) -> torch.Tensor:
+    """merge_stacked of two parts (Ring 2, a masked text beside the image) in four kernels instead of a
+    dozen: the second part's weight is exp(lse1) / (exp(lse0) + exp(lse1)) = sigmoid(lse1 - lse0), and
+    out = lerp(out0, out1, weight). A part with lse -inf weighs 0 (sigmoid of -inf or +inf); where both
+    are -inf (no key at all) the weight's nan is taken as 0, and both outputs are 0 there."""
+    (out0, lse0), (out1, lse1) = parts
+    weight = torch.sigmoid(lse1 - lse0).nan_to_num_(0.0).unsqueeze(-1)  # [B, H, S, 1], float32
+    batch, heads, tokens, head_dim = out0.shape
+    if token_major:
+        out = torch.empty(batch, tokens, heads, head_dim, device=out0.device).transpose(1, 2)
+    else:
+        out = torch.empty(batch, heads, tokens, head_dim, device=out0.device)
+    torch.lerp(out0.float(), out1.float(), weight, out=out)
+    return out.to(dtype)

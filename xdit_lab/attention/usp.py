@@ -8,9 +8,15 @@ Ring attention runs over those blocks, and the second all-to-all hands the shard
 
 Three kinds of attention, as diffusers' DiT families use them:
   self   q, k, v all sharded (image tokens)
-  joint  plus joint_q/k/v: text tokens whole on every rank (SD3, Flux, CogVideoX); text keys are
-         attended exactly once, and the text output comes back whole on every rank; joint_mask
-         [B, T] bool masks padded text keys (Qwen-Image)
+  joint  plus text tokens (SD3, Flux, CogVideoX, ...), in one of two ways:
+         sharded  `sp_attention_sharded`: each rank holds its shard of the text beside its image
+                  shard, in the model's own order ([text; image] or [image; text]); the text travels
+                  with the image in the same all-to-all or Ring block, and each rank computes only
+                  its share of it (what `parallelize` does)
+         whole    `sp_attention(joint_q=...)`: text tokens whole on every rank; text keys are
+                  attended exactly once, and the text output comes back whole on every rank (what a
+                  PipeFusion stage does)
+         joint_mask / text_mask [B, T] bool masks padded text keys (Qwen-Image, HunyuanVideo)
   cross  kv_sharded=False: queries sharded, text K/V whole and local (PixArt); no communication
 """
 
@@ -21,9 +27,99 @@ import torch
 from .. import comm
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_sizes
-from .local import joint_local_attention, local_attention
+from .local import attention, joint_local_attention
 from .ring import ring_attention
-from .ulysses import ulysses_attention
+from .ulysses import gathered_pieces, heads_to_seq, seq_to_heads, ulysses_attention
+
+
+def sp_attention_sharded(
+    q,
+    k,
+    v,
+    mesh,
+    image_sizes: list[int],
+    text_sizes: list[int] | None = None,
+    *,
+    text_first: bool = True,
+    text_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention over the whole sequence (every rank's image and text tokens), computed from
+    this rank's shard of both.
+
+    q, k, v: [B, H, L_me, D], any strides: this rank's tokens in its own order, its text shard before
+    its image shard when text_first, else after it. image_sizes, text_sizes: every sp rank's shard
+    lengths (text_sizes None: no text, self-attention). text_mask: optional [B, T] bool over the whole
+    text (True: attend), every rank holding all of it. Returns out [B, H, L_me, D] in q's token order,
+    a view of [B, L_me, H, D] memory (what the model's output projection reads).
+
+        rank r: [t_r; i_r] --ulysses all-to-all--> the group's tokens, H/u heads --ring over the groups'
+        blocks (or one local call)--> --all-to-all back--> [t_r; i_r], every head"""
+    sp, ulysses, ring = mesh.group_size(SP), mesh.group_size(ULYSSES), mesh.group_size(RING)
+    text_sizes = list(text_sizes) if text_sizes is not None else [0] * sp
+    sizes = [i + t for i, t in zip(image_sizes, text_sizes)]
+    _check_sharded(q, k, v, mesh, image_sizes, text_sizes, text_mask)
+    masked = text_mask is not None and sum(text_sizes) > 0
+    ring_rank = mesh.group_rank(RING)
+    mine = slice(ring_rank * ulysses, (ring_rank + 1) * ulysses)
+    pieces = None
+    if ulysses > 1:  # a mask wants the gathered image keys apart from the text keys: image first
+        pieces = gathered_pieces(sizes[mine], text_sizes[mine] if masked else None, text_first=text_first)
+        q, k, v = seq_to_heads((q, k, v), mesh, sizes[mine], pieces=pieces, tag="qkv")
+        text_first = text_first and not masked  # image first now, where it matters
+    if ring > 1:
+        blocks = [slice(r * ulysses, (r + 1) * ulysses) for r in range(ring)]
+        out, _ = ring_attention(
+            q,
+            k,
+            v,
+            mesh,
+            [sum(sizes[b]) for b in blocks],
+            text_sizes=[sum(text_sizes[b]) for b in blocks] if masked else None,
+            text_first=text_first,
+            text_mask=text_mask if masked else None,
+            scale=scale,
+        )
+    elif masked:  # ulysses alone, the group's whole sequence here: [image | text] keys, the text's masked
+        image = sum(image_sizes)
+        key_mask = torch.cat([text_mask.new_ones((text_mask.shape[0], image)), text_mask], dim=1)
+        out = attention(q, k, v, scale=scale, key_mask=key_mask)
+    else:
+        out = attention(q, k, v, scale=scale)
+    if ulysses > 1:
+        out, _ = heads_to_seq(out, mesh, sizes[mine], pieces=pieces, tag="out")
+    return out
+
+
+def _check_sharded(q, k, v, mesh, image_sizes, text_sizes, text_mask):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or t.shape != q.shape:
+            raise ValueError(
+                f"q, k and v must be one shape, [batch, heads, seq, head_dim] (SDPA layout); got {name} {tuple(t.shape)}, "
+                f"q {tuple(q.shape)}"
+            )
+    sp, me = mesh.group_size(SP), mesh.group_rank(SP)
+    if len(image_sizes) != sp or len(text_sizes) != sp:
+        raise ValueError(f"image_sizes {image_sizes} and text_sizes {text_sizes} need one entry per sp rank ({sp})")
+    if q.shape[2] != image_sizes[me] + text_sizes[me]:
+        raise ValueError(
+            f"sp rank {me} holds {q.shape[2]} tokens, but its shards are {image_sizes[me]} image and "
+            f"{text_sizes[me]} text tokens"
+        )
+    if min(image_sizes) == 0:
+        raise ValueError(f"every sp rank needs an image token; the image shards are {image_sizes}")
+    if text_mask is not None and (text_mask.dtype != torch.bool or text_mask.shape != (q.shape[0], sum(text_sizes))):
+        raise ValueError(
+            f"text_mask masks the whole text's keys: bool [batch, text] = [{q.shape[0]}, {sum(text_sizes)}], got "
+            f"{text_mask.dtype} {tuple(text_mask.shape)}"
+        )
+    heads, ulysses = q.shape[1], mesh.group_size(ULYSSES)
+    if heads % ulysses:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(
+            f"{heads} attention heads do not divide by ulysses {ulysses}; ulysses degrees that "
+            f"fit {heads} heads: {', '.join(map(str, fits))}"
+        )
 
 
 def sp_attention(
@@ -53,7 +149,7 @@ def sp_attention(
             f"[{q.shape[0]}, {None if joint is None else joint_k.shape[2]}], got {tuple(joint_mask.shape)}"
         )
     if not kv_sharded:  # cross-attention: every query row sees the whole text locally
-        return local_attention(q, k, v, scale=scale)[0]
+        return attention(q, k, v, scale=scale)
 
     ulysses, ring = mesh.group_size(ULYSSES), mesh.group_size(RING)
     sizes = _sp_shard_sizes(q, mesh, seq_len)

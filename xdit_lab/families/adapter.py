@@ -209,9 +209,10 @@ IMAGE, TOKENS, FRAMES, VIDEO = ImageLatents(), PackedTokens(), FrameLatents(), V
 class RotaryLayout:
     """What the module at `rotary_at` returns, and how a rank keeps the rows of the tokens it holds."""
 
-    def keep_rows(self, tables, text: int, keep):
-        """The tables' rows of the image tokens a rank holds, and every text row. `keep(t, dim)` keeps
-        the rank's image rows of t along dim (a contiguous shard, or a stage's active patches)."""
+    def keep_rows(self, tables, text: int, keep, keep_text=None):
+        """The tables' rows of the image tokens a rank holds, and of its text (`text` rows of it in the
+        tables). `keep(t, dim)` keeps the rank's image rows of t along dim (a contiguous shard, or a
+        stage's active patches); `keep_text(t, dim)` its text rows (None: every text row)."""
         raise NotImplementedError
 
 
@@ -219,9 +220,10 @@ class RotaryLayout:
 class TextThenImage(RotaryLayout):
     """Rows for [text; image]: one table, or (cos, sin) (Flux)."""
 
-    def keep_rows(self, tables, text, keep):
+    def keep_rows(self, tables, text, keep, keep_text=None):
         def rows(t):
-            return torch.cat([t[:text], keep(t[text:], 0)], dim=0)
+            words = t[:text] if keep_text is None else keep_text(t[:text], 0)
+            return torch.cat([words, keep(t[text:], 0)], dim=0)
 
         return tuple(rows(t) for t in tables) if isinstance(tables, tuple) else rows(tables)
 
@@ -230,7 +232,7 @@ class TextThenImage(RotaryLayout):
 class ImageOnly(RotaryLayout):
     """(cos, sin) of the image tokens only, [1, S, 1, D] (Wan) or [S, D] (HunyuanVideo)."""
 
-    def keep_rows(self, tables, text, keep):
+    def keep_rows(self, tables, text, keep, keep_text=None):
         return tuple(keep(t, 1 if t.dim() == 4 else 0) for t in tables)
 
 
@@ -238,9 +240,9 @@ class ImageOnly(RotaryLayout):
 class ImageAndText(RotaryLayout):
     """(image rows [S, D], text rows [T, D]) (Qwen-Image)."""
 
-    def keep_rows(self, tables, text, keep):
+    def keep_rows(self, tables, text, keep, keep_text=None):
         image, text_rows = tables
-        return keep(image, 0), text_rows
+        return keep(image, 0), text_rows if keep_text is None else keep_text(text_rows, 0)
 
 
 TEXT_THEN_IMAGE, IMAGE_ONLY, IMAGE_AND_TEXT = TextThenImage(), ImageOnly(), ImageAndText()
@@ -270,6 +272,12 @@ class FamilyAdapter:
     rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as `rotary`
     rotary: RotaryLayout = TEXT_THEN_IMAGE
     text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
+    # where sequence shards cut the joint text: "input", the forward's encoder_hidden_states (and the
+    # argument `text_rows_kwarg` with one row per text token, Flux's txt_ids), or "block", as the first
+    # block takes it (where the forward needs the whole text before its blocks: rotary positions, a
+    # padding mask, one embedding of [text; image])
+    text_shard_at: str = "block"
+    text_rows_kwarg: str | None = None
     image_rows_kwarg: str | None = None  # a forward argument with one row per image token (dim -2):
     # CogVideoX's rotary tables (a tuple), Flux.2's img_ids
     per_token_config: tuple = ()  # model config "key" (set) or "key=value" entries that condition each image

@@ -19,6 +19,10 @@ FLUX_LAYOUT = dict(
     attention={r"^(single_)?transformer_blocks\.\d+\.attn$": "joint_first"},
     latents=TOKENS,
     unbatched=("img_ids", "txt_ids"),
+    # the text and its ids cut at the input: Flux.2's forward slices its joined [text; image] by the text
+    # length it was given, and Flux.1's rotary tables then hold this rank's text rows already
+    text_shard_at="input",
+    text_rows_kwarg="txt_ids",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
 )
 

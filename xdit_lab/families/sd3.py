@@ -13,6 +13,7 @@ ADAPTER = FamilyAdapter(
     "SD3Transformer2DModel",
     shard_at="pos_embed",
     attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
+    text_shard_at="input",  # its context_embedder works token by token; skip_layers may skip block 0
 )
 
 

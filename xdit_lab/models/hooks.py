@@ -4,44 +4,64 @@ over at the places the family adapter (xdit_lab/families/) names:
   1. the forward's inputs: the batch [uncond; cond] is split over the cfg group, then over dp
   2. the patch embedding's output: the strategy keeps this rank's tokens         strategy.shard
   3. rotary tables (Flux): the strategy keeps the rows of its tokens             strategy.shard_rotary
-  4. every F.scaled_dot_product_attention call inside a known attention module:
-     the strategy attends, told the module's kind (self, cross, joint)          strategy.attend
-     (an attention module the adapter does not know is refused at parallelize time)
-     diffusers can route a module's attention to other kernels (`set_attention_backend("flex")`,
-     DIFFUSERS_ATTN_BACKEND) that never call it: the known modules are set back to diffusers'
-     native backend here, and a known module whose attention did not reach us raises (it would
-     have attended to its own shard only)
-     under torch.compile (parallelize(..., compile=True)) the strategy's attention and each gather
-     are one opaque operator each (xdit_lab::attend, xdit_lab::all_gather): the graph stays whole,
-     and the collectives inside run and are recorded as in eager
-  5. the last projection's output, before unpatchify: tokens come back whole    strategy.gather
+  4. the joint text, where the adapter says it enters the blocks: the strategy keeps this rank's
+     text tokens too (sequence shards do; a PipeFusion stage keeps the text whole)  strategy.shard_text
+  5. the attention of every known self or joint attention module: the strategy attends, told the
+     module's kind (self, joint_first, joint_last)                             strategy.attend
+     (an attention module the adapter does not know is refused at parallelize time; cross and text
+     attention see whole text K/V on every rank and run as diffusers wrote them)
+  6. the last projection's output, before unpatchify: tokens come back whole    strategy.gather
      and the forward's output is gathered over dp and cfg, so every rank returns the full batch
 
+How attention is taken over, without watching every torch call:
+  - processors that call diffusers' dispatcher (`dispatch_attention_fn`: Flux, Flux.2, Qwen-Image,
+    Wan, HunyuanVideo) are pointed at a backend registered in it, "xdit_lab", and handed the module's
+    AttentionSite as their `_parallel_config` (the dispatcher passes it on to the backend)
+  - processors that call F.scaled_dot_product_attention themselves (PixArt, SD3, CogVideoX, DiT) run
+    as a copy whose `F` names a functional module with that one function bound to the site: the same
+    code object, its own globals (`rebind_sdpa`); nothing of diffusers' processor is rewritten
+  - a user's diffusers attention backend (`set_attention_backend("flex")`, DIFFUSERS_ATTN_BACKEND)
+    is replaced on the modules the strategy attends (a warning names it); after parallelize, diffusers
+    itself refuses one (the processors carry a parallel config), and every forward first checks that
+    each attended module still runs its site (a module that did not would attend to its own shard)
+  - under torch.compile (parallelize(..., compile=True)) the strategy's attention and each gather are
+    one opaque operator each (xdit_lab::attend, xdit_lab::all_gather): the graph stays whole, and the
+    collectives inside run and are recorded as in eager
+  - a strategy with nothing to split (sequence shards on a group of one: cfg and dp only) gets no hook
+    at all: diffusers' forward runs as it is, on this rank's batch rows
+
 How tokens are split is the strategy's alone: one contiguous shard per sequence-parallel rank
-(sequence.py), or a PipeFusion stage's patches (pipefusion/). The hooks below never ask which.
+(sequence.py), or a PipeFusion stage's patches (pipefusion/). The hooks below never ask which; a
+strategy says what it needs (`splits_tokens`, `takes_attention`, `text_shard_at`; a strategy that does
+not say splits tokens and takes attention, and keeps the text whole).
 `parallel_state(module)` is the one way to read what a parallelized module knows.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import types
 import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .. import comm
+from ..families import block_metadata
+from ..families.adapter import SEQUENCE_PARALLEL_KINDS
 from ..mesh import CFG, DP
 from ..sharding import batch_rows
 
 log = logging.getLogger("xdit_lab.models")
 
+BACKEND_NAME = "xdit_lab"  # the attention backend registered in diffusers' dispatcher
+
 
 class ParallelState:
     """What one parallelized module knows: its adapter, the mesh, the token strategy, and what the
-    forward running now has seen (the text length, the whole image length, the attention module)."""
+    forward running now has seen (the text length, the whole image length)."""
 
     def __init__(self, adapter, mesh):
         self.adapter, self.mesh = adapter, mesh
@@ -51,8 +71,9 @@ class ParallelState:
         self.weights = None  # a ShardedWeights when parallelize was asked to shard them (sharded_weights.py)
         self.stand_in = False  # this rank computes a dp stand-in row (it has no rows of its own)
         self.in_forward = False
-        self.text_len = 0  # joint text tokens of the running forward
+        self.text_len = 0  # joint text tokens of the running forward (the whole text, however it is split)
         self.image_len = None  # whole image tokens, set where they are sharded
+        self.sites: list[tuple[weakref.ref, AttentionSite]] = []  # the attended modules (held weakly)
 
     def reset(self) -> None:
         """A new generation: the strategy (PipeFusion warms up again) and the cache start over."""
@@ -69,13 +90,15 @@ def parallel_state(module) -> ParallelState | None:
     return getattr(module, STATE_ATTRIBUTE, None)
 
 
+def _says(strategy, what: str) -> bool:
+    """What a strategy says it needs; one that does not say splits tokens and takes attention."""
+    return getattr(strategy, what, True)
+
+
 def install_hooks(transformer, state: ParallelState) -> None:
-    """Shard, rotary and gather hooks at the adapter's places; attention modules marked by kind."""
-    adapter = state.adapter
-    _hook_output(transformer, adapter.shard_at, functools.partial(_when_running, state, "shard"))
-    _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
-    if adapter.rotary_at:
-        _hook_output(transformer, adapter.rotary_at, functools.partial(_when_running, state, "shard_rotary"))
+    """Shard, rotary, text and gather hooks at the adapter's places, and the attention of every known
+    self and joint attention module handed to the strategy (as far as the strategy needs them)."""
+    adapter, strategy = state.adapter, state.strategy
     known, replaced = 0, {}
     for name, module in transformer.named_modules():
         kind = adapter.attention_kind(name)
@@ -88,10 +111,10 @@ def install_hooks(transformer, state: ParallelState) -> None:
                 )
             continue
         known += 1
-        backend = _use_native_attention(module)
-        if backend is not None:
-            replaced.setdefault(backend, []).append(name)
-        module.forward = _intercepting_forward(module, state, kind, name)
+        if kind in SEQUENCE_PARALLEL_KINDS and _says(strategy, "takes_attention"):
+            before = _attend_through_site(module, AttentionSite(state, kind, name))
+            if before is not None:
+                replaced.setdefault(before, []).append(name)
     if not known:
         raise TypeError(
             f"no attention modules of {type(transformer).__name__} matched the {adapter.family} adapter; "
@@ -100,12 +123,20 @@ def install_hooks(transformer, state: ParallelState) -> None:
     for backend, names in replaced.items():
         log.warning(
             "%d attention modules of %s were set to diffusers' %r attention backend, which the parallel "
-            "kernels cannot take over; they run diffusers' native backend now, and xdit_lab's kernels do "
-            "the attention (see xdit_lab.attention.attention_backend)",
+            "kernels cannot take over; they run diffusers' registered backend %r now, xdit_lab's kernels (see "
+            "xdit_lab.attention.attention_backend)",
             len(names),
             type(transformer).__name__,
             backend,
+            BACKEND_NAME,
         )
+    if _says(strategy, "splits_tokens"):
+        _hook_output(transformer, adapter.shard_at, functools.partial(_when_running, state, "shard"))
+        _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
+        if adapter.rotary_at:
+            _hook_output(transformer, adapter.rotary_at, functools.partial(_when_running, state, "shard_rotary"))
+    if getattr(strategy, "text_shard_at", None) == "block":
+        _hook_text_at_first_block(transformer, state)
     setattr(transformer, STATE_ATTRIBUTE, state)
 
 
@@ -118,29 +149,33 @@ def _when_running(state, method: str, value):
     return getattr(state.strategy, method)(value) if state.in_forward else value
 
 
-def _use_native_attention(module) -> str | None:
-    """Point a module's diffusers attention at the native backend, the one that calls
-    F.scaled_dot_product_attention; return the backend it used before, if another.
+def _hook_text_at_first_block(transformer, state) -> None:
+    """The joint text as the model's first block takes it (HunyuanVideo, CogVideoX, Qwen-Image): the
+    strategy keeps its share there, once per forward; the blocks after take it from the one before."""
+    blocks = state.adapter.blocks(transformer)
+    if not blocks:
+        return
+    first = blocks[0]
+    name = block_metadata(first).encoder_hidden_states_argument_name
+    position = list(inspect.signature(type(first).forward).parameters).index(name) - 1  # without self
 
-    A processor's `_attention_backend` (diffusers 0.42's dispatch: Flux and newer families)
-    wins when set; else the process-wide active backend applies, which DIFFUSERS_ATTN_BACKEND sets
-    at import and `set_attention_backend` sets too. Processors without the attribute (PixArt,
-    SD3, CogVideoX, DiT) call F.scaled_dot_product_attention themselves."""
-    processor = getattr(module, "processor", None)
-    if processor is None or not hasattr(processor, "_attention_backend"):
-        return None
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    def shard_text(_module, args, kwargs):
+        if not state.in_forward:
+            return None
+        if name in kwargs:
+            if kwargs[name] is not None:
+                kwargs[name] = state.strategy.shard_text(kwargs[name])
+        elif len(args) > position and args[position] is not None:
+            args = (*args[:position], state.strategy.shard_text(args[position]), *args[position + 1 :])
+        return args, kwargs
 
-    chosen = processor._attention_backend or _AttentionBackendRegistry._active_backend
-    processor._attention_backend = AttentionBackendName.NATIVE
-    chosen = AttentionBackendName(chosen).value
-    return None if chosen == AttentionBackendName.NATIVE.value else chosen
+    first.register_forward_pre_hook(shard_text, with_kwargs=True, prepend=True)
 
 
 def run_forward(state: ParallelState, forward, bound):
-    """The model's own forward, with the hooks active (they leave a module alone outside it)."""
-    text = bound.arguments.get("encoder_hidden_states")
-    state.text_len = text.shape[1] if text is not None and text.dim() >= 2 else 0
+    """The model's own forward, with the hooks active (they leave a module alone outside it), once
+    every attended module is seen to run its site."""
+    check_sites(state)
     state.in_forward = True
     try:
         return forward(*bound.args, **bound.kwargs)
@@ -148,88 +183,64 @@ def run_forward(state: ParallelState, forward, bound):
         state.in_forward = False
 
 
-# ---- attention: hand SDPA calls of known modules to the strategy -----------------------------------------
+# ---- attention: the strategy attends for every known self and joint attention module ------------------
 
 
-def _intercepting_forward(module, state, kind, name):
-    """The attention module's own forward, with its F.scaled_dot_product_attention handed to the strategy.
+class AttentionSite:
+    """One attention module whose attention the strategy computes: its kind and name, and the
+    processor that calls into it. It is what diffusers' dispatcher hands the "xdit_lab" backend (the
+    processor's `_parallel_config`), and what a rebound F.scaled_dot_product_attention calls."""
 
-    The interceptor is entered here, per module, and carries its own kind, rather than once around
-    the whole forward reading a kind that hooks set on shared state: torch.compile traces a mode
-    entered inside the graph (one graph, no breaks), but applies writes to Python objects only
-    after the graph has run. The module is held weakly, so that it does not keep itself alive
-    through its own forward attribute."""
-    own_forward, module = type(module).forward, weakref.ref(module)
+    context_parallel_config = None  # read by nothing of ours; diffusers' backends would look here
 
-    def forward(*args, **kwargs):
-        if not state.in_forward:  # e.g. a probe outside the parallel forward
-            return own_forward(module(), *args, **kwargs)
-        interceptor = AttentionInterceptor(state, kind, name)
-        with interceptor:
-            output = own_forward(module(), *args, **kwargs)
-        if not interceptor.reached:
-            processor = getattr(module(), "processor", None)
-            backend = getattr(processor, "_attention_backend", None)
-            raise RuntimeError(
-                f"attention module {name} ({kind}) ran without calling F.scaled_dot_product_attention, so its "
-                f"tokens were not handed to the sequence-parallel kernels and each rank would have attended to its "
-                f"own shard only. Its processor is {type(processor).__name__}"
-                f"{' with attention backend ' + repr(backend) if processor else ''}; keep diffusers' default "
-                f"processors and native attention backend on a parallelized model"
+    def __init__(self, state: ParallelState, kind: str, name: str):
+        self.state, self.kind, self.name = state, kind, name
+        self.processor = None  # the processor this site was installed on (checked every forward)
+        self.through_dispatch = False
+
+    def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """q, k, v [B, H, S, D] (SDPA layout, any strides) -> the output [B, S, H, D], contiguous."""
+        state = self.state
+        if not state.in_forward:  # e.g. a probe outside the parallel forward: plain attention
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
             )
-        return output
-
-    return forward
-
-
-def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-
-
-class AttentionInterceptor(TorchFunctionMode):
-    """F.scaled_dot_product_attention inside one known attention module: cross-attention runs as it
-    is (image queries against whole text keys are exact on a shard); self and joint go to the
-    strategy. Under torch.compile the strategy runs as one opaque operator (`xdit_lab::attend`),
-    so its collectives and their records run eagerly, exactly as without compile."""
-
-    def __init__(self, state, kind: str, name: str):
-        super().__init__()
-        self.state, self.kind, self.name, self.reached = state, kind, name, False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.unflatten:  # written in Python, it ends in super().unflatten, which
-            return torch.unflatten(*args, **kwargs)  # torch.compile cannot trace inside a mode
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        self.reached = True
-        if self.kind in ("cross", "text"):  # whole text K/V (or text alone) on every rank: exact as it is
-            return func(*args, **kwargs)
-        query, key, value, mask, dropout_p, is_causal, scale, _ = _sdpa_arguments(*args, **kwargs)
-        if is_causal or dropout_p:
-            raise NotImplementedError(f"{self.kind} attention that is causal or has dropout is not sequence-parallel")
-        text_mask = None if mask is None else self._text_key_mask(mask, query)
+            return out.transpose(1, 2).contiguous()
+        if is_causal or dropout_p or enable_gqa:
+            raise NotImplementedError(
+                f"{self.name}: {self.kind} attention that is causal, has dropout or grouped K/V heads is not "
+                f"sequence-parallel"
+            )
+        text_mask = None if attn_mask is None else self._text_key_mask(attn_mask, query)
         # The lengths travel as arguments: under compile, what the forward wrote on the state so far
         # reaches it only after the graph, while the operator runs inside it.
-        lengths = self.state.text_len, self.state.image_len
+        lengths = state.text_len, state.image_len
         if torch.compiler.is_compiling():
             return torch.ops.xdit_lab.attend(
-                query, key, value, self.state.handle, self.kind, self.name, scale, *lengths, text_mask
+                query, key, value, state.handle, self.kind, self.name, scale, *lengths, text_mask
             )
-        return self.state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths, text_mask)
+        out = state.strategy.attend(self.kind, self.name, query, key, value, scale, *lengths, text_mask)
+        return out.transpose(1, 2).contiguous()  # free where the strategy wrote [B, S, H, D] memory
+
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """F.scaled_dot_product_attention as a rebound processor calls it: [B, H, S, D] in and out."""
+        return self.attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa).transpose(1, 2)
 
     def _text_key_mask(self, mask, query):
-        """[B, T] bool over the joint text keys, from the mask a family with padded text builds over all
-        of its keys (Qwen-Image: [B, 1, 1, T + S], the image columns True by construction). Any other
-        mask would mask image keys this rank does not hold: refused."""
+        """[B, T] bool over the whole joint text's keys, from the mask a family with padded text builds
+        (Qwen-Image: [B, 1, 1, T + S_me], text first; HunyuanVideo: [B, 1, 1, S_me + T], text last; the
+        image columns true by construction, the text's columns its whole text whether or not the
+        strategy shards it). Any other mask would mask image keys this rank does not hold: refused."""
         text, adapter = self.state.text_len, self.state.adapter
-        keys = query.shape[2]  # [text; this rank's image tokens] (or [image; text])
+        keys = query.shape[2]  # this rank's text (shard or whole) and image tokens
         if not (
             adapter.text_key_mask
             and self.kind in ("joint_first", "joint_last")
             and text
             and mask.dtype == torch.bool
-            and tuple(mask.shape) == (query.shape[0], 1, 1, keys)
+            and mask.dim() == 4
+            and tuple(mask.shape[:3]) == (query.shape[0], 1, 1)
+            and 0 < mask.shape[3] - text <= keys
         ):
             raise NotImplementedError(
                 f"{self.name} ({self.kind} attention of {adapter.family}) passes an attention mask "
@@ -237,7 +248,137 @@ class AttentionInterceptor(TorchFunctionMode):
                 f"padded-text key mask, [batch, 1, 1, text + image] bool, from families that declare one "
                 f"(FamilyAdapter.text_key_mask)"
             )
-        return mask[:, 0, 0, :text] if self.kind == "joint_first" else mask[:, 0, 0, keys - text :]
+        return mask[:, 0, 0, :text] if self.kind == "joint_first" else mask[:, 0, 0, mask.shape[3] - text :]
+
+
+def _attend_through_site(module, site: AttentionSite) -> str | None:
+    """Make `module`'s attention the site's: through diffusers' dispatcher where its processor calls
+    it, else through a copy of its processor with F.scaled_dot_product_attention rebound. Returns the
+    diffusers attention backend the module was set to before, if it was another than the native one."""
+    processor = module.processor
+    call = type(processor).__call__
+    names = call.__code__.co_names
+    if hasattr(processor, "_attention_backend") and "dispatch_attention_fn" in names:
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+        backend = registered_backend()
+        chosen = processor._attention_backend or _AttentionBackendRegistry._active_backend
+        chosen = AttentionBackendName(chosen).value
+        processor._attention_backend = backend
+        processor._parallel_config = site
+        site.processor, site.through_dispatch = processor, True
+        site.state.sites.append((weakref.ref(module), site))
+        return None if chosen in (AttentionBackendName.NATIVE.value, BACKEND_NAME) else chosen
+    if "F" in names and "scaled_dot_product_attention" in names:
+        site.processor = rebind_sdpa(processor, site.sdpa)
+        module.processor = site.processor
+        site.state.sites.append((weakref.ref(module), site))
+        return None
+    raise TypeError(
+        f"attention module {site.name} runs {type(processor).__name__}, which calls neither diffusers' "
+        f"dispatch_attention_fn nor F.scaled_dot_product_attention: xdit_lab cannot take its attention over"
+    )
+
+
+def rebind_sdpa(processor, sdpa):
+    """A copy of diffusers' `processor` whose own code (the same code object) finds `F` to be a
+    functional module where scaled_dot_product_attention is `sdpa`: a subclass whose __call__ is the
+    processor's __call__ with its own globals. Signature, defaults and behaviour otherwise unchanged (so
+    diffusers' Attention still reads which keyword arguments it takes), traceable by torch.compile."""
+    cls = type(processor)
+    call = cls.__call__
+    functional = types.ModuleType(F.__name__, F.__doc__)
+    functional.__dict__.update(vars(F))
+    functional.scaled_dot_product_attention = sdpa
+    # its own globals, without a __name__: torch.compile then reads them as this dict (by id), not as the
+    # module of that name, where F is torch's
+    scope = {name: value for name, value in call.__globals__.items() if name != "__name__"}
+    scope["F"] = functional
+    rebound = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
+    rebound.__kwdefaults__, rebound.__qualname__ = call.__kwdefaults__, call.__qualname__
+    subclass = type(cls.__name__, (cls,), {"__call__": rebound, "__module__": cls.__module__, "__doc__": cls.__doc__})
+    copy = subclass.__new__(subclass)
+    copy.__dict__.update(vars(processor))
+    return copy
+
+
+def check_sites(state: ParallelState) -> None:
+    """Every attended module still runs its site: a processor replaced or pointed at another diffusers
+    attention backend after parallelize would attend to this rank's own shard only."""
+    for module_ref, site in state.sites:
+        module = module_ref()
+        if module is None:
+            continue
+        processor = module.processor
+        if processor is site.processor and (
+            not site.through_dispatch
+            or (processor._attention_backend is _BACKEND and processor._parallel_config is site)
+        ):
+            continue
+        found = getattr(processor, "_attention_backend", None)
+        raise RuntimeError(
+            f"attention module {site.name} ({site.kind}) no longer runs xdit_lab's kernels (its processor is "
+            f"{type(processor).__name__}{f', attention backend {found!r}' if found is not None else ''}), so its "
+            f"attention would cover this rank's own shard only; parallelize a fresh model, or leave its attention "
+            f"as parallelize set it"
+        )
+
+
+_BACKEND = None  # the registered member of diffusers' AttentionBackendName
+
+
+def registered_backend():
+    """The "xdit_lab" member of diffusers' AttentionBackendName, registered in its dispatcher (once per
+    process) with `dispatched_attention` as its function."""
+    global _BACKEND
+    if _BACKEND is not None:
+        return _BACKEND
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    member = AttentionBackendName._value2member_map_.get(BACKEND_NAME)
+    if member is None:  # an Enum takes no members after its class is made: add one as the class would have
+        member = str.__new__(AttentionBackendName, BACKEND_NAME)
+        member._name_, member._value_ = BACKEND_NAME.upper(), BACKEND_NAME
+        member.__objclass__ = AttentionBackendName
+        member._sort_order_ = len(AttentionBackendName._member_names_)
+        AttentionBackendName._member_map_[member._name_] = member
+        AttentionBackendName._value2member_map_[BACKEND_NAME] = member
+        AttentionBackendName._member_names_.append(member._name_)
+        type.__setattr__(AttentionBackendName, member._name_, member)
+    _AttentionBackendRegistry.register(member)(dispatched_attention)
+    _BACKEND = member
+    return member
+
+
+def dispatched_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    _parallel_config=None,
+):
+    """The "xdit_lab" backend of diffusers' dispatcher: q, k, v [B, S, H, D] (the dispatcher's layout),
+    handed to the strategy through the site the processor carries."""
+    site = _parallel_config
+    if not isinstance(site, AttentionSite):
+        raise RuntimeError(
+            f"the {BACKEND_NAME!r} attention backend runs only inside a model that xdit_lab.parallelize set up "
+            f"(a processor carrying its AttentionSite); this call came with {type(site).__name__}"
+        )
+    return site.attend(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+    )
 
 
 # forward arguments that address blocks by index (SD3's skip-layer guidance, ControlNet residuals)
@@ -309,12 +450,14 @@ def _attend_op(
     text_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     strategy = comm.from_handle(state).strategy
-    return strategy.attend(kind, name, query, key, value, scale, text_len, image_len, text_mask).contiguous()
+    out = strategy.attend(kind, name, query, key, value, scale, text_len, image_len, text_mask)
+    return out.transpose(1, 2).contiguous()
 
 
 @_attend_op.register_fake
 def _(query, key, value, state, kind, name, scale, text_len, image_len, text_mask):
-    return query.new_empty(query.shape)  # attention returns the queries' shape, contiguous
+    batch, heads, tokens, head_dim = query.shape
+    return query.new_empty((batch, tokens, heads, head_dim))  # [B, S, H, D], contiguous
 
 
 # ---- batch: split over cfg and dp on the way in, gather on the way out ----------------------------------
@@ -325,11 +468,14 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
 
     cfg 2 takes its half of [uncond; cond]; dp then splits what is left by rows (uneven splits as
     torch.tensor_split makes them). A dp group without rows computes a stand-in (the branch's last
-    row) so that every collective still lines up; gather_batch drops it."""
+    row) so that every collective still lines up; gather_batch drops it. It also notes the forward's
+    whole text length (state.text_len), before any strategy keeps its share of the text."""
     mesh, config = state.mesh, state.mesh.config
     hidden = arguments.get("hidden_states")
     if hidden is None:
         raise ValueError("the forward needs hidden_states")
+    text = arguments.get("encoder_hidden_states")
+    state.text_len = text.shape[1] if isinstance(text, torch.Tensor) and text.dim() >= 2 else 0
     total = hidden.shape[0]
     dp_rank = mesh.group_rank(DP)
     start, stop, dp_sizes = batch_rows(total, config.cfg, config.dp, mesh.group_rank(CFG), dp_rank)

@@ -1,14 +1,27 @@
-"""Sequence shards: the image tokens cut into one contiguous shard per sequence-parallel rank.
+"""Sequence shards: the image tokens, and the joint text beside them, cut into one contiguous shard per
+sequence-parallel rank.
 
-The sp group is ring × ulysses (ulysses varying fastest). Each rank holds x[B, S/sp, C] through
-every block; attention sees the whole sequence through sp_attention (Ulysses, Ring or both), and
-the tokens are gathered once, before unpatchify:
+The sp group is ring × ulysses (ulysses varying fastest). Each rank holds x[B, S/sp, C] of the image
+and, in joint families, t[B, T/sp, C] of the text through every block; attention sees the whole
+sequence through sp_attention_sharded (Ulysses, Ring or both), where the text travels with the image
+in the same all-to-all or Ring block; the image tokens are gathered once, before unpatchify:
 
-    embedding x[B, S, C] --keep shard--> x[B, S/sp, C] --blocks, sp_attention--> x[B, S/sp, C]
+    embedding x[B, S, C] --keep shard--> x[B, S/sp, C] --blocks, sp attention--> x[B, S/sp, C]
                          --all-gather (sp)--> x[B, S, C] --unpatchify--> the model's output
+    text t[B, T, C]      --keep shard--> t[B, T/sp, C] --blocks--> (the model drops it after its blocks)
 
-Text tokens of joint attention (SD3, Flux, CogVideoX) stay whole on every rank: they are split
-off q, k, v here and handed to sp_attention as joint tokens.
+Where the text is cut is the family's (FamilyAdapter.text_shard_at): at the forward's input (Flux and
+Flux.2: the text and its ids; SD3: the text), or as the first block takes it (Qwen-Image, HunyuanVideo,
+CogVideoX: the forward needs the whole text before, for its rotary positions, its padding mask, or
+its embedding of [text; image]). Every linear layer of every block then runs on 1/sp of the text rows
+too. A padded text's key mask stays whole on every rank (it is small); each attention reads the
+columns of the text shards it attends. No family needs the whole text after its blocks: their
+forwards return the image only (Flux.2 slices its joined [text; image] by the text length the
+forward saw, the shard's).
+
+`shards_text = False` (on the class or an instance) keeps the joint text whole on every rank, the
+way before text was split: a control, deliberately more work per rank (tests/test_models.py counts
+the rows).
 """
 
 from __future__ import annotations
@@ -16,24 +29,36 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..attention import sp_attention
+from ..attention import sp_attention, sp_attention_sharded
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
 from .hooks import join_text, refuse_unsplittable, split_text
 from .step import whole_step
 
+JOINT_KINDS = ("joint_first", "joint_last")
+
 
 class SequenceShards:
-    """The token strategy of ulysses, ring and their hybrid (and of a single rank)."""
+    """The token strategy of ulysses, ring and their hybrid (and of a single rank, where it splits
+    nothing: no hook is installed, diffusers' forward runs as it is on this rank's batch rows)."""
+
+    shards_text = True  # the control (False): joint text whole on every rank, as before it was split
 
     def __init__(self, state):
         self.state, self.mesh = state, state.mesh
         self.shard_range = None  # (start, stop) of this rank's image tokens in the last forward
+        sp = self.mesh.group_size(SP)
+        self.splits_tokens = self.takes_attention = sp > 1  # what the hooks install (models/hooks.py)
+        joint = any(kind in JOINT_KINDS for kind in state.adapter.attention.values())
+        # where this rank keeps its share of the joint text: "input", "block" (the adapter's), or None
+        self.text_shard_at = state.adapter.text_shard_at if (self.shards_text and joint and sp > 1) else None
 
     def forward(self, run, bound):
         """One pass of the model's forward. An argument with one row per image token (CogVideoX's
-        rotary tables, Flux.2's img_ids) keeps this rank's rows before the forward sees it."""
-        kwarg = self.state.adapter.image_rows_kwarg
+        rotary tables, Flux.2's img_ids) keeps this rank's rows before the forward sees it; where the
+        family's text is cut at the input, the text and its rows (Flux's txt_ids) keep this rank's."""
+        adapter = self.state.adapter
+        kwarg = adapter.image_rows_kwarg
         rows = bound.arguments.get(kwarg) if kwarg else None
         if self.mesh.group_size(SP) > 1:
             refuse_unsplittable(bound.arguments)
@@ -41,6 +66,11 @@ class SequenceShards:
             bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=t.dim() - 2) for t in rows)
         elif rows is not None:
             bound.arguments[kwarg] = self._take_image_shard(rows, dim=rows.dim() - 2)
+        if self.text_shard_at == "input" and self.splits_text():
+            bound.arguments["encoder_hidden_states"] = self.shard_text(bound.arguments["encoder_hidden_states"])
+            text_rows = bound.arguments.get(adapter.text_rows_kwarg) if adapter.text_rows_kwarg else None
+            if text_rows is not None:
+                bound.arguments[adapter.text_rows_kwarg] = self._take_text_shard(text_rows, dim=text_rows.dim() - 2)
         return run()
 
     def reset(self) -> None:
@@ -94,23 +124,78 @@ class SequenceShards:
         return self._take_image_shard(tokens)
 
     def shard_rotary(self, tables):
-        """This rank's rows of the rotary tables (the adapter's RotaryLayout.keep_rows). Wan's are
-        computed before the tokens are sharded: the shard is taken from the table's own length."""
-        return self.state.adapter.rotary.keep_rows(tables, self.state.text_len, self._take_image_shard)
+        """This rank's rows of the rotary tables (the adapter's RotaryLayout.keep_rows): its image rows
+        and its text rows. Where the text was cut at the input, the tables were computed from the
+        shard's own ids (their text rows are this rank's already); where it is cut at the first block,
+        the tables cover the whole text and keep this rank's rows of it. Wan's are computed before the
+        tokens are sharded: the shard is taken from the table's own length."""
+        text, keep_text = self.state.text_len, None
+        if self.text_shard_at == "input" and self.splits_text():
+            text = self._text_sizes(text)[self.mesh.group_rank(SP)]
+        elif self.text_shard_at == "block" and self.splits_text():
+            keep_text = self._take_text_shard
+        return self.state.adapter.rotary.keep_rows(tables, text, self._take_image_shard, keep_text)
+
+    def shard_text(self, text):
+        """This rank's tokens of the joint text states [B, T, C] (dim 1)."""
+        return self._take_text_shard(text, dim=1) if self.splits_text() else text
+
+    def splits_text(self, text_len: int | None = None) -> bool:
+        """Whether a joint text of text_len tokens (this forward's when None) is split: where this
+        strategy splits it, and when every sp rank gets a token of it (a text shorter than the sp degree
+        stays whole: an empty shard would be read as "no text" by some processors, e.g. HunyuanVideo's
+        `x[:, :-0]`). Attention passes the length it was given: under compile, what the forward wrote on
+        the state reaches the attention operator only after the graph."""
+        text_len = self.state.text_len if text_len is None else text_len
+        return self.text_shard_at is not None and text_len >= self.mesh.group_size(SP)
 
     def gather(self, tokens):
         sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))
         return comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
 
     def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None):
-        (q, k, v), joint = split_text(kind, text, query, key, value)
-        if joint is None:
-            return sp_attention(q, k, v, self.mesh, seq_len=image_len, scale=scale)
-        jq, jk, jv = joint
-        out, joint_out = sp_attention(
-            q, k, v, self.mesh, joint_q=jq, joint_k=jk, joint_v=jv, joint_mask=text_mask, seq_len=image_len, scale=scale
+        """Exact attention of this rank's tokens over every rank's, image and text: q, k, v [B, H, n, D]
+        as the module holds them (its text shard before or after its image shard)."""
+        image_sizes = shard_sizes(image_len, self.mesh.group_size(SP))
+        joint = kind in JOINT_KINDS and text > 0
+        if joint and not self.splits_text(text):  # the text whole on every rank (the control; a short text)
+            (q, k, v), (jq, jk, jv) = split_text(kind, text, query, key, value)
+            out, joint_out = sp_attention(
+                q,
+                k,
+                v,
+                self.mesh,
+                joint_q=jq,
+                joint_k=jk,
+                joint_v=jv,
+                joint_mask=text_mask,
+                seq_len=image_len,
+                scale=scale,
+            )
+            return join_text(kind, out, joint_out)
+        return sp_attention_sharded(
+            query,
+            key,
+            value,
+            self.mesh,
+            image_sizes,
+            self._text_sizes(text) if joint else None,
+            text_first=kind == "joint_first",
+            text_mask=text_mask,
+            scale=scale,
         )
-        return join_text(kind, out, joint_out)
+
+    def _text_sizes(self, text: int) -> list[int]:
+        return shard_sizes(text, self.mesh.group_size(SP))
+
+    def _take_text_shard(self, tokens: torch.Tensor, dim: int) -> torch.Tensor:
+        start, stop = shard_range(self.state.text_len, self.mesh.group_size(SP), self.mesh.group_rank(SP))
+        if tokens.shape[dim] != self.state.text_len:
+            raise ValueError(
+                f"the joint text has {tokens.shape[dim]} tokens where {self.state.text_len} were expected "
+                f"(the forward's encoder_hidden_states)"
+            )
+        return tokens.narrow(dim, start, stop - start)
 
     def _take_image_shard(self, tokens: torch.Tensor, dim: int = 1) -> torch.Tensor:
         sp, total = self.mesh.group_size(SP), tokens.shape[dim]

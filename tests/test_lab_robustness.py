@@ -1,5 +1,5 @@
 """The Lab under what a notebook user can do to it (issue 38): two threads calling at once, an engine
-killed or hung in the middle of a step loop; on 2 real CPU engines of an ipyparallel cluster.
+killed or hung in the middle of a step loop, the stop button during a wait; on 2 real CPU engines of an ipyparallel cluster.
 
 One cluster serves the module; every call has a timeout, and the fixture stops the cluster even when a
 test fails. (tests/test_lab.py covers a rank stuck in a collective, an engine that exits through a
@@ -7,6 +7,7 @@ Lab call, and the restart after them.)"""
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,6 +70,34 @@ def test_a_second_call_from_another_thread_waits_or_is_refused_by_name(lab):
     assert "still has the engines after 0.5 s" in message and "longer timeout_s" in message, message
     assert 0.5 <= waited < 2.0, waited
     assert set(lab.call(time.time, state=False, what="after")) == {0, 1}
+
+
+def test_an_interrupted_wait_leaves_the_lab_usable(lab):
+    """The notebook's stop button (SIGINT to the main thread) while the Lab waits for rank 0's 3 s call: the
+    KeyboardInterrupt reaches the cell at once (under 1 s, not after the call), the engines are not held (a
+    call from another thread does not wait for them), the next call is refused at once naming rank 0 as still
+    busy with the interrupted call, and once that call has ended on the engine the Lab answers again."""
+    main = threading.main_thread().ident
+    interrupt = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+    started = time.monotonic()
+    interrupt.start()
+    with pytest.raises(KeyboardInterrupt):
+        lab.call(time.sleep, 3, ranks=[0], state=False, what="slow")
+    assert time.monotonic() - started < 1.5
+    assert lab.calls.holder is None
+    with pytest.raises(LabError, match=r"rank 0 \(engine \d+\) is still busy with lab.slow, started [01] s ago"):
+        lab.call(time.time, state=False, timeout_s=1, what="next")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            assert set(lab.call(time.time, state=False, what="after")) == {0, 1}
+            break
+        except LabError as error:
+            assert "still busy with lab.slow" in str(error)
+            time.sleep(0.2)
+    else:
+        raise AssertionError("rank 0 stayed busy 30 s after a 3 s call")
+    assert time.monotonic() - started >= 3  # not before the interrupted call ended on rank 0
 
 
 @pytest.fixture(scope="module")

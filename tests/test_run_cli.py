@@ -1,9 +1,12 @@
-"""`xdit-lab run` under torchrun, on one node and on two nodes over loopback; its atomic writes.
+"""`xdit-lab run` under torchrun, on one node and on two nodes over loopback; its atomic writes; what can go
+wrong in a run (the output folder, a write, a hung peer), each a one-line error; float16, bfloat16 and GIFs.
 
 Command lines come from xdit_lab.lessons (run_argv, torchrun_argv, run_processes), the
 helpers tutorial 10 teaches with, so the tests launch torchrun as a user following it would."""
 
 import json
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -179,3 +182,197 @@ def test_atomic_write_fault_mid_write_leaves_no_partial_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
     atomic_write(existing, lambda path: path.write_text('{"new": true}'))
     assert existing.read_text() == '{"new": true}' and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+# ---- what can go wrong in a run, and the dtypes and outputs no other test runs (issue 38) ------------------
+
+
+def _cli(*argv):
+    """`xdit-lab run` in a plain process: a world of one, as a user tries it before torchrun."""
+    return [sys.executable, "-m", "xdit_lab.cli", *argv]
+
+
+def _error_lines(output: str) -> list[str]:
+    """The lines `xdit-lab run` prints for an error (a library's own import warnings left out)."""
+    return [line for line in output.splitlines() if line.startswith("xdit-lab run: error:")]
+
+
+def _one_rank_env():
+    return [{"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}]
+
+
+def test_the_output_folder_is_checked_before_anything_is_loaded(folder, tmp_path):
+    """An --output that is a file, and one under a file: exit 2 with one line naming it, before the model is
+    read (the model named here does not exist: its error would come first if the folder were checked after)."""
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a folder")
+    results = production.run_processes(
+        [
+            _cli("run", "--model", str(tmp_path / "no-model"), "--prompt", "a cat", "--output", str(output))
+            for output in (a_file, a_file / "images")
+        ],
+        timeout_s=180,
+        envs=_one_rank_env() * 2,
+    )
+    for result, said in zip(results, [f"--output {a_file} is a file", f"cannot write the outputs to {a_file}/images"]):
+        lines = _error_lines(result["output"])
+        assert result["returncode"] == 2 and len(lines) == 1, result["output"][-3000:]
+        assert "Traceback" not in result["output"], result["output"][-3000:]
+        assert lines[0].startswith(f"xdit-lab run: error: {said}"), lines[0]
+    assert a_file.read_text() == "not a folder"
+
+
+def test_a_write_failure_leaves_the_images_before_it_and_a_partial_report(folder, tmp_path):
+    """Image 1's name is taken by a folder, so its rename fails after image 0 is written: exit 1 with one line
+    naming 001.png, 000.png in place, report.json listing it, marked incomplete, and no temporary file left."""
+    output = tmp_path / "out"
+    (output / "001.png").mkdir(parents=True)
+    (result,) = production.run_processes(
+        [_cli(*production.run_argv(folder, PROMPTS, ParallelConfig(), output, seed=SEED, **KWARGS))],
+        timeout_s=180,
+        envs=_one_rank_env(),
+    )
+    # one error line (libraries may log warnings of their own on import: torchao does in this venv)
+    lines = _error_lines(result["output"])
+    assert result["returncode"] == 1 and len(lines) == 1 and "Traceback" not in result["output"], result["output"]
+    assert lines[0].startswith(f"xdit-lab run: error: writing {output}/001.png failed (Is a directory)")
+    assert "written before it: 000.png (listed in report.json, marked incomplete)" in lines[0]
+    report = json.loads((output / "report.json").read_text())
+    assert report["outputs"] == ["000.png"] and report["complete"] is False
+    assert report["error"] == "writing 001.png failed: Is a directory"
+    assert Image.open(output / "000.png").size == (16, 16) and np.asarray(Image.open(output / "000.png")).std() > 0
+    assert sorted(p.name for p in output.iterdir()) == ["000.png", "001.png", "report.json"]
+
+
+def test_a_hung_peer_ends_in_an_error_naming_the_rank_within_the_timeout(folder, tmp_path):
+    """Under cfg 2 with --timeout 5, rank 1 is stopped (SIGSTOP, as a hung process) once the denoising loop
+    runs; rank 0 waits in the next cfg all-gather and gives up 5 s later with one line naming itself, the
+    collective and rank 1. (torchrun then waits 30 s for the stopped rank to take SIGTERM: the test kills it.)"""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    import psutil
+
+    command = production.torchrun_argv(2, master_port=free_port()) + _run(
+        folder, tmp_path / "out", ParallelConfig(cfg=2), "--timeout", "5", num_inference_steps=1000
+    )
+    command.remove("--no-progress")  # the progress bar says when the loop runs
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen, marks = [], {}
+
+    def read():
+        while chunk := proc.stdout.read(1):
+            seen.append(chunk)
+            if "stopped" in marks and "error" not in marks and "gave up" in "".join(seen[-400:]):
+                marks["error"] = time.monotonic()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    stopped = None
+    try:
+        deadline = time.monotonic() + 180
+        while stopped is None and time.monotonic() < deadline and proc.poll() is None:
+            if "/1000 " in "".join(seen[-200:]):  # rank 0's bar: both ranks are in the loop
+                workers = {
+                    child.environ().get("LOCAL_RANK"): child
+                    for child in psutil.Process(proc.pid).children(recursive=True)
+                    if "xdit_lab.cli" in child.cmdline()
+                }
+                workers["1"].send_signal(signal.SIGSTOP)
+                stopped, marks["stopped"] = workers["1"], time.monotonic()
+            time.sleep(0.05)
+        assert stopped is not None, "".join(seen)[-3000:]
+        while "error" not in marks and time.monotonic() < marks["stopped"] + 60:
+            time.sleep(0.1)
+        try:  # rank 0 ends by itself after its error (it does not hang leaving the process group)
+            workers["0"].wait(timeout=20)
+            marks["rank 0 ended"] = time.monotonic()
+        except psutil.TimeoutExpired:
+            pass
+        stopped.kill()  # what torchrun does 30 s after its SIGTERM, which a stopped process does not take
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if stopped is not None and stopped.is_running():
+            stopped.kill()
+    text = "".join(seen).replace("\r", "\n")
+    assert proc.returncode != 0 and "error" in marks, text[-3000:]
+    waited = marks["error"] - marks["stopped"]
+    assert 5 <= waited <= 25, waited  # the timeout, not torch's 30 minutes; at least the 5 s it was told
+    assert "rank 0 ended" in marks, text[-3000:]
+    lines = re.findall(r"xdit-lab run: error: [^\n]*", text)  # after the progress bar, on its line
+    assert len(lines) == 1, text[-4000:]
+    line = lines[0]
+    assert line.startswith(
+        "xdit-lab run: error: rank 0 of 2 gave up after --timeout 5 s generating, in the cfg all_gather"
+    ), line
+    assert "with rank 1: a peer did not answer" in line and "Timed out" in line, line
+    assert "Traceback" not in text[: text.index(line)]  # torchrun's own report of a failed child may follow
+
+
+def test_float16_bfloat16_and_a_video_as_gif(folder, tmp_path):
+    """`--dtype bfloat16` under cfg 2 and `--dtype float16` on one rank give the latents of diffusers' own pipeline
+    loaded in that dtype and run serially, within that dtype's rounding: every element within 2 units in the
+    last place (2^-8 relative for bfloat16, 2^-11 for float16) of the element's size (at least the mean's; the
+    tiny random model's latents reach 688). Measured: equal, bit for bit. The control, the float32 run those
+    flags would give if they were ignored, is run and lies 9.5 (bfloat16) and 6.8 (float16) units away. The report says the dtype, and the transformer's
+    parameters take half of float32's bytes. A video family's frames (tiny Wan, 5 frames) are written as one GIF
+    that reads back with 5 frames of the asked size."""
+    from diffusers import DiffusionPipeline
+
+    wan = save_tiny_pipeline("wan", tmp_path / "wan")
+    video = dict(tiny_pipeline_kwargs("wan"), num_inference_steps=2, guidance_scale=3.0)
+    runs = {
+        "bfloat16": (2, ParallelConfig(cfg=2), folder, KWARGS, "latent"),
+        "float16": (1, ParallelConfig(), folder, KWARGS, "latent"),
+        "gif": (1, ParallelConfig(), wan, video, "pil"),
+    }
+    _succeed(
+        [
+            production.torchrun_argv(ranks, master_port=port)
+            + ["-m", "xdit_lab.cli"]
+            + production.run_argv(model, PROMPTS, config, tmp_path / name, seed=SEED, **call)
+            + ["--output-type", output_type]
+            + (["--dtype", name] if name != "gif" else [])
+            for port, (name, (ranks, config, model, call, output_type)) in zip(_ports(3), runs.items())
+        ],
+        timeout_s=420,
+    )
+
+    def diffusers_latents(dtype):
+        pipe = DiffusionPipeline.from_pretrained(folder, dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            return pipe(PROMPTS, generator=torch.Generator().manual_seed(SEED), output_type="latent", **KWARGS).images
+
+    float32 = diffusers_latents(torch.float32)
+    for dtype, ulp in ((torch.bfloat16, 2**-8), (torch.float16, 2**-11)):
+        name = str(dtype).removeprefix("torch.")
+        reference = diffusers_latents(dtype)
+        latents = torch.load(tmp_path / name / "latents.pt")
+        assert latents.dtype == dtype and reference.dtype == dtype
+        scale = reference.float().abs() + reference.float().abs().mean()  # each element's size, the mean's at least
+        deviation = ((latents.float() - reference.float()).abs() / scale).max()
+        control = ((float32 - reference.float()).abs() / scale).max()  # measured: 9.5 ulps (bf16), 6.8 (fp16)
+        assert deviation <= 2 * ulp < control, (name, float(deviation) / ulp, float(control) / ulp)
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        assert report["dtype"] == name and report["complete"] is True
+        held = report["ranks"][0]["memory"]["parameter_bytes"]["transformer"]
+        assert held * 2 == sum(
+            p.numel() * 4 for p in DiffusionPipeline.from_pretrained(folder).transformer.parameters()
+        )
+
+    report = json.loads((tmp_path / "gif" / "report.json").read_text())
+    assert report["outputs"] == ["000.gif", "001.gif"] and report["complete"] is True
+    for name in report["outputs"]:
+        gif = Image.open(tmp_path / "gif" / name)
+        assert gif.format == "GIF" and gif.n_frames == video["num_frames"] == 5 and gif.size == (64, 64)
+        frames = []
+        for index in range(gif.n_frames):
+            gif.seek(index)
+            frames.append(np.asarray(gif.convert("RGB")))
+        assert np.std(frames) > 0 and any(not np.array_equal(frames[0], f) for f in frames[1:])  # not one still

@@ -152,7 +152,7 @@ def cmd_run(args) -> int:
     from .distributed import shutdown_distributed
     from .memory import MemoryPlanError
     from .pipeline import loading_bars_hidden
-    from .run import run_generation
+    from .run import PeerTimeoutError, run_generation
     from .safetensors_io import CorruptWeightsError
 
     degrees = {degree: getattr(args, degree) for degree in DEGREES}
@@ -186,11 +186,15 @@ def cmd_run(args) -> int:
         ValueError,
         TypeError,
         FileNotFoundError,
+        NotADirectoryError,
         MemoryPlanError,
         CorruptWeightsError,
-    ) as error:  # the user's input: say what is wrong, no traceback
+    ) as error:  # the user's input (the folder, its files, the arguments): say what is wrong, no traceback
         print(f"xdit-lab run: error: {error}", file=sys.stderr)
         return 2
+    except (OSError, PeerTimeoutError) as error:  # the run: an output not written, a peer that never answered
+        print(f"xdit-lab run: error: {error}", file=sys.stderr)
+        return 1
     finally:
         shutdown_distributed()
     if report is not None:

@@ -12,13 +12,16 @@ mmap N bytes").
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from .families import FAMILIES
-from .safetensors_io import SAFETENSORS_DTYPES, read_safetensors_header
-from .shard_loading import load_weights, materialize, transformers_key_renaming
+from .safetensors_io import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_files
+from .shard_loading import WeightsMismatchError, load_weights, materialize, transformers_key_renaming
+
+SHOWN = 6  # keys named in one line of a mismatch error; the rest are counted
 
 
 def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -71,6 +74,81 @@ def empty_model(folder: Path, library: str, class_name: str, dtype: torch.dtype)
                     cast[id(parameter)] = torch.nn.Parameter(parameter.to(dtype), requires_grad=False)
                 module._parameters[name] = cast[id(parameter)]
     return model.eval()
+
+
+def check_weights_match_config(folder: Path, library: str, class_name: str) -> None:
+    """Refuse a component whose config.json does not build the module its safetensors hold: the module is
+    built from the config on meta (no memory) and its parameters are compared, by name and shape, with the
+    files' headers, before a byte of weights is read. Without this, diffusers loads a config with fewer
+    layers than its weights without a word (the extra ones dropped), fails on one with more as "Cannot copy
+    out of meta tensor", and transformers fills the missing layers of a text encoder with random numbers.
+
+    Names as the libraries' loaders read them: diffusers' renaming of old attention keys, transformers'
+    checkpoint renaming, the keys each class declares it ignores; tied weights count once, and a buffer
+    missing from the files keeps the value the module was built with (as both loaders keep it). A component
+    with no safetensors files (.bin only), or whose checkpoint transformers converts tensor by tensor, is
+    left to the library's loader."""
+    try:
+        files = safetensors_files(folder)
+    except FileNotFoundError:
+        return
+    stored = {}
+    for file in files:
+        stored.update({key: (file, info["shape"]) for key, info in read_safetensors_header(file).items()})
+    model = empty_model(folder, library, class_name, torch.float32)
+    if library == "diffusers" and hasattr(model, "_fix_state_dict_keys_on_load"):
+        model._fix_state_dict_keys_on_load(stored)  # old VAE attention names, as diffusers renames them on load
+    rename = None
+    if library == "transformers":
+        try:
+            rename = transformers_key_renaming(model)
+        except NotImplementedError:
+            return
+    if rename is not None:
+        stored = {rename(key): value for key, value in stored.items()}
+    ignored_unexpected = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ignored_missing = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    module_tensors = model.state_dict(keep_vars=True)
+    parameters = {id(p) for p in model.parameters()}
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in module_tensors.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    unexpected = [
+        key
+        for key in stored
+        if key not in module_tensors and not any(re.search(pattern, key) for pattern in ignored_unexpected)
+    ]
+    missing = [
+        names[0]
+        for key, names in names_of.items()
+        if key in parameters
+        and not any(name in stored for name in names)
+        and not any(re.search(pattern, names[0]) for pattern in ignored_missing)
+    ]
+    shapes = [
+        f"{key!r} is {tuple(shape)} in {file.name} but {tuple(module_tensors[key].shape)} in the module"
+        for key, (file, shape) in stored.items()
+        if key in module_tensors and tuple(shape) != tuple(module_tensors[key].shape)
+    ]
+    if not (unexpected or missing or shapes):
+        return
+
+    def listed(keys):
+        return ", ".join(keys[:SHOWN]) + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
+
+    lines = []
+    if missing:
+        lines.append(f"{len(missing)} parameter(s) of the module are in no file: {listed(missing)}")
+    if unexpected:
+        lines.append(f"{len(unexpected)} tensor(s) in the files have no place in the module: {listed(unexpected)}")
+    if shapes:
+        lines.append(f"{len(shapes)} tensor(s) differ in shape: {listed(shapes)}")
+    raise WeightsMismatchError(
+        f"{folder / 'config.json'} does not match the weights beside it ({', '.join(f.name for f in files)}): "
+        f"the {class_name} it builds is not the one they were saved from.\n  - "
+        + "\n  - ".join(lines)
+        + "\nCopy the config.json saved with these weights (or the weights saved with this config)"
+    )
 
 
 def keep_stage(model, class_name: str, stage_blocks: tuple[int, int]):

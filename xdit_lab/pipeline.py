@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import numbers
+import operator
 import os
 import warnings
 from pathlib import Path
@@ -30,6 +32,7 @@ from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .families import FAMILIES, Request, recipe_for
 from .loading import (
+    check_weights_match_config,
     load_quantized_text_encoder,
     load_quantized_transformer,
     load_sharded_text_encoder,
@@ -72,6 +75,12 @@ def loading_bars_hidden():
 
 def resolve_folder(name_or_path) -> Path:
     folder = BUNDLED.get(str(name_or_path), Path(name_or_path)).expanduser()
+    if folder.is_file():
+        above = folder.parent / "model_index.json"
+        raise NotADirectoryError(
+            f"{folder} is a file, not a pipeline folder: pass the folder that holds model_index.json"
+            + (f" ({folder.parent})" if above.is_file() else "")
+        )
     if not folder.is_dir():
         raise FileNotFoundError(
             f"no pipeline folder at {folder}: pass a local diffusers pipeline folder "
@@ -83,10 +92,66 @@ def resolve_folder(name_or_path) -> Path:
 
 
 def read_model_index(folder: Path) -> dict:
+    """The folder's model_index.json, checked: a JSON object naming its pipeline class (`_class_name`), each
+    component a [library, class] pair ([null, null]: left out)."""
+    path = folder / "model_index.json"
     try:
-        return json.loads((folder / "model_index.json").read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{folder / 'model_index.json'} is not valid JSON ({error})") from None
+        index = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): save or copy the pipeline folder again") from None
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise ValueError(
+            f'{path} is not a diffusers pipeline index: it must be a JSON object with "_class_name" (the '
+            f'pipeline class, e.g. "PixArtAlphaPipeline") and one [library, class] entry per component; '
+            + ('it has no "_class_name"' if isinstance(index, dict) else f"it holds {str(index)[:100]}")
+        )
+    wrong = [
+        f"{name}: {entry!r}"
+        for name, entry in index.items()
+        if not name.startswith("_")
+        and isinstance(entry, list)
+        and not (len(entry) == 2 and all(part is None or isinstance(part, str) for part in entry))
+    ]
+    if wrong:
+        raise ValueError(
+            f"{path} has component entries that are not [library, class] pairs: {'; '.join(wrong)}; each "
+            f'component is ["diffusers", "AutoencoderKL"] or the like, [null, null] where left out'
+        )
+    return index
+
+
+def component_folders(folder: Path, index: dict) -> list[str]:
+    """The components model_index.json lists (not left out as [null, null]), each a subfolder: a missing one is
+    named (diffusers would stop with "no file named model.safetensors ... found in directory" of the pipeline)."""
+    listed = {
+        name: entry
+        for name, entry in index.items()
+        if not name.startswith("_") and isinstance(entry, list) and None not in entry
+    }
+    missing = [f"{name}/ ({'.'.join(entry)})" for name, entry in listed.items() if not (folder / name).is_dir()]
+    if missing:
+        raise FileNotFoundError(
+            f"{folder} lacks component folder(s) its model_index.json lists: {', '.join(missing)}. Copy the whole "
+            f"pipeline folder, or mark a component the pipeline can run without as [null, null] in model_index.json"
+        )
+    return list(listed)
+
+
+def check_weights_match_configs(folder: Path, index: dict, components: list[str]) -> None:
+    """Every component with weights (a diffusers or transformers model) against its config.json
+    (loading.check_weights_match_config), before any weight is read."""
+    import importlib
+
+    for name in components:
+        library, class_name = index[name]
+        if library not in ("diffusers", "transformers"):
+            continue
+        try:
+            cls = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError):
+            continue  # diffusers' own loader names a class it cannot find
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            check_weights_match_config(folder / name, library, class_name)
 
 
 def read_call_defaults(folder: Path, recipe) -> dict:
@@ -176,11 +241,7 @@ def load_pipeline(
     recipe = recipe_for(index.get("_class_name", "?"))
     recipe.check_branches(config.cfg)
     call_defaults = {**recipe.defaults, **read_call_defaults(folder, recipe)}
-    components = [
-        name
-        for name, value in index.items()
-        if not name.startswith("_") and isinstance(value, list) and (folder / name).is_dir()
-    ]
+    components = component_folders(folder, index)
     on_host = check_on_host(on_host, folder, index, components)
     quantized = resolve_quantization(quantization, components)
     if quantized is not None and shard_weights and config.world_size > 1:
@@ -215,6 +276,7 @@ def load_pipeline(
         )
         if sharding or on_host or quantized:  # who holds which weights, as the planner counts them (fit/)
             plan = placed_plan(plan, folder, torch_dtype, config, sharding, on_host, quantized)
+        check_weights_match_configs(folder, index, components)  # headers were read above: each file is sound
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
             return ParallelPipeline(
@@ -461,6 +523,50 @@ def _mentions_mmap(error: BaseException | None) -> bool:
     return False
 
 
+def is_whole(value) -> bool:
+    """An int (numpy's and 0-d integer tensors too), not a bool: what sizes, steps and seeds must be."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def at_least_one(name: str, value, default):
+    """`value` when it is a whole number ≥ 1, `default` for None; else a clear error (0 and negatives were
+    taken for the default, or passed through, before)."""
+    if value is None:
+        return default
+    if not is_whole(value) or operator.index(value) < 1:
+        said = "the model's default" + ("" if default is None else f", {default}")
+        raise ValueError(f"{name} must be a whole number ≥ 1, or None for {said}; got {value!r}")
+    return operator.index(value)
+
+
+def texts_of(name: str, value, count: int | None = None) -> list[str]:
+    """`value` (a string, or a list or tuple of them) as a list of strings: `count` of them for negative
+    prompts (a single string serves every prompt); a clear error for anything else."""
+    if isinstance(value, str):
+        return [value] * (count or 1)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a string or a list of strings; got {type(value).__name__} {value!r}")
+    if not value:
+        raise ValueError(f"{name} is an empty list: give at least one string ({name}='a red cat')")
+    wrong = [
+        f"{name}[{i}] is {type(text).__name__} {text!r}" for i, text in enumerate(value) if not isinstance(text, str)
+    ]
+    if wrong:
+        raise ValueError(f"{'; '.join(wrong)}: every {name} must be a string")
+    if count is not None and len(value) != count:
+        raise ValueError(
+            f"{count} prompts but {len(value)} negative prompts: give one negative per prompt, a single string for "
+            f"all, or None"
+        )
+    return list(value)
+
+
 class ParallelPipeline:
     """A diffusers pipeline whose transformer runs under a ParallelConfig; call it like diffusers'.
 
@@ -508,31 +614,41 @@ class ParallelPipeline:
         seed=None,
         **options,
     ) -> Request:
-        """The Request a call with these arguments runs: the call defaults filled in, checked."""
+        """The Request a call with these arguments runs: the call defaults filled in, checked. Every argument
+        a user can get wrong is refused here, on every rank alike, with what was wrong and what to do: sizes
+        and steps that are not whole numbers ≥ 1 (None: the model's default), prompts that are not text or
+        none at all, a generator with a seed, and prompts longer than the text encoder reads
+        (Recipe.check_prompt_lengths)."""
         defaults = self.call_defaults
         negative_prompt = defaults.get("negative_prompt") if negative_prompt is None else negative_prompt
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        negatives = (
-            None
-            if negative_prompt is None
-            else ([negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt))
-        )
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompt must be a string or a non-empty list of strings")
-        if negatives is not None and len(negatives) != len(prompts):
-            raise ValueError(
-                f"{len(prompts)} prompts but {len(negatives)} negative prompts: give one negative per "
-                f"prompt, a single string for all, or None"
-            )
+        prompts = texts_of("prompt", prompt)
+        negatives = None if negative_prompt is None else texts_of("negative_prompt", negative_prompt, len(prompts))
         if generator is not None and seed is not None:
-            raise ValueError("pass either generator= or seed=, not both")
+            raise ValueError(
+                "pass generator= or seed=, not both: seed=N draws the initial noise from a CPU generator seeded "
+                "with N, generator= from the one you give"
+            )
+        if seed is not None and not is_whole(seed):
+            raise ValueError(f"seed must be a whole number (or None, for torch's global generator); got {seed!r}")
+        if isinstance(generator, (list, tuple)) and len(generator) != len(prompts):
+            raise ValueError(
+                f"{len(generator)} generators for {len(prompts)} prompts: give one torch.Generator per prompt, "
+                f"or one for all"
+            )
+        guidance_scale = defaults["guidance_scale"] if guidance_scale is None else guidance_scale
+        if guidance_scale is not None and not (
+            isinstance(guidance_scale, numbers.Real) and not isinstance(guidance_scale, bool)
+        ):
+            raise ValueError(f"guidance_scale must be a number (e.g. 4.5); got {guidance_scale!r}")
         request = Request(
             prompts=prompts,
             negatives=negatives,
-            num_inference_steps=num_inference_steps or defaults["num_inference_steps"],
-            guidance_scale=defaults["guidance_scale"] if guidance_scale is None else guidance_scale,
-            height=height or defaults.get("height"),
-            width=width or defaults.get("width"),
+            num_inference_steps=at_least_one(
+                "num_inference_steps", num_inference_steps, defaults["num_inference_steps"]
+            ),
+            guidance_scale=guidance_scale,
+            height=at_least_one("height", height, defaults.get("height")),
+            width=at_least_one("width", width, defaults.get("width")),
             seed=seed,
             generator=generator,
             options=self.recipe.check_options(
@@ -541,6 +657,8 @@ class ParallelPipeline:
         )
         self.check_size(request)
         self.recipe.check_negatives(request)  # cfg 2 with one branch: refused where the batch splits
+        if self.diffusers_pipeline is not None:  # an idle rank has no tokenizer, and runs no request
+            self.recipe.check_prompt_lengths(self.diffusers_pipeline, request)
         return request
 
     def session(self, prompt, *args, progress=False, timeline=False, **kwargs) -> DenoiseSession:

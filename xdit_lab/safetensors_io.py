@@ -44,7 +44,9 @@ def read_safetensors_header(path: Path) -> dict:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CorruptWeightsError(f"{path} is not a safetensors file: {size} bytes, shorter than its header")
+            raise CorruptWeightsError(
+                f"{path} is not a safetensors file: {size} bytes, shorter than its header; save or copy it again"
+            )
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
             raise CorruptWeightsError(
@@ -57,7 +59,18 @@ def read_safetensors_header(path: Path) -> dict:
             raise CorruptWeightsError(
                 f"{path} has a corrupt safetensors header ({error}); save or copy it again"
             ) from None
+    if not isinstance(header, dict):
+        raise CorruptWeightsError(
+            f"{path} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object of tensors); "
+            f"save or copy it again"
+        )
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for key, info in tensors.items():
+        if not _well_formed(info):
+            raise CorruptWeightsError(
+                f"{path} has a corrupt safetensors header: {key!r} is {str(info)[:120]}, not a tensor's dtype, shape "
+                f"and data_offsets; save or copy it again"
+            )
     data_end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
     if 8 + header_len + data_end > size:
         last = max(tensors, key=lambda k: tensors[k]["data_offsets"][1])  # the tensor that runs past the end
@@ -79,6 +92,25 @@ def read_safetensors_header(path: Path) -> dict:
                 f"{stop - start:,} bytes; the file is corrupt: save or copy it again"
             )
     return tensors
+
+
+def _well_formed(info) -> bool:
+    """A header entry with a dtype name, a shape of sizes and data_offsets [start, stop] (start <= stop)."""
+
+    def sizes(value, length=None):
+        return (
+            isinstance(value, list)
+            and (length is None or len(value) == length)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        )
+
+    return (
+        isinstance(info, dict)
+        and isinstance(info.get("dtype"), str)
+        and sizes(info.get("shape"))
+        and sizes(info.get("data_offsets"), 2)
+        and info["data_offsets"][0] <= info["data_offsets"][1]
+    )
 
 
 def safetensors_files(source) -> list[Path]:

@@ -26,6 +26,9 @@ class CogVideoXRecipe(Recipe):
     defaults = dict(num_inference_steps=50, guidance_scale=6.0)
     options = dict(num_frames=None, eta=0.0, max_sequence_length=226)
 
+    def text_cap(self, pipe):
+        return pipe.transformer.config.max_text_seq_length  # the text positions its patch embedding has
+
     def size_multiple(self, pipe):
         config = pipe.transformer.config
         scale = pipe.vae_scale_factor_spatial

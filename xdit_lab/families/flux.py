@@ -39,6 +39,8 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
     options = dict(true_cfg_scale=1.0, max_sequence_length=512)
+    bounded_tokenizer = "tokenizer_2"  # T5's; CLIP's pooled embedding reads its first 77 tokens
+    longest_text = 512  # FluxPipeline.check_inputs
 
     unbatched_conditioning = ("txt_ids",)
 

@@ -32,6 +32,15 @@ class Flux2Recipe(PackedLatentsRecipe):
     defaults = dict(num_inference_steps=50, guidance_scale=4.0)  # the distilled guidance, an input
     options = dict(max_sequence_length=512, text_encoder_out_layers=(10, 20, 30))
     cfg_needs = None  # never two branches: see the module's docstring
+    counted_with = " with the chat's system message"
+
+    def prompt_tokens(self, pipe, request, text):
+        # the whole chat the pipeline tokenizes (its system message included) counts against max_sequence_length
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+        chat = format_input(prompts=[text], system_message=pipe.system_message)
+        ids = pipe.tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=True, return_dict=True)
+        return len(ids["input_ids"][0])
 
     def do_cfg(self, request):
         return False

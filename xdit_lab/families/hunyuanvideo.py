@@ -49,6 +49,17 @@ class HunyuanVideoRecipe(VideoRecipe, TrueCFGRecipe):
             options["prompt_template"] = DEFAULT_PROMPT_TEMPLATE
         return options
 
+    counted_with = " with the template's closing tokens"
+
+    def prompt_tokens(self, pipe, request, text):
+        # Llama's tokens of the prompt in its template, less the template's opening the pipeline crops
+        template = request.options["prompt_template"]
+        crop = template.get("crop_start")
+        if crop is None:  # as HunyuanVideoPipeline._get_llama_prompt_embeds counts it
+            crop = pipe.tokenizer(template["template"], padding="max_length", return_tensors="pt").input_ids.shape[-1]
+            crop -= 2  # its <|eot_id|> and the {} placeholder
+        return len(pipe.tokenizer(template["template"].format(text)).input_ids) - crop
+
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds, pooled, mask = pipe.encode_prompt(
             prompt=texts,

@@ -24,6 +24,11 @@ class PixArtRecipe(Recipe):
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options = dict(eta=0.0, use_resolution_binning=True, clean_caption=True, max_sequence_length=None)
 
+    def prompt_tokens(self, pipe, request, text):
+        # what encode_prompt tokenizes: the text cleaned (clean_caption, with bs4 and ftfy) or lower-cased
+        text = pipe._text_preprocessing(text, clean_caption=request.options["clean_caption"])[0]
+        return super().prompt_tokens(pipe, request, text)
+
     def encode_texts(self, pipe, request, texts, device, *, negative):
         # diffusers encodes negative prompts as it does prompts (same preprocessing and length)
         options = request.options

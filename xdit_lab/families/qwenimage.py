@@ -34,6 +34,14 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     output_class = "diffusers.pipelines.qwenimage.pipeline_output:QwenImagePipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=None)  # guidance_scale: a distilled model's input
     options = dict(true_cfg_scale=4.0, max_sequence_length=512)
+    longest_text = 1024  # QwenImagePipeline.check_inputs
+    counted_with = " with the template's closing tokens"
+
+    def prompt_tokens(self, pipe, request, text):
+        # the prompt in its template, less the template's opening the pipeline crops (its closing tokens count)
+        ids = pipe.tokenizer(pipe.prompt_template_encode.format(text)).input_ids
+        return len(ids) - pipe.prompt_template_encode_start_idx
+
     padded_text = ("encoder_hidden_states", "encoder_hidden_states_mask")
 
     def encode_texts(self, pipe, request, texts, device, *, negative):

@@ -10,6 +10,7 @@ the transformer takes, how the scheduler steps, and how latents become images.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,6 +201,64 @@ class Recipe:
                 f"{self.family}'s pipeline takes no negative_prompt: it has no unconditional branch "
                 f"(its guidance_scale is the model's input); drop negative_prompt"
             )
+
+    # ---- prompts longer than the text encoder reads ---------------------------------------------------------
+    # The pipeline's tokenizer whose tokens `max_sequence_length` bounds (None: no such bound). diffusers cuts a
+    # longer prompt to that many tokens and draws the rest of the image without the cut words, with at most a
+    # logged warning (Wan, Qwen-Image, Flux.2 and HunyuanVideo's Llama none at all); the warning goes to each
+    # rank's log, which a notebook's engines never show. So a request is checked here instead, and refused.
+    bounded_tokenizer: str | None = "tokenizer"
+    longest_text: int | None = None  # the most max_sequence_length the pipeline takes (None: no cap it checks)
+    counted_with = ""  # what else prompt_tokens counts, said in the error (a template's closing tokens)
+
+    def token_budget(self, pipe, request: Request) -> int | None:
+        """max_sequence_length as the call runs it: the request's, else the pipeline's own default (PixArt-α's
+        encode_prompt: 120, PixArt-Σ's: 300)."""
+        limit = request.options.get("max_sequence_length")
+        if limit is None and hasattr(pipe, "encode_prompt"):
+            parameter = inspect.signature(pipe.encode_prompt).parameters.get("max_sequence_length")
+            if parameter is not None and parameter.default is not inspect.Parameter.empty:
+                limit = parameter.default
+        return limit
+
+    def prompt_tokens(self, pipe, request: Request, text: str) -> int | None:
+        """How many tokens `text` is where the pipeline's encode_prompt cuts it to max_sequence_length: the
+        bounded tokenizer's ids, special tokens included, as the pipeline tokenizes before it truncates
+        (families with a template count what follows the part they crop). None: nothing to count."""
+        tokenizer = getattr(pipe, self.bounded_tokenizer, None) if self.bounded_tokenizer else None
+        return None if tokenizer is None else len(tokenizer(text).input_ids)
+
+    def text_cap(self, pipe) -> int | None:
+        """The most max_sequence_length this pipeline takes (None: no cap known)."""
+        return self.longest_text
+
+    def check_prompt_lengths(self, pipe, request: Request) -> None:
+        """Refuse, naming each one with its tokens and the limit, prompts and negative prompts the pipeline
+        would cut short."""
+        limit = self.token_budget(pipe, request)
+        if limit is None:
+            return
+        texts = [(f"prompt {i}", text) for i, text in enumerate(request.prompts)]
+        texts += [(f"negative_prompt {i}", text) for i, text in enumerate(request.negatives or [])]
+        over = [(name, tokens) for name, text in texts if (tokens := self.prompt_tokens(pipe, request, text)) > limit]
+        if not over:
+            return
+        longest = max(tokens for _, tokens in over)
+        cap = self.text_cap(pipe)
+        raise_it = (
+            f", or pass max_sequence_length={longest}"
+            + ("" if cap is None else f" (the pipeline takes up to {cap})")
+            + " if the model reads that many"
+            if cap is None or longest <= cap
+            else f" (the pipeline takes at most max_sequence_length={cap})"
+        )
+        listed = ", ".join(f"{name} is {tokens} tokens{self.counted_with}" for name, tokens in over)
+        encoder = type(getattr(pipe, self.bounded_tokenizer)).__name__ if self.bounded_tokenizer else "its text encoder"
+        raise ValueError(
+            f"{listed} ({encoder}), more than this call's max_sequence_length of {limit}: diffusers' "
+            f"{self.family} pipeline would cut {'them' if len(over) > 1 else 'it'} to {limit} tokens and draw "
+            f"without the rest (a logged warning at most). Shorten it to {limit} tokens{raise_it}"
+        )
 
     def encode_texts(self, pipe, request: Request, texts: list[str], device, *, negative: bool) -> dict:
         """The transformer's conditioning for `texts`, one row each, as the family's pipeline encodes

@@ -22,6 +22,11 @@ class SD3Recipe(Recipe):
     output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)
     options = dict(max_sequence_length=256, clip_skip=None, mu=None)
+    bounded_tokenizer = "tokenizer_3"  # T5's; CLIP reads its 77 tokens whatever max_sequence_length says
+    longest_text = 512  # StableDiffusion3Pipeline.check_inputs
+
+    def prompt_tokens(self, pipe, request, text):
+        return None if pipe.text_encoder_3 is None else super().prompt_tokens(pipe, request, text)  # no T5: zeros
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
         clip_skip = None if negative else request.options["clip_skip"]  # diffusers skips none for negatives

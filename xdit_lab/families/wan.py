@@ -32,6 +32,11 @@ class WanRecipe(VideoRecipe):
     defaults = dict(num_inference_steps=50, guidance_scale=5.0)
     options = dict(num_frames=81, max_sequence_length=512)
 
+    def prompt_tokens(self, pipe, request, text):
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # what encode_prompt tokenizes
+
+        return super().prompt_tokens(pipe, request, prompt_clean(text))
+
     def check_pipeline(self, pipe) -> None:
         if pipe.config.get("boundary_ratio") is not None or getattr(pipe, "transformer_2", None) is not None:
             raise NotImplementedError(

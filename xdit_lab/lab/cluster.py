@@ -17,6 +17,12 @@ finite timeout: a rank that waits in a collective for a rank that has not been c
 would hang. Failures come back as one `LabError` naming the rank, the engine and the remote
 error text; `lab.restart()` replaces the engines and reloads the last pipeline.
 
+One call at a time reaches the engines (CallLock): two threads (a widget's callback, a cell, a
+background job) that applied to the engines at once could have rank 0 run call A then B and rank 1
+run B then A, each waiting in the other's collective. A second call waits while the first runs,
+within its own timeout_s (which bounds the wait and the call together), and is then refused with a
+LabError naming the call that holds the engines. `lab.restart()` holds them for the whole restart.
+
 Ranks are assigned here, not taken from ipyparallel: engine ids are registration order and
 survive nothing (a restart gives new ids), so the engines are sorted by id, numbered 0..n-1,
 and the mapping is kept (`lab.ranks`). The rank-0 engine's host is the master address.
@@ -44,8 +50,10 @@ made it: processes.py.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -80,6 +88,52 @@ class PendingCall:
     started: float  # time.monotonic() when it was sent
 
 
+@dataclass(frozen=True)
+class Holder:
+    """The call that has the engines: what it is, the thread it came from, when it began (time.monotonic())."""
+
+    what: str
+    thread: str
+    started: float
+
+
+class CallLock:
+    """The engines, one call at a time (see the module's docstring). Reentrant: a call made while holding
+    it (lab.restart() reloading the pipeline, lab.stop() leaving the process group) goes through."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self.holder: Holder | None = None  # the outermost call of the thread that holds the lock
+
+    @contextlib.contextmanager
+    def held(self, what: str, timeout_s: float):
+        """Hold the engines for lab.{what}, waiting at most timeout_s for the call that has them; yields the
+        seconds waited."""
+        started = time.monotonic()
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            holder = self.holder
+            running = (
+                f"lab.{holder.what} (called from thread {holder.thread!r} "
+                f"{time.monotonic() - holder.started:.0f} s ago)"
+                if holder is not None
+                else "another call"
+            )
+            raise LabError(
+                f"lab.{what}: {running} still has the engines after {timeout_s:g} s. One call at a time reaches "
+                f"the engines, so that every rank runs the same calls in the same order: wait for that call to "
+                f"end, or give this one a longer timeout_s"
+            )
+        outermost = self.holder is None
+        if outermost:
+            self.holder = Holder(what, threading.current_thread().name, started)
+        try:
+            yield time.monotonic() - started
+        finally:
+            if outermost:
+                self.holder = None
+            self._lock.release()
+
+
 class Lab:
     """n engines started here (default: one per visible GPU, else one per CPU core; CPU engines run
     one torch thread each), listening on `ip`; or, with connect=True or a cluster_id, the engines of
@@ -111,6 +165,7 @@ class Lab:
         self._pending: list[PendingCall] = []  # calls that timed out and may still be running
         self._stopped = False
         self._watchdog = None  # the process that stops our cluster if this one is killed
+        self.calls = CallLock()  # one call at a time on the engines
         self.n = n  # engines to use (None when connecting: all that are there)
         try:
             if self.owns_cluster:
@@ -211,6 +266,10 @@ class Lab:
         """Stop the engines, start fresh ones, join them again and reload the last pipeline."""
         if self._stopped:
             raise LabError("this Lab is stopped: make a new one")
+        with self.calls.held("restart", self.timeout_s):
+            return self._restart()
+
+    def _restart(self) -> Lab:
         old = [row["engine"] for row in self.ranks] + list(self.client.ids)
         self._pending.clear()
         self.session_token += 1  # sessions of the old engines are gone with them
@@ -288,17 +347,20 @@ class Lab:
         self, fn, *args, ranks=None, state: bool = True, timeout_s: float | None = None, what: str | None = None
     ) -> dict:
         """fn(engine_state, *args) on the engines of `ranks` (default: all) in one non-blocking apply;
-        returns {rank: result}. Raises LabError on a remote error, a dead engine or the timeout."""
+        returns {rank: result}. Raises LabError on a remote error, a dead engine or the timeout, which
+        bounds the wait for a call from another thread that has the engines (CallLock) and this call together."""
         what = what or fn.__name__
-        self._check_usable(what)
-        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
-        targets = [self.ranks[r]["engine"] for r in ranks]
-        head = (ipp.Reference(engine.STATE_NAME),) if state else ()
-        # split() gives one AsyncResult per engine; a one-engine list view would answer [result]
-        view = self.client[targets if len(targets) > 1 else targets[0]]
-        parts = view.apply_async(fn, *head, *args).split()
-        by_engine = self._wait(list(zip(targets, parts)), what, timeout_s)
-        return {self.ranks[r]["rank"]: by_engine[e] for r, e in zip(ranks, targets)}
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self.calls.held(what, timeout) as waited:
+            self._check_usable(what)
+            ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+            targets = [self.ranks[r]["engine"] for r in ranks]
+            head = (ipp.Reference(engine.STATE_NAME),) if state else ()
+            # split() gives one AsyncResult per engine; a one-engine list view would answer [result]
+            view = self.client[targets if len(targets) > 1 else targets[0]]
+            parts = view.apply_async(fn, *head, *args).split()
+            by_engine = self._wait(list(zip(targets, parts)), what, max(0.0, timeout - waited))
+            return {self.ranks[r]["rank"]: by_engine[e] for r, e in zip(ranks, targets)}
 
     def _check_usable(self, what):
         if self._stopped:

@@ -1,0 +1,355 @@
+"""Every bad input a user can give the Python API or a model folder ends in an error that names what was wrong
+and what to do (issue 38, point 6), each beside a control that the same call with a good value runs.
+
+- Call arguments: sizes and steps are whole numbers ≥ 1 or None (0 and negatives were taken for the defaults,
+  or passed through), prompts are text and there is at least one, generator= or seed=, and a prompt longer than
+  the family's max_sequence_length is refused with its tokens and the limit. Why refused and not warned:
+  diffusers cuts such a prompt and draws the image without the cut words, with at most a logged warning (Wan,
+  Qwen-Image, Flux.2 and HunyuanVideo's Llama none at all), and a log line on an engine never reaches the
+  notebook; the boundary is checked against diffusers' own encode_prompt for every family.
+- Folders: a file for a folder, a missing component folder, a model_index.json that is not JSON or not an
+  index, a config.json that does not build the module its weights were saved from (more layers, fewer, wider;
+  a text encoder and a VAE too), and corrupt safetensors (a short file, a header that runs past the end,
+  a header that is not JSON or not tensors) through load_pipeline, the PipeFusion stage loader and the sharded
+  loader: each a CorruptWeightsError naming the file. `xdit-lab run` on a corrupt folder exits 2 with one line.
+"""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from xdit_lab import ParallelConfig, load_pipeline
+from xdit_lab.distributed import free_port
+from xdit_lab.families import RECIPES
+from xdit_lab.families.recipe import Request
+from xdit_lab.safetensors_io import CorruptWeightsError
+from xdit_lab.shard_loading import WeightsMismatchError
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs
+
+KWARGS = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+
+
+def _error(call):
+    """(exception class name, message) of what `call()` raises; None when it runs."""
+    try:
+        call()
+    except Exception as error:  # the tests check the class and the message
+        return type(error).__name__, str(error)
+    return None
+
+
+# ---- call arguments ----------------------------------------------------------------------------------------
+
+
+def _call_errors(folder):
+    pipe = load_pipeline(folder, ParallelConfig(), progress=False)
+    base = {k: v for k, v in KWARGS.items() if k not in ("height", "width")}
+
+    def latent(*prompt, **arguments):
+        return lambda: pipe(*prompt or ("a red cat",), output_type="latent", **{**KWARGS, **arguments})
+
+    out = {
+        "height 0": latent(height=0),
+        "width 0": latent(width=0),
+        "steps 0": latent(num_inference_steps=0),
+        "negative sizes": latent(height=-16, width=-8),
+        "float height": latent(height=16.0),
+        "bool steps": latent(num_inference_steps=True),
+        "empty list": latent([]),
+        "not a string": latent(["a red cat", 5]),
+        "no prompt": latent(None),
+        "negative not a string": latent(negative_prompt=[None]),
+        "generator and seed": latent(generator=torch.Generator().manual_seed(0), seed=0),
+        "text seed": latent(seed="7"),
+        "generators per prompt": latent(["a red cat", "a dog"], generator=[torch.Generator()] * 3),
+        "text guidance": latent(guidance_scale="high"),
+        "long prompt": latent("a red cat and a blue dog with a car"),
+        "long negative": latent(negative_prompt="a red cat and a blue dog with a car"),
+    }
+    out = {name: _error(call) for name, call in out.items()}
+    # the controls: the same calls with good values run, and None is the folder's default
+    good = pipe("a red cat", seed=0, output_type="latent", **{**base, "height": 16, "width": 8})
+    default = pipe("a red cat", seed=0, output_type="latent", **base)
+    eight = pipe("a red cat and a blue dog", seed=0, output_type="latent", **KWARGS)  # 7 of 8 tokens
+    out["controls"] = (tuple(good.images.shape), tuple(default.images.shape), tuple(eight.images.shape))
+    pipe.close()
+    return out
+
+
+def test_call_arguments_are_checked(folder):
+    out = run_on_ranks(_call_errors, 1, folder, timeout_s=240)[0]
+    # latents at 16 × 8 px, at the folder's default 16 px (the VAE halves), and of a 7-token prompt at 16 px
+    assert out.pop("controls") == ((1, 4, 8, 4), (1, 4, 8, 8), (1, 4, 8, 8))
+    for name, error in out.items():
+        assert error is not None, f"{name}: ran without an error"
+        assert error[0] == "ValueError", (name, error)
+    for name, argument, value in [
+        ("height 0", "height", "0"),
+        ("width 0", "width", "0"),
+        ("steps 0", "num_inference_steps", "0"),
+        ("negative sizes", "height", "-16"),
+        ("float height", "height", "16.0"),
+        ("bool steps", "num_inference_steps", "True"),
+    ]:
+        message = out[name][1]
+        assert message.startswith(f"{argument} must be a whole number ≥ 1, or None for the model's default"), name
+        assert message.endswith(f"got {value}"), (name, message)
+    assert "None for the model's default, 20; got 0" in out["steps 0"][1]  # what 0 silently became
+    assert "prompt is an empty list: give at least one string" in out["empty list"][1]
+    assert "prompt[1] is int 5: every prompt must be a string" in out["not a string"][1]
+    assert "prompt must be a string or a list of strings; got NoneType None" in out["no prompt"][1]
+    assert "negative_prompt[0] is NoneType None" in out["negative not a string"][1]
+    assert out["generator and seed"][1].startswith("pass generator= or seed=, not both")
+    assert "seed must be a whole number" in out["text seed"][1] and "'7'" in out["text seed"][1]
+    assert "3 generators for 2 prompts" in out["generators per prompt"][1]
+    assert "guidance_scale must be a number" in out["text guidance"][1]
+    long_prompt, long_negative = out["long prompt"][1], out["long negative"][1]
+    assert long_prompt.startswith("prompt 0 is 11 tokens (T5Tokenizer), more than this call's max_sequence_length of 8")
+    assert "Shorten it to 8 tokens, or pass max_sequence_length=11" in long_prompt
+    assert long_negative.startswith("negative_prompt 0 is 11 tokens")
+
+
+# ---- prompts longer than the text encoder reads: the boundary, against diffusers' own encode -------------
+
+
+FAMILIES = {
+    "pixart": "PixArtAlphaPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "cogvideox": "CogVideoXPipeline",
+    "wan": "WanPipeline",
+    "flux2": "Flux2Pipeline",
+    "qwenimage": "QwenImagePipeline",
+    "hunyuanvideo": "HunyuanVideoPipeline",
+}
+TEMPLATED = {"flux2", "qwenimage", "hunyuanvideo"}  # the prompt sits in a template whose closing tokens count
+# HunyuanVideo's pooled CLIP embedding reads up to 77 tokens whatever max_sequence_length says (Llama's bound)
+UNBOUNDED = {"hunyuanvideo": ("pooled_projections",)}
+
+
+def _request(recipe, family, text):
+    options = {k: v for k, v in tiny_pipeline_kwargs(family).items() if k in recipe.options}
+    if family == "qwenimage":
+        # its default, 512, would make a long prompt to encode; the tiny tokenizer spells the template in more
+        # tokens than the 34 the pipeline crops, so 48 leaves about 20 for the prompt
+        options["max_sequence_length"] = 48
+    return Request([text], None, 2, 1.0, None, None, 0, options=recipe.check_options(options))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_longest_prompt_accepted_is_the_longest_diffusers_reads_whole(family):
+    """P is the longest prompt of "a"s (one token each in every tiny tokenizer) the check accepts, Q = P and one
+    more "a". Reference: diffusers' encode_prompt, through the recipe's one call of it. Diffusers reads all of
+    P (its last word, made "an", changes the embeddings) and cuts a longer prompt: the last word of Q (for the
+    families with a template, of P and eight more, past the template's closing tokens) changes nothing."""
+    pipe, recipe = tiny_pipeline(family), RECIPES[FAMILIES[family]]
+
+    def accepted(text):
+        try:
+            recipe.check_prompt_lengths(pipe, _request(recipe, family, text))
+        except ValueError:
+            return False
+        return True
+
+    prompt = "a"
+    while accepted(f"{prompt} a"):
+        prompt = f"{prompt} a"
+    longer = f"{prompt} a"
+    limit = recipe.token_budget(pipe, _request(recipe, family, prompt))
+    with pytest.raises(ValueError, match=rf"^prompt 0 is {limit + 1} tokens.*max_sequence_length of {limit}"):
+        recipe.check_prompt_lengths(pipe, _request(recipe, family, longer))
+
+    def encoded(text):
+        with torch.no_grad():
+            conditioning = recipe.encode_texts(pipe, _request(recipe, family, text), [text], "cpu", negative=False)
+        return [
+            value
+            for key, value in conditioning.items()
+            if isinstance(value, torch.Tensor) and key not in UNBOUNDED.get(family, ())
+        ]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(encoded(a), encoded(b)))
+
+    assert len(prompt.split()) >= 3 and not same(prompt, prompt[:-1] + "an")  # P is read whole
+    cut = longer if family not in TEMPLATED else prompt + " a" * 8
+    assert same(cut, cut[:-1] + "an")  # what runs past the limit is dropped by diffusers
+
+
+# ---- folders ------------------------------------------------------------------------------------------------
+
+
+def _copy(folder, tmp, name):
+    copy = Path(tmp) / name
+    shutil.copytree(folder, copy)
+    return copy
+
+
+def _edit_json(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _folder_errors(folder, tmp):
+    folder, tmp = Path(folder), Path(tmp)
+    cases = {"a file": folder / "model_index.json"}
+    cases["missing component"] = _copy(folder, tmp, "missing")
+    shutil.rmtree(cases["missing component"] / "text_encoder")
+    cases["index not JSON"] = _copy(folder, tmp, "not-json")
+    (cases["index not JSON"] / "model_index.json").write_text("{not json")
+    cases["index a list"] = _copy(folder, tmp, "a-list")
+    (cases["index a list"] / "model_index.json").write_text("[1, 2]")
+    cases["index without class"] = _copy(folder, tmp, "no-class")
+    _edit_json(cases["index without class"] / "model_index.json", lambda index: index.pop("_class_name"))
+    cases["bad entry"] = _copy(folder, tmp, "bad-entry")
+    _edit_json(cases["bad entry"] / "model_index.json", lambda index: index.update(vae=["diffusers"]))
+    for name, component, key, change in [
+        ("more layers", "transformer", "num_layers", 1),
+        ("fewer layers", "transformer", "num_layers", -1),
+        ("wider", "transformer", "attention_head_dim", 8),
+        ("text encoder layers", "text_encoder", "num_layers", 1),
+        ("vae layers", "vae", "layers_per_block", 1),
+    ]:
+        cases[name] = _copy(folder, tmp, name.replace(" ", "-"))
+        _edit_json(
+            cases[name] / component / "config.json", lambda c, key=key, change=change: c.update({key: c[key] + change})
+        )
+    out = {
+        name: _error(lambda path=path: load_pipeline(path, ParallelConfig(), progress=False))
+        for name, path in cases.items()
+    }
+    out["control"] = _error(lambda: load_pipeline(folder, ParallelConfig(), progress=False).close())
+    return out
+
+
+def test_folder_errors(folder, tmp_path):
+    out = run_on_ranks(_folder_errors, 1, str(folder), str(tmp_path), timeout_s=300)[0]
+    assert out.pop("control") is None
+    assert out["a file"] == (
+        "NotADirectoryError",
+        f"{folder / 'model_index.json'} is a file, not a pipeline folder: pass the folder that holds model_index.json "
+        f"({folder})",
+    )
+    kind, message = out["missing component"]
+    assert kind == "FileNotFoundError" and "lacks component folder(s) its model_index.json lists: " in message
+    assert "text_encoder/ (transformers.T5EncoderModel)" in message and "[null, null]" in message
+    assert out["index not JSON"][0] == "ValueError" and "model_index.json is not valid JSON" in out["index not JSON"][1]
+    for name, said in [("index a list", "it holds [1, 2]"), ("index without class", 'it has no "_class_name"')]:
+        assert out[name][0] == "ValueError" and "is not a diffusers pipeline index" in out[name][1], name
+        assert said in out[name][1], name
+    assert "vae: ['diffusers']" in out["bad entry"][1] and "[library, class] pairs" in out["bad entry"][1]
+    for name, component, cls, said in [
+        ("more layers", "transformer", "PixArtTransformer2DModel", "parameter(s) of the module are in no file"),
+        ("fewer layers", "transformer", "PixArtTransformer2DModel", "tensor(s) in the files have no place"),
+        ("wider", "transformer", "PixArtTransformer2DModel", "tensor(s) differ in shape"),
+        ("text encoder layers", "text_encoder", "T5EncoderModel", "parameter(s) of the module are in no file"),
+        ("vae layers", "vae", "AutoencoderKL", "parameter(s) of the module are in no file"),
+    ]:
+        kind, message = out[name]
+        assert kind == WeightsMismatchError.__name__, (name, kind, message)
+        assert f"{name.replace(' ', '-')}/{component}/config.json does not match the weights beside it" in message
+        assert f"the {cls} it builds" in message and said in message, (name, message)
+        assert message.endswith("Copy the config.json saved with these weights (or the weights saved with this config)")
+    assert "transformer_blocks.2." in out["more layers"][1] and "transformer_blocks.1." in out["fewer layers"][1]
+
+
+def _corrupt(path: Path, how: str) -> None:
+    """A real file broken as a failed copy or a bad save breaks it."""
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if how == "short":  # cut inside the 8-byte length
+        path.write_bytes(data[:5])
+    elif how == "header overrun":  # the length claims more than the file holds
+        path.write_bytes(struct.pack("<Q", len(data)) + data[8:])
+    elif how == "truncated":  # cut inside the tensors
+        path.write_bytes(data[:-100])
+    elif how == "header not JSON":
+        path.write_bytes(data[:8] + b"{" * header_len + data[8 + header_len :])
+    elif how == "header not tensors":  # valid JSON, not a table of tensors
+        text = json.dumps({"w": {"dtype": "F32", "shape": "four"}}).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+CORRUPTIONS = ("short", "header overrun", "truncated", "header not JSON", "header not tensors")
+
+
+def _corrupt_loads(tmp, config):
+    """On each rank: load_pipeline under `config` of folders whose transformer file is corrupt in each way, and
+    the stage loader or the sharded loader on its own (what load_pipeline's memory plan reads first)."""
+    from xdit_lab.loading import load_sharded_transformer, load_stage_transformer
+    from xdit_lab.mesh import RankMesh
+
+    out = {}
+    for how in CORRUPTIONS:
+        copy = Path(tmp) / how.replace(" ", "-")
+        shard = config.world_size > 1
+        out[how] = _error(
+            lambda copy=copy, shard=shard: load_pipeline(copy, config, progress=False, shard_weights=shard)
+        )
+        if config.pipefusion > 1:
+            out[f"stage loader, {how}"] = _error(
+                lambda copy=copy: load_stage_transformer(
+                    copy / "transformer", "PixArtTransformer2DModel", (0, 1), torch.float32
+                )
+            )
+        elif shard:
+            mesh = RankMesh(config)
+            out[f"sharded loader, {how}"] = _error(
+                lambda copy=copy, mesh=mesh: load_sharded_transformer(
+                    copy / "transformer", "PixArtTransformer2DModel", config, mesh, torch.float32, "cpu"
+                )
+            )
+            mesh.close()
+    return out
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(), ParallelConfig(pipefusion=2), ParallelConfig(ulysses=2)])
+def test_corrupt_weights_are_named_by_every_loader(folder, tmp_path, config):
+    """Serial; PipeFusion 2 (its stage loader reads only its blocks); ulysses 2 with shard_weights=True (the
+    sharded loader reads only its rows): each corruption is a CorruptWeightsError naming the file."""
+    for how in CORRUPTIONS:
+        _corrupt(
+            _copy(folder, tmp_path, how.replace(" ", "-")) / "transformer" / "diffusion_pytorch_model.safetensors", how
+        )
+    for rank, out in enumerate(run_on_ranks(_corrupt_loads, config.world_size, str(tmp_path), config)):
+        assert len(out) == len(CORRUPTIONS) * (1 if config.world_size == 1 else 2)
+        for case, error in out.items():
+            assert error is not None and error[0] == CorruptWeightsError.__name__, (rank, case, error)
+            how = case.split(", ")[-1].replace(" ", "-")
+            assert f"{how}/transformer/diffusion_pytorch_model.safetensors" in error[1], (case, error)
+            assert "save or copy it again" in error[1], (case, error)
+
+
+def test_cli_exits_2_with_one_line_on_corrupt_weights(folder, tmp_path):
+    corrupt = _copy(folder, tmp_path, "corrupt")
+    _corrupt(corrupt / "transformer" / "diffusion_pytorch_model.safetensors", "header overrun")
+    proc = subprocess.run(
+        [sys.executable, "-m", "xdit_lab.cli", "run", "--model", str(corrupt), "--prompt", "a red cat"]
+        + ["--output", str(tmp_path / "out"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+            "MASTER_PORT": str(free_port()),
+        },
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"xdit-lab run: error: {corrupt}/transformer/diffusion_pytorch_model.safetensors")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

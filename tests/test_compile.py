@@ -67,7 +67,10 @@ def test_explain_sees_a_graph_break_control():
 
 def _compiled_against_eager(cases):
     """Three forwards with different inputs, compiled (inductor) beside eager: the largest relative
-    error, whether every collective recorded matches, and dynamo's graph and recompile counts."""
+    error, whether every collective recorded matches, and dynamo's graph and recompile counts. The
+    control: at each step after the first the compiled model is also run on this step's inputs with the
+    previous step's timestep, as a graph that kept a value of an earlier call would compute; its error
+    against eager must exceed the bound."""
     rows = []
     meshes = {}
     for family, config in cases:
@@ -76,7 +79,7 @@ def _compiled_against_eager(cases):
         compiled = parallelize(_model(family), config, mesh, compile=True)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        errors, same_records = [], []
+        errors, same_records, control_errors, previous = [], [], [], None
         for step in range(3):
             inputs = tiny_inputs(family, 2, text_len=TEXT_LEN, seed=step + 1)
             with torch.no_grad(), comm_log() as eager_log:
@@ -86,12 +89,17 @@ def _compiled_against_eager(cases):
             errors.append(((output - expected).abs().max() / expected.abs().max()).item())
             records = [[(r.op, r.group, r.bytes_out, r.tag) for r in log] for log in (eager_log, compiled_log)]
             same_records.append(records[0] == records[1] and len(records[0]) > 0)
+            if previous is not None:  # the control: a stale timestep (same shapes, so no recompile)
+                stale = compiled(**dict(inputs, timestep=previous)).sample
+                control_errors.append(((stale - expected).abs().max() / expected.abs().max()).item())
+            previous = inputs["timestep"]
         counters = torch._dynamo.utils.counters
         rows.append(
             dict(
                 family=family,
                 config=config.short(),
                 error=max(errors),
+                control_error=min(control_errors),
                 same_records=same_records,
                 graphs=counters["stats"]["unique_graphs"],
                 recompiles=sum(counters["recompiles"].values()),
@@ -113,6 +121,7 @@ def test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile():
     for rows in run_on_ranks(_compiled_against_eager, 2, cases, timeout_s=900):
         for row in rows:
             assert row["error"] < 1e-4, row
+            assert row["control_error"] > 1e-4, row  # the bound catches a graph computing on a stale value
             assert all(row["same_records"]), row
             assert row["graphs"] == 1 and row["recompiles"] == 0, row
 

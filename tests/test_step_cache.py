@@ -82,17 +82,30 @@ class _StandInCounted:
         return getattr(self._state, name)
 
 
-def _against_diffusers(folder, family, configs, threshold, prompts=PROMPTS, control=None):
-    """On every rank: diffusers' reference, then each configuration with StepCache(threshold) (with
-    `control` "stand-in counted": the cache counting dp stand-in rows, _StandInCounted)."""
-    expected, expected_skips = _diffusers_first_block_cache(folder, family, threshold or None, prompts)
+_REFERENCES = {}
+
+
+def _reference(folder, family, threshold, prompts=PROMPTS):
+    """diffusers' First-Block Cache run serially, once per case in the test process (not once per rank
+    and world size) and kept for the module: (latents, skipped per step). Threshold 0: no cache."""
+    key = (str(folder), family, threshold, tuple(prompts))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _diffusers_first_block_cache(folder, family, threshold or None, prompts)
+    return _REFERENCES[key]
+
+
+def _against_diffusers(folder, family, configs, threshold, reference, prompts=PROMPTS, controls=()):
+    """On every rank: each configuration with StepCache(threshold) against `reference`, diffusers' run
+    (_reference); then each of `controls` with the cache counting dp stand-in rows (_StandInCounted),
+    in the same spawn (its rows follow the configurations')."""
+    expected, expected_skips = reference
     kwargs = _call_kwargs(family)
     if "negative_prompt" in kwargs:
         kwargs["negative_prompt"] = kwargs["negative_prompt"][: len(prompts)]
     rows = []
-    for config in configs:
+    for config, control in [(c, False) for c in configs] + [(c, True) for c in controls]:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(threshold))
-        if control == "stand-in counted":
+        if control:
             cache = parallel_state(pipe.diffusers_pipeline.transformer).cache
             cache.state = _StandInCounted(cache.state)
         session = pipe.session(prompts, seed=0, **kwargs).run()
@@ -152,15 +165,17 @@ PIXART_4 = [
 def test_threshold_zero_skips_nothing_and_equals_diffusers_without_a_cache(folders):
     """StepCache(0): every step runs, and the serial latents equal diffusers' pipeline without a cache.
     (Every strategy without a cache equals it too: tests/test_pipelines.py; with a cache that skips, below.)"""
-    per_rank = run_on_ranks(_against_diffusers, 1, folders["pixart"], "pixart", [ParallelConfig()], 0.0)
+    reference = _reference(folders["pixart"], "pixart", 0.0)
+    per_rank = run_on_ranks(_against_diffusers, 1, folders["pixart"], "pixart", [ParallelConfig()], 0.0, reference)
     _check(per_rank, [ParallelConfig()], "pixart", skipping=False)
 
 
 def test_pixart_every_strategy_equals_diffusers_first_block_cache(folders):
     threshold = THRESHOLDS["pixart"]
+    reference = _reference(folders["pixart"], "pixart", threshold)
     for world_size, configs in ((1, [ParallelConfig()]), (2, PIXART_2)):
         per_rank = run_on_ranks(
-            _against_diffusers, world_size, folders["pixart"], "pixart", configs, threshold, timeout_s=300
+            _against_diffusers, world_size, folders["pixart"], "pixart", configs, threshold, reference, timeout_s=300
         )
         _check(per_rank, configs, "pixart", skipping=True)
 
@@ -173,11 +188,11 @@ def test_dp_stand_in_rows_do_not_count_in_the_decision(folders):
     (0.131): the control, a cache that counts the stand-in row (_StandInCounted), is run on the same
     ranks and takes another decision than diffusers at that step."""
     configs, threshold = [ParallelConfig(dp=3)], 0.13
-    folder = folders["pixart"]
-    per_rank = run_on_ranks(_against_diffusers, 3, folder, "pixart", configs, threshold, ["a red cat"])
-    _check(per_rank, configs, "pixart", skipping=True)
-    wrong = run_on_ranks(_against_diffusers, 3, folder, "pixart", configs, threshold, ["a red cat"], "stand-in counted")
-    for rank, ((right,), (counted,)) in enumerate(zip(per_rank, wrong)):
+    folder, prompts = folders["pixart"], ["a red cat"]
+    reference = _reference(folder, "pixart", threshold, prompts)
+    runs = run_on_ranks(_against_diffusers, 3, folder, "pixart", configs, threshold, reference, prompts, configs)
+    _check([rows[:1] for rows in runs], configs, "pixart", skipping=True)
+    for rank, (right, counted) in enumerate(runs):
         assert counted["skips"] != counted["expected_skips"], f"rank {rank}: the control skips as diffusers does"
         step = next(i for i, (a, b) in enumerate(zip(counted["skips"], right["skips"])) if a != b)
         assert right["changes"][step] < threshold < counted["changes"][step], (right["changes"], counted["changes"])
@@ -185,7 +200,10 @@ def test_dp_stand_in_rows_do_not_count_in_the_decision(folders):
 
 def test_pixart_hybrids_on_4_ranks_equal_diffusers_first_block_cache(folders):
     threshold = THRESHOLDS["pixart"]
-    per_rank = run_on_ranks(_against_diffusers, 4, folders["pixart"], "pixart", PIXART_4, threshold, timeout_s=400)
+    reference = _reference(folders["pixart"], "pixart", threshold)
+    per_rank = run_on_ranks(
+        _against_diffusers, 4, folders["pixart"], "pixart", PIXART_4, threshold, reference, timeout_s=400
+    )
     _check(per_rank, PIXART_4, "pixart", skipping=True)
 
 
@@ -211,6 +229,7 @@ def test_joint_families_equal_diffusers_first_block_cache(folders, family):
             family,
             configs[world_size],
             THRESHOLDS[family],
+            _reference(folders[family], family, THRESHOLDS[family]),
             timeout_s=400,
         )
         _check(runs, configs[world_size], family, skipping=True)
@@ -413,7 +432,7 @@ def test_torchrun_cli_cache_threshold_equals_diffusers_first_block_cache(folders
     assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
     assert f"StepCache({threshold}) skipped" in result["output"]
     report = json.loads((tmp_path / "report.json").read_text())
-    expected, expected_skips = _diffusers_first_block_cache(folders["pixart"], "pixart", threshold)
+    expected, expected_skips = _reference(folders["pixart"], "pixart", threshold)
     assert report["cache_skips"] == expected_skips and any(expected_skips)
     latents = torch.load(tmp_path / "latents.pt")
     assert (latents - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())

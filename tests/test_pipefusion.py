@@ -445,18 +445,22 @@ def test_stale_kv_on_the_digits_model_stays_close_to_serial(digits_serial, digit
 def test_stale_kv_under_ring(digits_serial, digits_pipefusion):
     """PipeFusion 2 × Ring 2, 1 warmup step: every ring rank holds its part of every patch's stale
     K/V and the buffers travel the ring. Ring is exact, so the result is PipeFusion 2's alone
-    (the same stale schedule) within float rounding, within STALE_BOUND of serial, and both controls
-    exceed the bound; every rank's bytes per step (ring and pipefusion) equal the closed form."""
+    (the same stale schedule) within 1e-4, hence within STALE_BOUND of serial; every rank's bytes per
+    step (ring and pipefusion) equal the closed form. The control, the subtler wrong buffer (each patch
+    reading its own K/V a step old) under ring, is neither within 1e-4 of PipeFusion 2 alone nor within
+    STALE_BOUND. (The zeros control is run against STALE_BOUND above, without ring: here it would only
+    repeat that claim, at the cost of one more 4-rank run of ten digits.)"""
     config = ParallelConfig(pipefusion=2, ring=2, num_patches=2, warmup_steps=1)
-    ranks = run_on_ranks(_digits, 4, config, 1, DIGIT_CONTROLS, timeout_s=240)
+    control = "read before write"
+    ranks = run_on_ranks(_digits, 4, config, 1, [control], timeout_s=240)
     ringed = ranks[0][None]
     # per_digit 1 draws digit d with seed 0: every other image of the per_digit 2 runs (one generator each)
     serial, alone = digits_serial[::2], digits_pipefusion[0][None]["latents"][::2]
     assert ringed["digits"] == list(range(10))
     assert compare_to_serial(ringed["latents"], alone)["max_relative"] < 1e-4
     assert 1e-4 < _relative_l2(ringed["latents"], serial) < STALE_BOUND
-    for control in DIGIT_CONTROLS:
-        assert _relative_l2(ranks[0][control]["latents"], serial) > STALE_BOUND, control
+    assert compare_to_serial(ranks[0][control]["latents"], alone)["max_relative"] > 1e-4, control
+    assert _relative_l2(ranks[0][control]["latents"], serial) > STALE_BOUND, control
     _check_digits_traffic(ranks, "pf2·ring2")
     assert all({"ring", "pipefusion"} <= set(rank[None]["traffic"][-1]["moved"]) for rank in ranks)
 

@@ -57,28 +57,9 @@ def test_peers_benchmark_on_a_tiny_size(tmp_path):
     assert "| ours ulysses2 |" in (tmp_path / "t.md").read_text()
 
 
-def test_compile_benchmark_on_a_tiny_size(tmp_path):
-    """benchmarks/compile.py as its docstring shows, on a tiny size: every method timed (finite),
-    compiled outputs within 1e-4 of serial eager, and the compile paid in the first call."""
-    table = tmp_path / "compile.md"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/compile.py", "--tokens", "64", "--families", "pixart", "--repeats", "1"]
-        + ["--markdown", str(table)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split(" | ") for line in table.read_text().splitlines()[2:]]
-    methods = {row[2]: row for row in rows}
-    assert set(methods) == {"serial", "serial compiled", "ours ulysses2", "ours ulysses2 compiled"}
-    for method, row in methods.items():
-        median, first_call, error = float(row[3]), float(row[6]), float(row[7].rstrip(" |"))
-        assert math.isfinite(median) and median > 0, row
-        assert error < 1e-4, row
-        if method.endswith("compiled"):
-            assert first_call > 10 * median / 1e3, row  # the first call compiled
+# benchmarks/compile.py is not run here: what it reports of correctness (compiled parallel forwards equal
+# to eager, one graph, no recompiles) is tests/test_compile.py's claim, on more families, with a control;
+# the compile itself (39 s of inductor at the smallest size) is the benchmark's cost, not a test's.
 
 
 def test_pipefusion_schedule_benchmark_on_a_tiny_size(tmp_path):
@@ -99,8 +80,15 @@ def test_pipefusion_schedule_benchmark_on_a_tiny_size(tmp_path):
     assert (drained["config"], pipelined["config"]) == ("pf2", "pf2·async")
     for row in (drained, pipelined):
         assert math.isfinite(row["median_s"]) and row["median_s"] > 0, row
-        assert len(row["bubble_by_stage"]) == 2 and all(0 <= b < 1 for b in row["bubble_by_stage"]), row
+        # each stage recorded time in its blocks (b < 1) and time outside them (b > 0: the pipeline fills
+        # and drains, the last stage steps the scheduler), over the steps the stage counted as pipelined:
+        # 3 (4 steps, 1 warmup), 2 stages, 2 patches
+        assert len(row["bubble_by_stage"]) == 2 and all(0 < b < 1 for b in row["bubble_by_stage"]), row
+        assert (row["stages"], row["patches"], row["pipelined_steps"]) == (2, 2, 3), row
+    # the closed forms at N 2, M 2, K 3, worked out by hand: drained (N-1)/(M+N-1), async (N-1)/(K·M+N-1),
+    # async over drained (K·M+N-1)/(K·(M+N-1))
     assert drained["closed_form_bubble"] == 1 / 3 and pipelined["closed_form_bubble"] == 1 / 7
+    assert abs(pipelined["closed_form_vs_drained"] - 7 / 9) < 1e-12
     assert pipelined["deviation"] < 1e-4
     assert "| pf2·async | 2 | 3 |" in done.stdout
 

@@ -1,6 +1,7 @@
 """torch.compile takes the parallel forward whole: one graph, no breaks, for every family under
-ulysses, ring, usp, cfg and dp; compiled outputs equal eager ones, the bytes recorded are the same,
-and steps do not recompile. PipeFusion and a StepCache are refused by name."""
+ulysses and ring (dynamo's explain, or compiled with inductor for one family per way of holding text and
+positions), for usp, cfg and dp; compiled outputs equal eager ones, the bytes recorded are the same, and
+steps do not recompile. PipeFusion and a StepCache are refused by name."""
 
 import pytest
 import torch
@@ -20,54 +21,75 @@ def _model(family):
     return tiny_transformer(family, seed=0, **extra)
 
 
-def _graphs(configs, break_at_block=False, families=FAMILIES):
-    """(family, config, graphs, breaks, reasons) of torch._dynamo.explain on each parallel model."""
-    rows = []
-    for config in configs:
-        mesh = RankMesh(config)
-        for family in families:
-            model = parallelize(_model(family), config, mesh)
-            if break_at_block:  # the control: a graph break that explain must see
-                model.transformer_blocks[0].register_forward_hook(lambda *_: torch._dynamo.graph_break())
-            torch._dynamo.reset()
-            with torch.no_grad():
-                found = torch._dynamo.explain(model)(**tiny_inputs(family, 2, text_len=TEXT_LEN))
-            reasons = sorted({str(b.reason).splitlines()[0] for b in found.break_reasons})
-            rows.append((family, config.short(), found.graph_count, found.graph_break_count, reasons))
+def _graphs(cases):
+    """(family, config, graphs, breaks, reasons) of torch._dynamo.explain on each parallel model, for
+    each case (config, family, break_at_block): break_at_block is the control, a graph break forced
+    inside the first block, that explain must see."""
+    rows, meshes = [], {}
+    for config, family, break_at_block in cases:
+        mesh = meshes.setdefault(config, RankMesh(config))
+        model = parallelize(_model(family), config, mesh)
+        if break_at_block:
+            model.transformer_blocks[0].register_forward_hook(lambda *_: torch._dynamo.graph_break())
+        torch._dynamo.reset()
+        with torch.no_grad():
+            found = torch._dynamo.explain(model)(**tiny_inputs(family, 2, text_len=TEXT_LEN))
+        reasons = sorted({str(b.reason).splitlines()[0] for b in found.break_reasons})
+        rows.append((family, config.short(), found.graph_count, found.graph_break_count, reasons))
     return rows
 
 
-@pytest.mark.parametrize(
-    "world_size, configs, families",
-    [
-        # the attention operator and the shard, rotary and gather hooks: every family's own places
-        (2, [ParallelConfig(ulysses=2), ParallelConfig(ring=2)], FAMILIES),
-        # cfg and dp split the batch and gather it at the forward's edges, the same two hooks for every
-        # family (models/hooks.py split_batch, gather_batch): one family traces them (#38)
-        (2, [ParallelConfig(cfg=2), ParallelConfig(dp=2)], ["pixart"]),
-        # USP: the attention is one operator whatever runs inside it, so one family per way of holding
-        # text and positions (see below); cfg and dp beside sp are the same hooks as above
-        (4, [ParallelConfig(ulysses=2, ring=2)], ["sd3", "flux2", "cogvideox", "wan"]),
-    ],
-)
+# one family per way of holding text and positions, compiled with inductor beside eager in
+# test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile, which also asserts one graph
+# (dynamo's unique graphs) and no recompiles over three calls: the explain sweep below leaves these out
+COMPILED = [
+    ("sd3", ParallelConfig(ulysses=2)),  # text after the image
+    ("flux2", ParallelConfig(ring=2)),  # text first, image ids sharded before the forward
+    ("qwenimage", ParallelConfig(ring=2)),  # padded text: a key mask handed to the attention operator
+    ("cogvideox", ParallelConfig(ring=2)),  # text and image embedded in one tensor
+    ("wan", ParallelConfig(ulysses=2)),  # a grid sharded at the embedding, rotary tables hooked
+]
+TRACED = {
+    # the attention operator and the shard, rotary and gather hooks, every family's own places (those
+    # compiled above left out); cfg and dp split the batch and gather it at the forward's edges, the same
+    # two hooks for every family (models/hooks.py split_batch, gather_batch): one family traces them (#38)
+    2: [
+        (config, family)
+        for config in (ParallelConfig(ulysses=2), ParallelConfig(ring=2))
+        for family in FAMILIES
+        if (family, config) not in COMPILED
+    ]
+    + [(ParallelConfig(cfg=2), "pixart"), (ParallelConfig(dp=2), "pixart")],
+    # USP: the attention is one operator whatever runs inside it, so one family per way of holding
+    # text and positions; cfg and dp beside sp are the same hooks as above
+    4: [(ParallelConfig(ulysses=2, ring=2), family) for family in ["sd3", "flux2", "cogvideox", "wan"]],
+}
+CONTROL = (ParallelConfig(ulysses=2), "flux")  # a graph break forced in the first block, in the same spawn
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.timeout(1020)
-def test_every_family_traces_as_one_graph(world_size, configs, families):
-    for rows in run_on_ranks(_graphs, world_size, configs, False, families, timeout_s=900):
-        for family, config, graphs, breaks, reasons in rows:
-            assert (graphs, breaks) == (1, 0), (family, config, reasons)
-
-
-@pytest.mark.timeout(720)
-def test_explain_sees_a_graph_break_control():
-    """The instrument can fail: a graph break forced inside the first block is counted."""
-    for rows in run_on_ranks(_graphs, 2, [ParallelConfig(ulysses=2)], True, ["flux"], timeout_s=600):
-        for family, config, graphs, breaks, _ in rows:
-            assert breaks >= 1 and graphs >= 2, (family, config, graphs, breaks)
+def test_every_family_traces_as_one_graph(world_size):
+    """torch._dynamo.explain sees one graph and no break in each case of TRACED; on 2 ranks the control,
+    a graph break forced inside the first block, is counted (the instrument can fail)."""
+    cases = [(config, family, False) for config, family in TRACED[world_size]]
+    if world_size == 2:
+        cases.append((*CONTROL, True))
+    for rows in run_on_ranks(_graphs, world_size, cases, timeout_s=900):
+        assert len(rows) == len(cases)
+        for (_, _, control), (family, config, graphs, breaks, reasons) in zip(cases, rows):
+            if control:
+                assert breaks >= 1 and graphs >= 2, (family, config, graphs, breaks)
+            else:
+                assert (graphs, breaks) == (1, 0), (family, config, reasons)
 
 
 def _compiled_against_eager(cases):
     """Three forwards with different inputs, compiled (inductor) beside eager: the largest relative
-    error, whether every collective recorded matches, and dynamo's graph and recompile counts."""
+    error, whether every collective recorded matches, and dynamo's graph and recompile counts. The
+    control: at each step after the first the compiled model is also run on this step's inputs with the
+    previous step's timestep, as a graph that kept a value of an earlier call would compute; its error
+    against eager must exceed the bound."""
     rows = []
     meshes = {}
     for family, config in cases:
@@ -76,7 +98,7 @@ def _compiled_against_eager(cases):
         compiled = parallelize(_model(family), config, mesh, compile=True)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        errors, same_records = [], []
+        errors, same_records, control_errors, previous = [], [], [], None
         for step in range(3):
             inputs = tiny_inputs(family, 2, text_len=TEXT_LEN, seed=step + 1)
             with torch.no_grad(), comm_log() as eager_log:
@@ -86,12 +108,17 @@ def _compiled_against_eager(cases):
             errors.append(((output - expected).abs().max() / expected.abs().max()).item())
             records = [[(r.op, r.group, r.bytes_out, r.tag) for r in log] for log in (eager_log, compiled_log)]
             same_records.append(records[0] == records[1] and len(records[0]) > 0)
+            if previous is not None:  # the control: a stale timestep (same shapes, so no recompile)
+                stale = compiled(**dict(inputs, timestep=previous)).sample
+                control_errors.append(((stale - expected).abs().max() / expected.abs().max()).item())
+            previous = inputs["timestep"]
         counters = torch._dynamo.utils.counters
         rows.append(
             dict(
                 family=family,
                 config=config.short(),
                 error=max(errors),
+                control_error=min(control_errors),
                 same_records=same_records,
                 graphs=counters["stats"]["unique_graphs"],
                 recompiles=sum(counters["recompiles"].values()),
@@ -102,17 +129,11 @@ def _compiled_against_eager(cases):
 
 @pytest.mark.timeout(1020)
 def test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile():
-    # one family per way of holding text and positions (PixArt under cfg 2: the pipeline test below)
-    cases = [
-        ("sd3", ParallelConfig(ulysses=2)),  # text after the image
-        ("flux2", ParallelConfig(ring=2)),  # text first, image ids sharded before the forward
-        ("qwenimage", ParallelConfig(ring=2)),  # padded text: a key mask handed to the attention operator
-        ("cogvideox", ParallelConfig(ring=2)),  # text and image embedded in one tensor
-        ("wan", ParallelConfig(ulysses=2)),  # a grid sharded at the embedding, rotary tables hooked
-    ]
-    for rows in run_on_ranks(_compiled_against_eager, 2, cases, timeout_s=900):
+    # one family per way of holding text and positions (PixArt under cfg 2: tests/test_run_cli.py's --compile)
+    for rows in run_on_ranks(_compiled_against_eager, 2, COMPILED, timeout_s=900):
         for row in rows:
             assert row["error"] < 1e-4, row
+            assert row["control_error"] > 1e-4, row  # the bound catches a graph computing on a stale value
             assert all(row["same_records"]), row
             assert row["graphs"] == 1 and row["recompiles"] == 0, row
 

@@ -155,13 +155,21 @@ def test_the_deviation_from_serial_is_measured_against_diffusers_own_run(control
 
 
 def test_planning_for_gpus_the_lab_does_not_have(controller):
-    """Planning mode ranks the configurations for 8 GPUs with this model's sizes and the two prompts,
-    as ParallelConfig.options does; it says why a configuration ranks above the next, and why ulysses 8
-    and pipefusion 8 are refused for a model of 4 heads and 2 layers."""
+    """Planning mode lists every configuration of 8 GPUs this model takes (worked out here: the degrees
+    multiply to 8, cfg at most 2 branches, at most 2 PipeFusion stages for 2 layers, ulysses dividing the
+    4 heads), ranked; it says why a configuration ranks above the next, and why ulysses 8 and
+    pipefusion 8 are refused for a model of 4 heads and 2 layers."""
+    import itertools
+
     text = controller.plan(8)
-    expected = ParallelConfig.options(8, num_heads=4, num_layers=2, seq_len=16, batch=2)
+    expected = {
+        ParallelConfig(dp=dp, cfg=cfg, pipefusion=pf, ring=ring, ulysses=ulysses).short()
+        for dp, cfg, pf, ring, ulysses in itertools.product([1, 2, 4, 8], repeat=5)
+        if dp * cfg * pf * ring * ulysses == 8 and cfg <= 2 and pf <= 2 and 4 % ulysses == 0
+    }
     rows = [line.split() for line in text.splitlines()[2:] if line.split() and line.split()[0].isdigit()]
-    assert [row[1] for row in rows] == [c.short() for c in expected]
+    assert len(rows) == len(expected) == 24 and {row[1] for row in rows} == expected, [row[1] for row in rows]
+    assert [row[0] for row in rows] == [str(i) for i in range(1, 25)] and rows[0][1] == "dp4·pf2"
     assert "the same cost as dp2·cfg2·pf2, fewer degrees above 1" in text.splitlines()[2]
     assert "ulysses8: 4 attention heads do not divide by ulysses 8" in text
     assert "pf8: 2 transformer layers cannot fill 8 PipeFusion stages" in text

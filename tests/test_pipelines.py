@@ -4,10 +4,12 @@ Each family's tiny pipeline is saved once as a diffusers folder, and the stock d
 produces its reference latents once, in the test process (one reference per family, not one per
 rank and world size); then load_pipeline runs the same arguments on the ranks under each configuration: max abs error <= 1e-4 · max(1, max |reference|) in float32. Each run
 also checks the request's memory plan (pipe.memory_plan_for, made before the call) against the
-latents, conditioning and stale K/V the rank held between steps."""
+latents, conditioning and stale K/V the rank held between steps, and each step's bytes per group
+against the closed form (xdit_lab.traffic.expected_bytes_per_step)."""
 
 import pytest
 import torch
+from forward_traffic import session_traffic, traffic_mismatches
 
 from xdit_lab import ParallelConfig, RankMesh, load_pipeline
 from xdit_lab.lessons.families import output_latents
@@ -88,7 +90,7 @@ def _parallel(folder, family, configs, expected):
                 bound=1e-4 * max(1.0, expected.abs().max().item()),
                 shape=tuple(latents.shape),
                 expected_shape=tuple(expected.shape),
-                groups=sorted({g for step in result.comm_per_step for g, b in step.items() if b}),
+                traffic=session_traffic(session),
                 planned={
                     name: planned[name][1] for name in ("latents", "conditioning", "stale K/V") if name in planned
                 },
@@ -137,13 +139,21 @@ def test_latents_equal_diffusers_pipeline(folders, references, family, world_siz
             assert row["shape"] == row["expected_shape"], where
             assert row["error"] <= row["bound"], f"{where}: {row['error']:.3g} > {row['bound']:.3g}"
             config = next(c for c in configs if c.short() == row["config"])
-            expected_groups = {g for g in ("ulysses", "ring", "pipefusion", "cfg", "dp") if getattr(config, g) > 1}
-            assert expected_groups <= set(row["groups"]), where
+            _check_traffic(row, config, where)
             # the request's memory plan, made before the call, equals what the rank held between steps
             assert row["held"]["latents"] > 0 and row["held"]["conditioning"] > 0, where
             assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
     if world_size == 2:  # the ulysses 2 run: where the family's text sits, as the token-layout view draws it
         _check_token_layout(family, [next(r["summary"] for r in rows if r["summary"]) for rows in per_rank])
+
+
+def _check_traffic(row, config, where):
+    """Every step's bytes per group equal the closed form, and every degree above 1 moved some
+    (dp with one sample per group moves nothing: not among these configurations)."""
+    assert len(row["traffic"]) == _call_kwargs("pixart")["num_inference_steps"], where
+    assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+    degrees = {g for g in ("ulysses", "ring", "pipefusion", "cfg", "dp") if getattr(config, g) > 1}
+    assert degrees <= {g for step in row["traffic"] for g in step["moved"]}, where
 
 
 TEXT_AT = dict(
@@ -185,7 +195,7 @@ def _check_token_layout(family, summaries):
 def test_pixart_sigma_through_load_pipeline(tmp_path):
     """A PixArtSigmaPipeline folder (tiny, saved here) through load_pipeline under the exact
     strategies on 2 ranks, PipeFusion with every step a warmup step among them: equal to diffusers'
-    PixArtSigmaPipeline run serially, within 1e-4 relative, each degree's traffic in its group.
+    PixArtSigmaPipeline run serially, within 1e-4 relative, each step's bytes as the closed form says.
     Control: PipeFusion without warmup (every step on stale K/V) exceeds the bound. (On this tiny
     random model one warmup step of three already lands within it, measured 7e-5 relative: the
     bound catches gross staleness here; tests/test_pipefusion.py bounds it on the digits model.)"""
@@ -211,7 +221,7 @@ def test_pixart_sigma_through_load_pipeline(tmp_path):
             where = f"pixart-sigma {row['config']} rank {rank}"
             assert row["shape"] == row["expected_shape"], where
             assert row["error"] <= row["bound"], f"{where}: {row['error']:.3g} > {row['bound']:.3g}"
-            assert {g for g in ("ulysses", "ring", "cfg", "pipefusion") if getattr(config, g) > 1} <= set(row["groups"])
+            _check_traffic(row, config, where)
 
 
 def _digits_in_bfloat16(configs, steps):
@@ -224,22 +234,22 @@ def _digits_in_bfloat16(configs, steps):
     prompts = [prompt_for(digit) for digit in range(10)]
     kwargs = call_kwargs(num_inference_steps=steps)
 
-    def draw(pipe):
-        generators = [torch.Generator().manual_seed(0) for _ in prompts]
-        return pipe(prompts, generator=generators, output_type="latent", **kwargs).images
+    def generators():
+        return [torch.Generator().manual_seed(0) for _ in prompts]
 
     serial = {}
     for dtype in (torch.float32, torch.bfloat16):
         reference = PixArtAlphaPipeline.from_pretrained(str(DIGITS_DIR), torch_dtype=dtype)
         reference.set_progress_bar_config(disable=True)
-        serial[str(dtype)] = draw(reference)
-    parallel = {
-        f"{config.short()} warmup {config.warmup_steps}": draw(
-            load_pipeline("digits", config, mesh=RankMesh(config), torch_dtype=torch.bfloat16, progress=False)
-        )
-        for config in configs
-    }
-    return serial, parallel
+        serial[str(dtype)] = reference(prompts, generator=generators(), output_type="latent", **kwargs).images
+    parallel, traffic = {}, {}
+    for config in configs:
+        name = f"{config.short()} warmup {config.warmup_steps}"
+        pipe = load_pipeline("digits", config, mesh=RankMesh(config), torch_dtype=torch.bfloat16, progress=False)
+        session = pipe.session(prompts, generator=generators(), **kwargs).run()
+        parallel[name] = session.result(output_type="latent").images
+        traffic[name] = session_traffic(session)  # bfloat16 activations: 2 bytes an element
+    return serial, parallel, traffic
 
 
 def test_bfloat16_strategies_within_bfloat16_rounding():
@@ -249,13 +259,18 @@ def test_bfloat16_strategies_within_bfloat16_rounding():
     (measured here; 2.2e-2 max relative on the bundled model, 10 digits, 10 steps). An exact
     strategy in bf16 stays within d of diffusers' serial bf16 run (measured: Ring 1.1e-2, Ulysses
     and PipeFusion with every step a warmup step bit-identical). Control: PipeFusion with stale
-    K/V (warmup 1), not exact by design, exceeds d (measured 7.9e-2)."""
+    K/V (warmup 1), not exact by design, exceeds d (measured 7.9e-2). Each step's bytes equal the closed
+    form at 2 bytes an element."""
     from xdit_lab.lab.measure import max_relative_difference
 
     steps = 10
     exact = [ParallelConfig(ring=2), ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2, warmup_steps=steps)]
     stale = ParallelConfig(pipefusion=2, warmup_steps=1)
-    serial, parallel = run_on_ranks(_digits_in_bfloat16, 2, [*exact, stale], steps, timeout_s=300)[0]
+    ranks = run_on_ranks(_digits_in_bfloat16, 2, [*exact, stale], steps, timeout_s=300)
+    serial, parallel, _ = ranks[0]
+    for rank, (_, _, traffic) in enumerate(ranks):
+        for name, steps_traffic in traffic.items():
+            assert len(steps_traffic) == steps and not traffic_mismatches(steps_traffic, f"{name} rank {rank}")
     reference = serial[str(torch.bfloat16)]
     tolerance = max_relative_difference(reference, serial[str(torch.float32)])
     assert reference.dtype == torch.bfloat16 and 1e-3 < tolerance < 0.1  # bf16 keeps ~3 significant digits

@@ -56,6 +56,20 @@ def _images(output):
     return [np.asarray(Image.open(output / f"{i:03d}.png")) for i in range(len(PROMPTS))]
 
 
+def _bytes_on_disk(folder, component) -> dict[str, int]:
+    """Each tensor's bytes in a component's safetensors files, read with safetensors' own reader."""
+    from safetensors import safe_open
+
+    size = {"F32": 4, "F16": 2, "BF16": 2}
+    sizes = {}
+    for file in sorted((folder / component).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                tensor = f.get_slice(key)
+                sizes[key] = int(np.prod(tensor.get_shape())) * size[tensor.get_dtype()]
+    return sizes
+
+
 def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
     one_node, two_nodes = tmp_path / "one", tmp_path / "two"
     single, shared = _ports(2)
@@ -70,8 +84,15 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
 
     report = json.loads((one_node / "report.json").read_text())
     assert report["config_short"] == "cfg2" and report["outputs"] == ["000.png", "001.png"]
-    assert len(report["timings"]["steps"]) == 3 and report["timings"]["decode"] > 0
+    assert len(report["timings"]["steps"]) == report["steps"] == 3
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    # each step, a cfg rank sends its branch's noise prediction: 2 prompts × the output's elements × 4 bytes
+    transformer = json.loads((folder / "transformer" / "config.json").read_text())
+    scale = 2 ** (len(json.loads((folder / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
+    prediction = transformer["out_channels"] * (KWARGS["height"] // scale) * (KWARGS["width"] // scale)
+    for r in report["ranks"]:
+        steps = [{g: n for g, n in step.items() if n} for step in r["bytes_out_by_phase"]["per_step"]]
+        assert steps == [{"cfg": len(PROMPTS) * prediction * 4}] * 3, steps
     assert all(r["bytes_out_by_group"].get("cfg", 0) > 0 for r in report["ranks"])
     for r in report["ranks"]:  # the run's cfg bytes, told apart by phase: encode, each of 3 steps, decode
         phases = r["bytes_out_by_phase"]
@@ -79,7 +100,8 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
         assert phases["encode"]["cfg"] > 0 and phases["decode"]["cfg"] > 0
         parts = phases["encode"]["cfg"] + sum(step["cfg"] for step in phases["per_step"]) + phases["decode"]["cfg"]
         assert parts == r["bytes_out_by_group"]["cfg"]
-    assert all(r["memory"]["parameter_total"] > 0 for r in report["ranks"])
+    whole = {c: sum(_bytes_on_disk(folder, c).values()) for c in ("transformer", "text_encoder", "vae")}
+    assert all(r["memory"]["parameter_bytes"] == whole for r in report["ranks"])  # cfg: every rank holds all
     for a, b in zip(_images(one_node), _images(two_nodes)):
         assert np.array_equal(a, b)
     assert not list(one_node.glob("*.partial")) and not list(two_nodes.glob("*.partial"))
@@ -144,7 +166,12 @@ def test_torchrun_latent_output_equals_serial_diffusers(folder, tmp_path):
     whole = json.loads((tmp_path / "cfg" / "report.json").read_text())["ranks"][0]["memory"]["parameter_bytes"]
     staged = json.loads((tmp_path / "pipefusion" / "report.json").read_text())
     assert staged["config"]["pipefusion"] == 2
-    assert all(r["memory"]["parameter_bytes"]["transformer"] < whole["transformer"] for r in staged["ranks"])
+    # a stage holds its own block (the tiny transformer has 2) and everything outside the blocks
+    on_disk = _bytes_on_disk(folder, "transformer")
+    outside = sum(n for key, n in on_disk.items() if not key.startswith("transformer_blocks."))
+    for r in staged["ranks"]:
+        own = sum(n for key, n in on_disk.items() if key.startswith(f"transformer_blocks.{r['rank']}."))
+        assert r["memory"]["parameter_bytes"]["transformer"] == outside + own, r["memory"]["parameter_bytes"]
     sharded = json.loads((tmp_path / "sharded" / "report.json").read_text())
     assert sharded["shard_weights"] is True
     for r in sharded["ranks"]:

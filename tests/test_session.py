@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from forward_traffic import session_traffic, traffic_mismatches
 
 from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.memory import MemoryPlanError
@@ -28,6 +29,7 @@ def _step_by_step(folder, config):
         seen.append((session.step_index, float(session.timestep)))
         session.step()
     stepped = session.result(output_type="latent")
+    traffic = session_traffic(session)
     called = pipe(["a red cat", "a dog"], negative_prompt="photo", seed=3, output_type="latent", **KWARGS)
     return dict(
         seen=seen,
@@ -35,45 +37,60 @@ def _step_by_step(folder, config):
         latents=tuple(session.latents.shape),
         timings=called.timings,
         steps_logged=len(called.comm_per_step),
+        traffic=traffic,
+        called_bytes=called.comm_per_step,
     )
 
 
 def test_stepping_gives_exactly_the_call(folder):
-    for out in run_on_ranks(_step_by_step, 2, folder, ParallelConfig(cfg=2)):
+    """Under cfg 2: step() by step() gives the call's latents bit for bit; every step's bytes equal the
+    closed form, and the call moved the same bytes step by step."""
+    for rank, out in enumerate(run_on_ranks(_step_by_step, 2, folder, ParallelConfig(cfg=2))):
         assert out["equal"]
         assert [i for i, _ in out["seen"]] == [0, 1, 2]
         assert len({t for _, t in out["seen"]}) == 3  # a new timestep each step
         timings = out["timings"]
         assert len(timings["steps"]) == 3 and out["steps_logged"] == 3
-        assert timings["encode"] > 0 and timings["decode"] >= 0
+        assert timings["encode"] > 0 and all(seconds > 0 for seconds in timings["steps"])
+        assert not traffic_mismatches(out["traffic"], f"rank {rank}"), out["traffic"]
+        assert [{g: n for g, n in step.items() if n} for step in out["called_bytes"]] == [
+            row["moved"] for row in out["traffic"]
+        ]
 
 
 def _batched(folder, config):
     prompts = ["a 1", "a 2", "a 3"]
     negatives = ["red", "blue", "green"]
     pipe = load_pipeline(folder, config, progress=False)
-    batch = pipe(
+    session = pipe.session(
         prompts,
         negative_prompt=negatives,
         generator=[torch.Generator().manual_seed(10 + i) for i in range(3)],
-        output_type="latent",
         **KWARGS,
-    ).images
+    ).run()
+    batch = session.result(output_type="latent").images
     alone = [
         pipe(
             p, negative_prompt=n, generator=torch.Generator().manual_seed(10 + i), output_type="latent", **KWARGS
         ).images[0]
         for i, (p, n) in enumerate(zip(prompts, negatives))
     ]
-    return [((batch[i] - alone[i]).abs().max().item(), 1e-4 * max(1.0, alone[i].abs().max().item())) for i in range(3)]
+    errors = [
+        ((batch[i] - alone[i]).abs().max().item(), 1e-4 * max(1.0, alone[i].abs().max().item())) for i in range(3)
+    ]
+    return errors, session_traffic(session)
 
 
 @pytest.mark.parametrize("config", [ParallelConfig(dp=2), ParallelConfig(cfg=2, dp=2)], ids=lambda c: c.short())
 def test_image_i_belongs_to_prompt_i(folder, config):
-    """3 prompts over dp 2 (2 + 1 per group): sample i equals prompt i generated on its own."""
-    for rank_rows in run_on_ranks(_batched, config.world_size, folder, config, timeout_s=240):
+    """3 prompts over dp 2 (2 + 1 per group): sample i equals prompt i generated on its own; each step
+    of the batch moved the bytes of the closed form (dp pads its gather to the larger share)."""
+    for rank, (rank_rows, traffic) in enumerate(
+        run_on_ranks(_batched, config.world_size, folder, config, timeout_s=240)
+    ):
         for i, (error, bound) in enumerate(rank_rows):
             assert error <= bound, f"sample {i}: {error:.3g} > {bound:.3g}"
+        assert len(traffic) == 3 and not traffic_mismatches(traffic, f"rank {rank}"), traffic
 
 
 def _mismatched(folder):

@@ -1,17 +1,20 @@
 """StepCache against diffusers' own First-Block Cache, run serially, under every strategy.
 
 The reference is diffusers' `apply_first_block_cache` on the stock pipeline loaded from the same
-tiny folder. At threshold 0 nothing is skipped and every strategy equals diffusers without a cache;
-at a threshold where some steps skip and some run, the steps skipped and the latents equal
-diffusers' (1e-4 relative). The steps diffusers skipped are read from the reference itself: a
-step whose last block's attention never ran was skipped.
+tiny folder. At threshold 0 nothing is skipped and the serial run equals diffusers without a cache
+(every strategy without a cache equals diffusers: tests/test_pipelines.py); at a threshold where
+some steps skip and some run, the steps skipped and the latents of every strategy equal diffusers'
+(1e-4 relative). The steps diffusers skipped are read from the reference itself: a step whose last
+block's attention never ran was skipped. Every run above one rank also shows its traffic: each step's
+bytes per group equal the closed form told the skips (xdit_lab.traffic.expected_bytes_per_step).
 
 diffusers' hooks need a cache context that only some pipelines open; for PixArt the context is
-opened here by hand. (For SD3 diffusers' hooks fail: its last block returns no text, see
-test_sd3_threshold_zero_and_agreed_skips.)"""
+opened here by hand. (For SD3 diffusers' hooks fail: its last block returns no text, shown in
+test_sd3_skips_agree_across_strategies, which compares with our own serial run instead.)"""
 
 import pytest
 import torch
+from forward_traffic import session_traffic, traffic_mismatches, traffic_row
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
 from xdit_lab.models import parallel_state
@@ -56,13 +59,8 @@ def _diffusers_first_block_cache(folder, family, threshold, prompts=PROMPTS):
         apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
         if family == "pixart":  # its pipeline opens no cache context
             _set_cache_context(transformer, CacheContext("all"))
-    last_block = [
-        b for name in ("transformer_blocks", "single_transformer_blocks") for b in getattr(transformer, name, [])
-    ][-1]
-    ran = []
-    transformer.register_forward_pre_hook(lambda *_: ran.append(False))
-    attention = getattr(last_block, "attn", None) or last_block.attn1
-    attention.register_forward_pre_hook(lambda *_: ran.__setitem__(-1, True))
+    blocks = [b for name in ("transformer_blocks", "single_transformer_blocks") for b in getattr(transformer, name, [])]
+    ran = _skips_recorded(transformer, blocks)
     kwargs = _call_kwargs(family)
     if "negative_prompt" in kwargs:
         kwargs["negative_prompt"] = kwargs["negative_prompt"][: len(prompts)]
@@ -70,16 +68,48 @@ def _diffusers_first_block_cache(folder, family, threshold, prompts=PROMPTS):
     return _latents(output, family), [not r for r in ran]
 
 
-def _against_diffusers(folder, family, configs, threshold, prompts=PROMPTS):
-    """On every rank: diffusers' reference, then each configuration with StepCache(threshold)."""
-    expected, expected_skips = _diffusers_first_block_cache(folder, family, threshold or None, prompts)
+class _StandInCounted:
+    """CONTROL, deliberately wrong: the rank's ParallelState as a StepCache sees it, with a dp stand-in row
+    (computed by a group without samples of its own, then dropped) counted in the cache's sums as if it
+    were a sample. Everything else is the state's own."""
+
+    stand_in = False
+
+    def __init__(self, state):
+        self._state = state
+
+    def __getattr__(self, name):
+        return getattr(self._state, name)
+
+
+_REFERENCES = {}
+
+
+def _reference(folder, family, threshold, prompts=PROMPTS):
+    """diffusers' First-Block Cache run serially, once per case in the test process (not once per rank
+    and world size) and kept for the module: (latents, skipped per step). Threshold 0: no cache."""
+    key = (str(folder), family, threshold, tuple(prompts))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _diffusers_first_block_cache(folder, family, threshold or None, prompts)
+    return _REFERENCES[key]
+
+
+def _against_diffusers(folder, family, configs, threshold, reference, prompts=PROMPTS, controls=()):
+    """On every rank: each configuration with StepCache(threshold) against `reference`, diffusers' run
+    (_reference); then each of `controls` with the cache counting dp stand-in rows (_StandInCounted),
+    in the same spawn (its rows follow the configurations')."""
+    expected, expected_skips = reference
     kwargs = _call_kwargs(family)
     if "negative_prompt" in kwargs:
         kwargs["negative_prompt"] = kwargs["negative_prompt"][: len(prompts)]
     rows = []
-    for config in configs:
+    for config, control in [(c, False) for c in configs] + [(c, True) for c in controls]:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(threshold))
-        result = pipe(prompts, seed=0, output_type="latent", **kwargs)
+        if control:
+            cache = parallel_state(pipe.diffusers_pipeline.transformer).cache
+            cache.state = _StandInCounted(cache.state)
+        session = pipe.session(prompts, seed=0, **kwargs).run()
+        result = session.result(output_type="latent")
         latents = _latents(result, family)
         rows.append(
             dict(
@@ -88,8 +118,9 @@ def _against_diffusers(folder, family, configs, threshold, prompts=PROMPTS):
                 bound=1e-4 * max(1.0, expected.abs().max().item()),
                 skips=result.cache_skips,
                 expected_skips=expected_skips,
+                changes=list(session.cache_changes),
                 cache_bytes=[step.get("world", 0) for step in result.comm_per_step],
-                groups=sorted({g for step in result.comm_per_step for g, b in step.items() if b}),
+                traffic=session_traffic(session),
             )
         )
         pipe.close()
@@ -104,8 +135,10 @@ def _check(per_rank, configs, family, skipping):
             assert row["skips"] == row["expected_skips"], where
             assert row["skips"] == per_rank[0][configs.index(config)]["skips"], f"{where}: ranks disagree"
             assert any(row["skips"]) == skipping, where
+            # every step's bytes per group equal the closed form told the skips, and it has every degree move
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             degrees = {g for g in ("ulysses", "ring", "cfg", "dp", "pipefusion") if getattr(config, g) > 1}
-            assert degrees <= set(row["groups"]), where
+            assert degrees <= {g for step in row["traffic"] for g in step["moved"]}, where
             if config.world_size > 1:  # one all-reduce of two float32 per step after the first
                 assert row["cache_bytes"][0] == 0 and all(b > 0 for b in row["cache_bytes"][1:]), where
 
@@ -129,28 +162,48 @@ PIXART_4 = [
 ]
 
 
-@pytest.mark.parametrize("threshold", [0.0, THRESHOLDS["pixart"]], ids=["threshold0", "skipping"])
-def test_pixart_every_strategy_equals_diffusers_first_block_cache(folders, threshold):
+def test_threshold_zero_skips_nothing_and_equals_diffusers_without_a_cache(folders):
+    """StepCache(0): every step runs, and the serial latents equal diffusers' pipeline without a cache.
+    (Every strategy without a cache equals it too: tests/test_pipelines.py; with a cache that skips, below.)"""
+    reference = _reference(folders["pixart"], "pixart", 0.0)
+    per_rank = run_on_ranks(_against_diffusers, 1, folders["pixart"], "pixart", [ParallelConfig()], 0.0, reference)
+    _check(per_rank, [ParallelConfig()], "pixart", skipping=False)
+
+
+def test_pixart_every_strategy_equals_diffusers_first_block_cache(folders):
+    threshold = THRESHOLDS["pixart"]
+    reference = _reference(folders["pixart"], "pixart", threshold)
     for world_size, configs in ((1, [ParallelConfig()]), (2, PIXART_2)):
         per_rank = run_on_ranks(
-            _against_diffusers, world_size, folders["pixart"], "pixart", configs, threshold, timeout_s=300
+            _against_diffusers, world_size, folders["pixart"], "pixart", configs, threshold, reference, timeout_s=300
         )
-        _check(per_rank, configs, "pixart", skipping=threshold > 0)
+        _check(per_rank, configs, "pixart", skipping=True)
 
 
 def test_dp_stand_in_rows_do_not_count_in_the_decision(folders):
     """One prompt with CFG is a batch of two rows [uncond; cond]; dp 3 gives them to two groups, and
     the third computes a stand-in copy of the last row. Counted in the sums, it would weigh the
     conditional row twice and move the decision; the skipped steps and latents equal diffusers'.
-    Threshold 0.13 lies between the change at step 3 without the stand-in (0.128) and with it (0.131)."""
-    configs = [ParallelConfig(dp=3)]
-    per_rank = run_on_ranks(_against_diffusers, 3, folders["pixart"], "pixart", configs, 0.13, ["a red cat"])
-    _check(per_rank, configs, "pixart", skipping=True)
+    Threshold 0.13 lies between the change at step 3 without the stand-in (measured 0.128) and with it
+    (0.131): the control, a cache that counts the stand-in row (_StandInCounted), is run on the same
+    ranks and takes another decision than diffusers at that step."""
+    configs, threshold = [ParallelConfig(dp=3)], 0.13
+    folder, prompts = folders["pixart"], ["a red cat"]
+    reference = _reference(folder, "pixart", threshold, prompts)
+    runs = run_on_ranks(_against_diffusers, 3, folder, "pixart", configs, threshold, reference, prompts, configs)
+    _check([rows[:1] for rows in runs], configs, "pixart", skipping=True)
+    for rank, (right, counted) in enumerate(runs):
+        assert counted["skips"] != counted["expected_skips"], f"rank {rank}: the control skips as diffusers does"
+        step = next(i for i, (a, b) in enumerate(zip(counted["skips"], right["skips"])) if a != b)
+        assert right["changes"][step] < threshold < counted["changes"][step], (right["changes"], counted["changes"])
 
 
 def test_pixart_hybrids_on_4_ranks_equal_diffusers_first_block_cache(folders):
     threshold = THRESHOLDS["pixart"]
-    per_rank = run_on_ranks(_against_diffusers, 4, folders["pixart"], "pixart", PIXART_4, threshold, timeout_s=400)
+    reference = _reference(folders["pixart"], "pixart", threshold)
+    per_rank = run_on_ranks(
+        _against_diffusers, 4, folders["pixart"], "pixart", PIXART_4, threshold, reference, timeout_s=400
+    )
     _check(per_rank, PIXART_4, "pixart", skipping=True)
 
 
@@ -168,28 +221,56 @@ def test_joint_families_equal_diffusers_first_block_cache(folders, family):
             ParallelConfig(cfg=2, ulysses=2) if uses_cfg else ParallelConfig(dp=2, ulysses=2),
         ],
     }
-    for world_size, threshold in ((2, 0.0), (2, THRESHOLDS[family]), (4, THRESHOLDS[family])):
+    for world_size in (2, 4):
         runs = run_on_ranks(
-            _against_diffusers, world_size, folders[family], family, configs[world_size], threshold, timeout_s=400
+            _against_diffusers,
+            world_size,
+            folders[family],
+            family,
+            configs[world_size],
+            THRESHOLDS[family],
+            _reference(folders[family], family, THRESHOLDS[family]),
+            timeout_s=400,
         )
-        _check(runs, configs[world_size], family, skipping=threshold > 0)
+        _check(runs, configs[world_size], family, skipping=True)
 
 
 def _ours(folder, family, configs, threshold):
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(threshold))
-        result = pipe(PROMPTS, seed=0, output_type="latent", **_call_kwargs(family))
-        rows.append(dict(config=config.short(), latents=_latents(result, family), skips=result.cache_skips))
+        session = pipe.session(PROMPTS, seed=0, **_call_kwargs(family)).run()
+        result = session.result(output_type="latent")
+        rows.append(
+            dict(
+                config=config.short(),
+                latents=_latents(result, family),
+                skips=result.cache_skips,
+                traffic=session_traffic(session),
+            )
+        )
         pipe.close()
     return rows
 
 
-def test_sd3_threshold_zero_and_agreed_skips(folders):
-    """diffusers' First-Block Cache fails on SD3 (its last block returns no text to take a residual
-    of); ours handles it. Threshold 0 equals diffusers without a cache; at a threshold that skips,
-    every strategy (USP and cfg 2 × ulysses 2 on 4 ranks too) skips the steps the serial run skips,
-    with latents within 1e-4 of it."""
+def _diffusers_refuses_sd3(folder):
+    try:
+        _diffusers_first_block_cache(folder, "sd3", THRESHOLDS["sd3"])
+    except Exception as error:  # whatever diffusers raises: the test reads its type and message
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def test_sd3_skips_agree_across_strategies(folders):
+    """SD3 has no reference from diffusers: its First-Block Cache raises on SD3 (the last block returns no
+    text to take a residual of; run here, so that a diffusers that learns to do it shows up as a failure
+    of this test, and SD3 then joins the families compared with diffusers). The reference is therefore
+    our own serial StepCache, which the families above show equal to diffusers' where diffusers runs:
+    at a threshold that skips some steps, every strategy (USP and cfg 2 × ulysses 2 on 4 ranks too)
+    skips the steps the serial run skips, with latents within 1e-4 of it, and each step's bytes equal
+    the closed form told the skips. (Without skipping, SD3 equals diffusers: tests/test_pipelines.py.)"""
+    refused = _diffusers_refuses_sd3(folders["sd3"])
+    assert refused is not None, "diffusers' First-Block Cache now runs on SD3: compare with it (_against_diffusers)"
     configs = [
         ParallelConfig(ulysses=2),
         ParallelConfig(ring=2),
@@ -197,8 +278,6 @@ def test_sd3_threshold_zero_and_agreed_skips(folders):
         ParallelConfig(dp=2),
         ParallelConfig(pipefusion=2, num_patches=4, warmup_steps=STEPS),
     ]
-    per_rank = run_on_ranks(_against_diffusers, 2, folders["sd3"], "sd3", configs, 0.0, timeout_s=300)
-    _check(per_rank, configs, "sd3", skipping=False)
     (serial,) = run_on_ranks(_ours, 1, folders["sd3"], "sd3", [ParallelConfig()], THRESHOLDS["sd3"])
     assert any(serial[0]["skips"]) and not all(serial[0]["skips"][1:])
     reference = serial[0]["latents"]
@@ -210,18 +289,32 @@ def test_sd3_threshold_zero_and_agreed_skips(folders):
                 assert row["skips"] == serial[0]["skips"], where
                 error = (row["latents"] - reference).abs().max().item()
                 assert error <= 1e-4 * max(1.0, reference.abs().max().item()), f"{where}: {error:.3g}"
+                assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
 
 
 def _ours_on(world_size, folder, configs):
     return run_on_ranks(_ours, world_size, folder, "sd3", configs, THRESHOLDS["sd3"], timeout_s=300)
 
 
+def _skips_recorded(transformer, blocks: list) -> list[bool]:
+    """A list that gains an entry per call of `transformer`: whether its last block's attention ran (a
+    step whose last block never ran was skipped)."""
+    ran = []
+    transformer.register_forward_pre_hook(lambda *_: ran.append(False))
+    last = blocks[-1]
+    attention = getattr(last, "attn", None) or last.attn1
+    attention.register_forward_pre_hook(lambda *_: ran.__setitem__(-1, True))
+    return ran
+
+
 def _transformer_calls(family, configs, threshold):
-    """DiT and Wan have no pipeline here: six transformer calls on a slowly changing latent, as steps are."""
+    """DiT and Wan have no pipeline here: six transformer calls on a slowly changing latent, as steps are.
+    diffusers' First-Block Cache on the serial model is the reference for the outputs and the skips."""
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
-    from xdit_lab import parallelize
+    from xdit_lab import comm_log, parallelize
+    from xdit_lab.families import adapter_for
     from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
     base = tiny_inputs(family, 2, height=8, width=8)
@@ -230,29 +323,38 @@ def _transformer_calls(family, configs, threshold):
     reference = tiny_transformer(family, layers=4)
     apply_first_block_cache(reference, FirstBlockCacheConfig(threshold=threshold))
     _set_cache_context(reference, CacheContext("all"))
+    ran = _skips_recorded(reference, adapter_for(reference).blocks(reference))
     with torch.no_grad():
         expected = [reference(**x).sample for x in calls]
     rows = []
     for config in configs:
         model = parallelize(tiny_transformer(family, layers=4), config, RankMesh(config), cache=StepCache(threshold))
+        outs, traffic = [], []
         with torch.no_grad():
-            outs = [model(**x).sample for x in calls]
+            for step, x in enumerate(calls):
+                with comm_log() as log:
+                    outs.append(model(**x).sample)
+                traffic.append(traffic_row(model, x, log, step))
         error = max((o - e).abs().max().item() for o, e in zip(outs, expected))
-        rows.append(dict(config=config.short(), error=error, skips=parallel_state(model).cache.skips))
-    return rows, max(e.abs().max().item() for e in expected)
+        rows.append(dict(config=config.short(), error=error, skips=parallel_state(model).cache.skips, traffic=traffic))
+    return rows, max(e.abs().max().item() for e in expected), [not r for r in ran]
 
 
 @pytest.mark.parametrize("family", ["dit", "wan"])  # Flux.2: diffusers' own cache raises, no reference
 def test_transformer_without_recipe_equals_diffusers_first_block_cache(family):
+    """Six calls of the transformer alone under each strategy: the outputs and the steps skipped equal
+    diffusers' First-Block Cache on the serial model's, and each call's bytes equal the closed form."""
     configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
     if family == "dit":
         configs.append(ParallelConfig(pipefusion=2, warmup_steps=STEPS))
-    skipped = []
-    for rank, (rows, largest) in enumerate(run_on_ranks(_transformer_calls, 2, family, configs, 0.05, timeout_s=300)):
+    per_rank = run_on_ranks(_transformer_calls, 2, family, configs, 0.05, timeout_s=300)
+    for rank, (rows, largest, expected_skips) in enumerate(per_rank):
+        assert any(expected_skips) and not all(expected_skips[1:]), expected_skips  # diffusers skips some, not all
         for row in rows:
-            assert row["error"] <= 1e-4 * max(1.0, largest), f"{family} {row['config']} rank {rank}: {row['error']:.3g}"
-            skipped.append(tuple(row["skips"]))
-    assert len(set(skipped)) == 1 and any(skipped[0]) and not all(skipped[0][1:]), skipped
+            where = f"{family} {row['config']} rank {rank}"
+            assert row["error"] <= 1e-4 * max(1.0, largest), f"{where}: {row['error']:.3g}"
+            assert row["skips"] == expected_skips, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
 
 
 def _perturbed(folder, config, agree):
@@ -273,8 +375,8 @@ def _perturbed(folder, config, agree):
         return decide()
 
     cache.decide = perturbed_decide
-    result = pipe(PROMPTS, seed=0, output_type="latent", **_call_kwargs("pixart"))
-    return dict(local_runs=local, skips=result.cache_skips)
+    session = pipe.session(PROMPTS, seed=0, **_call_kwargs("pixart")).run()
+    return dict(local_runs=local, skips=list(session.cache_skips), traffic=session_traffic(session))
 
 
 def test_ranks_with_different_local_measures_take_one_decision(folders):
@@ -284,6 +386,8 @@ def test_ranks_with_different_local_measures_take_one_decision(folders):
     rank_0, rank_1 = run_on_ranks(_perturbed, 2, folders["pixart"], config, True, timeout_s=120)
     assert not any(rank_0["local_runs"]) and all(rank_1["local_runs"])  # alone, they would differ
     assert rank_0["skips"] == rank_1["skips"] == [False] * STEPS
+    for rank, out in enumerate((rank_0, rank_1)):
+        assert not traffic_mismatches(out["traffic"], f"rank {rank}"), out["traffic"]
     with pytest.raises(RankFailure, match="Timed out"):
         run_on_ranks(_perturbed, 2, folders["pixart"], config, False, timeout_s=60, collective_timeout_s=5)
 
@@ -291,20 +395,23 @@ def test_ranks_with_different_local_measures_take_one_decision(folders):
 def _stale_pipefusion(folder, threshold):
     config = ParallelConfig(pipefusion=2, num_patches=2, warmup_steps=1)
     pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(threshold))
-    result = pipe(PROMPTS, seed=0, output_type="latent", **_call_kwargs("pixart"))
+    session = pipe.session(PROMPTS, seed=0, **_call_kwargs("pixart")).run()
     stage = parallel_state(pipe.diffusers_pipeline.transformer).strategy.staleness()
-    return dict(skips=result.cache_skips, written=stage["written_step"], groups=result.comm_per_step[-1])
+    return dict(skips=list(session.cache_skips), written=stage["written_step"], traffic=session_traffic(session))
 
 
 def test_pipefusion_with_stale_steps_skips_agreed_and_keeps_old_kv(folders):
     """After warmup, PipeFusion's stages skip together; a skipped step writes no K/V in the blocks
-    it skips, so the last stage's buffers record the last step that ran its blocks."""
+    it skips, so the last stage's buffers record the last step that ran its blocks. Each step's bytes
+    equal the closed form told the skips (stage 0 still hands every patch over at a skipped step)."""
     ranks = run_on_ranks(_stale_pipefusion, 2, folders["pixart"], THRESHOLDS["pixart"], timeout_s=120)
     skips = ranks[0]["skips"]
     assert skips == ranks[1]["skips"] and any(skips) and not all(skips[1:])
     last_run = max(i for i, skipped in enumerate(skips) if not skipped)
     assert all(steps == [last_run, last_run] for steps in ranks[1]["written"].values())
-    assert ranks[0]["groups"]["pipefusion"] > 0
+    for rank, out in enumerate(ranks):
+        assert not traffic_mismatches(out["traffic"], f"rank {rank}"), out["traffic"]
+    assert all(step["moved"]["pipefusion"] > 0 for step in ranks[0]["traffic"])
 
 
 def test_torchrun_cli_cache_threshold_equals_diffusers_first_block_cache(folders, tmp_path):
@@ -325,7 +432,7 @@ def test_torchrun_cli_cache_threshold_equals_diffusers_first_block_cache(folders
     assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
     assert f"StepCache({threshold}) skipped" in result["output"]
     report = json.loads((tmp_path / "report.json").read_text())
-    expected, expected_skips = _diffusers_first_block_cache(folders["pixart"], "pixart", threshold)
+    expected, expected_skips = _reference(folders["pixart"], "pixart", threshold)
     assert report["cache_skips"] == expected_skips and any(expected_skips)
     latents = torch.load(tmp_path / "latents.pt")
     assert (latents - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
@@ -356,7 +463,9 @@ def _summaries_with_cache(folder, config):
 def test_bytes_of_skipped_steps_equal_the_closed_form_and_the_view_draws_them(folders, config, tmp_path):
     """At a skipped step only the first block's attention moves bytes (plus the decision's all-reduce
     in group world): measured equals expected_bytes_per_step told the skips; the formula without the
-    cache (control) does not. draw_cache shows the same skips."""
+    cache (control) does not. What the view reports saved (cache_savings, from the measured bytes) is
+    the closed forms' difference, and draw_cache hatches the bars of the skipped steps, at the bytes
+    measured."""
     from xdit_lab.lab.acceleration_views import cache_savings, draw_cache
     from xdit_lab.traffic import expected_bytes_per_step
 
@@ -373,11 +482,23 @@ def test_bytes_of_skipped_steps_equal_the_closed_form_and_the_view_draws_them(fo
             if step:
                 assert moved.get("world") == 8  # 2 float32 all-reduced over 2 ranks: 2 · 8 · (2-1)/2
                 assert moved != expected_bytes_per_step(*args, coords=last["coords"], step=step)
-        assert cache_savings(last)["skipped"] == 2
-        # Ulysses' all-to-alls of the skipped blocks are saved; PipeFusion 2 still hands every patch over
+        # saved per skipped step: the full step's closed form less the skipped step's (which adds the
+        # decision's all-reduce); Ulysses' all-to-alls of the skipped blocks are saved, PipeFusion 2 still
+        # hands every patch over (so it saves nothing and pays the all-reduce)
+        full = sum(expected_bytes_per_step(config, last["shapes"], coords=last["coords"], step=1).values())
+        skipped = expected_bytes_per_step(
+            config, last["shapes"], coords=last["coords"], step=1, cache_skips=[False, True, True]
+        )
+        assert cache_savings(last)["bytes"] == 2 * (full - sum(skipped.values()))
         assert (cache_savings(last)["bytes"] > 0) == (config.ulysses > 1)
     fig = draw_cache([summaries[-1] for summaries in per_rank])
-    assert "skipped 2 of 3 steps" in fig._suptitle.get_text()
+    unit = max(sum(m.values()) for s in per_rank for m in s[-1]["comm"]["measured"])  # the tallest bar
+    bars = [bar for bar in fig.axes[2].patches if bar.get_height() > 0]
+    hatched = sorted(round(bar.get_x() + bar.get_width() / 2) for bar in bars if bar.get_hatch())
+    assert hatched == [2, 2, 3, 3], hatched  # steps 2 and 3 of both ranks, as skipped
+    tallest = max(bar.get_height() for bar in bars)
+    drawn = sorted(round(bar.get_height() / tallest * unit) for bar in bars)
+    assert drawn == sorted(sum(m.values()) for s in per_rank for m in s[-1]["comm"]["measured"]), drawn
     from xdit_lab.lab.views import legibility_problems
 
     assert not legibility_problems(fig), legibility_problems(fig)

@@ -19,6 +19,21 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS, NEGATIVES = ["a red cat", "a blue dog"], ["", "a photo"]
 
+# Bounds on |out - math| / max(1, max|math|) and on |lse - math lse| (natural log), from what the kernels
+# measured on an H200 (torch 2.11, CUDA 13; benchmarks/results/gpu-check-h200-2026-11-24.md): out 1.34e-6
+# in float32 (sdpa_efficient; sdpa_flash refuses float32), 2.44e-4 in float16, 1.95e-3 in bfloat16 (2.28e-3
+# for the block merge: one rounding of the merged output; 4.0e-3 for sp_attention over Ring in bfloat16,
+# two ranks sharing the H200 over gloo: each block's output rounded once more); lse 9.54e-7 in every dtype
+# (the log-sum-exp is float32 whatever the inputs). Margins over the largest figure measured: float32 7.5x,
+# float16 4x, bfloat16 2.5x (over Ring's 4.0e-3; 5x over the kernels' own 1.95e-3). The float32 bound was
+# 3e-3 ("float32 kernels may use TF32"): torch does not allow TF32 in matmuls by default, and none was
+# measured. The LSE bounds: float32 10x; in half precision 100x, because flash-attn's own kernel (make
+# setup-gpu) was never installed there, so its figures are unmeasured. The controls (an LSE in base 2 or
+# none, attention over half the keys, a rank that exchanged nothing) are run in every case and must
+# exceed the bounds. Not yet run with these values: no GPU was lent to the sessions that set them.
+OUT_BOUND = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
+LSE_BOUND = {"float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-4}
+
 
 def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
     """Largest absolute difference over max(1, largest |reference|): the suite's float32 measure."""
@@ -37,9 +52,11 @@ def relative_l2(output: torch.Tensor, reference: torch.Tensor) -> float:
 def sp_attention_on_gpu(dtype_name: str, degrees: dict, device: str | None = None):
     """sp_attention on CUDA tensors (`device`, else this rank's GPU) against SDPA on the whole tensors,
     with seq_len given and without it (the shard sizes are then all-gathered: on q's device, as NCCL
-    needs). 301 image tokens: uneven shards; 7 text tokens: joint attention."""
+    needs). 301 image tokens: uneven shards; 7 text tokens: joint attention. The control: this rank's
+    image queries attending to its own shard's keys and the text only, as a rank that exchanged nothing
+    would compute (`control`, not among `errors`): it must exceed any bound the errors are held to."""
     from xdit_lab import ParallelConfig, RankMesh
-    from xdit_lab.attention import sp_attention
+    from xdit_lab.attention import local_attention, sp_attention
     from xdit_lab.distributed import current_info
     from xdit_lab.sharding import take_shard
 
@@ -58,7 +75,9 @@ def sp_attention_on_gpu(dtype_name: str, degrees: dict, device: str | None = Non
             relative_error(out, take_shard(full[:, :, :301], 2, sp, sp_rank)),
             relative_error(joint_out, full[:, :, 301:]),
         )
-    return dict(errors=errors, device=str(out.device), dtype=str(out.dtype))
+    alone, _ = local_attention(q, torch.cat([k, text[1]], dim=2), torch.cat([v, text[2]], dim=2))
+    control = relative_error(alone, take_shard(full[:, :, :301], 2, sp, sp_rank))
+    return dict(errors=errors, control=control, device=str(out.device), dtype=str(out.dtype))
 
 
 def shared_gpu_models(family: str, config_names: list[str]):
@@ -237,11 +256,70 @@ def kill_a_rank(timeout_s: float) -> dict:
 # ---- Ring's overlap, from a profiler trace ------------------------------------------------------------------
 
 
-def ring_overlap(trace_dir: str):
-    """Ring attention over 2 GPUs (NCCL) on a sequence large enough to time, profiled: the K/V transfer
-    (an NCCL kernel) must run while the attention kernel computes on the block in hand."""
+# Kernels that follow one another on two streams may share a timestamp at the profiler's resolution
+# (CUPTI's GPU timestamps): an overlap this small is kernels in sequence, not a transfer under a kernel.
+OVERLAP_RESOLUTION_US = 1.0
+
+
+def blocking_ring_attention(q, k, v, mesh):
+    """CONTROL, deliberately wrong in its schedule (its result is exact): Ring attention over the ring
+    group that waits for each K/V block to arrive before it computes on the one in hand, so the transfer
+    never runs beside the attention kernel. On NCCL a send/recv starts on its own stream only after the
+    work already queued on the current stream (torch syncs the two when it posts), and wait() makes the
+    current stream wait for the transfer: kernels then run one after another, and the overlap measured
+    on this variant must be 0 (to the profiler's resolution, OVERLAP_RESOLUTION_US)."""
+    from xdit_lab import comm
+    from xdit_lab.attention import local_attention, merge_attention
+    from xdit_lab.mesh import RING
+
+    n, me, members = mesh.group_size(RING), mesh.group_rank(RING), mesh.group_ranks(RING)
+    kv, out, lse = torch.stack([k, v]), None, None
+    for step in range(n):
+        if step + 1 < n:
+            incoming = torch.empty_like(kv)
+            requests = comm.exchange([(kv, members[(me + 1) % n])], [(incoming, members[(me - 1) % n])], mesh, RING)
+            comm.wait(requests)  # the wrong schedule: the next block has arrived before this one is computed on
+        out, lse = merge_attention(out, lse, *local_attention(q, kv[0], kv[1]))
+        if step + 1 < n:
+            kv = incoming
+    return out.to(q.dtype)
+
+
+def _kernel_overlap(run, device) -> dict:
+    """`run()` three times under the profiler (after two warm-up calls): the microseconds in which an NCCL
+    kernel and an attention kernel ran at once on this GPU (summed over every pair), and what was counted."""
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(2):  # warm up: communicators, kernels
+        run()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    attention = [e for e in kernels if any(word in e.name.lower() for word in ("flash", "fmha", "attention"))]
+    overlap = 0.0
+    for a in attention:
+        for c in nccl:
+            overlap += max(0.0, min(a.time_range.end, c.time_range.end) - max(a.time_range.start, c.time_range.start))
+    return dict(
+        prof=prof,
+        nccl_kernels=len(nccl),
+        attention_kernels=len(attention),
+        overlap_us=overlap,
+        nccl_us=sum(c.time_range.elapsed_us() for c in nccl),
+        names=sorted({e.name[:60] for e in nccl + attention})[:6],
+    )
+
+
+def ring_overlap(trace_dir: str):
+    """Ring attention over 2 GPUs (NCCL) on a sequence large enough to time, profiled: the K/V transfer
+    (an NCCL kernel) must run while the attention kernel computes on the block in hand. The control,
+    profiled the same way: blocking_ring_attention, which waits for each block before computing, shows
+    no overlap (so the measure does not count kernels that merely follow one another); both results are
+    the same attention (checked, to the kernels' rounding)."""
     from xdit_lab import ParallelConfig, RankMesh
     from xdit_lab.attention import sp_attention
     from xdit_lab.distributed import current_info
@@ -252,26 +330,10 @@ def ring_overlap(trace_dir: str):
     g = torch.Generator().manual_seed(0)
     local = seq_len // 2
     q, k, v = (torch.randn(1, heads, local, head_dim, generator=g).to(device, torch.bfloat16) for _ in range(3))
-    for _ in range(2):  # warm up: communicators, kernels
-        sp_attention(q, k, v, mesh, seq_len=seq_len)
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            sp_attention(q, k, v, mesh, seq_len=seq_len)
-        torch.cuda.synchronize(device)
+    ours = _kernel_overlap(lambda: sp_attention(q, k, v, mesh, seq_len=seq_len), device)
+    blocking = _kernel_overlap(lambda: blocking_ring_attention(q, k, v, mesh), device)
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(Path(trace_dir) / f"ring_trace_rank{mesh.rank}.json"))
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    nccl = [e for e in kernels if "nccl" in e.name.lower()]
-    attention = [e for e in kernels if any(word in e.name.lower() for word in ("flash", "fmha", "attention"))]
-    overlap = 0.0
-    for a in attention:
-        for c in nccl:
-            overlap += max(0.0, min(a.time_range.end, c.time_range.end) - max(a.time_range.start, c.time_range.start))
-    return dict(
-        nccl_kernels=len(nccl),
-        attention_kernels=len(attention),
-        overlap_us=overlap,
-        nccl_us=sum(c.time_range.elapsed_us() for c in nccl),
-        names=sorted({e.name[:60] for e in nccl + attention})[:6],
-    )
+    ours.pop("prof").export_chrome_trace(str(Path(trace_dir) / f"ring_trace_rank{mesh.rank}.json"))
+    blocking.pop("prof")
+    same = relative_error(blocking_ring_attention(q, k, v, mesh), sp_attention(q, k, v, mesh, seq_len=seq_len))
+    return dict(ours, blocking=blocking, blocking_error=same)

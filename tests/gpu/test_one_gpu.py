@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from gpu_tier import relative_error, serial_pipeline, shared_gpu_models, sp_attention_on_gpu
+from gpu_tier import LSE_BOUND, OUT_BOUND, relative_error, serial_pipeline, shared_gpu_models, sp_attention_on_gpu
 
 from xdit_lab.attention import local_attention, merge_attention, set_attention_backend
 from xdit_lab.attention.local import BACKENDS, _flash_attn_installed, attention_backend, why_not
@@ -15,11 +15,7 @@ from xdit_lab.attention.local import BACKENDS, _flash_attn_installed, attention_
 GPUS_NEEDED = 1
 DTYPES = ["float32", "float16", "bfloat16"]
 HEAD_DIMS = [64, 72, 128]
-# Bounds on |out - math| / max|math| and on |lse - math lse| (natural log). Half-precision kernels
-# round the probabilities to their dtype before multiplying by V; float32 kernels may use TF32.
-OUT_BOUND = {"float32": 3e-3, "float16": 5e-3, "bfloat16": 3e-2}
-LSE_BOUND = {"float32": 3e-3, "float16": 2e-3, "bfloat16": 2e-3}
-BF16_PIPELINE_BOUND = 5e-2  # relative L2 of bf16 latents after 3 steps
+BF16_PIPELINE_BOUND = 5e-2  # relative L2 of bf16 latents after 3 steps (H200: 0 for all four; CPU: up to 0.020)
 
 
 def _qkv(dtype, head_dim, seq_q=333, seq_k=517, seed=0):
@@ -150,10 +146,14 @@ def test_two_processes_share_the_gpu_over_gloo_attention(dtype, degrees, figures
     from xdit_lab.testing import run_on_ranks
 
     results = run_on_ranks(sp_attention_on_gpu, 2, dtype, degrees, "cuda:0", backend="gloo", timeout_s=180)
+    bound = 1e-4 if dtype == "float32" else OUT_BOUND[dtype]
     for rank, result in enumerate(results):
-        figures(**{f"rank{rank} {k}": v for k, v in result["errors"].items()})
+        figures(
+            **{f"rank{rank} {k}": v for k, v in result["errors"].items()}, **{f"rank{rank} control": result["control"]}
+        )
         assert result["device"] == "cuda:0" and result["dtype"] == f"torch.{dtype}"
-        assert max(result["errors"].values()) <= (1e-4 if dtype == "float32" else OUT_BOUND[dtype])
+        assert max(result["errors"].values()) <= bound
+        assert result["control"] > bound  # a rank attending to its own keys only (no exchange) is caught
 
 
 @pytest.mark.parametrize("family", ["pixart", "flux"])

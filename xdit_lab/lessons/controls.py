@@ -1,12 +1,13 @@
-"""Controls: deliberately wrong variants that a measured bound must catch (stale PipeFusion's K/V buffers,
-a quantization coarser than int8).
+"""Controls: deliberately wrong variants that a measured bound must catch.
 
-A measured bound (the deviation of stale PipeFusion, or of int8 weights, from the exact run) means something
-only if a wrong variant exceeds it. These are those variants:
+A measured bound (the deviation of stale PipeFusion from the serial run, of a bfloat16 banded decode
+from the float32 one, of int8 weights from the unquantized run) means something only if a wrong variant
+exceeds it. These are those variants:
 
     with wrong_stale_kv("zeros"): ...            zeros where the stale K/V should be
     with wrong_stale_kv("read before write"): ... a patch attends to its own K/V of the step before
     generate_with_control(config, n, kind)        (rank) the digits, optionally under one of them
+    with band_statistics_in_activation_dtype(): ... the VAE band's GroupNorm sums in bfloat16 (the old bug)
     coarser_quantization(bits=4, group_size=32)   int4 weights: what a bound on int8 weight-only must catch
 """
 
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
+from .. import comm, vae
 from ..attention.stale import StaleKV
 
 
@@ -97,3 +101,37 @@ def coarser_quantization(bits: int = 4, group_size: int | None = 32):
     return PipelineQuantizationConfig(
         quant_mapping={"transformer": TorchAoConfig(config), "text_encoder": transformers.TorchAoConfig(config)}
     )
+
+
+class ActivationDtypeStatisticsBands(vae.Bands):
+    """CONTROL, deliberately wrong: the band's GroupNorm as it was before it summed in float32 (commit
+    7bee749): the sums, the element count and the squares in the activations' dtype. In bfloat16 they
+    round (a count of 8,448 is not a bfloat16 number), and the banded decode drifts from the whole one."""
+
+    def group_norm(self, x, num_groups, weight=None, bias=None, eps=1e-5):
+        grouped = x.reshape(x.shape[0], num_groups, -1)
+        stats = torch.stack([grouped.sum(-1), torch.full_like(grouped[..., 0], grouped.shape[-1])])
+        comm.all_reduce(stats, self.mesh, self.group, tag="vae_norm")
+        mean = (stats[0] / stats[1]).unsqueeze(-1)
+        squares = ((grouped - mean) ** 2).sum(-1)
+        comm.all_reduce(squares, self.mesh, self.group, tag="vae_norm")
+        out = ((grouped - mean) / torch.sqrt(squares / stats[1] + eps).unsqueeze(-1)).reshape(x.shape)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        if weight is not None:
+            out = out * weight.reshape(shape)
+        if bias is not None:
+            out = out + bias.reshape(shape)
+        return out
+
+
+@contextlib.contextmanager
+def band_statistics_in_activation_dtype():
+    """Inside, every banded VAE decode of this process normalises with ActivationDtypeStatisticsBands (its
+    statistics summed in the activations' dtype): the control a bound on a bfloat16 banded decode must
+    catch. Restored on the way out."""
+    before = vae.Bands
+    vae.Bands = ActivationDtypeStatisticsBands
+    try:
+        yield
+    finally:
+        vae.Bands = before

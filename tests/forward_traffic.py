@@ -1,0 +1,84 @@
+"""The closed-form traffic of parallel transformer forwards that tests call outside a DenoiseSession.
+
+A session's rank summary carries the `shapes` that xdit_lab.traffic.expected_bytes_per_step needs
+(xdit_lab/lab/summaries.py reads them from the session). A test that calls a parallelized transformer
+directly, one call per diffusion step, has no session: `forward_shapes` reads the same sizes from the
+model this rank holds and the call's inputs, and `traffic_rows` puts each call's measured bytes (comm_log)
+beside the closed form, so the test can assert that they are equal, group by group, step by step.
+
+Not a test module (pytest collects test_*.py only); the test modules import it, and so do their ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from xdit_lab.models import parallel_state
+from xdit_lab.traffic import expected_bytes_per_step
+
+
+def forward_shapes(model, inputs: dict) -> dict:
+    """The sizes the closed forms need, for one call of the parallelized `model` on `inputs` (read after
+    the call: the text length is the last forward's). As rank_summary's `shapes`."""
+    state = parallel_state(model)
+    adapter = state.adapter
+    arguments = inspect.signature(type(model).forward).bind(model, **inputs).arguments
+    rows, cols = adapter.latents.token_grid(inputs["hidden_states"], model.config, arguments)
+    named_kinds = [(name, adapter.attention_kind(name)) for name, _ in model.named_modules()]
+    kinds = [kind for _, kind in named_kinds]
+    # the first block's attention layers: what a StepCache runs at a skipped step (on the first stage)
+    first = (
+        [k for n, k in named_kinds if n.startswith(f"{adapter.block_lists[0]}.0.")] if state.mesh.is_first_stage else []
+    )
+    return dict(
+        batch=inputs["hidden_states"].shape[0],  # the model's batch: both CFG branches when cfg splits them
+        rows=rows,
+        cols=cols,
+        heads=model.config.num_attention_heads,
+        head_dim=model.config.attention_head_dim,
+        self_layers=kinds.count("self"),
+        joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
+        first_block_self_layers=first.count("self"),
+        first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
+        text_len=state.text_len,
+        handed_text=state.strategy.hands_text,
+        proj_width=model.get_submodule(adapter.gather_at).out_features,
+        dtype_bytes=next(model.parameters()).element_size(),
+    )
+
+
+def moved(log) -> dict[str, int]:
+    """Bytes out of this rank per group in a comm_log, groups that moved nothing left out."""
+    return {group: n for group, n in log.bytes_by_group().items() if n}
+
+
+def traffic_row(model, inputs: dict, log, step: int) -> dict:
+    """One call's measured bytes beside expected_bytes_per_step for this rank at `step` (told the steps a
+    StepCache skipped, where the model has one)."""
+    state = parallel_state(model)
+    skips = list(state.cache.skips) if state.cache is not None else None
+    expected = expected_bytes_per_step(
+        state.mesh.config, forward_shapes(model, inputs), coords=dict(state.mesh.coords), step=step, cache_skips=skips
+    )
+    return dict(moved=moved(log), expected=expected)
+
+
+def traffic_mismatches(rows, where: str = "") -> list[str]:
+    """Every row whose measured bytes differ from the closed form (rows of traffic_row, or dicts with
+    `moved` and `expected`), said step by step; empty when all are equal."""
+    return [
+        f"{where} step {step}: measured {row['moved']}, closed form {row['expected']}"
+        for step, row in enumerate(rows)
+        if row["moved"] != row["expected"]
+    ]
+
+
+def session_traffic(session) -> list[dict]:
+    """A session's steps: measured bytes per group beside the closed form (its rank summary's)."""
+    from xdit_lab.lab.summaries import rank_summary
+
+    comm = rank_summary(session)["comm"]
+    return [
+        dict(moved={g: n for g, n in measured.items() if n}, expected=expected)
+        for measured, expected in zip(comm["measured"], comm["expected"])
+    ]

@@ -97,37 +97,39 @@ def ulysses_exchange(state, config, tokens: int = 8, heads: int = 4) -> dict | N
 
 @contextlib.contextmanager
 def _traced_ring(record, zero_lse: bool):
-    """Wrap the local kernel and the merge that ring.py calls, to see each ring step (restored after)."""
+    """Wrap the local kernel that ring.py calls, to see each ring step (restored after): the K/V block it
+    attended, and the blocks seen so far merged (merge_stacked, as ring.py merges all of them once after the
+    last): the output the ring would give had it stopped there."""
     from ..attention import ring as ring_module
+    from ..attention.local import merge_stacked
 
-    kernel, merge = ring_module.local_attention, ring_module.merge_attention
+    kernel = ring_module.local_attention
+    parts = []
 
     def traced_kernel(q, k, v, *, scale=None, key_mask=None):
         out, lse = kernel(q, k, v, scale=scale, key_mask=key_mask)
+        lse = lse * 0 if zero_lse else lse  # a zero LSE, as some CPU fallbacks return
+        parts.append((out, lse))
         record("block", k)
-        return out, (lse * 0 if zero_lse else lse)  # a zero LSE, as some CPU fallbacks return
-
-    def traced_merge(*args):
-        out, lse = merge(*args)
-        record("merged", out)
+        record("merged", merge_stacked(parts))
         return out, lse
 
-    ring_module.local_attention, ring_module.merge_attention = traced_kernel, traced_merge
+    ring_module.local_attention = traced_kernel
     try:
         yield
     finally:
-        ring_module.local_attention, ring_module.merge_attention = kernel, merge
+        ring_module.local_attention = kernel
 
 
 def ring_passes(
     state, config, tokens: int = 16, heads: int = 2, head_dim: int = 8, seed: int = 0, zero_lse: bool = False
 ) -> dict | None:
     """sp_attention over random q, k, v [1, heads, tokens, head_dim] (the same seed on every rank;
-    each rank keeps its own shard), with ring.py's kernel and merge traced.
+    each rank keeps its own shard), with ring.py's kernel traced.
 
     Returns per ring step the K/V block this rank held (identified by comparing the received
-    keys with every block of the whole K) and the relative error of the running output against
-    full attention after each merge; the final output's error; bytes out per group. zero_lse=True
+    keys with every block of the whole K) and the relative error against full attention of the
+    blocks seen so far, merged; the final output's error; bytes out per group. zero_lse=True
     replaces every block's LSE by 0, as a kernel that cannot return it would."""
     import torch
 

@@ -95,15 +95,15 @@ class PhaseTimings:
 
     @property
     def encode(self) -> float:
-        return sum(self._seconds("encode"))
+        return sum(self._seconds("encode"), 0.0)
 
     @property
     def prepare(self) -> float:
-        return sum(self._seconds("prepare"))
+        return sum(self._seconds("prepare"), 0.0)
 
     @property
     def decode(self) -> float:
-        return sum(self._seconds("decode"))
+        return sum(self._seconds("decode"), 0.0)
 
     def as_dict(self) -> dict:
         steps = self.steps

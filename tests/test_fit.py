@@ -43,7 +43,9 @@ VARIANTS = {
     "wan": ("wan", {}, {}),
     "hunyuanvideo": ("hunyuanvideo", {}, {}),
     "qwenimage": ("qwenimage", {}, {}),
-    "qwenimage-8-tokens": ("qwenimage", {}, {"max_sequence_length": 8}),
+    # the prompts are 31 tokens in Qwen's template: max_sequence_length at their length plans them exactly (a
+    # shorter one is refused by name: the pipeline would cut the prompts, tests/test_bad_input.py)
+    "qwenimage-31-tokens": ("qwenimage", {}, {"max_sequence_length": 31}),
 }
 SIZE_KEYS = ("height", "width", "num_frames")
 
@@ -116,7 +118,7 @@ def test_closed_forms_equal_what_the_encode_holds(tiny_folders):
             assert row.latents == latents, where
             if name == "qwenimage":  # the text is as long as the prompt: an upper bound, said so
                 assert row.bounds and conditioning < row.conditioning, where
-            else:  # Qwen-Image cut to 8 tokens, shorter than the prompts: exact too
+            else:  # Qwen-Image with max_sequence_length at the prompts' length: exact too
                 assert row.conditioning == conditioning, where
 
 

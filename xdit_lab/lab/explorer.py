@@ -59,7 +59,9 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
         hidden_size=config["num_attention_heads"] * head_dim if isinstance(head_dim, int) else None,
         rows=height // multiple,
         cols=width // multiple,
-        use_cfg=pipe.recipe.do_cfg(pipe.request("a prompt", **session_kwargs)),
+        # whether a call has two branches depends on its options, not its text: an empty prompt (one token)
+        # stands in, so that no token budget (max_sequence_length) can refuse it
+        use_cfg=pipe.recipe.do_cfg(pipe.request("", **session_kwargs)),
         cfg_needs=pipe.recipe.cfg_needs,
         num_inference_steps=defaults["num_inference_steps"],
     )

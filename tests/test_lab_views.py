@@ -79,7 +79,11 @@ def test_shards_tile_the_token_grid_once_per_group(runs, name):
     for s in summaries:  # ranks that share one image's rows (and, under PipeFusion, one stage)
         c = s["coords"]
         groups.setdefault((c["dp"], c["cfg"], c["pipefusion"]), []).append(s)
-        assert s["shard"]["source"] in ("SequenceShards.shard_range", "PatchLayout")  # recorded by the run
+        config = CASES[name][0]
+        if config.sp_degree == 1 and config.pipefusion == 1:  # no hook runs: every token on every rank
+            assert s["shard"]["source"] == "whole (no sequence parallelism)"
+        else:
+            assert s["shard"]["source"] in ("SequenceShards.shard_range", "PatchLayout")  # recorded by the run
     config = CASES[name][0]
     assert len(groups) == config.dp * config.cfg * config.pipefusion
     for group in groups.values():

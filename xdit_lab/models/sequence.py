@@ -96,13 +96,13 @@ class SequenceShards:
         sp, sp_rank = self.mesh.group_size(SP), self.mesh.group_rank(SP)
         recorded = self.shard_range is not None and self.state.image_len == rows * cols
         start, stop = self.shard_range if recorded else shard_range(rows * cols, sp, sp_rank)
-        return dict(
-            sp_size=sp,
-            sp_rank=sp_rank,
-            tokens=[[start, stop]],
-            pipefusion=None,
-            source="SequenceShards.shard_range" if recorded else "computed (no forward yet)",
-        )
+        if recorded:
+            source = "SequenceShards.shard_range"
+        elif sp == 1:  # no hook runs without sequence parallelism: every rank holds every token
+            source = "whole (no sequence parallelism)"
+        else:
+            source = "computed (no forward yet)"
+        return dict(sp_size=sp, sp_rank=sp_rank, tokens=[[start, stop]], pipefusion=None, source=source)
 
     def staleness(self):
         return None

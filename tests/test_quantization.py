@@ -84,9 +84,9 @@ def _quantized_runs(cases):
     return rows
 
 
-def _reference(folder, family, scheme, steps=STEPS, cache_threshold=None):
+def _diffusers_quantized(folder, scheme):
     """diffusers' pipeline with diffusers' TorchAoConfig on the transformer and transformers' on every text
-    encoder, in float32 (diffusers' torchao backend defaults the transformer to bfloat16), serially."""
+    encoder, in float32 (diffusers' torchao backend defaults the transformer to bfloat16)."""
     import json
 
     import diffusers
@@ -105,6 +105,12 @@ def _reference(folder, family, scheme, steps=STEPS, cache_threshold=None):
         folder, quantization_config=PipelineQuantizationConfig(quant_mapping=mapping), dtype=torch.float32
     )
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _reference(folder, family, scheme, steps=STEPS, cache_threshold=None):
+    """_diffusers_quantized's latents for PROMPTS, serially (with diffusers' First-Block Cache when given)."""
+    pipe = _diffusers_quantized(folder, scheme)
     if cache_threshold is not None:
         from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 
@@ -298,6 +304,31 @@ def test_xdit_lab_run_quantize_under_torchrun_equals_diffusers_quantized(folders
     whole = _whole(folder, "transformer")
     for rank in report["ranks"]:
         assert rank["memory"]["parameter_bytes"]["transformer"] < 0.5 * whole, rank["memory"]
+
+
+def test_lab_load_quantized_holds_the_plan_and_equals_diffusers_quantized(tmp_path, monkeypatch):
+    """`lab.load("digits", ParallelConfig(ulysses=2), quantization="int8")` as tutorial 14's cells call the Lab:
+    each engine holds what the plan counted (fitting.held_and_planned, torchao's tensors by their inner data),
+    under half the float32 transformer; a session's latents equal diffusers' quantized pipeline run serially."""
+    from xdit_lab.digits import DIGITS_DIR, call_kwargs, prompt_for
+    from xdit_lab.lab import Lab
+    from xdit_lab.lessons import fitting
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # cluster files in a fresh IPython directory
+    prompts = [prompt_for(3), prompt_for(8)]
+    with Lab(n=2, timeout_s=120) as lab:
+        lab.load("digits", ParallelConfig(ulysses=2), quantization="int8", progress=False)
+        held = lab.call(fitting.held_and_planned)
+        session = lab.session(prompts, seed=0, num_inference_steps=2).run()
+        latents = session.result(output_type="latent").images
+    whole = _whole(DIGITS_DIR, "transformer")
+    for rank, h in held.items():
+        assert h["held"] == h["planned"], (rank, h["held"], h["planned"])
+        assert h["held"]["transformer"] < 0.5 * whole, (rank, h["held"]["transformer"], whole)
+    reference = _diffusers_quantized(DIGITS_DIR, "int8")(
+        prompts, generator=torch.Generator().manual_seed(0), output_type="latent", **call_kwargs(num_inference_steps=2)
+    ).images
+    assert ((latents - reference).abs().max() / reference.abs().max()).item() < 1e-4
 
 
 def test_xdit_lab_plan_quantize_counts_int8_bytes_of_a_real_model(tmp_path, capsys):

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..lab.table import text_table
+from ..quantization import stored_bytes
 
 GB = 10**9
 GIB = 2**30
@@ -196,10 +197,6 @@ def _pipe(state):
     return pipe
 
 
-def _local(p) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
-
-
 def _modules(pipe) -> dict:
     return {name: m for name, m in pipe.diffusers_pipeline.components.items() if isinstance(m, torch.nn.Module)}
 
@@ -218,7 +215,7 @@ def shard_sizes(state: dict, names: dict[str, list[str]] | None = None) -> dict:
         params = list(module.parameters())
         out["components"][name] = dict(
             whole=sum(p.numel() * p.element_size() for p in params),  # a DTensor's numel is the whole one's
-            held=sum(_local(p).numel() * _local(p).element_size() for p in params),
+            held=sum(stored_bytes(p) for p in params),
             sharded=sum(hasattr(p, "to_local") for p in params),
             parameters=len(params),
         )
@@ -313,16 +310,16 @@ def _group_of(module):
 
 
 def held_and_planned(state: dict) -> dict:
-    """(engine) Per component: the bytes this rank holds (its parameter shards and persistent buffers,
-    counted tensor by tensor) and the load's plan for it (pipe.memory_plan.per_rank_bytes); the plan's
+    """(engine) Per component: the bytes this rank holds (its parameter shards, quantized weights by their
+    data and scales, and persistent buffers, counted tensor by tensor) and the load's plan for it (pipe.memory_plan.per_rank_bytes); the plan's
     gather buffer term (the whole blocks and root a sharded forward holds at once) and its table."""
     pipe = _pipe(state)
     plan = pipe.memory_plan
     held = {}
     for name, module in _modules(pipe).items():
         saved = set(module.state_dict())
-        tensors = [_local(p) for p in module.parameters()] + [b for n, b in module.named_buffers() if n in saved]
-        held[name] = sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [*module.parameters(), *(b for n, b in module.named_buffers() if n in saved)]
+        held[name] = sum(stored_bytes(t) for t in tensors)  # a shard's local rows, int8 data and its scales
     planned = {name: plan.per_rank_bytes[name] for name in held}
     gathers = plan.activation_bytes.get("weight gathers", (0, 0))[1]
     return dict(rank=state["rank"], held=held, planned=planned, gather_buffer=gathers, plan=plan.table())

@@ -15,7 +15,7 @@ TORCH_INDEX ?=
 # The notebooks' kernel ("xdit-lab" in their metadata), installed into .venv so nbval finds it there.
 KERNEL := $(VENV)/share/jupyter/kernels/xdit-lab/kernel.json
 
-.PHONY: setup demo test browser-test notebooks format clean
+.PHONY: setup demo test pytest nbval browser-test notebooks format clean
 .PHONY: setup-gpu gpu-check gpu-wheels
 
 setup: $(STAMP) $(KERNEL)
@@ -35,17 +35,28 @@ $(KERNEL): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/xdit-lab demo
 
-# The whole test suite: pytest, then every tutorial and notebook re-run by nbval, its outputs
+# The whole test suite: pytest, and every tutorial and notebook re-run by nbval, its outputs
 # compared with the committed ones (after tutorials/nbval_sanitize.cfg's rewrites).
 NOTEBOOKS := tutorials notebooks
 # The suite runs the CPU path (gloo ranks, CPU engines), also on a GPU host: GPUs hidden from it.
 # tests/gpu is collected and skipped there; `make gpu-check` runs it.
+# pytest and nbval run side by side: each leaves about a quarter of the two CI cores idle (spawns, engine
+# start-ups, timeouts waited out), which the other fills. Each one's output is printed whole when it ends
+# (--output-sync), and either failing fails `make test`. `make pytest` or `make nbval` runs one alone.
 test: export CUDA_VISIBLE_DEVICES :=
 test: $(STAMP) $(KERNEL)
 	$(BIN)/ruff check xdit_lab tests benchmarks
 	$(BIN)/ruff format --check xdit_lab tests benchmarks
+	@echo "pytest (tests/) and nbval ($(NOTEBOOKS)) run side by side; each prints its report when it ends"
+	$(MAKE) --no-print-directory -j2 --output-sync=target pytest nbval
+
+pytest: export CUDA_VISIBLE_DEVICES :=
+pytest: $(STAMP) $(KERNEL)
 	$(BIN)/python -m pytest -q --durations=60 tests
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg $(NOTEBOOKS)
+
+nbval: export CUDA_VISIBLE_DEVICES :=
+nbval: $(STAMP) $(KERNEL)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg $(NOTEBOOKS)
 
 # The explorer in a real browser: JupyterLab served on 127.0.0.1, notebooks/explorer.ipynb run
 # with Run All Cells, its buttons clicked (tests/browser/). Playwright drives Debian's chromium,

@@ -1,5 +1,5 @@
 """torch.compile takes the parallel forward whole: one graph, no breaks, for every family under
-ulysses and ring (dynamo's explain, or compiled with inductor for one family per way of holding text and
+ulysses and ring (dynamo's explain, or compiled for one family per way of holding text and
 positions), for usp, cfg and dp; compiled outputs equal eager ones, the bytes recorded are the same, and
 steps do not recompile. PipeFusion and a StepCache are refused by name."""
 
@@ -39,15 +39,18 @@ def _graphs(cases):
     return rows
 
 
-# one family per way of holding text and positions, compiled with inductor beside eager in
+# one family per way of holding text and positions, compiled beside eager in
 # test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile, which also asserts one graph
-# (dynamo's unique graphs) and no recompiles over three calls: the explain sweep below leaves these out
+# (dynamo's unique graphs) and no recompiles over three calls: the explain sweep below leaves these out.
+# Two are compiled as a user's compile=True does (inductor, whose kernels a cold cache builds in about a
+# minute per family on the CI's two cores), one under each sp strategy; the other three with the backend
+# "aot_eager": the same dynamo graph and the same functionalized collectives, run by eager kernels (#38).
 COMPILED = [
-    ("sd3", ParallelConfig(ulysses=2)),  # text after the image
-    ("flux2", ParallelConfig(ring=2)),  # text first, image ids sharded before the forward
-    ("qwenimage", ParallelConfig(ring=2)),  # padded text: a key mask handed to the attention operator
-    ("cogvideox", ParallelConfig(ring=2)),  # text and image embedded in one tensor
-    ("wan", ParallelConfig(ulysses=2)),  # a grid sharded at the embedding, rotary tables hooked
+    ("sd3", ParallelConfig(ulysses=2), True),  # text after the image
+    ("flux2", ParallelConfig(ring=2), True),  # text first, image ids sharded before the forward
+    ("qwenimage", ParallelConfig(ring=2), "aot_eager"),  # padded text: a key mask handed to the attention operator
+    ("cogvideox", ParallelConfig(ring=2), "aot_eager"),  # text and image embedded in one tensor
+    ("wan", ParallelConfig(ulysses=2), "aot_eager"),  # a grid sharded at the embedding, rotary tables hooked
 ]
 TRACED = {
     # the attention operator and the shard, rotary and gather hooks, every family's own places (those
@@ -57,7 +60,7 @@ TRACED = {
         (config, family)
         for config in (ParallelConfig(ulysses=2), ParallelConfig(ring=2))
         for family in FAMILIES
-        if (family, config) not in COMPILED
+        if (family, config) not in [(f, c) for f, c, _ in COMPILED]
     ]
     + [(ParallelConfig(cfg=2), "pixart"), (ParallelConfig(dp=2), "pixart")],
     # USP: the attention is one operator whatever runs inside it, so one family per way of holding
@@ -92,10 +95,10 @@ def _compiled_against_eager(cases):
     against eager must exceed the bound."""
     rows = []
     meshes = {}
-    for family, config in cases:
+    for family, config, compile in cases:
         mesh = meshes.setdefault(config, RankMesh(config))
         eager = parallelize(_model(family), config, mesh)
-        compiled = parallelize(_model(family), config, mesh, compile=True)
+        compiled = parallelize(_model(family), config, mesh, compile=compile)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         errors, same_records, control_errors, previous = [], [], [], None
@@ -117,6 +120,7 @@ def _compiled_against_eager(cases):
             dict(
                 family=family,
                 config=config.short(),
+                compile=compile,
                 error=max(errors),
                 control_error=min(control_errors),
                 same_records=same_records,
@@ -148,3 +152,8 @@ def test_pipefusion_and_step_cache_are_refused_before_loading():
     assert type(refused.value).__name__ == "ParallelConfigError"
     with pytest.raises(Exception, match="compile=True does not take a StepCache"):
         load_pipeline("digits", ParallelConfig(), cache=StepCache(0.1), compile=True)
+
+
+def test_an_unknown_backend_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"compile='inductr': give True .*inductor.*aot_eager"):
+        parallelize(_model("pixart"), ParallelConfig(), compile="inductr")

@@ -203,7 +203,7 @@ def load_pipeline(
     memory_limit_bytes: int | None = None,
     progress: bool = True,
     cache: StepCache | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
     quantization=None,

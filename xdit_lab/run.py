@@ -99,7 +99,7 @@ def run_generation(
     timeout_s: float = 600,
     options: dict | None = None,
     cache_threshold: float | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
     quantization: str | None = None,

@@ -32,7 +32,7 @@ def parallelize(
     mesh: RankMesh | None = None,
     *,
     cache: StepCache | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
     shard_weights: bool = False,
 ):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
@@ -42,13 +42,16 @@ def parallelize(
     (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over.
     `compile=True` compiles the parallel forward with torch.compile, whole: one graph, in which each
     attention's parallel kernel and each gather is one operator that runs (and is recorded) as in
-    eager. A compiled model runs under torch.no_grad (inference only).
+    eager. A compiled model runs under torch.no_grad (inference only). A string names torch.compile's
+    backend instead of its default (inductor): "aot_eager" traces the same graph without generating kernels,
+    for checking graph breaks and recompiles in seconds rather than minutes.
     `shard_weights=True` shards the blocks, then the rest, over the ranks that hold the same weights
     with torch's FSDP2 (sharded_weights.py): each rank keeps 1/N of them, and each block is gathered
     just before it runs; `parallel_state(t).weights` says what was sharded (nothing on a group of one).
     With compile=True too, FSDP2's gathers run eagerly between compiled pieces (torch marks its hooks
     as not traceable): exact and recorded alike, but in several graphs (a break at every block) rather than one."""
     check_diffusers_version()
+    backend = _compile_backend(compile) if compile else None
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
         raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
@@ -103,7 +106,7 @@ def parallelize(
     if shard_weights:  # after the hooks: FSDP2 gathers before them and frees after them
         state.weights = shard_transformer(transformer, state)
     if compile:
-        transformer.forward = _compiled(transformer.forward)
+        transformer.forward = _compiled(transformer.forward, backend)
     return transformer
 
 
@@ -124,10 +127,23 @@ def compile_problems(config, cache=None) -> list[str]:
     return found
 
 
-def _compiled(forward):
+def _compile_backend(compile: bool | str) -> str:
+    """torch.compile's backend that `compile` asks for: its default for True, else the one named."""
+    if compile is True:
+        return "inductor"
+    if not isinstance(compile, str) or compile not in torch._dynamo.list_backends(exclude_tags=()):
+        shown = [*torch._dynamo.list_backends(), "aot_eager", "eager"]  # the debug ones a user may want too
+        raise ValueError(
+            f"compile={compile!r}: give True (torch.compile's default backend, inductor) or the name of one of "
+            f"torch.compile's backends: {', '.join(shown)}"
+        )
+    return compile
+
+
+def _compiled(forward, backend: str):
     """torch.compile of the whole parallel forward, called without autograd (the parallel operators
     have no backward)."""
-    compiled = torch.compile(forward)
+    compiled = torch.compile(forward, backend=backend)
 
     @functools.wraps(forward)
     def compiled_forward(*args, **kwargs):

@@ -47,20 +47,27 @@ FLUX_1_DEV = dict(  # REAL-MODELS.md, "Constructor kwargs"
 )
 
 
-def flux_on_meta(config: dict, image_tokens: int, text_tokens: int):
-    """FLUX.1-dev's transformer and one sample's inputs, on `meta`, bf16."""
+def flux_1_dev(config: dict, image_tokens: int, text_tokens: int, device="meta"):
+    """FLUX.1-dev's transformer (random weights) and one sample's inputs (random states), bf16, on `device`:
+    `meta` holds nothing (for counting), a GPU holds the real 24 GB."""
     from diffusers import FluxTransformer2DModel
 
     side = int(image_tokens**0.5)
     if side * side != image_tokens:
         raise SystemExit(f"--image-tokens {image_tokens} is not a square number (e.g. 4096: 1024 x 1024 pixels)")
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(**config).to(torch.bfloat16).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: a float32 FLUX.1-dev (48 GB) would not fit beside it
+    try:
+        with torch.device(device):
+            model = FluxTransformer2DModel(**config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.device(device):
         grid = torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij")
         inputs = dict(
-            hidden_states=torch.empty(1, image_tokens, config["in_channels"], dtype=torch.bfloat16),
-            encoder_hidden_states=torch.empty(1, text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16),
-            pooled_projections=torch.empty(1, config["pooled_projection_dim"], dtype=torch.bfloat16),
+            hidden_states=torch.randn(1, image_tokens, config["in_channels"], dtype=torch.bfloat16),
+            encoder_hidden_states=torch.randn(1, text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16),
+            pooled_projections=torch.randn(1, config["pooled_projection_dim"], dtype=torch.bfloat16),
             timestep=torch.tensor([0.5]),
             guidance=torch.tensor([3.5]),
             img_ids=torch.stack(grid, -1).reshape(image_tokens, 3),
@@ -120,7 +127,7 @@ def measure_world(world: int, image_tokens: int, text_tokens: int, config: dict)
     warnings.filterwarnings("ignore")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        model, inputs = flux_on_meta(config, image_tokens, text_tokens)
+        model, inputs = flux_1_dev(config, image_tokens, text_tokens)
         peer = copy.deepcopy(model)
         with _one_device_per_rank():
             peer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))

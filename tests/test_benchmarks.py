@@ -132,6 +132,29 @@ def test_host_overhead_benchmark_on_a_tiny_size(tmp_path):
     assert "| 2 | ring / ulysses |" in done.stdout
 
 
+def test_host_overhead_gpu_busy_time_is_the_union_of_each_forwards_kernels():
+    """host_overhead.py's GPU figure (--device cuda), from profiler intervals: each forward's kernels, cut at
+    the forwards' starts, counted once where they overlap (kernels on two streams), against the same union
+    counted microsecond by microsecond. The control: summing the intervals counts overlaps twice."""
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
+    host_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_overhead)
+    rng = random.Random(0)
+    starts = [0, 1000, 2000]
+    kernels = sorted(
+        (start + a, start + a + rng.randint(1, 80)) for start in starts for a in rng.sample(range(5, 900), 40)
+    )
+    busy = host_overhead.union_per_call(kernels, starts)
+    for start, ms in zip(starts, busy):
+        mine = [k for k in kernels if start <= k[0] < start + 1000]
+        covered = len({us for s, e in mine for us in range(s, e)})
+        assert math.isclose(ms * 1e3, covered), (start, ms, covered)
+        assert sum(e - s for s, e in mine) > covered  # the control: overlapping kernels exist and would count twice
+
+
 def test_linear_rows_benchmark_on_a_tiny_size(tmp_path):
     """benchmarks/linear_rows.py with FLUX.1-dev's width on `meta`, 1 + 1 blocks, 64 image and 24 text
     tokens, ulysses 2: our rows and FLOPs through the blocks' linear layers per rank at most diffusers'

@@ -42,7 +42,7 @@ def _sharded_digits(steps):
     state = {"rank": dist.get_rank()}
     state["pipe"] = load_pipeline("digits", ParallelConfig(ulysses=4), progress=False, shard_weights=True)
     names = {"transformer": ["transformer_blocks.0.scale_shift_table", "pos_embed.proj.weight"]}
-    sizes = fitting.shard_sizes(state, names)
+    sizes = fitting.held_shares(state, names)
     state["session"] = state["pipe"].session(["a handwritten 3", "a handwritten 7"], seed=0, num_inference_steps=steps)
     state["session"].step()
     gathers = fitting.step_gathers(state)

@@ -90,14 +90,14 @@ def generate_parallel(config, per_digit: int = 10, cache=None, quantization=None
     bytes the transformer's weights hold on this rank."""
     import torch
 
+    from ..models.sharded_weights import local_parameter_bytes
     from ..pipeline import load_pipeline
-    from ..quantization import stored_bytes
 
     digits = [d for d in range(10) for _ in range(per_digit)]
     generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per_digit)]
 
     pipe = load_pipeline("digits", config, progress=False, cache=cache, quantization=quantization)
-    weights = sum(stored_bytes(p) for p in pipe.diffusers_pipeline.transformer.parameters())
+    weights = local_parameter_bytes(pipe.diffusers_pipeline.transformer)
     t0 = time.perf_counter()
     session = pipe.session([prompt_for(d) for d in digits], generator=generators)  # the folder's defaults
     session.run()

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ..models.sharded_weights import gather_buffer_bytes
+from ..models.sharded_weights import gather_buffer_bytes, local_parameter_bytes, whole_parameter_bytes
 from ..pipeline import ON_HOST
-from ..quantization import quantized_form, stored_bytes
+from ..quantization import quantized_form
 
 
 def _is_sharded(p) -> bool:
@@ -68,8 +68,7 @@ def holding(component) -> dict:
     quantized weights are stored in (load_pipeline(quantization=...): torchao's, by their inner tensors)."""
     params = list(component.parameters())
     buffers = persistent_buffers(component)
-    local = sum(stored_bytes(p) for p in params)
-    whole = sum(p.numel() * p.element_size() if _is_sharded(p) else stored_bytes(p) for p in params)
+    local, whole = local_parameter_bytes(component), whole_parameter_bytes(component)
     buffered = sum(b.nbytes for b in buffers)
     sharded = [p for p in params if _is_sharded(p)]
     mesh = sharded[0].device_mesh if sharded else None

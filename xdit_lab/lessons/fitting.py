@@ -14,7 +14,7 @@ In the notebook's own process (no engine):
 
 On the engines (`lab.call(fn, ...)`: the Lab's state dict first, small dicts back):
 
-    shard_sizes(state, names)              per component the bytes this rank holds and the whole's; the
+    held_shares(state, names)              per component the bytes this rank holds and the whole's; the
                                            rows this rank holds of the parameters `names`
     step_gathers(state)                    the next step of the Lab's session, recorded: every "weights"
                                            gather, the FSDP2 units it gathers, what is whole while each
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
+from ..lab.held import component_holdings
 from ..lab.table import text_table
-from ..quantization import stored_bytes
+from ..models.sharded_weights import local_parameter_bytes, whole_parameter_bytes
 
 GB = 10**9
 GIB = 2**30
@@ -201,7 +202,7 @@ def _modules(pipe) -> dict:
     return {name: m for name, m in pipe.diffusers_pipeline.components.items() if isinstance(m, torch.nn.Module)}
 
 
-def shard_sizes(state: dict, names: dict[str, list[str]] | None = None) -> dict:
+def held_shares(state: dict, names: dict[str, list[str]] | None = None) -> dict:
     """(engine) Per component: the bytes of its parameters whole and the bytes this rank holds of them
     (a sharded parameter, a DTensor, counts its local shard), how many are sharded; and for each
     component in `names` the rows this rank holds of those parameters ([first, stop) of dim 0)."""
@@ -214,8 +215,8 @@ def shard_sizes(state: dict, names: dict[str, list[str]] | None = None) -> dict:
     for name, module in _modules(pipe).items():
         params = list(module.parameters())
         out["components"][name] = dict(
-            whole=sum(p.numel() * p.element_size() for p in params),  # a DTensor's numel is the whole one's
-            held=sum(stored_bytes(p) for p in params),
+            whole=whole_parameter_bytes(module),
+            held=local_parameter_bytes(module),
             sharded=sum(hasattr(p, "to_local") for p in params),
             parameters=len(params),
         )
@@ -315,11 +316,7 @@ def held_and_planned(state: dict) -> dict:
     gather buffer term (the whole blocks and root a sharded forward holds at once) and its table."""
     pipe = _pipe(state)
     plan = pipe.memory_plan
-    held = {}
-    for name, module in _modules(pipe).items():
-        saved = set(module.state_dict())
-        tensors = [*module.parameters(), *(b for n, b in module.named_buffers() if n in saved)]
-        held[name] = sum(stored_bytes(t) for t in tensors)  # a shard's local rows, int8 data and its scales
+    held = {name: holding["held_bytes"] for name, holding in component_holdings(pipe).items()}
     planned = {name: plan.per_rank_bytes[name] for name in held}
     gathers = plan.activation_bytes.get("weight gathers", (0, 0))[1]
     return dict(rank=state["rank"], held=held, planned=planned, gather_buffer=gathers, plan=plan.table())

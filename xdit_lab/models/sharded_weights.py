@@ -267,3 +267,10 @@ def local_parameter_bytes(module) -> int:
     (`p.to_local()`, unpadded; `p.numel()` of a DTensor is the whole parameter's, on every rank), a
     quantized one its int8 or float8 data and scales (quantization.stored_bytes)."""
     return sum(stored_bytes(p) for p in module.parameters())
+
+
+def whole_parameter_bytes(module) -> int:
+    """Bytes of the module's parameters whole, whether this rank holds them whole or a shard: a sharded
+    parameter by its whole shape (a DTensor's numel() is the whole one's), a quantized one by its stored
+    data and scales. On one rank, or with nothing sharded, equal to local_parameter_bytes."""
+    return sum(p.numel() * p.element_size() if hasattr(p, "to_local") else stored_bytes(p) for p in module.parameters())

@@ -151,6 +151,23 @@ def check_weights_match_config(folder: Path, library: str, class_name: str) -> N
     )
 
 
+def check_weights_match_configs(folder: Path, index: dict, components: list[str]) -> None:
+    """Every component with weights (a diffusers or transformers model) against its config.json
+    (loading.check_weights_match_config), before any weight is read."""
+    import importlib
+
+    for name in components:
+        library, class_name = index[name]
+        if library not in ("diffusers", "transformers"):
+            continue
+        try:
+            cls = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError):
+            continue  # diffusers' own loader names a class it cannot find
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            check_weights_match_config(folder / name, library, class_name)
+
+
 def keep_stage(model, class_name: str, stage_blocks: tuple[int, int]):
     """Drop the blocks outside PipeFusion stage [start, stop) from an empty transformer; returns the
     file key -> module key renaming of the stage's tensors (None for another stage's block)."""

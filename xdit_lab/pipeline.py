@@ -32,7 +32,7 @@ from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .families import FAMILIES, Request, recipe_for
 from .loading import (
-    check_weights_match_config,
+    check_weights_match_configs,
     load_quantized_text_encoder,
     load_quantized_transformer,
     load_sharded_text_encoder,
@@ -41,6 +41,12 @@ from .loading import (
 )
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import PIPEFUSION, RankMesh
+from .model_folder import (
+    component_folders,
+    read_call_defaults,
+    read_model_index,
+    resolve_folder,
+)
 from .models import StepCache, compile_problems, parallelize
 from .quantization import QuantizationError
 from .quantization import resolve as resolve_quantization
@@ -48,9 +54,6 @@ from .request_memory import plan_request, rows_of_one_prompt
 from .session import DenoiseSession
 from .vae import apply_parallel_vae
 
-BUNDLED = {"digits": Path(__file__).parent / "assets" / "digits"}
-CALL_DEFAULTS = "call_defaults.json"  # a folder's own defaults for pipe(...), beside model_index.json
-CALL_ARGUMENTS = ("negative_prompt", "num_inference_steps", "guidance_scale", "height", "width")
 ON_HOST = "xdit_lab_on_host"  # set on a module run_on_host keeps in host memory (the Lab's memory view reads it)
 
 
@@ -71,107 +74,6 @@ def loading_bars_hidden():
         for module, enabled in zip(modules, were_enabled):
             if enabled:
                 module.enable_progress_bar()
-
-
-def resolve_folder(name_or_path) -> Path:
-    folder = BUNDLED.get(str(name_or_path), Path(name_or_path)).expanduser()
-    if folder.is_file():
-        above = folder.parent / "model_index.json"
-        raise NotADirectoryError(
-            f"{folder} is a file, not a pipeline folder: pass the folder that holds model_index.json"
-            + (f" ({folder.parent})" if above.is_file() else "")
-        )
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"no pipeline folder at {folder}: pass a local diffusers pipeline folder "
-            f"(with model_index.json) or a bundled name ({', '.join(BUNDLED)})"
-        )
-    if not (folder / "model_index.json").is_file():
-        raise FileNotFoundError(f"{folder} has no model_index.json: it is not a diffusers pipeline folder")
-    return folder
-
-
-def read_model_index(folder: Path) -> dict:
-    """The folder's model_index.json, checked: a JSON object naming its pipeline class (`_class_name`), each
-    component a [library, class] pair ([null, null]: left out)."""
-    path = folder / "model_index.json"
-    try:
-        index = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON ({error}): save or copy the pipeline folder again") from None
-    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
-        raise ValueError(
-            f'{path} is not a diffusers pipeline index: it must be a JSON object with "_class_name" (the '
-            f'pipeline class, e.g. "PixArtAlphaPipeline") and one [library, class] entry per component; '
-            + ('it has no "_class_name"' if isinstance(index, dict) else f"it holds {str(index)[:100]}")
-        )
-    wrong = [
-        f"{name}: {entry!r}"
-        for name, entry in index.items()
-        if not name.startswith("_")
-        and isinstance(entry, list)
-        and not (len(entry) == 2 and all(part is None or isinstance(part, str) for part in entry))
-    ]
-    if wrong:
-        raise ValueError(
-            f"{path} has component entries that are not [library, class] pairs: {'; '.join(wrong)}; each "
-            f'component is ["diffusers", "AutoencoderKL"] or the like, [null, null] where left out'
-        )
-    return index
-
-
-def component_folders(folder: Path, index: dict) -> list[str]:
-    """The components model_index.json lists (not left out as [null, null]), each a subfolder: a missing one is
-    named (diffusers would stop with "no file named model.safetensors ... found in directory" of the pipeline)."""
-    listed = {
-        name: entry
-        for name, entry in index.items()
-        if not name.startswith("_") and isinstance(entry, list) and None not in entry
-    }
-    missing = [f"{name}/ ({'.'.join(entry)})" for name, entry in listed.items() if not (folder / name).is_dir()]
-    if missing:
-        raise FileNotFoundError(
-            f"{folder} lacks component folder(s) its model_index.json lists: {', '.join(missing)}. Copy the whole "
-            f"pipeline folder, or mark a component the pipeline can run without as [null, null] in model_index.json"
-        )
-    return list(listed)
-
-
-def check_weights_match_configs(folder: Path, index: dict, components: list[str]) -> None:
-    """Every component with weights (a diffusers or transformers model) against its config.json
-    (loading.check_weights_match_config), before any weight is read."""
-    import importlib
-
-    for name in components:
-        library, class_name = index[name]
-        if library not in ("diffusers", "transformers"):
-            continue
-        try:
-            cls = getattr(importlib.import_module(library), class_name)
-        except (ImportError, AttributeError):
-            continue  # diffusers' own loader names a class it cannot find
-        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            check_weights_match_config(folder / name, library, class_name)
-
-
-def read_call_defaults(folder: Path, recipe) -> dict:
-    """The folder's own call defaults (`call_defaults.json`), checked against what its pipeline takes;
-    {} when the folder has none."""
-    path = folder / CALL_DEFAULTS
-    if not path.is_file():
-        return {}
-    try:
-        defaults = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None
-    allowed = (*CALL_ARGUMENTS, *recipe.options)
-    unknown = sorted(set(defaults) - set(allowed)) if isinstance(defaults, dict) else None
-    if unknown is None or unknown:
-        raise ValueError(
-            f"{path} must be a JSON object of {recipe.family} call arguments ({', '.join(allowed)}); "
-            f"it has {unknown if unknown is not None else type(defaults).__name__}"
-        )
-    return defaults
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -64,7 +64,8 @@ def shutdown(state: dict) -> None:
 
 def load(state: dict, name_or_path, config, kwargs: dict) -> dict:
     """load_pipeline on every engine; idle ranks of a smaller configuration get an inactive pipeline."""
-    from xdit_lab.pipeline import load_pipeline, resolve_folder
+    from xdit_lab.model_folder import resolve_folder
+    from xdit_lab.pipeline import load_pipeline
 
     reference = state.get("serial_reference")  # the explorer's serial run (explorer.serial_deviation)
     if reference is not None and reference["key"][0] != str(resolve_folder(name_or_path)):

@@ -205,7 +205,8 @@ class ExplorerController:
         loaded model in the dtype it was loaded in, with its quantization when it is a named scheme, for the
         explorer's own request (its prompts, size and call options); another folder at that model's defaults,
         in bfloat16 (plan_model's default)."""
-        from ..pipeline import resolve_dtype, resolve_folder
+        from ..model_folder import resolve_folder
+        from ..pipeline import resolve_dtype
         from .folder_planning import plan_folder
 
         if str(folder).strip():

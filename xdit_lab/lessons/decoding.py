@@ -22,7 +22,7 @@ def decode_peak(rows: int, sp: int) -> dict:
     from ..lab.measure import PeakTensorBytes
     from ..memory import decode_peak_bytes
     from ..mesh import RankMesh
-    from ..pipeline import BUNDLED
+    from ..model_folder import BUNDLED
     from ..vae import apply_parallel_vae
 
     vae = AutoencoderKL.from_pretrained(BUNDLED["digits"] / "vae").eval()

@@ -184,7 +184,7 @@ def test_atomic_write_fault_mid_write_leaves_no_partial_file(tmp_path):
     """A fault in the middle of a write (the writer has put part of the file down, then raises):
     no temporary file stays behind, a new target never appears, and an existing one keeps its
     content. An interrupt (a BaseException) cleans up the same way; a write that succeeds replaces."""
-    from xdit_lab.run import atomic_write
+    from xdit_lab.output_folder import atomic_write
 
     def half_then_fault(path):
         with open(path, "wb") as f:

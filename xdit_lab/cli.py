@@ -5,6 +5,8 @@
     xdit-lab plan --model FOLDER --world-size N --gpu-memory 24GB [--dtype bfloat16] [--height H --width W]
                   [--json] [--top K]
     torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompt TEXT [--cfg 2 --ulysses 2 ...]
+    torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompts FILE [--images-per-prompt K]
+                  [--batch-size B] --output DIR ...   (a rerun into DIR resumes)
     xdit-lab demo [--ranks N] [--cfg 2 ...]
 
 `plan` ranks every parallel configuration that fits N ranks with ParallelConfig's cost model
@@ -152,7 +154,7 @@ def cmd_run(args) -> int:
     from .distributed import shutdown_distributed
     from .memory import MemoryPlanError
     from .pipeline import loading_bars_hidden
-    from .run import PeerTimeoutError, run_generation
+    from .run import PeerTimeoutError, run_generation, run_prompts_file
     from .safetensors_io import CorruptWeightsError
 
     degrees = {degree: getattr(args, degree) for degree in DEGREES}
@@ -165,22 +167,36 @@ def cmd_run(args) -> int:
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
         negatives = negatives[0]  # one negative prompt for every prompt
+    if args.prompts is None and (args.images_per_prompt != 1 or args.batch_size is not None):
+        raise ParallelConfigError("--images-per-prompt and --batch-size go with --prompts FILE")
+    if args.prompts is not None and isinstance(negatives, list):
+        raise ParallelConfigError("with --prompts, give one --negative-prompt for all, or each line's in a .jsonl file")
     bars = loading_bars_hidden() if args.no_progress else contextlib.nullcontext()
+    arguments = dict(
+        guidance_scale=args.guidance,
+        **{name: getattr(args, name) for name in RUN_ARGUMENTS_AS_NAMED},
+        progress=not args.no_progress,
+        timeout_s=args.timeout,
+        options=dict(args.option),
+        on_host=tuple(args.on_host),
+    )
     try:
         with bars:
-            report = run_generation(
-                args.model,
-                args.prompt,
-                config,
-                args.output,
-                negative_prompts=negatives,
-                guidance_scale=args.guidance,
-                **{name: getattr(args, name) for name in RUN_ARGUMENTS_AS_NAMED},
-                progress=not args.no_progress,
-                timeout_s=args.timeout,
-                options=dict(args.option),
-                on_host=tuple(args.on_host),
-            )
+            if args.prompts is not None:
+                report = run_prompts_file(
+                    args.model,
+                    args.prompts,
+                    config,
+                    args.output,
+                    images_per_prompt=args.images_per_prompt,
+                    batch_size=args.batch_size,
+                    negative_prompt=negatives,
+                    **arguments,
+                )
+            else:
+                report = run_generation(
+                    args.model, args.prompt, config, args.output, negative_prompts=negatives, **arguments
+                )
     except (
         ParallelConfigError,
         ValueError,
@@ -197,7 +213,16 @@ def cmd_run(args) -> int:
         return 1
     finally:
         shutdown_distributed()
-    if report is not None:
+    if report is not None and args.prompts is not None:
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in report["seconds_per_phase"].items())
+        rate = report["images_per_second"]
+        print(
+            f"{report['pipeline']} under {report['config_short']}: drew {report['drawn']} of {report['images']} "
+            f"images ({report['resumed_with']} were already in {args.output}), "
+            + (f"{rate:.2f} images/s ({phases})" if rate else "nothing left to draw")
+        )
+        print(f"wrote the images, records.jsonl and report.json to {args.output}")
+    elif report is not None:
         t = report["timings"]
         print(
             f"{report['pipeline']} under {report['config_short']}: encode {t['encode']:.2f} s, "
@@ -273,8 +298,20 @@ def _build_parser() -> argparse.ArgumentParser:
         "Generate images on every rank that torchrun starts; the first rank writes the images and report.json.",
     )
     run.add_argument("--model", required=True, help="a diffusers pipeline folder, or a bundled name (digits)")
-    run.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    run.add_argument("--negative-prompt", action="append", help="one per --prompt, or one for all")
+    given = run.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    given.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="a prompts file: one prompt per line, or JSON lines (.jsonl) with prompt and optionally negative_prompt, "
+        "seed and id; drawn --batch-size at a time, each image written and recorded (records.jsonl) as it is made, "
+        "and a rerun into the same --output resumes (xdit_lab/prompts_file.py)",
+    )
+    run.add_argument("--images-per-prompt", type=_count(1), default=1, help="with --prompts: images per prompt")
+    run.add_argument("--batch-size", type=_count(1), help="with --prompts: images per call (default: the dp degree)")
+    run.add_argument(
+        "--negative-prompt", action="append", help="one per --prompt, or one for all (with --prompts: one for all)"
+    )
     _add_strategy_arguments(run, degree_default=1)
     run.add_argument(
         "--pipefusion-schedule",

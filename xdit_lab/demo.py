@@ -83,7 +83,7 @@ def _grid_and_accuracy(output: Path, names: list[str]) -> tuple[str, float]:
     from PIL import Image, ImageDraw
 
     from .digits.classifier import classify
-    from .run import atomic_write
+    from .output_folder import atomic_write
 
     pictures = [Image.open(output / name).convert("RGB") for name in names]
     read = classify(pictures)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -32,53 +32,13 @@ from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .mesh import WORLD
 from .models import StepCache
+from .output_folder import OutputWriteError, append_record, atomic_write, check_output_folder, open_run
 from .pipeline import load_pipeline, resolve_dtype
 from .request_memory import rank_memory
 
 
-class OutputFolderError(ValueError):
-    """--output names a folder this rank cannot create or write in (found before anything is loaded)."""
-
-
-class OutputWriteError(OSError):
-    """Writing an output failed after the generation; the message names the file and what was written."""
-
-
 class PeerTimeoutError(RuntimeError):
     """This rank waited --timeout seconds for a peer (to join the world, or in a collective) that never answered."""
-
-
-def atomic_write(path: Path, write) -> Path:
-    """Call write(temporary_path), then rename it to `path`: readers never see a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(temporary))
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def check_output_folder(output_dir) -> Path:
-    """The output folder, created if missing, proven writable by writing and removing a file in it."""
-    folder = Path(output_dir).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise OutputFolderError(f"--output {folder} is a file: give a folder for the images and report.json")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".xdit-lab-write-check.", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as error:
-        raise OutputFolderError(
-            f"cannot write the outputs to {folder} ({error.strerror or error}): give --output a folder you can "
-            f"write (it is created if missing)"
-        ) from None
-    return folder
 
 
 def run_generation(
@@ -117,18 +77,7 @@ def run_generation(
             check_output_folder(output_dir)
         with comm.comm_log() as where.log:  # every collective this rank starts: the last one names its peers
             where.phase = "loading the pipeline"
-            cache = None if cache_threshold is None else StepCache(cache_threshold)
-            pipe = load_pipeline(
-                model,
-                config,
-                torch_dtype=dtype,
-                progress=progress,
-                cache=cache,
-                compile=compile,
-                shard_weights=shard_weights,
-                on_host=on_host,
-                quantization=quantization,
-            )
+            pipe = _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization)
             if not pipe.active:
                 return None  # a configuration smaller than the world: this rank sits out
             where.phase, where.mesh = "generating", pipe.mesh
@@ -192,6 +141,195 @@ def run_generation(
     )
     write_outputs(result, Path(output_dir), output_type, report)
     return report
+
+
+def run_prompts_file(
+    model: str,
+    prompts_file,
+    config: ParallelConfig,
+    output_dir,
+    *,
+    images_per_prompt: int = 1,
+    batch_size: int | None = None,
+    negative_prompt: str | None = None,
+    steps=None,
+    guidance_scale=None,
+    seed: int = 0,
+    height=None,
+    width=None,
+    dtype: str = "auto",
+    output_type: str = "pil",
+    progress: bool = True,
+    timeout_s: float = 600,
+    options: dict | None = None,
+    cache_threshold: float | None = None,
+    compile: bool | str = False,
+    shard_weights: bool = False,
+    on_host: tuple[str, ...] = (),
+    quantization: str | None = None,
+) -> dict | None:
+    """Draw every image a prompts file asks for (prompts_file.py), `batch_size` at a time on one loaded pipeline
+    (default: the dp degree, one image per dp group), each written and recorded as soon as its batch is decoded;
+    the configuration's first rank returns the report. A batch's rows split over dp × cfg as one call's do. Each
+    image's noise comes from its own seed, so it is the same whatever the batch size, dp degree or resume point.
+
+    Run again with the same output folder and arguments, it draws only what records.jsonl does not hold
+    (output_folder.py); with other arguments it is refused, naming them, before anything loads. `negative_prompt`
+    is used where a line gives none. The other arguments are run_generation's."""
+    from tqdm.auto import tqdm
+
+    from .prompts_file import PromptsFileError, file_digest, read_prompts_file
+
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a whole number >= 1; got {batch_size!r}")
+    jobs = read_prompts_file(prompts_file, images_per_prompt, seed)
+    identity = dict(
+        model=str(model),
+        prompts_file_sha256=file_digest(prompts_file),
+        images_per_prompt=images_per_prompt,
+        seed=seed,
+        negative_prompt=negative_prompt,
+        steps=steps,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+        dtype=dtype,
+        output_type=output_type,
+        options=options or {},
+        cache_threshold=cache_threshold,
+        quantization=quantization,
+        config={k: v for k, v in config.__dict__.items() if k != "dp"},  # dp changes who draws, not what
+    )
+    where = Waiting()
+    output_dir = Path(output_dir).expanduser()
+    try:
+        init_distributed(timeout_s=timeout_s)
+        done = open_run(output_dir, identity) if current_info().rank == 0 else {}  # before any loading
+        with comm.comm_log() as where.log:
+            where.phase = "loading the pipeline"
+            pipe = _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization)
+            if not pipe.active:
+                return None
+            where.phase, where.mesh = "checking the prompts", pipe.mesh
+            fallback = negative_prompt if negative_prompt is not None else pipe.call_defaults.get("negative_prompt")
+            call = dict(num_inference_steps=steps, guidance_scale=guidance_scale, height=height, width=width)
+            call.update(options or {})
+            pipe.request([jobs[0].prompt], negative_prompt=fallback, **call)  # the call's own arguments, once
+            for job in jobs:  # then each prompt, on every rank alike: one the text encoder would cut names its line
+                if job.image_index == 0:
+                    try:
+                        pipe.request([job.prompt], negative_prompt=job.negative_prompt or fallback, **call)
+                    except ValueError as error:  # it names "prompt 0" of its one-prompt call: say the line's
+                        why = str(error).replace("negative_prompt 0 ", "its negative prompt ")
+                        why = why.replace("prompt 0 ", "the prompt ")
+                        raise PromptsFileError(f"{prompts_file}:{job.line}: {why}") from None
+            # what is left to draw is the first rank's to say: it reads the folder (one source of truth)
+            todo = comm.all_gather_object([j.id for j in jobs if j.id not in done], pipe.mesh, WORLD, tag="resume")[0]
+            pending = [job for job in jobs if job.id in set(todo)]
+            writer = pipe.mesh.group_rank(WORLD) == 0
+            batch = batch_size or config.dp
+            totals = dict(encode=0.0, denoise=0.0, decode=0.0)
+            bar = tqdm(
+                total=len(jobs), initial=len(jobs) - len(pending), unit="image", disable=not (progress and writer)
+            )
+            started = time.perf_counter()
+            written = []
+            with bar:
+                for first in range(0, len(pending), batch):
+                    rows = pending[first : first + batch]
+                    where.phase = f"drawing {rows[0].id} .. {rows[-1].id}"
+                    negatives = [job.negative_prompt or fallback for job in rows]
+                    session = pipe.session(
+                        [job.prompt for job in rows],
+                        negative_prompt=None if all(n is None for n in negatives) else [n or "" for n in negatives],
+                        generator=[torch.Generator("cpu").manual_seed(job.seed) for job in rows],
+                        **call,
+                    )
+                    result = session.run().result(output_type=output_type)
+                    timings = {phase: result.timings[phase] for phase in totals}
+                    for phase in totals:
+                        totals[phase] += timings[phase]
+                    if writer:
+                        images = result.frames if hasattr(result, "frames") else result.images
+                        for job, image in zip(rows, images):
+                            written.append(_write_image(output_dir, job, image, config, timings, len(rows), written))
+                    bar.update(len(rows))
+            seconds = time.perf_counter() - started
+            where.phase = "gathering the report"
+            mine = dict(
+                rank=current_info().rank, mesh=str(pipe.mesh), device=str(pipe.device), memory=rank_memory(pipe)
+            )
+            ranks = comm.all_gather_object(mine, pipe.mesh, WORLD, tag="report")
+    except Exception as error:
+        if not waited_for_a_peer(error):
+            raise
+        raise PeerTimeoutError(where.describe(error, timeout_s)) from error
+    if not writer:
+        return None
+    report = dict(
+        model=str(model),
+        pipeline=type(pipe.diffusers_pipeline).__name__,
+        config=config.__dict__,
+        config_short=config.short(),
+        prompts_file=str(prompts_file),
+        images=len(jobs),
+        resumed_with=len(jobs) - len(pending),  # images already in the folder when this run started
+        drawn=len(written),
+        batch_size=batch,
+        seconds=seconds,
+        images_per_second=len(written) / seconds if seconds else None,
+        seconds_per_phase=totals,  # summed over the batches this run drew
+        dtype=str(resolve_dtype(dtype, pipe.device)).removeprefix("torch."),
+        ranks=ranks,
+        complete=True,
+    )
+    if written:  # a rerun with nothing left to draw keeps the report of the run that drew
+        atomic_write(output_dir / "report.json", lambda p: p.write_text(json.dumps(report, indent=2, default=str)))
+    return report
+
+
+def _write_image(output_dir: Path, job, image, config, timings: dict, batch_images: int, written: list) -> str:
+    """Write one image whole, then its record; a write that fails raises OutputWriteError naming the image (the
+    records stay whole lines, so a rerun resumes from the images written before it)."""
+    suffix, write = _one_output(image)
+    name = f"{job.id}{suffix}"
+    try:
+        atomic_write(output_dir / name, write)
+        append_record(
+            output_dir,
+            dict(
+                id=job.id,
+                prompt=job.prompt,
+                negative_prompt=job.negative_prompt,
+                seed=job.seed,
+                line=job.line,
+                file=name,
+                config=config.short(),
+                timings=dict(timings, batch_images=batch_images),
+            ),
+        )
+    except OSError as error:
+        raise OutputWriteError(
+            f"writing image {job.id} (line {job.line}) to {output_dir / name} failed ({error.strerror or error}); "
+            f"{len(written)} image(s) written by this run before it, each in records.jsonl. Free space or fix "
+            f"{output_dir}, then run the same command again: it resumes where this one stopped"
+        ) from error
+    return name
+
+
+def _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization):
+    """load_pipeline with a run's arguments (a StepCache at `cache_threshold`, when one is given)."""
+    return load_pipeline(
+        model,
+        config,
+        torch_dtype=dtype,
+        progress=progress,
+        cache=None if cache_threshold is None else StepCache(cache_threshold),
+        compile=compile,
+        shard_weights=shard_weights,
+        on_host=on_host,
+        quantization=quantization,
+    )
 
 
 def waited_for_a_peer(error: BaseException) -> bool:
@@ -268,12 +406,17 @@ def _outputs(result, output_type: str):
         yield "latents.pt", lambda p: torch.save(images.cpu(), p)
         return
     for i, image in enumerate(images):
-        if isinstance(image, list):  # a video: its frames as one animated GIF
-            yield (
-                f"{i:03d}.gif",
-                lambda p, frames=image: frames[0].save(
-                    p, format="GIF", save_all=True, append_images=frames[1:], duration=125, loop=0
-                ),
-            )
-        else:
-            yield f"{i:03d}.png", lambda p, picture=image: picture.save(p, format="PNG")
+        suffix, write = _one_output(image)
+        yield f"{i:03d}{suffix}", write
+
+
+def _one_output(image) -> tuple[str, object]:
+    """(suffix, write(path)) of one output: a video (a list of frames) as one animated GIF, 8 frames a second;
+    an image as a PNG; latents (a tensor) as a .pt file."""
+    if isinstance(image, torch.Tensor):
+        return ".pt", lambda p: torch.save(image.detach().cpu().clone(), p)
+    if isinstance(image, list):
+        return ".gif", lambda p: image[0].save(
+            p, format="GIF", save_all=True, append_images=image[1:], duration=125, loop=0
+        )
+    return ".png", lambda p: image.save(p, format="PNG")

@@ -1,0 +1,233 @@
+"""`xdit-lab run --prompts FILE`: a prompts file read line by line into images with their own ids and seeds
+(prompts_file.py), drawn in batches over dp, each image written and recorded as it is made, and resumed after a
+kill (output_folder.py). The reference is a serial run of the same file, one image per call."""
+
+import json
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import torch
+
+from xdit_lab.distributed import free_port
+from xdit_lab.lessons import production
+from xdit_lab.output_folder import RECORDS_FILE, OutputFolderError, append_record, open_run
+from xdit_lab.prompts_file import PromptsFileError, image_seed, read_prompts_file
+
+# ---- the file, read in-process ------------------------------------------------------------------------------
+
+
+def test_text_and_json_lines_give_ids_and_seeds_per_image(tmp_path):
+    text = tmp_path / "prompts.txt"
+    text.write_text("a red cat\n\n  a blue dog  \n")
+    jobs = read_prompts_file(text, images_per_prompt=2, seed=5)
+    assert [(j.id, j.prompt, j.line) for j in jobs] == [
+        ("00000-0", "a red cat", 1),
+        ("00000-1", "a red cat", 1),
+        ("00001-0", "a blue dog", 3),
+        ("00001-1", "a blue dog", 3),
+    ]
+    seeds = [j.seed for j in jobs]
+    assert len(set(seeds)) == 4  # no two images share noise
+    assert seeds == [j.seed for j in read_prompts_file(text, images_per_prompt=2, seed=5)]  # and a rerun draws it again
+    assert seeds != [j.seed for j in read_prompts_file(text, images_per_prompt=2, seed=6)]  # --seed changes them
+    # an image's seed depends on its prompt's place, not on the prompts after it
+    (tmp_path / "longer.txt").write_text("a red cat\na blue dog\na green bird\n")
+    assert [j.seed for j in read_prompts_file(tmp_path / "longer.txt", 2, seed=5)][:4] == seeds
+
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text(
+        '{"prompt": "a red cat", "id": "cat", "seed": 11}\n{"prompt": "a blue dog", "negative_prompt": "blurry"}\n'
+    )
+    cat0, cat1, dog0 = read_prompts_file(lines, images_per_prompt=2)[:3]
+    assert (cat0.id, cat0.seed, cat1.id, cat1.seed) == ("cat-0", 11, "cat-1", 12)
+    assert (dog0.id, dog0.negative_prompt, dog0.seed) == ("00001-0", "blurry", image_seed(0, 1, 0))
+
+
+@pytest.mark.parametrize(
+    "name, content, said",
+    [
+        ("empty.txt", "\n  \n", "holds no prompt: give one prompt per line"),
+        ("bad.jsonl", '{"prompt": "a cat"}\n{"prompt": "a dog",\n', ":2: not JSON"),
+        ("no_prompt.jsonl", '{"text": "a cat"}\n', ':1: expected an object with a non-empty text "prompt"'),
+        ("field.jsonl", '{"prompt": "a cat", "sede": 3}\n', ":1: unknown field sede"),
+        ("seed.jsonl", '{"prompt": "a cat", "seed": "3"}\n', ":1: seed must be a whole number >= 0, got '3'"),
+        ("id.jsonl", '{"prompt": "a cat", "id": "../cat"}\n', ":1: id '../cat' cannot name a file"),
+        (
+            "twice.jsonl",
+            '{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n',
+            ":2: id 'x' is also the id of line 1",
+        ),
+    ],
+)
+def test_a_bad_prompts_file_is_refused_naming_the_line(tmp_path, name, content, said):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(PromptsFileError) as refused:
+        read_prompts_file(path)
+    assert str(refused.value).startswith(str(path)) and said in str(refused.value), refused.value
+
+
+# ---- the output folder, in-process ----------------------------------------------------------------------------
+
+
+def test_a_rerun_keeps_complete_records_drops_the_rest_and_refuses_other_arguments(tmp_path):
+    identity = dict(model="digits", steps=4, config={"ulysses": 1})
+    assert open_run(tmp_path, identity) == {}
+    for name in ("a-0", "a-1", "b-0"):
+        (tmp_path / f"{name}.png").write_bytes(b"image")
+        append_record(tmp_path, dict(id=name, file=f"{name}.png"))
+    (tmp_path / "b-0.png").unlink()  # its record outlived its file: drawn again
+    with open(tmp_path / RECORDS_FILE, "a") as records:
+        records.write('{"id": "b-1", "fi')  # a line torn by a kill
+    (tmp_path / ".a-2.png.x1.partial").write_bytes(b"half")  # a temporary a killed write left
+
+    done = open_run(tmp_path, identity)
+    assert sorted(done) == ["a-0", "a-1"]
+    assert [json.loads(line)["id"] for line in (tmp_path / RECORDS_FILE).read_text().splitlines()] == ["a-0", "a-1"]
+    assert not list(tmp_path.glob(".*.partial"))
+
+    with pytest.raises(OutputFolderError, match=r"holds a run with other arguments \(steps: 4 there, 8 now\)"):
+        open_run(tmp_path, dict(identity, steps=8))
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "000.png").write_bytes(b"image")
+    with pytest.raises(OutputFolderError, match="holds outputs but no run.json"):
+        open_run(stray, identity)
+
+
+# ---- torchrun ------------------------------------------------------------------------------------------------
+
+STEPS = 3
+
+
+def _run_argv(prompts, output, *extra):
+    return [
+        "-m",
+        "xdit_lab.cli",
+        "run",
+        "--model",
+        "digits",
+        "--prompts",
+        str(prompts),
+        "--steps",
+        str(STEPS),
+        "--seed",
+        "3",
+        "--output-type",
+        "latent",
+        "--output",
+        str(output),
+        "--no-progress",
+        *extra,
+    ]
+
+
+def _latents(folder) -> dict[str, torch.Tensor]:
+    return {path.stem: torch.load(path) for path in folder.glob("*.pt")}
+
+
+@pytest.mark.timeout(720)
+def test_a_killed_dp2_run_resumes_to_the_serial_run_image_for_image(tmp_path):
+    """200 digits prompts under dp 2 in batches of 4; rank 1 is killed (SIGKILL) once 40 images are recorded; the
+    same command again draws only the rest. Every image then equals the serial run's, drawn one per call, within
+    1e-4, and records.jsonl holds each image once."""
+    prompts = tmp_path / "digits.txt"
+    prompts.write_text("".join(f"a handwritten {i % 10}\n" for i in range(200)))
+    serial, parallel = tmp_path / "serial", tmp_path / "dp2"
+    dp2 = production.torchrun_argv(2, master_port=free_port()) + _run_argv(
+        prompts, parallel, "--dp", "2", "--batch-size", "4"
+    )
+
+    killed_at = None
+    proc = subprocess.Popen(dp2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while killed_at is None and proc.poll() is None and time.monotonic() < deadline:
+            records = parallel / RECORDS_FILE
+            if records.exists() and len(records.read_text().splitlines()) >= 40:
+                workers = {
+                    child.environ().get("LOCAL_RANK"): child
+                    for child in psutil.Process(proc.pid).children(recursive=True)
+                    if "xdit_lab.cli" in child.cmdline()
+                }
+                workers["1"].send_signal(signal.SIGKILL)
+                killed_at = len(records.read_text().splitlines())
+            time.sleep(0.02)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed_at is not None and proc.returncode != 0, output[-3000:]
+    interrupted = len(_latents(parallel))
+    assert 40 <= interrupted < 200, interrupted  # killed mid-run
+
+    production_runs = production.run_processes(
+        [
+            production.torchrun_argv(2, master_port=free_port())
+            + _run_argv(prompts, parallel, "--dp", "2", "--batch-size", "4"),
+            production.torchrun_argv(1, master_port=free_port()) + _run_argv(prompts, serial, "--batch-size", "1"),
+        ],
+        timeout_s=480,
+    )
+    for result in production_runs:
+        assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
+
+    report = json.loads((parallel / "report.json").read_text())
+    assert report["resumed_with"] >= interrupted - 1 and report["resumed_with"] + report["drawn"] == 200, report
+    records = [json.loads(line) for line in (parallel / RECORDS_FILE).read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(f"{i:05d}-0" for i in range(200))  # each once
+    assert not [p.name for p in parallel.iterdir() if p.name.startswith(".")]  # no temporary left
+    drawn, expected = _latents(parallel), _latents(serial)
+    assert sorted(drawn) == sorted(expected) and len(drawn) == 200
+    worst = max(((drawn[i] - expected[i]).abs().max() / expected[i].abs().max()).item() for i in expected)
+    assert worst < 1e-4, worst
+    # the control: neighbours differ (each image has noise of its own), so the comparison can fail
+    assert ((drawn["00000-0"] - expected["00010-0"]).abs().max() / expected["00010-0"].abs().max()).item() > 1e-2
+
+
+def test_a_long_prompt_and_a_failed_write_name_their_line_and_image_then_a_rerun_resumes(tmp_path):
+    """In a plain process (a world of one): a prompt longer than the digits' text encoder reads is refused before
+    anything is drawn, naming its line; image 00002-0's name is taken by a folder, so its write fails: exit 1 naming
+    it, the two images before it written and recorded; with the folder gone, the same command draws the rest."""
+    import sys
+
+    long = tmp_path / "long.txt"
+    long.write_text("a handwritten 1\na handwritten 2 " + "very " * 20 + "\n")
+    prompts = tmp_path / "digits.txt"
+    prompts.write_text("".join(f"a handwritten {i}\n" for i in range(5)))
+    blocked = tmp_path / "blocked"
+    (blocked / "00002-0.png").mkdir(parents=True)  # a name taken: the write of image 00002-0 fails
+    runs = [
+        (long, tmp_path / "never"),
+        (prompts, blocked),
+    ]
+
+    def command(file, folder):
+        argv = _run_argv(file, folder, "--batch-size", "2")
+        return [sys.executable, *argv[: argv.index("--output-type")], *argv[argv.index("--output-type") + 2 :]]
+
+    envs = [{"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"} for _ in runs]
+    refused, failed = production.run_processes([command(*run) for run in runs], timeout_s=240, envs=envs)
+    errors = [line for line in refused["output"].splitlines() if line.startswith("xdit-lab run: error:")]
+    assert refused["returncode"] == 2 and len(errors) == 1, refused["output"][-3000:]
+    assert errors[0].startswith(f"xdit-lab run: error: {long}:2: the prompt is 24 tokens"), errors[0]
+    assert not (tmp_path / "never" / RECORDS_FILE).exists()
+
+    errors = [line for line in failed["output"].splitlines() if line.startswith("xdit-lab run: error:")]
+    assert failed["returncode"] == 1 and len(errors) == 1 and "Traceback" not in failed["output"], failed["output"]
+    assert errors[0].startswith(f"xdit-lab run: error: writing image 00002-0 (line 3) to {blocked}/00002-0.png"), errors
+    assert "2 image(s) written by this run before it" in errors[0], errors[0]
+    recorded = [json.loads(line)["id"] for line in (blocked / RECORDS_FILE).read_text().splitlines()]
+    assert recorded == ["00000-0", "00001-0"]
+
+    (blocked / "00002-0.png").rmdir()
+    (rerun,) = production.run_processes([command(prompts, blocked)], timeout_s=240, envs=envs[1:])
+    assert rerun["returncode"] == 0, rerun["output"][-3000:]
+    report = json.loads((blocked / "report.json").read_text())
+    assert (report["resumed_with"], report["drawn"]) == (2, 3), report
+    recorded = [json.loads(line)["id"] for line in (blocked / RECORDS_FILE).read_text().splitlines()]
+    assert recorded == [f"{i:05d}-0" for i in range(5)]
+    assert sorted(p.name for p in blocked.glob("*.png")) == [f"{i:05d}-0.png" for i in range(5)]

@@ -5,6 +5,7 @@ kill (output_folder.py). The reference is a serial run of the same file, one ima
 import json
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -187,13 +188,24 @@ def test_a_killed_dp2_run_resumes_to_the_serial_run_image_for_image(tmp_path):
     # the control: neighbours differ (each image has noise of its own), so the comparison can fail
     assert ((drawn["00000-0"] - expected["00010-0"]).abs().max() / expected["00010-0"].abs().max()).item() > 1e-2
 
+    # xdit-lab compare, as a user runs it on the two folders: every image matched, none differing beyond 1e-4
+    compared = subprocess.run(
+        [sys.executable, "-m", "xdit_lab.cli", "compare", str(serial), str(parallel)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert compared.returncode == 0, compared.stderr[-3000:]
+    summary = json.loads((parallel / "compare" / "compare.json").read_text())["summary"]
+    largest = max(t.abs().max().item() for t in expected.values())
+    assert summary["images"] == 200 and not summary["only_in_a"] and not summary["only_in_b"], summary
+    assert summary["largest_difference"] < 1e-4 * largest, summary
+
 
 def test_a_long_prompt_and_a_failed_write_name_their_line_and_image_then_a_rerun_resumes(tmp_path):
     """In a plain process (a world of one): a prompt longer than the digits' text encoder reads is refused before
     anything is drawn, naming its line; image 00002-0's name is taken by a folder, so its write fails: exit 1 naming
     it, the two images before it written and recorded; with the folder gone, the same command draws the rest."""
-    import sys
-
     long = tmp_path / "long.txt"
     long.write_text("a handwritten 1\na handwritten 2 " + "very " * 20 + "\n")
     prompts = tmp_path / "digits.txt"

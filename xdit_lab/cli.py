@@ -8,11 +8,13 @@
     torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompts FILE [--images-per-prompt K]
                   [--batch-size B] --output DIR ...   (a rerun into DIR resumes)
     xdit-lab demo [--ranks N] [--cfg 2 ...]
+    xdit-lab compare RUN_A RUN_B [--output DIR]
 
 `plan` ranks every parallel configuration that fits N ranks with ParallelConfig's cost model
 (see xdit_lab/config.py) and prints it as a table; with --model, what each rank of N GPUs would hold
 of that folder's model under each configuration, sharded or not (xdit_lab/fit/). `run` generates on
-every rank torchrun starts (xdit_lab/run.py); `demo` spawns local ranks and draws the bundled model's ten digits (demo.py).
+every rank torchrun starts (xdit_lab/run.py); `demo` spawns local ranks and draws the bundled model's ten digits (demo.py);
+`compare` sets two runs of one prompts file side by side, image by image (compare.py).
 """
 
 from __future__ import annotations
@@ -247,6 +249,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from .compare import CompareError, compare_runs, format_summary, write_comparison
+
+    try:
+        comparison = compare_runs(args.run_a, args.run_b)
+        written = write_comparison(comparison, args.output or f"{args.run_b}/compare")
+    except (CompareError, FileNotFoundError) as error:
+        print(f"xdit-lab compare: error: {error}", file=sys.stderr)
+        return 2
+    print(format_summary(comparison["summary"]))
+    print(f"wrote compare.json (every image) and compare.png (the distributions) to {written}")
+    return 0
+
+
 def _subcommand(commands, handler, summary: str, description: str) -> argparse.ArgumentParser:
     """The parser of the subcommand `handler` runs, named after it (cmd_run: `run`)."""
     parser = commands.add_parser(handler.__name__.removeprefix("cmd_"), help=summary, description=description)
@@ -392,6 +408,17 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_strategy_arguments(demo, degree_default=None)  # none given: the cost model's best for the ranks
     _add_sampling_arguments(demo, steps_default="the model card's")
     demo.add_argument("--output", default="outputs/demo", help="folder for the grid, images and report.json")
+
+    compare = _subcommand(
+        commands,
+        cmd_compare,
+        "compare two runs of one prompts file image by image (PSNR, SSIM, largest difference)",
+        "Match the images of two `xdit-lab run --prompts` folders by id; write each pair's PSNR, SSIM and largest "
+        "difference, a summary and a plot of their distributions (and, for the digits model, each run's accuracy).",
+    )
+    compare.add_argument("run_a", help="the reference run's folder (e.g. the serial run)")
+    compare.add_argument("run_b", help="the run compared with it")
+    compare.add_argument("--output", help="folder for compare.json and compare.png (default: RUN_B/compare)")
     return parser
 
 

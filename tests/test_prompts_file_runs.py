@@ -231,7 +231,7 @@ def test_a_long_prompt_and_a_failed_write_name_their_line_and_image_then_a_rerun
     errors = [line for line in failed["output"].splitlines() if line.startswith("xdit-lab run: error:")]
     assert failed["returncode"] == 1 and len(errors) == 1 and "Traceback" not in failed["output"], failed["output"]
     assert errors[0].startswith(f"xdit-lab run: error: writing image 00002-0 (line 3) to {blocked}/00002-0.png"), errors
-    assert "2 image(s) written by this run before it" in errors[0], errors[0]
+    assert "2 image(s) are written and recorded in records.jsonl" in errors[0], errors[0]
     recorded = [json.loads(line)["id"] for line in (blocked / RECORDS_FILE).read_text().splitlines()]
     assert recorded == ["00000-0", "00001-0"]
 

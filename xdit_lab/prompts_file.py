@@ -93,16 +93,33 @@ def read_prompts_file(path, images_per_prompt: int = 1, seed: int = 0) -> list[I
             f"{path} holds no prompt: give one prompt per line"
             + (' (JSON lines: {"prompt": "..."})' if as_json else "")
         )
+    return _image_jobs(prompts, images_per_prompt, seed)
+
+
+def prompt_list_jobs(prompts, images_per_prompt: int = 1, seed: int = 0) -> list[ImageJob]:
+    """The images a list of prompts (texts) asks for, as read_prompts_file gives a text file's: a prompt's `line`
+    is its place in the list, from 1."""
+    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of texts, or a prompts file's path; got {prompts!r:.80}")
+    if not isinstance(images_per_prompt, int) or images_per_prompt < 1:
+        raise ValueError(f"images_per_prompt must be a whole number >= 1; got {images_per_prompt!r}")
+    entries = [(number, f"{number - 1:05d}", {"prompt": p.strip()}) for number, p in enumerate(prompts, start=1)]
+    return _image_jobs(entries, images_per_prompt, seed)
+
+
+def _image_jobs(prompts: list[tuple[int, str, dict]], images_per_prompt: int, seed: int) -> list[ImageJob]:
+    """(line, prompt id, entry) per prompt -> its images, a prompt's images together."""
     jobs = []
     for prompt_index, (number, prompt_id, entry) in enumerate(prompts):
         for image_index in range(images_per_prompt):
+            own_seed = entry.get("seed")
             jobs.append(
                 ImageJob(
                     id=f"{prompt_id}-{image_index}",
                     prompt=entry["prompt"],
                     negative_prompt=entry.get("negative_prompt"),
-                    seed=entry["seed"] + image_index
-                    if "seed" in entry
+                    seed=own_seed + image_index
+                    if own_seed is not None
                     else image_seed(seed, prompt_index, image_index),
                     line=number,
                     prompt_index=prompt_index,
@@ -144,6 +161,8 @@ def _json_entry(path: Path, number: int, text: str) -> dict:
     return entry
 
 
-def file_digest(path) -> str:
-    """The prompts file's SHA-256: what a resumed run checks it is given the same prompts."""
-    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
+def prompts_digest(jobs: list[ImageJob]) -> str:
+    """A SHA-256 of every image's id, text and seed: what a resumed run checks it is given the same images (the same
+    for a file and for a list that ask for the same)."""
+    fields = [(job.id, job.prompt, job.negative_prompt, job.seed) for job in jobs]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()

@@ -32,7 +32,7 @@ from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .mesh import WORLD
 from .models import StepCache
-from .output_folder import OutputWriteError, append_record, atomic_write, check_output_folder, open_run
+from .output_folder import RECORDS_FILE, OutputWriteError, append_record, atomic_write, check_output_folder, open_run
 from .pipeline import load_pipeline, resolve_dtype
 from .request_memory import rank_memory
 
@@ -175,31 +175,18 @@ def run_prompts_file(
 
     Run again with the same output folder and arguments, it draws only what records.jsonl does not hold
     (output_folder.py); with other arguments it is refused, naming them, before anything loads. `negative_prompt`
-    is used where a line gives none. The other arguments are run_generation's."""
+    is used where a line gives none. The other arguments are run_generation's. The Lab's `lab.generate` runs the
+    same steps from a notebook (check_prompts, draw_images, generation_report)."""
     from tqdm.auto import tqdm
 
-    from .prompts_file import PromptsFileError, file_digest, read_prompts_file
+    from .prompts_file import read_prompts_file
 
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a whole number >= 1; got {batch_size!r}")
     jobs = read_prompts_file(prompts_file, images_per_prompt, seed)
-    identity = dict(
-        model=str(model),
-        prompts_file_sha256=file_digest(prompts_file),
-        images_per_prompt=images_per_prompt,
-        seed=seed,
-        negative_prompt=negative_prompt,
-        steps=steps,
-        guidance_scale=guidance_scale,
-        height=height,
-        width=width,
-        dtype=dtype,
-        output_type=output_type,
-        options=options or {},
-        cache_threshold=cache_threshold,
-        quantization=quantization,
-        config={k: v for k, v in config.__dict__.items() if k != "dp"},  # dp changes who draws, not what
-    )
+    call = dict(num_inference_steps=steps, guidance_scale=guidance_scale, height=height, width=width, **(options or {}))
+    loaded = dict(torch_dtype=dtype, cache_threshold=cache_threshold, quantization=quantization)
+    identity = run_identity(model, jobs, config, call, negative_prompt, output_type, loaded)
     where = Waiting()
     output_dir = Path(output_dir).expanduser()
     try:
@@ -211,50 +198,24 @@ def run_prompts_file(
             if not pipe.active:
                 return None
             where.phase, where.mesh = "checking the prompts", pipe.mesh
-            fallback = negative_prompt if negative_prompt is not None else pipe.call_defaults.get("negative_prompt")
-            call = dict(num_inference_steps=steps, guidance_scale=guidance_scale, height=height, width=width)
-            call.update(options or {})
-            pipe.request([jobs[0].prompt], negative_prompt=fallback, **call)  # the call's own arguments, once
-            for job in jobs:  # then each prompt, on every rank alike: one the text encoder would cut names its line
-                if job.image_index == 0:
-                    try:
-                        pipe.request([job.prompt], negative_prompt=job.negative_prompt or fallback, **call)
-                    except ValueError as error:  # it names "prompt 0" of its one-prompt call: say the line's
-                        why = str(error).replace("negative_prompt 0 ", "its negative prompt ")
-                        why = why.replace("prompt 0 ", "the prompt ")
-                        raise PromptsFileError(f"{prompts_file}:{job.line}: {why}") from None
+            check_prompts(pipe, jobs, call, negative_prompt, prompts_file)
             # what is left to draw is the first rank's to say: it reads the folder (one source of truth)
             todo = comm.all_gather_object([j.id for j in jobs if j.id not in done], pipe.mesh, WORLD, tag="resume")[0]
             pending = [job for job in jobs if job.id in set(todo)]
             writer = pipe.mesh.group_rank(WORLD) == 0
             batch = batch_size or config.dp
-            totals = dict(encode=0.0, denoise=0.0, decode=0.0)
+            drawn = []
             bar = tqdm(
                 total=len(jobs), initial=len(jobs) - len(pending), unit="image", disable=not (progress and writer)
             )
-            started = time.perf_counter()
-            written = []
             with bar:
                 for first in range(0, len(pending), batch):
                     rows = pending[first : first + batch]
                     where.phase = f"drawing {rows[0].id} .. {rows[-1].id}"
-                    negatives = [job.negative_prompt or fallback for job in rows]
-                    session = pipe.session(
-                        [job.prompt for job in rows],
-                        negative_prompt=None if all(n is None for n in negatives) else [n or "" for n in negatives],
-                        generator=[torch.Generator("cpu").manual_seed(job.seed) for job in rows],
-                        **call,
+                    drawn.append(
+                        draw_images(pipe, rows, output_dir if writer else None, call, negative_prompt, output_type)
                     )
-                    result = session.run().result(output_type=output_type)
-                    timings = {phase: result.timings[phase] for phase in totals}
-                    for phase in totals:
-                        totals[phase] += timings[phase]
-                    if writer:
-                        images = result.frames if hasattr(result, "frames") else result.images
-                        for job, image in zip(rows, images):
-                            written.append(_write_image(output_dir, job, image, config, timings, len(rows), written))
                     bar.update(len(rows))
-            seconds = time.perf_counter() - started
             where.phase = "gathering the report"
             mine = dict(
                 rank=current_info().rank, mesh=str(pipe.mesh), device=str(pipe.device), memory=rank_memory(pipe)
@@ -266,29 +227,106 @@ def run_prompts_file(
         raise PeerTimeoutError(where.describe(error, timeout_s)) from error
     if not writer:
         return None
-    report = dict(
+    report = generation_report(pipe, model, config, jobs, len(jobs) - len(pending), drawn, batch, dtype)
+    report.update(prompts_file=str(prompts_file), ranks=ranks)
+    write_generation_report(output_dir, report)
+    return report
+
+
+def run_identity(model, jobs, config: ParallelConfig, call: dict, negative_prompt, output_type, loaded: dict) -> dict:
+    """What a run into a folder draws (output_folder.open_run keeps it in run.json): the model, the images (their
+    ids, texts and seeds), the call, how the weights were loaded, and the configuration but its dp degree, which
+    changes who draws an image, not what is drawn."""
+    from .prompts_file import prompts_digest
+
+    return json.loads(
+        json.dumps(
+            dict(
+                model=str(model),
+                images_sha256=prompts_digest(jobs),
+                images=len(jobs),
+                call=call,
+                negative_prompt=negative_prompt,
+                output_type=output_type,
+                loaded=loaded,
+                config={k: v for k, v in config.__dict__.items() if k != "dp"},
+            ),
+            default=str,
+        )
+    )  # as run.json will read back: tuples as lists, objects by their repr
+
+
+def check_prompts(pipe, jobs, call: dict, negative_prompt, source) -> None:
+    """The call's own arguments checked once, then each prompt, on every rank alike: one the text encoder would
+    cut is refused before anything is drawn, naming its line of `source` (the file, or the list)."""
+    from .prompts_file import PromptsFileError
+
+    fallback = negative_prompt if negative_prompt is not None else pipe.call_defaults.get("negative_prompt")
+    pipe.request([jobs[0].prompt], negative_prompt=fallback, **call)
+    for job in jobs:
+        if job.image_index == 0:
+            try:
+                pipe.request([job.prompt], negative_prompt=job.negative_prompt or fallback, **call)
+            except ValueError as error:  # it names "prompt 0" of its one-prompt call: say the line's
+                why = str(error).replace("negative_prompt 0 ", "its negative prompt ")
+                why = why.replace("prompt 0 ", "the prompt ")
+                raise PromptsFileError(f"{source}:{job.line}: {why}") from None
+
+
+def draw_images(pipe, rows, output_dir, call: dict, negative_prompt, output_type: str) -> dict:
+    """One batch: the images of `rows` drawn in one call, each from a CPU generator of its own seed; where
+    `output_dir` is given (the writing rank), each written whole and then recorded. Returns the batch's seconds
+    per phase and the files written."""
+    started = time.perf_counter()
+    fallback = negative_prompt if negative_prompt is not None else pipe.call_defaults.get("negative_prompt")
+    negatives = [job.negative_prompt or fallback for job in rows]
+    session = pipe.session(
+        [job.prompt for job in rows],
+        negative_prompt=None if all(n is None for n in negatives) else [n or "" for n in negatives],
+        generator=[torch.Generator("cpu").manual_seed(job.seed) for job in rows],
+        **call,
+    )
+    result = session.run().result(output_type=output_type)
+    timings = {phase: result.timings[phase] for phase in ("encode", "denoise", "decode")}
+    files = []
+    if output_dir is not None:
+        images = result.frames if hasattr(result, "frames") else result.images
+        for job, image in zip(rows, images):
+            files.append(_write_image(Path(output_dir), job, image, pipe.config, timings, len(rows)))
+    return dict(timings=timings, files=files, images=len(rows), seconds=time.perf_counter() - started)
+
+
+def generation_report(pipe, model, config, jobs, resumed_with: int, drawn: list[dict], batch: int, dtype) -> dict:
+    """The report of a prompts run: images asked, found done, drawn; the throughput (images over the seconds of the
+    batches drawn, on this rank's clock, writes included) and the seconds per phase, summed over the batches."""
+    per_phase = {phase: sum(b["timings"][phase] for b in drawn) for phase in ("encode", "denoise", "decode")}
+    seconds, images = sum(b["seconds"] for b in drawn), sum(b["images"] for b in drawn)
+    return dict(
         model=str(model),
         pipeline=type(pipe.diffusers_pipeline).__name__,
         config=config.__dict__,
         config_short=config.short(),
-        prompts_file=str(prompts_file),
         images=len(jobs),
-        resumed_with=len(jobs) - len(pending),  # images already in the folder when this run started
-        drawn=len(written),
+        resumed_with=resumed_with,  # images already in the folder when this run started
+        drawn=images,
         batch_size=batch,
         seconds=seconds,
-        images_per_second=len(written) / seconds if seconds else None,
-        seconds_per_phase=totals,  # summed over the batches this run drew
+        images_per_second=images / seconds if seconds else None,
+        seconds_per_phase=per_phase,
         dtype=str(resolve_dtype(dtype, pipe.device)).removeprefix("torch."),
-        ranks=ranks,
         complete=True,
     )
-    if written:  # a rerun with nothing left to draw keeps the report of the run that drew
-        atomic_write(output_dir / "report.json", lambda p: p.write_text(json.dumps(report, indent=2, default=str)))
-    return report
 
 
-def _write_image(output_dir: Path, job, image, config, timings: dict, batch_images: int, written: list) -> str:
+def write_generation_report(output_dir: Path, report: dict) -> None:
+    """report.json, unless nothing was drawn: a rerun with nothing left keeps the report of the run that drew."""
+    if report["drawn"]:
+        atomic_write(
+            Path(output_dir) / "report.json", lambda p: p.write_text(json.dumps(report, indent=2, default=str))
+        )
+
+
+def _write_image(output_dir: Path, job, image, config, timings: dict, batch_images: int) -> str:
     """Write one image whole, then its record; a write that fails raises OutputWriteError naming the image (the
     records stay whole lines, so a rerun resumes from the images written before it)."""
     suffix, write = _one_output(image)
@@ -309,9 +347,11 @@ def _write_image(output_dir: Path, job, image, config, timings: dict, batch_imag
             ),
         )
     except OSError as error:
+        records = output_dir / RECORDS_FILE
+        recorded = len(records.read_text().splitlines()) if records.exists() else 0
         raise OutputWriteError(
             f"writing image {job.id} (line {job.line}) to {output_dir / name} failed ({error.strerror or error}); "
-            f"{len(written)} image(s) written by this run before it, each in records.jsonl. Free space or fix "
+            f"{recorded} image(s) are written and recorded in records.jsonl. Free space or fix "
             f"{output_dir}, then run the same command again: it resumes where this one stopped"
         ) from error
     return name

@@ -336,6 +336,13 @@ class Lab:
         progress = self.call(engine.start_session, (prompt, *args), kwargs, timeout_s=timeout_s, what="session")[0]
         return LabSession(self, self.session_token, progress)
 
+    def generate(self, prompts, output, **kwargs) -> dict:
+        """Draw every image of a prompts file (or a list of prompts) into `output`, batch by batch, each image
+        written and recorded as it is made; a rerun resumes (generation.generate, `xdit-lab run --prompts`)."""
+        from .generation import generate
+
+        return generate(self, prompts, output, **kwargs)
+
     def explorer(self, **kwargs):
         """The ipywidgets panel over this Lab (explorer_widgets.Explorer; kwargs go to its controller)."""
         from .explorer_widgets import Explorer  # here: ipywidgets is only needed for the panel

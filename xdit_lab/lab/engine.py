@@ -195,6 +195,43 @@ def watched_alive(state: dict) -> bool | None:
     return None if watched is None else watched() is not None
 
 
+def open_generation(state: dict, output_dir: str, identity: dict) -> list[str]:
+    """On the writing rank: start or resume a prompts run in output_dir (output_folder.open_run); the ids done."""
+    from xdit_lab.output_folder import open_run
+
+    return sorted(open_run(output_dir, identity))
+
+
+def check_generation(state: dict, jobs: list, call: dict, negative_prompt, source: str) -> None:
+    """Every prompt checked on every active rank, as `xdit-lab run --prompts` checks them (run.check_prompts)."""
+    from xdit_lab.run import check_prompts
+
+    if state["pipe"].active:
+        check_prompts(state["pipe"], jobs, call, negative_prompt, source)
+
+
+def draw(state: dict, rows: list, output_dir: str, call: dict, negative_prompt, output_type: str):
+    """One batch of a prompts run (run.draw_images); the writing rank writes and records it, and answers."""
+    from xdit_lab.mesh import WORLD
+    from xdit_lab.run import draw_images
+
+    pipe = state["pipe"]
+    if not pipe.active:
+        return None
+    writer = pipe.mesh.group_rank(WORLD) == 0
+    return draw_images(pipe, rows, output_dir if writer else None, call, negative_prompt, output_type)
+
+
+def finish_generation(state: dict, output_dir: str, model, jobs: list, resumed_with: int, drawn: list, batch, dtype):
+    """On the writing rank: the report of a prompts run (run.generation_report), written as report.json."""
+    from xdit_lab.run import generation_report, write_generation_report
+
+    pipe = state["pipe"]
+    report = generation_report(pipe, model, pipe.config, jobs, resumed_with, drawn, batch, dtype)
+    write_generation_report(output_dir, report)
+    return report
+
+
 def crash(code: int = 1) -> None:
     """End this engine's process at once, as a segfault or an out-of-memory kill would (for tests)."""
     os._exit(code)

@@ -99,6 +99,35 @@ def test_a_rerun_keeps_complete_records_drops_the_rest_and_refuses_other_argumen
         open_run(stray, identity)
 
 
+def test_a_full_disk_mid_record_leaves_whole_lines_and_an_unwritable_folder_is_refused(tmp_path, monkeypatch):
+    """The disk fills while a record is written: half the line reaches the file, then ENOSPC. append_record cuts
+    the half line off and raises, so records.jsonl keeps whole lines and a rerun resumes from them. A --output that
+    is a file is refused before anything else."""
+    import errno
+    import os
+
+    import xdit_lab.output_folder as output_folder
+
+    open_run(tmp_path, {"model": "digits"})
+    append_record(tmp_path, dict(id="a-0", file="a-0.png"))
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(output_folder.os, "write", half_then_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        append_record(tmp_path, dict(id="a-1", file="a-1.png"))
+    monkeypatch.undo()
+    assert (tmp_path / RECORDS_FILE).read_text() == json.dumps(dict(id="a-0", file="a-0.png")) + "\n"
+
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a folder")
+    with pytest.raises(OutputFolderError, match=f"--output {a_file} is a file"):
+        open_run(a_file, {"model": "digits"})
+
+
 # ---- torchrun ------------------------------------------------------------------------------------------------
 
 STEPS = 3

@@ -3,6 +3,7 @@
 kill (output_folder.py). The reference is a serial run of the same file, one image per call."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -265,10 +266,17 @@ def test_a_long_prompt_and_a_failed_write_name_their_line_and_image_then_a_rerun
     assert recorded == ["00000-0", "00001-0"]
 
     (blocked / "00002-0.png").rmdir()
-    (rerun,) = production.run_processes([command(prompts, blocked)], timeout_s=240, envs=envs[1:])
+    with_bar = [arg for arg in command(prompts, blocked) if arg != "--no-progress"]
+    (rerun,) = production.run_processes([with_bar], timeout_s=240, envs=envs[1:])
     assert rerun["returncode"] == 0, rerun["output"][-3000:]
     report = json.loads((blocked / "report.json").read_text())
     assert (report["resumed_with"], report["drawn"]) == (2, 3), report
+    assert report["images_per_second"] > 0 and sorted(report["seconds_per_phase"]) == ["decode", "denoise", "encode"]
+    assert all(report["seconds_per_phase"][phase] > 0 for phase in ("encode", "denoise")), report
+    # rank 0's bar: images done of all (from the 2 found done), the rate, the time left
+    bar = rerun["output"].replace("\r", "\n").splitlines()
+    assert any(re.search(r"5/5 \[\d\d:\d\d<00:00, +[\d.]+image/s\]", line) for line in bar), rerun["output"][-2000:]
+    assert any(re.search(r"2/5 \[", line) for line in bar), rerun["output"][-2000:]
     recorded = [json.loads(line)["id"] for line in (blocked / RECORDS_FILE).read_text().splitlines()]
     assert recorded == [f"{i:05d}-0" for i in range(5)]
     assert sorted(p.name for p in blocked.glob("*.png")) == [f"{i:05d}-0.png" for i in range(5)]

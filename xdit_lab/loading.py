@@ -174,13 +174,22 @@ def keep_stage(model, class_name: str, stage_blocks: tuple[int, int]):
     adapter = FAMILIES[class_name]
     total = adapter.num_blocks(model.config)
     start, stop = stage_blocks
-    # a kept block's name in the model -> its name in this stage
-    renamed = {whole: mine for mine, whole in adapter.stage_block_names(model.config, start, stop).items()}
+    stage_name = stage_key_renaming(model.config, class_name, stage_blocks)
     adapter.keep_blocks(model, start, stop)
     model._xdit_lab_stage_blocks = (start, stop, total)
+    return stage_name
 
-    def stage_name(key: str) -> str | None:  # a file key's name in this stage; None: another stage's block
-        index = adapter.block_index(key, model.config)
+
+def stage_key_renaming(transformer_config, class_name: str, stage_blocks: tuple[int, int]):
+    """The whole transformer's key -> its name in PipeFusion stage [start, stop) (None: another stage's block), for
+    the checkpoint's tensors (keep_stage) and for a LoRA's (lora.fuse_lora)."""
+    adapter = FAMILIES[class_name]
+    start, stop = stage_blocks
+    # a kept block's name in the model -> its name in this stage
+    renamed = {whole: mine for mine, whole in adapter.stage_block_names(transformer_config, start, stop).items()}
+
+    def stage_name(key: str) -> str | None:
+        index = adapter.block_index(key, transformer_config)
         if index is None:
             return key
         if not start <= index < stop:

@@ -38,7 +38,9 @@ from .loading import (
     load_sharded_text_encoder,
     load_sharded_transformer,
     load_stage_transformer,
+    stage_key_renaming,
 )
+from .lora import check_lora, fuse_loras, lora_bytes
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import PIPEFUSION, RankMesh
 from .model_folder import (
@@ -109,6 +111,8 @@ def load_pipeline(
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
     quantization=None,
+    lora=None,
+    fuse_lora: bool = True,
     **unknown,
 ) -> ParallelPipeline:
     """Load a pipeline folder of a family with a recipe (families.RECIPES) and parallelize it on this rank.
@@ -131,6 +135,9 @@ def load_pipeline(
     `quantization="int8"` (or "float8", or diffusers' PipelineQuantizationConfig with torchao configs)
     quantizes the linear weights of the transformer and the text encoders with torchao, block by block as
     they are read (quantization.py): the plan counts the quantized bytes before loading.
+    `lora=[(path_or_state_dict, scale), ...]` loads LoRA adapters with diffusers' loaders and fuses them into the
+    weights (fuse_lora=True) before the transformer is parallelized or compiled (lora.py); under PipeFusion each
+    stage fuses its own blocks' share. The plan counts the adapters' bytes, held while they are fused.
 
     `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype)."""
     if unknown:
@@ -152,6 +159,15 @@ def load_pipeline(
             "implement FSDP2's all-gather extensions (fsdp_pre_all_gather), so a quantized block cannot be sharded "
             "and gathered; use one of the two (xdit-lab plan --model says which fits)"
         )
+    import diffusers
+
+    adapters = check_lora(
+        lora,
+        getattr(diffusers, index["_class_name"]),
+        fuse=fuse_lora,
+        sharded=shard_weights and config.world_size > 1,
+        quantized=quantized is not None,
+    )
     if not dist.is_initialized():
         init_distributed()
     info = current_info()
@@ -178,6 +194,8 @@ def load_pipeline(
         )
         if sharding or on_host or quantized:  # who holds which weights, as the planner counts them (fit/)
             plan = placed_plan(plan, folder, torch_dtype, config, sharding, on_host, quantized)
+        if adapters:  # held while they are fused into the weights, then freed
+            plan.activation_bytes["LoRA adapters"] = (lora_bytes(adapters),) * 2
         check_weights_match_configs(folder, index, components)  # headers were read above: each file is sound
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
@@ -231,6 +249,13 @@ def load_pipeline(
                 component.to("cpu" if name in on_host else info.device)
         for name in on_host:
             run_on_host(getattr(inner, name), info.device)
+        if adapters:  # fused before the strategies' hooks and compile see the transformer
+            stage = None
+            if config.pipefusion > 1:
+                transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
+                blocks = stage_blocks(folder, index, config, mesh)
+                stage = stage_key_renaming(transformer_config, index["transformer"][1], blocks)
+            fuse_loras(inner, adapters, stage)
         if not sharding:  # a sharded transformer was parallelized before its weights were read
             parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
@@ -288,6 +313,8 @@ LOAD_KEYWORDS = (
     "shard_weights",
     "on_host",
     "quantization",
+    "lora",
+    "fuse_lora",
 )
 
 

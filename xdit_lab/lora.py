@@ -1,0 +1,126 @@
+"""LoRA adapters fused into a pipeline's weights before the strategies parallelize it.
+
+    pipe = load_pipeline(folder, ParallelConfig(ulysses=2), lora=[("path/to/style.safetensors", 0.8)])
+
+diffusers' own loaders read each adapter (the pipeline's `load_lora_weights`, which converts the formats trainers
+write and reads the rank and alpha a file keeps in its metadata) and peft injects it; `fuse_lora` then adds every
+adapter to the weights at its scale, and the adapters are unloaded. What the strategies parallelize, compile or
+split into stages is a plain transformer with changed weights:
+
+    W  <-  W + Σ_i scale_i · (alpha_i / r_i) · B_i A_i          one linear layer, every adapter that targets it
+
+Under PipeFusion a stage holds only its own blocks, renumbered (loading.keep_stage). An adapter's transformer keys
+are renamed the same way and those of other stages' blocks left out, so each stage fuses exactly its share; the
+stage's adapter goes through the transformer's own loader (`load_lora_adapter`) with the file's metadata.
+"""
+
+from __future__ import annotations
+
+import numbers
+from pathlib import Path
+
+TRANSFORMER_PREFIX = "transformer."
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be fused here: the pipeline has no LoRA loader, a placement it cannot go with, or an
+    argument of the wrong form; the message says what would work."""
+
+
+def check_lora(lora, pipeline_class, *, fuse: bool, sharded: bool, quantized: bool) -> list[tuple[object, float]]:
+    """`lora` as [(path or state dict, scale)], checked before any weight is read. A path or a state dict alone
+    has scale 1."""
+    if lora is None or lora == []:
+        return []
+    entries = lora if isinstance(lora, list) else [lora]
+    adapters = []
+    for entry in entries:
+        source, scale = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, 1.0)
+        if not isinstance(source, (str, Path, dict)):
+            raise LoraError(
+                f"lora takes [(path_or_state_dict, scale), ...]; got {entry!r:.80}: give a LoRA file or folder, or "
+                f"its state dict, each with a scale"
+            )
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+            raise LoraError(f"a LoRA's scale must be a number (1.0: as trained); got {scale!r}")
+        if isinstance(source, (str, Path)) and not Path(source).expanduser().exists():
+            raise LoraError(f"LoRA {source}: no such file or folder")
+        adapters.append((Path(source).expanduser() if isinstance(source, (str, Path)) else source, float(scale)))
+    if not hasattr(pipeline_class, "load_lora_weights"):
+        raise LoraError(
+            f"{pipeline_class.__name__} has no LoRA loader in diffusers (load_lora_weights), so its adapters cannot "
+            f"be read as diffusers reads them; fuse the adapter into the folder's weights first"
+        )
+    if not fuse:
+        raise LoraError(
+            "fuse_lora=False (adapters kept beside the weights, switchable) is not supported: the strategies' hooks, "
+            "PipeFusion's stages and compile take plain linear layers; keep fuse_lora=True"
+        )
+    if sharded or quantized:
+        raise LoraError(
+            f"lora with {'shard_weights' if sharded else 'quantization'}: an adapter is fused into whole "
+            f"full-precision weights, which a{' sharded' if sharded else ' quantized'} rank does not hold; fuse it "
+            f"into the folder's weights first (diffusers: pipe.load_lora_weights, pipe.fuse_lora, save_pretrained)"
+        )
+    return adapters
+
+
+def fuse_loras(pipe, adapters: list[tuple[object, float]], stage_name=None) -> None:
+    """Load every adapter into diffusers pipeline `pipe`, fuse them at their scales, unload them. `stage_name`:
+    a PipeFusion stage's renaming of the transformer's keys (loading.stage_key_renaming), None for a whole one."""
+    if not adapters:
+        return
+    names, scales = [], []
+    for i, (source, scale) in enumerate(adapters):
+        name = f"xdit_lab_lora_{i}"
+        if stage_name is None:
+            pipe.load_lora_weights(source, adapter_name=name)
+        elif not _load_stage_adapter(pipe, source, name, stage_name):
+            continue  # none of this adapter's layers is in this stage's blocks
+        names.append(name)
+        scales.append(scale)
+    if not names:
+        return
+    pipe.set_adapters(names, adapter_weights=scales)
+    fused = [
+        c for c in getattr(pipe, "_lora_loadable_modules", ["transformer"]) if _has_adapter(getattr(pipe, c, None))
+    ]
+    pipe.fuse_lora(components=fused, adapter_names=names, lora_scale=1.0)
+    pipe.unload_lora_weights()  # the fused weights stay; peft's layers and the adapters' tensors go
+
+
+def _has_adapter(module) -> bool:
+    return module is not None and any(type(m).__module__.startswith("peft.") for m in module.modules())
+
+
+def _load_stage_adapter(pipe, source, name: str, stage_name) -> bool:
+    """One adapter into a PipeFusion stage's transformer: its keys renamed as the stage's blocks are, other
+    stages' blocks left out, with the rank and alpha from the file's metadata. False: nothing of it is here."""
+    state, metadata = type(pipe).lora_state_dict(source, return_lora_metadata=True)
+    others = sorted({key.split(".")[0] for key in state if not key.startswith(TRANSFORMER_PREFIX)})
+    if others:
+        raise LoraError(
+            f"this LoRA also changes {', '.join(others)}: under PipeFusion only the transformer's adapter is fused "
+            f"on each stage; use it without PipeFusion, or with its transformer part alone"
+        )
+    mine = {}
+    for key, tensor in state.items():
+        renamed = stage_name(key.removeprefix(TRANSFORMER_PREFIX))
+        if renamed is not None:
+            mine[TRANSFORMER_PREFIX + renamed] = tensor
+    if mine:
+        pipe.transformer.load_lora_adapter(mine, prefix="transformer", adapter_name=name, metadata=metadata)
+    return bool(mine)
+
+
+def lora_bytes(adapters: list[tuple[object, float]]) -> int:
+    """What the adapters hold while they are fused: a state dict's tensors, a file's or a folder's files' bytes."""
+    total = 0
+    for source, _ in adapters:
+        if isinstance(source, dict):
+            total += sum(t.numel() * t.element_size() for t in source.values())
+        elif Path(source).is_dir():
+            total += sum(f.stat().st_size for f in Path(source).glob("*.safetensors"))
+        else:
+            total += Path(source).stat().st_size
+    return total

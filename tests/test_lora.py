@@ -17,10 +17,10 @@ from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 PROMPTS = ["a red cat", "a blue dog"]
 SCALE = 0.7
 KWARGS = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=3)
-CONFIGS = [
-    ParallelConfig(ulysses=2),
-    ParallelConfig(ring=2),
-    ParallelConfig(pipefusion=2, warmup_steps=3),  # every step a warmup step: exact; each stage fuses its share
+CONFIGS = [  # (configuration, compile)
+    (ParallelConfig(ulysses=2), False),
+    (ParallelConfig(ring=2), "aot_eager"),  # compiled after fusing: dynamo's graph of the fused weights
+    (ParallelConfig(pipefusion=2, warmup_steps=3), False),  # every step a warmup step: exact; each stage its share
 ]
 
 
@@ -63,12 +63,16 @@ def _diffusers(folder, lora=None, scale=1.0):
 
 def _ours(folder, lora, configs):
     rows = []
-    for config in configs:
-        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, lora=[(str(lora), SCALE)])
+    for config, compile in configs:
+        pipe = load_pipeline(
+            folder, config, mesh=RankMesh(config), progress=False, lora=[(str(lora), SCALE)], compile=compile
+        )
         planned = pipe.memory_plan.activation_bytes["LoRA adapters"][1]
         peft_layers = sum(type(m).__module__.startswith("peft.") for m in pipe.diffusers_pipeline.transformer.modules())
         latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **KWARGS))
-        rows.append(dict(config=config.short(), latents=latents, planned=planned, peft_layers=peft_layers))
+        rows.append(
+            dict(config=f"{config.short()} {compile}", latents=latents, planned=planned, peft_layers=peft_layers)
+        )
     return rows
 
 
@@ -84,6 +88,27 @@ def test_a_fused_lora_equals_diffusers_applying_it_under_ulysses_ring_and_pipefu
             assert (row["latents"] - expected).abs().max() <= bound, row["config"]
             assert row["peft_layers"] == 0, row  # fused and unloaded: plain linear layers for the strategies
             assert row["planned"] == lora.stat().st_size, row  # the adapter, counted in the plan while fused
+
+
+def test_the_cli_takes_a_lora_and_its_scale(flux, tmp_path):
+    """`xdit-lab run --lora PATH=SCALE` in a plain process (a world of one): the latents of diffusers' run."""
+    import sys
+
+    from xdit_lab.distributed import free_port
+    from xdit_lab.lessons import production
+
+    folder, lora = flux
+    argv = production.run_argv(folder, PROMPTS, ParallelConfig(), tmp_path / "out", seed=0, **KWARGS)
+    env = {"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    (result,) = production.run_processes(
+        [[sys.executable, "-m", "xdit_lab.cli", *argv, "--output-type", "latent", "--lora", f"{lora}={SCALE}"]],
+        timeout_s=240,
+        envs=[env],
+    )
+    assert result["returncode"] == 0, result["output"][-3000:]
+    expected = _diffusers(folder, lora, SCALE)
+    latents = torch.load(tmp_path / "out" / "latents.pt")
+    assert (latents - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
 
 
 def test_what_a_lora_cannot_go_with_is_refused_before_loading(flux, tmp_path):

@@ -146,9 +146,20 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _lora(text: str) -> tuple[str, float]:
+    """--lora PATH[=SCALE]: the adapter's path and its scale (1 when not given)."""
+    path, sep, scale = text.rpartition("=")
+    if not sep:
+        return text, 1.0
+    try:
+        return path, float(scale)
+    except ValueError:
+        return text, 1.0  # an "=" that is part of the path
+
+
 # `run`'s arguments that run_generation takes under the same names, as they are
 RUN_ARGUMENTS_AS_NAMED = tuple(
-    "steps seed height width dtype output_type cache_threshold compile shard_weights quantization".split()
+    "steps seed height width dtype output_type cache_threshold compile shard_weights quantization lora".split()
 )
 
 
@@ -393,6 +404,14 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=list(SCHEMES),
         help="load the transformer's and text encoders' linear weights in this torchao weight-only scheme, block "
         "by block as they are read (int8: 1 byte per weight and a scale per row); not with --shard-weights",
+    )
+    run.add_argument(
+        "--lora",
+        type=_lora,
+        action="append",
+        metavar="PATH[=SCALE]",
+        help="a LoRA adapter (file or folder) fused into the weights before parallelizing, at SCALE (default 1); "
+        "repeat for more",
     )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -63,10 +63,11 @@ def run_generation(
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
     quantization: str | None = None,
+    lora: list | None = None,
 ) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
     `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer;
-    `shard_weights`, `on_host` and `quantization` place and store the weights as load_pipeline's arguments of
+    `shard_weights`, `on_host`, `quantization` and `lora` place, store and change the weights as load_pipeline's arguments of
     those names do; `dtype` "auto" is bfloat16 on a GPU, float32 on a CPU (the report names the one it ran in).
     A peer that does not answer within `timeout_s` (hung, or gone) ends in PeerTimeoutError, naming this
     rank, what it was waiting in and the peers it waited for."""
@@ -77,7 +78,9 @@ def run_generation(
             check_output_folder(output_dir)
         with comm.comm_log() as where.log:  # every collective this rank starts: the last one names its peers
             where.phase = "loading the pipeline"
-            pipe = _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization)
+            pipe = _load(
+                model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora
+            )
             if not pipe.active:
                 return None  # a configuration smaller than the world: this rank sits out
             where.phase, where.mesh = "generating", pipe.mesh
@@ -131,6 +134,7 @@ def run_generation(
         shard_weights=shard_weights,
         on_host=list(on_host),
         quantization=quantization,
+        lora=lora,
         cache_skips=result.cache_skips,
         memory_plan={
             "per_rank_bytes": pipe.memory_plan.per_rank_bytes,
@@ -167,6 +171,7 @@ def run_prompts_file(
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
     quantization: str | None = None,
+    lora: list | None = None,
 ) -> dict | None:
     """Draw every image a prompts file asks for (prompts_file.py), `batch_size` at a time on one loaded pipeline
     (default: the dp degree, one image per dp group), each written and recorded as soon as its batch is decoded;
@@ -185,7 +190,7 @@ def run_prompts_file(
         raise ValueError(f"batch_size must be a whole number >= 1; got {batch_size!r}")
     jobs = read_prompts_file(prompts_file, images_per_prompt, seed)
     call = dict(num_inference_steps=steps, guidance_scale=guidance_scale, height=height, width=width, **(options or {}))
-    loaded = dict(torch_dtype=dtype, cache_threshold=cache_threshold, quantization=quantization)
+    loaded = dict(torch_dtype=dtype, cache_threshold=cache_threshold, quantization=quantization, lora=lora)
     identity = run_identity(model, jobs, config, call, negative_prompt, output_type, loaded)
     where = Waiting()
     output_dir = Path(output_dir).expanduser()
@@ -194,7 +199,9 @@ def run_prompts_file(
         done = open_run(output_dir, identity) if current_info().rank == 0 else {}  # before any loading
         with comm.comm_log() as where.log:
             where.phase = "loading the pipeline"
-            pipe = _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization)
+            pipe = _load(
+                model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora
+            )
             if not pipe.active:
                 return None
             where.phase, where.mesh = "checking the prompts", pipe.mesh
@@ -357,7 +364,7 @@ def _write_image(output_dir: Path, job, image, config, timings: dict, batch_imag
     return name
 
 
-def _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization):
+def _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora):
     """load_pipeline with a run's arguments (a StepCache at `cache_threshold`, when one is given)."""
     return load_pipeline(
         model,
@@ -369,6 +376,7 @@ def _load(model, config, dtype, progress, cache_threshold, compile, shard_weight
         shard_weights=shard_weights,
         on_host=on_host,
         quantization=quantization,
+        lora=lora,
     )
 
 

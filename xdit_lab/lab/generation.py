@@ -59,6 +59,7 @@ def generate(
         torch_dtype=kwargs.get("torch_dtype", "auto"),
         cache_threshold=None if cache is None else cache.threshold,
         quantization=kwargs.get("quantization"),
+        lora=kwargs.get("lora"),
     )
     identity = run_identity(lab.loaded.name_or_path, jobs, config, call, negative_prompt, output_type, loaded)
 

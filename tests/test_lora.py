@@ -24,19 +24,19 @@ CONFIGS = [  # (configuration, compile)
 ]
 
 
-@pytest.fixture(scope="module")
-def flux(tmp_path_factory):
-    """The tiny Flux folder and a LoRA file for it (attention and MLP projections of every block)."""
+TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0", "proj_mlp"], "sd3": ["to_q", "to_k", "to_v", "to_out.0"]}
+
+
+def _folder_and_lora(tmp_path_factory, family):
+    """The family's tiny folder and a LoRA file for it (attention, and Flux's MLP projections, of every block)."""
     from diffusers import DiffusionPipeline
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    root = tmp_path_factory.mktemp("flux")
-    folder = save_tiny_pipeline("flux", root / "pipeline")
+    root = tmp_path_factory.mktemp(family)
+    folder = save_tiny_pipeline(family, root / "pipeline")
     pipe = DiffusionPipeline.from_pretrained(folder)
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp"], init_lora_weights=False
-    )
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family], init_lora_weights=False)
     torch.manual_seed(1)
     pipe.transformer.add_adapter(config)
     type(pipe).save_lora_weights(
@@ -47,7 +47,12 @@ def flux(tmp_path_factory):
     return folder, root / "lora" / "pytorch_lora_weights.safetensors"
 
 
-def _diffusers(folder, lora=None, scale=1.0):
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    return _folder_and_lora(tmp_path_factory, "flux")
+
+
+def _diffusers(folder, lora=None, scale=1.0, kwargs=KWARGS):
     """diffusers' pipeline, serial; with the LoRA loaded unfused and scaled at run time."""
     from diffusers import DiffusionPipeline
 
@@ -58,10 +63,10 @@ def _diffusers(folder, lora=None, scale=1.0):
         pipe.load_lora_weights(lora)
         extra["joint_attention_kwargs"] = {"scale": scale}
     generator = torch.Generator().manual_seed(0)
-    return output_latents(pipe(prompt=PROMPTS, generator=generator, output_type="latent", **KWARGS, **extra))
+    return output_latents(pipe(prompt=PROMPTS, generator=generator, output_type="latent", **kwargs, **extra))
 
 
-def _ours(folder, lora, configs):
+def _ours(folder, lora, configs, kwargs=KWARGS):
     rows = []
     for config, compile in configs:
         pipe = load_pipeline(
@@ -69,7 +74,7 @@ def _ours(folder, lora, configs):
         )
         planned = pipe.memory_plan.activation_bytes["LoRA adapters"][1]
         peft_layers = sum(type(m).__module__.startswith("peft.") for m in pipe.diffusers_pipeline.transformer.modules())
-        latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **KWARGS))
+        latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **kwargs))
         rows.append(
             dict(config=f"{config.short()} {compile}", latents=latents, planned=planned, peft_layers=peft_layers)
         )
@@ -88,6 +93,20 @@ def test_a_fused_lora_equals_diffusers_applying_it_under_ulysses_ring_and_pipefu
             assert (row["latents"] - expected).abs().max() <= bound, row["config"]
             assert row["peft_layers"] == 0, row  # fused and unloaded: plain linear layers for the strategies
             assert row["planned"] == lora.stat().st_size, row  # the adapter, counted in the plan while fused
+
+
+def test_sd3_takes_the_same_path(tmp_path_factory):
+    """SD3's loader (SD3LoraLoaderMixin) under ulysses 2 and pf2, against diffusers applying the adapter unfused."""
+    folder, lora = _folder_and_lora(tmp_path_factory, "sd3")
+    kwargs = dict(tiny_pipeline_kwargs("sd3"), num_inference_steps=3)
+    expected = _diffusers(folder, lora, SCALE, kwargs)
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    assert (_diffusers(folder, kwargs=kwargs) - expected).abs().max() > 100 * bound  # the adapter matters
+    configs = [(ParallelConfig(ulysses=2), False), (ParallelConfig(pipefusion=2, warmup_steps=3), False)]
+    for rows in run_on_ranks(_ours, 2, folder, lora, configs, kwargs, timeout_s=240):
+        for row in rows:
+            assert (row["latents"] - expected).abs().max() <= bound, row["config"]
+            assert row["peft_layers"] == 0, row
 
 
 def test_the_cli_takes_a_lora_and_its_scale(flux, tmp_path):

@@ -6,7 +6,8 @@ a long run resume.
                        a rerun into this folder must ask for the same, or it is refused naming what differs
       records.jsonl    one line per image whose file is in place: id, prompt, seed, file, configuration, timings
       cat-0.png ...    each written to a temporary name and renamed, then recorded
-      report.json      throughput and time per phase, written when the run ends (or stops on a failed write)
+      report.json      throughput and time per phase, written when the run ends (not after a failed write: the
+                       records say what is done, and the same command resumes)
 
 The order is the guarantee: an image's file is renamed into place before its record is appended, and a record is
 one `write` of one line, synced. A run killed at any point leaves whole files and whole records, plus at most an

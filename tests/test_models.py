@@ -144,17 +144,6 @@ def test_diffusers_version_outside_range_is_named():
     check_diffusers_version()  # the installed one is supported
 
 
-def _per_token_timestep(config):
-    model = parallelize(tiny_transformer("wan"), config)
-    inputs = tiny_inputs("wan", 2)
-    inputs["timestep"] = inputs["timestep"][:, None].expand(2, 32)  # 2 frames x 4 x 4 tokens
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    except NotImplementedError as error:
-        return str(error)
-
-
 def _flux2_reference_cache():
     model = parallelize(tiny_transformer("flux2"), ParallelConfig(ulysses=2))
     try:
@@ -165,11 +154,8 @@ def _flux2_reference_cache():
 
 
 def test_what_sequence_parallelism_cannot_split_yet_is_refused_by_name():
-    """Wan 2.2's timestep per token (under ulysses and under pipefusion), Flux.2's reference-image K/V
-    cache: refused, not run on shards."""
-    for config in (ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2)):
-        for message in run_on_ranks(_per_token_timestep, 2, config, timeout_s=120):
-            assert message and "timestep per token" in message and "cfg and dp only" in message, message
+    """Flux.2's reference-image K/V cache: refused, not run on shards. (What follows the shard instead, a
+    timestep or a modulation index per token, is tests/test_per_token.py.)"""
     for message in run_on_ranks(_flux2_reference_cache, 2, timeout_s=120):
         assert message and "kv_cache_mode" in message and "cfg and dp only" in message, message
 
@@ -193,20 +179,9 @@ def _refused_shapes():
     return messages
 
 
-def test_hunyuan_video_token_replace_is_refused_by_name():
-    """HunyuanVideo I2V's token replace modulates the first frame's tokens apart, by a count the forward
-    takes whole: refused under sequence parallelism and PipeFusion, before anything runs."""
-    for config in (ParallelConfig(ring=2), ParallelConfig(pipefusion=2)):
-        with pytest.raises(ParallelConfigError, match="image_condition_type=token_replace set: .* cfg and dp only"):
-            parallelize(tiny_transformer("hunyuanvideo", image_condition_type="token_replace"), config)
-
-
 def test_what_qwen_image_cannot_split_is_refused_by_name():
-    """Qwen-Image-Edit's zero_cond_t (a modulation index per image token, built whole in the forward)
-    under sequence parallelism; an edit's several images per sample under PipeFusion, which cuts one
-    image's rows; and a mask that is not a padded-text key mask (Flux given one) under ulysses."""
-    with pytest.raises(ParallelConfigError, match="zero_cond_t set: .* cfg and dp only"):
-        parallelize(tiny_transformer("qwenimage", zero_cond_t=True), ParallelConfig(ulysses=2))
+    """An edit's several images per sample under PipeFusion, which cuts one image's rows; and a mask
+    that is not a padded-text key mask (Flux given one) under ulysses."""
     for several_images, flux_mask in run_on_ranks(_refused_shapes, 2, timeout_s=120):
         assert "2 images per sample" in several_images and "without PipeFusion" in several_images
         assert "transformer_blocks.0.attn (joint_first attention of flux) passes an attention mask" in flux_mask

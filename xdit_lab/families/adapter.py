@@ -248,6 +248,46 @@ class ImageAndText(RotaryLayout):
 TEXT_THEN_IMAGE, IMAGE_ONLY, IMAGE_AND_TEXT = TextThenImage(), ImageOnly(), ImageAndText()
 
 
+# ---- arguments with one entry per image token ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PerToken:
+    """An argument with one entry per image token: each rank keeps the entries of the tokens it holds,
+    cut with the same shard (ulysses, ring) or the same patches (PipeFusion) as the tokens themselves,
+    so it is exact and moves nothing. diffusers' `_cp_plan` says the same with ContextParallelInput.
+
+        Wan 2.2 TI2V's timestep [B, S] at the forward     -> this rank's [B, S/sp]
+        Qwen-Image-Edit's modulate_index [B, S] per block  -> [B, S/sp]
+        HunyuanVideo I2V's frame-0 token count F0 (an int) -> how many of this rank's tokens are among the first F0
+
+    module    "" for the transformer's forward, else a regex of the qualified names of the modules that take it
+              (a PipeFusion stage renames its blocks from 0: the regex matches them as well)
+    argument  its name in that forward (found among the positional arguments too, by the signature)
+    dim       the token dimension (negative: from the end, e.g. Flux.2's img_ids [S, 3] or [B, S, 3])
+    dims      only a tensor of this many dimensions is per token (Wan's timestep is per sample when 1-D)
+    prefix    the argument is a count of the sequence's leading image tokens, not a tensor
+    A tuple of tensors (CogVideoX's rotary (cos, sin)) has each of its tensors cut."""
+
+    module: str
+    argument: str
+    dim: int = 1
+    dims: int | None = None
+    prefix: bool = False
+
+    def keep(self, strategy, value):
+        """`value` as this rank holds it: `strategy` (the token strategy) cuts it or counts it."""
+        if value is None:
+            return None
+        if self.prefix:
+            return strategy.keep_prefix(value)
+        if isinstance(value, tuple):
+            return tuple(self.keep(strategy, t) for t in value)
+        if isinstance(value, torch.Tensor) and (self.dims is None or value.dim() == self.dims):
+            return strategy.keep_tokens(value, self.dim)
+        return value
+
+
 # ---- the adapter -----------------------------------------------------------------------------------------
 
 # the config key that counts each block list, as diffusers' transformers name them (Flux's and
@@ -278,11 +318,11 @@ class FamilyAdapter:
     # padding mask, one embedding of [text; image])
     text_shard_at: str = "block"
     text_rows_kwarg: str | None = None
-    image_rows_kwarg: str | None = None  # a forward argument with one row per image token (dim -2):
-    # CogVideoX's rotary tables (a tuple), Flux.2's img_ids
-    per_token_config: tuple = ()  # model config "key" (set) or "key=value" entries that condition each image
-    # token by an index the forward builds whole (Qwen-Image-Edit's zero_cond_t, HunyuanVideo I2V's token
-    # replace): no strategy can split its tokens yet
+    # arguments with one entry per image token, which follow the tokens' shard or patch (PerToken)
+    per_token: tuple = ()
+    # forward arguments that are lists with one entry per sample (Qwen-Image's img_shapes): cfg and dp keep
+    # this rank's samples, as they keep its rows of every batched tensor
+    per_sample_lists: tuple = ()
     unbatched: tuple = ()  # forward arguments without a batch dimension
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
@@ -354,15 +394,6 @@ class FamilyAdapter:
             first, last = max(start - offset, 0), max(min(stop - offset, len(blocks)), 0)
             setattr(transformer, name, torch.nn.ModuleList(blocks[first:last]))
             offset += len(blocks)
-
-    def per_token_settings(self, model_config) -> list[str]:
-        """The per_token_config entries this model's config sets."""
-        found = []
-        for entry in self.per_token_config:
-            key, _, value = entry.partition("=")
-            if (model_config.get(key) == value) if value else model_config.get(key):
-                found.append(entry)
-        return found
 
 
 def block_metadata(block):

@@ -3,7 +3,7 @@ the video in one tensor), rotary tables per image token passed to the forward, D
 
 from __future__ import annotations
 
-from .adapter import FRAMES, FamilyAdapter
+from .adapter import FRAMES, FamilyAdapter, PerToken
 from .recipe import Recipe, RequestShape, generator_of, latent_frames, vae_scale, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, text_parts
 
@@ -14,7 +14,7 @@ ADAPTER = FamilyAdapter(
     attention={r"\.attn1$": "joint_first"},
     latents=FRAMES,
     text_before_image_at_shard=True,
-    image_rows_kwarg="image_rotary_emb",
+    per_token=(PerToken("", "image_rotary_emb", dim=-2),),  # rotary (cos, sin), a row per image token
     unbatched=("image_rotary_emb",),
 )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import FamilyAdapter
+from .adapter import FamilyAdapter, PerToken
 from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
 from .recipe import PackedLatentsRecipe, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
@@ -19,7 +19,7 @@ from .tiny_spec import TEXT_DIM, Part, TinySpec
 ADAPTER = FamilyAdapter(
     "flux2",
     "Flux2Transformer2DModel",
-    image_rows_kwarg="img_ids",  # its rotary tables are computed from them, text ids apart
+    per_token=(PerToken("", "img_ids", dim=-2),),  # its rotary tables are computed from them, text ids apart
     joined_block_lists=("single_transformer_blocks",),
     step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
     **FLUX_LAYOUT,

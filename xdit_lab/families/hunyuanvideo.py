@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
+from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken
 from .qwenimage import padded_text_mask
 from .recipe import TrueCFGRecipe, VideoRecipe
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
@@ -29,7 +29,9 @@ ADAPTER = FamilyAdapter(
     rotary_at="rope",  # computed from the latents, before the tokens are sharded
     rotary=IMAGE_ONLY,
     text_key_mask=True,
-    per_token_config=("image_condition_type=token_replace",),
+    # image-to-video with token replace: every block modulates the first frame's tokens (a count the forward
+    # hands each block, its num_tokens) at t = 0, the others at t
+    per_token=(PerToken(r"^(single_)?transformer_blocks\.\d+$", "num_tokens", prefix=True),),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
 )
 

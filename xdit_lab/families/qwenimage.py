@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter
+from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter, PerToken
 from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, causal_vae_decoded, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec, flow_scheduler
 
@@ -25,7 +25,10 @@ ADAPTER = FamilyAdapter(
     rotary_at="pos_embed",
     rotary=IMAGE_AND_TEXT,
     text_key_mask=True,
-    per_token_config=("zero_cond_t",),
+    # Qwen-Image-Edit-2511 (zero_cond_t): which image of the sample each token is of (0: the one drawn, 1: a
+    # reference, modulated at t = 0), built whole by the forward and handed to every block
+    per_token=(PerToken(r"^transformer_blocks\.\d+$", "modulate_index", dim=1, dims=2),),
+    per_sample_lists=("img_shapes",),
 )
 
 

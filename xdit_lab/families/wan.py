@@ -1,14 +1,16 @@
 """Wan 2.1: a T5-family (UMT5) text encoder, video latents [B, C, F, H, W], self-attention over the video's
 tokens with the text by cross-attention (which moves nothing), flow matching.
 
-Wan 2.2's pipelines are refused by name: its two-expert pipelines (boundary_ratio: a second transformer
-for the low-noise steps), because the second transformer is not parallelized here, and its 5B TI2V
-(expand_timesteps: a timestep per token), because a per-token timestep cannot be split with the tokens
-yet."""
+Wan 2.2 TI2V 5B's text-to-video runs (WanPipeline with expand_timesteps: a timestep per token, [B, S],
+which every rank cuts with its tokens, adapter.PerToken). Wan 2.2's two-expert pipelines (boundary_ratio:
+a second transformer for the low-noise steps) are refused by name: the second transformer is not
+parallelized here."""
 
 from __future__ import annotations
 
-from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
+import torch
+
+from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken
 from .recipe import VideoRecipe, causal_vae_decoded, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
@@ -22,6 +24,7 @@ ADAPTER = FamilyAdapter(
     rotary_at="rope",
     rotary=IMAGE_ONLY,
     block_lists=("blocks",),
+    per_token=(PerToken("", "timestep", dim=1, dims=2),),  # Wan 2.2 TI2V: a timestep per token, [B, S]
 )
 
 
@@ -43,11 +46,6 @@ class WanRecipe(VideoRecipe):
                 "Wan 2.2's two-expert pipeline (boundary_ratio, transformer_2) is not run by xdit_lab yet: only its "
                 "first transformer would be parallelized; use a single-transformer Wan 2.1 pipeline"
             )
-        if pipe.config.get("expand_timesteps"):
-            raise NotImplementedError(
-                "this Wan pipeline (Wan 2.2 TI2V 5B) uses a timestep per token (expand_timesteps), which xdit_lab "
-                "cannot split with the tokens yet; run a Wan 2.1 pipeline, with one timestep per sample"
-            )
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds = video_prompt_embeds(pipe, request, texts, device)
@@ -58,6 +56,15 @@ class WanRecipe(VideoRecipe):
         pipe.scheduler.set_begin_index(0)
         prepared.timesteps = pipe.scheduler.timesteps
         prepared.latents = self.video_latents(pipe, request, device)
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        kwargs = super().model_kwargs(pipe, prepared, model_input, t)
+        if pipe.config.get("expand_timesteps"):  # Wan 2.2 TI2V: WanPipeline's timestep per token, [B, S]
+            # (a mask of ones over the latent grid, strided by the 2 × 2 patch its pipeline assumes, times t)
+            mask = torch.ones(model_input.shape[2:], dtype=torch.float32, device=model_input.device)
+            per_token = (mask[:, ::2, ::2] * t).flatten()
+            kwargs["timestep"] = per_token.unsqueeze(0).expand(model_input.shape[0], -1)
+        return kwargs
 
     def planned_text_bytes(self, transformer, call, element):
         return call.options["max_sequence_length"] * transformer["text_dim"] * element  # UMT5's states

@@ -10,7 +10,10 @@ over at the places the family adapter (xdit_lab/families/) names:
      module's kind (self, joint_first, joint_last)                             strategy.attend
      (an attention module the adapter does not know is refused at parallelize time; cross and text
      attention see whole text K/V on every rank and run as diffusers wrote them)
-  6. the last projection's output, before unpatchify: tokens come back whole    strategy.gather
+  6. arguments with one entry per image token (adapter.per_token: Wan 2.2's timestep per token,
+     Qwen-Image-Edit's modulate_index, HunyuanVideo I2V's frame-0 count), at the forward or as each
+     block takes them: the strategy keeps its tokens' entries    strategy.keep_tokens, keep_prefix
+  7. the last projection's output, before unpatchify: tokens come back whole    strategy.gather
      and the forward's output is gathered over dp and cfg, so every rank returns the full batch
 
 How attention is taken over, without watching every torch call:
@@ -42,6 +45,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 import types
 import weakref
 
@@ -135,6 +139,9 @@ def install_hooks(transformer, state: ParallelState) -> None:
         _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
         if adapter.rotary_at:
             _hook_output(transformer, adapter.rotary_at, functools.partial(_when_running, state, "shard_rotary"))
+        for entry in adapter.per_token:
+            if entry.module:
+                _hook_per_token(transformer, state, entry)
     if getattr(strategy, "text_shard_at", None) == "block":
         _hook_text_at_first_block(transformer, state)
     setattr(transformer, STATE_ATTRIBUTE, state)
@@ -170,6 +177,39 @@ def _hook_text_at_first_block(transformer, state) -> None:
         return args, kwargs
 
     first.register_forward_pre_hook(shard_text, with_kwargs=True, prepend=True)
+
+
+def _hook_per_token(transformer, state, entry) -> None:
+    """Each module `entry.module` matches keeps this rank's entries of its per-token argument (the
+    forward builds it whole and hands the same one to every block: each block's copy is cut). A matching
+    module without the argument is another variant's (HunyuanVideo's blocks without token replace)."""
+    for name, module in transformer.named_modules():
+        if not re.search(entry.module, name):
+            continue
+        parameters = list(inspect.signature(type(module).forward).parameters)
+        if entry.argument not in parameters:
+            continue
+        position = parameters.index(entry.argument) - 1  # without self
+
+        def keep(_module, args, kwargs, position=position):
+            if not state.in_forward:
+                return None
+            if entry.argument in kwargs:
+                kwargs[entry.argument] = entry.keep(state.strategy, kwargs[entry.argument])
+            elif len(args) > position:
+                args = (*args[:position], entry.keep(state.strategy, args[position]), *args[position + 1 :])
+            return args, kwargs
+
+        module.register_forward_pre_hook(keep, with_kwargs=True)
+
+
+def keep_forward_per_token(state, arguments: dict, whole: dict | None = None) -> None:
+    """The forward's own per-token arguments (adapter.per_token, module ""): this rank's entries, in place.
+    `whole` holds them as the caller gave them, for a strategy that cuts them again per patch."""
+    for entry in state.adapter.per_token:
+        if not entry.module and entry.argument in arguments:
+            value = whole[entry.argument] if whole is not None else arguments[entry.argument]
+            arguments[entry.argument] = entry.keep(state.strategy, value)
 
 
 def run_forward(state: ParallelState, forward, bound):
@@ -403,19 +443,11 @@ def refuse_per_block(arguments: dict) -> None:
 
 def refuse_unsplittable(arguments: dict) -> None:
     """Forward arguments whose tokens no strategy can split yet (ulysses, ring and pipefusion must be 1):
-    Flux.2's reference-image K/V cache, and a timestep per token (Wan 2.2 TI2V), whose embedding
-    would need the tokens' shards."""
+    Flux.2's reference-image K/V cache."""
     if arguments.get("kv_cache_mode") is not None:
         raise NotImplementedError(
             "Flux.2's reference-image K/V cache (kv_cache_mode) is not sequence-parallel or pipelined yet; "
             "run it under cfg and dp only (ulysses = ring = pipefusion = 1)"
-        )
-    timestep = arguments.get("timestep")
-    if isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
-        raise NotImplementedError(
-            f"a timestep per token (shape {tuple(timestep.shape)}, e.g. Wan 2.2 TI2V) is not sequence-parallel or "
-            f"pipelined yet: its embedding would need the tokens' shards; run it under cfg and dp only "
-            f"(ulysses = ring = pipefusion = 1)"
         )
 
 
@@ -483,7 +515,9 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
     local = slice(start, stop)
     if (local.start, local.stop) != (0, total):
         for name, value in list(arguments.items()):
-            if name not in state.adapter.unbatched and name not in state.adapter.not_batched_dicts:
+            if name in state.adapter.per_sample_lists and isinstance(value, list) and len(value) == total:
+                arguments[name] = value[local]
+            elif name not in state.adapter.unbatched and name not in state.adapter.not_batched_dicts:
                 arguments[name] = _take_batch(value, total, local)
     return dp_sizes
 

@@ -71,13 +71,6 @@ def parallelize(
             "any patch moves, while the async schedule has two steps in flight; use the drained schedule"
         )
     model_config = transformer.config
-    per_token = adapter.per_token_settings(model_config)
-    if per_token and (config.sp_degree > 1 or getattr(config, PIPEFUSION) > 1):
-        unsupported.append(
-            f"this {adapter.family} model has {', '.join(per_token)} set: it conditions each image token by an index "
-            f"its forward builds for the whole sequence, which no strategy can split yet; run it under cfg and dp "
-            f"only (ulysses = ring = pipefusion = 1)"
-        )
     if unsupported:
         raise ParallelConfigError("; ".join(unsupported))
     config.validate(

@@ -32,7 +32,7 @@ from .. import comm
 from ..attention import sp_attention, sp_attention_sharded
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
-from .hooks import join_text, refuse_unsplittable, split_text
+from .hooks import join_text, keep_forward_per_token, refuse_unsplittable, split_text
 from .step import whole_step
 
 JOINT_KINDS = ("joint_first", "joint_last")
@@ -54,18 +54,14 @@ class SequenceShards:
         self.text_shard_at = state.adapter.text_shard_at if (self.shards_text and joint and sp > 1) else None
 
     def forward(self, run, bound):
-        """One pass of the model's forward. An argument with one row per image token (CogVideoX's
-        rotary tables, Flux.2's img_ids) keeps this rank's rows before the forward sees it; where the
-        family's text is cut at the input, the text and its rows (Flux's txt_ids) keep this rank's."""
+        """One pass of the model's forward. Its arguments with one entry per image token (adapter.per_token:
+        CogVideoX's rotary tables, Flux.2's img_ids, Wan 2.2's timestep per token) keep this rank's entries
+        before the forward sees them; where the family's text is cut at the input, the text and its rows
+        (Flux's txt_ids) keep this rank's."""
         adapter = self.state.adapter
-        kwarg = adapter.image_rows_kwarg
-        rows = bound.arguments.get(kwarg) if kwarg else None
-        if self.mesh.group_size(SP) > 1:
+        if self.splits_tokens:
             refuse_unsplittable(bound.arguments)
-        if isinstance(rows, tuple):
-            bound.arguments[kwarg] = tuple(self._take_image_shard(t, dim=t.dim() - 2) for t in rows)
-        elif rows is not None:
-            bound.arguments[kwarg] = self._take_image_shard(rows, dim=rows.dim() - 2)
+            keep_forward_per_token(self.state, bound.arguments)
         if self.text_shard_at == "input" and self.splits_text():
             bound.arguments["encoder_hidden_states"] = self.shard_text(bound.arguments["encoder_hidden_states"])
             text_rows = bound.arguments.get(adapter.text_rows_kwarg) if adapter.text_rows_kwarg else None
@@ -135,6 +131,15 @@ class SequenceShards:
         elif self.text_shard_at == "block" and self.splits_text():
             keep_text = self._take_text_shard
         return self.state.adapter.rotary.keep_rows(tables, text, self._take_image_shard, keep_text)
+
+    def keep_tokens(self, tensor, dim: int):
+        """This rank's entries of a tensor with one per image token on `dim` (adapter.PerToken): its shard."""
+        return self._take_image_shard(tensor, dim)
+
+    def keep_prefix(self, count: int) -> int:
+        """How many of this rank's image tokens are among the sequence's first `count` (adapter.PerToken)."""
+        start, stop = self.shard_range
+        return min(max(count - start, 0), stop - start)
 
     def shard_text(self, text):
         """This rank's tokens of the joint text states [B, T, C] (dim 1)."""

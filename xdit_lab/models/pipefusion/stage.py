@@ -34,7 +34,7 @@ from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
 from ...mesh import PIPEFUSION, RING, SP, ULYSSES
 from ...sharding import PatchLayout, patch_ranges
-from ..hooks import join_text, refuse_per_block, refuse_unsplittable, split_text
+from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
 from .schedules import async_step
 
@@ -224,17 +224,10 @@ class PipeFusionStage:
         # a stage hands over the text states its blocks changed (SD3, Flux, CogVideoX) with the patch
         carries_text = self.first_block.return_encoder_hidden_states_index is not None or self.first_joined
         text_len = text.shape[1] if carries_text else 0
-        rows_kwarg = adapter.image_rows_kwarg
-        all_rows = bound.arguments.get(rows_kwarg) if rows_kwarg else None
+        whole = dict(bound.arguments)  # the forward's per-token arguments, cut again for every patch set
 
-        def run_active():  # an argument with one row per image token keeps the active patches' rows
-            if all_rows is not None:
-                index = self._index("shard", latents.device)
-                bound.arguments[rows_kwarg] = (
-                    tuple(t.index_select(t.dim() - 2, index) for t in all_rows)
-                    if isinstance(all_rows, tuple)
-                    else all_rows.index_select(all_rows.dim() - 2, index)
-                )
+        def run_active():  # arguments with one entry per image token keep the active patches' entries
+            keep_forward_per_token(self.state, bound.arguments, whole)
             return run()
 
         def receive(active):  # the previous stage's activations, into buffers of the model's dtype
@@ -338,6 +331,18 @@ class PipeFusionStage:
         self.state.image_len = tokens.shape[1] - text
         image = tokens[:, text:].index_select(1, self._index("shard", tokens.device))
         return torch.cat([tokens[:, :text], image], dim=1) if text else image
+
+    def keep_tokens(self, tensor, dim: int):
+        """The entries of the active patches' tokens of this rank, of a tensor with one per image token."""
+        return tensor.index_select(dim, self._index("shard", tensor.device))
+
+    def keep_prefix(self, count: int) -> int:
+        """How many of this rank's tokens of the active patches are among the sequence's first `count`
+        (its tokens run in ascending order, so they are the first ones it holds)."""
+        sp_rank = self.mesh.group_rank(SP)
+        return sum(
+            max(min(stop, count) - start, 0) for start, stop in (self.layout.chunk(p, sp_rank) for p in self.active)
+        )
 
     def shard_rotary(self, tables):
         """The rotary tables' rows of this rank's tokens of the active patches, and every text row."""

@@ -587,6 +587,7 @@ class ParallelPipeline:
         self.check_size(request)
         self.recipe.check_negatives(request)  # cfg 2 with one branch: refused where the batch splits
         if self.diffusers_pipeline is not None:  # an idle rank has no tokenizer, and runs no request
+            self.recipe.check_inputs(self.diffusers_pipeline, request)
             self.recipe.check_prompt_lengths(self.diffusers_pipeline, request)
         return request
 

@@ -282,6 +282,10 @@ def _digest(value) -> str:
     elif isinstance(value, (list, tuple)):
         for item in value:
             h.update(_digest(item).encode())
+    elif hasattr(value, "tobytes"):  # a numpy array or a PIL image (whose repr holds its address)
+        h.update(repr((type(value).__name__, getattr(value, "mode", None), getattr(value, "shape", None))).encode())
+        h.update(repr(getattr(value, "size", None)).encode())
+        h.update(value.tobytes())
     else:
         h.update(repr(value).encode())
     return h.hexdigest()[:16]

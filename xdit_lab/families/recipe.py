@@ -202,6 +202,10 @@ class Recipe:
                 f"(its guidance_scale is the model's input); drop negative_prompt"
             )
 
+    def check_inputs(self, pipe, request: Request) -> None:
+        """Refuse, by name, what this loaded pipeline cannot take of the request (an image for a pipeline
+        that takes none, a missing one), before anything runs."""
+
     # ---- prompts longer than the text encoder reads ---------------------------------------------------------
     # The pipeline's tokenizer whose tokens `max_sequence_length` bounds (None: no such bound). diffusers cuts a
     # longer prompt to that many tokens and draws the rest of the image without the cut words, with at most a
@@ -299,6 +303,10 @@ class Recipe:
 
     def scale_model_input(self, pipe, model_input, t):
         return pipe.scheduler.scale_model_input(model_input, t)
+
+    def model_input(self, pipe, prepared: Prepared, latents: torch.Tensor, t) -> torch.Tensor:
+        """The transformer's input for the current latents: one copy per branch, scaled for the step."""
+        return self.scale_model_input(pipe, torch.cat([latents, latents]) if prepared.do_cfg else latents, t)
 
     def guide(self, pipe, prepared: Prepared, noise: torch.Tensor, step_index: int) -> torch.Tensor:
         if prepared.do_cfg:

@@ -1,17 +1,23 @@
 """Wan 2.1: a T5-family (UMT5) text encoder, video latents [B, C, F, H, W], self-attention over the video's
 tokens with the text by cross-attention (which moves nothing), flow matching.
 
-Wan 2.2 TI2V 5B's text-to-video runs (WanPipeline with expand_timesteps: a timestep per token, [B, S],
-which every rank cuts with its tokens, adapter.PerToken). Wan 2.2's two-expert pipelines (boundary_ratio:
-a second transformer for the low-noise steps) are refused by name: the second transformer is not
-parallelized here."""
+Wan 2.2 TI2V 5B runs text to video (WanPipeline) and image to video (WanImageToVideoPipeline), both with
+expand_timesteps: a timestep per token, [B, S], which every rank cuts with its tokens (adapter.PerToken).
+Its image to video keeps the image's latents as the first latent frame, whose tokens get timestep 0:
+
+    latents [B, C, F, H, W] --frame 0 replaced by the image's latents--> the model's input
+    timestep per token: 0 for frame 0's tokens, t for the others --cut with the tokens--> each rank's
+
+Refused by name: Wan 2.1's image to video (CLIP image embeddings and a mask concatenated on the channels,
+not run here yet), and Wan 2.2's two-expert pipelines (boundary_ratio: a second transformer for the
+low-noise steps, not parallelized here)."""
 
 from __future__ import annotations
 
 import torch
 
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken
-from .recipe import VideoRecipe, causal_vae_decoded, video_prompt_embeds
+from .recipe import VideoRecipe, causal_vae_decoded, generator_of, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
 ADAPTER = FamilyAdapter(
@@ -29,11 +35,11 @@ ADAPTER = FamilyAdapter(
 
 
 class WanRecipe(VideoRecipe):
-    pipeline_classes = ("WanPipeline",)
+    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     output_class = "diffusers.pipelines.wan.pipeline_output:WanPipelineOutput"
     default_size = (480, 832)  # WanPipeline's
     defaults = dict(num_inference_steps=50, guidance_scale=5.0)
-    options = dict(num_frames=81, max_sequence_length=512)
+    options = dict(num_frames=81, max_sequence_length=512, image=None)  # image: the first frame (image to video)
 
     def prompt_tokens(self, pipe, request, text):
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # what encode_prompt tokenizes
@@ -46,6 +52,22 @@ class WanRecipe(VideoRecipe):
                 "Wan 2.2's two-expert pipeline (boundary_ratio, transformer_2) is not run by xdit_lab yet: only its "
                 "first transformer would be parallelized; use a single-transformer Wan 2.1 pipeline"
             )
+        if _takes_image(pipe) and not pipe.config.get("expand_timesteps"):
+            raise NotImplementedError(
+                "Wan 2.1's image-to-video pipeline (WanImageToVideoPipeline without expand_timesteps: CLIP image "
+                "embeddings, and a mask concatenated with the latents) is not run by xdit_lab yet; Wan 2.2 TI2V 5B's "
+                "image to video (expand_timesteps) is"
+            )
+
+    def check_inputs(self, pipe, request):
+        image = request.options.get("image")
+        if _takes_image(pipe) and image is None:
+            raise ValueError(f"{type(pipe).__name__} draws a video from an image: give image= (a PIL image)")
+        if not _takes_image(pipe) and image is not None:
+            raise ValueError(
+                f"{type(pipe).__name__} draws from text alone and takes no image; image to video is "
+                f"WanImageToVideoPipeline's (load a folder whose model_index.json names it)"
+            )
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
         embeds = video_prompt_embeds(pipe, request, texts, device)
@@ -53,18 +75,46 @@ class WanRecipe(VideoRecipe):
 
     def prepare(self, pipe, request, prepared, device):
         pipe.scheduler.set_timesteps(request.num_inference_steps, device=device)
-        pipe.scheduler.set_begin_index(0)
         prepared.timesteps = pipe.scheduler.timesteps
-        prepared.latents = self.video_latents(pipe, request, device)
+        if not _takes_image(pipe):
+            pipe.scheduler.set_begin_index(0)  # WanPipeline's (its image-to-video pipeline does not)
+            prepared.latents = self.video_latents(pipe, request, device)
+            return
+        # WanImageToVideoPipeline's, with expand_timesteps: the noise, the image's latents as frame 0, and the
+        # mask that keeps them there (0 on frame 0)
+        height, width = request.height or self.default_size[0], request.width or self.default_size[1]
+        image = pipe.video_processor.preprocess(request.options["image"], height=height, width=width)
+        prepared.latents, condition, mask = pipe.prepare_latents(
+            image.to(device, dtype=torch.float32),
+            len(request.prompts),
+            pipe.vae.config.z_dim,
+            height,
+            width,
+            request.options["num_frames"],
+            torch.float32,
+            device,
+            generator_of(request),
+        )
+        prepared.extra["first_frame"] = (condition, mask)
+
+    def model_input(self, pipe, prepared, latents, t):
+        return super().model_input(pipe, prepared, _with_first_frame(prepared, latents), t)
 
     def model_kwargs(self, pipe, prepared, model_input, t):
         kwargs = super().model_kwargs(pipe, prepared, model_input, t)
-        if pipe.config.get("expand_timesteps"):  # Wan 2.2 TI2V: WanPipeline's timestep per token, [B, S]
-            # (a mask of ones over the latent grid, strided by the 2 × 2 patch its pipeline assumes, times t)
-            mask = torch.ones(model_input.shape[2:], dtype=torch.float32, device=model_input.device)
+        if pipe.config.get("expand_timesteps"):  # Wan 2.2 TI2V: its pipelines' timestep per token, [B, S]
+            # (the first-frame mask, or ones, over the latent grid, strided by the 2 × 2 patch they assume, times t)
+            first_frame = prepared.extra.get("first_frame")
+            if first_frame is not None:
+                mask = first_frame[1][0][0]
+            else:
+                mask = torch.ones(model_input.shape[2:], dtype=torch.float32, device=model_input.device)
             per_token = (mask[:, ::2, ::2] * t).flatten()
             kwargs["timestep"] = per_token.unsqueeze(0).expand(model_input.shape[0], -1)
         return kwargs
+
+    def decode(self, pipe, prepared, latents, output_type):
+        return super().decode(pipe, prepared, _with_first_frame(prepared, latents), output_type)
 
     def planned_text_bytes(self, transformer, call, element):
         return call.options["max_sequence_length"] * transformer["text_dim"] * element  # UMT5's states
@@ -74,6 +124,19 @@ class WanRecipe(VideoRecipe):
 
 
 RECIPE = WanRecipe()
+
+
+def _takes_image(pipe) -> bool:
+    return type(pipe).__name__ == "WanImageToVideoPipeline"
+
+
+def _with_first_frame(prepared, latents):
+    """Image to video: the latents with frame 0 the image's, as the pipeline feeds and returns them."""
+    first_frame = prepared.extra.get("first_frame")
+    if first_frame is None:
+        return latents
+    condition, mask = first_frame
+    return (1 - mask) * condition[: len(latents)] + mask * latents
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):  # two latent frames

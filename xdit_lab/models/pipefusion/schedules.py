@@ -31,7 +31,6 @@ import torch
 
 from ... import comm
 from ...mesh import PIPEFUSION
-from ..step import model_batch
 
 # Schedulers that draw noise at every step: stepped once per patch, each patch would draw its own.
 NOISY_SCHEDULERS = (
@@ -66,7 +65,7 @@ def async_step(stage, session, t) -> None:
             comm.wait(requests)
             if not stage.drops_returned_latents:
                 flat[:, stage.patch_latents(latents, p)] = buffer
-        model_input = recipe.scale_model_input(inner, model_batch(latents, prepared.do_cfg), t)  # checked: unscaled
+        model_input = recipe.model_input(inner, prepared, latents, t)  # checked: unscaled
         output = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))
         if not mesh.is_last_stage:
             continue

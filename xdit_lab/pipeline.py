@@ -113,6 +113,7 @@ def load_pipeline(
     quantization=None,
     lora=None,
     fuse_lora: bool = True,
+    pipeline_class: str | None = None,
     **unknown,
 ) -> ParallelPipeline:
     """Load a pipeline folder of a family with a recipe (families.RECIPES) and parallelize it on this rank.
@@ -139,6 +140,10 @@ def load_pipeline(
     weights (fuse_lora=True) before the transformer is parallelized or compiled (lora.py); under PipeFusion each
     stage fuses its own blocks' share. The plan counts the adapters' bytes, held while they are fused.
 
+    `pipeline_class="FluxImg2ImgPipeline"` runs the folder as another diffusers pipeline of its family, as
+    `FluxImg2ImgPipeline.from_pretrained(folder)` does: image to image from a FluxPipeline folder,
+    "WanImageToVideoPipeline" from Wan 2.2 TI2V 5B's. The pipelines each family runs: families.RECIPES.
+
     `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype)."""
     if unknown:
         raise TypeError(unknown_keywords(unknown))
@@ -148,6 +153,13 @@ def load_pipeline(
     folder = resolve_folder(name_or_path)
     index = read_model_index(folder)
     recipe = recipe_for(index.get("_class_name", "?"))
+    if pipeline_class is not None and pipeline_class != index["_class_name"]:
+        if recipe_for(pipeline_class) is not recipe:
+            raise ValueError(
+                f"pipeline_class={pipeline_class!r} is a {recipe_for(pipeline_class).family} pipeline, and {folder} holds "
+                f"a {recipe.family} one ({index['_class_name']}); name one of {', '.join(recipe.pipeline_classes)}"
+            )
+        index = {**index, "_class_name": pipeline_class}
     recipe.check_branches(config.cfg)
     call_defaults = {**recipe.defaults, **read_call_defaults(folder, recipe)}
     components = component_folders(folder, index)
@@ -288,17 +300,18 @@ def from_pretrained(folder: Path, index: dict, dtype, loaded: dict, **kwargs):
     import diffusers
     from diffusers import DiffusionPipeline
 
-    _, optional = DiffusionPipeline._get_signature_keys(getattr(diffusers, index["_class_name"]))
+    pipeline_class = getattr(diffusers, index["_class_name"])  # the index's, or the one load_pipeline was told
+    _, optional = DiffusionPipeline._get_signature_keys(pipeline_class)
     hidden = {name: module for name, module in loaded.items() if name in optional}
     passed = {name: module for name, module in loaded.items() if name not in hidden}
     if not hidden:
-        return DiffusionPipeline.from_pretrained(folder, dtype=dtype, **passed, **kwargs)
+        return pipeline_class.from_pretrained(folder, dtype=dtype, **passed, **kwargs)
     with tempfile.TemporaryDirectory(prefix="xdit_lab_view_") as view:
         for entry in folder.iterdir():
             if entry.name != "model_index.json":
                 (Path(view) / entry.name).symlink_to(entry.resolve())
         (Path(view) / "model_index.json").write_text(json.dumps({**index, **{name: [None, None] for name in hidden}}))
-        inner = DiffusionPipeline.from_pretrained(view, dtype=dtype, **passed, **kwargs)
+        inner = pipeline_class.from_pretrained(view, dtype=dtype, **passed, **kwargs)
     inner.register_modules(**hidden)
     return inner
 
@@ -315,6 +328,7 @@ LOAD_KEYWORDS = (
     "quantization",
     "lora",
     "fuse_lora",
+    "pipeline_class",
 )
 
 

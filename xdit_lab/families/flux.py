@@ -4,12 +4,26 @@ a guidance embedding, true CFG optional.
 
 diffusers' FluxPipeline runs the negative prompt as a second forward (true CFG, when true_cfg_scale > 1
 and a negative prompt is given); here both go in one batch [negative; positive], which cfg 2 then
-splits over two ranks."""
+splits over two ranks.
+
+FluxImg2ImgPipeline (image to image) starts from the image's latents noised to the first of the last
+`strength` of the steps, and runs those steps; the transformer's call is FluxPipeline's."""
 
 from __future__ import annotations
 
+import inspect
+
+import torch
+
 from .adapter import TOKENS, FamilyAdapter
-from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, prompt_embeds, shifted_vae_decoded
+from .recipe import (
+    PackedLatentsRecipe,
+    RequestShape,
+    TrueCFGRecipe,
+    generator_of,
+    prompt_embeds,
+    shifted_vae_decoded,
+)
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, flow_vae, text_parts
 
 # Flux.1's and Flux.2's transformers are cut alike: packed tokens sharded after x_embedder, the text first in
@@ -35,10 +49,11 @@ ADAPTER = FamilyAdapter(
 
 
 class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    pipeline_classes = ("FluxPipeline",)
+    pipeline_classes = ("FluxPipeline", "FluxImg2ImgPipeline")
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
-    options = dict(true_cfg_scale=1.0, max_sequence_length=512)
+    # image, strength: FluxImg2ImgPipeline's (strength None: that pipeline's own default)
+    options = dict(true_cfg_scale=1.0, max_sequence_length=512, image=None, strength=None)
     bounded_tokenizer = "tokenizer_2"  # T5's; CLIP's pooled embedding reads its first 77 tokens
     longest_text = 512  # FluxPipeline.check_inputs
 
@@ -48,9 +63,52 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         embeds, pooled, text_ids = prompt_embeds(pipe, request, texts, device, prompt_2=None)
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
+    def check_inputs(self, pipe, request):
+        given = [name for name in ("image", "strength") if request.options.get(name) is not None]
+        if _image_to_image(pipe) and request.options.get("image") is None:
+            raise ValueError(f"{type(pipe).__name__} draws from an image: give image= (a PIL image)")
+        if not _image_to_image(pipe) and given:
+            raise ValueError(
+                f"{type(pipe).__name__} draws from text alone and takes no {' or '.join(given)}; image to image is "
+                f"FluxImg2ImgPipeline's (load the folder with pipeline_class='FluxImg2ImgPipeline')"
+            )
+        strength = request.options.get("strength")
+        if strength is not None and not 0 <= strength <= 1:
+            raise ValueError(f"strength must be between 0 and 1 (how much of the image is redrawn); got {strength}")
+
     def prepare(self, pipe, request, prepared, device):
-        prepared.latents, prepared.conditioning["img_ids"] = self.packed_latents(pipe, request, prepared, device)
-        self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
+        if not _image_to_image(pipe):
+            prepared.latents, prepared.conditioning["img_ids"] = self.packed_latents(pipe, request, prepared, device)
+            tokens = prepared.latents.shape[1]
+            self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, tokens))
+            return
+        # FluxImg2ImgPipeline's: the schedule's last `strength` of the steps, from the image noised to their first
+        default_height, default_width = self.size_multiple(pipe)[1]
+        height, width = request.height or default_height, request.width or default_width
+        prepared.extra["size"] = (height, width)
+        image = pipe.image_processor.preprocess(request.options["image"], height=height, width=width)
+        tokens = (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2)
+        self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, tokens))
+        strength = request.options["strength"]
+        if strength is None:
+            strength = inspect.signature(type(pipe).__call__).parameters["strength"].default
+        prepared.timesteps, steps = pipe.get_timesteps(request.num_inference_steps, strength, device)
+        if steps < 1:
+            raise ValueError(
+                f"strength {strength} of {request.num_inference_steps} steps leaves no step to run; "
+                f"raise strength or num_inference_steps"
+            )
+        prepared.latents, prepared.conditioning["img_ids"] = pipe.prepare_latents(
+            image.to(dtype=torch.float32),
+            prepared.timesteps[:1].repeat(len(request.prompts)),
+            len(request.prompts),
+            pipe.transformer.config.in_channels // 4,
+            height,
+            width,
+            prepared.conditioning["encoder_hidden_states"].dtype,
+            device,
+            generator_of(request),
+        )
 
     def planned_request(self, configs, call, element):
         t = configs["transformer"]
@@ -69,9 +127,12 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
 RECIPE = FluxRecipe()
 
 
+def _image_to_image(pipe) -> bool:
+    return type(pipe).__name__ == "FluxImg2ImgPipeline"
+
+
 def packed_inputs(batch, height, width, text, timestep, randn, *, axes: int) -> dict:
     """Packed tokens and their ids per token, (0, row, column) (Flux.2's with a 4th axis; text: its index)."""
-    import torch
 
     grid = torch.meshgrid(
         torch.zeros(1),

@@ -3,7 +3,8 @@ ulysses, ring, cfg and PipeFusion (every step a warmup step: exact), each step's
 
     Wan 2.2 TI2V 5B   text to video (WanPipeline) and image to video (WanImageToVideoPipeline), expand_timesteps:
                       a timestep per token, the image's frame held at timestep 0
-    Flux.1            image to image (FluxImg2ImgPipeline, loaded from a FluxPipeline folder with pipeline_class)
+    Flux.1            image to image (FluxImg2ImgPipeline) and inpainting (FluxInpaintPipeline), loaded from a
+                      FluxPipeline folder with pipeline_class
 
 Each has a control, a deliberately wrong variant that must miss the reference; and what a pipeline cannot take
 (an image where none is taken, none where one is) is refused by name before anything runs.
@@ -132,73 +133,103 @@ def test_an_image_is_asked_for_where_it_is_taken_and_wan_2_1_image_to_video_is_r
         load_pipeline(tmp_path / "wan21_i2v", progress=False)
 
 
-# ---- Flux.1 image to image: FluxImg2ImgPipeline from a FluxPipeline folder -----------------------------------
-def _flux_call(strength=None):
+# ---- Flux.1 image to image and inpainting, loaded from a FluxPipeline folder ----------------------------------
+FLUX_TASKS = {"image to image": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"}
+
+
+def _mask(side: int):
+    """Inpainting's mask: its left half white (redrawn), the right half black (the image's, kept)."""
+    from PIL import Image
+
+    pixels = torch.zeros(side, side, dtype=torch.uint8)
+    pixels[:, : side // 2] = 255
+    return Image.fromarray(pixels.numpy())
+
+
+def _flux_call(task, **changes):
     call = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=4, negative_prompt=["", "a photo"])
     call |= dict(true_cfg_scale=2.0, image=_picture(16))  # real CFG, so that cfg 2 has two branches
-    return call if strength is None else call | {"strength": strength}  # None: the pipeline's default (0.6)
+    if task == "inpaint":
+        call["mask_image"] = _mask(16)
+    return call | changes  # strength left out: the pipeline's default (0.6)
 
 
 def _flux_parallel(folder, configs):
+    from xdit_lab.families.recipe import PackedLatentsRecipe
+
     rows = []
-    for config in configs:
-        pipe = load_pipeline(
-            folder, config, mesh=RankMesh(config), progress=False, pipeline_class="FluxImg2ImgPipeline"
-        )
-        session = pipe.session(PROMPTS, seed=0, **_flux_call()).run()
-        rows.append(
-            dict(
-                config=config.short(),
-                steps=session.num_steps,
-                latents=output_latents(session.result(output_type="latent")),
-                traffic=session_traffic(session),
+    for task, pipeline_class in FLUX_TASKS.items():
+        for config in configs:
+            pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, pipeline_class=pipeline_class)
+            session = pipe.session(PROMPTS, seed=0, **_flux_call(task)).run()
+            latents = output_latents(session.result(output_type="latent"))
+            traffic = session_traffic(session)
+            rows.append(
+                dict(task=task, config=config.short(), steps=session.num_steps, latents=latents, traffic=traffic)
             )
-        )
-    # the control: the strength dropped (the whole schedule from noise), as if the image were not weighed in
-    pipe = load_pipeline(
-        folder, configs[0], mesh=RankMesh(configs[0]), progress=False, pipeline_class="FluxImg2ImgPipeline"
-    )
-    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_flux_call(strength=1.0)))
-    return rows, control
+    # the controls, deliberately wrong: image to image with the strength dropped (the whole schedule from noise);
+    # inpainting without putting the image's latents back after each step
+    config, controls = configs[0], {}
+    for task, pipeline_class in FLUX_TASKS.items():
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, pipeline_class=pipeline_class)
+        if task == "inpaint":
+            pipe.recipe.scheduler_step = PackedLatentsRecipe.scheduler_step.__get__(pipe.recipe)
+        wrong = dict(strength=1.0) if task == "image to image" else {}
+        controls[task] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_flux_call(task, **wrong)))
+    return rows, controls
 
 
-def test_flux_image_to_image_equals_diffusers(tmp_path):
-    """FluxImg2ImgPipeline at its default strength (0.6 of 4 steps: the last 3, int(4 - 2.4) skipped, from the image's
-    latents noised to the first of them) under ulysses, ring, cfg and PipeFusion, against diffusers' FluxImg2ImgPipeline loaded from
-    the same FluxPipeline folder."""
-    from diffusers import FluxImg2ImgPipeline
+def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
+    """FluxImg2ImgPipeline and FluxInpaintPipeline at their default strength (0.6 of 4 steps: the last 3,
+    int(4 - 2.4) skipped, from the image's latents noised to the first of them; inpainting puts the image's
+    latents back where the mask is black after each step) under ulysses, ring, cfg and PipeFusion, against
+    diffusers' own pipelines loaded from the same FluxPipeline folder."""
+    import diffusers
 
     folder = save_tiny_pipeline("flux", tmp_path / "flux")
-    reference = FluxImg2ImgPipeline.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
-    generator = torch.Generator().manual_seed(0)
-    expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_flux_call()))
-    bound, steps = 1e-4 * max(1.0, expected.abs().max().item()), reference.num_timesteps
-    assert steps < 4  # the image's share of the schedule is skipped
-    for rank, (rows, control) in enumerate(run_on_ranks(_flux_parallel, 2, folder, CONFIGS, timeout_s=400)):
+    expected, steps = {}, {}
+    for task, pipeline_class in FLUX_TASKS.items():
+        reference = getattr(diffusers, pipeline_class).from_pretrained(folder)
+        reference.set_progress_bar_config(disable=True)
+        generator = torch.Generator().manual_seed(0)
+        call = _flux_call(task)
+        expected[task] = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **call))
+        steps[task] = reference.num_timesteps
+        assert steps[task] < 4  # the image's share of the schedule is skipped
+    for rank, (rows, controls) in enumerate(run_on_ranks(_flux_parallel, 2, folder, CONFIGS, timeout_s=400)):
+        assert len(rows) == len(FLUX_TASKS) * len(CONFIGS)
         for row in rows:
-            where = f"flux image to image {row['config']} rank {rank}"
-            assert row["steps"] == steps, where
-            assert (row["latents"] - expected).abs().max().item() <= bound, where
+            where, target = f"flux {row['task']} {row['config']} rank {rank}", expected[row["task"]]
+            bound = 1e-4 * max(1.0, target.abs().max().item())
+            assert row["steps"] == steps[row["task"]], where
+            assert (row["latents"] - target).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
-        assert (control - expected).abs().max().item() > 10 * bound
+        for task, control in controls.items():
+            target = expected[task]
+            assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), task
 
 
-def test_flux_image_to_image_inputs_are_checked_by_name(tmp_path):
-    """No image, a strength outside [0, 1], a strength that leaves no step, an image to the text-to-image pipeline,
-    and a pipeline_class of another family: each refused by name before anything runs."""
+def test_image_inputs_are_checked_by_name(tmp_path):
+    """No image, no mask, a strength outside [0, 1] or one that leaves no step, an image to the text-to-image
+    pipeline, a mask to image to image, and a pipeline_class of another family: each refused by name before
+    anything runs."""
     folder = save_tiny_pipeline("flux", tmp_path / "flux")
     image_to_image = load_pipeline(folder, progress=False, pipeline_class="FluxImg2ImgPipeline")
-    call = {k: v for k, v in _flux_call().items() if k != "image"}
+    call = {k: v for k, v in _flux_call("image to image").items() if k != "image"}
     with pytest.raises(ValueError, match=r"FluxImg2ImgPipeline draws from an image: give image="):
         image_to_image.session(PROMPTS, **call)
     with pytest.raises(ValueError, match=r"strength must be between 0 and 1 .*; got 1.5"):
-        image_to_image.session(PROMPTS, **_flux_call(strength=1.5))
+        image_to_image.session(PROMPTS, **_flux_call("image to image", strength=1.5))
     with pytest.raises(ValueError, match=r"strength 0.0 of 4 steps leaves no step to run"):
-        image_to_image.session(PROMPTS, **_flux_call(strength=0.0))
+        image_to_image.session(PROMPTS, **_flux_call("image to image", strength=0.0))
+    with pytest.raises(ValueError, match=r"FluxImg2ImgPipeline takes no mask_image; .* inpainting FluxInpaintPipeline"):
+        image_to_image.session(PROMPTS, **_flux_call("inpaint"))
+    inpaint = load_pipeline(folder, progress=False, pipeline_class="FluxInpaintPipeline")
+    with pytest.raises(ValueError, match=r"FluxInpaintPipeline redraws where its mask is white: give mask_image="):
+        inpaint.session(PROMPTS, **_flux_call("image to image"))
     text_to_image = load_pipeline(folder, progress=False)
-    with pytest.raises(ValueError, match=r"FluxPipeline draws from text alone and takes no image; image to image is"):
-        text_to_image.session(PROMPTS, **_flux_call())
+    with pytest.raises(ValueError, match=r"FluxPipeline takes no image; image to image is FluxImg2ImgPipeline's"):
+        text_to_image.session(PROMPTS, **_flux_call("image to image"))
     with pytest.raises(ValueError, match=r"pipeline_class='WanPipeline' is a wan pipeline, and .* holds a flux one"):
         load_pipeline(folder, progress=False, pipeline_class="WanPipeline")

@@ -7,7 +7,12 @@ and a negative prompt is given); here both go in one batch [negative; positive],
 splits over two ranks.
 
 FluxImg2ImgPipeline (image to image) starts from the image's latents noised to the first of the last
-`strength` of the steps, and runs those steps; the transformer's call is FluxPipeline's."""
+`strength` of the steps, and runs those steps; FluxInpaintPipeline does the same, and after each step puts
+back the image's latents, noised to the next step, where the mask is 0 (kept):
+
+    latents = (1 - mask) * scale_noise(image latents, next t) + mask * stepped latents
+
+The transformer's call is FluxPipeline's."""
 
 from __future__ import annotations
 
@@ -49,11 +54,14 @@ ADAPTER = FamilyAdapter(
 
 
 class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    pipeline_classes = ("FluxPipeline", "FluxImg2ImgPipeline")
+    pipeline_classes = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
-    # image, strength: FluxImg2ImgPipeline's (strength None: that pipeline's own default)
-    options = dict(true_cfg_scale=1.0, max_sequence_length=512, image=None, strength=None)
+    # image, strength: FluxImg2ImgPipeline's and FluxInpaintPipeline's (strength None: the pipeline's own default);
+    # mask_image (white: redrawn), padding_mask_crop: FluxInpaintPipeline's
+    options = dict(
+        true_cfg_scale=1.0, max_sequence_length=512, image=None, strength=None, mask_image=None, padding_mask_crop=None
+    )
     bounded_tokenizer = "tokenizer_2"  # T5's; CLIP's pooled embedding reads its first 77 tokens
     longest_text = 512  # FluxPipeline.check_inputs
 
@@ -64,13 +72,19 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
     def check_inputs(self, pipe, request):
-        given = [name for name in ("image", "strength") if request.options.get(name) is not None]
-        if _image_to_image(pipe) and request.options.get("image") is None:
-            raise ValueError(f"{type(pipe).__name__} draws from an image: give image= (a PIL image)")
-        if not _image_to_image(pipe) and given:
+        options, name = request.options, type(pipe).__name__
+        if _image_to_image(pipe) and options.get("image") is None:
+            raise ValueError(f"{name} draws from an image: give image= (a PIL image)")
+        if _inpaint(pipe) and options.get("mask_image") is None:
+            raise ValueError(f"{name} redraws where its mask is white: give mask_image= (a PIL image)")
+        given = [key for key in ("image", "strength") if options.get(key) is not None and not _image_to_image(pipe)]
+        given += [
+            key for key in ("mask_image", "padding_mask_crop") if options.get(key) is not None and not _inpaint(pipe)
+        ]
+        if given:
             raise ValueError(
-                f"{type(pipe).__name__} draws from text alone and takes no {' or '.join(given)}; image to image is "
-                f"FluxImg2ImgPipeline's (load the folder with pipeline_class='FluxImg2ImgPipeline')"
+                f"{name} takes no {' or '.join(given)}; image to image is FluxImg2ImgPipeline's, inpainting "
+                f"FluxInpaintPipeline's (load the folder with pipeline_class='FluxImg2ImgPipeline' or the other)"
             )
         strength = request.options.get("strength")
         if strength is not None and not 0 <= strength <= 1:
@@ -82,11 +96,20 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             tokens = prepared.latents.shape[1]
             self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, tokens))
             return
-        # FluxImg2ImgPipeline's: the schedule's last `strength` of the steps, from the image noised to their first
+        # FluxImg2ImgPipeline's and FluxInpaintPipeline's: the schedule's last `strength` of the steps, from the
+        # image noised to their first
         default_height, default_width = self.size_multiple(pipe)[1]
         height, width = request.height or default_height, request.width or default_width
         prepared.extra["size"] = (height, width)
-        image = pipe.image_processor.preprocess(request.options["image"], height=height, width=width)
+        options, crop = request.options, dict(crops_coords=None, resize_mode="default")
+        if options["padding_mask_crop"] is not None:
+            crop = dict(
+                crops_coords=pipe.mask_processor.get_crop_region(
+                    options["mask_image"], width, height, pad=options["padding_mask_crop"]
+                ),
+                resize_mode="fill",
+            )
+        image = pipe.image_processor.preprocess(options["image"], height=height, width=width, **crop)
         tokens = (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2)
         self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, tokens))
         strength = request.options["strength"]
@@ -98,17 +121,30 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
                 f"strength {strength} of {request.num_inference_steps} steps leaves no step to run; "
                 f"raise strength or num_inference_steps"
             )
-        prepared.latents, prepared.conditioning["img_ids"] = pipe.prepare_latents(
-            image.to(dtype=torch.float32),
-            prepared.timesteps[:1].repeat(len(request.prompts)),
-            len(request.prompts),
-            pipe.transformer.config.in_channels // 4,
-            height,
-            width,
-            prepared.conditioning["encoder_hidden_states"].dtype,
-            device,
-            generator_of(request),
+        image, batch, generator = image.to(dtype=torch.float32), len(request.prompts), generator_of(request)
+        channels, dtype = pipe.transformer.config.in_channels // 4, prepared.conditioning["encoder_hidden_states"].dtype
+        latents = pipe.prepare_latents(
+            image, prepared.timesteps[:1].repeat(batch), batch, channels, height, width, dtype, device, generator
         )
+        if not _inpaint(pipe):
+            prepared.latents, prepared.conditioning["img_ids"] = latents
+            return
+        prepared.latents, noise, image_latents, prepared.conditioning["img_ids"] = latents
+        mask = pipe.mask_processor.preprocess(options["mask_image"], height=height, width=width, **crop)
+        mask, _ = pipe.prepare_mask_latents(
+            mask, image * (mask < 0.5), batch, channels, 1, height, width, dtype, device, generator
+        )
+        prepared.extra["inpaint"] = (image_latents, mask, noise)
+
+    def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
+        latents = super().scheduler_step(pipe, prepared, noise, t, latents, step_index)
+        if "inpaint" not in prepared.extra:
+            return latents
+        image_latents, mask, first_noise = prepared.extra["inpaint"]  # FluxInpaintPipeline's, after each step
+        if step_index < len(prepared.timesteps) - 1:
+            next_t = torch.tensor([prepared.timesteps[step_index + 1]])
+            image_latents = pipe.scheduler.scale_noise(image_latents, next_t, first_noise)
+        return (1 - mask) * image_latents + mask * latents
 
     def planned_request(self, configs, call, element):
         t = configs["transformer"]
@@ -128,7 +164,12 @@ RECIPE = FluxRecipe()
 
 
 def _image_to_image(pipe) -> bool:
-    return type(pipe).__name__ == "FluxImg2ImgPipeline"
+    """A pipeline that starts from an image: image to image, or inpainting."""
+    return type(pipe).__name__ in ("FluxImg2ImgPipeline", "FluxInpaintPipeline")
+
+
+def _inpaint(pipe) -> bool:
+    return type(pipe).__name__ == "FluxInpaintPipeline"
 
 
 def packed_inputs(batch, height, width, text, timestep, randn, *, axes: int) -> dict:

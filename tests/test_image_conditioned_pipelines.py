@@ -134,7 +134,9 @@ def test_an_image_is_asked_for_where_it_is_taken_and_wan_2_1_image_to_video_is_r
 
 
 # ---- Flux.1 image to image and inpainting, loaded from a FluxPipeline folder ----------------------------------
-FLUX_TASKS = {"image to image": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"}
+FLUX_TASKS = {"image to image": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline", "edit": "FluxKontextPipeline"}
+# Kontext's reference image makes two images per sample, which PipeFusion refuses (tested below)
+FLUX_CONFIGS = {task: CONFIGS if task != "edit" else CONFIGS[:3] for task in FLUX_TASKS}
 
 
 def _mask(side: int):
@@ -151,6 +153,8 @@ def _flux_call(task, **changes):
     call |= dict(true_cfg_scale=2.0, image=_picture(16))  # real CFG, so that cfg 2 has two branches
     if task == "inpaint":
         call["mask_image"] = _mask(16)
+    if task == "edit":  # the size as asked (Kontext fits it to max_area: 1024² by default) and the image's own
+        call |= dict(max_area=16 * 16, _auto_resize=False)
     return call | changes  # strength left out: the pipeline's default (0.6)
 
 
@@ -159,7 +163,7 @@ def _flux_parallel(folder, configs):
 
     rows = []
     for task, pipeline_class in FLUX_TASKS.items():
-        for config in configs:
+        for config in configs[task]:
             pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, pipeline_class=pipeline_class)
             session = pipe.session(PROMPTS, seed=0, **_flux_call(task)).run()
             latents = output_latents(session.result(output_type="latent"))
@@ -168,22 +172,31 @@ def _flux_parallel(folder, configs):
                 dict(task=task, config=config.short(), steps=session.num_steps, latents=latents, traffic=traffic)
             )
     # the controls, deliberately wrong: image to image with the strength dropped (the whole schedule from noise);
-    # inpainting without putting the image's latents back after each step
-    config, controls = configs[0], {}
+    # inpainting without putting the image's latents back after each step; editing without the reference image
+    config, controls = CONFIGS[0], {}
     for task, pipeline_class in FLUX_TASKS.items():
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, pipeline_class=pipeline_class)
         if task == "inpaint":
             pipe.recipe.scheduler_step = PackedLatentsRecipe.scheduler_step.__get__(pipe.recipe)
-        wrong = dict(strength=1.0) if task == "image to image" else {}
+        wrong = {"image to image": dict(strength=1.0), "edit": dict(image=None)}.get(task, {})
         controls[task] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_flux_call(task, **wrong)))
-    return rows, controls
+    pipe = load_pipeline(
+        folder, CONFIGS[3], mesh=RankMesh(CONFIGS[3]), progress=False, pipeline_class="FluxKontextPipeline"
+    )
+    try:
+        pipe(PROMPTS, seed=0, output_type="latent", **_flux_call("edit"))
+        refused = None
+    except NotImplementedError as error:
+        refused = str(error)
+    return rows, controls, refused
 
 
 def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
     """FluxImg2ImgPipeline and FluxInpaintPipeline at their default strength (0.6 of 4 steps: the last 3,
     int(4 - 2.4) skipped, from the image's latents noised to the first of them; inpainting puts the image's
-    latents back where the mask is black after each step) under ulysses, ring, cfg and PipeFusion, against
-    diffusers' own pipelines loaded from the same FluxPipeline folder."""
+    latents back where the mask is black after each step) under ulysses, ring, cfg and PipeFusion, and
+    FluxKontextPipeline (the reference image's tokens after the drawn ones) under ulysses, ring and cfg, against
+    diffusers' own pipelines loaded from the same FluxPipeline folder. Kontext under PipeFusion is refused."""
     import diffusers
 
     folder = save_tiny_pipeline("flux", tmp_path / "flux")
@@ -195,9 +208,11 @@ def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
         call = _flux_call(task)
         expected[task] = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **call))
         steps[task] = reference.num_timesteps
-        assert steps[task] < 4  # the image's share of the schedule is skipped
-    for rank, (rows, controls) in enumerate(run_on_ranks(_flux_parallel, 2, folder, CONFIGS, timeout_s=400)):
-        assert len(rows) == len(FLUX_TASKS) * len(CONFIGS)
+        assert steps[task] < 4 or task == "edit"  # image to image skips the image's share of the schedule
+    for rank, (rows, controls, refused) in enumerate(
+        run_on_ranks(_flux_parallel, 2, folder, FLUX_CONFIGS, timeout_s=400)
+    ):
+        assert len(rows) == sum(len(configs) for configs in FLUX_CONFIGS.values())
         for row in rows:
             where, target = f"flux {row['task']} {row['config']} rank {rank}", expected[row["task"]]
             bound = 1e-4 * max(1.0, target.abs().max().item())
@@ -208,6 +223,9 @@ def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
         for task, control in controls.items():
             target = expected[task]
             assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), task
+        assert (
+            refused and "2 images per sample (Kontext's reference image" in refused and "without PipeFusion" in refused
+        )
 
 
 def test_image_inputs_are_checked_by_name(tmp_path):

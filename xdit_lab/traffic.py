@@ -67,7 +67,9 @@ def expected_bytes_per_step(
     per_branch = s["batch"] // c.cfg
     dp_sizes = shard_sizes(per_branch, c.dp)
     b = max(dp_sizes[coords[DP]], 1)  # a dp group without samples computes one stand-in
-    tokens, h, d, text = s["rows"] * s["cols"], s["heads"], s["head_dim"], s["text_len"]
+    # the image tokens: the grid's, and those after it (an edit's reference image, `appended_tokens`)
+    tokens = s["rows"] * s["cols"] + s.get("appended_tokens", 0)
+    h, d, text = s["heads"], s["head_dim"], s["text_len"]
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
     last_stage = coords[PIPEFUSION] == c.pipefusion - 1
 

@@ -113,8 +113,14 @@ class PackedTokens(LatentLayout):
                 )
             frames, rows, cols = images[0]
             return frames * rows, cols
-        ids = arguments["img_ids"]  # Flux: (row, column) in columns 1 and 2; a host sync, once per size
-        cols = int(ids.reshape(-1, ids.shape[-1])[:, 2].max()) + 1
+        ids = arguments["img_ids"].reshape(-1, arguments["img_ids"].shape[-1])  # Flux: (image, row, column)
+        images = int(ids[:, 0].max()) + 1  # a host sync, once per size: Kontext's reference images are 1, 2, ...
+        if images != 1:
+            raise NotImplementedError(
+                f"{images} images per sample (Kontext's reference image beside the one drawn) do not form one grid "
+                f"of rows; PipeFusion cuts one image into row bands: run it without PipeFusion"
+            )
+        cols = int(ids[:, 2].max()) + 1
         return latents.shape[1] // cols, cols
 
     def latent_positions(self, latents, model_config):

@@ -12,7 +12,13 @@ back the image's latents, noised to the next step, where the mask is 0 (kept):
 
     latents = (1 - mask) * scale_noise(image latents, next t) + mask * stepped latents
 
-The transformer's call is FluxPipeline's."""
+FluxKontextPipeline (editing) appends the image's latents after the ones drawn, as one sequence whose ids
+say which image a token is of (0: drawn, 1: the reference); the prediction keeps the drawn tokens:
+
+    [latents; image latents] ids [(0, r, c); (1, r, c)] --transformer--> noise[:, :drawn tokens]
+
+Sequence parallelism splits that sequence as any other; PipeFusion, which cuts one image into row bands,
+refuses it (adapter.PackedTokens.token_grid). The transformer's call is otherwise FluxPipeline's."""
 
 from __future__ import annotations
 
@@ -54,13 +60,21 @@ ADAPTER = FamilyAdapter(
 
 
 class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    pipeline_classes = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+    pipeline_classes = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline")
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
     # image, strength: FluxImg2ImgPipeline's and FluxInpaintPipeline's (strength None: the pipeline's own default);
-    # mask_image (white: redrawn), padding_mask_crop: FluxInpaintPipeline's
+    # mask_image (white: redrawn), padding_mask_crop: FluxInpaintPipeline's; max_area, _auto_resize: FluxKontextPipeline's
+    # (None: its own defaults), where image is optional
     options = dict(
-        true_cfg_scale=1.0, max_sequence_length=512, image=None, strength=None, mask_image=None, padding_mask_crop=None
+        true_cfg_scale=1.0,
+        max_sequence_length=512,
+        image=None,
+        strength=None,
+        mask_image=None,
+        padding_mask_crop=None,
+        max_area=None,
+        _auto_resize=None,
     )
     bounded_tokenizer = "tokenizer_2"  # T5's; CLIP's pooled embedding reads its first 77 tokens
     longest_text = 512  # FluxPipeline.check_inputs
@@ -72,25 +86,25 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
     def check_inputs(self, pipe, request):
-        options, name = request.options, type(pipe).__name__
-        if _image_to_image(pipe) and options.get("image") is None:
-            raise ValueError(f"{name} draws from an image: give image= (a PIL image)")
-        if _inpaint(pipe) and options.get("mask_image") is None:
-            raise ValueError(f"{name} redraws where its mask is white: give mask_image= (a PIL image)")
-        given = [key for key in ("image", "strength") if options.get(key) is not None and not _image_to_image(pipe)]
-        given += [
-            key for key in ("mask_image", "padding_mask_crop") if options.get(key) is not None and not _inpaint(pipe)
-        ]
-        if given:
+        name, options = type(pipe).__name__, request.options
+        takes, needs = PIPELINE_INPUTS[name]
+        for key in needs:
+            if options.get(key) is None:
+                raise ValueError(f"{name} {NEEDED_FOR[key]}: give {key}= (a PIL image)")
+        extra = [key for key in IMAGE_OPTIONS if options.get(key) is not None and key not in takes]
+        if extra:
             raise ValueError(
-                f"{name} takes no {' or '.join(given)}; image to image is FluxImg2ImgPipeline's, inpainting "
-                f"FluxInpaintPipeline's (load the folder with pipeline_class='FluxImg2ImgPipeline' or the other)"
+                f"{name} takes no {' or '.join(extra)}; image to image is FluxImg2ImgPipeline's, inpainting "
+                f"FluxInpaintPipeline's, editing FluxKontextPipeline's (load the folder with pipeline_class=...)"
             )
         strength = request.options.get("strength")
         if strength is not None and not 0 <= strength <= 1:
             raise ValueError(f"strength must be between 0 and 1 (how much of the image is redrawn); got {strength}")
 
     def prepare(self, pipe, request, prepared, device):
+        if _kontext(pipe):
+            self._prepare_kontext(pipe, request, prepared, device)
+            return
         if not _image_to_image(pipe):
             prepared.latents, prepared.conditioning["img_ids"] = self.packed_latents(pipe, request, prepared, device)
             tokens = prepared.latents.shape[1]
@@ -136,6 +150,64 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         )
         prepared.extra["inpaint"] = (image_latents, mask, noise)
 
+    def _prepare_kontext(self, pipe, request, prepared, device):
+        """FluxKontextPipeline's: the size fit to max_area (its aspect ratio kept, multiples of the packed
+        latent's pixels), the image resized (to the nearest preferred Kontext resolution, with _auto_resize) and
+        its latents appended after the drawn ones, with ids whose first axis is 1."""
+        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+        defaults = inspect.signature(type(pipe).__call__).parameters
+        options = {
+            key: defaults[key].default if request.options[key] is None else request.options[key]
+            for key in ("max_area", "_auto_resize")
+        }
+        default_height, default_width = self.size_multiple(pipe)[1]
+        height, width = request.height or default_height, request.width or default_width
+        multiple, aspect = pipe.vae_scale_factor * 2, width / height
+        width = round((options["max_area"] * aspect) ** 0.5) // multiple * multiple
+        height = round((options["max_area"] / aspect) ** 0.5) // multiple * multiple
+        prepared.extra["size"] = (height, width)
+        image = request.options["image"]
+        if image is not None:
+            image_height, image_width = pipe.image_processor.get_default_height_width(
+                image[0] if isinstance(image, list) else image
+            )
+            if options["_auto_resize"]:
+                _, image_width, image_height = min(
+                    (abs(image_width / image_height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS
+                )
+            image_width, image_height = image_width // multiple * multiple, image_height // multiple * multiple
+            image = pipe.image_processor.resize(image, image_height, image_width)
+            image = pipe.image_processor.preprocess(image, image_height, image_width)
+        prepared.latents, reference, ids, reference_ids = pipe.prepare_latents(
+            image,
+            len(request.prompts),
+            pipe.transformer.config.in_channels // 4,
+            height,
+            width,
+            prepared.conditioning["encoder_hidden_states"].dtype,
+            device,
+            generator_of(request),
+            None,
+        )
+        prepared.conditioning["img_ids"] = ids if reference is None else torch.cat([ids, reference_ids], dim=0)
+        if reference is not None:
+            prepared.extra["reference"] = reference
+        self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
+
+    def appended_tokens(self, prepared):
+        return prepared.extra["reference"].shape[1] if "reference" in prepared.extra else 0
+
+    def model_input(self, pipe, prepared, latents, t):
+        if "reference" in prepared.extra:  # Kontext: the reference image's tokens after the drawn ones
+            latents = torch.cat([latents, prepared.extra["reference"]], dim=1)
+        return super().model_input(pipe, prepared, latents, t)
+
+    def guide(self, pipe, prepared, noise, step_index):
+        if "reference" in prepared.extra:  # Kontext: the prediction of the drawn tokens alone
+            noise = noise[:, : prepared.latents.shape[1]]
+        return super().guide(pipe, prepared, noise, step_index)
+
     def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
         latents = super().scheduler_step(pipe, prepared, noise, t, latents, step_index)
         if "inpaint" not in prepared.extra:
@@ -162,10 +234,24 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
 
 RECIPE = FluxRecipe()
 
+# what each pipeline takes of the image options, and which of them it needs
+PIPELINE_INPUTS = {
+    "FluxPipeline": ((), ()),
+    "FluxImg2ImgPipeline": (("image", "strength"), ("image",)),
+    "FluxInpaintPipeline": (("image", "strength", "mask_image", "padding_mask_crop"), ("image", "mask_image")),
+    "FluxKontextPipeline": (("image", "max_area", "_auto_resize"), ()),
+}
+IMAGE_OPTIONS = ("image", "strength", "mask_image", "padding_mask_crop", "max_area", "_auto_resize")
+NEEDED_FOR = {"image": "draws from an image", "mask_image": "redraws where its mask is white"}
+
 
 def _image_to_image(pipe) -> bool:
     """A pipeline that starts from an image: image to image, or inpainting."""
     return type(pipe).__name__ in ("FluxImg2ImgPipeline", "FluxInpaintPipeline")
+
+
+def _kontext(pipe) -> bool:
+    return type(pipe).__name__ == "FluxKontextPipeline"
 
 
 def _inpaint(pipe) -> bool:

@@ -304,6 +304,10 @@ class Recipe:
     def scale_model_input(self, pipe, model_input, t):
         return pipe.scheduler.scale_model_input(model_input, t)
 
+    def appended_tokens(self, prepared: Prepared) -> int:
+        """Tokens the transformer sees after the drawn image's (Kontext's reference image): none."""
+        return 0
+
     def model_input(self, pipe, prepared: Prepared, latents: torch.Tensor, t) -> torch.Tensor:
         """The transformer's input for the current latents: one copy per branch, scaled for the step."""
         return self.scale_model_input(pipe, torch.cat([latents, latents]) if prepared.do_cfg else latents, t)

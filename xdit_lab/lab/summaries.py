@@ -130,6 +130,7 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         batch=session.latents.shape[0] * (2 if session.prepared.do_cfg else 1),  # [uncond; cond] rows
         rows=rows,
         cols=cols,
+        appended_tokens=session.recipe.appended_tokens(session.prepared),  # beyond the grid: Kontext's reference
         heads=config.num_attention_heads,
         head_dim=config.attention_head_dim,
         self_layers=kinds.count("self"),  # this rank's sequence-parallel attention layers (a stage: its own)

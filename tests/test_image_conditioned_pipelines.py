@@ -231,9 +231,21 @@ def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
 def test_image_inputs_are_checked_by_name(tmp_path):
     """No image, no mask, a strength outside [0, 1] or one that leaves no step, an image to the text-to-image
     pipeline, a mask to image to image, and a pipeline_class of another family: each refused by name before
-    anything runs."""
+    anything runs. A pipeline class's own defaults are the call's (FluxImg2ImgPipeline's guidance is not
+    FluxPipeline's)."""
+    import inspect
+
+    import diffusers
+
     folder = save_tiny_pipeline("flux", tmp_path / "flux")
     image_to_image = load_pipeline(folder, progress=False, pipeline_class="FluxImg2ImgPipeline")
+    guidance = {
+        name: inspect.signature(getattr(diffusers, name).__call__).parameters["guidance_scale"].default
+        for name in ("FluxPipeline", "FluxImg2ImgPipeline")
+    }
+    assert guidance["FluxImg2ImgPipeline"] != guidance["FluxPipeline"]
+    request = image_to_image.request(PROMPTS, image=_picture(16))
+    assert request.guidance_scale == guidance["FluxImg2ImgPipeline"]
     call = {k: v for k, v in _flux_call("image to image").items() if k != "image"}
     with pytest.raises(ValueError, match=r"FluxImg2ImgPipeline draws from an image: give image="):
         image_to_image.session(PROMPTS, **call)

@@ -161,7 +161,7 @@ def load_pipeline(
             )
         index = {**index, "_class_name": pipeline_class}
     recipe.check_branches(config.cfg)
-    call_defaults = {**recipe.defaults, **read_call_defaults(folder, recipe)}
+    call_defaults = {**recipe.call_defaults(index["_class_name"]), **read_call_defaults(folder, recipe)}
     components = component_folders(folder, index)
     on_host = check_on_host(on_host, folder, index, components)
     quantized = resolve_quantization(quantization, components)

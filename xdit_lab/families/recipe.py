@@ -106,6 +106,19 @@ class Recipe:
         """The family's one spelling: the name of the module that declares the recipe (families/<name>.py)."""
         return type(self).__module__.rsplit(".", 1)[-1]
 
+    def call_defaults(self, pipeline_class: str) -> dict:
+        """The call's defaults as `pipeline_class` itself sets them (its __call__'s: FluxImg2ImgPipeline's guidance
+        is 7.0 where FluxPipeline's is 3.5), for the keys of `defaults`, which stand where it sets none."""
+        import diffusers
+
+        parameters = inspect.signature(getattr(diffusers, pipeline_class).__call__).parameters
+        return {
+            key: parameters[key].default
+            if key in parameters and parameters[key].default is not inspect.Parameter.empty
+            else value
+            for key, value in self.defaults.items()
+        }
+
     def check_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.options))
         if unknown:

@@ -49,7 +49,7 @@ def make_call(
         )
     defaults_file = folder.path / "call_defaults.json"
     call_defaults = read_json(defaults_file, "call defaults") if defaults_file.is_file() else {}
-    merged = {**recipe.defaults, **recipe.options, **call_defaults, **(options or {})}
+    merged = {**recipe.call_defaults(folder.pipeline_class), **recipe.options, **call_defaults, **(options or {})}
     merged.update({k: v for k, v in recipe.planned_option_defaults(folder.configs).items() if merged.get(k) is None})
     if merged.get("max_sequence_length") is None:  # the pipeline's own default (PixArt-α 120, PixArt-Σ 300)
         import diffusers

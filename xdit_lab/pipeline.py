@@ -161,6 +161,28 @@ def load_pipeline(
             )
         index = {**index, "_class_name": pipeline_class}
     recipe.check_branches(config.cfg)
+    two_experts = [
+        what
+        for what, given in (
+            ("PipeFusion", config.pipefusion > 1),
+            ("shard_weights", shard_weights and config.world_size > 1),
+            ("quantization", quantization is not None),
+            ("lora", bool(lora)),
+            ("a StepCache", cache is not None),
+            ("compile", bool(compile)),
+        )
+        if given and (index.get("transformer_2") or [None])[0] is not None
+    ]
+    if two_experts:
+        raise ParallelConfigError(
+            f"this pipeline has two transformers (Wan 2.2 A14B's experts, transformer and transformer_2), which run "
+            f"under ulysses, ring, cfg and dp, each parallelized on the same ranks; not yet with "
+            f"{', '.join(two_experts)}: leave {'it' if len(two_experts) == 1 else 'them'} out"
+        )
+    if config.pipefusion > 1 and index["_class_name"] in recipe.pipefusion_refused:
+        raise ParallelConfigError(
+            f"{index['_class_name']} does not run under PipeFusion: {recipe.pipefusion_refused[index['_class_name']]}"
+        )
     call_defaults = {**recipe.call_defaults(index["_class_name"]), **read_call_defaults(folder, recipe)}
     components = component_folders(folder, index)
     on_host = check_on_host(on_host, folder, index, components)
@@ -270,6 +292,8 @@ def load_pipeline(
             fuse_loras(inner, adapters, stage)
         if not sharding:  # a sharded transformer was parallelized before its weights were read
             parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
+        if getattr(inner, "transformer_2", None) is not None:  # Wan 2.2 A14B's second expert, on the same mesh
+            parallelize(inner.transformer_2, config, mesh, compile=compile)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(

@@ -129,7 +129,8 @@ class DenoiseSession:
         self.progress = progress
         self.step_index = 0
         inner = pipe.diffusers_pipeline
-        parallel_state(inner.transformer).reset()  # e.g. PipeFusion warms up again, the cache empties
+        for transformer in self.recipe.transformers(inner):  # e.g. PipeFusion warms up again, the cache empties
+            parallel_state(transformer).reset()
         if pipe.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pipe.device)  # the peak a session reports is its own
         with torch.no_grad():

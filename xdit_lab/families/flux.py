@@ -61,6 +61,11 @@ ADAPTER = FamilyAdapter(
 
 class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     pipeline_classes = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline")
+    tasks = dict(FluxImg2ImgPipeline="image to image", FluxInpaintPipeline="inpainting", FluxKontextPipeline="editing")
+    pipefusion_refused = dict(
+        FluxKontextPipeline="its reference image's tokens follow the drawn ones, two images per sample that do not "
+        "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp"
+    )
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
     # image, strength: FluxImg2ImgPipeline's and FluxInpaintPipeline's (strength None: the pipeline's own default);

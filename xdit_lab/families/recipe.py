@@ -98,6 +98,10 @@ class Recipe:
     # the field that holds what decode returns
     output_class = "diffusers.pipelines.pipeline_utils:ImagePipelineOutput"
     output_field = "images"
+    # what each pipeline class does where it is not the recipe's plain text to image (or video); and the pipeline
+    # classes PipeFusion refuses, and why (load_pipeline says it before anything is read)
+    tasks: dict = {}
+    pipefusion_refused: dict = {}
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
 
@@ -105,6 +109,10 @@ class Recipe:
     def family(self) -> str:
         """The family's one spelling: the name of the module that declares the recipe (families/<name>.py)."""
         return type(self).__module__.rsplit(".", 1)[-1]
+
+    def task(self, pipeline_class: str) -> str:
+        """What `pipeline_class` draws from what: "text to image", "image to video", ..."""
+        return self.tasks.get(pipeline_class, "text to video" if self.output_field == "frames" else "text to image")
 
     def call_defaults(self, pipeline_class: str) -> dict:
         """The call's defaults as `pipeline_class` itself sets them (its __call__'s: FluxImg2ImgPipeline's guidance
@@ -317,6 +325,14 @@ class Recipe:
     def scale_model_input(self, pipe, model_input, t):
         return pipe.scheduler.scale_model_input(model_input, t)
 
+    def transformers(self, pipe) -> list:
+        """The pipeline's transformers, each parallelized on the same mesh: one (Wan 2.2 A14B's two experts)."""
+        return [pipe.transformer]
+
+    def transformer_for(self, pipe, prepared: Prepared, t):
+        """The transformer that runs the step at timestep `t`."""
+        return pipe.transformer
+
     def appended_tokens(self, prepared: Prepared) -> int:
         """Tokens the transformer sees after the drawn image's (Kontext's reference image): none."""
         return 0
@@ -328,8 +344,12 @@ class Recipe:
     def guide(self, pipe, prepared: Prepared, noise: torch.Tensor, step_index: int) -> torch.Tensor:
         if prepared.do_cfg:
             uncond, cond = noise.chunk(2)
-            noise = uncond + prepared.guidance_scale * (cond - uncond)
+            noise = uncond + self.guidance_at(pipe, prepared, step_index) * (cond - uncond)
         return noise
+
+    def guidance_at(self, pipe, prepared: Prepared, step_index: int) -> float:
+        """The guidance scale of step `step_index`: the request's."""
+        return prepared.guidance_scale
 
     def scheduler_step(self, pipe, prepared: Prepared, noise, t, latents, step_index: int) -> torch.Tensor:
         return pipe.scheduler.step(noise, t, latents, **prepared.extra.get("step_kwargs", {}), return_dict=False)[0]

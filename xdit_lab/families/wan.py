@@ -8,9 +8,13 @@ Its image to video keeps the image's latents as the first latent frame, whose to
     latents [B, C, F, H, W] --frame 0 replaced by the image's latents--> the model's input
     timestep per token: 0 for frame 0's tokens, t for the others --cut with the tokens--> each rank's
 
+Wan 2.2 A14B's two experts: the pipeline's transformer runs the steps with t >= boundary_ratio × the
+scheduler's training timesteps (high noise), transformer_2 the others with guidance_scale_2 (the first
+guidance where None). Both are parallelized on the same ranks with the same strategy, each with its own
+hooks and state.
+
 Refused by name: Wan 2.1's image to video (CLIP image embeddings and a mask concatenated on the channels,
-not run here yet), and Wan 2.2's two-expert pipelines (boundary_ratio: a second transformer for the
-low-noise steps, not parallelized here)."""
+not run here yet)."""
 
 from __future__ import annotations
 
@@ -36,10 +40,13 @@ ADAPTER = FamilyAdapter(
 
 class WanRecipe(VideoRecipe):
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
+    tasks = dict(WanImageToVideoPipeline="image to video")
     output_class = "diffusers.pipelines.wan.pipeline_output:WanPipelineOutput"
     default_size = (480, 832)  # WanPipeline's
     defaults = dict(num_inference_steps=50, guidance_scale=5.0)
-    options = dict(num_frames=81, max_sequence_length=512, image=None)  # image: the first frame (image to video)
+    options = dict(
+        num_frames=81, max_sequence_length=512, image=None, guidance_scale_2=None
+    )  # image: the first frame (image to video)
 
     def prompt_tokens(self, pipe, request, text):
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # what encode_prompt tokenizes
@@ -47,10 +54,12 @@ class WanRecipe(VideoRecipe):
         return super().prompt_tokens(pipe, request, prompt_clean(text))
 
     def check_pipeline(self, pipe) -> None:
-        if pipe.config.get("boundary_ratio") is not None or getattr(pipe, "transformer_2", None) is not None:
-            raise NotImplementedError(
-                "Wan 2.2's two-expert pipeline (boundary_ratio, transformer_2) is not run by xdit_lab yet: only its "
-                "first transformer would be parallelized; use a single-transformer Wan 2.1 pipeline"
+        two = getattr(pipe, "transformer_2", None) is not None
+        if two != (pipe.config.get("boundary_ratio") is not None) or getattr(pipe, "transformer", None) is None:
+            raise ValueError(
+                f"{type(pipe).__name__} has transformer {'set' if pipe.transformer is not None else 'None'}, "
+                f"transformer_2 {'set' if two else 'None'} and boundary_ratio {pipe.config.get('boundary_ratio')}: "
+                f"xdit_lab runs one transformer without boundary_ratio, or both experts with it"
             )
         if _takes_image(pipe) and not pipe.config.get("expand_timesteps"):
             raise NotImplementedError(
@@ -74,6 +83,7 @@ class WanRecipe(VideoRecipe):
         return dict(encoder_hidden_states=embeds.to(pipe.transformer.dtype))
 
     def prepare(self, pipe, request, prepared, device):
+        prepared.extra["guidance_scale_2"] = request.options["guidance_scale_2"]
         pipe.scheduler.set_timesteps(request.num_inference_steps, device=device)
         prepared.timesteps = pipe.scheduler.timesteps
         if not _takes_image(pipe):
@@ -96,6 +106,18 @@ class WanRecipe(VideoRecipe):
             generator_of(request),
         )
         prepared.extra["first_frame"] = (condition, mask)
+
+    def transformers(self, pipe):
+        return [pipe.transformer] + ([pipe.transformer_2] if getattr(pipe, "transformer_2", None) is not None else [])
+
+    def transformer_for(self, pipe, prepared, t):
+        return pipe.transformer if _high_noise(pipe, t) else pipe.transformer_2
+
+    def guidance_at(self, pipe, prepared, step_index):
+        low_noise = not _high_noise(pipe, prepared.timesteps[step_index])  # its own scale, where given
+        if low_noise and prepared.extra["guidance_scale_2"] is not None:
+            return prepared.extra["guidance_scale_2"]
+        return prepared.guidance_scale
 
     def model_input(self, pipe, prepared, latents, t):
         return super().model_input(pipe, prepared, _with_first_frame(prepared, latents), t)
@@ -124,6 +146,12 @@ class WanRecipe(VideoRecipe):
 
 
 RECIPE = WanRecipe()
+
+
+def _high_noise(pipe, t) -> bool:
+    """Whether the first expert runs at `t`: always with one transformer (WanPipeline's boundary_timestep)."""
+    ratio = pipe.config.get("boundary_ratio")
+    return ratio is None or t >= ratio * pipe.scheduler.config.num_train_timesteps
 
 
 def _takes_image(pipe) -> bool:

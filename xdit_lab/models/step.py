@@ -16,6 +16,7 @@ def whole_step(session, t) -> None:
     inner, prepared, recipe = session.pipe.diffusers_pipeline, session.prepared, session.recipe
     latents = prepared.latents
     model_input = recipe.model_input(inner, prepared, latents, t)
-    noise = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))[0]
+    transformer = recipe.transformer_for(inner, prepared, t)  # Wan 2.2 A14B: its expert for this timestep
+    noise = transformer(**recipe.model_kwargs(inner, prepared, model_input, t))[0]
     noise = recipe.guide(inner, prepared, noise, session.step_index)
     prepared.latents = recipe.scheduler_step(inner, prepared, noise, t, latents, session.step_index)

@@ -1,0 +1,87 @@
+"""Wan 2.2 A14B's two experts: WanPipeline with transformer, transformer_2 and boundary_ratio, both parallelized
+on the same ranks, against diffusers' WanPipeline from the same folder, run serially, under ulysses, ring,
+cfg and dp, each step's bytes equal to the closed form:
+
+    t >= boundary_ratio × 1000   transformer     guidance_scale     (high noise)
+    t <  boundary_ratio × 1000   transformer_2   guidance_scale_2   (low noise)
+
+The control runs every step on the first expert and must miss the reference. The memory plan counts both
+experts; what does not run with two experts yet is refused by name at load.
+"""
+
+import pytest
+import torch
+from forward_traffic import session_traffic, traffic_mismatches
+
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, load_pipeline
+from xdit_lab.lessons.families import output_latents
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
+
+PROMPTS = ["a red cat", "a blue dog"]
+CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+BOUNDARY = 0.875  # Wan 2.2 T2V A14B's
+
+
+def _call():
+    call = dict(tiny_pipeline_kwargs("wan"), num_inference_steps=6, negative_prompt=["", "a photo"])
+    return call | dict(guidance_scale=5.0, guidance_scale_2=3.0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Wan's tiny pipeline with a second expert (other weights) and Wan 2.2 A14B's boundary."""
+    from diffusers import WanPipeline
+
+    parts = dict(tiny_pipeline("wan").components, transformer_2=tiny_transformer("wan", seed=7))
+    path = tmp_path_factory.mktemp("wan_a14b")
+    WanPipeline(**parts, boundary_ratio=BOUNDARY).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _parallel(folder, configs):
+    from xdit_lab.families.wan import RECIPE
+
+    rows = []
+    for config in configs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        session = pipe.session(PROMPTS, seed=0, **_call()).run()
+        latents = output_latents(session.result(output_type="latent"))
+        rows.append(dict(config=config.short(), latents=latents, traffic=session_traffic(session)))
+    planned = pipe.memory_plan.per_rank_bytes
+    inner = pipe.diffusers_pipeline
+    held = {
+        name: sum(p.numel() * p.element_size() for p in getattr(inner, name).parameters())
+        for name in ("transformer", "transformer_2")
+    }
+    # the control: every step on the first expert, the boundary ignored
+    RECIPE.transformer_for = lambda pipe, prepared, t: pipe.transformer
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call()))
+    return rows, control, dict(planned), held
+
+
+def test_two_experts_equal_diffusers(folder):
+    from diffusers import DiffusionPipeline
+
+    reference = DiffusionPipeline.from_pretrained(folder)
+    assert reference.transformer_2 is not None and reference.config.boundary_ratio == BOUNDARY
+    reference.set_progress_bar_config(disable=True)
+    reference.scheduler.set_timesteps(_call()["num_inference_steps"])
+    high = int((reference.scheduler.timesteps >= BOUNDARY * 1000).sum())
+    assert 0 < high < len(reference.scheduler.timesteps)  # both experts run
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_call()))
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    for rank, (rows, control, planned, held) in enumerate(run_on_ranks(_parallel, 2, folder, CONFIGS, timeout_s=400)):
+        for row in rows:
+            where = f"wan two experts {row['config']} rank {rank}"
+            assert (row["latents"] - expected).abs().max().item() <= bound, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            assert all(step["moved"] for step in row["traffic"]), where
+        assert (control - expected).abs().max().item() > 10 * bound  # the low-noise expert's steps matter
+        assert planned["transformer_2"] == held["transformer_2"] == held["transformer"] > 0, (planned, held)
+
+
+def test_what_two_experts_cannot_run_yet_is_refused_at_load(folder):
+    with pytest.raises(ParallelConfigError, match=r"two transformers .* not yet with PipeFusion: leave it out"):
+        load_pipeline(folder, ParallelConfig(pipefusion=2), progress=False)

@@ -253,3 +253,53 @@ def test_image_inputs_are_checked_by_name(tmp_path):
         load_pipeline(folder, progress=False, pipeline_class="WanPipeline")
     with pytest.raises(ParallelConfigError, match=r"FluxKontextPipeline does not run under PipeFusion: .* two images"):
         load_pipeline(folder, CONFIGS[3], progress=False, pipeline_class="FluxKontextPipeline")
+
+
+# ---- Flux.2 with reference images: their tokens after the drawn ones ------------------------------------------
+FLUX2_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]  # one branch: no cfg
+
+
+def _flux2_call(**changes):
+    return dict(tiny_pipeline_kwargs("flux2"), num_inference_steps=3, image=[_picture(64), _picture(64)]) | changes
+
+
+def _flux2_parallel(folder, configs):
+    rows = []
+    for config in configs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        session = pipe.session(PROMPTS, seed=0, **_flux2_call()).run()
+        latents = output_latents(session.result(output_type="latent"))
+        rows.append(dict(config=config.short(), latents=latents, traffic=session_traffic(session)))
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_flux2_call(image=None)))  # no reference
+    config = ParallelConfig(pipefusion=2, warmup_steps=3)
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    try:
+        pipe(PROMPTS, seed=0, output_type="latent", **_flux2_call())
+        refused = None
+    except NotImplementedError as error:
+        refused = str(error)
+    return rows, control, refused
+
+
+def test_flux2_reference_images_equal_diffusers(tmp_path):
+    """Flux2Pipeline with two reference images (their latents after the drawn ones, each with its own first id)
+    under ulysses, ring and dp against diffusers' Flux2Pipeline; the control draws without them; PipeFusion
+    refuses several images per sample by name."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("flux2", tmp_path / "flux2")
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_flux2_call()))
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    for rank, (rows, control, refused) in enumerate(
+        run_on_ranks(_flux2_parallel, 2, folder, FLUX2_CONFIGS, timeout_s=400)
+    ):
+        for row in rows:
+            where = f"flux2 reference images {row['config']} rank {rank}"
+            assert (row["latents"] - expected).abs().max().item() <= bound, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            assert all(step["moved"] for step in row["traffic"]), where
+        assert (control - expected).abs().max().item() > 10 * bound
+        assert refused and "3 images per sample (reference images" in refused and "without PipeFusion" in refused

@@ -114,11 +114,11 @@ class PackedTokens(LatentLayout):
             frames, rows, cols = images[0]
             return frames * rows, cols
         ids = arguments["img_ids"].reshape(-1, arguments["img_ids"].shape[-1])  # Flux: (image, row, column)
-        images = int(ids[:, 0].max()) + 1  # a host sync, once per size: Kontext's reference images are 1, 2, ...
-        if images != 1:
+        images = len(torch.unique(ids[:, 0]))  # a host sync, once per size: reference images (Kontext, Flux.2)
+        if images != 1:  # have their own value on the first axis
             raise NotImplementedError(
-                f"{images} images per sample (Kontext's reference image beside the one drawn) do not form one grid "
-                f"of rows; PipeFusion cuts one image into row bands: run it without PipeFusion"
+                f"{images} images per sample (reference images beside the one drawn: Kontext, Flux.2) do not form "
+                f"one grid of rows; PipeFusion cuts one image into row bands: run it without PipeFusion"
             )
         cols = int(ids[:, 2].max()) + 1
         return latents.shape[1] // cols, cols

@@ -200,19 +200,6 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             prepared.extra["reference"] = reference
         self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
 
-    def appended_tokens(self, prepared):
-        return prepared.extra["reference"].shape[1] if "reference" in prepared.extra else 0
-
-    def model_input(self, pipe, prepared, latents, t):
-        if "reference" in prepared.extra:  # Kontext: the reference image's tokens after the drawn ones
-            latents = torch.cat([latents, prepared.extra["reference"]], dim=1)
-        return super().model_input(pipe, prepared, latents, t)
-
-    def guide(self, pipe, prepared, noise, step_index):
-        if "reference" in prepared.extra:  # Kontext: the prediction of the drawn tokens alone
-            noise = noise[:, : prepared.latents.shape[1]]
-        return super().guide(pipe, prepared, noise, step_index)
-
     def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
         latents = super().scheduler_step(pipe, prepared, noise, t, latents, step_index)
         if "inpaint" not in prepared.extra:

@@ -5,7 +5,11 @@ over the patched latent. Its single-stream blocks take [text; image] as one tens
 diffusers' Flux2Pipeline has no negative prompt and no unconditional branch: guidance_scale is the
 model's input (guidance-distilled), so cfg 2 has nothing to split and a negative prompt is refused.
 Every prompt is padded to max_sequence_length and the transformer attends to the padding as
-diffusers' does, so the ranks' rows stack as they are."""
+diffusers' does, so the ranks' rows stack as they are.
+
+Reference images (image=, one or several): their latents follow the drawn ones in one sequence, each
+image with its own value on the ids' first axis, and the prediction keeps the drawn tokens (as Kontext's,
+recipe.PackedLatentsRecipe); sequence parallelism splits that sequence, PipeFusion refuses it."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import torch
 
 from .adapter import FamilyAdapter, PerToken
 from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
-from .recipe import PackedLatentsRecipe, prompt_embeds
+from .recipe import PackedLatentsRecipe, generator_of, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -30,7 +34,7 @@ class Flux2Recipe(PackedLatentsRecipe):
     pipeline_classes = ("Flux2Pipeline",)
     output_class = "diffusers.pipelines.flux2.pipeline_output:Flux2PipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=4.0)  # the distilled guidance, an input
-    options = dict(max_sequence_length=512, text_encoder_out_layers=(10, 20, 30))
+    options = dict(max_sequence_length=512, text_encoder_out_layers=(10, 20, 30), image=None)
     cfg_needs = None  # never two branches: see the module's docstring
     counted_with = " with the chat's system message"
 
@@ -54,11 +58,42 @@ class Flux2Recipe(PackedLatentsRecipe):
     def prepare(self, pipe, request, prepared, device):
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        prepared.latents, image_ids = self.packed_latents(pipe, request, prepared, device)
+        images, first_size = self._reference_images(pipe, request)
+        prepared.latents, image_ids = self.packed_latents(pipe, request, prepared, device, default_size=first_size)
         prepared.conditioning["img_ids"] = image_ids[0]
         prepared.extra["image_ids"] = image_ids  # where each token goes back in the latent, for decode
+        if images:  # their tokens after the drawn ones (PackedLatentsRecipe.model_input), with their own ids
+            reference, reference_ids = pipe.prepare_image_latents(
+                images=images,
+                batch_size=len(request.prompts),
+                generator=generator_of(request),
+                device=device,
+                dtype=pipe.vae.dtype,
+            )
+            prepared.extra["reference"] = reference
+            prepared.conditioning["img_ids"] = torch.cat([image_ids, reference_ids], dim=1)[0]
         mu = compute_empirical_mu(image_seq_len=prepared.latents.shape[1], num_steps=request.num_inference_steps)
         self.set_timesteps(pipe, request, prepared, device, mu)
+
+    def _reference_images(self, pipe, request):
+        """Flux2Pipeline's condition images: each at most 1024² pixels, cut to multiples of the packed latent's
+        pixels; and the first one's size, the drawn image's where the request gives none."""
+        images, first_size = request.options["image"], None
+        images = [] if images is None else images if isinstance(images, list) else [images]
+        prepared_images = []
+        for image in images:
+            pipe.image_processor.check_image_input(image)
+            width, height = image.size
+            if width * height > 1024 * 1024:
+                image = pipe.image_processor._resize_to_target_area(image, 1024 * 1024)
+                width, height = image.size
+            multiple = pipe.vae_scale_factor * 2
+            width, height = width // multiple * multiple, height // multiple * multiple
+            prepared_images.append(
+                pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop")
+            )
+            first_size = first_size or (height, width)
+        return prepared_images, first_size
 
     def guidance_input(self, pipe, prepared):
         return prepared.guidance_scale  # handed over always, as Flux2Pipeline does

@@ -404,10 +404,11 @@ class PackedLatentsRecipe(Recipe):
     def default_latent_side(self, transformer_config):
         return 128  # these pipelines' default_sample_size (not in the transformer's config)
 
-    def packed_latents(self, pipe, request: Request, prepared: Prepared, device):
+    def packed_latents(self, pipe, request: Request, prepared: Prepared, device, default_size=None):
         """What the pipeline's prepare_latents returns (the packed latents, and ids where the family
-        has them) at the request's size, in the text's dtype; the size goes in prepared.extra["size"]."""
-        default_height, default_width = self.size_multiple(pipe)[1]
+        has them) at the request's size (where it gives none: `default_size`, else the pipeline's), in the
+        text's dtype; the size goes in prepared.extra["size"]."""
+        default_height, default_width = default_size or self.size_multiple(pipe)[1]
         height, width = request.height or default_height, request.width or default_width
         prepared.extra["size"] = (height, width)
         return pipe.prepare_latents(
@@ -457,6 +458,20 @@ class PackedLatentsRecipe(Recipe):
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input.to(pipe.transformer.dtype)
+
+    # ---- reference images (Flux.1 Kontext, Flux.2): their tokens after the drawn ones, in prepared.extra -------
+    def appended_tokens(self, prepared):
+        return prepared.extra["reference"].shape[1] if "reference" in prepared.extra else 0
+
+    def model_input(self, pipe, prepared, latents, t):
+        if "reference" in prepared.extra:  # the reference images' tokens after the drawn ones
+            latents = torch.cat([latents, prepared.extra["reference"]], dim=1)
+        return super().model_input(pipe, prepared, latents, t)
+
+    def guide(self, pipe, prepared, noise, step_index):
+        if "reference" in prepared.extra:  # the prediction of the drawn tokens alone
+            noise = noise[:, : prepared.latents.shape[1]]
+        return super().guide(pipe, prepared, noise, step_index)
 
     def guidance_input(self, pipe, prepared: Prepared) -> float | None:
         """The guidance a guidance-distilled transformer takes as an input (None: it takes none)."""

@@ -17,7 +17,7 @@ from forward_traffic import session_traffic, traffic_mismatches
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, load_pipeline
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
 
 # ---- Wan 2.2 TI2V 5B's pipelines: text to video (WanPipeline) and image to video (WanImageToVideoPipeline) ----
 PROMPTS = ["a red cat", "a blue dog"]
@@ -303,3 +303,65 @@ def test_flux2_reference_images_equal_diffusers(tmp_path):
             assert all(step["moved"] for step in row["traffic"]), where
         assert (control - expected).abs().max().item() > 10 * bound
         assert refused and "3 images per sample (reference images" in refused and "without PipeFusion" in refused
+
+
+# ---- Flux.1 Fill: the masked image and the mask beside the latents, on the channels ----------------------------
+FILL_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2), CONFIGS[3]]  # one branch
+
+
+def _fill_folder(root):
+    """FluxFillPipeline with Flux's tiny parts and a transformer that takes [latents | masked image | mask]: 64 + 64
+    packed channels and the mask's vae_scale_factor² × 4 (FLUX.1-Fill-dev: 64 + 64 + 256 = 384)."""
+    from diffusers import FluxFillPipeline
+
+    parts = tiny_pipeline("flux").components
+    mask_channels = 4 * (2 ** (len(parts["vae"].config.block_out_channels) - 1)) ** 2
+    transformer = tiny_transformer("flux", in_channels=2 * 64 + mask_channels, out_channels=64)
+    FluxFillPipeline(
+        **{k: v for k, v in parts.items() if k in FLUX_FILL_PARTS}, transformer=transformer
+    ).save_pretrained(root / "fill", safe_serialization=True)
+    return root / "fill"
+
+
+FLUX_FILL_PARTS = ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+
+
+def _fill_call(**changes):
+    call = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=3, image=_picture(16), mask_image=_mask(16))
+    return call | changes
+
+
+def _fill_parallel(folder, configs):
+    from PIL import Image
+
+    rows = []
+    for config in configs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        session = pipe.session(PROMPTS, seed=0, **_fill_call()).run()
+        latents = output_latents(session.result(output_type="latent"))
+        rows.append(dict(config=config.short(), latents=latents, traffic=session_traffic(session)))
+    nothing_masked = Image.new("L", (16, 16))  # the control: the mask's channels say nothing is redrawn
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_fill_call(mask_image=nothing_masked)))
+    return rows, control
+
+
+def test_flux_fill_equals_diffusers(tmp_path):
+    """FluxFillPipeline (its default strength 1.0 and guidance 30, the model's input) under ulysses, ring, dp and
+    PipeFusion against diffusers' FluxFillPipeline from the same folder; a negative prompt is refused by name."""
+    from diffusers import DiffusionPipeline
+
+    folder = _fill_folder(tmp_path)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_fill_call()))
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    for rank, (rows, control) in enumerate(run_on_ranks(_fill_parallel, 2, folder, FILL_CONFIGS, timeout_s=400)):
+        for row in rows:
+            where = f"flux fill {row['config']} rank {rank}"
+            assert (row["latents"] - expected).abs().max().item() <= bound, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            assert all(step["moved"] for step in row["traffic"]), where
+        assert (control - expected).abs().max().item() > 10 * bound
+    with pytest.raises(ValueError, match=r"FluxFillPipeline takes no negative_prompt"):
+        load_pipeline(folder, progress=False).session(PROMPTS, negative_prompt=["", ""], **_fill_call())

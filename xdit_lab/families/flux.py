@@ -12,6 +12,11 @@ back the image's latents, noised to the next step, where the mask is 0 (kept):
 
     latents = (1 - mask) * scale_noise(image latents, next t) + mask * stepped latents
 
+FluxFillPipeline (inpainting with FLUX.1-Fill's transformer) starts as image to image, and feeds the
+transformer the masked image's latents and the mask beside the latents, on the channels:
+
+    [latents | masked image latents | mask] --transformer (in_channels 384 on FLUX.1-Fill)--> noise
+
 FluxKontextPipeline (editing) appends the image's latents after the ones drawn, as one sequence whose ids
 say which image a token is of (0: drawn, 1: the reference); the prediction keeps the drawn tokens:
 
@@ -60,8 +65,19 @@ ADAPTER = FamilyAdapter(
 
 
 class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    pipeline_classes = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline")
-    tasks = dict(FluxImg2ImgPipeline="image to image", FluxInpaintPipeline="inpainting", FluxKontextPipeline="editing")
+    pipeline_classes = (
+        "FluxPipeline",
+        "FluxImg2ImgPipeline",
+        "FluxInpaintPipeline",
+        "FluxFillPipeline",
+        "FluxKontextPipeline",
+    )
+    tasks = dict(
+        FluxImg2ImgPipeline="image to image",
+        FluxInpaintPipeline="inpainting",
+        FluxFillPipeline="inpainting",
+        FluxKontextPipeline="editing",
+    )
     pipefusion_refused = dict(
         FluxKontextPipeline="its reference image's tokens follow the drawn ones, two images per sample that do not "
         "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp"
@@ -92,6 +108,8 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
 
     def check_inputs(self, pipe, request):
         name, options = type(pipe).__name__, request.options
+        if _fill(pipe) and request.negatives is not None:
+            raise ValueError(f"{name} takes no negative_prompt: it runs one branch, guided by the model's input")
         takes, needs = PIPELINE_INPUTS[name]
         for key in needs:
             if options.get(key) is None:
@@ -141,10 +159,20 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
                 f"raise strength or num_inference_steps"
             )
         image, batch, generator = image.to(dtype=torch.float32), len(request.prompts), generator_of(request)
-        channels, dtype = pipe.transformer.config.in_channels // 4, prepared.conditioning["encoder_hidden_states"].dtype
+        channels = pipe.vae.config.latent_channels if _fill(pipe) else pipe.transformer.config.in_channels // 4
+        dtype = prepared.conditioning["encoder_hidden_states"].dtype
         latents = pipe.prepare_latents(
             image, prepared.timesteps[:1].repeat(batch), batch, channels, height, width, dtype, device, generator
         )
+        if _fill(pipe):  # the masked image's latents and the mask, beside the latents on the channels
+            prepared.latents, prepared.conditioning["img_ids"] = latents
+            mask = pipe.mask_processor.preprocess(options["mask_image"], height=height, width=width)
+            mask, masked = pipe.prepare_mask_latents(
+                mask, (image * (1 - mask)).to(device=device, dtype=dtype), batch, pipe.vae.config.latent_channels, 1,
+                *image.shape[-2:], dtype, device, generator,
+            )  # fmt: skip
+            prepared.extra["fill"] = torch.cat((masked, mask), dim=-1)
+            return
         if not _inpaint(pipe):
             prepared.latents, prepared.conditioning["img_ids"] = latents
             return
@@ -200,6 +228,11 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             prepared.extra["reference"] = reference
         self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
 
+    def model_input(self, pipe, prepared, latents, t):
+        if "fill" in prepared.extra:  # FluxFillPipeline's: the masked image and the mask beside the latents
+            latents = torch.cat((latents, prepared.extra["fill"]), dim=2)
+        return super().model_input(pipe, prepared, latents, t)
+
     def scheduler_step(self, pipe, prepared, noise, t, latents, step_index):
         latents = super().scheduler_step(pipe, prepared, noise, t, latents, step_index)
         if "inpaint" not in prepared.extra:
@@ -231,6 +264,7 @@ PIPELINE_INPUTS = {
     "FluxPipeline": ((), ()),
     "FluxImg2ImgPipeline": (("image", "strength"), ("image",)),
     "FluxInpaintPipeline": (("image", "strength", "mask_image", "padding_mask_crop"), ("image", "mask_image")),
+    "FluxFillPipeline": (("image", "strength", "mask_image"), ("image", "mask_image")),
     "FluxKontextPipeline": (("image", "max_area", "_auto_resize"), ()),
 }
 IMAGE_OPTIONS = ("image", "strength", "mask_image", "padding_mask_crop", "max_area", "_auto_resize")
@@ -239,7 +273,11 @@ NEEDED_FOR = {"image": "draws from an image", "mask_image": "redraws where its m
 
 def _image_to_image(pipe) -> bool:
     """A pipeline that starts from an image: image to image, or inpainting."""
-    return type(pipe).__name__ in ("FluxImg2ImgPipeline", "FluxInpaintPipeline")
+    return type(pipe).__name__ in ("FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline")
+
+
+def _fill(pipe) -> bool:
+    return type(pipe).__name__ == "FluxFillPipeline"
 
 
 def _kontext(pipe) -> bool:

@@ -10,6 +10,8 @@ Each has a control, a deliberately wrong variant that must miss the reference; a
 (an image where none is taken, none where one is) is refused by name before anything runs.
 """
 
+import re
+
 import pytest
 import torch
 from forward_traffic import session_traffic, traffic_mismatches
@@ -115,22 +117,41 @@ def test_wan_2_2_ti2v_text_and_image_to_video_equal_diffusers(tmp_path):
         assert (control - image_to_video).abs().max().item() > 10 * 1e-4 * max(1.0, image_to_video.abs().max().item())
 
 
+def _refused(call) -> str | None:
+    """What `call` is told: its error's type and message, or None where it ran."""
+    try:
+        call()
+    except (ValueError, NotImplementedError, ParallelConfigError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _wan_refusals(folders, wan_2_1):
+    image_to_video = load_pipeline(folders["image to video"], progress=False)
+    text_to_video = load_pipeline(folders["text to video"], progress=False)
+    return dict(
+        no_image=_refused(lambda: image_to_video.session(PROMPTS, **_wan_call("text to video"))),
+        an_image=_refused(lambda: text_to_video.session(PROMPTS, **_wan_call("image to video"))),
+        wan_2_1=_refused(lambda: load_pipeline(wan_2_1, progress=False)),
+    )
+
+
 def test_an_image_is_asked_for_where_it_is_taken_and_wan_2_1_image_to_video_is_refused(tmp_path):
     """Image to video without image=, text to video given one: each refused by name before anything runs; Wan
-    2.1's image to video (no expand_timesteps: CLIP image embeddings and a mask on the channels) refused at load."""
+    2.1's image to video (no expand_timesteps: CLIP image embeddings and a mask on the channels) refused at load.
+    (On a spawned rank: load_pipeline joins a torch.distributed world in the process that calls it.)"""
     from diffusers import WanImageToVideoPipeline
 
     folders = _wan_folders(tmp_path)
-    image_to_video = load_pipeline(folders["image to video"], progress=False)
-    with pytest.raises(ValueError, match=r"WanImageToVideoPipeline draws a video from an image: give image="):
-        image_to_video.session(PROMPTS, **_wan_call("text to video"))
-    text_to_video = load_pipeline(folders["text to video"], progress=False)
-    with pytest.raises(ValueError, match=r"WanPipeline draws from text alone and takes no image; image to video is"):
-        text_to_video.session(PROMPTS, **_wan_call("image to video"))
     wan_2_1 = WanImageToVideoPipeline.from_pretrained(folders["image to video"], expand_timesteps=False)
     wan_2_1.save_pretrained(tmp_path / "wan21_i2v", safe_serialization=True)
-    with pytest.raises(NotImplementedError, match=r"Wan 2.1's image-to-video pipeline .* not run by xdit_lab yet"):
-        load_pipeline(tmp_path / "wan21_i2v", progress=False)
+    (told,) = run_on_ranks(_wan_refusals, 1, folders, tmp_path / "wan21_i2v", timeout_s=120)
+    assert re.match(r"ValueError: WanImageToVideoPipeline draws a video from an image: give image=", told["no_image"])
+    assert re.match(
+        r"ValueError: WanPipeline draws from text alone and takes no image; image to video is", told["an_image"]
+    )
+    assert re.match(
+        r"NotImplementedError: Wan 2.1's image-to-video pipeline .* not run by xdit_lab yet", told["wan_2_1"]
+    )
 
 
 # ---- Flux.1 image to image and inpainting, loaded from a FluxPipeline folder ----------------------------------
@@ -216,39 +237,52 @@ def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
             assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), task
 
 
+def _image_refusals(folder):
+    image_to_image = load_pipeline(folder, progress=False, pipeline_class="FluxImg2ImgPipeline")
+    inpaint = load_pipeline(folder, progress=False, pipeline_class="FluxInpaintPipeline")
+    text_to_image = load_pipeline(folder, progress=False)
+    no_image = {k: v for k, v in _flux_call("image to image").items() if k != "image"}
+    return dict(
+        guidance=image_to_image.request(PROMPTS, image=_picture(16)).guidance_scale,
+        no_image=_refused(lambda: image_to_image.session(PROMPTS, **no_image)),
+        strength_above_1=_refused(
+            lambda: image_to_image.session(PROMPTS, **_flux_call("image to image", strength=1.5))
+        ),
+        no_step=_refused(lambda: image_to_image.session(PROMPTS, **_flux_call("image to image", strength=0.0))),
+        a_mask=_refused(lambda: image_to_image.session(PROMPTS, **_flux_call("inpaint"))),
+        no_mask=_refused(lambda: inpaint.session(PROMPTS, **_flux_call("image to image"))),
+        an_image=_refused(lambda: text_to_image.session(PROMPTS, **_flux_call("image to image"))),
+    )
+
+
 def test_image_inputs_are_checked_by_name(tmp_path):
     """No image, no mask, a strength outside [0, 1] or one that leaves no step, an image to the text-to-image
-    pipeline, a mask to image to image, and a pipeline_class of another family: each refused by name before
-    anything runs. A pipeline class's own defaults are the call's (FluxImg2ImgPipeline's guidance is not
-    FluxPipeline's)."""
+    pipeline, a mask to image to image, a pipeline_class of another family, and Kontext under PipeFusion: each
+    refused by name before anything runs. A pipeline class's own defaults are the call's (FluxImg2ImgPipeline's
+    guidance is not FluxPipeline's)."""
     import inspect
 
     import diffusers
 
     folder = save_tiny_pipeline("flux", tmp_path / "flux")
-    image_to_image = load_pipeline(folder, progress=False, pipeline_class="FluxImg2ImgPipeline")
     guidance = {
         name: inspect.signature(getattr(diffusers, name).__call__).parameters["guidance_scale"].default
         for name in ("FluxPipeline", "FluxImg2ImgPipeline")
     }
     assert guidance["FluxImg2ImgPipeline"] != guidance["FluxPipeline"]
-    request = image_to_image.request(PROMPTS, image=_picture(16))
-    assert request.guidance_scale == guidance["FluxImg2ImgPipeline"]
-    call = {k: v for k, v in _flux_call("image to image").items() if k != "image"}
-    with pytest.raises(ValueError, match=r"FluxImg2ImgPipeline draws from an image: give image="):
-        image_to_image.session(PROMPTS, **call)
-    with pytest.raises(ValueError, match=r"strength must be between 0 and 1 .*; got 1.5"):
-        image_to_image.session(PROMPTS, **_flux_call("image to image", strength=1.5))
-    with pytest.raises(ValueError, match=r"strength 0.0 of 4 steps leaves no step to run"):
-        image_to_image.session(PROMPTS, **_flux_call("image to image", strength=0.0))
-    with pytest.raises(ValueError, match=r"FluxImg2ImgPipeline takes no mask_image; .* inpainting FluxInpaintPipeline"):
-        image_to_image.session(PROMPTS, **_flux_call("inpaint"))
-    inpaint = load_pipeline(folder, progress=False, pipeline_class="FluxInpaintPipeline")
-    with pytest.raises(ValueError, match=r"FluxInpaintPipeline redraws where its mask is white: give mask_image="):
-        inpaint.session(PROMPTS, **_flux_call("image to image"))
-    text_to_image = load_pipeline(folder, progress=False)
-    with pytest.raises(ValueError, match=r"FluxPipeline takes no image; image to image is FluxImg2ImgPipeline's"):
-        text_to_image.session(PROMPTS, **_flux_call("image to image"))
+    (told,) = run_on_ranks(_image_refusals, 1, folder, timeout_s=120)
+    assert told["guidance"] == guidance["FluxImg2ImgPipeline"]
+    expected = dict(
+        no_image=r"ValueError: FluxImg2ImgPipeline draws from an image: give image=",
+        strength_above_1=r"ValueError: strength must be between 0 and 1 .*; got 1.5",
+        no_step=r"ValueError: strength 0.0 of 4 steps leaves no step to run",
+        a_mask=r"ValueError: FluxImg2ImgPipeline takes no mask_image; .* inpainting FluxInpaintPipeline",
+        no_mask=r"ValueError: FluxInpaintPipeline redraws where its mask is white: give mask_image=",
+        an_image=r"ValueError: FluxPipeline takes no image; image to image is FluxImg2ImgPipeline's",
+    )
+    for case, pattern in expected.items():
+        assert told[case] and re.match(pattern, told[case]), (case, told[case])
+    # refused before torch.distributed is joined, so in this process
     with pytest.raises(ValueError, match=r"pipeline_class='WanPipeline' is a wan pipeline, and .* holds a flux one"):
         load_pipeline(folder, progress=False, pipeline_class="WanPipeline")
     with pytest.raises(ParallelConfigError, match=r"FluxKontextPipeline does not run under PipeFusion: .* two images"):
@@ -342,7 +376,8 @@ def _fill_parallel(folder, configs):
         rows.append(dict(config=config.short(), latents=latents, traffic=session_traffic(session)))
     nothing_masked = Image.new("L", (16, 16))  # the control: the mask's channels say nothing is redrawn
     control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_fill_call(mask_image=nothing_masked)))
-    return rows, control
+    negative = _refused(lambda: pipe.session(PROMPTS, negative_prompt=["", ""], **_fill_call()))
+    return rows, control, negative
 
 
 def test_flux_fill_equals_diffusers(tmp_path):
@@ -356,12 +391,13 @@ def test_flux_fill_equals_diffusers(tmp_path):
     generator = torch.Generator().manual_seed(0)
     expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_fill_call()))
     bound = 1e-4 * max(1.0, expected.abs().max().item())
-    for rank, (rows, control) in enumerate(run_on_ranks(_fill_parallel, 2, folder, FILL_CONFIGS, timeout_s=400)):
+    for rank, (rows, control, negative) in enumerate(
+        run_on_ranks(_fill_parallel, 2, folder, FILL_CONFIGS, timeout_s=400)
+    ):
         for row in rows:
             where = f"flux fill {row['config']} rank {rank}"
             assert (row["latents"] - expected).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
         assert (control - expected).abs().max().item() > 10 * bound
-    with pytest.raises(ValueError, match=r"FluxFillPipeline takes no negative_prompt"):
-        load_pipeline(folder, progress=False).session(PROMPTS, negative_prompt=["", ""], **_fill_call())
+        assert negative and negative.startswith("ValueError: FluxFillPipeline takes no negative_prompt"), negative

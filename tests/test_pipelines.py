@@ -315,27 +315,6 @@ def test_a_call_with_one_branch_is_refused_under_cfg_2_by_name(folders):
         assert "a guidance_scale above 1, or load with cfg 1" in refused["pixart guidance 1"]
 
 
-def _load_refused(folder):
-    try:
-        load_pipeline(folder, ParallelConfig(), progress=False)
-    except NotImplementedError as error:
-        return str(error)
-
-
-def test_wan_two_expert_pipeline_is_refused_by_name(tmp_path):
-    """Wan 2.2 A14B's pipeline switches to a second transformer for the low-noise steps
-    (boundary_ratio); only the first would be parallelized, so loading it is refused by name.
-    (On a spawned rank: load_pipeline initializes torch.distributed in the process that calls it.)"""
-    from diffusers import WanPipeline
-
-    from xdit_lab.tiny import tiny_pipeline, tiny_transformer
-
-    parts = dict(tiny_pipeline("wan").components, transformer_2=tiny_transformer("wan", seed=1))
-    WanPipeline(**parts, boundary_ratio=0.875).save_pretrained(tmp_path / "wan22")
-    (message,) = run_on_ranks(_load_refused, 1, tmp_path / "wan22", timeout_s=120)
-    assert message and "two-expert pipeline (boundary_ratio, transformer_2)" in message, message
-
-
 def test_the_load_plan_counts_the_rows_the_recipe_runs():
     """The load's plan sizes PipeFusion's stale K/V at the rows of one prompt at the call defaults, as
     the recipe decides them (a negative prompt counted as given). It used to read guidance_scale > 1,

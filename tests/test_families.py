@@ -85,3 +85,20 @@ def test_every_family_file_is_found_and_tabled():
     assert declared == sorted(MODULES) and len(declared) == 9
     assert {adapter.family for adapter in FAMILIES.values()} == set(MODULES)
     assert {recipe.family for recipe in RECIPES.values()} == {n for n, m in MODULES.items() if m.RECIPE}
+
+
+def test_each_pipeline_class_calls_with_its_own_defaults():
+    """A recipe's call defaults for each of its pipeline classes are that class's own, as its __call__'s signature
+    gives them (FluxImg2ImgPipeline's guidance is 7.0, FluxPipeline's 3.5): the reference is diffusers' code."""
+    import inspect
+
+    import diffusers
+
+    checked = 0
+    for pipeline_class, recipe in RECIPES.items():
+        parameters = inspect.signature(getattr(diffusers, pipeline_class).__call__).parameters
+        for key, value in recipe.call_defaults(pipeline_class).items():
+            if key in parameters:
+                assert value == parameters[key].default, (pipeline_class, key, value, parameters[key].default)
+                checked += 1
+    assert checked >= 2 * len(RECIPES)

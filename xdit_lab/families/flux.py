@@ -84,6 +84,11 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     )
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
+    pipeline_defaults = dict(
+        FluxImg2ImgPipeline=dict(guidance_scale=7.0),
+        FluxInpaintPipeline=dict(guidance_scale=7.0),
+        FluxFillPipeline=dict(num_inference_steps=50, guidance_scale=30.0),
+    )
     # image, strength: FluxImg2ImgPipeline's and FluxInpaintPipeline's (strength None: the pipeline's own default);
     # mask_image (white: redrawn), padding_mask_crop: FluxInpaintPipeline's; max_area, _auto_resize: FluxKontextPipeline's
     # (None: its own defaults), where image is optional

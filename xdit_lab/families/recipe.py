@@ -102,6 +102,7 @@ class Recipe:
     # classes PipeFusion refuses, and why (load_pipeline says it before anything is read)
     tasks: dict = {}
     pipefusion_refused: dict = {}
+    pipeline_defaults: dict = {}  # pipeline class -> its call defaults where they differ from `defaults`
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
 
@@ -115,17 +116,11 @@ class Recipe:
         return self.tasks.get(pipeline_class, "text to video" if self.output_field == "frames" else "text to image")
 
     def call_defaults(self, pipeline_class: str) -> dict:
-        """The call's defaults as `pipeline_class` itself sets them (its __call__'s: FluxImg2ImgPipeline's guidance
-        is 7.0 where FluxPipeline's is 3.5), for the keys of `defaults`, which stand where it sets none."""
-        import diffusers
-
-        parameters = inspect.signature(getattr(diffusers, pipeline_class).__call__).parameters
-        return {
-            key: parameters[key].default
-            if key in parameters and parameters[key].default is not inspect.Parameter.empty
-            else value
-            for key, value in self.defaults.items()
-        }
+        """The call's defaults as `pipeline_class` itself sets them in its __call__ (FluxImg2ImgPipeline's guidance
+        is 7.0 where FluxPipeline's is 3.5): `defaults`, and the class's own in `pipeline_defaults`. Written here,
+        not read from the signature, so that planning a folder imports no pipeline module (tests/test_families.py
+        checks them against diffusers' signatures)."""
+        return {**self.defaults, **self.pipeline_defaults.get(pipeline_class, {})}
 
     def check_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.options))

@@ -327,7 +327,9 @@ def test_a_hung_peer_ends_in_an_error_naming_the_rank_within_the_timeout(folder,
     text = "".join(seen).replace("\r", "\n")
     assert proc.returncode != 0 and "error" in marks, text[-3000:]
     waited = marks["error"] - marks["stopped"]
-    assert 5 <= waited <= 25, waited  # the timeout, not torch's 30 minutes; at least the 5 s it was told
+    # the timeout, not torch's 30 minutes; at least the 5 s it was told, less the time this test takes to see the
+    # bar and stop rank 1 (rank 0 may enter the collective that much before the stop is marked: 4.9994 s was seen)
+    assert 4.5 <= waited <= 25, waited
     assert "rank 0 ended" in marks, text[-3000:]
     lines = re.findall(r"xdit-lab run: error: [^\n]*", text)  # after the progress bar, on its line
     assert len(lines) == 1, text[-4000:]

@@ -75,7 +75,7 @@ class WanRecipe(VideoRecipe):
         if not _takes_image(pipe) and image is not None:
             raise ValueError(
                 f"{type(pipe).__name__} draws from text alone and takes no image; image to video is "
-                f"WanImageToVideoPipeline's (load a folder whose model_index.json names it)"
+                f"WanImageToVideoPipeline's (load the folder with pipeline_class='WanImageToVideoPipeline')"
             )
 
     def encode_texts(self, pipe, request, texts, device, *, negative):

@@ -42,11 +42,13 @@ def _graphs(cases):
 # one family per way of holding text and positions, compiled beside eager in
 # test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile, which also asserts one graph
 # (dynamo's unique graphs) and no recompiles over three calls: the explain sweep below leaves these out.
-# Two are compiled as a user's compile=True does (inductor, whose kernels a cold cache builds in about a
-# minute per family on the CI's two cores), one under each sp strategy; the other three with the backend
-# "aot_eager": the same dynamo graph and the same functionalized collectives, run by eager kernels (#38).
+# One is compiled as a user's compile=True does (inductor, whose kernels a cold cache builds in about a
+# minute per family on the CI's two cores), under ring; inductor under ulysses runs in two other tests
+# (tests/test_run_cli.py's --compile, PixArt, and tests/test_quantization.py's int8 Flux). The other four use
+# the backend "aot_eager": the same dynamo graph and the same functionalized collectives, run by eager
+# kernels (#38).
 COMPILED = [
-    ("sd3", ParallelConfig(ulysses=2), True),  # text after the image
+    ("sd3", ParallelConfig(ulysses=2), "aot_eager"),  # text after the image
     ("flux2", ParallelConfig(ring=2), True),  # text first, image ids sharded before the forward
     ("qwenimage", ParallelConfig(ring=2), "aot_eager"),  # padded text: a key mask handed to the attention operator
     ("cogvideox", ParallelConfig(ring=2), "aot_eager"),  # text and image embedded in one tensor

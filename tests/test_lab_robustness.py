@@ -79,10 +79,16 @@ def test_an_interrupted_wait_leaves_the_lab_usable(lab):
     busy with the interrupted call, and once that call has ended on the engine the Lab answers again."""
     main = threading.main_thread().ident
     interrupt = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+    # Python's own SIGINT handler, as a kernel has it: a pytest started in the background by a shell without
+    # job control inherits SIGINT ignored, and Python then installs no handler (the signal would be lost).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
     interrupt.start()
-    with pytest.raises(KeyboardInterrupt):
-        lab.call(time.sleep, 3, ranks=[0], state=False, what="slow")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lab.call(time.sleep, 3, ranks=[0], state=False, what="slow")
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert time.monotonic() - started < 1.5
     assert lab.calls.holder is None
     with pytest.raises(LabError, match=r"rank 0 \(engine \d+\) is still busy with lab.slow, started [01] s ago"):

@@ -403,3 +403,70 @@ def test_float16_bfloat16_and_a_video_as_gif(folder, tmp_path):
             gif.seek(index)
             frames.append(np.asarray(gif.convert("RGB")))
         assert np.std(frames) > 0 and any(not np.array_equal(frames[0], f) for f in frames[1:])  # not one still
+
+
+def test_image_to_image_and_inpainting_from_files_equal_diffusers(tmp_path):
+    """`--pipeline-class FluxImg2ImgPipeline --image FILE` under ulysses 2, and `--pipeline-class
+    FluxInpaintPipeline --image FILE --mask-image FILE` under ring 2, each torchrun on 2 ranks, equal diffusers'
+    own pipelines of those classes run serially on the same folder, with the files read by diffusers' load_image
+    (1e-4); the report names the pipeline and each file's digest. Control: diffusers' image to image from another
+    picture misses the run's latents (the file is what the run started from). An --image that does not exist:
+    exit 2 with one line naming it, before the model is read (the model named there does not exist)."""
+    import hashlib
+
+    import diffusers
+    from diffusers.utils import load_image
+
+    from xdit_lab.tiny import save_tiny_pipeline
+
+    flux = save_tiny_pipeline("flux", tmp_path / "flux")
+    pixels = torch.randint(0, 256, (16, 16, 3), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save(tmp_path / "start.png")
+    Image.fromarray(pixels.flip(1).numpy()).save(tmp_path / "other.png")  # the control's picture
+    mask = np.zeros((16, 16), dtype=np.uint8)
+    mask[:, :8] = 255  # the left half redrawn, the right half kept
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    call = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=4)
+    runs = {  # name: (pipeline class, configuration, image files)
+        "img2img": ("FluxImg2ImgPipeline", ParallelConfig(ulysses=2), dict(image="start.png")),
+        "inpaint": ("FluxInpaintPipeline", ParallelConfig(ring=2), dict(image="start.png", mask_image="mask.png")),
+    }
+    commands = []
+    for port, (name, (pipeline_class, config, files)) in zip(_ports(len(runs)), runs.items()):
+        argv = production.run_argv(flux, PROMPTS, config, tmp_path / name, seed=SEED, **call)
+        argv += ["--output-type", "latent", "--pipeline-class", pipeline_class]
+        for argument, file in files.items():
+            argv += ["--" + argument.replace("_", "-"), str(tmp_path / file)]
+        commands.append(production.torchrun_argv(2, master_port=port) + ["-m", "xdit_lab.cli", *argv])
+    missing = tmp_path / "no-such.png"
+    commands.append(
+        _cli("run", "--model", str(tmp_path / "no-model"), "--prompt", "a cat", "--output", str(tmp_path / "m"))
+        + ["--pipeline-class", "FluxImg2ImgPipeline", "--image", str(missing)]
+    )
+    *generated, refused = production.run_processes(commands, timeout_s=300, envs=[{}, {}, *_one_rank_env()])
+    for result in generated:
+        assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
+    lines = _error_lines(refused["output"])
+    assert refused["returncode"] == 2 and len(lines) == 1, refused["output"][-3000:]
+    assert lines[0] == f"xdit-lab run: error: --image {missing}: no such file; give the path of a PNG or JPEG image"
+
+    def reference(pipeline_class, **files):
+        pipe = getattr(diffusers, pipeline_class).from_pretrained(flux)
+        pipe.set_progress_bar_config(disable=True)
+        images = {argument: load_image(str(tmp_path / file)) for argument, file in files.items()}
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(SEED)
+            return pipe(PROMPTS, generator=generator, output_type="latent", **call, **images).images
+
+    for name, (pipeline_class, _, files) in runs.items():
+        expected = reference(pipeline_class, **files)
+        latents = torch.load(tmp_path / name / "latents.pt")
+        assert latents.shape == expected.shape
+        assert (latents - expected).abs().max() <= 1e-4 * expected.abs().max(), name
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        assert report["pipeline"] == pipeline_class, report["pipeline"]
+        digests = {a: [hashlib.sha256((tmp_path / f).read_bytes()).hexdigest()] for a, f in files.items()}
+        assert {a: [e["sha256"] for e in entries] for a, entries in report["image_files"].items()} == digests
+        if name == "img2img":
+            other = reference(pipeline_class, image="other.png")
+            assert (latents - other).abs().max() > 10 * 1e-4 * other.abs().max()

@@ -192,6 +192,10 @@ def cmd_run(args) -> int:
         timeout_s=args.timeout,
         options=dict(args.option),
         on_host=tuple(args.on_host),
+        pipeline_class=args.pipeline_class,
+        image_files={
+            k: v for k, v in dict(image=args.image, mask_image=args.mask_image and [args.mask_image]).items() if v
+        },
     )
     try:
         with bars:
@@ -413,6 +417,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a LoRA adapter (file or folder) fused into the weights before parallelizing, at SCALE (default 1); "
         "repeat for more",
     )
+    run.add_argument(
+        "--pipeline-class",
+        metavar="NAME",
+        help="run the folder as another diffusers pipeline of its family, e.g. FluxImg2ImgPipeline, "
+        "FluxInpaintPipeline or FluxKontextPipeline (README: Starting from an image)",
+    )
+    run.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="the image the pipeline starts from (with --pipeline-class); repeat for several (Flux.2's references)",
+    )
+    run.add_argument("--mask-image", metavar="FILE", help="inpainting's mask: white is redrawn, black kept")
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -64,11 +64,15 @@ def run_generation(
     on_host: tuple[str, ...] = (),
     quantization: str | None = None,
     lora: list | None = None,
+    pipeline_class: str | None = None,
+    image_files: dict[str, list] | None = None,
 ) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
     `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer;
     `shard_weights`, `on_host`, `quantization` and `lora` place, store and change the weights as load_pipeline's arguments of
     those names do; `dtype` "auto" is bfloat16 on a GPU, float32 on a CPU (the report names the one it ran in).
+    `pipeline_class` runs the folder as another pipeline of its family (FluxImg2ImgPipeline); `image_files` maps
+    the call's image arguments to files ({"image": ["cat.png"], "mask_image": ["mask.png"]}), read on every rank.
     A peer that does not answer within `timeout_s` (hung, or gone) ends in PeerTimeoutError, naming this
     rank, what it was waiting in and the peers it waited for."""
     where = Waiting()
@@ -76,10 +80,21 @@ def run_generation(
         init_distributed(timeout_s=timeout_s)
         if current_info().rank == 0:  # the rank that writes (the configuration's first); before any loading
             check_output_folder(output_dir)
+        images = read_image_files(image_files)  # before loading too: a wrong path costs no load
         with comm.comm_log() as where.log:  # every collective this rank starts: the last one names its peers
             where.phase = "loading the pipeline"
             pipe = _load(
-                model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora
+                model,
+                config,
+                dtype,
+                progress,
+                cache_threshold,
+                compile,
+                shard_weights,
+                on_host,
+                quantization,
+                lora,
+                pipeline_class,
             )
             if not pipe.active:
                 return None  # a configuration smaller than the world: this rank sits out
@@ -95,6 +110,7 @@ def run_generation(
                     seed=seed,
                     output_type=output_type,
                     **(options or {}),
+                    **images,
                 )
             mine = dict(
                 rank=current_info().rank,
@@ -135,6 +151,7 @@ def run_generation(
         on_host=list(on_host),
         quantization=quantization,
         lora=lora,
+        image_files=file_identities(image_files),
         cache_skips=result.cache_skips,
         memory_plan={
             "per_rank_bytes": pipe.memory_plan.per_rank_bytes,
@@ -172,6 +189,8 @@ def run_prompts_file(
     on_host: tuple[str, ...] = (),
     quantization: str | None = None,
     lora: list | None = None,
+    pipeline_class: str | None = None,
+    image_files: dict[str, list] | None = None,
 ) -> dict | None:
     """Draw every image a prompts file asks for (prompts_file.py), `batch_size` at a time on one loaded pipeline
     (default: the dp degree, one image per dp group), each written and recorded as soon as its batch is decoded;
@@ -190,8 +209,18 @@ def run_prompts_file(
         raise ValueError(f"batch_size must be a whole number >= 1; got {batch_size!r}")
     jobs = read_prompts_file(prompts_file, images_per_prompt, seed)
     call = dict(num_inference_steps=steps, guidance_scale=guidance_scale, height=height, width=width, **(options or {}))
-    loaded = dict(torch_dtype=dtype, cache_threshold=cache_threshold, quantization=quantization, lora=lora)
-    identity = run_identity(model, jobs, config, call, negative_prompt, output_type, loaded)
+    loaded = dict(
+        torch_dtype=dtype,
+        cache_threshold=cache_threshold,
+        quantization=quantization,
+        lora=lora,
+        pipeline_class=pipeline_class,
+    )
+    # the files by their bytes' digest, so that a rerun resumes only when they are the same pictures
+    identity = run_identity(
+        model, jobs, config, call | file_identities(image_files), negative_prompt, output_type, loaded
+    )
+    call |= read_image_files(image_files)
     where = Waiting()
     output_dir = Path(output_dir).expanduser()
     try:
@@ -200,7 +229,17 @@ def run_prompts_file(
         with comm.comm_log() as where.log:
             where.phase = "loading the pipeline"
             pipe = _load(
-                model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora
+                model,
+                config,
+                dtype,
+                progress,
+                cache_threshold,
+                compile,
+                shard_weights,
+                on_host,
+                quantization,
+                lora,
+                pipeline_class,
             )
             if not pipe.active:
                 return None
@@ -364,11 +403,46 @@ def _write_image(output_dir: Path, job, image, config, timings: dict, batch_imag
     return name
 
 
-def _load(model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora):
+def read_image_files(image_files: dict[str, list] | None) -> dict:
+    """The call's image arguments from their files ({"image": ["cat.png"]}), each read by diffusers' load_image
+    (as RGB): one file gives the image, several a list (Flux.2's reference images). A path that is not a readable
+    image is refused naming the argument and the file."""
+    from diffusers.utils import load_image
+    from PIL import UnidentifiedImageError
+
+    call = {}
+    for argument, paths in (image_files or {}).items():
+        images = []
+        for path in paths:
+            flag = "--" + argument.replace("_", "-")
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{flag} {path}: no such file; give the path of a PNG or JPEG image")
+            try:
+                images.append(load_image(str(path)))
+            except (UnidentifiedImageError, OSError) as error:
+                raise ValueError(f"{flag} {path} is not an image PIL can read ({error}); give a PNG or JPEG") from None
+        call[argument] = images[0] if len(images) == 1 else images
+    return call
+
+
+def file_identities(image_files: dict[str, list] | None) -> dict:
+    """Each image argument's files as (path, sha256 of the bytes), for report.json and run.json."""
+    import hashlib
+
+    return {
+        argument: [dict(file=str(path), sha256=hashlib.sha256(Path(path).read_bytes()).hexdigest()) for path in paths]
+        for argument, paths in (image_files or {}).items()
+    }
+
+
+def _load(
+    model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora, pipeline_class
+):
     """load_pipeline with a run's arguments (a StepCache at `cache_threshold`, when one is given)."""
     return load_pipeline(
         model,
         config,
+        pipeline_class=pipeline_class,
         torch_dtype=dtype,
         progress=progress,
         cache=None if cache_threshold is None else StepCache(cache_threshold),

@@ -7,13 +7,16 @@ cfg and dp, each step's bytes equal to the closed form:
 
 The control runs every step on the first expert and must miss the reference. The memory plan counts both
 experts; what does not run with two experts yet is refused by name at load.
+
+With a StepCache each expert keeps a state of its own, as diffusers' First-Block Cache applied to each transformer
+does: the first step an expert runs is in full and becomes its reference.
 """
 
 import pytest
 import torch
 from forward_traffic import session_traffic, traffic_mismatches
 
-from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, load_pipeline
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
@@ -85,3 +88,62 @@ def test_two_experts_equal_diffusers(folder):
 def test_what_two_experts_cannot_run_yet_is_refused_at_load(folder):
     with pytest.raises(ParallelConfigError, match=r"two transformers .* not yet with PipeFusion: leave it out"):
         load_pipeline(folder, ParallelConfig(pipefusion=2), progress=False)
+
+
+# One branch (guidance 1 for both experts): diffusers' WanPipeline then calls each transformer once per step, in one
+# cache context, as the session does; with two branches diffusers keeps a cache state per branch (cond, uncond).
+CACHE_CALL = dict(tiny_pipeline_kwargs("wan"), num_inference_steps=10, guidance_scale=1.0, guidance_scale_2=1.0)
+CACHE_THRESHOLD = 0.12  # measured: the first expert skips steps 2 and 3, the second 5, 7 and 8 (changes >= 0.01 away)
+
+
+def _cached(folder, configs):
+    rows = []
+    for config in configs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(CACHE_THRESHOLD))
+        session = pipe.session(PROMPTS, seed=0, **CACHE_CALL).run()
+        latents = output_latents(session.result(output_type="latent"))
+        rows.append(
+            dict(
+                config=config.short(),
+                latents=latents,
+                skips=list(session.cache_skips),
+                experts=list(session.step_experts),
+                traffic=session_traffic(session),
+            )
+        )
+    # the control: the second expert without its cache (threshold 0 runs every one of its steps)
+    from xdit_lab.models.hooks import parallel_state
+
+    parallel_state(pipe.diffusers_pipeline.transformer_2).cache.settings = StepCache(0.0)
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **CACHE_CALL))
+    return rows, control
+
+
+def test_each_expert_with_its_own_step_cache_equals_diffusers_first_block_cache(folder):
+    """A StepCache on both experts under ulysses, ring and dp against diffusers' WanPipeline with
+    apply_first_block_cache on transformer and on transformer_2: the same latents (1e-4), steps skipped by each
+    expert, and the decision's all-reduce in each step's bytes from each expert's second step on."""
+    from diffusers import DiffusionPipeline
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    for transformer in (reference.transformer, reference.transformer_2):
+        apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=CACHE_THRESHOLD))
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **CACHE_CALL))
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
+    for rank, (rows, control) in enumerate(run_on_ranks(_cached, 2, folder, configs, timeout_s=400)):
+        for row in rows:
+            where = f"wan two experts, StepCache, {row['config']} rank {rank}"
+            assert (row["latents"] - expected).abs().max().item() <= bound, where
+            for expert in (0, 1):  # each expert runs its first step in full, and skips some after
+                own = [skip for skip, e in zip(row["skips"], row["experts"]) if e == expert]
+                assert len(own) >= 3 and not own[0] and any(own), (where, row["skips"], row["experts"])
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            first_of_second = row["experts"].index(1)  # no decision there: the second expert's reference step
+            assert [step["moved"].get("world", 0) > 0 for step in row["traffic"]] == [
+                i > 0 and i != first_of_second for i in range(len(row["traffic"]))
+            ], where
+        assert (control - expected).abs().max().item() > 10 * bound  # the second expert's skips matter

@@ -168,7 +168,6 @@ def load_pipeline(
             ("shard_weights", shard_weights and config.world_size > 1),
             ("quantization", quantization is not None),
             ("lora", bool(lora)),
-            ("a StepCache", cache is not None),
             ("compile", bool(compile)),
         )
         if given and (index.get("transformer_2") or [None])[0] is not None
@@ -293,7 +292,7 @@ def load_pipeline(
         if not sharding:  # a sharded transformer was parallelized before its weights were read
             parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
         if getattr(inner, "transformer_2", None) is not None:  # Wan 2.2 A14B's second expert, on the same mesh
-            parallelize(inner.transformer_2, config, mesh, compile=compile)
+            parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile)  # its own StepCache state
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(

@@ -124,6 +124,9 @@ class DenoiseSession:
         self.last_step_spans: dict | None = None  # the last recorded step's comm_timeline (lab: session.timeline())
         self.cache_skips: list[bool] = []  # per step: whether a StepCache skipped the blocks after the first
         self.cache_changes: list[float | None] = []  # per step: the first block's relative change it measured
+        # per step: which of the recipe's transformers ran it (0, but at Wan 2.2 A14B's low-noise steps), each
+        # with a StepCache state of its own
+        self.step_experts: list[int] = []
         self.comm_decode: dict[tuple[str, str], int] | None = None  # (group, tag): bytes, once decoded
         self.comm_encode: dict[str, int] = {}  # bytes out of this rank while encoding, per group
         self.progress = progress
@@ -169,8 +172,10 @@ class DenoiseSession:
         decision is the one read back (models/cache.py)."""
         if self.done:
             raise RuntimeError(f"all {self.num_steps} steps are done; call result() or start a new session")
-        state = parallel_state(self.pipe.diffusers_pipeline.transformer)
+        inner = self.pipe.diffusers_pipeline
         t = self.prepared.timesteps[self.step_index]
+        transformer = self.recipe.transformer_for(inner, self.prepared, t)
+        state = parallel_state(transformer)
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans:
             state.strategy.run_step(self, t)
@@ -179,6 +184,7 @@ class DenoiseSession:
             self.last_step_spans = dict(step=self.step_index, seconds=spans.end_s - spans.start_s, spans=spans.rows())
         self.cache_skips.append(bool(state.cache and state.cache.skips[-1]))  # the same on every rank: agreed
         self.cache_changes.append(state.cache.changes[-1] if state.cache else None)
+        self.step_experts.append([id(m) for m in self.recipe.transformers(inner)].index(id(transformer)))
         self.step_index += 1
         return self
 

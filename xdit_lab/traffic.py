@@ -20,6 +20,7 @@ def expected_bytes_per_step(
     coords: dict | None = None,
     step: int | None = None,
     cache_skips: list[bool] | None = None,
+    cache_experts: list[int] | None = None,
 ) -> dict[str, int]:
     """Bytes out of one rank in one denoising step, per group, as the closed forms give them.
 
@@ -44,7 +45,9 @@ def expected_bytes_per_step(
       dp, cfg     the output gather (dp pads to the largest share)
       world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
                   decision's all-reduce of two float32; at a skipped step only the first block's
-                  attention layers run (on PipeFusion's first stage)
+                  attention layers run (on PipeFusion's first stage). With two transformers
+                  (`cache_experts`: which one ran each step) each keeps its own state, so the
+                  all-reduce runs from each one's second step on
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
     at a time after), its queries are that set's tokens and Ring passes the whole stale buffer; the
     joint text stays whole on every rank there. `shapes["text_sharded"]` says whether sequence shards
@@ -57,6 +60,7 @@ def expected_bytes_per_step(
         config, shapes, coords = summary["config"], summary["shapes"], summary["coords"]
         step = summary["step"] - 1 if step is None else step
         cache_skips = summary["cache"]["skips"] if summary.get("cache") else None
+        cache_experts = summary["cache"].get("experts") if summary.get("cache") else None
     if isinstance(config, dict):
         config = ParallelConfig(**config)
     c, s, e = config, shapes, shapes["dtype_bytes"]
@@ -90,7 +94,8 @@ def expected_bytes_per_step(
     text_sizes = shard_sizes(text, sp) if text_sharded else [0] * sp
 
     out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
-    if cache_skips is not None and step > 0 and c.world_size > 1:
+    experts = cache_experts or [0] * (step + 1)
+    if cache_skips is not None and experts[step] in experts[:step] and c.world_size > 1:
         out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
         mine = slice(my_r * u, (my_r + 1) * u)

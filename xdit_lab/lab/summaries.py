@@ -66,9 +66,16 @@ def rank_summary(session) -> dict:
         decode=_decode(session),
     )
     measured = [dict(step_bytes) for step_bytes in session.comm_per_step]
-    skips = summary["cache"]["skips"] if summary["cache"] else None
+    cache = summary["cache"] or {}
     expected = [
-        expected_bytes_per_step(config, summary["shapes"], coords=summary["coords"], step=i, cache_skips=skips)
+        expected_bytes_per_step(
+            config,
+            summary["shapes"],
+            coords=summary["coords"],
+            step=i,
+            cache_skips=cache.get("skips"),
+            cache_experts=cache.get("experts"),
+        )
         for i in range(len(measured))
     ]
     summary["comm"] = dict(measured=measured, expected=expected)
@@ -76,14 +83,24 @@ def rank_summary(session) -> dict:
 
 
 def _cache(session, state) -> dict | None:
-    """The StepCache's threshold and, per step done, whether it skipped and the change it measured."""
+    """The StepCache's threshold and, per step done, whether it skipped, the change it measured, the change this
+    rank's tokens alone gave, and which transformer ran the step (`experts`: Wan 2.2 A14B's two each keep a state
+    of their own; a state's calls are its steps in order)."""
     if state.cache is None:
         return None
+    caches = [parallel_state(t).cache for t in session.recipe.transformers(session.pipe.diffusers_pipeline)]
+    local = [cache.local_changes for cache in caches]
+    calls = [0] * len(caches)
+    local_changes = []
+    for expert in session.step_experts:
+        local_changes.append(local[expert][calls[expert]])
+        calls[expert] += 1
     return dict(
         threshold=state.cache.settings.threshold,
         skips=list(session.cache_skips),
         changes=list(session.cache_changes),
-        local_changes=state.cache.local_changes,
+        local_changes=local_changes,
+        experts=list(session.step_experts),
         seconds=list(session.timings.steps),
     )
 

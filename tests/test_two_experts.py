@@ -5,7 +5,8 @@ cfg and dp, each step's bytes equal to the closed form:
     t >= boundary_ratio × 1000   transformer     guidance_scale     (high noise)
     t <  boundary_ratio × 1000   transformer_2   guidance_scale_2   (low noise)
 
-The control runs every step on the first expert and must miss the reference. The memory plan counts both
+Compiled (aot_eager under ulysses), each expert is one graph, never recompiled. The control runs every step on
+the first expert and must miss the reference. The memory plan counts both
 experts; what does not run with two experts yet is refused by name at load.
 
 With a StepCache each expert keeps a state of its own, as diffusers' First-Block Cache applied to each transformer
@@ -51,6 +52,22 @@ def _parallel(folder, configs):
         session = pipe.session(PROMPTS, seed=0, **_call()).run()
         latents = output_latents(session.result(output_type="latent"))
         rows.append(dict(config=config.short(), latents=latents, traffic=session_traffic(session)))
+    # compiled: each expert one graph of its own, nothing recompiled over the steps (aot_eager: dynamo's graph and
+    # functionalized collectives, eager kernels; inductor's kernels are tests/test_compile.py's)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = load_pipeline(folder, CONFIGS[0], mesh=RankMesh(CONFIGS[0]), progress=False, compile="aot_eager")
+    session = compiled.session(PROMPTS, seed=0, **_call()).run()
+    counters = torch._dynamo.utils.counters
+    rows.append(
+        dict(
+            config="compiled " + CONFIGS[0].short(),
+            latents=output_latents(session.result(output_type="latent")),
+            traffic=session_traffic(session),
+            graphs=(counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())),
+        )
+    )
+    compiled.close()
     planned = pipe.memory_plan.per_rank_bytes
     inner = pipe.diffusers_pipeline
     held = {
@@ -81,6 +98,8 @@ def test_two_experts_equal_diffusers(folder):
             assert (row["latents"] - expected).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
+            assert row.get("graphs", (2, 0)) == (2, 0), (where, row["graphs"])  # one graph per expert
+        assert len(rows) == len(CONFIGS) + 1
         assert (control - expected).abs().max().item() > 10 * bound  # the low-noise expert's steps matter
         assert planned["transformer_2"] == held["transformer_2"] == held["transformer"] > 0, (planned, held)
 

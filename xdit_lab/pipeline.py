@@ -168,7 +168,6 @@ def load_pipeline(
             ("shard_weights", shard_weights and config.world_size > 1),
             ("quantization", quantization is not None),
             ("lora", bool(lora)),
-            ("compile", bool(compile)),
         )
         if given and (index.get("transformer_2") or [None])[0] is not None
     ]

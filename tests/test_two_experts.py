@@ -5,7 +5,8 @@ cfg and dp, each step's bytes equal to the closed form:
     t >= boundary_ratio × 1000   transformer     guidance_scale     (high noise)
     t <  boundary_ratio × 1000   transformer_2   guidance_scale_2   (low noise)
 
-Compiled (aot_eager under ulysses), each expert is one graph, never recompiled. The control runs every step on
+A LoRA per expert (diffusers' `load_into_transformer_2=True`: `(path, scale, "transformer_2")` here) is fused into its
+own expert. Compiled (aot_eager under ulysses), each expert is one graph, never recompiled. The control runs every step on
 the first expert and must miss the reference. The memory plan counts both
 experts; what does not run with two experts yet is refused by name at load.
 
@@ -20,7 +21,7 @@ from forward_traffic import session_traffic, traffic_mismatches
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
 
 PROMPTS = ["a red cat", "a blue dog"]
 CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
@@ -166,3 +167,75 @@ def test_each_expert_with_its_own_step_cache_equals_diffusers_first_block_cache(
                 i > 0 and i != first_of_second for i in range(len(row["traffic"]))
             ], where
         assert (control - expected).abs().max().item() > 10 * bound  # the second expert's skips matter
+
+
+LORA_SCALES = (0.7, 1.3)  # the high-noise expert's adapter, the low-noise one's
+
+
+def _expert_loras(folder, root) -> list:
+    """A random LoRA file per expert (attention of every block; alpha 8 over rank 4, in the file's metadata)."""
+    from diffusers import DiffusionPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    files = []
+    for i, transformer in enumerate((pipe.transformer, pipe.transformer_2)):
+        config = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
+        )
+        torch.manual_seed(10 + i)
+        transformer.add_adapter(config)
+        type(pipe).save_lora_weights(
+            root / f"lora{i}",
+            transformer_lora_layers=get_peft_model_state_dict(transformer),
+            transformer_lora_adapter_metadata=config.to_dict(),
+        )
+        files.append(root / f"lora{i}" / "pytorch_lora_weights.safetensors")
+    return files
+
+
+def _with_loras(folder, loras, configs):
+    rows = []
+    high, low = (str(f) for f in loras)
+    for config in configs:
+        lora = [(high, LORA_SCALES[0]), (low, LORA_SCALES[1], "transformer_2")]
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, lora=lora)
+        latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call()))
+        rows.append(dict(config=config.short(), latents=latents))
+        pipe.close()
+    # the control: both adapters fused into the first expert, as an entry without its transformer would be
+    wrong = [(high, LORA_SCALES[0]), (low, LORA_SCALES[1])]
+    pipe = load_pipeline(folder, configs[0], mesh=RankMesh(configs[0]), progress=False, lora=wrong)
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call()))
+    return rows, control
+
+
+def test_a_lora_per_expert_equals_diffusers_loading_each_into_its_transformer(folder, tmp_path):
+    """Under ulysses and cfg: the same latents (1e-4) as diffusers' WanPipeline with the first adapter loaded into
+    transformer and the second with load_into_transformer_2=True, unfused, at their scales (set_adapters)."""
+    from diffusers import DiffusionPipeline
+
+    loras = _expert_loras(folder, tmp_path)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(str(loras[0]), adapter_name="high")
+    reference.load_lora_weights(str(loras[1]), adapter_name="low", load_into_transformer_2=True)
+    reference.set_adapters(["high", "low"], adapter_weights=list(LORA_SCALES))
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_call()))
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(cfg=2)]
+    for rank, (rows, control) in enumerate(run_on_ranks(_with_loras, 2, folder, loras, configs, timeout_s=400)):
+        for row in rows:
+            assert (row["latents"] - expected).abs().max().item() <= bound, f"{row['config']} rank {rank}"
+        assert (control - expected).abs().max().item() > 10 * bound
+
+
+def test_a_lora_for_a_transformer_the_folder_lacks_is_refused_by_name(tmp_path):
+    from xdit_lab.lora import LoraError
+
+    folder = save_tiny_pipeline("wan", tmp_path / "wan")  # one transformer: Wan 2.1
+    (tmp_path / "a.safetensors").write_bytes(b"")
+    with pytest.raises(LoraError, match=r"one of 'transformer' in this folder; got 'transformer_2'"):
+        load_pipeline(folder, ParallelConfig(), lora=[(str(tmp_path / "a.safetensors"), 1.0, "transformer_2")])

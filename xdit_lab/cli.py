@@ -146,15 +146,17 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
-def _lora(text: str) -> tuple[str, float]:
-    """--lora PATH[=SCALE]: the adapter's path and its scale (1 when not given)."""
+def _lora(text: str) -> tuple:
+    """--lora PATH[=SCALE][@transformer_2]: the adapter's path, its scale (1 when not given) and, for Wan 2.2 A14B's
+    second expert, the transformer it goes into (load_pipeline's lora entries)."""
+    into = "transformer_2" if text.endswith("@transformer_2") else None
+    text = text.removesuffix("@transformer_2")
     path, sep, scale = text.rpartition("=")
-    if not sep:
-        return text, 1.0
     try:
-        return path, float(scale)
+        path, scale = (path, float(scale)) if sep else (text, 1.0)
     except ValueError:
-        return text, 1.0  # an "=" that is part of the path
+        path, scale = text, 1.0  # an "=" that is part of the path
+    return (path, scale) if into is None else (path, scale, into)
 
 
 # `run`'s arguments that run_generation takes under the same names, as they are
@@ -415,7 +417,7 @@ def _build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="PATH[=SCALE]",
         help="a LoRA adapter (file or folder) fused into the weights before parallelizing, at SCALE (default 1); "
-        "repeat for more",
+        "repeat for more; PATH=SCALE@transformer_2 puts it into Wan 2.2 A14B's second (low-noise) expert",
     )
     run.add_argument(
         "--pipeline-class",

@@ -9,6 +9,9 @@ split into stages is a plain transformer with changed weights:
 
     W  <-  W + Σ_i scale_i · (alpha_i / r_i) · B_i A_i          one linear layer, every adapter that targets it
 
+Wan 2.2 A14B's two experts take an adapter each, as diffusers' WanPipeline does (`load_into_transformer_2=True`):
+an entry (path, scale, "transformer_2") goes into the low-noise expert, (path, scale) into `transformer`.
+
 Under PipeFusion a stage holds only its own blocks, renumbered (loading.keep_stage). An adapter's transformer keys
 are renamed the same way and those of other stages' blocks left out, so each stage fuses exactly its share; the
 stage's adapter goes through the transformer's own loader (`load_lora_adapter`) with the file's metadata.
@@ -27,15 +30,29 @@ class LoraError(ValueError):
     argument of the wrong form; the message says what would work."""
 
 
-def check_lora(lora, pipeline_class, *, fuse: bool, sharded: bool, quantized: bool) -> list[tuple[object, float]]:
-    """`lora` as [(path or state dict, scale)], checked before any weight is read. A path or a state dict alone
-    has scale 1."""
+EXPERTS = ("transformer", "transformer_2")  # where an entry's adapter goes (transformer_2: Wan 2.2 A14B's low noise)
+
+
+def check_lora(
+    lora, pipeline_class, *, fuse: bool, sharded: bool, quantized: bool, components=("transformer",)
+) -> list[tuple[object, float, str]]:
+    """`lora` as [(path or state dict, scale, transformer)], checked before any weight is read. A path or a state
+    dict alone has scale 1; an entry of two goes into "transformer", one of three into the transformer it names
+    ("transformer_2": Wan 2.2 A14B's second expert), one of `components`, the folder's transformers."""
     if lora is None or lora == []:
         return []
     entries = lora if isinstance(lora, list) else [lora]
     adapters = []
     for entry in entries:
-        source, scale = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, 1.0)
+        if isinstance(entry, tuple) and len(entry) in (2, 3):
+            source, scale, into = (*entry, "transformer")[:3]
+        else:
+            source, scale, into = entry, 1.0, "transformer"
+        if into not in components:
+            raise LoraError(
+                f"LoRA entry {entry!r:.80}: its third element names the transformer it goes into, one of "
+                f"{', '.join(map(repr, components))} in this folder; got {into!r}"
+            )
         if not isinstance(source, (str, Path, dict)):
             raise LoraError(
                 f"lora takes [(path_or_state_dict, scale), ...]; got {entry!r:.80}: give a LoRA file or folder, or "
@@ -45,7 +62,7 @@ def check_lora(lora, pipeline_class, *, fuse: bool, sharded: bool, quantized: bo
             raise LoraError(f"a LoRA's scale must be a number (1.0: as trained); got {scale!r}")
         if isinstance(source, (str, Path)) and not Path(source).expanduser().exists():
             raise LoraError(f"LoRA {source}: no such file or folder")
-        adapters.append((Path(source).expanduser() if isinstance(source, (str, Path)) else source, float(scale)))
+        adapters.append((Path(source).expanduser() if isinstance(source, (str, Path)) else source, float(scale), into))
     if not hasattr(pipeline_class, "load_lora_weights"):
         raise LoraError(
             f"{pipeline_class.__name__} has no LoRA loader in diffusers (load_lora_weights), so its adapters cannot "
@@ -65,16 +82,17 @@ def check_lora(lora, pipeline_class, *, fuse: bool, sharded: bool, quantized: bo
     return adapters
 
 
-def fuse_loras(pipe, adapters: list[tuple[object, float]], stage_name=None) -> None:
+def fuse_loras(pipe, adapters: list[tuple[object, float, str]], stage_name=None) -> None:
     """Load every adapter into diffusers pipeline `pipe`, fuse them at their scales, unload them. `stage_name`:
     a PipeFusion stage's renaming of the transformer's keys (loading.stage_key_renaming), None for a whole one."""
     if not adapters:
         return
     names, scales = [], []
-    for i, (source, scale) in enumerate(adapters):
+    for i, (source, scale, into) in enumerate(adapters):
         name = f"xdit_lab_lora_{i}"
         if stage_name is None:
-            pipe.load_lora_weights(source, adapter_name=name)
+            expert = {"load_into_transformer_2": True} if into == "transformer_2" else {}
+            pipe.load_lora_weights(source, adapter_name=name, **expert)
         elif not _load_stage_adapter(pipe, source, name, stage_name):
             continue  # none of this adapter's layers is in this stage's blocks
         names.append(name)
@@ -113,10 +131,10 @@ def _load_stage_adapter(pipe, source, name: str, stage_name) -> bool:
     return bool(mine)
 
 
-def lora_bytes(adapters: list[tuple[object, float]]) -> int:
+def lora_bytes(adapters: list[tuple[object, float, str]]) -> int:
     """What the adapters hold while they are fused: a state dict's tensors, a file's or a folder's files' bytes."""
     total = 0
-    for source, _ in adapters:
+    for source, *_ in adapters:
         if isinstance(source, dict):
             total += sum(t.numel() * t.element_size() for t in source.values())
         elif Path(source).is_dir():

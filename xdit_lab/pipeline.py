@@ -136,7 +136,8 @@ def load_pipeline(
     `quantization="int8"` (or "float8", or diffusers' PipelineQuantizationConfig with torchao configs)
     quantizes the linear weights of the transformer and the text encoders with torchao, block by block as
     they are read (quantization.py): the plan counts the quantized bytes before loading.
-    `lora=[(path_or_state_dict, scale), ...]` loads LoRA adapters with diffusers' loaders and fuses them into the
+    `lora=[(path_or_state_dict, scale), ...]` (Wan 2.2 A14B: `(path, scale, "transformer_2")` for the second
+    expert's) loads LoRA adapters with diffusers' loaders and fuses them into the
     weights (fuse_lora=True) before the transformer is parallelized or compiled (lora.py); under PipeFusion each
     stage fuses its own blocks' share. The plan counts the adapters' bytes, held while they are fused.
 
@@ -167,7 +168,6 @@ def load_pipeline(
             ("PipeFusion", config.pipefusion > 1),
             ("shard_weights", shard_weights and config.world_size > 1),
             ("quantization", quantization is not None),
-            ("lora", bool(lora)),
         )
         if given and (index.get("transformer_2") or [None])[0] is not None
     ]
@@ -199,6 +199,7 @@ def load_pipeline(
         fuse=fuse_lora,
         sharded=shard_weights and config.world_size > 1,
         quantized=quantized is not None,
+        components=tuple(c for c in ("transformer", "transformer_2") if (index.get(c) or [None])[0] is not None),
     )
     if not dist.is_initialized():
         init_distributed()

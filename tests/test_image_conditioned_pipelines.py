@@ -117,6 +117,16 @@ def test_wan_2_2_ti2v_text_and_image_to_video_equal_diffusers(tmp_path):
         assert (control - image_to_video).abs().max().item() > 10 * 1e-4 * max(1.0, image_to_video.abs().max().item())
 
 
+def _image_inputs(pipe, call) -> tuple[int | None, int]:
+    """(the "image inputs" row of pipe.memory_plan_for, planned from one prompt's encode and prepare, or None
+    where the plan has none; the bytes a session of the whole request keeps in those entries, counted here)."""
+    plan = pipe.memory_plan_for(PROMPTS, **call).activation_bytes.get("image inputs")
+    session = pipe.session(PROMPTS, seed=0, **call)
+    kept = [session.prepared.extra.get(key) for key in ("reference", "inpaint", "fill", "first_frame")]
+    tensors = [t for entry in kept if entry is not None for t in (entry if isinstance(entry, tuple) else (entry,))]
+    return (None if plan is None else plan[1]), sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _refused(call) -> str | None:
     """What `call` is told: its error's type and message, or None where it ran."""
     try:
@@ -132,6 +142,7 @@ def _wan_refusals(folders, wan_2_1):
         no_image=_refused(lambda: image_to_video.session(PROMPTS, **_wan_call("text to video"))),
         an_image=_refused(lambda: text_to_video.session(PROMPTS, **_wan_call("image to video"))),
         wan_2_1=_refused(lambda: load_pipeline(wan_2_1, progress=False)),
+        image_inputs=_image_inputs(image_to_video, _wan_call("image to video")),
     )
 
 
@@ -152,6 +163,8 @@ def test_an_image_is_asked_for_where_it_is_taken_and_wan_2_1_image_to_video_is_r
     assert re.match(
         r"NotImplementedError: Wan 2.1's image-to-video pipeline .* not run by xdit_lab yet", told["wan_2_1"]
     )
+    planned, kept = told["image_inputs"]  # the first frame's latents and mask, planned as a session keeps them
+    assert planned == kept > 0, told["image_inputs"]
 
 
 # ---- Flux.1 image to image and inpainting, loaded from a FluxPipeline folder ----------------------------------
@@ -252,13 +265,22 @@ def _image_refusals(folder):
         a_mask=_refused(lambda: image_to_image.session(PROMPTS, **_flux_call("inpaint"))),
         no_mask=_refused(lambda: inpaint.session(PROMPTS, **_flux_call("image to image"))),
         an_image=_refused(lambda: text_to_image.session(PROMPTS, **_flux_call("image to image"))),
+        image_inputs={
+            "inpaint": _image_inputs(inpaint, _flux_call("inpaint")),
+            "edit": _image_inputs(
+                load_pipeline(folder, progress=False, pipeline_class="FluxKontextPipeline"), _flux_call("edit")
+            ),
+            "text to image": _image_inputs(
+                text_to_image, {k: v for k, v in _flux_call("image to image").items() if k != "image"}
+            ),
+        },
     )
 
 
 def test_image_inputs_are_checked_by_name(tmp_path):
     """No image, no mask, a strength outside [0, 1] or one that leaves no step, an image to the text-to-image
     pipeline, a mask to image to image, a pipeline_class of another family, and Kontext under PipeFusion: each
-    refused by name before anything runs. A pipeline class's own defaults are the call's (FluxImg2ImgPipeline's
+    refused by name before anything runs. The memory plan of a request counts the encoded images it keeps. A pipeline class's own defaults are the call's (FluxImg2ImgPipeline's
     guidance is not FluxPipeline's)."""
     import inspect
 
@@ -282,6 +304,12 @@ def test_image_inputs_are_checked_by_name(tmp_path):
     )
     for case, pattern in expected.items():
         assert told[case] and re.match(pattern, told[case]), (case, told[case])
+    # the memory plan counts the encoded images a session keeps over the steps (inpainting's image latents, mask
+    # and first noise; Kontext's reference tokens), as many bytes as the session holds; text to image has none
+    for task in ("inpaint", "edit"):
+        planned, kept = told["image_inputs"][task]
+        assert planned == kept > 0, (task, told["image_inputs"][task])
+    assert told["image_inputs"]["text to image"] == (None, 0)
     # refused before torch.distributed is joined, so in this process
     with pytest.raises(ValueError, match=r"pipeline_class='WanPipeline' is a wan pipeline, and .* holds a flux one"):
         load_pipeline(folder, progress=False, pipeline_class="WanPipeline")

@@ -4,6 +4,8 @@ session keeps from step to step.
     load's plan      weights per component, the VAE decode's peak          (memory.plan_memory)
     + latents        prompts × one prompt's latent                          every rank, whole
     + conditioning   rows × one row's text conditioning (+ what no row has)  every rank, gathered
+    + image inputs   prompts × one prompt's encoded images (a reference,     every rank, whole
+                     inpainting's image and mask, a first frame)
     + stale K/V      PipeFusion's buffers: the stage's layers × its rows     (models/pipefusion/)
 
 Latents and conditioning are whole on every rank (the encode's all-gather hands each rank the
@@ -43,10 +45,12 @@ def held_bytes(value) -> int:
     return 0
 
 
-def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int]:
+def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int, tuple | int]:
     """(latent bytes per prompt, conditioning bytes per prompt over its branches, conditioning bytes
-    that no row has, such as Flux's ids), from the family's encode and prepare run for the request's
-    first prompt at `request`'s size and options. The pipeline's scheduler is restored afterwards."""
+    that no row has, such as Flux's ids, and the encoded image inputs: 0, or (their bytes for the prompts
+    prepared, what each prompt more adds, how many were prepared)), from the family's encode and prepare run for the request's first prompt at
+    `request`'s size and options (prepare once more for two, where there are images). The pipeline's scheduler
+    is restored afterwards."""
     inner, recipe = pipe.diffusers_pipeline, pipe.recipe
     negatives = None if request.negatives is None else request.negatives[:1]  # Flux: true CFG only with negatives
     one = dataclasses.replace(request, prompts=request.prompts[:1], negatives=negatives, generator=None, seed=0)
@@ -57,13 +61,22 @@ def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int]:
         with torch.no_grad():
             prepared = recipe.encode(inner, one, pipe.device)
             recipe.prepare(inner, one, prepared, pipe.device)
+            images = held_bytes([prepared.extra.get(key) for key in recipe.image_inputs])
+            if (
+                images
+            ):  # prepared again for one more prompt: what each adds (its image latents), what all share (a mask)
+                more = dataclasses.replace(one, prompts=one.prompts * 2, negatives=one.negatives and one.negatives * 2)
+                again = dataclasses.replace(prepared, extra={})
+                recipe.prepare(inner, more, again, pipe.device)
+                each = (held_bytes([again.extra.get(key) for key in recipe.image_inputs]) - images) // len(one.prompts)
+                images = (images, each, len(one.prompts))
     finally:
         inner.scheduler = scheduler
     unbatched = (*adapter_for(inner.transformer).unbatched, *recipe.unbatched_conditioning)
     conditioning = prepared.conditioning.items()
     per_prompt = held_bytes([value for key, value in conditioning if key not in unbatched]) // len(one.prompts)
     shared = held_bytes([value for key, value in conditioning if key in unbatched])
-    return held_bytes(prepared.latents) // len(one.prompts), per_prompt, shared
+    return held_bytes(prepared.latents) // len(one.prompts), per_prompt, shared, images
 
 
 def plan_request(pipe, request: Request) -> MemoryPlan:
@@ -72,11 +85,15 @@ def plan_request(pipe, request: Request) -> MemoryPlan:
     plan = dataclasses.replace(pipe.memory_plan, activation_bytes=dict(pipe.memory_plan.activation_bytes))
     plan.notes = [note for note in pipe.memory_plan.notes if not note.startswith("stale K/V")]  # replaced below
     prompts = len(request.prompts)
-    latent, per_prompt, shared = one_prompt_bytes(pipe, request)
+    latent, per_prompt, shared, images = one_prompt_bytes(pipe, request)
     plan.activation_bytes["latents"] = (prompts * latent,) * 2
     plan.activation_bytes["conditioning"] = (prompts * per_prompt + shared,) * 2
     branches = 2 if pipe.recipe.do_cfg(request) else 1
     plan.notes.append(f"latents, conditioning: {prompts} prompt(s) × {branches} branch(es), whole on every rank")
+    if images:  # a request that starts from an image: its latents (and mask) beside the latents, every step
+        first, each, measured = images  # the bytes for the first `measured` prompts, and what each one more adds
+        plan.activation_bytes["image inputs"] = (first + (prompts - measured) * each,) * 2
+        plan.notes.append(f"image inputs: {prompts} prompt(s)' encoded images kept over the steps, whole on every rank")
     state = parallel_state(pipe.diffusers_pipeline.transformer)
     if state is None:
         return plan

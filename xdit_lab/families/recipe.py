@@ -103,6 +103,10 @@ class Recipe:
     tasks: dict = {}
     pipefusion_refused: dict = {}
     pipeline_defaults: dict = {}  # pipeline class -> its call defaults where they differ from `defaults`
+    # prepared.extra's entries that hold a request's images, encoded, kept beside the latents over the steps: an
+    # edit's reference tokens, inpainting's image latents, mask and first noise, Fill's masked image, an image to
+    # video's first frame (the memory plan counts them, request_memory.plan_request)
+    image_inputs = ("reference", "inpaint", "fill", "first_frame")
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
 

@@ -4,6 +4,8 @@ diffusers' serial forward:
     Wan 2.2 TI2V     timestep [B, S], one per token, at the forward       ulysses, ring, usp, pipefusion, cfg
     Qwen-Image-Edit  modulate_index [B, S] (zero_cond_t), at every block   ulysses, ring, usp, cfg (img_shapes split)
     HunyuanVideo I2V num_tokens (token_replace), the frame-0 count         ulysses, ring, usp, pipefusion, cfg
+    Flux ControlNet  controlnet_block_samples, controlnet_single_block_samples: [B, S, D] per block fed
+    SD3 ControlNet   block_controlnet_hidden_states: [B, S, D] per block fed     (both: ulysses, ring, usp, cfg, dp)
 
 Each case's per-token values differ from token to token (random timesteps; a target image and a reference;
 a first frame and a second), so a rank that took another rank's entries would compute something else. The
@@ -37,6 +39,15 @@ CASES = {  # family -> the configs it runs under, on 2 and on 4 ranks
         2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(pipefusion=2), ParallelConfig(dp=2)],
         4: [ParallelConfig(ulysses=2, ring=2), ParallelConfig(pipefusion=2, ring=2)],
     },
+    # a ControlNet's residuals (PipeFusion refuses them by name: they index the whole model's blocks)
+    "flux": {
+        2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)],
+        4: [ParallelConfig(ulysses=2, ring=2)],
+    },
+    "sd3": {
+        2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2)],
+        4: [ParallelConfig(ulysses=2, ring=2)],
+    },
 }
 TOKENS = {"qwenimage": (16, 4)}  # a target image of 4 × 4 tokens and a reference of 2 × 2
 
@@ -54,6 +65,19 @@ def _case(family):
             "img_shapes": [[(1, 4, 4), (1, 2, 2)]] * 2,
         }
         return tiny_transformer("qwenimage", seed=0, zero_cond_t=True), inputs
+    if family in ("flux", "sd3"):  # a ControlNet's residuals, random, for every block (Flux: both kinds)
+        model, inputs = tiny_transformer(family, seed=0), tiny_inputs(family, 2)
+        hidden = inputs["hidden_states"]
+        tokens = (
+            hidden.shape[1] if hidden.dim() == 3 else hidden.shape[-2] * hidden.shape[-1] // 4
+        )  # SD3: 2 × 2 patches
+        residuals = lambda n: [torch.randn(2, tokens, model.inner_dim, generator=g) for _ in range(n)]  # noqa: E731
+        if family == "sd3":
+            return model, inputs | {"block_controlnet_hidden_states": residuals(len(model.transformer_blocks))}
+        return model, inputs | {
+            "controlnet_block_samples": residuals(len(model.transformer_blocks)),
+            "controlnet_single_block_samples": residuals(len(model.single_transformer_blocks)),
+        }
     # token replace: the first of 2 frames (16 of 32 tokens) modulated at t = 0
     return tiny_transformer("hunyuanvideo", seed=0, image_condition_type="token_replace"), tiny_inputs(
         "hunyuanvideo", 2

@@ -266,6 +266,7 @@ class PerToken:
         Wan 2.2 TI2V's timestep [B, S] at the forward     -> this rank's [B, S/sp]
         Qwen-Image-Edit's modulate_index [B, S] per block  -> [B, S/sp]
         HunyuanVideo I2V's frame-0 token count F0 (an int) -> how many of this rank's tokens are among the first F0
+        a ControlNet's residuals [[B, S, D], ...] (Flux, SD3) -> [[B, S/sp, D], ...], added to this rank's states
 
     module    "" for the transformer's forward, else a regex of the qualified names of the modules that take it
               (a PipeFusion stage renames its blocks from 0: the regex matches them as well)
@@ -273,7 +274,8 @@ class PerToken:
     dim       the token dimension (negative: from the end, e.g. Flux.2's img_ids [S, 3] or [B, S, 3])
     dims      only a tensor of this many dimensions is per token (Wan's timestep is per sample when 1-D)
     prefix    the argument is a count of the sequence's leading image tokens, not a tensor
-    A tuple of tensors (CogVideoX's rotary (cos, sin)) has each of its tensors cut."""
+    A tuple or list of tensors (CogVideoX's rotary (cos, sin); a ControlNet's residuals, one per block it
+    feeds, [B, S, D] each) has each of its tensors cut."""
 
     module: str
     argument: str
@@ -287,8 +289,8 @@ class PerToken:
             return None
         if self.prefix:
             return strategy.keep_prefix(value)
-        if isinstance(value, tuple):
-            return tuple(self.keep(strategy, t) for t in value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.keep(strategy, t) for t in value)
         if isinstance(value, torch.Tensor) and (self.dims is None or value.dim() == self.dims):
             return strategy.keep_tokens(value, self.dim)
         return value

@@ -31,7 +31,7 @@ import inspect
 
 import torch
 
-from .adapter import TOKENS, FamilyAdapter
+from .adapter import TOKENS, FamilyAdapter, PerToken
 from .recipe import (
     PackedLatentsRecipe,
     RequestShape,
@@ -60,6 +60,8 @@ ADAPTER = FamilyAdapter(
     "flux",
     "FluxTransformer2DModel",
     rotary_at="pos_embed",
+    # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them
+    per_token=(PerToken("", "controlnet_block_samples"), PerToken("", "controlnet_single_block_samples")),
     **FLUX_LAYOUT,
 )
 

@@ -4,7 +4,7 @@ the joint one in the same block."""
 
 from __future__ import annotations
 
-from .adapter import FamilyAdapter
+from .adapter import FamilyAdapter, PerToken
 from .recipe import Recipe, RequestShape, generator_of, prompt_embeds, shifted_vae_decoded, vae_scale
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, TinySpec, flow_scheduler, flow_vae, text_parts
 
@@ -14,6 +14,8 @@ ADAPTER = FamilyAdapter(
     shard_at="pos_embed",
     attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
     text_shard_at="input",  # its context_embedder works token by token; skip_layers may skip block 0
+    # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them
+    per_token=(PerToken("", "block_controlnet_hidden_states"),),
 )
 
 

@@ -40,7 +40,7 @@ from .loading import (
     load_stage_transformer,
     stage_key_renaming,
 )
-from .lora import check_lora, fuse_loras, lora_bytes
+from .lora import EXPERTS, check_lora, fuse_loras, lora_bytes
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import PIPEFUSION, RankMesh
 from .model_folder import (
@@ -199,7 +199,7 @@ def load_pipeline(
         fuse=fuse_lora,
         sharded=shard_weights and config.world_size > 1,
         quantized=quantized is not None,
-        components=tuple(c for c in ("transformer", "transformer_2") if (index.get(c) or [None])[0] is not None),
+        components=tuple(c for c in EXPERTS if (index.get(c) or [None])[0] is not None),
     )
     if not dist.is_initialized():
         init_distributed()

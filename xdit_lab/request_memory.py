@@ -4,8 +4,9 @@ session keeps from step to step.
     load's plan      weights per component, the VAE decode's peak          (memory.plan_memory)
     + latents        prompts × one prompt's latent                          every rank, whole
     + conditioning   rows × one row's text conditioning (+ what no row has)  every rank, gathered
-    + image inputs   prompts × one prompt's encoded images (a reference,     every rank, whole
-                     inpainting's image and mask, a first frame)
+    + image inputs   the encoded images a request starts from (a reference,  every rank, whole
+                     inpainting's image and mask, a first frame): one
+                     prompt's, and what each more adds
     + stale K/V      PipeFusion's buffers: the stage's layers × its rows     (models/pipefusion/)
 
 Latents and conditioning are whole on every rank (the encode's all-gather hands each rank the

@@ -223,6 +223,7 @@ def _error_lines(output: str) -> list[str]:
 
 
 def _one_rank_env():
+    """A world of one, with a port of its own: call it once per process that runs at the same time."""
     return [{"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}]
 
 
@@ -237,7 +238,7 @@ def test_the_output_folder_is_checked_before_anything_is_loaded(folder, tmp_path
             for output in (a_file, a_file / "images")
         ],
         timeout_s=180,
-        envs=_one_rank_env() * 2,
+        envs=_one_rank_env() + _one_rank_env(),  # a port each: the two runs overlap
     )
     for result, said in zip(results, [f"--output {a_file} is a file", f"cannot write the outputs to {a_file}/images"]):
         lines = _error_lines(result["output"])

@@ -3,6 +3,9 @@ ulysses, ring, cfg and PipeFusion (every step a warmup step: exact), each step's
 
     Wan 2.2 TI2V 5B   text to video (WanPipeline) and image to video (WanImageToVideoPipeline), expand_timesteps:
                       a timestep per token, the image's frame held at timestep 0
+    Wan 2.1 I2V       image to video (WanImageToVideoPipeline): the image's latents and mask on the channels,
+                      CLIP's embeddings of it before the text in the cross-attention's context
+    Wan 2.2 I2V A14B  the same channels, no CLIP, two experts switching at boundary_ratio
     Flux.1            image to image (FluxImg2ImgPipeline) and inpainting (FluxInpaintPipeline), loaded from a
                       FluxPipeline folder with pipeline_class
 
@@ -17,6 +20,7 @@ import torch
 from forward_traffic import session_traffic, traffic_mismatches
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, load_pipeline
+from xdit_lab.families.tiny_spec import HEAD_DIM, HEADS
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
@@ -41,21 +45,49 @@ def _picture(side: int):
 
 def _wan_call(task):
     call = dict(tiny_pipeline_kwargs("wan"), num_inference_steps=3, negative_prompt=["", "a photo"])
-    return call | {"image": _picture(64)} if task == "image to video" else call
+    if task == "image to video 2.1":  # its attention takes the context's last 512 tokens as the text
+        call["max_sequence_length"] = 512
+    return call | {"image": _picture(64)} if task.startswith("image to video") else call
 
 
 def _wan_folders(root) -> dict:
     """Wan's tiny pipeline with expand_timesteps, as Wan 2.2 TI2V 5B's folder sets it, once as WanPipeline and
-    once as WanImageToVideoPipeline (no CLIP image encoder: TI2V's transformer takes no image embeddings)."""
+    once as WanImageToVideoPipeline (no CLIP image encoder: TI2V's transformer takes no image embeddings); and
+    Wan 2.1 I2V's layout: a transformer taking the noise, the image's mask and latents on its channels and CLIP
+    image embeddings (image_dim, with the image's own key and value projections), a CLIP vision tower."""
     from diffusers import WanImageToVideoPipeline
+
+    from xdit_lab.tiny.parts import clip_image_processor, clip_vision_encoder
 
     text_to_video = tiny_pipeline("wan")
     text_to_video.register_to_config(expand_timesteps=True)
     parts = {k: v for k, v in text_to_video.components.items() if k != "transformer_2"}
     image_to_video = WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None, expand_timesteps=True)
-    folders = {"text to video": root / "t2v", "image to video": root / "i2v"}
-    text_to_video.save_pretrained(folders["text to video"], safe_serialization=True)
-    image_to_video.save_pretrained(folders["image to video"], safe_serialization=True)
+    z, temporal, vision = (
+        text_to_video.vae.config.z_dim,
+        text_to_video.vae_scale_factor_temporal,
+        clip_vision_encoder(5),
+    )
+    transformer = tiny_transformer(  # the image's key and value projections take the embedded image (the width)
+        "wan", in_channels=2 * z + temporal, out_channels=z, image_dim=vision.config.hidden_size,
+        added_kv_proj_dim=HEADS * HEAD_DIM,
+    )  # fmt: skip
+    wan_2_1 = WanImageToVideoPipeline(
+        **(parts | {"transformer": transformer}), image_encoder=vision, image_processor=clip_image_processor()
+    )
+    experts = [  # Wan 2.2 I2V A14B: the channels as Wan 2.1's, no CLIP, two experts
+        tiny_transformer("wan", seed=seed, in_channels=2 * z + temporal, out_channels=z) for seed in (0, 7)
+    ]
+    a14b = WanImageToVideoPipeline(
+        **(parts | dict(zip(("transformer", "transformer_2"), experts))),
+        image_encoder=None,
+        image_processor=None,
+        boundary_ratio=0.9,  # Wan 2.2 I2V A14B's: the first of 3 steps on the first expert, the others on the second
+    )
+    folders = dict(zip(("text to video", "image to video", "image to video 2.1", "image to video A14B"), "abcd"))
+    folders = {task: root / name for task, name in folders.items()}
+    for pipe, folder in zip((text_to_video, image_to_video, wan_2_1, a14b), folders.values()):
+        pipe.save_pretrained(folder, safe_serialization=True)
     return folders
 
 
@@ -73,48 +105,65 @@ def _uniform_timestep(recipe) -> None:
 def _wan_parallel(folders, configs):
     rows = []
     for task, folder in folders.items():
-        for config in configs:
+        for config in configs if task != "image to video A14B" else configs[:3]:  # PipeFusion: one expert only
             pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
             session = pipe.session(PROMPTS, seed=0, **_wan_call(task)).run()
             latents = output_latents(session.result(output_type="latent"))
             rows.append(dict(task=task, config=config.short(), latents=latents, traffic=session_traffic(session)))
-    config = configs[0]
-    pipe = load_pipeline(folders["image to video"], config, mesh=RankMesh(config), progress=False)
-    _uniform_timestep(pipe.recipe)
-    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_wan_call("image to video")))
-    return rows, control
+    controls = {}
+    for task, wrong in (("image to video", _uniform_timestep), ("image to video 2.1", _no_image_embeds)):
+        pipe = load_pipeline(folders[task], configs[0], mesh=RankMesh(configs[0]), progress=False)
+        wrong(pipe.recipe)
+        controls[task] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_wan_call(task)))
+    return rows, controls
 
 
-def test_wan_2_2_ti2v_text_and_image_to_video_equal_diffusers(tmp_path):
-    """Wan pipelines with expand_timesteps (Wan 2.2 TI2V 5B: a timestep per token) under ulysses, ring, cfg and
-    PipeFusion, against diffusers' WanPipeline and WanImageToVideoPipeline from the same folders, run serially.
-    Image to video holds the first frame's tokens at timestep 0, the others at t; the control gives every
-    token t and must miss the reference. (Tokens with different timesteps and a strategy taking another rank's
-    are test_per_token_arguments_follow_the_shard_exactly's Wan case.)"""
+def _no_image_embeds(recipe) -> None:
+    """The control for Wan 2.1: the transformer run without CLIP's image embeddings (the image on the channels
+    only), as if the pipeline had dropped them."""
+    model_kwargs = recipe.model_kwargs
+
+    def wrong(pipe, prepared, model_input, t):
+        kwargs = model_kwargs(pipe, prepared, model_input, t)
+        assert kwargs.pop("encoder_hidden_states_image") is not None
+        return kwargs
+
+    recipe.model_kwargs = wrong
+
+
+def test_wan_text_and_image_to_video_equal_diffusers(tmp_path):
+    """Wan pipelines with expand_timesteps (Wan 2.2 TI2V 5B: a timestep per token), and Wan 2.1's image to video,
+    under ulysses, ring, cfg and PipeFusion, against diffusers' WanPipeline and WanImageToVideoPipeline from the
+    same folders, run serially. TI2V's image to video holds the first frame's tokens at timestep 0, the others
+    at t: its control gives every token t. Wan 2.1's takes the image on the channels and CLIP's embeddings of it
+    in the context: its control leaves the embeddings out. Each control must miss the reference. Wan 2.2 I2V
+    A14B (the channels as 2.1's, two experts) runs on each strategy but PipeFusion, refused with two experts
+    (tests/test_two_experts.py). (Tokens with
+    different timesteps and a strategy taking another rank's are test_per_token_arguments_follow_the_shard_exactly's
+    Wan case.)"""
     from diffusers import DiffusionPipeline
 
     folders = _wan_folders(tmp_path)
     expected = {}
     for task, folder in folders.items():
         reference = DiffusionPipeline.from_pretrained(folder)
-        assert reference.config.expand_timesteps and type(reference).__name__ in (
-            "WanPipeline",
-            "WanImageToVideoPipeline",
-        )
+        assert reference.config.expand_timesteps == (task in ("text to video", "image to video")), task
+        assert type(reference).__name__ == ("WanPipeline" if task == "text to video" else "WanImageToVideoPipeline")
         reference.set_progress_bar_config(disable=True)
         generator = torch.Generator().manual_seed(0)
         call = _wan_call(task)
         expected[task] = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **call))
-    for rank, (rows, control) in enumerate(run_on_ranks(_wan_parallel, 2, folders, CONFIGS, timeout_s=400)):
-        assert len(rows) == 2 * len(CONFIGS)
+    for rank, (rows, controls) in enumerate(run_on_ranks(_wan_parallel, 2, folders, CONFIGS, timeout_s=400)):
+        assert len(rows) == len(folders) * len(CONFIGS) - 1
         for row in rows:
             where, target = f"{row['task']} {row['config']} rank {rank}", expected[row["task"]]
             bound = 1e-4 * max(1.0, target.abs().max().item())
             assert (row["latents"] - target).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
-        image_to_video = expected["image to video"]
-        assert (control - image_to_video).abs().max().item() > 10 * 1e-4 * max(1.0, image_to_video.abs().max().item())
+        for task, control in controls.items():
+            target = expected[task]
+            assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), task
 
 
 def _image_inputs(pipe, call) -> tuple[int | None, int]:
@@ -122,7 +171,10 @@ def _image_inputs(pipe, call) -> tuple[int | None, int]:
     where the plan has none; the bytes a session of the whole request keeps in those entries, counted here)."""
     plan = pipe.memory_plan_for(PROMPTS, **call).activation_bytes.get("image inputs")
     session = pipe.session(PROMPTS, seed=0, **call)
-    kept = [session.prepared.extra.get(key) for key in ("reference", "inpaint", "fill", "first_frame")]
+    kept = [
+        session.prepared.extra.get(key)
+        for key in ("reference", "inpaint", "fill", "first_frame", "image_condition", "image_embeds")
+    ]
     tensors = [t for entry in kept if entry is not None for t in (entry if isinstance(entry, tuple) else (entry,))]
     return (None if plan is None else plan[1]), sum(t.numel() * t.element_size() for t in tensors)
 
@@ -135,36 +187,48 @@ def _refused(call) -> str | None:
         return f"{type(error).__name__}: {error}"
 
 
-def _wan_refusals(folders, wan_2_1):
+def _wan_refusals(folders, no_clip):
     image_to_video = load_pipeline(folders["image to video"], progress=False)
     text_to_video = load_pipeline(folders["text to video"], progress=False)
+    wan_2_1, call = load_pipeline(folders["image to video 2.1"], progress=False), _wan_call("image to video 2.1")
     return dict(
         no_image=_refused(lambda: image_to_video.session(PROMPTS, **_wan_call("text to video"))),
         an_image=_refused(lambda: text_to_video.session(PROMPTS, **_wan_call("image to video"))),
-        wan_2_1=_refused(lambda: load_pipeline(wan_2_1, progress=False)),
+        no_clip=_refused(lambda: load_pipeline(no_clip, progress=False)),
+        last_image=_refused(lambda: wan_2_1.session(PROMPTS, **call, last_image=_picture(64))),
+        short_text=_refused(lambda: wan_2_1.session(PROMPTS, **(call | {"max_sequence_length": 8}))),
         image_inputs=_image_inputs(image_to_video, _wan_call("image to video")),
+        image_inputs_2_1=_image_inputs(wan_2_1, call),
     )
 
 
-def test_an_image_is_asked_for_where_it_is_taken_and_wan_2_1_image_to_video_is_refused(tmp_path):
-    """Image to video without image=, text to video given one: each refused by name before anything runs; Wan
-    2.1's image to video (no expand_timesteps: CLIP image embeddings and a mask on the channels) refused at load.
+def test_an_image_is_asked_for_where_it_is_taken_and_what_wan_2_1_cannot_run_is_refused(tmp_path):
+    """Image to video without image=, text to video given one: each refused by name before anything runs. Wan
+    2.1's image to video: a folder whose transformer takes CLIP embeddings but has no image encoder refused at
+    load; a last frame (FLF2V) and a text length other than the 512 its attention assumes refused by name.
     (On a spawned rank: load_pipeline joins a torch.distributed world in the process that calls it.)"""
     from diffusers import WanImageToVideoPipeline
 
     folders = _wan_folders(tmp_path)
-    wan_2_1 = WanImageToVideoPipeline.from_pretrained(folders["image to video"], expand_timesteps=False)
-    wan_2_1.save_pretrained(tmp_path / "wan21_i2v", safe_serialization=True)
-    (told,) = run_on_ranks(_wan_refusals, 1, folders, tmp_path / "wan21_i2v", timeout_s=120)
+    no_clip = WanImageToVideoPipeline.from_pretrained(
+        folders["image to video 2.1"], image_encoder=None, image_processor=None
+    )
+    no_clip.save_pretrained(tmp_path / "no_clip", safe_serialization=True)
+    (told,) = run_on_ranks(_wan_refusals, 1, folders, tmp_path / "no_clip", timeout_s=120)
     assert re.match(r"ValueError: WanImageToVideoPipeline draws a video from an image: give image=", told["no_image"])
     assert re.match(
         r"ValueError: WanPipeline draws from text alone and takes no image; image to video is", told["an_image"]
     )
     assert re.match(
-        r"NotImplementedError: Wan 2.1's image-to-video pipeline .* not run by xdit_lab yet", told["wan_2_1"]
+        r"ValueError: WanImageToVideoPipeline's transformer takes CLIP image embeddings .* but the folder has no "
+        r"image_encoder",
+        told["no_clip"],
     )
-    planned, kept = told["image_inputs"]  # the first frame's latents and mask, planned as a session keeps them
-    assert planned == kept > 0, told["image_inputs"]
+    assert re.match(r"NotImplementedError: a last frame \(last_image, .* not run by xdit_lab yet", told["last_image"])
+    assert re.match(r"ValueError: Wan 2.1's .* max_sequence_length must be 512, not 8", told["short_text"])
+    for key in ("image_inputs", "image_inputs_2_1"):  # the first frame's latents and mask (2.1: and CLIP's embeds)
+        planned, kept = told[key]
+        assert planned == kept > 0, (key, told[key])
 
 
 # ---- Flux.1 image to image and inpainting, loaded from a FluxPipeline folder ----------------------------------

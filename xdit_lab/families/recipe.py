@@ -524,7 +524,9 @@ class VideoRecipe(Recipe):
         scale = vae_scale(configs["vae"])[0]
         frames = latent_frames(configs, call)
         rows, cols = call.height // scale, call.width // scale
-        latents = t["in_channels"] * frames * rows * cols * 4  # float32, as these pipelines keep them
+        # float32, as these pipelines keep them; the noise's channels only (an image to video's transformer takes
+        # more: the image's, concatenated, counted under "image inputs")
+        latents = (t.get("out_channels") or t["in_channels"]) * frames * rows * cols * 4
         pt, ph, pw = VIDEO.video_patch(t)
         grid = (frames // pt * (rows // ph), cols // pw)
         return RequestShape(latents, self.planned_text_bytes(t, call, element), 0, grid, None, frames)

@@ -13,8 +13,15 @@ scheduler's training timesteps (high noise), transformer_2 the others with guida
 guidance where None). Both are parallelized on the same ranks with the same strategy, each with its own
 hooks and state.
 
-Refused by name: Wan 2.1's image to video (CLIP image embeddings and a mask concatenated on the channels,
-not run here yet)."""
+Wan 2.1's image to video (no expand_timesteps) conditions on the image twice: its latents, with a mask that
+marks frame 0 as given, concatenated with the noise on the channels, and CLIP's image embeddings put before
+the text in the cross-attention's context (Wan 2.2 A14B's image to video: the channels only, no CLIP):
+
+    [noise 16 | mask 4 | image latents 16] --patch embedding (in_channels 36)--> tokens, cut by the shard
+    CLIP(image) [B, 257, 1280] --image embedder--> + text: the cross-attention's keys, whole on every rank
+
+Both are per sample and move nothing under ulysses and ring. Refused by name: a last frame (last_image: Wan
+2.1 FLF2V pairs two images' embeddings per sample in the batch dimension, which a cfg or dp split would cut)."""
 
 from __future__ import annotations
 
@@ -45,8 +52,10 @@ class WanRecipe(VideoRecipe):
     default_size = (480, 832)  # WanPipeline's
     defaults = dict(num_inference_steps=50, guidance_scale=5.0)
     options = dict(
-        num_frames=81, max_sequence_length=512, image=None, guidance_scale_2=None
+        num_frames=81, max_sequence_length=512, image=None, last_image=None, guidance_scale_2=None
     )  # image: the first frame (image to video)
+    # Wan 2.1's image to video: the image's latents and mask (concatenated with the noise), CLIP's embeddings
+    image_inputs = (*VideoRecipe.image_inputs, "image_condition", "image_embeds")
 
     def prompt_tokens(self, pipe, request, text):
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # what encode_prompt tokenizes
@@ -61,15 +70,27 @@ class WanRecipe(VideoRecipe):
                 f"transformer_2 {'set' if two else 'None'} and boundary_ratio {pipe.config.get('boundary_ratio')}: "
                 f"xdit_lab runs one transformer without boundary_ratio, or both experts with it"
             )
-        if _takes_image(pipe) and not pipe.config.get("expand_timesteps"):
-            raise NotImplementedError(
-                "Wan 2.1's image-to-video pipeline (WanImageToVideoPipeline without expand_timesteps: CLIP image "
-                "embeddings, and a mask concatenated with the latents) is not run by xdit_lab yet; Wan 2.2 TI2V 5B's "
-                "image to video (expand_timesteps) is"
+        if _image_embeds_taken(pipe) and getattr(pipe, "image_encoder", None) is None:
+            raise ValueError(
+                f"{type(pipe).__name__}'s transformer takes CLIP image embeddings (image_dim "
+                f"{pipe.transformer.config.image_dim}) but the folder has no image_encoder: load a folder with "
+                f"its image_encoder and image_processor (Wan 2.1 image to video)"
             )
 
     def check_inputs(self, pipe, request):
         image = request.options.get("image")
+        if request.options.get("last_image") is not None:
+            raise NotImplementedError(
+                "a last frame (last_image, Wan 2.1 FLF2V's first-and-last-frame video) is not run by xdit_lab yet: "
+                "its two images' CLIP embeddings are paired in the batch dimension, which cfg and dp would cut "
+                "apart; give image= alone (image to video)"
+            )
+        if _image_embeds_taken(pipe) and request.options["max_sequence_length"] != 512:
+            raise ValueError(
+                f"Wan 2.1's image-to-video transformer takes the last 512 tokens of its context as the text and the "
+                f"rest as the image's (diffusers' WanAttnProcessor): max_sequence_length must be 512, not "
+                f"{request.options['max_sequence_length']}"
+            )
         if _takes_image(pipe) and image is None:
             raise ValueError(f"{type(pipe).__name__} draws a video from an image: give image= (a PIL image)")
         if not _takes_image(pipe) and image is not None:
@@ -90,11 +111,14 @@ class WanRecipe(VideoRecipe):
             pipe.scheduler.set_begin_index(0)  # WanPipeline's (its image-to-video pipeline does not)
             prepared.latents = self.video_latents(pipe, request, device)
             return
-        # WanImageToVideoPipeline's, with expand_timesteps: the noise, the image's latents as frame 0, and the
-        # mask that keeps them there (0 on frame 0)
+        # WanImageToVideoPipeline's: the noise, and the image's latents as frame 0; with expand_timesteps, the
+        # mask that keeps them there (0 on frame 0), else (Wan 2.1) the mask and latents for the channels
         height, width = request.height or self.default_size[0], request.width or self.default_size[1]
+        if _image_embeds_taken(pipe):  # CLIP's, of the image as given (one per prompt, the same)
+            embeds = pipe.encode_image(request.options["image"], device).repeat(len(request.prompts), 1, 1)
+            prepared.extra["image_embeds"] = embeds.to(pipe.transformer.dtype)
         image = pipe.video_processor.preprocess(request.options["image"], height=height, width=width)
-        prepared.latents, condition, mask = pipe.prepare_latents(
+        prepared_latents = pipe.prepare_latents(
             image.to(device, dtype=torch.float32),
             len(request.prompts),
             pipe.vae.config.z_dim,
@@ -105,7 +129,11 @@ class WanRecipe(VideoRecipe):
             device,
             generator_of(request),
         )
-        prepared.extra["first_frame"] = (condition, mask)
+        if pipe.config.get("expand_timesteps"):
+            prepared.latents, condition, mask = prepared_latents
+            prepared.extra["first_frame"] = (condition, mask)
+        else:
+            prepared.latents, prepared.extra["image_condition"] = prepared_latents
 
     def transformers(self, pipe):
         return [pipe.transformer] + ([pipe.transformer_2] if getattr(pipe, "transformer_2", None) is not None else [])
@@ -120,10 +148,16 @@ class WanRecipe(VideoRecipe):
         return prepared.guidance_scale
 
     def model_input(self, pipe, prepared, latents, t):
+        condition = prepared.extra.get("image_condition")  # Wan 2.1's image to video: on the channels
+        if condition is not None:
+            latents = torch.cat([latents, condition[: len(latents)]], dim=1)
         return super().model_input(pipe, prepared, _with_first_frame(prepared, latents), t)
 
     def model_kwargs(self, pipe, prepared, model_input, t):
         kwargs = super().model_kwargs(pipe, prepared, model_input, t)
+        embeds = prepared.extra.get("image_embeds")
+        if embeds is not None:  # the same for both branches (the pipeline passes them to both calls)
+            kwargs["encoder_hidden_states_image"] = embeds.repeat(model_input.shape[0] // len(embeds), 1, 1)
         if pipe.config.get("expand_timesteps"):  # Wan 2.2 TI2V: its pipelines' timestep per token, [B, S]
             # (the first-frame mask, or ones, over the latent grid, strided by the 2 × 2 patch they assume, times t)
             first_frame = prepared.extra.get("first_frame")
@@ -156,6 +190,11 @@ def _high_noise(pipe, t) -> bool:
 
 def _takes_image(pipe) -> bool:
     return type(pipe).__name__ == "WanImageToVideoPipeline"
+
+
+def _image_embeds_taken(pipe) -> bool:
+    """Whether the pipeline feeds its transformer CLIP image embeddings (Wan 2.1's image to video only)."""
+    return _takes_image(pipe) and pipe.transformer is not None and pipe.transformer.config.image_dim is not None
 
 
 def _with_first_frame(prepared, latents):

@@ -317,3 +317,28 @@ def wan_vae(seed: int, latent_channels: int):
     """Wan's 3D causal VAE at its smallest: 8x spatial, 4x temporal compression, as Wan 2.1's."""
     shape = dict(base_dim=4, dim_mult=[1, 1, 1, 1], temperal_downsample=[False, True, True])
     return _causal_3d_vae("AutoencoderKLWan", seed, latent_channels, **shape)
+
+
+def clip_vision_encoder(seed: int, width: int = TEXT_DIM):
+    """CLIP's vision tower (Wan 2.1's image encoder, whose pipeline reads its second-to-last hidden states):
+    32 × 32 images in 8 × 8 patches, 17 tokens with the class token."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    config = CLIPVisionConfig(
+        hidden_size=width,
+        intermediate_size=2 * width,
+        projection_dim=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    return CLIPVisionModel(config).eval()
+
+
+def clip_image_processor():
+    """CLIP's image processor at the tiny vision tower's size: resized and center-cropped to 32 × 32."""
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})

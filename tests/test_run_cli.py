@@ -411,8 +411,9 @@ def test_image_to_image_and_inpainting_from_files_equal_diffusers(tmp_path):
     FluxInpaintPipeline --image FILE --mask-image FILE` under ring 2, each torchrun on 2 ranks, equal diffusers'
     own pipelines of those classes run serially on the same folder, with the files read by diffusers' load_image
     (1e-4); the report names the pipeline and each file's digest. Control: diffusers' image to image from another
-    picture misses the run's latents (the file is what the run started from). An --image that does not exist:
-    exit 2 with one line naming it, before the model is read (the model named there does not exist)."""
+    picture misses the run's latents (the file is what the run started from). A --control-image (a ControlNet's,
+    read as --image is) that does not exist: exit 2 with one line naming it, before the model is read (the model
+    named there does not exist)."""
     import hashlib
 
     import diffusers
@@ -442,14 +443,17 @@ def test_image_to_image_and_inpainting_from_files_equal_diffusers(tmp_path):
     missing = tmp_path / "no-such.png"
     commands.append(
         _cli("run", "--model", str(tmp_path / "no-model"), "--prompt", "a cat", "--output", str(tmp_path / "m"))
-        + ["--pipeline-class", "FluxImg2ImgPipeline", "--image", str(missing)]
+        + ["--pipeline-class", "FluxControlNetPipeline", "--control-image", str(missing)]
     )
     *generated, refused = production.run_processes(commands, timeout_s=300, envs=[{}, {}, *_one_rank_env()])
     for result in generated:
         assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
     lines = _error_lines(refused["output"])
     assert refused["returncode"] == 2 and len(lines) == 1, refused["output"][-3000:]
-    assert lines[0] == f"xdit-lab run: error: --image {missing}: no such file; give the path of a PNG or JPEG image"
+    assert (
+        lines[0]
+        == f"xdit-lab run: error: --control-image {missing}: no such file; give the path of a PNG or JPEG image"
+    )
 
     def reference(pipeline_class, **files):
         pipe = getattr(diffusers, pipeline_class).from_pretrained(flux)

@@ -196,7 +196,13 @@ def cmd_run(args) -> int:
         on_host=tuple(args.on_host),
         pipeline_class=args.pipeline_class,
         image_files={
-            k: v for k, v in dict(image=args.image, mask_image=args.mask_image and [args.mask_image]).items() if v
+            k: v
+            for k, v in dict(
+                image=args.image,
+                mask_image=args.mask_image and [args.mask_image],
+                control_image=args.control_image and [args.control_image],
+            ).items()
+            if v
         },
     )
     try:
@@ -432,6 +438,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the image the pipeline starts from (with --pipeline-class); repeat for several (Flux.2's references)",
     )
     run.add_argument("--mask-image", metavar="FILE", help="inpainting's mask: white is redrawn, black kept")
+    run.add_argument(
+        "--control-image",
+        metavar="FILE",
+        help="a ControlNet's control image (FluxControlNetPipeline; its scale: --option controlnet_conditioning_scale=0.7)",
+    )
     run.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait (default 600)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 

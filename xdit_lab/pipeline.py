@@ -177,6 +177,25 @@ def load_pipeline(
             f"under ulysses, ring, cfg and dp, each parallelized on the same ranks; not yet with "
             f"{', '.join(two_experts)}: leave {'it' if len(two_experts) == 1 else 'them'} out"
         )
+    with_controlnet = [
+        what
+        for what, given in (
+            ("shard_weights", shard_weights and config.world_size > 1),
+            ("quantization", quantization is not None),
+            ("compile", bool(compile)),
+        )
+        if given and (index.get("controlnet") or [None])[0] is not None
+    ]
+    if with_controlnet:
+        raise ParallelConfigError(
+            f"this pipeline runs a ControlNet, parallelized on the same ranks as its transformer under ulysses, ring, "
+            f"cfg and dp; not yet with {', '.join(with_controlnet)}: leave {'it' if len(with_controlnet) == 1 else 'them'} "
+            f"out"
+        )
+    if cache is not None and index["_class_name"] in recipe.step_cache_refused:
+        raise ParallelConfigError(
+            f"{index['_class_name']} does not run with a StepCache: {recipe.step_cache_refused[index['_class_name']]}"
+        )
     if config.pipefusion > 1 and index["_class_name"] in recipe.pipefusion_refused:
         raise ParallelConfigError(
             f"{index['_class_name']} does not run under PipeFusion: {recipe.pipefusion_refused[index['_class_name']]}"
@@ -293,6 +312,8 @@ def load_pipeline(
             parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
         if getattr(inner, "transformer_2", None) is not None:  # Wan 2.2 A14B's second expert, on the same mesh
             parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile)  # its own StepCache state
+        if getattr(inner, "controlnet", None) is not None:  # cut like the transformer: its residuals stay here
+            parallelize(inner.controlnet, config, mesh)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(

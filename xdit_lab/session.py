@@ -177,6 +177,7 @@ class DenoiseSession:
         transformer = self.recipe.transformer_for(inner, self.prepared, t)
         state = parallel_state(transformer)
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
+        self.prepared.step_index = self.step_index
         with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans:
             state.strategy.run_step(self, t)
         self.comm_per_step.append(log.bytes_by_group())

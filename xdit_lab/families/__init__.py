@@ -6,6 +6,8 @@ and errors. This package finds the family files itself: adding a family is addin
 family).
 
     FAMILIES        transformer class name -> FamilyAdapter
+    CONTROLNETS     ControlNet class name -> FamilyAdapter (a family's CONTROLNET_ADAPTER: its transformer's layout,
+                    residuals out, nothing gathered)
     RECIPES         pipeline class name -> Recipe
     family(name)    a family's module, by its name ("flux")
 """
@@ -27,6 +29,11 @@ MODULES = {
     if hasattr(module := importlib.import_module(f"{__name__}.{info.name}"), "ADAPTER")
 }
 FAMILIES = {module.ADAPTER.class_name: module.ADAPTER for module in MODULES.values()}
+CONTROLNETS = {
+    module.CONTROLNET_ADAPTER.class_name: module.CONTROLNET_ADAPTER
+    for module in MODULES.values()
+    if hasattr(module, "CONTROLNET_ADAPTER")
+}
 RECIPES = {
     name: module.RECIPE for module in MODULES.values() if module.RECIPE for name in module.RECIPE.pipeline_classes
 }
@@ -43,10 +50,11 @@ def adapter_for(transformer) -> FamilyAdapter:
     """The adapter of a diffusers transformer, by its class (through the class's bases: FSDP2 and
     torch.compile wrap a model in a subclass of its own)."""
     for cls in type(transformer).__mro__:
-        if cls.__name__ in FAMILIES:
-            return FAMILIES[cls.__name__]
+        if cls.__name__ in FAMILIES or cls.__name__ in CONTROLNETS:
+            return FAMILIES.get(cls.__name__) or CONTROLNETS[cls.__name__]
     raise TypeError(
-        f"xdit_lab cannot parallelize {type(transformer).__name__}; supported transformers: {', '.join(FAMILIES)}"
+        f"xdit_lab cannot parallelize {type(transformer).__name__}; supported transformers: {', '.join(FAMILIES)}; "
+        f"ControlNets: {', '.join(CONTROLNETS)}"
     )
 
 
@@ -83,6 +91,7 @@ def check_diffusers_version(version: str | None = None) -> None:
 
 
 __all__ = [
+    "CONTROLNETS",
     "FAMILIES",
     "MODULES",
     "RECIPES",

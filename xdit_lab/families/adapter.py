@@ -284,9 +284,10 @@ class PerToken:
     prefix: bool = False
 
     def keep(self, strategy, value):
-        """`value` as this rank holds it: `strategy` (the token strategy) cuts it or counts it."""
-        if value is None:
-            return None
+        """`value` as this rank holds it: `strategy` (the token strategy) cuts it or counts it (a RankLocal,
+        computed on this rank's tokens already, as it is)."""
+        if value is None or isinstance(value, RankLocal):
+            return value
         if self.prefix:
             return strategy.keep_prefix(value)
         if isinstance(value, (tuple, list)):
@@ -294,6 +295,16 @@ class PerToken:
         if isinstance(value, torch.Tensor) and (self.dims is None or value.dim() == self.dims):
             return strategy.keep_tokens(value, self.dim)
         return value
+
+
+class RankLocal(list):
+    """Tensors already this rank's: its batch rows and its image tokens, as a model parallelized on the same
+    mesh with the same request cut them. A ControlNet's forward (an adapter without `gather_at`) returns its
+    residuals as RankLocal lists, and the base transformer's hooks leave them as they are: no gather before,
+    no cut after.
+
+        ControlNet (rank r): x[B/cfg·dp, S/sp, D] per block --as they are--> base transformer (rank r): added
+    """
 
 
 # ---- the adapter -----------------------------------------------------------------------------------------
@@ -312,7 +323,9 @@ class FamilyAdapter:
     family: str  # the family's module name in xdit_lab/families, its one spelling
     class_name: str  # diffusers' transformer class
     shard_at: str  # submodule whose output holds the whole image tokens [B, S, C] (positions added)
-    gather_at: str = "proj_out"  # submodule whose output holds this rank's tokens, before unpatchify
+    # submodule whose output holds this rank's tokens, before unpatchify; None: the forward's outputs stay this
+    # rank's (a ControlNet's residuals, RankLocal), neither tokens nor batch gathered
+    gather_at: str | None = "proj_out"
     attention: dict = field(default_factory=dict)  # qualified-name regex -> kind
     latents: LatentLayout = IMAGE
     text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor

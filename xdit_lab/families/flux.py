@@ -23,7 +23,21 @@ say which image a token is of (0: drawn, 1: the reference); the prediction keeps
     [latents; image latents] ids [(0, r, c); (1, r, c)] --transformer--> noise[:, :drawn tokens]
 
 Sequence parallelism splits that sequence as any other; PipeFusion, which cuts one image into row bands,
-refuses it (adapter.PackedTokens.token_grid). The transformer's call is otherwise FluxPipeline's."""
+refuses it (adapter.PackedTokens.token_grid). The transformer's call is otherwise FluxPipeline's.
+
+FluxControlNetPipeline runs a ControlNet (FluxControlNetModel: Flux's blocks, fewer of them, and the control
+image's packed latents added after x_embedder) before the transformer at every step, on the positive prompt;
+its residuals, one [B, S, D] per block it feeds, are added to the transformer's image states, the same ones
+for both true-CFG branches. The ControlNet is parallelized on the same mesh with the transformer's layout
+(CONTROLNET_ADAPTER): it cuts the same batch rows and tokens, so its residuals are this rank's already and
+the transformer takes them as they are (adapter.RankLocal), nothing gathered:
+
+    rank r: ControlNet(x[rows_r, S/sp], control[rows_r, S/sp], text) --> residuals [rows_r, S/sp, D] per block
+            transformer(x[rows_r, S/sp], ..., residuals)             --> its blocks add them to their states
+
+Its attention moves what a Flux block's does (traffic.py counts its layers). The ControlNet's scale is
+controlnet_conditioning_scale inside [control_guidance_start, control_guidance_end] of the steps, 0 outside
+(where it still runs, as the pipeline runs it)."""
 
 from __future__ import annotations
 
@@ -60,9 +74,28 @@ ADAPTER = FamilyAdapter(
     "flux",
     "FluxTransformer2DModel",
     rotary_at="pos_embed",
-    # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them
+    # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them (a
+    # ControlNet parallelized on the same mesh hands them over cut already: RankLocal, taken as they are)
     per_token=(PerToken("", "controlnet_block_samples"), PerToken("", "controlnet_single_block_samples")),
     **FLUX_LAYOUT,
+)
+
+# the ControlNet: Flux's layout, its control image's packed latents [B, S, 64] cut with the tokens (they are
+# added to x_embedder's output), no output gathered (its residuals stay this rank's)
+CONTROLNET_ADAPTER = FamilyAdapter(
+    "flux",
+    "FluxControlNetModel",
+    rotary_at="pos_embed",
+    gather_at=None,
+    per_token=(PerToken("", "controlnet_cond"),),
+    **FLUX_LAYOUT,
+)
+
+
+# FluxControlNetPipeline's arguments and their defaults (its own): the control image, the ControlNet's scale and
+# the fraction of the steps it guides
+CONTROLNET_OPTIONS = dict(
+    control_image=None, controlnet_conditioning_scale=1.0, control_guidance_start=0.0, control_guidance_end=1.0
 )
 
 
@@ -73,23 +106,33 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         "FluxInpaintPipeline",
         "FluxFillPipeline",
         "FluxKontextPipeline",
+        "FluxControlNetPipeline",
     )
     tasks = dict(
         FluxImg2ImgPipeline="image to image",
         FluxInpaintPipeline="inpainting",
         FluxFillPipeline="inpainting",
         FluxKontextPipeline="editing",
+        FluxControlNetPipeline="ControlNet",
     )
     pipefusion_refused = dict(
         FluxKontextPipeline="its reference image's tokens follow the drawn ones, two images per sample that do not "
-        "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp"
+        "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp",
+        FluxControlNetPipeline="its ControlNet runs whole before the transformer at every step, and its residuals "
+        "feed every stage's blocks: not pipelined yet; run it under ulysses, ring, cfg or dp",
     )
+    step_cache_refused = dict(
+        FluxControlNetPipeline="its ControlNet's residuals change every block's states at every step, which a "
+        "decision taken after the first block does not see; run it without a StepCache"
+    )
+    image_inputs = (*PackedLatentsRecipe.image_inputs, "control")  # a ControlNet's control image, packed
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
     pipeline_defaults = dict(
         FluxImg2ImgPipeline=dict(guidance_scale=7.0),
         FluxInpaintPipeline=dict(guidance_scale=7.0),
         FluxFillPipeline=dict(num_inference_steps=50, guidance_scale=30.0),
+        FluxControlNetPipeline=dict(guidance_scale=7.0),
     )
     # image, strength: FluxImg2ImgPipeline's and FluxInpaintPipeline's (strength None: the pipeline's own default);
     # mask_image (white: redrawn), padding_mask_crop: FluxInpaintPipeline's; max_area, _auto_resize: FluxKontextPipeline's
@@ -103,6 +146,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         padding_mask_crop=None,
         max_area=None,
         _auto_resize=None,
+        **CONTROLNET_OPTIONS,
     )
     bounded_tokenizer = "tokenizer_2"  # T5's; CLIP's pooled embedding reads its first 77 tokens
     longest_text = 512  # FluxPipeline.check_inputs
@@ -113,8 +157,54 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         embeds, pooled, text_ids = prompt_embeds(pipe, request, texts, device, prompt_2=None)
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
+    def check_pipeline(self, pipe):
+        if not _controlnet(pipe):
+            return
+        controlnet, transformer = pipe.controlnet, pipe.transformer
+        if type(controlnet).__name__ != "FluxControlNetModel":
+            raise NotImplementedError(
+                f"{type(controlnet).__name__}: several ControlNets at once are not run by xdit_lab yet; load one "
+                f"FluxControlNetModel"
+            )
+        if controlnet.input_hint_block is not None:
+            raise NotImplementedError(
+                "a Flux ControlNet with an input_hint_block (XLabs' layout: the control image in pixels, convolved "
+                "in the forward, its residuals repeated over the blocks) is not run by xdit_lab yet; ControlNets "
+                "that take the control image's packed latents (InstantX's, Shakker-Labs') are"
+            )
+        if controlnet.union:
+            raise NotImplementedError(
+                "a ControlNet-Union (its control mode joins the text as one more token inside its forward) is not "
+                "run by xdit_lab yet; single-condition Flux ControlNets are"
+            )
+        shape = [(m.config.num_attention_heads, m.config.attention_head_dim) for m in (controlnet, transformer)]
+        if shape[0] != shape[1]:
+            raise ValueError(
+                f"the ControlNet's attention ({shape[0][0]} heads of {shape[0][1]}) is not the transformer's "
+                f"({shape[1][0]} of {shape[1][1]}): load the ControlNet made for this transformer"
+            )
+
     def check_inputs(self, pipe, request):
         name, options = type(pipe).__name__, request.options
+        if not _controlnet(pipe):
+            changed = [
+                key for key, value in CONTROLNET_OPTIONS.items() if key != "control_image" and options[key] != value
+            ]
+            if changed:
+                raise ValueError(
+                    f"{name} runs no ControlNet and takes no {' or '.join(changed)}; a ControlNet's are "
+                    f"FluxControlNetPipeline's (a folder with a controlnet)"
+                )
+        else:
+            start, end, scale = (
+                options[k] for k in ("control_guidance_start", "control_guidance_end", "controlnet_conditioning_scale")
+            )
+            if not isinstance(scale, (int, float)) or not 0 <= start < end <= 1:
+                raise ValueError(
+                    f"give controlnet_conditioning_scale as one number (got {scale!r}) and 0 <= control_guidance_start "
+                    f"< control_guidance_end <= 1 (got {start} and {end}): the fraction of the steps the ControlNet "
+                    f"guides"
+                )
         if _fill(pipe) and request.negatives is not None:
             raise ValueError(f"{name} takes no negative_prompt: it runs one branch, guided by the model's input")
         takes, needs = PIPELINE_INPUTS[name]
@@ -136,7 +226,11 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             self._prepare_kontext(pipe, request, prepared, device)
             return
         if not _image_to_image(pipe):
-            prepared.latents, prepared.conditioning["img_ids"] = self.packed_latents(pipe, request, prepared, device)
+            generator = generator_of(request)  # one for the control image's latents and the noise, in that order
+            if _controlnet(pipe):
+                self._prepare_control(pipe, request, prepared, device, generator)
+            latents = self.packed_latents(pipe, request, prepared, device, generator=generator)
+            prepared.latents, prepared.conditioning["img_ids"] = latents
             tokens = prepared.latents.shape[1]
             self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, tokens))
             return
@@ -190,6 +284,31 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         )
         prepared.extra["inpaint"] = (image_latents, mask, noise)
 
+    def _prepare_control(self, pipe, request, prepared, device, generator):
+        """FluxControlNetPipeline's: the control image at the request's size, its latents (sampled from the VAE
+        with the request's generator, before the noise), shifted, scaled and packed as the latents are; and the
+        ControlNet's scale at each step (0 outside control_guidance_start..end)."""
+        from diffusers.pipelines.flux.pipeline_flux_controlnet import retrieve_latents
+
+        default_height, default_width = self.size_multiple(pipe)[1]
+        height, width = request.height or default_height, request.width or default_width
+        batch, options = len(request.prompts), request.options
+        image = pipe.prepare_image(
+            image=options["control_image"], width=width, height=height, batch_size=batch, num_images_per_prompt=1,
+            device=device, dtype=pipe.vae.dtype,
+        )  # fmt: skip
+        latents = retrieve_latents(pipe.vae.encode(image), generator=generator)
+        latents = (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+        channels = pipe.transformer.config.in_channels // 4
+        prepared.extra["control"] = pipe._pack_latents(latents, batch, channels, *latents.shape[2:])
+        steps, start, end = (
+            request.num_inference_steps,
+            options["control_guidance_start"],
+            options["control_guidance_end"],
+        )
+        keep = [1.0 - float(i / steps < start or (i + 1) / steps > end) for i in range(steps)]
+        prepared.extra["control_scales"] = [options["controlnet_conditioning_scale"] * k for k in keep]
+
     def _prepare_kontext(self, pipe, request, prepared, device):
         """FluxKontextPipeline's: the size fit to max_area (its aspect ratio kept, multiples of the packed
         latent's pixels), the image resized (to the nearest preferred Kontext resolution, with _auto_resize) and
@@ -235,6 +354,33 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             prepared.extra["reference"] = reference
         self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
 
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        kwargs = super().model_kwargs(pipe, prepared, model_input, t)
+        control = prepared.extra.get("control")
+        if control is None:
+            return kwargs
+        # the ControlNet on the positive prompt, in every row the transformer runs (both branches take its
+        # residuals); parallelized like the transformer, so its residuals come cut as the transformer cuts
+        rows, branches = model_input.shape[0], 2 if prepared.do_cfg else 1
+        positive = {
+            key: torch.cat([kwargs[key].chunk(branches)[-1]] * branches)
+            for key in ("encoder_hidden_states", "pooled_projections")
+        }
+        distilled = prepared.extra["distilled_guidance"]
+        guidance = torch.full([rows], distilled, device=model_input.device, dtype=torch.float32)
+        blocks, single_blocks = pipe.controlnet(
+            hidden_states=model_input,
+            controlnet_cond=control.repeat(rows // len(control), 1, 1).to(model_input.dtype),
+            conditioning_scale=prepared.extra["control_scales"][prepared.step_index],
+            timestep=kwargs["timestep"],
+            guidance=guidance if pipe.controlnet.config.guidance_embeds else None,
+            txt_ids=kwargs["txt_ids"],
+            img_ids=kwargs["img_ids"],
+            return_dict=False,
+            **positive,
+        )
+        return kwargs | dict(controlnet_block_samples=blocks, controlnet_single_block_samples=single_blocks)
+
     def model_input(self, pipe, prepared, latents, t):
         if "fill" in prepared.extra:  # FluxFillPipeline's: the masked image and the mask beside the latents
             latents = torch.cat((latents, prepared.extra["fill"]), dim=2)
@@ -273,9 +419,14 @@ PIPELINE_INPUTS = {
     "FluxInpaintPipeline": (("image", "strength", "mask_image", "padding_mask_crop"), ("image", "mask_image")),
     "FluxFillPipeline": (("image", "strength", "mask_image"), ("image", "mask_image")),
     "FluxKontextPipeline": (("image", "max_area", "_auto_resize"), ()),
+    "FluxControlNetPipeline": (("control_image",), ("control_image",)),
 }
-IMAGE_OPTIONS = ("image", "strength", "mask_image", "padding_mask_crop", "max_area", "_auto_resize")
-NEEDED_FOR = {"image": "draws from an image", "mask_image": "redraws where its mask is white"}
+IMAGE_OPTIONS = ("image", "strength", "mask_image", "padding_mask_crop", "max_area", "_auto_resize", "control_image")
+NEEDED_FOR = {
+    "image": "draws from an image",
+    "mask_image": "redraws where its mask is white",
+    "control_image": "is guided by a control image",
+}
 
 
 def _image_to_image(pipe) -> bool:
@@ -285,6 +436,10 @@ def _image_to_image(pipe) -> bool:
 
 def _fill(pipe) -> bool:
     return type(pipe).__name__ == "FluxFillPipeline"
+
+
+def _controlnet(pipe) -> bool:
+    return type(pipe).__name__ == "FluxControlNetPipeline"
 
 
 def _kontext(pipe) -> bool:

@@ -90,6 +90,7 @@ class Prepared:
     latents: torch.Tensor | None = None
     timesteps: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)  # scheduler kwargs and family state (sizes, ids)
+    step_index: int = 0  # the step being run (the session sets it before each): a ControlNet's scale per step
 
 
 class Recipe:
@@ -102,6 +103,7 @@ class Recipe:
     # classes PipeFusion refuses, and why (load_pipeline says it before anything is read)
     tasks: dict = {}
     pipefusion_refused: dict = {}
+    step_cache_refused: dict = {}  # pipeline class -> why a StepCache does not run with it (beside the adapter's)
     pipeline_defaults: dict = {}  # pipeline class -> its call defaults where they differ from `defaults`
     # prepared.extra's entries that hold a request's images, encoded, kept beside the latents over the steps: an
     # edit's reference tokens, inpainting's image latents, mask and first noise, Fill's masked image, an image to
@@ -403,10 +405,10 @@ class PackedLatentsRecipe(Recipe):
     def default_latent_side(self, transformer_config):
         return 128  # these pipelines' default_sample_size (not in the transformer's config)
 
-    def packed_latents(self, pipe, request: Request, prepared: Prepared, device, default_size=None):
+    def packed_latents(self, pipe, request: Request, prepared: Prepared, device, default_size=None, generator=None):
         """What the pipeline's prepare_latents returns (the packed latents, and ids where the family
         has them) at the request's size (where it gives none: `default_size`, else the pipeline's), in the
-        text's dtype; the size goes in prepared.extra["size"]."""
+        text's dtype, drawn from `generator` (the request's where None); the size goes in prepared.extra["size"]."""
         default_height, default_width = default_size or self.size_multiple(pipe)[1]
         height, width = request.height or default_height, request.width or default_width
         prepared.extra["size"] = (height, width)
@@ -417,7 +419,7 @@ class PackedLatentsRecipe(Recipe):
             width,
             prepared.conditioning["encoder_hidden_states"].dtype,
             device,
-            generator_of(request),
+            generator or generator_of(request),
             None,
         )
 

@@ -131,6 +131,14 @@ def token_grid(session) -> tuple[int, int]:
     return rows, latents.shape[1] // rows
 
 
+def _controlnet_joint_layers(session) -> int:
+    controlnet = getattr(session.pipe.diffusers_pipeline, "controlnet", None)
+    if controlnet is None:
+        return 0
+    kinds = [parallel_state(controlnet).adapter.attention_kind(name) for name, _ in controlnet.named_modules()]
+    return sum(1 for k in kinds if k and k.startswith("joint"))
+
+
 def _shapes(session, transformer, state, rows, cols) -> dict:
     """Sizes the communication formulas need, read from the model this rank holds."""
     named_kinds = [(name, state.adapter.attention_kind(name)) for name, _ in transformer.named_modules()]
@@ -154,6 +162,9 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         first_block_self_layers=first.count("self"),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
+        # a ControlNet's (FluxControlNetPipeline): its joint layers run each step beside the transformer's, over the
+        # same tokens, text and heads
+        controlnet_joint_layers=_controlnet_joint_layers(session),
         text_len=state.text_len,  # text tokens of the last forward
         # where the text sits in attention: before or after the image tokens in one joint attention,
         # or apart, as the K/V of a cross-attention (None: no text)

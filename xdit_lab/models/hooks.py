@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..families import block_metadata
-from ..families.adapter import SEQUENCE_PARALLEL_KINDS
+from ..families.adapter import SEQUENCE_PARALLEL_KINDS, RankLocal
 from ..mesh import CFG, DP
 from ..sharding import batch_rows
 
@@ -136,7 +136,8 @@ def install_hooks(transformer, state: ParallelState) -> None:
         )
     if _says(strategy, "splits_tokens"):
         _hook_output(transformer, adapter.shard_at, functools.partial(_when_running, state, "shard"))
-        _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
+        if adapter.gather_at is not None:  # None: a ControlNet, whose residuals stay this rank's
+            _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
         if adapter.rotary_at:
             _hook_output(transformer, adapter.rotary_at, functools.partial(_when_running, state, "shard_rotary"))
         for entry in adapter.per_token:
@@ -523,6 +524,8 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
 
 
 def _take_batch(value, total, local):
+    if isinstance(value, RankLocal):  # this rank's rows already (a ControlNet's residuals)
+        return value
     if isinstance(value, torch.Tensor):
         return value[local] if value.dim() >= 1 and value.shape[0] == total else value
     if isinstance(value, dict):

@@ -18,6 +18,7 @@ import torch
 
 from ..config import PIPEFUSION, ParallelConfig, ParallelConfigError
 from ..families import adapter_for, check_diffusers_version
+from ..families.adapter import RankLocal
 from ..mesh import RankMesh
 from .cache import StepCache, apply_step_cache
 from .hooks import ParallelState, gather_batch, install_hooks, parallel_state, run_forward, split_batch
@@ -166,6 +167,18 @@ def _parallel_forward(transformer, state):
         if state.cache is not None:
             state.cache.begin(bound.arguments["hidden_states"])
         output = state.strategy.forward(lambda: run_forward(state, forward, bound), bound)
+        if state.adapter.gather_at is None:  # a ControlNet: its residual lists stay this rank's
+            return _rank_local(output)
         return gather_batch(state, output, dp_sizes)
 
     return parallel_forward
+
+
+def _rank_local(output):
+    """A ControlNet's output (a tuple, or diffusers' output dataclass) with each list of residuals marked
+    RankLocal: this rank's rows and tokens, which the base transformer on the same mesh takes as they are."""
+    if isinstance(output, tuple):
+        return tuple(None if part is None else RankLocal(part) for part in output)
+    for key, part in output.items():
+        output[key] = RankLocal(part)
+    return output

@@ -43,8 +43,8 @@ def expected_bytes_per_step(
                   after the last step broadcasts them, and the dp and cfg gathers run once per patch
                   on the last stage only
       dp, cfg     the output gather (dp pads to the largest share)
-      controlnet  a ControlNet's joint layers (`controlnet_joint_layers`) move what the transformer's do: the
-                  same tokens, text and heads; its residuals stay on their rank (nothing gathered)
+      controlnet  a ControlNet's layers (`controlnet_self_layers`, `controlnet_joint_layers`) move what the
+                  transformer's do: the same tokens, text and heads; its residuals stay on their rank
       world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
                   decision's all-reduce of two float32; at a skipped step only the first block's
                   attention layers run (on PipeFusion's first stage). With two transformers
@@ -88,8 +88,8 @@ def expected_bytes_per_step(
         forwards = [layout.rank_sizes(active) for active in patch_sets]
         kv_sizes = layout.rank_sizes(list(range(c.patches)))  # the buffer: every patch
     skipped = bool(cache_skips and cache_skips[step])
-    self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]
-    # a ControlNet's joint layers run beside the transformer's (no StepCache with one)
+    # a ControlNet's layers run beside the transformer's (no StepCache with one)
+    self_layers = s["first_block_self_layers"] if skipped else s["self_layers"] + s.get("controlnet_self_layers", 0)
     joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"] + s.get("controlnet_joint_layers", 0)
     joint = joint_layers if text else 0
     # sequence shards split the joint text like the image (sp-rank order); PipeFusion keeps it whole

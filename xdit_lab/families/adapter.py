@@ -323,6 +323,9 @@ class FamilyAdapter:
     family: str  # the family's module name in xdit_lab/families, its one spelling
     class_name: str  # diffusers' transformer class
     shard_at: str  # submodule whose output holds the whole image tokens [B, S, C] (positions added)
+    # more submodules whose output holds whole image tokens, cut as shard_at's (an SD3 ControlNet's control image,
+    # patch-embedded apart and added to the tokens)
+    shard_also: tuple = ()
     # submodule whose output holds this rank's tokens, before unpatchify; None: the forward's outputs stay this
     # rank's (a ControlNet's residuals, RankLocal), neither tokens nor batch gathered
     gather_at: str | None = "proj_out"

@@ -47,11 +47,16 @@ import torch
 
 from .adapter import TOKENS, FamilyAdapter, PerToken
 from .recipe import (
+    CONTROLNET_OPTIONS,
     PackedLatentsRecipe,
     RequestShape,
     TrueCFGRecipe,
+    check_controlnet,
+    check_controlnet_options,
+    controlnet_scales,
     generator_of,
     prompt_embeds,
+    runs_controlnet,
     shifted_vae_decoded,
 )
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, flow_vae, text_parts
@@ -89,13 +94,6 @@ CONTROLNET_ADAPTER = FamilyAdapter(
     gather_at=None,
     per_token=(PerToken("", "controlnet_cond"),),
     **FLUX_LAYOUT,
-)
-
-
-# FluxControlNetPipeline's arguments and their defaults (its own): the control image, the ControlNet's scale and
-# the fraction of the steps it guides
-CONTROLNET_OPTIONS = dict(
-    control_image=None, controlnet_conditioning_scale=1.0, control_guidance_start=0.0, control_guidance_end=1.0
 )
 
 
@@ -158,53 +156,24 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
     def check_pipeline(self, pipe):
-        if not _controlnet(pipe):
+        if not runs_controlnet(pipe):
             return
-        controlnet, transformer = pipe.controlnet, pipe.transformer
-        if type(controlnet).__name__ != "FluxControlNetModel":
-            raise NotImplementedError(
-                f"{type(controlnet).__name__}: several ControlNets at once are not run by xdit_lab yet; load one "
-                f"FluxControlNetModel"
-            )
-        if controlnet.input_hint_block is not None:
+        check_controlnet(pipe, "FluxControlNetModel")
+        if pipe.controlnet.input_hint_block is not None:
             raise NotImplementedError(
                 "a Flux ControlNet with an input_hint_block (XLabs' layout: the control image in pixels, convolved "
                 "in the forward, its residuals repeated over the blocks) is not run by xdit_lab yet; ControlNets "
                 "that take the control image's packed latents (InstantX's, Shakker-Labs') are"
             )
-        if controlnet.union:
+        if pipe.controlnet.union:
             raise NotImplementedError(
                 "a ControlNet-Union (its control mode joins the text as one more token inside its forward) is not "
                 "run by xdit_lab yet; single-condition Flux ControlNets are"
             )
-        shape = [(m.config.num_attention_heads, m.config.attention_head_dim) for m in (controlnet, transformer)]
-        if shape[0] != shape[1]:
-            raise ValueError(
-                f"the ControlNet's attention ({shape[0][0]} heads of {shape[0][1]}) is not the transformer's "
-                f"({shape[1][0]} of {shape[1][1]}): load the ControlNet made for this transformer"
-            )
 
     def check_inputs(self, pipe, request):
         name, options = type(pipe).__name__, request.options
-        if not _controlnet(pipe):
-            changed = [
-                key for key, value in CONTROLNET_OPTIONS.items() if key != "control_image" and options[key] != value
-            ]
-            if changed:
-                raise ValueError(
-                    f"{name} runs no ControlNet and takes no {' or '.join(changed)}; a ControlNet's are "
-                    f"FluxControlNetPipeline's (a folder with a controlnet)"
-                )
-        else:
-            start, end, scale = (
-                options[k] for k in ("control_guidance_start", "control_guidance_end", "controlnet_conditioning_scale")
-            )
-            if not isinstance(scale, (int, float)) or not 0 <= start < end <= 1:
-                raise ValueError(
-                    f"give controlnet_conditioning_scale as one number (got {scale!r}) and 0 <= control_guidance_start "
-                    f"< control_guidance_end <= 1 (got {start} and {end}): the fraction of the steps the ControlNet "
-                    f"guides"
-                )
+        check_controlnet_options(pipe, request)
         if _fill(pipe) and request.negatives is not None:
             raise ValueError(f"{name} takes no negative_prompt: it runs one branch, guided by the model's input")
         takes, needs = PIPELINE_INPUTS[name]
@@ -227,7 +196,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             return
         if not _image_to_image(pipe):
             generator = generator_of(request)  # one for the control image's latents and the noise, in that order
-            if _controlnet(pipe):
+            if runs_controlnet(pipe):
                 self._prepare_control(pipe, request, prepared, device, generator)
             latents = self.packed_latents(pipe, request, prepared, device, generator=generator)
             prepared.latents, prepared.conditioning["img_ids"] = latents
@@ -301,13 +270,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         latents = (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
         channels = pipe.transformer.config.in_channels // 4
         prepared.extra["control"] = pipe._pack_latents(latents, batch, channels, *latents.shape[2:])
-        steps, start, end = (
-            request.num_inference_steps,
-            options["control_guidance_start"],
-            options["control_guidance_end"],
-        )
-        keep = [1.0 - float(i / steps < start or (i + 1) / steps > end) for i in range(steps)]
-        prepared.extra["control_scales"] = [options["controlnet_conditioning_scale"] * k for k in keep]
+        prepared.extra["control_scales"] = controlnet_scales(request)
 
     def _prepare_kontext(self, pipe, request, prepared, device):
         """FluxKontextPipeline's: the size fit to max_area (its aspect ratio kept, multiples of the packed
@@ -419,14 +382,10 @@ PIPELINE_INPUTS = {
     "FluxInpaintPipeline": (("image", "strength", "mask_image", "padding_mask_crop"), ("image", "mask_image")),
     "FluxFillPipeline": (("image", "strength", "mask_image"), ("image", "mask_image")),
     "FluxKontextPipeline": (("image", "max_area", "_auto_resize"), ()),
-    "FluxControlNetPipeline": (("control_image",), ("control_image",)),
+    "FluxControlNetPipeline": ((), ()),  # its control image: recipe.check_controlnet_options
 }
-IMAGE_OPTIONS = ("image", "strength", "mask_image", "padding_mask_crop", "max_area", "_auto_resize", "control_image")
-NEEDED_FOR = {
-    "image": "draws from an image",
-    "mask_image": "redraws where its mask is white",
-    "control_image": "is guided by a control image",
-}
+IMAGE_OPTIONS = ("image", "strength", "mask_image", "padding_mask_crop", "max_area", "_auto_resize")
+NEEDED_FOR = {"image": "draws from an image", "mask_image": "redraws where its mask is white"}
 
 
 def _image_to_image(pipe) -> bool:
@@ -436,10 +395,6 @@ def _image_to_image(pipe) -> bool:
 
 def _fill(pipe) -> bool:
     return type(pipe).__name__ == "FluxFillPipeline"
-
-
-def _controlnet(pipe) -> bool:
-    return type(pipe).__name__ == "FluxControlNetPipeline"
 
 
 def _kontext(pipe) -> bool:

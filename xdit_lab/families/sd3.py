@@ -1,11 +1,33 @@
 """Stable Diffusion 3 / 3.5: two CLIP and one T5 text encoders, joint attention with the text after the
 image, flow matching. SD3.5's dual attention layers add an image-only self-attention (attn2) beside
-the joint one in the same block."""
+the joint one in the same block.
+
+StableDiffusion3ControlNetPipeline runs a ControlNet (SD3ControlNetModel: SD3's joint blocks, fewer of them, and
+the control image's latents patch-embedded apart, pos_embed_input, and added to the tokens) on the whole CFG
+batch before the transformer at every step; its residuals, one [B, S, D] per block it feeds, are added to the
+transformer's image states. As Flux's (flux.py), the ControlNet is parallelized on the transformer's mesh with
+its layout (CONTROLNET_ADAPTER, pos_embed_input's tokens cut with the others), and its residuals, each rank's
+already, are handed over as they are. diffusers samples the control image's latents from torch's global
+generator; here they are drawn from a generator seeded with the request's seed, the same on every rank."""
 
 from __future__ import annotations
 
+import torch
+
 from .adapter import FamilyAdapter, PerToken
-from .recipe import Recipe, RequestShape, generator_of, prompt_embeds, shifted_vae_decoded, vae_scale
+from .recipe import (
+    CONTROLNET_OPTIONS,
+    Recipe,
+    RequestShape,
+    check_controlnet,
+    check_controlnet_options,
+    controlnet_scales,
+    generator_of,
+    prompt_embeds,
+    runs_controlnet,
+    shifted_vae_decoded,
+    vae_scale,
+)
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, TinySpec, flow_scheduler, flow_vae, text_parts
 
 ADAPTER = FamilyAdapter(
@@ -18,12 +40,49 @@ ADAPTER = FamilyAdapter(
     per_token=(PerToken("", "block_controlnet_hidden_states"),),
 )
 
+# the ControlNet: SD3's layout, its control image's tokens (pos_embed_input's) cut with the image's, no output
+# gathered (its residuals stay this rank's)
+CONTROLNET_ADAPTER = FamilyAdapter(
+    "sd3",
+    "SD3ControlNetModel",
+    shard_at="pos_embed",
+    shard_also=("pos_embed_input",),
+    gather_at=None,
+    attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
+    text_shard_at="input",
+)
+
 
 class SD3Recipe(Recipe):
-    pipeline_classes = ("StableDiffusion3Pipeline",)
+    pipeline_classes = ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline")
+    tasks = dict(StableDiffusion3ControlNetPipeline="ControlNet")
+    pipefusion_refused = dict(
+        StableDiffusion3ControlNetPipeline="its ControlNet runs whole before the transformer at every step, and its "
+        "residuals feed every stage's blocks: not pipelined yet; run it under ulysses, ring, cfg or dp"
+    )
+    step_cache_refused = dict(
+        StableDiffusion3ControlNetPipeline="its ControlNet's residuals change every block's states at every step, "
+        "which a decision taken after the first block does not see; run it without a StepCache"
+    )
+    image_inputs = (*Recipe.image_inputs, "control")  # a ControlNet's control image's latents
     output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)
-    options = dict(max_sequence_length=256, clip_skip=None, mu=None)
+    options = dict(max_sequence_length=256, clip_skip=None, mu=None, **CONTROLNET_OPTIONS)
+
+    def check_pipeline(self, pipe):
+        if not runs_controlnet(pipe):
+            return
+        check_controlnet(pipe, "SD3ControlNetModel")
+        if pipe.controlnet.config.joint_attention_dim is None:
+            raise NotImplementedError(
+                "an SD3.5 ControlNet without text (joint_attention_dim None: SD3.5 Large's own, its blocks attend to "
+                "the image alone and share the transformer's pos_embed) is not run by xdit_lab yet; SD3 ControlNets "
+                "with joint attention (InstantX's) are"
+            )
+
+    def check_inputs(self, pipe, request):
+        check_controlnet_options(pipe, request)
+
     bounded_tokenizer = "tokenizer_3"  # T5's; CLIP reads its 77 tokens whatever max_sequence_length says
     longest_text = 512  # StableDiffusion3Pipeline.check_inputs
 
@@ -82,6 +141,43 @@ class SD3Recipe(Recipe):
             pipe.scheduler, request.num_inference_steps, device, **scheduler_kwargs
         )
 
+        if runs_controlnet(pipe):
+            self._prepare_control(pipe, request, prepared, device, height, width)
+
+    def _prepare_control(self, pipe, request, prepared, device, height, width):
+        """StableDiffusion3ControlNetPipeline's: the control image at the request's size, one copy per branch, its
+        latents sampled from the VAE (from a generator of the request's seed, where diffusers takes torch's global
+        one), shifted (unless the ControlNet zeroes its pooled input, InstantX's) and scaled; and the ControlNet's
+        scale at each step."""
+        image = pipe.prepare_image(
+            image=request.options["control_image"], width=width, height=height, batch_size=len(request.prompts),
+            num_images_per_prompt=1, device=device, dtype=pipe.transformer.dtype,
+            do_classifier_free_guidance=prepared.do_cfg, guess_mode=False,
+        )  # fmt: skip
+        latents = pipe.vae.encode(image).latent_dist.sample(generator=_control_generator(request))
+        shift = 0 if pipe.controlnet.config.force_zeros_for_pooled_projection else pipe.vae.config.shift_factor
+        prepared.extra["control"] = (latents - shift) * pipe.vae.config.scaling_factor
+        prepared.extra["control_scales"] = controlnet_scales(request)
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        kwargs = super().model_kwargs(pipe, prepared, model_input, t)
+        control = prepared.extra.get("control")
+        if control is None:
+            return kwargs
+        pooled = kwargs["pooled_projections"]  # InstantX's ControlNets take zeros
+        if pipe.controlnet.config.force_zeros_for_pooled_projection:
+            pooled = torch.zeros_like(pooled)
+        (blocks,) = pipe.controlnet(  # parallelized like the transformer: its residuals come cut as it cuts
+            hidden_states=model_input,
+            timestep=kwargs["timestep"],
+            encoder_hidden_states=kwargs["encoder_hidden_states"],
+            pooled_projections=pooled,
+            controlnet_cond=control,
+            conditioning_scale=prepared.extra["control_scales"][prepared.step_index],
+            return_dict=False,
+        )
+        return kwargs | dict(block_controlnet_hidden_states=blocks)
+
     def scale_model_input(self, pipe, model_input, t):
         return model_input  # flow matching feeds latents as they are
 
@@ -100,6 +196,15 @@ class SD3Recipe(Recipe):
 
 
 RECIPE = SD3Recipe()
+
+
+def _control_generator(request):
+    """The control image's sampling generator: a CPU generator of the request's seed (or of its generator's), the
+    same on every rank; with neither, None: torch's global generator, as seed=None draws the noise too."""
+    if request.seed is not None:
+        return torch.Generator("cpu").manual_seed(request.seed)
+    generator = request.generator[0] if isinstance(request.generator, list) else request.generator
+    return None if generator is None else torch.Generator("cpu").manual_seed(generator.initial_seed())
 
 
 def clip_length(configs: dict) -> int:

@@ -131,12 +131,17 @@ def token_grid(session) -> tuple[int, int]:
     return rows, latents.shape[1] // rows
 
 
-def _controlnet_joint_layers(session) -> int:
+def _controlnet_layers(session) -> dict:
+    """A ControlNet's sequence-parallel attention layers (FluxControlNetPipeline, StableDiffusion3ControlNetPipeline):
+    they run each step beside the transformer's, over the same tokens, text and heads."""
     controlnet = getattr(session.pipe.diffusers_pipeline, "controlnet", None)
     if controlnet is None:
-        return 0
+        return dict(controlnet_self_layers=0, controlnet_joint_layers=0)
     kinds = [parallel_state(controlnet).adapter.attention_kind(name) for name, _ in controlnet.named_modules()]
-    return sum(1 for k in kinds if k and k.startswith("joint"))
+    return dict(
+        controlnet_self_layers=kinds.count("self"),
+        controlnet_joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
+    )
 
 
 def _shapes(session, transformer, state, rows, cols) -> dict:
@@ -164,7 +169,7 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         # a ControlNet's (FluxControlNetPipeline): its joint layers run each step beside the transformer's, over the
         # same tokens, text and heads
-        controlnet_joint_layers=_controlnet_joint_layers(session),
+        **_controlnet_layers(session),
         text_len=state.text_len,  # text tokens of the last forward
         # where the text sits in attention: before or after the image tokens in one joint attention,
         # or apart, as the K/V of a cross-attention (None: no text)

@@ -135,7 +135,8 @@ def install_hooks(transformer, state: ParallelState) -> None:
             BACKEND_NAME,
         )
     if _says(strategy, "splits_tokens"):
-        _hook_output(transformer, adapter.shard_at, functools.partial(_when_running, state, "shard"))
+        for path in (adapter.shard_at, *adapter.shard_also):
+            _hook_output(transformer, path, functools.partial(_when_running, state, "shard"))
         if adapter.gather_at is not None:  # None: a ControlNet, whose residuals stay this rank's
             _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
         if adapter.rotary_at:

@@ -198,3 +198,25 @@ def test_what_a_controlnet_does_not_run_with_is_refused_by_name(folders, tmp_pat
     )
     planned, kept = told["image_inputs"]
     assert planned == kept > 0, told["image_inputs"]
+
+
+def test_the_planner_leaves_out_what_a_controlnet_does_not_run_with(folders):
+    """plan_model on a ControlNet pipeline's folder: no PipeFusion row, no sharded weights (load_pipeline refuses
+    both), each said in a note, and one saying what the columns leave out of the ControlNet; --quantize refused by
+    load_pipeline's words."""
+    from xdit_lab.fit import plan_model
+
+    for family, folder in folders.items():
+        rows = plan_model(folder, 4, 24 * 10**9)
+        assert rows and not [
+            r for r in rows if r.config.pipefusion > 1 or r.shard_weights or r.text_encoders == "sharded"
+        ]
+        notes = rows[0].request.notes
+        assert any(
+            n.startswith(f"no PipeFusion rows: {PIPELINES[family]} does not run under PipeFusion") for n in notes
+        )
+        assert any(n.startswith("no shard_weights rows: this pipeline runs a ControlNet") for n in notes)
+        assert any("the ControlNet's weights are whole on every rank" in n for n in notes)
+        assert all(r.weights["controlnet"] > 0 for r in rows)
+        with pytest.raises(ValueError, match=r"runs a ControlNet, .* not yet with quantization"):
+            plan_model(folder, 4, 24 * 10**9, quantize="int8")

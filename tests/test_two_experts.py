@@ -105,9 +105,24 @@ def test_two_experts_equal_diffusers(folder):
         assert planned["transformer_2"] == held["transformer_2"] == held["transformer"] > 0, (planned, held)
 
 
-def test_what_two_experts_cannot_run_yet_is_refused_at_load(folder):
+def test_what_two_experts_cannot_run_yet_is_refused_at_load_and_not_planned(folder):
+    """PipeFusion refused at load; the planner, reading the same folder, offers no PipeFusion row and no sharded
+    weights (the rows load_pipeline would refuse), says why, and refuses --quantize by the same words. The
+    control: the one-expert Wan folder gets those rows."""
+    from xdit_lab.fit import plan_model
+    from xdit_lab.tiny import save_tiny_pipeline
+
     with pytest.raises(ParallelConfigError, match=r"two transformers .* not yet with PipeFusion: leave it out"):
         load_pipeline(folder, ParallelConfig(pipefusion=2), progress=False)
+    rows = plan_model(folder, 4, 24 * 10**9)
+    assert rows and not [r for r in rows if r.config.pipefusion > 1 or r.shard_weights or r.text_encoders == "sharded"]
+    assert any(
+        "no PipeFusion or shard_weights rows: this pipeline has two transformers" in n for n in rows[0].request.notes
+    )
+    with pytest.raises(ValueError, match=r"two transformers .* not yet with quantization: leave it out"):
+        plan_model(folder, 4, 24 * 10**9, quantize="int8")
+    one = plan_model(save_tiny_pipeline("wan", folder.parent / "one_expert"), 4, 24 * 10**9)
+    assert any(r.config.pipefusion > 1 for r in one) and any(r.shard_weights for r in one)
 
 
 # One branch (guidance 1 for both experts): diffusers' WanPipeline then calls each transformer once per step, in one

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .families import FAMILIES, Request, recipe_for
+from .families.recipe import load_refusals, refusal_message
 from .loading import (
     check_weights_match_configs,
     load_quantized_text_encoder,
@@ -162,44 +163,19 @@ def load_pipeline(
             )
         index = {**index, "_class_name": pipeline_class}
     recipe.check_branches(config.cfg)
-    two_experts = [
-        what
-        for what, given in (
-            ("PipeFusion", config.pipefusion > 1),
-            ("shard_weights", shard_weights and config.world_size > 1),
-            ("quantization", quantization is not None),
-        )
-        if given and (index.get("transformer_2") or [None])[0] is not None
-    ]
-    if two_experts:
-        raise ParallelConfigError(
-            f"this pipeline has two transformers (Wan 2.2 A14B's experts, transformer and transformer_2), which run "
-            f"under ulysses, ring, cfg and dp, each parallelized on the same ranks; not yet with "
-            f"{', '.join(two_experts)}: leave {'it' if len(two_experts) == 1 else 'them'} out"
-        )
-    with_controlnet = [
-        what
-        for what, given in (
-            ("shard_weights", shard_weights and config.world_size > 1),
-            ("quantization", quantization is not None),
-            ("compile", bool(compile)),
-        )
-        if given and (index.get("controlnet") or [None])[0] is not None
-    ]
-    if with_controlnet:
-        raise ParallelConfigError(
-            f"this pipeline runs a ControlNet, parallelized on the same ranks as its transformer under ulysses, ring, "
-            f"cfg and dp; not yet with {', '.join(with_controlnet)}: leave {'it' if len(with_controlnet) == 1 else 'them'} "
-            f"out"
-        )
-    if cache is not None and index["_class_name"] in recipe.step_cache_refused:
-        raise ParallelConfigError(
-            f"{index['_class_name']} does not run with a StepCache: {recipe.step_cache_refused[index['_class_name']]}"
-        )
-    if config.pipefusion > 1 and index["_class_name"] in recipe.pipefusion_refused:
-        raise ParallelConfigError(
-            f"{index['_class_name']} does not run under PipeFusion: {recipe.pipefusion_refused[index['_class_name']]}"
-        )
+    asked = dict(
+        pipefusion=config.pipefusion > 1,
+        shard_weights=shard_weights and config.world_size > 1,
+        quantization=quantization is not None,
+        compile=bool(compile),
+        cache=cache is not None,
+    )
+    components_named = [name for name, value in index.items() if isinstance(value, list) and value[0] is not None]
+    refused = refusal_message(
+        load_refusals(recipe, index["_class_name"], components_named), [what for what, given in asked.items() if given]
+    )
+    if refused:
+        raise ParallelConfigError(refused)
     call_defaults = {**recipe.call_defaults(index["_class_name"]), **read_call_defaults(folder, recipe)}
     components = component_folders(folder, index)
     on_host = check_on_host(on_host, folder, index, components)

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from ..config import DEGREES, CostEstimate, ParallelConfig
+from ..families import recipe_for
+from ..families.recipe import REFUSABLE, load_refusals, refusal_message
 from ..memory import busiest_stale_kv_bytes, decode_peak_bytes
 from ..plan_table import aligned
 from ..quantization import SCHEMES
@@ -183,6 +185,13 @@ def plan_model(
         batch=batch,
     )
     configs = [c for c in configs if c.pipefusion == 1 or shape.grid[0] >= c.patches]
+    # what load_pipeline refuses with this pipeline (two experts, a ControlNet, Kontext's references) is not planned
+    refused = load_refusals(recipe_for(model.pipeline_class), model.pipeline_class, model.weights)
+    if quantize and "quantization" in refused:
+        raise ValueError(refusal_message(refused, ["quantization"]))
+    if "pipefusion" in refused:
+        configs = [c for c in configs if c.pipefusion == 1]
+    unsharded = "shard_weights" in refused  # neither the transformer's weights nor the text encoders' sharded
     planned = PlannedRequest(
         model.path,
         model.pipeline_class,
@@ -195,18 +204,18 @@ def plan_model(
         call.branches,
         shape.image_tokens,
         model.transformer.whole,
-        (*model.notes, *shape.bounds, *_quantize_notes(quantize)),
+        (*model.notes, *shape.bounds, *_quantize_notes(quantize), *_refused_notes(model, refused)),
         quantize,
     )
     rows = []
     for config in configs:
         for shard in (False, True):
-            if shard and quantize:
-                continue  # refused by load_pipeline: see _quantize_notes
+            if shard and (quantize or unsharded):
+                continue  # refused by load_pipeline: see _quantize_notes, _refused_notes
             if shard and world_size // config.pipefusion == 1:
                 continue  # nothing to shard: every rank of a stage is alone with its blocks
             for placement in PLACEMENTS:
-                if placement == "sharded" and (world_size == 1 or not model.text_encoders or quantize):
+                if placement == "sharded" and (world_size == 1 or not model.text_encoders or quantize or unsharded):
                     continue
                 if placement != "gpu" and not model.text_encoders:
                     continue
@@ -269,6 +278,23 @@ def held_weights(
     for name, component in model.weights.items():
         weights.setdefault(name, component.whole)  # the VAE and anything else: whole on every rank
     return weights, max(gather, *encoder_gathers), kept, encode_gather, host
+
+
+def _refused_notes(model: ModelFolder, refused: dict[str, str]) -> tuple[str, ...]:
+    """What the table leaves out because load_pipeline refuses it with this pipeline, in its words; and what a
+    ControlNet adds that the columns do not count."""
+    notes, left_out = [], [w for w in ("pipefusion", "shard_weights") if w in refused]
+    for why in dict.fromkeys(refused[w] for w in left_out):
+        names = [REFUSABLE[w] for w in left_out if refused[w] == why]
+        notes.append(
+            f"no {' or '.join(names)} rows: {refusal_message(refused, [w for w in left_out if refused[w] == why])}"
+        )
+    if "controlnet" in model.weights:
+        notes.append(
+            "the ControlNet's weights are whole on every rank; its blocks' work and attention traffic (as many "
+            "blocks of the transformer's) are not in the work and GB sent columns"
+        )
+    return tuple(notes)
 
 
 def _quantize_notes(quantize: str | None) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import torch
 from xdit_lab import ParallelConfig, RankMesh, StepCache, load_pipeline
 from xdit_lab.distributed import free_port
 from xdit_lab.lessons.families import output_latents
+from xdit_lab.models.sharded_weights import held_checkpoint_bytes
 from xdit_lab.quantization import FALSE_ALARMS
 from xdit_lab.testing import reset_peak, run_on_ranks, status_kib
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
@@ -50,17 +51,6 @@ def _kwargs(family, steps=STEPS):
     return kwargs
 
 
-def _held(module) -> int:
-    """Bytes a module holds: its parameters (a torchao tensor by its inner data and scales, measured by
-    torchao's own flattening) and its persistent buffers."""
-    from xdit_lab.quantization import stored_bytes
-
-    saved = set(module.state_dict())
-    return sum(stored_bytes(p) for p in module.parameters()) + sum(
-        stored_bytes(b) for name, b in module.named_buffers() if name in saved
-    )
-
-
 def _quantized_runs(cases):
     rows = []
     for family, folder, scheme, config, extra in cases:
@@ -73,7 +63,7 @@ def _quantized_runs(cases):
                 family=family,
                 config=config.short(),
                 latents=output_latents(output),
-                held={n: _held(c) for n, c in modules.items()},
+                held={n: held_checkpoint_bytes(c) for n, c in modules.items()},
                 kinds={n: {type(p).__name__ for p in c.parameters()} for n, c in modules.items()},
                 planned=dict(pipe.memory_plan.per_rank_bytes),
                 notes=list(pipe.memory_plan.notes),
@@ -246,14 +236,14 @@ def _load_peak(folder, method):
     rss = status_kib("VmRSS")
     if method == "ours":
         pipe = load_pipeline(folder, progress=False, quantization="int8")
-        held, planned = _held(pipe.diffusers_pipeline.transformer), pipe.memory_plan.per_rank_bytes
+        held, planned = held_checkpoint_bytes(pipe.diffusers_pipeline.transformer), pipe.memory_plan.per_rank_bytes
     else:
         from diffusers import DiffusionPipeline
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         pipe = DiffusionPipeline.from_pretrained(folder)
         quantize_(pipe.transformer, Int8WeightOnlyConfig())
-        held, planned = _held(pipe.transformer), None
+        held, planned = held_checkpoint_bytes(pipe.transformer), None
     return dict(reset=reset, rise=(status_kib("VmHWM") - rss) * 1024, held=held, planned=planned)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from xdit_lab import ParallelConfig, RankMesh, comm_log, load_pipeline
 from xdit_lab.lessons.families import output_latents
+from xdit_lab.models.sharded_weights import held_checkpoint_bytes
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
@@ -47,15 +48,6 @@ def _kwargs(family):
     return kwargs
 
 
-def _held(module) -> int:
-    """Bytes this rank holds of a module's checkpoint: its parameter shards (a DTensor's local part) and its
-    persistent buffers, whole (a buffer computed at construction, in no file, is not in the plan either)."""
-    saved = set(module.state_dict())
-    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
-    tensors += [b for name, b in module.named_buffers() if name in saved]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _local_parameters(module) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in module.parameters())
 
@@ -86,7 +78,9 @@ def _sharded_runs(cases):
                 world_size=config.world_size,
                 pipefusion=config.pipefusion,
                 latents=output_latents(output),
-                held={n: _held(c) for n, c in inner.components.items() if isinstance(c, torch.nn.Module)},
+                held={
+                    n: held_checkpoint_bytes(c) for n, c in inner.components.items() if isinstance(c, torch.nn.Module)
+                },
                 parameters={  # (this rank's, the whole model's) parameter bytes
                     n: (_local_parameters(c), sum(p.numel() * p.element_size() for p in c.parameters()))
                     for n, c in inner.components.items()

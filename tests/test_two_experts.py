@@ -69,6 +69,24 @@ def _parallel(folder, configs):
         )
     )
     compiled.close()
+    # sharded: each expert's weights over the 2 ranks (FSDP2), each rank reading its own rows of both
+    from xdit_lab.models.sharded_weights import held_checkpoint_bytes
+
+    sharded = load_pipeline(folder, CONFIGS[0], mesh=RankMesh(CONFIGS[0]), progress=False, shard_weights=True)
+    session = sharded.session(PROMPTS, seed=0, **_call()).run()
+    traffic = session_traffic(session)
+    weights = [step["moved"].pop("weights", 0) for step in traffic]  # FSDP2's gathers, beside the closed form's
+    rows.append(dict(config="sharded " + CONFIGS[0].short(), latents=output_latents(session.result("latent")),
+                     traffic=traffic, weight_gathers=weights))  # fmt: skip
+    experts = ("transformer", "transformer_2")
+    sharding = {
+        name: (
+            sharded.memory_plan.per_rank_bytes[name],
+            held_checkpoint_bytes(getattr(sharded.diffusers_pipeline, name)),
+        )
+        for name in experts
+    }
+    sharded.close()
     planned = pipe.memory_plan.per_rank_bytes
     inner = pipe.diffusers_pipeline
     held = {
@@ -78,7 +96,7 @@ def _parallel(folder, configs):
     # the control: every step on the first expert, the boundary ignored
     RECIPE.transformer_for = lambda pipe, prepared, t: pipe.transformer
     control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call()))
-    return rows, control, dict(planned), held
+    return rows, control, dict(planned), held, sharding
 
 
 def test_two_experts_equal_diffusers(folder):
@@ -93,36 +111,44 @@ def test_two_experts_equal_diffusers(folder):
     generator = torch.Generator().manual_seed(0)
     expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_call()))
     bound = 1e-4 * max(1.0, expected.abs().max().item())
-    for rank, (rows, control, planned, held) in enumerate(run_on_ranks(_parallel, 2, folder, CONFIGS, timeout_s=400)):
+    results = run_on_ranks(_parallel, 2, folder, CONFIGS, timeout_s=400)
+    for rank, (rows, control, planned, held, _) in enumerate(results):
         for row in rows:
             where = f"wan two experts {row['config']} rank {rank}"
             assert (row["latents"] - expected).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
             assert row.get("graphs", (2, 0)) == (2, 0), (where, row["graphs"])  # one graph per expert
-        assert len(rows) == len(CONFIGS) + 1
+            assert all(row.get("weight_gathers", [1]))  # sharded: every step gathers weights
+        assert len(rows) == len(CONFIGS) + 2
         assert (control - expected).abs().max().item() > 10 * bound  # the low-noise expert's steps matter
         assert planned["transformer_2"] == held["transformer_2"] == held["transformer"] > 0, (planned, held)
+    for name in ("transformer", "transformer_2"):  # each expert sharded: the busiest rank's share as planned
+        planned_bytes = {result[4][name][0] for result in results}
+        local = [result[4][name][1] for result in results]
+        whole = results[0][3][name]
+        assert planned_bytes == {max(local)} and max(local) < whole, (name, planned_bytes, local, whole)
 
 
 def test_what_two_experts_cannot_run_yet_is_refused_at_load_and_not_planned(folder):
-    """PipeFusion refused at load; the planner, reading the same folder, offers no PipeFusion row and no sharded
-    weights (the rows load_pipeline would refuse), says why, and refuses --quantize by the same words. The
-    control: the one-expert Wan folder gets those rows."""
+    """PipeFusion refused at load; the planner, reading the same folder, offers no PipeFusion row (load_pipeline
+    would refuse it) and says why, plans the second expert sharded where the first is, and refuses --quantize by
+    load_pipeline's words. The control: the one-expert Wan folder gets PipeFusion rows."""
     from xdit_lab.fit import plan_model
     from xdit_lab.tiny import save_tiny_pipeline
 
     with pytest.raises(ParallelConfigError, match=r"two transformers .* not yet with PipeFusion: leave it out"):
         load_pipeline(folder, ParallelConfig(pipefusion=2), progress=False)
     rows = plan_model(folder, 4, 24 * 10**9)
-    assert rows and not [r for r in rows if r.config.pipefusion > 1 or r.shard_weights or r.text_encoders == "sharded"]
-    assert any(
-        "no PipeFusion or shard_weights rows: this pipeline has two transformers" in n for n in rows[0].request.notes
-    )
+    assert rows and not [r for r in rows if r.config.pipefusion > 1] and any(r.shard_weights for r in rows)
+    assert any("no PipeFusion rows: this pipeline has two transformers" in n for n in rows[0].request.notes)
+    sharded = next(r for r in rows if r.shard_weights and r.config.world_size == 4)
+    whole = next(r for r in rows if not r.shard_weights and r.config == sharded.config)
+    assert sharded.weights["transformer_2"] < whole.weights["transformer_2"]  # the second expert sharded too
     with pytest.raises(ValueError, match=r"two transformers .* not yet with quantization: leave it out"):
         plan_model(folder, 4, 24 * 10**9, quantize="int8")
     one = plan_model(save_tiny_pipeline("wan", folder.parent / "one_expert"), 4, 24 * 10**9)
-    assert any(r.config.pipefusion > 1 for r in one) and any(r.shard_weights for r in one)
+    assert any(r.config.pipefusion > 1 for r in one)
 
 
 # One branch (guidance 1 for both experts): diffusers' WanPipeline then calls each transformer once per step, in one

@@ -253,6 +253,11 @@ def load_pipeline(
                     stage_blocks(folder, index, config, mesh),
                     torch_dtype,
                 )
+        if sharding and "transformer_2" in components:  # Wan 2.2 A14B's second expert, sharded as the first
+            loaded["transformer_2"] = load_sharded_transformer(
+                folder / "transformer_2", index["transformer_2"][1], config, mesh, torch_dtype, info.device, cache=cache,
+                compile=compile,
+            )  # fmt: skip
         for name in text_encoders(index, components) if sharding else ():
             if name not in on_host and name not in loaded:
                 loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, torch_dtype, info.device)
@@ -286,8 +291,8 @@ def load_pipeline(
             fuse_loras(inner, adapters, stage)
         if not sharding:  # a sharded transformer was parallelized before its weights were read
             parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
-        if getattr(inner, "transformer_2", None) is not None:  # Wan 2.2 A14B's second expert, on the same mesh
-            parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile)  # its own StepCache state
+        if getattr(inner, "transformer_2", None) is not None and not sharding:  # Wan 2.2 A14B's second expert
+            parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile)  # same mesh, own cache state
         if getattr(inner, "controlnet", None) is not None:  # cut like the transformer: its residuals stay here
             parallelize(inner.controlnet, config, mesh)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel

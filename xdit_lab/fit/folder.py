@@ -232,7 +232,7 @@ def _read_weights(name, library, class_name, config, sub: Path, element: int, no
                 f"{file} has a malformed safetensors header ({type(error).__name__}: {error}); save or copy it again"
             ) from None
     buffers, linears, rename = _module_facts(library, class_name, config, notes, name)
-    adapter = FAMILIES.get(class_name) if name == "transformer" else None
+    adapter = FAMILIES.get(class_name) if name in ("transformer", "transformer_2") else None  # an expert too
     root: list[Tensor] = []
     blocks: dict = {}
     stored = 0

@@ -261,6 +261,10 @@ def held_weights(
         per_stage.append((transformer.held(shards, span, mine), transformer.gather(shards, span), kept))
     held, gather, kept = max(per_stage, key=sum)
     weights = {"transformer": held}
+    second = model.weights.get("transformer_2")  # Wan 2.2 A14B's second expert: held as the first (no PipeFusion)
+    if second is not None:
+        weights["transformer_2"] = second.held(shards, scheme=scheme if "transformer_2" in quantized else None)
+        gather = max(gather, second.gather(shards))  # one expert runs at a time: one gather buffer
     encode_gather, host, encoder_gathers = 0, 0, [0]
     for name in model.text_encoders:
         encoder = model.weights[name]

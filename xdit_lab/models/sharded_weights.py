@@ -269,6 +269,14 @@ def local_parameter_bytes(module) -> int:
     return sum(stored_bytes(p) for p in module.parameters())
 
 
+def held_checkpoint_bytes(module) -> int:
+    """Bytes this rank holds of the module's checkpoint, as the memory plan counts them: its parameters
+    (local_parameter_bytes) and its persistent buffers, whole (a buffer computed at construction, in no file, is
+    in no plan either)."""
+    saved = set(module.state_dict())
+    return local_parameter_bytes(module) + sum(stored_bytes(b) for name, b in module.named_buffers() if name in saved)
+
+
 def whole_parameter_bytes(module) -> int:
     """Bytes of the module's parameters whole, whether this rank holds them whole or a shard: a sharded
     parameter by its whole shape (a DTensor's numel() is the whole one's), a quantized one by its stored

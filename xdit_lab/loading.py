@@ -286,13 +286,16 @@ def load_quantized(model, library: str, folder: Path, dtype, device, quantizatio
     return model.eval()
 
 
-def load_quantized_transformer(folder: Path, class_name: str, dtype, device, quantization, stage_blocks=None):
-    """The transformer in `folder`, quantized block by block as it is read (a PipeFusion stage: its blocks)."""
+def load_quantized_transformer(
+    folder: Path, class_name: str, dtype, device, quantization, stage_blocks=None, name: str = "transformer"
+):
+    """The transformer in `folder` (the component `name`: Wan 2.2 A14B's second expert is transformer_2),
+    quantized block by block as it is read (a PipeFusion stage: its blocks)."""
     model = empty_model(folder, "diffusers", class_name, dtype)
     rename = keep_stage(model, class_name, stage_blocks) if stage_blocks is not None else None
     adapter = FAMILIES[class_name]
     lists = [(attribute, getattr(model, attribute)) for attribute in adapter.block_lists]
-    return load_quantized(model, "diffusers", folder, dtype, device, quantization, "transformer", lists, rename)
+    return load_quantized(model, "diffusers", folder, dtype, device, quantization, name, lists, rename)
 
 
 def load_quantized_text_encoder(folder: Path, class_name: str, dtype, device, quantization, name: str):

@@ -402,9 +402,9 @@ def load_quantized_components(folder: Path, index: dict, config, mesh, dtype, de
     loaded = {}
     for name in quantized.configs:
         library, class_name = index[name]
-        if name == "transformer":
+        if name in ("transformer", "transformer_2"):  # transformer_2: Wan 2.2 A14B's second expert (no PipeFusion)
             blocks = stage_blocks(folder, index, config, mesh) if config.pipefusion > 1 else None
-            loaded[name] = load_quantized_transformer(folder / name, class_name, dtype, device, quantized, blocks)
+            loaded[name] = load_quantized_transformer(folder / name, class_name, dtype, device, quantized, blocks, name)
         elif library == "transformers" and name.startswith("text_encoder"):
             loaded[name] = load_quantized_text_encoder(folder / name, class_name, dtype, device, quantized, name)
         else:

@@ -32,7 +32,10 @@ SCHEMES = {
     "int8": ("Int8WeightOnlyConfig", 4 + 1),  # a float32 scale and an int8 zero point per output row
     "float8": ("Float8WeightOnlyConfig", 4),  # a float32 scale per output row
 }
-DEFAULT_COMPONENTS = ("transformer", "text_encoder")  # and every text_encoder_N: see Quantization.covers
+DEFAULT_COMPONENTS = ("transformer", "text_encoder")  # and transformer_2, every text_encoder_N: see resolve
+
+
+TRANSFORMERS = ("transformer", "transformer_2")  # the transformer, and Wan 2.2 A14B's second expert
 
 
 class QuantizationError(ValueError):
@@ -66,7 +69,7 @@ def resolve(quantization, components: list[str]) -> Quantization | None:
     transformer and the text encoders."""
     if quantization is None:
         return None
-    targets = [name for name in components if name == "transformer" or name.startswith("text_encoder")]
+    targets = [name for name in components if name in TRANSFORMERS or name.startswith("text_encoder")]
     if isinstance(quantization, str):
         if quantization not in SCHEMES:
             raise QuantizationError(

@@ -674,8 +674,8 @@ REFUSABLE = dict(
 )  # fmt: skip
 TWO_EXPERTS_REFUSED = (
     "this pipeline has two transformers (Wan 2.2 A14B's experts, transformer and transformer_2), which run under "
-    "ulysses, ring, cfg and dp, each parallelized on the same ranks (their weights sharded too); not yet with "
-    "{names}: leave {them} out"
+    "ulysses, ring, cfg and dp, each parallelized on the same ranks (their weights sharded or quantized too); not "
+    "yet with {names}: leave {them} out"
 )
 CONTROLNET_REFUSED = (
     "this pipeline runs a ControlNet, parallelized on the same ranks as its transformer under ulysses, ring, cfg "
@@ -690,7 +690,7 @@ def load_refusals(recipe: Recipe, pipeline_class: str, components) -> dict[str, 
     (fit/plan.py) leaves the rows out that load_pipeline would refuse."""
     refused = {}
     if "transformer_2" in components:
-        refused |= dict.fromkeys(("pipefusion", "quantization"), TWO_EXPERTS_REFUSED)
+        refused["pipefusion"] = TWO_EXPERTS_REFUSED
     if "controlnet" in components:
         refused |= dict.fromkeys(("shard_weights", "quantization", "compile"), CONTROLNET_REFUSED)
     if pipeline_class in recipe.step_cache_refused:

@@ -316,7 +316,8 @@ def _row(
     model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned, quantize=None
 ) -> FitRow:
     transformer, t = model.transformer, model.transformer.config
-    covered = ("transformer", *model.text_encoders) if quantize else ()
+    experts = [name for name in ("transformer", "transformer_2") if name in model.weights]
+    covered = (*experts, *model.text_encoders) if quantize else ()
     weights, gather, stale, encode_gather, host = held_weights(
         model,
         config,

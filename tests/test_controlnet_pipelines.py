@@ -200,10 +200,25 @@ def test_what_a_controlnet_does_not_run_with_is_refused_by_name(folders, tmp_pat
     assert planned == kept > 0, told["image_inputs"]
 
 
+def _without_controlnet(folder, family):
+    """The same folder as its family's plain pipeline: its model_index without the controlnet (a copy beside it)."""
+    import json
+    import shutil
+
+    plain = folder.parent / f"{folder.name}_plain"
+    if not plain.exists():
+        shutil.copytree(folder, plain, ignore=shutil.ignore_patterns("controlnet"))
+        index = json.loads((plain / "model_index.json").read_text())
+        index.pop("controlnet")
+        index["_class_name"] = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}[family]
+        (plain / "model_index.json").write_text(json.dumps(index))
+    return plain
+
+
 def test_the_planner_leaves_out_what_a_controlnet_does_not_run_with(folders):
     """plan_model on a ControlNet pipeline's folder: no PipeFusion row, no sharded weights (load_pipeline refuses
-    both), each said in a note, and one saying what the columns leave out of the ControlNet; --quantize refused by
-    load_pipeline's words."""
+    both), each said in a note; the ControlNet's blocks counted in the traffic beside the transformer's (the same
+    folder without the ControlNet is the control); --quantize refused by load_pipeline's words."""
     from xdit_lab.fit import plan_model
 
     for family, folder in folders.items():
@@ -217,6 +232,12 @@ def test_the_planner_leaves_out_what_a_controlnet_does_not_run_with(folders):
         )
         assert any(n.startswith("no shard_weights rows: this pipeline runs a ControlNet") for n in notes)
         assert any("the ControlNet's weights are whole on every rank" in n for n in notes)
+        # its blocks counted with the transformer's: the traffic of the same folder without it, times their ratio
+        plain = plan_model(_without_controlnet(folder, family), 4, 24 * 10**9)
+        ratio = {"flux": (4 + 3) / 4, "sd3": (2 + 1) / 2}[family]  # tiny: Flux 2 + 2 blocks and 1 + 2; SD3 2 and 1
+        for row in (r for r in rows if r.config.sp_degree > 1):
+            alone = next(p for p in plain if p.config == row.config and p.text_encoders == row.text_encoders)
+            assert row.activation_traffic == round(alone.activation_traffic * ratio), (family, row.config)
         assert all(r.weights["controlnet"] > 0 for r in rows)
         with pytest.raises(ValueError, match=r"runs a ControlNet, .* not yet with quantization"):
             plan_model(folder, 4, 24 * 10**9, quantize="int8")

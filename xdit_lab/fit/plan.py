@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEGREES, CostEstimate, ParallelConfig
-from ..families import recipe_for
+from ..families import CONTROLNETS, recipe_for
 from ..families.recipe import REFUSABLE, load_refusals, refusal_message
 from ..memory import busiest_stale_kv_bytes, decode_peak_bytes
 from ..plan_table import aligned
@@ -295,10 +295,18 @@ def _refused_notes(model: ModelFolder, refused: dict[str, str]) -> tuple[str, ..
         )
     if "controlnet" in model.weights:
         notes.append(
-            "the ControlNet's weights are whole on every rank; its blocks' work and attention traffic (as many "
-            "blocks of the transformer's) are not in the work and GB sent columns"
+            f"the ControlNet's weights are whole on every rank; its {_controlnet_blocks(model)} blocks are counted "
+            f"in the work and GB sent as blocks of the transformer's (the same width)"
         )
     return tuple(notes)
+
+
+def _controlnet_blocks(model: ModelFolder) -> int:
+    """The blocks of the pipeline's ControlNet (0 without one), as its family's ControlNet adapter counts them."""
+    controlnet = model.weights.get("controlnet")
+    if controlnet is None or controlnet.class_name not in CONTROLNETS:
+        return 0
+    return CONTROLNETS[controlnet.class_name].num_blocks(controlnet.config)
 
 
 def _quantize_notes(quantize: str | None) -> tuple[str, ...]:
@@ -328,6 +336,9 @@ def _row(
         quantized=covered,
     )
     blocks = len(transformer.blocks)
+    # a ControlNet's blocks run beside the transformer's each step, as wide: counted in the work and traffic as
+    # more blocks (it runs neither sharded nor pipelined, so nothing else of the cost changes)
+    blocks += _controlnet_blocks(model)
     cost = config.cost(blocks, batch=call.prompts, use_cfg=call.branches == 2, shard_weights=shard)
     hidden = t["num_attention_heads"] * t["attention_head_dim"]
     unknown = []

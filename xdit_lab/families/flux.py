@@ -47,6 +47,8 @@ import torch
 
 from .adapter import TOKENS, FamilyAdapter, PerToken
 from .recipe import (
+    CONTROLNET_NOT_CACHED,
+    CONTROLNET_NOT_PIPELINED,
     CONTROLNET_OPTIONS,
     PackedLatentsRecipe,
     RequestShape,
@@ -116,13 +118,9 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     pipefusion_refused = dict(
         FluxKontextPipeline="its reference image's tokens follow the drawn ones, two images per sample that do not "
         "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp",
-        FluxControlNetPipeline="its ControlNet runs whole before the transformer at every step, and its residuals "
-        "feed every stage's blocks: not pipelined yet; run it under ulysses, ring, cfg or dp",
+        FluxControlNetPipeline=CONTROLNET_NOT_PIPELINED,
     )
-    step_cache_refused = dict(
-        FluxControlNetPipeline="its ControlNet's residuals change every block's states at every step, which a "
-        "decision taken after the first block does not see; run it without a StepCache"
-    )
+    step_cache_refused = dict(FluxControlNetPipeline=CONTROLNET_NOT_CACHED)
     image_inputs = (*PackedLatentsRecipe.image_inputs, "control")  # a ControlNet's control image, packed
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)

@@ -613,6 +613,17 @@ CONTROLNET_OPTIONS = dict(
 )
 
 
+# why a ControlNet pipeline does not run under PipeFusion, nor with a StepCache (each family's recipe says it)
+CONTROLNET_NOT_PIPELINED = (
+    "its ControlNet runs whole before the transformer at every step, and its residuals feed every stage's blocks: "
+    "not pipelined yet; run it under ulysses, ring, cfg or dp"
+)
+CONTROLNET_NOT_CACHED = (
+    "its ControlNet's residuals change every block's states at every step, which a decision taken after the first "
+    "block does not see; run it without a StepCache"
+)
+
+
 def runs_controlnet(pipe) -> bool:
     return "controlnet" in pipe.components
 

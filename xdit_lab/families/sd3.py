@@ -16,6 +16,8 @@ import torch
 
 from .adapter import FamilyAdapter, PerToken
 from .recipe import (
+    CONTROLNET_NOT_CACHED,
+    CONTROLNET_NOT_PIPELINED,
     CONTROLNET_OPTIONS,
     Recipe,
     RequestShape,
@@ -56,14 +58,8 @@ CONTROLNET_ADAPTER = FamilyAdapter(
 class SD3Recipe(Recipe):
     pipeline_classes = ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline")
     tasks = dict(StableDiffusion3ControlNetPipeline="ControlNet")
-    pipefusion_refused = dict(
-        StableDiffusion3ControlNetPipeline="its ControlNet runs whole before the transformer at every step, and its "
-        "residuals feed every stage's blocks: not pipelined yet; run it under ulysses, ring, cfg or dp"
-    )
-    step_cache_refused = dict(
-        StableDiffusion3ControlNetPipeline="its ControlNet's residuals change every block's states at every step, "
-        "which a decision taken after the first block does not see; run it without a StepCache"
-    )
+    pipefusion_refused = dict(StableDiffusion3ControlNetPipeline=CONTROLNET_NOT_PIPELINED)
+    step_cache_refused = dict(StableDiffusion3ControlNetPipeline=CONTROLNET_NOT_CACHED)
     image_inputs = (*Recipe.image_inputs, "control")  # a ControlNet's control image's latents
     output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)

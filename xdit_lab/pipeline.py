@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
 from .families import FAMILIES, Request, recipe_for
-from .families.recipe import load_refusals, refusal_message
+from .families.refusals import load_refusals, refusal_message
 from .loading import (
     check_weights_match_configs,
     load_quantized_text_encoder,

@@ -1,7 +1,8 @@
 """The diffusers DiT families xdit_lab runs, one file each: `families/<name>.py` holds the family's
 adapter (`ADAPTER`, how its transformer is cut: adapter.py), its pipeline recipe (`RECIPE`, what the
 pipeline does around the transformer: recipe.py; None where no pipeline is offered) and its tiny
-specimen (`TINY`: tiny_spec.py). The module's name is the family's one spelling, in tables, tiny keys
+specimen (`TINY`: tiny_spec.py). What the ControlNet pipelines share is controlnet.py; what load_pipeline
+refuses to combine with a pipeline, refusals.py. The module's name is the family's one spelling, in tables, tiny keys
 and errors. This package finds the family files itself: adding a family is adding a file (README: Adding a
 family).
 

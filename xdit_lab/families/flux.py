@@ -46,19 +46,21 @@ import inspect
 import torch
 
 from .adapter import TOKENS, FamilyAdapter, PerToken
-from .recipe import (
+from .controlnet import (
     CONTROLNET_NOT_CACHED,
     CONTROLNET_NOT_PIPELINED,
     CONTROLNET_OPTIONS,
-    PackedLatentsRecipe,
-    RequestShape,
-    TrueCFGRecipe,
     check_controlnet,
     check_controlnet_options,
     controlnet_scales,
+    runs_controlnet,
+)
+from .recipe import (
+    PackedLatentsRecipe,
+    RequestShape,
+    TrueCFGRecipe,
     generator_of,
     prompt_embeds,
-    runs_controlnet,
     shifted_vae_decoded,
 )
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, flow_vae, text_parts
@@ -380,7 +382,7 @@ PIPELINE_INPUTS = {
     "FluxInpaintPipeline": (("image", "strength", "mask_image", "padding_mask_crop"), ("image", "mask_image")),
     "FluxFillPipeline": (("image", "strength", "mask_image"), ("image", "mask_image")),
     "FluxKontextPipeline": (("image", "max_area", "_auto_resize"), ()),
-    "FluxControlNetPipeline": ((), ()),  # its control image: recipe.check_controlnet_options
+    "FluxControlNetPipeline": ((), ()),  # its control image: controlnet.check_controlnet_options
 }
 IMAGE_OPTIONS = ("image", "strength", "mask_image", "padding_mask_crop", "max_area", "_auto_resize")
 NEEDED_FOR = {"image": "draws from an image", "mask_image": "redraws where its mask is white"}

@@ -15,18 +15,20 @@ from __future__ import annotations
 import torch
 
 from .adapter import FamilyAdapter, PerToken
-from .recipe import (
+from .controlnet import (
     CONTROLNET_NOT_CACHED,
     CONTROLNET_NOT_PIPELINED,
     CONTROLNET_OPTIONS,
-    Recipe,
-    RequestShape,
     check_controlnet,
     check_controlnet_options,
     controlnet_scales,
+    runs_controlnet,
+)
+from .recipe import (
+    Recipe,
+    RequestShape,
     generator_of,
     prompt_embeds,
-    runs_controlnet,
     shifted_vae_decoded,
     vae_scale,
 )

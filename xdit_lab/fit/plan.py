@@ -11,7 +11,7 @@ import torch
 
 from ..config import DEGREES, CostEstimate, ParallelConfig
 from ..families import CONTROLNETS, recipe_for
-from ..families.recipe import REFUSABLE, load_refusals, refusal_message
+from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..memory import busiest_stale_kv_bytes, decode_peak_bytes
 from ..plan_table import aligned
 from ..quantization import SCHEMES

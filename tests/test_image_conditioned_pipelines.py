@@ -493,3 +493,185 @@ def test_flux_fill_equals_diffusers(tmp_path):
             assert all(step["moved"] for step in row["traffic"]), where
         assert (control - expected).abs().max().item() > 10 * bound
         assert negative and negative.startswith("ValueError: FluxFillPipeline takes no negative_prompt"), negative
+
+
+# ---- HunyuanVideo image to video (HunyuanVideoImageToVideoPipeline): Llava sees the image, its latents start ----
+HUNYUAN_CONDITIONS = ("token_replace", "latent_concat")  # HunyuanVideo-I2V's, and the channels variant
+HUNYUAN_CONFIGS = [*CONFIGS, ParallelConfig(dp=2)]  # dp with two prompts, the others one prompt with true CFG
+
+
+def _hunyuan_folders(root) -> dict:
+    """HunyuanVideo's tiny parts with a Llava text encoder (the tiny CLIP vision tower, its image processor), once
+    with a token-replace transformer and once with a latent-concat one (the noise, the image's latents and a
+    mask on the channels: 2 × 4 + 1)."""
+    from diffusers import HunyuanVideoImageToVideoPipeline
+
+    from xdit_lab.tiny.parts import clip_image_processor, llava_encoder, llava_tokenizer
+
+    text_to_video, tokenizer = tiny_pipeline("hunyuanvideo"), llava_tokenizer()
+    parts = dict(text_to_video.components, tokenizer=tokenizer, text_encoder=llava_encoder(1, len(tokenizer)))
+    folders = {}
+    for condition in HUNYUAN_CONDITIONS:
+        channels = dict(in_channels=9) if condition == "latent_concat" else {}
+        transformer = tiny_transformer("hunyuanvideo", image_condition_type=condition, **channels)
+        pipe = HunyuanVideoImageToVideoPipeline(
+            **(parts | {"transformer": transformer}), image_processor=clip_image_processor()
+        )
+        pipe.save_pretrained(root / condition, safe_serialization=True)
+        folders[condition] = root / condition
+    return folders
+
+
+def _hunyuan_call(prompts: int, **changes):
+    """One prompt with a negative one and true CFG (diffusers' pipeline encodes one black image for the negatives:
+    one prompt at a time), or two prompts without."""
+    from xdit_lab.tiny.parts import hunyuan_i2v_prompt_template
+
+    call = dict(tiny_pipeline_kwargs("hunyuanvideo"), num_inference_steps=3, image=_picture(64))
+    call["prompt_template"] = hunyuan_i2v_prompt_template()
+    if prompts == 1:
+        call |= dict(negative_prompt=["a photo"], true_cfg_scale=2.0)
+    return call | changes
+
+
+def _hunyuan_parallel(folders, configs):
+    from xdit_lab.families.recipe import Recipe
+
+    rows = []
+    for condition, folder in folders.items():
+        for config in configs:
+            prompts = PROMPTS if config.dp > 1 else PROMPTS[:1]
+            pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+            session = pipe.session(prompts, seed=0, **_hunyuan_call(len(prompts))).run()
+            latents = output_latents(session.result(output_type="latent"))
+            rows.append(
+                dict(condition=condition, config=config.short(), latents=latents, traffic=session_traffic(session))
+            )
+    # the controls, deliberately wrong: token replace with frame 0 stepped like the others (not held at the
+    # image's latents); latent concat with the negative prompt encoded with the image (not the black one)
+    controls, config = {}, CONFIGS[0]
+    for condition, folder in folders.items():
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        recipe = pipe.recipe
+        if condition == "token_replace":
+            recipe.scheduler_step = Recipe.scheduler_step.__get__(recipe)
+        else:
+            _negative_with_the_image(recipe)
+        controls[condition] = output_latents(pipe(PROMPTS[:1], seed=0, output_type="latent", **_hunyuan_call(1)))
+    return rows, controls
+
+
+def _negative_with_the_image(recipe) -> None:
+    """The control for latent concat: the negative prompt encoded as the positive is (with the image, not black)."""
+    encode_texts = recipe.encode_texts
+
+    def wrong(pipe, request, texts, device, *, negative):
+        return encode_texts(pipe, request, texts, device, negative=False)
+
+    recipe.encode_texts = wrong
+
+
+def test_hunyuanvideo_image_to_video_equals_diffusers(tmp_path):
+    """HunyuanVideoImageToVideoPipeline with a token-replace transformer (HunyuanVideo-I2V's: frame 0 held at the
+    image's latents, its tokens modulated at t = 0, a count each rank cuts with its tokens) and a latent-concat
+    one, under ulysses, ring, cfg and PipeFusion (one prompt with true CFG: the negative branch encodes a black
+    image at encode_prompt's default interleave, its text longer than the positive's, padded and masked) and dp
+    (two prompts), against diffusers' pipeline from the same folder, run serially. Each condition's control must
+    miss the reference; every step moves its closed form."""
+    from diffusers import DiffusionPipeline
+
+    folders = _hunyuan_folders(tmp_path)
+    expected = {}
+    for condition, folder in folders.items():
+        reference = DiffusionPipeline.from_pretrained(folder)
+        assert type(reference).__name__ == "HunyuanVideoImageToVideoPipeline"
+        reference.set_progress_bar_config(disable=True)
+        for prompts in (1, 2):
+            call = _hunyuan_call(prompts)
+            call["image"] = [call["image"]] * prompts  # diffusers' pipeline takes one image per prompt
+            if prompts == 1:
+                call |= dict(image=call["image"][0], negative_prompt=call["negative_prompt"][0])
+            generator = torch.Generator().manual_seed(0)
+            result = reference(prompt=PROMPTS[:prompts], generator=generator, output_type="latent", **call)
+            expected[condition, prompts] = output_latents(result)
+    results = run_on_ranks(_hunyuan_parallel, 2, folders, HUNYUAN_CONFIGS, timeout_s=400)
+    for rank, (rows, controls) in enumerate(results):
+        assert len(rows) == len(folders) * len(HUNYUAN_CONFIGS)
+        for row in rows:
+            where = f"hunyuanvideo {row['condition']} {row['config']} rank {rank}"
+            target = expected[row["condition"], 2 if row["config"].startswith("dp") else 1]
+            bound = 1e-4 * max(1.0, target.abs().max().item())
+            assert (row["latents"] - target).abs().max().item() <= bound, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            assert all(step["moved"] for step in row["traffic"]), where
+        for condition, control in controls.items():
+            target = expected[condition, 1]
+            assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), condition
+
+
+def _hunyuan_refusals(folders, text_to_video, wrong_transformer):
+    import dataclasses
+
+    image_to_video = load_pipeline(folders["token_replace"], progress=False)
+    text_only = load_pipeline(text_to_video, progress=False)
+    call, plans = _hunyuan_call(1), {}
+    for condition, folder in folders.items():  # the memory plan, and the folder's closed form (fit/plan.py)
+        pipe = load_pipeline(folder, progress=False)
+        for prompts in (1, 2):
+            measured = pipe.memory_plan_for(PROMPTS[:prompts], **_hunyuan_call(prompts)).activation_bytes
+            plans[condition, prompts] = {key: measured[key][1] for key in ("latents", "conditioning")}
+    return dict(
+        no_image=_refused(lambda: image_to_video.session(PROMPTS[:1], **(call | {"image": None}))),
+        an_image=_refused(
+            lambda: text_only.session(PROMPTS, **tiny_pipeline_kwargs("hunyuanvideo"), image=_picture(64))
+        ),
+        interleave=_refused(
+            lambda: text_only.session(PROMPTS, **tiny_pipeline_kwargs("hunyuanvideo"), image_embed_interleave=2)
+        ),
+        text_transformer=_refused(
+            lambda: load_pipeline(wrong_transformer, progress=False).session(PROMPTS[:1], **call)
+        ),
+        image_inputs=[_image_inputs(load_pipeline(f, progress=False), _hunyuan_call(2)) for f in folders.values()],
+        plans=plans,
+        defaults=dataclasses.asdict(image_to_video.request(PROMPTS, image=_picture(64))),
+    )
+
+
+def test_hunyuanvideo_image_to_video_is_checked_and_planned(tmp_path):
+    """Image to video without image=, text to video given an image or an image_embed_interleave, and an
+    image-to-video folder whose transformer takes no image (image_condition_type None): each refused by name
+    before anything runs. The memory plan counts the image's latents kept over the steps (token replace: frame
+    0's; latent concat: every frame's and the mask), as many bytes as the session holds; the planner's closed
+    form from the folder alone (fit/plan.py) equals the latents and conditioning the encode holds, one prompt
+    with true CFG (the negative's longer text) and two without. The call's defaults are the pipeline class's."""
+    import shutil
+
+    from xdit_lab.fit import plan_model
+
+    folders = _hunyuan_folders(tmp_path)
+    text_to_video = save_tiny_pipeline("hunyuanvideo", tmp_path / "text")
+    wrong_transformer = tmp_path / "wrong"
+    shutil.copytree(folders["token_replace"], wrong_transformer)
+    shutil.rmtree(wrong_transformer / "transformer")
+    shutil.copytree(text_to_video / "transformer", wrong_transformer / "transformer")
+    (told,) = run_on_ranks(_hunyuan_refusals, 1, folders, text_to_video, wrong_transformer, timeout_s=200)
+    expected = dict(
+        no_image=r"ValueError: HunyuanVideoImageToVideoPipeline draws a video from an image: give image=",
+        an_image=r"ValueError: HunyuanVideoPipeline draws from text alone and takes no image; image to video is",
+        interleave=r"ValueError: HunyuanVideoPipeline takes no image_embed_interleave",
+        text_transformer=r"ValueError: HunyuanVideoImageToVideoPipeline needs a transformer with image_condition_type "
+        r"token_replace or latent_concat .* this one has None",
+    )
+    for case, pattern in expected.items():
+        assert told[case] and re.match(pattern, told[case]), (case, told[case])
+    for planned, kept in told["image_inputs"]:
+        assert planned == kept > 0, told["image_inputs"]
+    assert told["defaults"]["guidance_scale"] == 1.0  # the image-to-video pipeline's (text to video's: 6.0)
+    for (condition, prompts), measured in told["plans"].items():
+        call = _hunyuan_call(prompts)
+        options = {k: v for k, v in call.items() if k not in ("height", "width", "negative_prompt", "image")}
+        row = plan_model(
+            folders[condition], 1, 10**15, dtype=torch.float32, height=call["height"], width=call["width"], batch=prompts,
+            use_cfg=prompts == 1, options=options,
+        )[0]  # fmt: skip
+        assert (row.latents, row.conditioning) == (measured["latents"], measured["conditioning"]), (condition, prompts)

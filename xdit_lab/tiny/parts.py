@@ -33,6 +33,31 @@ def hunyuan_prompt_template() -> dict:
     return {"template": HUNYUAN_TEMPLATE, "crop_start": len(llama_tokenizer()(prefix).input_ids)}
 
 
+# HunyuanVideoImageToVideoPipeline's template, as short: the image's place (<image>, which Llava expands into the
+# vision tower's tokens) in a system turn, the prompt in a user turn, then the assistant's header, whose four
+# tokens (<|eot_id|>, <|start_header_id|>, assistant, <|end_header_id|>) the pipeline crops off
+HUNYUAN_I2V_TEMPLATE = (
+    "<|start_header_id|>system<|end_header_id|>\n\n<image>\nDescribe the video<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+
+
+def hunyuan_i2v_prompt_template() -> dict:
+    """HunyuanVideoImageToVideoPipeline's `prompt_template` for the tiny Llava (llava_tokenizer, llava_encoder):
+    crop_start (the template's tokens before the prompt, <image> one of them), and where the image's tokens lie
+    once Llava has expanded <image> into the vision tower's LLAVA_IMAGE_TOKENS."""
+    tokenizer = llava_tokenizer()
+    prefix = tokenizer(HUNYUAN_I2V_TEMPLATE.split("{}")[0]).input_ids
+    start = prefix.index(tokenizer.convert_tokens_to_ids("<image>"))
+    return dict(
+        template=HUNYUAN_I2V_TEMPLATE,
+        crop_start=len(prefix),
+        image_emb_start=start,
+        image_emb_end=start + LLAVA_IMAGE_TOKENS,
+        image_emb_len=LLAVA_IMAGE_TOKENS,
+    )
+
+
 def t5_tokenizer():
     """Unigram pieces "▁word" for WORDS and single characters as a fallback; "</s>" appended, "<pad>" = 0."""
     from transformers import T5Tokenizer
@@ -130,14 +155,23 @@ def llama_tokenizer():
     return _llama_bpe(WORDS, specials, padding_side="right")
 
 
-def _llama_bpe(words: list[str], specials: list[str], **kwargs):
+def llava_tokenizer():
+    """llama_tokenizer's, with the words of HUNYUAN_I2V_TEMPLATE one token each (the pipeline crops the assistant's
+    header as four tokens) and Llava's <image> last: its id is the vocabulary's last (llava_encoder's)."""
+    specials = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<image>"]
+    bare = ("system", "user", "assistant", "Describe", "\n\n")
+    return _llama_bpe(WORDS + ["video"], specials, bare=bare, padding_side="right")
+
+
+def _llama_bpe(words: list[str], specials: list[str], bare: tuple[str, ...] = (), **kwargs):
     """transformers' LlamaTokenizer over single characters (byte fallback), with merges that make each of
-    `words` after a space ("▁word") one token, and `specials` as special tokens; "<unk>" pads."""
+    `words` after a space ("▁word") one token, each of `bare` one token where no space leads it, and `specials`
+    as special tokens; "<unk>" pads."""
     from transformers import LlamaTokenizer
 
     chars = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "\n", "▁"]
     base = ["<unk>", "<s>", "</s>", *[f"<0x{i:02X}>" for i in range(256)], *chars]
-    vocab, merges = _bpe(base, [list("▁" + w) for w in dict.fromkeys(words)])
+    vocab, merges = _bpe(base, [list("▁" + w) for w in dict.fromkeys(words)] + [list(w) for w in bare])
     tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, **kwargs)
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
     tokenizer.pad_token = "<unk>"
@@ -196,6 +230,29 @@ def llama_encoder(seed: int, vocab_size: int):
         **decoder_text(vocab_size, 4, intermediate_size=2 * TEXT_DIM, max_position_embeddings=64, **LLAMA_IDS)
     )
     return LlamaModel(config).eval()
+
+
+# the tiny CLIP vision tower's tokens per image, less its class token (Llava's "default" feature selection)
+LLAVA_IMAGE_TOKENS = (32 // 8) ** 2
+
+
+def llava_encoder(seed: int, vocab_size: int):
+    """Llava (HunyuanVideo image to video's text encoder): the tiny CLIP vision tower (clip_vision_encoder's
+    32 × 32 images in 8 × 8 patches) projected into a Llama TEXT_DIM wide and four layers deep (the pipeline reads
+    the states two layers before the last), <image> the vocabulary's last token (llava_tokenizer's)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = decoder_text(vocab_size, 4, intermediate_size=2 * TEXT_DIM, max_position_embeddings=128, **LLAMA_IDS)
+    vision = clip_vision_encoder(seed).config.to_dict()
+    config = LlavaConfig(
+        text_config=dict(text, model_type="llama"),
+        vision_config=vision,
+        image_token_index=vocab_size - 1,
+        pad_token_id=LLAMA_IDS["pad_token_id"],
+        image_seq_length=LLAVA_IMAGE_TOKENS,
+    )
+    return LlavaForConditionalGeneration(config).eval()
 
 
 def vae_blocks(down: str, up: str, widths: tuple[int, ...], groups: int) -> dict:

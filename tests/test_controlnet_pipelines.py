@@ -137,7 +137,8 @@ def test_controlnet_pipelines_equal_diffusers(folders):
 CONTROLNET_ONLY = ("controlnet_conditioning_scale", "control_guidance_end")  # what _call sets beside the image
 
 
-def _refusals(folder, sd35):  # Flux's folder (SD3's ControlNet pipeline shares the checks: families/controlnet.py), SD3.5's
+# Flux's folder (SD3's ControlNet pipeline shares the checks: families/controlnet.py), SD3.5's
+def _refusals(folder, sd35):
     def told(call):
         try:
             call()

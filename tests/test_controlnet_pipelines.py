@@ -23,11 +23,18 @@ from forward_traffic import session_traffic, traffic_mismatches
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import tiny_pipeline, tiny_pipeline_kwargs
+from xdit_lab.tiny import tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
 
 PROMPTS = ["a red cat", "a blue dog"]
 CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
 PIPELINES = {"flux": "FluxControlNetPipeline", "sd3": "StableDiffusion3ControlNetPipeline"}
+# PipeFusion, every step a warmup step (exact), stages split so that the second starts inside a block list whose
+# residuals differ block by block: Flux's second stage holds single-stream block 1 (its own block 0), SD3's joint
+# blocks 1 and 2 of 3 (block 2, the last, takes no residual)
+PIPEFUSION = {
+    "flux": ParallelConfig(pipefusion=2, warmup_steps=4, stage_split=(3, 1)),
+    "sd3": ParallelConfig(pipefusion=2, warmup_steps=4, stage_split=(1, 2)),
+}
 
 
 def _picture(side: int):
@@ -47,8 +54,8 @@ def _call(family="flux", **changes):
 
 
 def _controlnet(family, transformer):
-    """A ControlNet of the tiny transformer's shape (Flux: one double-stream block, two single ones; SD3: one
-    joint block), whose zero-initialised layers (its output projections, the control image's embedder) are given
+    """A ControlNet of the tiny transformer's shape (Flux: one double-stream block, two single ones; SD3: three
+    joint blocks, one residual for each of the transformer's), whose zero-initialised layers (its output projections, the control image's embedder) are given
     random weights: a trained ControlNet's are not zero, and zeros would make every residual 0."""
     import diffusers
 
@@ -58,7 +65,7 @@ def _controlnet(family, transformer):
         controlnet = diffusers.FluxControlNetModel.from_config(config)
         zeroed = (controlnet.controlnet_blocks, controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder)
     else:
-        controlnet = diffusers.SD3ControlNetModel.from_config({**transformer.config, "num_layers": 1})
+        controlnet = diffusers.SD3ControlNetModel.from_config({**transformer.config, "num_layers": 3})
         zeroed = (controlnet.controlnet_blocks, controlnet.pos_embed_input)
     for module in zeroed:
         for parameter in module.parameters():
@@ -73,8 +80,10 @@ def folders(tmp_path_factory):
 
     folders = {}
     for family, pipeline_class in PIPELINES.items():
-        base = tiny_pipeline(family)
-        pipe = getattr(diffusers, pipeline_class)(**base.components, controlnet=_controlnet(family, base.transformer))
+        parts = tiny_pipeline(family).components
+        if family == "sd3":  # three joint blocks: a PipeFusion stage can start at one that takes a residual
+            parts["transformer"] = tiny_transformer("sd3", layers=3)
+        pipe = getattr(diffusers, pipeline_class)(**parts, controlnet=_controlnet(family, parts["transformer"]))
         folders[family] = tmp_path_factory.mktemp(f"{family}_controlnet")
         pipe.save_pretrained(folders[family], safe_serialization=True)
     return folders
@@ -94,21 +103,30 @@ def _no_residuals(recipe) -> None:
 
 
 def _parallel(folders, configs):
+    from xdit_lab.models.pipefusion import PipeFusionStage
+
     rows, controls = [], {}
     for family, folder in folders.items():
-        for config in configs:
+        for config in [PIPEFUSION[family], *configs]:
             pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
             session = pipe.session(PROMPTS, seed=0, **_call(family)).run()
             latents = output_latents(session.result(output_type="latent"))
             rows.append(dict(family=family, config=config.short(), latents=latents, traffic=session_traffic(session)))
         _no_residuals(pipe.recipe)
         controls[family] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call(family)))
+        # PipeFusion's control: each stage's blocks given the residuals as the whole model numbers its blocks
+        PipeFusionStage.rebases_block_residuals = False
+        config = PIPEFUSION[family]
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        controls[family, "pipefusion"] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call(family)))
+        PipeFusionStage.rebases_block_residuals = True
     return rows, controls
 
 
 def test_controlnet_pipelines_equal_diffusers(folders):
-    """Flux's and SD3's ControlNet pipelines under ulysses, ring, cfg and dp against diffusers' own from the same
-    folders, run serially (CFG on, so that cfg 2 has two branches; the ControlNet guiding the first steps only),
+    """Flux's and SD3's ControlNet pipelines under ulysses, ring, cfg, dp and PipeFusion (the ControlNet whole on
+    every rank, each stage given its own blocks' residuals: its control gives them as the whole model numbers
+    them) against diffusers' own from the same folders, run serially (CFG on, so that cfg 2 has two branches; the ControlNet guiding the first steps only),
     within 1e-4, each step's bytes the closed form's (the ControlNet's layers counted). diffusers' SD3 pipeline
     samples the control image's latents from torch's global generator: seeded here as xdit_lab seeds them."""
     import diffusers
@@ -122,16 +140,17 @@ def test_controlnet_pipelines_equal_diffusers(folders):
         call = _call(family)
         expected[family] = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **call))
     for rank, (rows, controls) in enumerate(run_on_ranks(_parallel, 2, folders, CONFIGS, timeout_s=400)):
-        assert [(r["family"], r["config"]) for r in rows] == [(f, c.short()) for f in folders for c in CONFIGS]
+        configs = [(f, c.short()) for f in folders for c in [PIPEFUSION[f], *CONFIGS]]
+        assert [(r["family"], r["config"]) for r in rows] == configs
         for row in rows:
             where, target = f"{row['family']} {row['config']} rank {rank}", expected[row["family"]]
             bound = 1e-4 * max(1.0, target.abs().max().item())
             assert (row["latents"] - target).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
-        for family, control in controls.items():
-            target = expected[family]
-            assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), family
+        for case, control in controls.items():
+            target = expected[case if isinstance(case, str) else case[0]]
+            assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), case
 
 
 CONTROLNET_ONLY = ("controlnet_conditioning_scale", "control_guidance_end")  # what _call sets beside the image
@@ -150,7 +169,9 @@ def _refusals(folder, sd35):
     planned = pipe.memory_plan_for(PROMPTS, **_call()).activation_bytes.get("image inputs")
     control = pipe.session(PROMPTS, seed=0, **_call()).prepared.extra["control"]
     return dict(
-        pipefusion=told(lambda: load_pipeline(folder, ParallelConfig(pipefusion=2), progress=False)),
+        pipefusion_async=told(
+            lambda: load_pipeline(folder, ParallelConfig(pipefusion=2, pipefusion_schedule="async"), progress=False)
+        ),
         compile=told(lambda: load_pipeline(folder, progress=False, compile="aot_eager")),
         cache=told(lambda: load_pipeline(folder, progress=False, cache=StepCache(0.1))),
         sd35=told(lambda: load_pipeline(sd35, progress=False)),
@@ -165,7 +186,7 @@ def _refusals(folder, sd35):
 
 
 def test_what_a_controlnet_does_not_run_with_is_refused_by_name(folders, tmp_path):
-    """PipeFusion, compile and a StepCache with a ControlNet, and an SD3.5 ControlNet without text, refused at load; a ControlNet pipeline without a control image, a
+    """PipeFusion's async schedule, compile and a StepCache with a ControlNet, and an SD3.5 ControlNet without text, refused at load; a ControlNet pipeline without a control image, a
     guidance window that is empty, and a control image or a ControlNet's scale given to FluxPipeline, refused
     before anything runs. The memory plan's image inputs count the control image's latents a session keeps.
     (On a spawned rank: load_pipeline joins a torch.distributed world in the process that calls it.)"""
@@ -178,7 +199,8 @@ def test_what_a_controlnet_does_not_run_with_is_refused_by_name(folders, tmp_pat
     SD3ControlNetModel.from_config(config).save_pretrained(tmp_path / "sd35" / "controlnet")  # as published, without
     (told,) = run_on_ranks(_refusals, 1, folders["flux"], tmp_path / "sd35", timeout_s=300)
     assert re.match(
-        r"ParallelConfigError: FluxControlNetPipeline does not run under PipeFusion: its ControlNet", told["pipefusion"]
+        r"ParallelConfigError: this pipeline runs a ControlNet, .* not yet with pipefusion_schedule='async'",
+        told["pipefusion_async"],
     )
     assert re.match(r"ParallelConfigError: this pipeline runs a ControlNet, .* not yet with compile", told["compile"])
     assert re.match(r"ParallelConfigError: FluxControlNetPipeline does not run with a StepCache: its", told["cache"])
@@ -217,28 +239,27 @@ def _without_controlnet(folder, family):
 
 
 def test_the_planner_leaves_out_what_a_controlnet_does_not_run_with(folders):
-    """plan_model on a ControlNet pipeline's folder: no PipeFusion row, no sharded weights (load_pipeline refuses
-    both), each said in a note; the ControlNet's blocks counted in the traffic beside the transformer's (the same
-    folder without the ControlNet is the control); --quantize refused by load_pipeline's words."""
+    """plan_model on a ControlNet pipeline's folder: no sharded weights (load_pipeline refuses them), said in a
+    note; PipeFusion rows, their traffic the same folder's without the ControlNet (it runs whole on every rank
+    there); elsewhere the ControlNet's blocks counted in the traffic beside the transformer's (the same folder
+    without the ControlNet is the control); --quantize refused by load_pipeline's words."""
     from xdit_lab.fit import plan_model
 
     for family, folder in folders.items():
         rows = plan_model(folder, 4, 24 * 10**9)
-        assert rows and not [
-            r for r in rows if r.config.pipefusion > 1 or r.shard_weights or r.text_encoders == "sharded"
-        ]
+        assert rows and not [r for r in rows if r.shard_weights or r.text_encoders == "sharded"]
+        assert any(r.config.pipefusion > 1 for r in rows)
         notes = rows[0].request.notes
-        assert any(
-            n.startswith(f"no PipeFusion rows: {PIPELINES[family]} does not run under PipeFusion") for n in notes
-        )
+        assert not any(n.startswith("no PipeFusion rows") for n in notes)
         assert any(n.startswith("no shard_weights rows: this pipeline runs a ControlNet") for n in notes)
         assert any("the ControlNet's weights are whole on every rank" in n for n in notes)
         # its blocks counted with the transformer's: the traffic of the same folder without it, times their ratio
         plain = plan_model(_without_controlnet(folder, family), 4, 24 * 10**9)
-        ratio = {"flux": (4 + 3) / 4, "sd3": (2 + 1) / 2}[family]  # tiny: Flux 2 + 2 blocks and 1 + 2; SD3 2 and 1
-        for row in (r for r in rows if r.config.sp_degree > 1):
+        ratio = {"flux": (4 + 3) / 4, "sd3": (3 + 3) / 3}[family]  # tiny: Flux 2 + 2 blocks and 1 + 2; SD3 3 and 3
+        for row in (r for r in rows if r.config.sp_degree > 1 or r.config.pipefusion > 1):
             alone = next(p for p in plain if p.config == row.config and p.text_encoders == row.text_encoders)
-            assert row.activation_traffic == round(alone.activation_traffic * ratio), (family, row.config)
+            times = ratio if row.config.pipefusion == 1 else 1  # under PipeFusion the ControlNet moves nothing
+            assert row.activation_traffic == round(alone.activation_traffic * times), (family, row.config)
         assert all(r.weights["controlnet"] > 0 for r in rows)
         with pytest.raises(ValueError, match=r"runs a ControlNet, .* not yet with quantization"):
             plan_model(folder, 4, 24 * 10**9, quantize="int8")

@@ -1,6 +1,7 @@
 """Wan 2.2 A14B's two experts: WanPipeline with transformer, transformer_2 and boundary_ratio, both parallelized
 on the same ranks, against diffusers' WanPipeline from the same folder, run serially, under ulysses, ring,
-cfg and dp, each step's bytes equal to the closed form:
+cfg, dp and PipeFusion (each rank holding a stage of each expert's blocks), each step's bytes equal to the closed
+form:
 
     t >= boundary_ratio × 1000   transformer     guidance_scale     (high noise)
     t <  boundary_ratio × 1000   transformer_2   guidance_scale_2   (low noise)
@@ -8,7 +9,8 @@ cfg and dp, each step's bytes equal to the closed form:
 A LoRA per expert (diffusers' `load_into_transformer_2=True`: `(path, scale, "transformer_2")` here) is fused into its
 own expert. Compiled (aot_eager under ulysses), each expert is one graph, never recompiled. The control runs every step on
 the first expert and must miss the reference. The memory plan counts both
-experts; what does not run with two experts yet is refused by name at load.
+experts; what does not run with two experts yet (PipeFusion's async schedule) is refused by name at load. Under
+PipeFusion each expert warms up anew at its first step, and the other's stale K/V is freed at the switch.
 
 With a StepCache each expert keeps a state of its own, as diffusers' First-Block Cache applied to each transformer
 does: the first step an expert runs is in full and becomes its reference.
@@ -25,6 +27,8 @@ from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwarg
 
 PROMPTS = ["a red cat", "a blue dog"]
 CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+# PipeFusion with every step a warmup step (exact): each expert held as two stages of its blocks
+PIPEFUSION = ParallelConfig(pipefusion=2, warmup_steps=6)
 BOUNDARY = 0.875  # Wan 2.2 T2V A14B's
 
 
@@ -47,12 +51,14 @@ def folder(tmp_path_factory):
 def _parallel(folder, configs):
     from xdit_lab.families.wan import RECIPE
 
-    rows = []
-    for config in configs:
+    rows, stages = [], None
+    for config in [PIPEFUSION, *configs]:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
         session = pipe.session(PROMPTS, seed=0, **_call()).run()
         latents = output_latents(session.result(output_type="latent"))
         rows.append(dict(config=config.short(), latents=latents, traffic=session_traffic(session)))
+        if config is PIPEFUSION:  # each expert's stage: its blocks' bytes as planned, as held
+            stages = _stage_bytes(pipe)
     # compiled: each expert one graph of its own, nothing recompiled over the steps (aot_eager: dynamo's graph and
     # functionalized collectives, eager kernels; inductor's kernels are tests/test_compile.py's)
     torch._dynamo.reset()
@@ -96,7 +102,19 @@ def _parallel(folder, configs):
     # the control: every step on the first expert, the boundary ignored
     RECIPE.transformer_for = lambda pipe, prepared, t: pipe.transformer
     control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call()))
-    return rows, control, dict(planned), held, sharding
+    return rows, control, dict(planned), held, sharding, stages
+
+
+def _stage_bytes(pipe) -> dict:
+    """Per expert: (planned, held) bytes of its PipeFusion stage on this rank."""
+    inner = pipe.diffusers_pipeline
+    return {
+        name: (
+            pipe.memory_plan.per_rank_bytes[name],
+            sum(p.numel() * p.element_size() for p in getattr(inner, name).parameters()),
+        )
+        for name in ("transformer", "transformer_2")
+    }
 
 
 def test_two_experts_equal_diffusers(folder):
@@ -112,7 +130,7 @@ def test_two_experts_equal_diffusers(folder):
     expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_call()))
     bound = 1e-4 * max(1.0, expected.abs().max().item())
     results = run_on_ranks(_parallel, 2, folder, CONFIGS, timeout_s=400)
-    for rank, (rows, control, planned, held, _) in enumerate(results):
+    for rank, (rows, control, planned, held, _, stages) in enumerate(results):
         for row in rows:
             where = f"wan two experts {row['config']} rank {rank}"
             assert (row["latents"] - expected).abs().max().item() <= bound, where
@@ -120,9 +138,11 @@ def test_two_experts_equal_diffusers(folder):
             assert all(step["moved"] for step in row["traffic"]), where
             assert row.get("graphs", (2, 0)) == (2, 0), (where, row["graphs"])  # one graph per expert
             assert all(row.get("weight_gathers", [1]))  # sharded: every step gathers weights
-        assert len(rows) == len(CONFIGS) + 2
+        assert len(rows) == len(CONFIGS) + 3
         assert (control - expected).abs().max().item() > 10 * bound  # the low-noise expert's steps matter
         assert planned["transformer_2"] == held["transformer_2"] == held["transformer"] > 0, (planned, held)
+        for name, (stage_planned, stage_held) in stages.items():  # PipeFusion: a stage of each expert, as planned
+            assert stage_planned == stage_held < held[name], (name, rank, stages[name], held[name])
     for name in ("transformer", "transformer_2"):  # each expert sharded: the busiest rank's share as planned
         planned_bytes = {result[4][name][0] for result in results}
         local = [result[4][name][1] for result in results]
@@ -130,26 +150,57 @@ def test_two_experts_equal_diffusers(folder):
         assert planned_bytes == {max(local)} and max(local) < whole, (name, planned_bytes, local, whole)
 
 
-def test_two_experts_under_pipefusion_are_refused_and_not_planned(folder):
-    """PipeFusion refused at load; the planner, reading the same folder, offers no PipeFusion row (load_pipeline
-    would refuse it) and says why, and plans the second expert sharded or quantized where the first is. The
-    control: the one-expert Wan folder gets PipeFusion rows."""
-    from xdit_lab.fit import plan_model
-    from xdit_lab.tiny import save_tiny_pipeline
+def _stale_steps(folder):
+    """PipeFusion past its warmup (one warmup step): per step, which expert ran it, that expert's stage's step
+    counter before it (0: a warmup step, over the whole image), and the stale K/V each expert's stage holds
+    after it; and the plan's stale K/V."""
+    from xdit_lab.models import parallel_state
 
-    with pytest.raises(ParallelConfigError, match=r"two transformers .* not yet with PipeFusion: leave it out"):
-        load_pipeline(folder, ParallelConfig(pipefusion=2), progress=False)
+    config = ParallelConfig(pipefusion=2, ring=2, warmup_steps=1)
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    inner, session, steps = pipe.diffusers_pipeline, pipe.session(PROMPTS, seed=0, **_call()), []
+    stages = [parallel_state(t).strategy for t in (inner.transformer, inner.transformer_2)]
+    while not session.done:
+        expert = pipe.recipe.transformer_for(inner, session.prepared, session.timestep)
+        counter = parallel_state(expert).strategy.step
+        session.step()
+        steps.append((session.step_experts[-1], counter, [stage.kept_bytes()["stale K/V"] for stage in stages]))
+    planned = pipe.memory_plan_for(PROMPTS, **_call()).activation_bytes["stale K/V"][1]
+    return steps, planned, session_traffic(session)
+
+
+def test_two_experts_under_pipefusion_warm_up_each_expert_and_are_planned(folder):
+    """PipeFusion past its warmup, its stages' tokens over ring 2: each expert's first step is a warmup step of its
+    own (its stage's counter at 0: no stale K/V read before this expert wrote any; the closed form's bytes, which
+    differ between a warmup step and a pipelined one, equal the measured ones at every step), and at the switch the
+    first expert's stale K/V is freed, so a rank holds one expert's buffers, as the plan says. The async schedule, which would switch experts with
+    latents in flight, is refused by name at load. The planner offers PipeFusion rows for the folder, the second
+    expert cut into the same stages as the first."""
+    from xdit_lab.fit import plan_model
+
+    for rank, (steps, planned, traffic) in enumerate(run_on_ranks(_stale_steps, 4, folder, timeout_s=300)):
+        where = f"wan two experts pf2·ring2 rank {rank}"  # a warmup step moves other bytes than a pipelined one
+        assert not traffic_mismatches(traffic, where), traffic_mismatches(traffic, where)
+        experts = [expert for expert, _, _ in steps]
+        switch = experts.index(1)
+        assert 0 < switch and experts == [0] * switch + [1] * (len(steps) - switch), experts
+        counters = [counter for _, counter, _ in steps]
+        assert counters == [*range(switch), *range(len(steps) - switch)], counters  # each expert warms up first
+        for index, (expert, _, kept) in enumerate(steps):
+            assert kept[expert] == planned > 0, (rank, index, kept, planned)  # the running expert's: as planned
+            assert kept[1 - expert] == 0 or index < switch, (rank, index, kept)  # the first expert's freed after
+    with pytest.raises(ParallelConfigError, match=r"two transformers .* not yet with pipefusion_schedule='async'"):
+        load_pipeline(folder, ParallelConfig(pipefusion=2, pipefusion_schedule="async"), progress=False)
     rows = plan_model(folder, 4, 24 * 10**9)
-    assert rows and not [r for r in rows if r.config.pipefusion > 1] and any(r.shard_weights for r in rows)
-    assert any("no PipeFusion rows: this pipeline has two transformers" in n for n in rows[0].request.notes)
-    sharded = next(r for r in rows if r.shard_weights and r.config.world_size == 4)
-    whole = next(r for r in rows if not r.shard_weights and r.config == sharded.config)
+    staged = next(r for r in rows if r.config.pipefusion == 2 and not r.shard_weights)
+    whole = next(r for r in rows if r.config.world_size == 4 and r.config.pipefusion == 1 and not r.shard_weights)
+    assert staged.weights["transformer_2"] < whole.weights["transformer_2"]  # the second expert's stage share
+    assert not any("no PipeFusion rows" in note for note in rows[0].request.notes)
+    sharded = next(r for r in rows if r.shard_weights and r.config == whole.config)
     assert sharded.weights["transformer_2"] < whole.weights["transformer_2"]  # the second expert sharded too
     quantized = plan_model(folder, 4, 24 * 10**9, quantize="int8")  # both experts' linear weights in int8
     same = next(r for r in quantized if r.config == whole.config and r.text_encoders == whole.text_encoders)
     assert same.weights["transformer_2"] < whole.weights["transformer_2"]
-    one = plan_model(save_tiny_pipeline("wan", folder.parent / "one_expert"), 4, 24 * 10**9)
-    assert any(r.config.pipefusion > 1 for r in one)
 
 
 # One branch (guidance 1 for both experts): diffusers' WanPipeline then calls each transformer once per step, in one
@@ -254,7 +305,8 @@ def _with_loras(folder, loras, configs):
 
 
 def test_a_lora_per_expert_equals_diffusers_loading_each_into_its_transformer(folder, tmp_path):
-    """Under ulysses and cfg: the same latents (1e-4) as diffusers' WanPipeline with the first adapter loaded into
+    """Under ulysses, cfg and PipeFusion (each stage fuses its own blocks' share of each expert's adapter): the same
+    latents (1e-4) as diffusers' WanPipeline with the first adapter loaded into
     transformer and the second with load_into_transformer_2=True, unfused, at their scales (set_adapters)."""
     from diffusers import DiffusionPipeline
 
@@ -267,7 +319,7 @@ def test_a_lora_per_expert_equals_diffusers_loading_each_into_its_transformer(fo
     generator = torch.Generator().manual_seed(0)
     expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_call()))
     bound = 1e-4 * max(1.0, expected.abs().max().item())
-    configs = [ParallelConfig(ulysses=2), ParallelConfig(cfg=2)]
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(cfg=2), PIPEFUSION]  # PipeFusion: each stage its blocks'
     for rank, (rows, control) in enumerate(run_on_ranks(_with_loras, 2, folder, loras, configs, timeout_s=400)):
         for row in rows:
             assert (row["latents"] - expected).abs().max().item() <= bound, f"{row['config']} rank {rank}"

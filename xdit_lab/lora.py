@@ -30,9 +30,6 @@ class LoraError(ValueError):
     argument of the wrong form; the message says what would work."""
 
 
-EXPERTS = ("transformer", "transformer_2")  # where an entry's adapter goes (transformer_2: Wan 2.2 A14B's low noise)
-
-
 def check_lora(
     lora, pipeline_class, *, fuse: bool, sharded: bool, quantized: bool, components=("transformer",)
 ) -> list[tuple[object, float, str]]:
@@ -82,18 +79,19 @@ def check_lora(
     return adapters
 
 
-def fuse_loras(pipe, adapters: list[tuple[object, float, str]], stage_name=None) -> None:
-    """Load every adapter into diffusers pipeline `pipe`, fuse them at their scales, unload them. `stage_name`:
-    a PipeFusion stage's renaming of the transformer's keys (loading.stage_key_renaming), None for a whole one."""
+def fuse_loras(pipe, adapters: list[tuple[object, float, str]], stage_names: dict | None = None) -> None:
+    """Load every adapter into diffusers pipeline `pipe`, fuse them at their scales, unload them. `stage_names`:
+    under PipeFusion, each transformer's renaming of its keys in this rank's stage (loading.stage_key_renaming),
+    by component ("transformer", "transformer_2"); None for whole transformers."""
     if not adapters:
         return
     names, scales = [], []
     for i, (source, scale, into) in enumerate(adapters):
         name = f"xdit_lab_lora_{i}"
-        if stage_name is None:
+        if stage_names is None:
             expert = {"load_into_transformer_2": True} if into == "transformer_2" else {}
             pipe.load_lora_weights(source, adapter_name=name, **expert)
-        elif not _load_stage_adapter(pipe, source, name, stage_name):
+        elif not _load_stage_adapter(pipe, source, name, stage_names[into], into):
             continue  # none of this adapter's layers is in this stage's blocks
         names.append(name)
         scales.append(scale)
@@ -111,8 +109,8 @@ def _has_adapter(module) -> bool:
     return module is not None and any(type(m).__module__.startswith("peft.") for m in module.modules())
 
 
-def _load_stage_adapter(pipe, source, name: str, stage_name) -> bool:
-    """One adapter into a PipeFusion stage's transformer: its keys renamed as the stage's blocks are, other
+def _load_stage_adapter(pipe, source, name: str, stage_name, into: str) -> bool:
+    """One adapter into a PipeFusion stage's transformer `into`: its keys renamed as the stage's blocks are, other
     stages' blocks left out, with the rank and alpha from the file's metadata. False: nothing of it is here."""
     state, metadata = type(pipe).lora_state_dict(source, return_lora_metadata=True)
     others = sorted({key.split(".")[0] for key in state if not key.startswith(TRANSFORMER_PREFIX)})
@@ -127,7 +125,7 @@ def _load_stage_adapter(pipe, source, name: str, stage_name) -> bool:
         if renamed is not None:
             mine[TRANSFORMER_PREFIX + renamed] = tensor
     if mine:
-        pipe.transformer.load_lora_adapter(mine, prefix="transformer", adapter_name=name, metadata=metadata)
+        getattr(pipe, into).load_lora_adapter(mine, prefix="transformer", adapter_name=name, metadata=metadata)
     return bool(mine)
 
 

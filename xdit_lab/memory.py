@@ -19,6 +19,7 @@ import torch
 
 from .config import ParallelConfig
 from .families import FAMILIES, block_index
+from .quantization import TRANSFORMERS
 from .safetensors_io import read_safetensors_header
 
 DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
@@ -100,8 +101,8 @@ def plan_memory(
     stale_kv_rows: int | None = None,
 ) -> MemoryPlan:
     """Bytes of every component's safetensors, and what one rank holds of them under `config` (default:
-    one rank): under PipeFusion a stage holds its transformer blocks (the largest stage's share is
-    planned) plus every tensor outside the blocks (embeddings, output layers); every other component
+    one rank): under PipeFusion a stage holds its transformer blocks, and Wan 2.2 A14B's second expert's (the largest
+    stage's share is planned) plus every tensor outside the blocks (embeddings, output layers); every other component
     is whole on every rank.
 
     With `decode_latent` (latent rows, cols), the plan adds the VAE decode's activation peak for
@@ -113,10 +114,10 @@ def plan_memory(
     for name in components:
         tensors = component_tensor_bytes(folder / name, dtype)
         whole[name] = per_rank[name] = sum(tensors.values())
-        if name == "transformer":
+        if name in TRANSFORMERS:  # transformer_2: Wan 2.2 A14B's second expert, cut into the same stages
             transformer_config = json.loads((folder / name / "config.json").read_text())
             blocks, shared = block_bytes(tensors, transformer_config)
-            if blocks:
+            if blocks and name == "transformer":
                 transformer_blocks = (shared, [blocks.get(i, 0) for i in range(max(blocks) + 1)])
             if config.pipefusion > 1:
                 per_rank[name] = _largest_stage_bytes(blocks, shared, config)

@@ -41,7 +41,7 @@ from .loading import (
     load_stage_transformer,
     stage_key_renaming,
 )
-from .lora import EXPERTS, check_lora, fuse_loras, lora_bytes
+from .lora import check_lora, fuse_loras, lora_bytes
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import PIPEFUSION, RankMesh
 from .model_folder import (
@@ -51,7 +51,7 @@ from .model_folder import (
     resolve_folder,
 )
 from .models import StepCache, compile_problems, parallelize
-from .quantization import QuantizationError
+from .quantization import TRANSFORMERS, QuantizationError
 from .quantization import resolve as resolve_quantization
 from .request_memory import plan_request, rows_of_one_prompt
 from .session import DenoiseSession
@@ -165,6 +165,7 @@ def load_pipeline(
     recipe.check_branches(config.cfg)
     asked = dict(
         pipefusion=config.pipefusion > 1,
+        pipefusion_async=config.pipefusion > 1 and config.pipefusion_schedule == "async",
         shard_weights=shard_weights and config.world_size > 1,
         quantization=quantization is not None,
         compile=bool(compile),
@@ -194,7 +195,7 @@ def load_pipeline(
         fuse=fuse_lora,
         sharded=shard_weights and config.world_size > 1,
         quantized=quantized is not None,
-        components=tuple(c for c in EXPERTS if (index.get(c) or [None])[0] is not None),
+        components=tuple(c for c in TRANSFORMERS if (index.get(c) or [None])[0] is not None),
     )
     if not dist.is_initialized():
         init_distributed()
@@ -246,13 +247,10 @@ def load_pipeline(
                     cache=cache,
                     compile=compile,
                 )
-            elif config.pipefusion > 1:  # a stage materialises only its own blocks (and what is outside them)
-                loaded["transformer"] = load_stage_transformer(
-                    folder / "transformer",
-                    index["transformer"][1],
-                    stage_blocks(folder, index, config, mesh),
-                    torch_dtype,
-                )
+        for name in TRANSFORMERS if config.pipefusion > 1 and not sharding else ():
+            if name in components and name not in loaded:  # a stage materialises only its own blocks (and the rest)
+                blocks = stage_blocks(folder, index, config, mesh, name)
+                loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, torch_dtype)
         if sharding and "transformer_2" in components:  # Wan 2.2 A14B's second expert, sharded as the first
             loaded["transformer_2"] = load_sharded_transformer(
                 folder / "transformer_2", index["transformer_2"][1], config, mesh, torch_dtype, info.device, cache=cache,
@@ -283,18 +281,25 @@ def load_pipeline(
         for name in on_host:
             run_on_host(getattr(inner, name), info.device)
         if adapters:  # fused before the strategies' hooks and compile see the transformer
-            stage = None
+            stage_names = None  # under PipeFusion: each expert's keys as its stage renames its blocks
             if config.pipefusion > 1:
-                transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
-                blocks = stage_blocks(folder, index, config, mesh)
-                stage = stage_key_renaming(transformer_config, index["transformer"][1], blocks)
-            fuse_loras(inner, adapters, stage)
+                stage_names = {
+                    name: stage_key_renaming(
+                        json.loads((folder / name / "config.json").read_text()),
+                        index[name][1],
+                        stage_blocks(folder, index, config, mesh, name),
+                    )
+                    for name in TRANSFORMERS
+                    if name in components
+                }
+            fuse_loras(inner, adapters, stage_names)
         if not sharding:  # a sharded transformer was parallelized before its weights were read
             parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
         if getattr(inner, "transformer_2", None) is not None and not sharding:  # Wan 2.2 A14B's second expert
             parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile)  # same mesh, own cache state
-        if getattr(inner, "controlnet", None) is not None:  # cut like the transformer: its residuals stay here
-            parallelize(inner.controlnet, config, mesh)
+        if getattr(inner, "controlnet", None) is not None and config.pipefusion == 1:
+            parallelize(inner.controlnet, config, mesh)  # cut like the transformer: its residuals stay here
+        # (under PipeFusion the ControlNet runs whole on every rank: each stage takes its own blocks' residuals)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
         return ParallelPipeline(
@@ -388,10 +393,11 @@ def check_on_host(on_host, folder: Path, index: dict, components: list[str]) -> 
     return names
 
 
-def stage_blocks(folder: Path, index: dict, config, mesh) -> tuple[int, int]:
-    """[start, stop) of the transformer's blocks this rank's PipeFusion stage holds, from the folder's config."""
-    transformer_config = json.loads((folder / "transformer" / "config.json").read_text())
-    adapter = FAMILIES[index["transformer"][1]]
+def stage_blocks(folder: Path, index: dict, config, mesh, name: str = "transformer") -> tuple[int, int]:
+    """[start, stop) of the blocks of transformer `name` (transformer_2: Wan 2.2 A14B's second expert) this rank's
+    PipeFusion stage holds, from the folder's config."""
+    transformer_config = json.loads((folder / name / "config.json").read_text())
+    adapter = FAMILIES[index[name][1]]
     return config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
 
 
@@ -402,8 +408,8 @@ def load_quantized_components(folder: Path, index: dict, config, mesh, dtype, de
     loaded = {}
     for name in quantized.configs:
         library, class_name = index[name]
-        if name in ("transformer", "transformer_2"):  # transformer_2: Wan 2.2 A14B's second expert (no PipeFusion)
-            blocks = stage_blocks(folder, index, config, mesh) if config.pipefusion > 1 else None
+        if name in TRANSFORMERS:
+            blocks = stage_blocks(folder, index, config, mesh, name) if config.pipefusion > 1 else None
             loaded[name] = load_quantized_transformer(folder / name, class_name, dtype, device, quantized, blocks, name)
         elif library == "transformers" and name.startswith("text_encoder"):
             loaded[name] = load_quantized_text_encoder(folder / name, class_name, dtype, device, quantized, name)

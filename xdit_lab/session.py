@@ -176,6 +176,11 @@ class DenoiseSession:
         t = self.prepared.timesteps[self.step_index]
         transformer = self.recipe.transformer_for(inner, self.prepared, t)
         state = parallel_state(transformer)
+        experts = self.recipe.transformers(inner)
+        if self.step_experts and experts[self.step_experts[-1]] is not transformer:
+            # the expert ran last is done for now (Wan 2.2 A14B's switch at boundary_ratio): what its token strategy
+            # keeps between steps goes (PipeFusion's stale K/V, which this one warms up anew); its cache state stays
+            parallel_state(experts[self.step_experts[-1]]).strategy.reset()
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
         with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans:
@@ -185,7 +190,7 @@ class DenoiseSession:
             self.last_step_spans = dict(step=self.step_index, seconds=spans.end_s - spans.start_s, spans=spans.rows())
         self.cache_skips.append(bool(state.cache and state.cache.skips[-1]))  # the same on every rank: agreed
         self.cache_changes.append(state.cache.changes[-1] if state.cache else None)
-        self.step_experts.append([id(m) for m in self.recipe.transformers(inner)].index(id(transformer)))
+        self.step_experts.append([id(m) for m in experts].index(id(transformer)))
         self.step_index += 1
         return self
 

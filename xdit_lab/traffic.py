@@ -20,7 +20,7 @@ def expected_bytes_per_step(
     coords: dict | None = None,
     step: int | None = None,
     cache_skips: list[bool] | None = None,
-    cache_experts: list[int] | None = None,
+    experts: list[int] | None = None,
 ) -> dict[str, int]:
     """Bytes out of one rank in one denoising step, per group, as the closed forms give them.
 
@@ -48,7 +48,7 @@ def expected_bytes_per_step(
       world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
                   decision's all-reduce of two float32; at a skipped step only the first block's
                   attention layers run (on PipeFusion's first stage). With two transformers
-                  (`cache_experts`: which one ran each step) each keeps its own state, so the
+                  (`experts`: which one ran each step) each keeps its own state, so the
                   all-reduce runs from each one's second step on
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
     at a time after), its queries are that set's tokens and Ring passes the whole stale buffer; the
@@ -62,7 +62,7 @@ def expected_bytes_per_step(
         config, shapes, coords = summary["config"], summary["shapes"], summary["coords"]
         step = summary["step"] - 1 if step is None else step
         cache_skips = summary["cache"]["skips"] if summary.get("cache") else None
-        cache_experts = summary["cache"].get("experts") if summary.get("cache") else None
+        experts = summary.get("experts")
     if isinstance(config, dict):
         config = ParallelConfig(**config)
     c, s, e = config, shapes, shapes["dtype_bytes"]
@@ -79,14 +79,19 @@ def expected_bytes_per_step(
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
     last_stage = coords[PIPEFUSION] == c.pipefusion - 1
 
-    if c.pipefusion == 1:  # one forward over this rank's shard; Ring passes the shards themselves
-        forwards = [shard_sizes(tokens, sp)]
-        kv_sizes = forwards[0]
-    else:
+    experts = experts if experts is not None and len(experts) > step else [0] * (step + 1)  # one transformer
+    # a PipeFusion stage counts its steps from when its transformer took over (another expert's stale K/V is
+    # freed at a switch: each expert warms up anew)
+    stage_step = next((step - i for i in range(step, -1, -1) if experts[i] != experts[step]), step + 1) - 1
+    if c.pipefusion > 1:
         layout = PatchLayout(patch_ranges(s["rows"], s["cols"], c.patches), sp)
-        patch_sets = [list(range(c.patches))] if step < c.warmup_steps else [[p] for p in range(c.patches)]
+        warm = stage_step < c.warmup_steps
+        patch_sets = [list(range(c.patches))] if warm else [[p] for p in range(c.patches)]
         forwards = [layout.rank_sizes(active) for active in patch_sets]
         kv_sizes = layout.rank_sizes(list(range(c.patches)))  # the buffer: every patch
+    else:  # one forward over this rank's shard; Ring passes the shards themselves
+        forwards = [shard_sizes(tokens, sp)]
+        kv_sizes = forwards[0]
     skipped = bool(cache_skips and cache_skips[step])
     # a ControlNet's layers run beside the transformer's (no StepCache with one)
     self_layers = s["first_block_self_layers"] if skipped else s["self_layers"] + s.get("controlnet_self_layers", 0)
@@ -97,7 +102,6 @@ def expected_bytes_per_step(
     text_sizes = shard_sizes(text, sp) if text_sharded else [0] * sp
 
     out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
-    experts = cache_experts or [0] * (step + 1)
     if cache_skips is not None and experts[step] in experts[:step] and c.world_size > 1:
         out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
@@ -129,7 +133,7 @@ def expected_bytes_per_step(
             out[PIPEFUSION] += b * handed * h * d * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
-    pipelined = c.pipefusion_schedule == "async" and step >= c.warmup_steps
+    pipelined = c.pipefusion_schedule == "async" and stage_step >= c.warmup_steps
     latents = s.get("latent_rows", 0) * s.get("latent_elements", 0) * s.get("latent_bytes", 0)
     if pipelined and last_stage:  # the latents back to stage 0, patch by patch; after the last step, to all
         out[PIPEFUSION] += latents * (c.pipefusion - 1 if step == s["steps"] - 1 else 1)

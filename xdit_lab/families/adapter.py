@@ -307,6 +307,31 @@ class RankLocal(list):
     """
 
 
+@dataclass(frozen=True)
+class BlockResiduals:
+    """A forward argument that is a list of residuals, one of which each block of `block_list` adds to its image
+    states, picked by the block's index in the whole model (a ControlNet's). A PipeFusion stage holds some of the
+    blocks, numbered from 0: it hands its forward the residual each of its blocks would take in the whole model,
+    in the order it holds them, so that the forward's own pick lands on it (stage.py):
+
+        whole model, n blocks, residuals R:  block g adds R[index(g, n, len(R), arguments)]
+        a stage holding blocks g0..g1:       [R[index(g0, ...)], ..., R[index(g1, ...)]], its block j adds the j-th
+
+    index   the forward's own pick (Flux: g // ceil(n / len(R)), or g % len(R) with controlnet_blocks_repeat; SD3:
+            int(g / (n / len(R)))), given the forward's arguments"""
+
+    argument: str
+    block_list: str
+    index: Callable
+
+    def for_stage(self, residuals: list, held: list[int], blocks: int, arguments: dict) -> list | None:
+        """The residuals for a stage holding blocks `held` (their indices in the whole model's list of `blocks`),
+        in order; None where it holds none of the list (the forward adds nothing)."""
+        if not held:
+            return None
+        return [residuals[self.index(g, blocks, len(residuals), arguments)] for g in held]
+
+
 # ---- the adapter -----------------------------------------------------------------------------------------
 
 # the config key that counts each block list, as diffusers' transformers name them (Flux's and
@@ -351,6 +376,9 @@ class FamilyAdapter:
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
     step_cache_refused: str | None = None
+    # lists of residuals the forward hands its blocks by their index in the whole model (a ControlNet's: a
+    # PipeFusion stage rebases them to the blocks it holds), BlockResiduals
+    block_residuals: tuple = ()
     # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
     block_lists: tuple = ("transformer_blocks",)
     block_counts: tuple = ()  # the config key holding each list's length; () for diffusers' (BLOCK_COUNTS)

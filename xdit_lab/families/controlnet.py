@@ -7,6 +7,9 @@ batch rows and tokens, and hands each block of the transformer its residuals for
 
     control image --VAE--> latents, cut like the noise --ControlNet--> residuals [B, S/sp, D], one per block fed
     each transformer block it feeds: its states [B, S/sp, D] + scale(step) × that residual
+
+Under PipeFusion the ControlNet runs whole on every rank (its blocks are few), and each stage takes the residuals of
+the blocks it holds (adapter.BlockResiduals), cut with the patches.
 """
 
 from __future__ import annotations
@@ -19,11 +22,7 @@ CONTROLNET_OPTIONS = dict(
 )
 
 
-# why a ControlNet pipeline does not run under PipeFusion, nor with a StepCache (each family's recipe says it)
-CONTROLNET_NOT_PIPELINED = (
-    "its ControlNet runs whole before the transformer at every step, and its residuals feed every stage's blocks: "
-    "not pipelined yet; run it under ulysses, ring, cfg or dp"
-)
+# why a ControlNet pipeline does not run with a StepCache (each family's recipe says it)
 CONTROLNET_NOT_CACHED = (
     "its ControlNet's residuals change every block's states at every step, which a decision taken after the first "
     "block does not see; run it without a StepCache"

@@ -42,13 +42,13 @@ controlnet_conditioning_scale inside [control_guidance_start, control_guidance_e
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
-from .adapter import TOKENS, FamilyAdapter, PerToken
+from .adapter import TOKENS, BlockResiduals, FamilyAdapter, PerToken
 from .controlnet import (
     CONTROLNET_NOT_CACHED,
-    CONTROLNET_NOT_PIPELINED,
     CONTROLNET_OPTIONS,
     check_controlnet,
     check_controlnet_options,
@@ -79,13 +79,32 @@ FLUX_LAYOUT = dict(
     block_lists=("transformer_blocks", "single_transformer_blocks"),
 )
 
+
+def _every_few_blocks(block: int, blocks: int, residuals: int, arguments: dict) -> int:
+    """The residual FluxTransformer2DModel's forward adds at `block` of a list of `blocks`: the next one every
+    ceil(blocks / residuals) blocks."""
+    return block // math.ceil(blocks / residuals)
+
+
+def _double_stream_residual(block: int, blocks: int, residuals: int, arguments: dict) -> int:
+    """As _every_few_blocks, or in turn with controlnet_blocks_repeat (the double-stream blocks only)."""
+    if arguments.get("controlnet_blocks_repeat"):
+        return block % residuals
+    return _every_few_blocks(block, blocks, residuals, arguments)
+
+
 ADAPTER = FamilyAdapter(
     "flux",
     "FluxTransformer2DModel",
     rotary_at="pos_embed",
     # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them (a
-    # ControlNet parallelized on the same mesh hands them over cut already: RankLocal, taken as they are)
+    # ControlNet parallelized on the same mesh hands them over cut already: RankLocal, taken as they are); under
+    # PipeFusion each stage is given its own blocks' residuals
     per_token=(PerToken("", "controlnet_block_samples"), PerToken("", "controlnet_single_block_samples")),
+    block_residuals=(
+        BlockResiduals("controlnet_block_samples", "transformer_blocks", _double_stream_residual),
+        BlockResiduals("controlnet_single_block_samples", "single_transformer_blocks", _every_few_blocks),
+    ),
     **FLUX_LAYOUT,
 )
 
@@ -120,7 +139,6 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     pipefusion_refused = dict(
         FluxKontextPipeline="its reference image's tokens follow the drawn ones, two images per sample that do not "
         "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp",
-        FluxControlNetPipeline=CONTROLNET_NOT_PIPELINED,
     )
     step_cache_refused = dict(FluxControlNetPipeline=CONTROLNET_NOT_CACHED)
     image_inputs = (*PackedLatentsRecipe.image_inputs, "control")  # a ControlNet's control image, packed
@@ -323,7 +341,8 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         if control is None:
             return kwargs
         # the ControlNet on the positive prompt, in every row the transformer runs (both branches take its
-        # residuals); parallelized like the transformer, so its residuals come cut as the transformer cuts
+        # residuals); parallelized like the transformer, so its residuals come cut as the transformer cuts (under
+        # PipeFusion whole, and each stage takes its own blocks')
         rows, branches = model_input.shape[0], 2 if prepared.do_cfg else 1
         positive = {
             key: torch.cat([kwargs[key].chunk(branches)[-1]] * branches)

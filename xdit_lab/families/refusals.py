@@ -7,17 +7,19 @@ from .recipe import Recipe
 
 # load_pipeline's arguments, as its errors name them
 REFUSABLE = dict(
-    pipefusion="PipeFusion", shard_weights="shard_weights", quantization="quantization", compile="compile",
-    cache="a StepCache",
+    pipefusion="PipeFusion", pipefusion_async="pipefusion_schedule='async'", shard_weights="shard_weights",
+    quantization="quantization", compile="compile", cache="a StepCache",
 )  # fmt: skip
 TWO_EXPERTS_REFUSED = (
     "this pipeline has two transformers (Wan 2.2 A14B's experts, transformer and transformer_2), which run under "
-    "ulysses, ring, cfg and dp, each parallelized on the same ranks (their weights sharded or quantized too); not "
-    "yet with {names}: leave {them} out"
+    "every strategy, each parallelized on the same ranks (their weights sharded or quantized too; under PipeFusion "
+    "each expert's first steps warm up anew); not yet with {names}, whose pipeline would switch experts with latents "
+    "in flight: leave {them} out (the drained schedule, the default)"
 )
 CONTROLNET_REFUSED = (
     "this pipeline runs a ControlNet, parallelized on the same ranks as its transformer under ulysses, ring, cfg "
-    "and dp; not yet with {names}: leave {them} out"
+    "and dp (under PipeFusion whole on every rank, each stage taking its blocks' residuals); not yet with {names}: "
+    "leave {them} out"
 )
 
 
@@ -28,9 +30,10 @@ def load_refusals(recipe: Recipe, pipeline_class: str, components) -> dict[str, 
     (fit/plan.py) leaves the rows out that load_pipeline would refuse."""
     refused = {}
     if "transformer_2" in components:
-        refused["pipefusion"] = TWO_EXPERTS_REFUSED
+        refused["pipefusion_async"] = TWO_EXPERTS_REFUSED
     if "controlnet" in components:
-        refused |= dict.fromkeys(("shard_weights", "quantization", "compile"), CONTROLNET_REFUSED)
+        # the async schedule would run the ControlNet once per patch, each stage a patch apart
+        refused |= dict.fromkeys(("shard_weights", "quantization", "compile", "pipefusion_async"), CONTROLNET_REFUSED)
     if pipeline_class in recipe.step_cache_refused:
         refused["cache"] = (
             f"{pipeline_class} does not run with a StepCache: {recipe.step_cache_refused[pipeline_class]}"

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import FamilyAdapter, PerToken
+from .adapter import BlockResiduals, FamilyAdapter, PerToken
 from .controlnet import (
     CONTROLNET_NOT_CACHED,
-    CONTROLNET_NOT_PIPELINED,
     CONTROLNET_OPTIONS,
     check_controlnet,
     check_controlnet_options,
@@ -40,8 +39,12 @@ ADAPTER = FamilyAdapter(
     shard_at="pos_embed",
     attention={r"^transformer_blocks\.\d+\.attn$": "joint_last", r"\.attn2$": "self"},
     text_shard_at="input",  # its context_embedder works token by token; skip_layers may skip block 0
-    # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them
+    # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them, and under
+    # PipeFusion each stage given its own blocks' (the forward picks block g's as int(g / (n / len(R))))
     per_token=(PerToken("", "block_controlnet_hidden_states"),),
+    block_residuals=(
+        BlockResiduals("block_controlnet_hidden_states", "transformer_blocks", lambda g, n, r, _: int(g / (n / r))),
+    ),
 )
 
 # the ControlNet: SD3's layout, its control image's tokens (pos_embed_input's) cut with the image's, no output
@@ -60,7 +63,6 @@ CONTROLNET_ADAPTER = FamilyAdapter(
 class SD3Recipe(Recipe):
     pipeline_classes = ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline")
     tasks = dict(StableDiffusion3ControlNetPipeline="ControlNet")
-    pipefusion_refused = dict(StableDiffusion3ControlNetPipeline=CONTROLNET_NOT_PIPELINED)
     step_cache_refused = dict(StableDiffusion3ControlNetPipeline=CONTROLNET_NOT_CACHED)
     image_inputs = (*Recipe.image_inputs, "control")  # a ControlNet's control image's latents
     output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
@@ -165,7 +167,7 @@ class SD3Recipe(Recipe):
         pooled = kwargs["pooled_projections"]  # InstantX's ControlNets take zeros
         if pipe.controlnet.config.force_zeros_for_pooled_projection:
             pooled = torch.zeros_like(pooled)
-        (blocks,) = pipe.controlnet(  # parallelized like the transformer: its residuals come cut as it cuts
+        (blocks,) = pipe.controlnet(  # parallelized like the transformer (whole under PipeFusion): cut as it cuts
             hidden_states=model_input,
             timestep=kwargs["timestep"],
             encoder_hidden_states=kwargs["encoder_hidden_states"],

@@ -11,7 +11,8 @@ Its image to video keeps the image's latents as the first latent frame, whose to
 Wan 2.2 A14B's two experts: the pipeline's transformer runs the steps with t >= boundary_ratio × the
 scheduler's training timesteps (high noise), transformer_2 the others with guidance_scale_2 (the first
 guidance where None). Both are parallelized on the same ranks with the same strategy, each with its own
-hooks and state.
+hooks and state (under PipeFusion each rank holds a stage of each expert's blocks, and each expert warms up
+anew at its first step: the session frees the other's stale K/V at the switch).
 
 Wan 2.1's image to video (no expand_timesteps) conditions on the image twice: its latents, with a mask that
 marks frame 0 as given, concatenated with the noise on the channels, and CLIP's image embeddings put before

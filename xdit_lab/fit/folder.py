@@ -19,7 +19,7 @@ import torch
 
 from ..families import FAMILIES, FamilyAdapter
 from ..models.sharded_weights import gather_buffer_bytes
-from ..quantization import quantized_linears, quantized_weight_bytes
+from ..quantization import TRANSFORMERS, quantized_linears, quantized_weight_bytes
 from ..safetensors_io import CorruptWeightsError, read_safetensors_header
 
 
@@ -232,7 +232,7 @@ def _read_weights(name, library, class_name, config, sub: Path, element: int, no
                 f"{file} has a malformed safetensors header ({type(error).__name__}: {error}); save or copy it again"
             ) from None
     buffers, linears, rename = _module_facts(library, class_name, config, notes, name)
-    adapter = FAMILIES.get(class_name) if name in ("transformer", "transformer_2") else None  # an expert too
+    adapter = FAMILIES.get(class_name) if name in TRANSFORMERS else None  # an expert too
     root: list[Tensor] = []
     blocks: dict = {}
     stored = 0

@@ -14,7 +14,7 @@ from ..families import CONTROLNETS, recipe_for
 from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..memory import busiest_stale_kv_bytes, decode_peak_bytes
 from ..plan_table import aligned
-from ..quantization import SCHEMES
+from ..quantization import SCHEMES, TRANSFORMERS
 from ..sharding import batch_rows
 from .folder import ModelFolder, read_model_folder
 from .requests import Call, RequestShape, make_call, request_shape
@@ -254,17 +254,16 @@ def held_weights(
     world = config.world_size
     transformer = model.transformer
     shards = world // config.pipefusion if shard else 1
-    per_stage = []  # (weights, gather, stale K/V) of each stage: the busiest is planned
+    # Wan 2.2 A14B's second expert is held as the first: the same stage of its blocks, sharded or quantized alike
+    experts = [(name, model.weights[name]) for name in TRANSFORMERS if name in model.weights]
+    per_stage = []  # ({expert: weights}, gather, stale K/V) of each stage: the busiest is planned
     for span in config.stage_ranges(len(transformer.blocks)):
-        kept = stale(span) if stale is not None and config.pipefusion > 1 else 0
-        mine = scheme if "transformer" in quantized else None
-        per_stage.append((transformer.held(shards, span, mine), transformer.gather(shards, span), kept))
-    held, gather, kept = max(per_stage, key=sum)
-    weights = {"transformer": held}
-    second = model.weights.get("transformer_2")  # Wan 2.2 A14B's second expert: held as the first (no PipeFusion)
-    if second is not None:
-        weights["transformer_2"] = second.held(shards, scheme=scheme if "transformer_2" in quantized else None)
-        gather = max(gather, second.gather(shards))  # one expert runs at a time: one gather buffer
+        kept = stale(span) if stale is not None and config.pipefusion > 1 else 0  # one expert's: the other freed
+        held = {name: w.held(shards, span, scheme if name in quantized else None) for name, w in experts}
+        gather = max(w.gather(shards, span) for _, w in experts)  # one expert runs at a time: one gather buffer
+        per_stage.append((held, gather, kept))
+    held, gather, kept = max(per_stage, key=lambda stage: sum(stage[0].values()) + stage[1] + stage[2])
+    weights = dict(held)
     encode_gather, host, encoder_gathers = 0, 0, [0]
     for name in model.text_encoders:
         encoder = model.weights[name]
@@ -296,7 +295,8 @@ def _refused_notes(model: ModelFolder, refused: dict[str, str]) -> tuple[str, ..
     if "controlnet" in model.weights:
         notes.append(
             f"the ControlNet's weights are whole on every rank; its {_controlnet_blocks(model)} blocks are counted "
-            f"in the work and GB sent as blocks of the transformer's (the same width)"
+            f"in the GB sent as blocks of the transformer's (the same width), but under PipeFusion, where every rank "
+            f"runs the whole ControlNet and it moves nothing; the work column leaves it out"
         )
     return tuple(notes)
 
@@ -324,7 +324,7 @@ def _row(
     model: ModelFolder, call: Call, shape: RequestShape, config, shard, placement, gpu_memory, planned, quantize=None
 ) -> FitRow:
     transformer, t = model.transformer, model.transformer.config
-    experts = [name for name in ("transformer", "transformer_2") if name in model.weights]
+    experts = [name for name in TRANSFORMERS if name in model.weights]
     covered = (*experts, *model.text_encoders) if quantize else ()
     weights, gather, stale, encode_gather, host = held_weights(
         model,
@@ -336,9 +336,11 @@ def _row(
         quantized=covered,
     )
     blocks = len(transformer.blocks)
-    # a ControlNet's blocks run beside the transformer's each step, as wide: counted in the work and traffic as
-    # more blocks (it runs neither sharded nor pipelined, so nothing else of the cost changes)
-    blocks += _controlnet_blocks(model)
+    # a ControlNet's blocks run beside the transformer's each step, as wide: counted in the traffic as more blocks
+    # (it runs neither sharded nor pipelined, so nothing else of the cost changes); under PipeFusion it runs whole
+    # on every rank and moves nothing
+    if config.pipefusion == 1:
+        blocks += _controlnet_blocks(model)
     cost = config.cost(blocks, batch=call.prompts, use_cfg=call.branches == 2, shard_weights=shard)
     hidden = t["num_attention_heads"] * t["attention_head_dim"]
     unknown = []

@@ -53,6 +53,7 @@ def rank_summary(session) -> dict:
         config=dataclasses.asdict(config),
         step=step,
         num_steps=session.num_steps,
+        experts=list(session.step_experts),  # which of the pipeline's transformers ran each step (Wan 2.2 A14B's two)
         timestep=float(session.prepared.timesteps[step - 1]) if step else None,
         grid=[rows, cols],
         image_tokens=rows * cols,
@@ -74,7 +75,7 @@ def rank_summary(session) -> dict:
             coords=summary["coords"],
             step=i,
             cache_skips=cache.get("skips"),
-            cache_experts=cache.get("experts"),
+            experts=summary["experts"],
         )
         for i in range(len(measured))
     ]
@@ -84,8 +85,8 @@ def rank_summary(session) -> dict:
 
 def _cache(session, state) -> dict | None:
     """The StepCache's threshold and, per step done, whether it skipped, the change it measured, the change this
-    rank's tokens alone gave, and which transformer ran the step (`experts`: Wan 2.2 A14B's two each keep a state
-    of their own; a state's calls are its steps in order)."""
+    rank's tokens alone gave (Wan 2.2 A14B's two transformers each keep a state of their own, whose calls are its
+    steps in order: the summary's `experts` says which ran each step)."""
     if state.cache is None:
         return None
     caches = [parallel_state(t).cache for t in session.recipe.transformers(session.pipe.diffusers_pipeline)]
@@ -100,7 +101,6 @@ def _cache(session, state) -> dict | None:
         skips=list(session.cache_skips),
         changes=list(session.cache_changes),
         local_changes=local_changes,
-        experts=list(session.step_experts),
         seconds=list(session.timings.steps),
     )
 
@@ -135,7 +135,7 @@ def _controlnet_layers(session) -> dict:
     """A ControlNet's sequence-parallel attention layers (FluxControlNetPipeline, StableDiffusion3ControlNetPipeline):
     they run each step beside the transformer's, over the same tokens, text and heads."""
     controlnet = getattr(session.pipe.diffusers_pipeline, "controlnet", None)
-    if controlnet is None:
+    if controlnet is None or parallel_state(controlnet) is None:  # none, or whole on every rank (PipeFusion)
         return dict(controlnet_self_layers=0, controlnet_joint_layers=0)
     kinds = [parallel_state(controlnet).adapter.attention_kind(name) for name, _ in controlnet.named_modules()]
     return dict(

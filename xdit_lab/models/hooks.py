@@ -432,10 +432,12 @@ PER_BLOCK_ARGUMENTS = (
 )
 
 
-def refuse_per_block(arguments: dict) -> None:
+def refuse_per_block(arguments: dict, adapter) -> None:
     """Forward arguments a PipeFusion stage cannot take: the forward indexes them by its loop index,
-    which a stage counts from its own first block."""
-    per_block = [name for name in PER_BLOCK_ARGUMENTS if arguments.get(name) is not None]
+    which a stage counts from its own first block (but the residual lists the adapter declares, which the stage
+    rebases: adapter.block_residuals)."""
+    rebased = {entry.argument for entry in adapter.block_residuals}
+    per_block = [name for name in PER_BLOCK_ARGUMENTS if arguments.get(name) is not None and name not in rebased]
     if per_block:
         raise NotImplementedError(
             f"{', '.join(per_block)} name blocks by their index in the whole model, which a PipeFusion stage "

@@ -18,7 +18,9 @@ single-stream), cut into stages as one list; rotary rows and per-token arguments
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
 patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
 step the scheduler alike). Within a stage, tokens may also be split over ulysses × ring: every
-patch is sharded over them the same way (sharding.PatchLayout).
+patch is sharded over them the same way (sharding.PatchLayout). A ControlNet's residuals, one list for the whole
+model's blocks, are rebased to the blocks a stage holds (adapter.BlockResiduals) and cut with the patches like the
+tokens; the ControlNet itself runs whole on every rank.
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ class PipeFusionStage:
     the step counter.
 
     Controls, deliberately wrong, that a test or a lesson sets on a stage or on the class to show that a
-    bound catches them: `buffer_type` makes each layer's K/V buffer (xdit_lab.lessons.controls), and
+    bound catches them: `buffer_type` makes each layer's K/V buffer (xdit_lab.lessons.controls),
     `drops_returned_latents` has stage 0 of the async schedule receive the latents the last stage sends
-    back but keep its own (one step behind), the mistake the return path prevents."""
+    back but keep its own (one step behind), the mistake the return path prevents, and
+    `rebases_block_residuals` False hands a ControlNet's residuals to the stage's blocks as the whole model
+    indexes them, the mistake rebasing prevents."""
 
     buffer_type = StaleKV
     drops_returned_latents = False
+    rebases_block_residuals = True
 
     def __init__(self, state, config, blocks: tuple[int, int], model_config, dtype: torch.dtype):
         self.state, self.mesh, self.config = state, state.mesh, config
@@ -73,6 +78,7 @@ class PipeFusionStage:
         self.buffers: dict[str, StaleKV] = {}
         self.active: list[int] = []
         self.incoming = None  # (image, text) handed over by the previous stage for the running patch
+        self.handed_residual = None  # what the forward adds after this stage's last block (a ControlNet's residual)
         self.output = None  # the whole image's output tokens of this step, filled patch by patch
         self.first_block = self.last_block = None  # diffusers' metadata of the blocks held here
         self.first_joined = self.last_joined = False  # a held end block takes / returns [text; image] as one
@@ -214,7 +220,8 @@ class PipeFusionStage:
         """Every patch set through this stage's blocks; the last stage's prediction, broadcast."""
         mesh, latents, adapter = self.mesh, bound.arguments["hidden_states"], self.state.adapter
         refuse_unsplittable(bound.arguments)
-        refuse_per_block(bound.arguments)
+        self._rebase_block_residuals(bound.arguments)
+        refuse_per_block(bound.arguments, adapter)
         size = tuple(latents.shape[1:])  # one sample's: the batch does not change the grid
         if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
             self.token_grids[size] = adapter.latents.token_grid(latents, self.model_config, bound.arguments)
@@ -228,6 +235,7 @@ class PipeFusionStage:
 
         def run_active():  # arguments with one entry per image token keep the active patches' entries
             keep_forward_per_token(self.state, bound.arguments, whole)
+            self.handed_residual = self._last_block_residual(bound.arguments)
             return run()
 
         def receive(active):  # the previous stage's activations, into buffers of the model's dtype
@@ -287,6 +295,23 @@ class PipeFusionStage:
             comm.wait(self.pending_sends)
             self.cursor, self.pending_sends, self.step = 0, [], self.step + 1
         return output
+
+    def _rebase_block_residuals(self, arguments: dict) -> None:
+        """Each residual list the adapter declares (a ControlNet's), as this stage's blocks take them: the one
+        each held block takes in the whole model, in the order held (adapter.BlockResiduals), in place."""
+        adapter = self.state.adapter
+        counts = dict(zip(adapter.block_lists, adapter.block_counts))
+        for entry in adapter.block_residuals if self.rebases_block_residuals else ():
+            residuals = arguments.get(entry.argument)
+            if residuals is None:
+                continue
+            held = [
+                int(whole.rsplit(".", 1)[1])
+                for whole in self.block_names.values()
+                if whole.rsplit(".", 1)[0] == entry.block_list
+            ]
+            blocks = self.model_config.get(counts[entry.block_list]) or 0
+            arguments[entry.argument] = entry.for_stage(residuals, held, blocks, arguments)
 
     def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
         if self.grid != (rows, cols):  # a new image size: new patches, new buffers
@@ -406,9 +431,27 @@ class PipeFusionStage:
             text = self.state.text_len
             raise _StageDone(output[:, text:], output[:, :text])
         if not isinstance(output, tuple):
-            raise _StageDone(output, None)
+            raise _StageDone(self._with_residual(output), None)
         text_at = meta.return_encoder_hidden_states_index
-        raise _StageDone(output[meta.return_hidden_states_index], None if text_at is None else output[text_at])
+        image = self._with_residual(output[meta.return_hidden_states_index])
+        raise _StageDone(image, None if text_at is None else output[text_at])
+
+    def _with_residual(self, image):
+        """The last block's image states as the forward goes on with them: plus the residual it adds after that
+        block (a ControlNet's), which a stage that hands over at the block's output would otherwise drop."""
+        return image if self.handed_residual is None else image + self.handed_residual
+
+    def _last_block_residual(self, arguments: dict):
+        """The residual the forward adds after this stage's last block (a ControlNet's, from the rebased and cut
+        list of that block's list), or None: none declared, none given, or the last stage (it hands nothing over)."""
+        if self.mesh.is_last_stage:
+            return None
+        last_list = list(self.block_names.values())[-1].rsplit(".", 1)[0]
+        for entry in self.state.adapter.block_residuals:
+            residuals = arguments.get(entry.argument)
+            if entry.block_list == last_list and residuals:
+                return residuals[-1]
+        return None
 
     def staleness(self) -> dict:
         """Small summary for views: per layer of this stage (named as in the whole model, in the

@@ -107,6 +107,37 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
     assert not list(one_node.glob("*.partial")) and not list(two_nodes.glob("*.partial"))
 
 
+def test_torchrun_across_two_hosts_gives_the_one_node_images(folder, tmp_path):
+    """`torchrun --nnodes 2` on two hosts (network namespaces with host names of their own, joined by a veth pair:
+    tests/two_hosts.py), the master host A's address as B reaches it: the same images as one node, each rank on
+    its host, its collectives bound to the interface its route to the master leaves by (GLOO_SOCKET_IFNAME, chosen
+    by init_distributed; without it gloo binds what the host name resolves to, loopback here, and B dials
+    127.0.0.1). cfg 2 across the hosts moves the same bytes as on one node."""
+    from two_hosts import two_hosts
+
+    one_node, two = tmp_path / "one", tmp_path / "two"
+    config = ParallelConfig(cfg=2)
+    with two_hosts() as hosts:
+        port = 29500  # in fresh namespaces nothing listens yet
+        _succeed(
+            [production.torchrun_argv(2, master_port=_ports(1)[0]) + _run(folder, one_node, config)]
+            + [
+                host.argv(
+                    production.torchrun_argv(1, nnodes=2, node_rank=i, master_addr=hosts[0].address, master_port=port)
+                    + _run(folder, two, config)
+                )
+                for i, host in enumerate(hosts)
+            ]
+        )
+    for a, b in zip(_images(one_node), _images(two)):
+        assert np.array_equal(a, b)
+    ranks = json.loads((two / "report.json").read_text())["ranks"]
+    assert [(r["host"], r["interface"]) for r in ranks] == [(h.name, h.interface) for h in hosts], ranks
+    alone = json.loads((one_node / "report.json").read_text())["ranks"]
+    assert {r["interface"] for r in alone} == {None}  # one host: the route to the master is loopback
+    assert [r["bytes_out_by_group"] for r in ranks] == [r["bytes_out_by_group"] for r in alone]
+
+
 def test_run_failure_leaves_no_partial_file(folder, tmp_path):
     output = tmp_path / "out"
     command = production.torchrun_argv(1, master_port=free_port()) + _run(folder, output, ParallelConfig(), height=30)

@@ -86,6 +86,14 @@ def init_distributed(
             raise ValueError("MASTER_PORT is not set: launch with torchrun or pass master_port=")
         os.environ["MASTER_PORT"] = str(free_port())
 
+    # gloo and NCCL bind the interface their host name resolves to, loopback where it resolves to nothing: on
+    # several hosts the peers would then dial 127.0.0.1. Without the user's choice, bind the one the master's
+    # route leaves by (none on one host, whose route to the master is loopback)
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    if world_size > 1 and not os.environ.get(variable):
+        interface = route_interface(os.environ["MASTER_ADDR"])
+        if interface is not None:
+            os.environ[variable] = interface
     dist.init_process_group(
         backend=backend,
         rank=rank,
@@ -128,6 +136,33 @@ def usable_cpu_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def route_interface(address: str) -> str | None:
+    """The network interface (Linux) this host reaches `address` through: the one holding the local address a UDP
+    socket connected to it takes (connecting a UDP socket sends nothing, it only picks the route). None where the
+    route is loopback, the address does not resolve, or no interface holds that local address."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    if local.startswith("127."):
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(packed[20:24]) == local:
+            return name
+    return None
 
 
 def free_port() -> int:

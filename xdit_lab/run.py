@@ -113,10 +113,7 @@ def run_generation(
                     **images,
                 )
             mine = dict(
-                rank=current_info().rank,
-                mesh=str(pipe.mesh),
-                device=str(pipe.device),
-                memory=rank_memory(pipe),
+                **_rank_record(pipe),
                 bytes_out_by_group=log.bytes_by_group(),  # the whole run
                 bytes_out_by_phase=dict(
                     encode=result.comm_encode, per_step=result.comm_per_step, decode=result.comm_decode
@@ -263,9 +260,7 @@ def run_prompts_file(
                     )
                     bar.update(len(rows))
             where.phase = "gathering the report"
-            mine = dict(
-                rank=current_info().rank, mesh=str(pipe.mesh), device=str(pipe.device), memory=rank_memory(pipe)
-            )
+            mine = _rank_record(pipe)
             ranks = comm.all_gather_object(mine, pipe.mesh, WORLD, tag="report")
     except Exception as error:
         if not waited_for_a_peer(error):
@@ -542,3 +537,20 @@ def _one_output(image) -> tuple[str, object]:
             p, format="GIF", save_all=True, append_images=image[1:], duration=125, loop=0
         )
     return ".png", lambda p: image.save(p, format="PNG")
+
+
+def _rank_record(pipe) -> dict:
+    """Where this rank ran, for report.json: its rank, mesh coordinates, device, host name, the network interface
+    its collectives bound (distributed.init_distributed), and its memory."""
+    import socket
+
+    info = current_info()
+    variable = "NCCL_SOCKET_IFNAME" if info.backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    return dict(
+        rank=info.rank,
+        mesh=str(pipe.mesh),
+        device=str(pipe.device),
+        host=socket.gethostname(),
+        interface=os.environ.get(variable),  # None: the one the host name resolves to (one host: loopback)
+        memory=rank_memory(pipe),
+    )

@@ -15,7 +15,7 @@ TORCH_INDEX ?=
 # The notebooks' kernel ("xdit-lab" in their metadata), installed into .venv so nbval finds it there.
 KERNEL := $(VENV)/share/jupyter/kernels/xdit-lab/kernel.json
 
-.PHONY: setup demo test pytest nbval browser-test notebooks format clean
+.PHONY: setup demo test pytest nbval browser-test notebooks format clean ssh-server
 .PHONY: setup-gpu gpu-check gpu-wheels
 
 setup: $(STAMP) $(KERNEL)
@@ -51,8 +51,14 @@ test: $(STAMP) $(KERNEL)
 	$(MAKE) --no-print-directory -j2 --output-sync=target pytest nbval
 
 pytest: export CUDA_VISIBLE_DEVICES :=
-pytest: $(STAMP) $(KERNEL)
+pytest: $(STAMP) $(KERNEL) ssh-server
 	$(BIN)/python -m pytest -q --durations=60 tests
+
+# The tests over two hosts (tests/two_hosts.py) log in to each host with ssh: sshd is installed here when it is
+# missing and this runs as root (CI); elsewhere those tests are skipped and say why.
+ssh-server:
+	@if [ ! -x /usr/sbin/sshd ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update && apt-get install -y openssh-server; fi
 
 nbval: export CUDA_VISIBLE_DEVICES :=
 nbval: $(STAMP) $(KERNEL)

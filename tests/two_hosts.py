@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -79,3 +80,49 @@ def two_hosts():
     finally:
         for namespace in made:
             _remove(namespace)
+
+
+@contextlib.contextmanager
+def ssh_servers(hosts, folder):
+    """sshd on each of `hosts`, listening on its address, taking a key made here (in `folder`) for root; yields the
+    ssh arguments that log in with it (for ssh, scp, and ipyparallel's SSH launchers). Skips the test, saying why,
+    where sshd is not installed (`make pytest` installs openssh-server where it runs as root)."""
+    sshd = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
+    if sshd is None:
+        pytest.skip("engines started over SSH need sshd (Debian: apt-get install openssh-server)")
+    for name in ("host_key", "client_key"):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / name)], check=True, timeout=30
+        )
+    (folder / "authorized_keys").write_text((folder / "client_key.pub").read_text())
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
+    servers = []
+    try:
+        for host in hosts:
+            options = dict(
+                ListenAddress=host.address, AuthorizedKeysFile=folder / "authorized_keys", StrictModes="no",
+                PermitRootLogin="prohibit-password", UsePAM="no", PidFile="none", Subsystem="sftp internal-sftp",
+            )  # fmt: skip
+            command = [sshd, "-D", "-e", "-f", "/dev/null", "-h", str(folder / "host_key")]
+            command += [arg for key, value in options.items() for arg in ("-o", f"{key}={value}")]
+            log = open(folder / f"sshd-{host.name}.log", "w")  # noqa: SIM115 (closed with the server)
+            servers.append((subprocess.Popen(host.argv(command), stdout=log, stderr=subprocess.STDOUT), log))
+        arguments = ["-i", str(folder / "client_key"), "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes"]
+        arguments += ["-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+        for host in hosts:  # each server up: a login from host A (sshd needs a moment to listen)
+            for _ in range(50):
+                login = subprocess.run(
+                    hosts[0].argv(["ssh", *arguments, host.address, "hostname"]), capture_output=True, text=True
+                )
+                if login.returncode == 0:
+                    assert login.stdout.strip() == host.name, login.stdout
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail(f"sshd on {host.name} did not take a login: {login.stderr.strip()}")
+        yield arguments
+    finally:
+        for server, log in servers:
+            server.kill()
+            server.wait(timeout=30)
+            log.close()

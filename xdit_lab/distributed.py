@@ -89,7 +89,7 @@ def init_distributed(
     # gloo and NCCL bind the interface their host name resolves to, loopback where it resolves to nothing: on
     # several hosts the peers would then dial 127.0.0.1. Without the user's choice, bind the one the master's
     # route leaves by (none on one host, whose route to the master is loopback)
-    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    variable = interface_variable(backend)
     if world_size > 1 and not os.environ.get(variable):
         interface = route_interface(os.environ["MASTER_ADDR"])
         if interface is not None:
@@ -146,13 +146,8 @@ def route_interface(address: str) -> str | None:
     import socket
     import struct
 
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((address, 9))
-            local = probe.getsockname()[0]
-    except OSError:
-        return None
-    if local.startswith("127."):
+    local = route_source(address)
+    if local is None or local.startswith("127."):
         return None
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -163,6 +158,24 @@ def route_interface(address: str) -> str | None:
         if socket.inet_ntoa(packed[20:24]) == local:
             return name
     return None
+
+
+def interface_variable(backend: str) -> str:
+    """The environment variable that names the network interface `backend`'s sockets bind."""
+    return "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+
+
+def route_source(address: str) -> str | None:
+    """This host's IPv4 address on its route to `address` (what a peer there sees it as), or None where `address`
+    does not resolve or has no route. A UDP socket connected to it takes that address and sends nothing."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return None
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import comm
 from .config import ParallelConfig
-from .distributed import current_info, init_distributed
+from .distributed import current_info, init_distributed, interface_variable
 from .mesh import WORLD
 from .models import StepCache
 from .output_folder import RECORDS_FILE, OutputWriteError, append_record, atomic_write, check_output_folder, open_run
@@ -545,12 +545,11 @@ def _rank_record(pipe) -> dict:
     import socket
 
     info = current_info()
-    variable = "NCCL_SOCKET_IFNAME" if info.backend == "nccl" else "GLOO_SOCKET_IFNAME"
     return dict(
         rank=info.rank,
         mesh=str(pipe.mesh),
         device=str(pipe.device),
         host=socket.gethostname(),
-        interface=os.environ.get(variable),  # None: the one the host name resolves to (one host: loopback)
+        interface=os.environ.get(interface_variable(info.backend)),  # None: what the host name resolves to
         memory=rank_memory(pipe),
     )

@@ -36,9 +36,11 @@ connect (every host needs this package installed and the model folder at the sam
     cluster = ipyparallel.Cluster(engine_launcher_class="ssh", controller_ip="0.0.0.0",
                                   cluster_id="dit", config=config)  # c.SSHEngineSetLauncher.engines =
     cluster.start_cluster_sync()                                    #   {"node1": 8, "node2": 8}
-    lab = Lab(cluster_id="dit")
+    lab = Lab(16, cluster=cluster)  # lab.restart() restarts them with the cluster's launchers (README: Several hosts)
 
-Pass `master_addr=` when the rank-0 engine's host name does not resolve from the other hosts.
+The master address is the rank-0 engine's address on its route to the controller (the rank table's `master`);
+pass `master_addr=` to choose another. Each engine's collectives bind the interface its route to the master
+leaves by (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: init_distributed), unless its environment sets one.
 `lab.stop()` leaves a connected cluster running (it only leaves the process group);
 `ipcluster stop --cluster-id=dit` ends it. On GPUs each engine takes the GPU of its local rank
 (engines sorted by id on each host), as under torchrun.
@@ -137,7 +139,8 @@ class CallLock:
 class Lab:
     """n engines started here (default: one per visible GPU, else one per CPU core; CPU engines run
     one torch thread each), listening on `ip`; or, with connect=True or a cluster_id, the engines of
-    a running cluster. `timeout_s` bounds every call to the engines (methods take their own
+    a running cluster (`cluster=`: the ipyparallel.Cluster that started them, which lab.restart() restarts with
+    its own launchers and their settings). `timeout_s` bounds every call to the engines (methods take their own
     timeout_s too); `collective_timeout_s` is torch.distributed's timeout on the engines.
     `engine_env` adds environment variables to started engines."""
 
@@ -154,11 +157,13 @@ class Lab:
         engine_env: dict | None = None,
         backend: str | None = None,
         master_addr: str | None = None,
+        cluster: ipp.Cluster | None = None,
     ):
         self.timeout_s, self.collective_timeout_s = timeout_s, collective_timeout_s
         self.profile, self.cluster_id, self.backend, self.master_addr = profile, cluster_id, backend, master_addr
         self.cluster, self.client = None, None
-        self.owns_cluster = not (connect or cluster_id is not None)
+        self.started_by_caller = cluster  # a cluster started by the caller, restarted with its own launchers
+        self.owns_cluster = not (connect or cluster_id is not None or cluster is not None)
         self.ranks: list[dict] = []  # one row per rank: engine, host, local_rank, device, pid
         self.loaded: Loaded | None = None  # the last load, for configure and restart
         self.session_token = 0  # bumped by every new session, load and restart
@@ -170,6 +175,9 @@ class Lab:
         try:
             if self.owns_cluster:
                 self._start_cluster(n, ip, engine_env)
+            elif cluster is not None:
+                self.cluster_id = cluster.cluster_id
+                self.client = cluster.connect_client_sync()
             else:
                 self.client = ipp.Client(profile=profile, cluster_id=cluster_id, timeout=timeout_s)
             stop_at_exit(self)
@@ -230,7 +238,9 @@ class Lab:
             pushes.append((row["engine"], self.client[row["engine"]].push({engine.STATE_NAME: entry}, block=False)))
         self._wait(pushes, "push ranks")
         single_host = len({row["host"] for row in self.ranks}) == 1
-        master = self.master_addr or ("127.0.0.1" if single_host else self.ranks[0]["host"])
+        # several hosts: the rank-0 engine's address on its route to the controller, which every engine reaches
+        # (its host name may resolve to nothing elsewhere), else that host name
+        master = self.master_addr or ("127.0.0.1" if single_host else self.ranks[0]["address"] or self.ranks[0]["host"])
         # A port free on the rank-0 host (checked on its loopback; the store listens on every interface).
         port = self.call(engine.pick_port, ranks=[0], state=False, what="pick a port")[0]
         joined = self.call(engine.init, master, port, self.collective_timeout_s, self.backend, what="init_distributed")
@@ -276,6 +286,8 @@ class Lab:
         if self.owns_cluster:
             self.cluster.stop_engines_sync()
             self.cluster.start_engines_sync(self.n, environment=self._engine_env)
+        elif self.started_by_caller is not None:  # its launchers as the caller configured them (SSH: its keys)
+            self.started_by_caller.restart_engines_sync()
         else:
             try:
                 cluster = ipp.Cluster.from_file(profile=self.profile, cluster_id=self.cluster_id or "")
@@ -284,7 +296,7 @@ class Lab:
                 raise LabError(
                     f"cannot restart the engines of cluster {self.cluster_id!r}, which this Lab did not "
                     f"start ({type(error).__name__}: {error}); restart them where they were started "
-                    f"(ipcluster) and connect a new Lab"
+                    f"(ipcluster) and connect a new Lab, or make the Lab with cluster=your ipyparallel.Cluster"
                 ) from None
         self._setup(self._wait_for_engines(self.n or len(self.ranks), exclude=old))
         if self.loaded is not None:

@@ -19,8 +19,20 @@ STATE_NAME = "_xdit_lab"
 
 
 def describe() -> dict:
-    """Who this engine is: host and process, before it has a rank."""
-    return dict(host=socket.gethostname(), pid=os.getpid())
+    """Who this engine is, before it has a rank: host and process, and its address on the route to the controller
+    (where every engine reaches it: the rank-0 engine's is the master address), None outside an engine."""
+    from urllib.parse import urlparse
+
+    from xdit_lab.distributed import route_source
+
+    try:
+        from ipyparallel.engine.app import IPEngine
+
+        controller = urlparse(IPEngine.instance().registration_url).hostname
+    except Exception:  # not in an ipyparallel engine
+        controller = None
+    address = route_source(controller) if controller else None
+    return dict(host=socket.gethostname(), pid=os.getpid(), address=address)
 
 
 def pick_port() -> int:
@@ -33,7 +45,7 @@ def init(state: dict, master_addr: str, master_port: int, timeout_s: float, back
     """Join the torch.distributed world (every engine enters this in the same non-blocking apply)."""
     import torch
 
-    from xdit_lab.distributed import init_distributed
+    from xdit_lab.distributed import init_distributed, interface_variable
 
     # What torchrun would have set: load_pipeline's memory plan reads LOCAL_WORLD_SIZE.
     for name in ("rank", "world_size", "local_rank", "local_world_size"):
@@ -51,7 +63,10 @@ def init(state: dict, master_addr: str, master_port: int, timeout_s: float, back
     if info.device.type == "cpu":
         torch.set_num_threads(1)  # engines share the host's cores; extra threads only contend
     state.update(pipe=None, session=None)
-    return dict(backend=info.backend, device=str(info.device))
+    # the interface its collectives bound: the one toward the master (init_distributed), None on one host
+    return dict(
+        backend=info.backend, device=str(info.device), interface=os.environ.get(interface_variable(info.backend))
+    )
 
 
 def shutdown(state: dict) -> None:

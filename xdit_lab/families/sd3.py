@@ -33,6 +33,12 @@ from .recipe import (
 )
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, TinySpec, flow_scheduler, flow_vae, text_parts
 
+
+def _spread_residual(block: int, blocks: int, residuals: int, arguments: dict) -> int:
+    """The residual SD3Transformer2DModel's forward adds at `block` of `blocks`: int(block / (blocks / residuals))."""
+    return int(block / (blocks / residuals))
+
+
 ADAPTER = FamilyAdapter(
     "sd3",
     "SD3Transformer2DModel",
@@ -42,9 +48,7 @@ ADAPTER = FamilyAdapter(
     # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them, and under
     # PipeFusion each stage given its own blocks' (the forward picks block g's as int(g / (n / len(R))))
     per_token=(PerToken("", "block_controlnet_hidden_states"),),
-    block_residuals=(
-        BlockResiduals("block_controlnet_hidden_states", "transformer_blocks", lambda g, n, r, _: int(g / (n / r))),
-    ),
+    block_residuals=(BlockResiduals("block_controlnet_hidden_states", "transformer_blocks", _spread_residual),),
 )
 
 # the ControlNet: SD3's layout, its control image's tokens (pos_embed_input's) cut with the image's, no output

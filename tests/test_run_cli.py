@@ -109,33 +109,36 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
 
 def test_torchrun_across_two_hosts_gives_the_one_node_images(folder, tmp_path):
     """`torchrun --nnodes 2` on two hosts (network namespaces with host names of their own, joined by a veth pair:
-    tests/two_hosts.py), the master host A's address as B reaches it: the same images as one node, each rank on
-    its host, its collectives bound to the interface its route to the master leaves by (GLOO_SOCKET_IFNAME, chosen
-    by init_distributed; without it gloo binds what the host name resolves to, loopback here, and B dials
-    127.0.0.1). cfg 2 across the hosts moves the same bytes as on one node."""
+    tests/two_hosts.py) gives the same images as one node, each rank on its host, its collectives bound to the
+    interface its route to the master leaves by (GLOO_SOCKET_IFNAME, chosen by init_distributed), and cfg 2 across
+    the hosts moves the same bytes as on one node. Both rendezvous the README shows:
+    - static, host A's address as the master (`--node_rank`, `--master_addr`), on hosts whose names resolve to
+      nothing: gloo would bind loopback there and B would dial 127.0.0.1, but for the interface chosen;
+    - c10d (`--rdzv-endpoint host-a:29400`, the same command on every host; torch ranks the nodes by their names),
+      on hosts whose names resolve (torch's rendezvous looks its own host name up; the rank-0 node's name becomes
+      the master address)."""
     from two_hosts import two_hosts
 
-    one_node, two = tmp_path / "one", tmp_path / "two"
+    one_node = tmp_path / "one"
     config = ParallelConfig(cfg=2)
-    with two_hosts() as hosts:
-        port = 29500  # in fresh namespaces nothing listens yet
-        _succeed(
-            [production.torchrun_argv(2, master_port=_ports(1)[0]) + _run(folder, one_node, config)]
-            + [
-                host.argv(
-                    production.torchrun_argv(1, nnodes=2, node_rank=i, master_addr=hosts[0].address, master_port=port)
-                    + _run(folder, two, config)
-                )
-                for i, host in enumerate(hosts)
-            ]
-        )
-    for a, b in zip(_images(one_node), _images(two)):
-        assert np.array_equal(a, b)
-    ranks = json.loads((two / "report.json").read_text())["ranks"]
-    assert [(r["host"], r["interface"]) for r in ranks] == [(h.name, h.interface) for h in hosts], ranks
+    _succeed([production.torchrun_argv(2, master_port=_ports(1)[0]) + _run(folder, one_node, config)])
     alone = json.loads((one_node / "report.json").read_text())["ranks"]
     assert {r["interface"] for r in alone} == {None}  # one host: the route to the master is loopback
-    assert [r["bytes_out_by_group"] for r in ranks] == [r["bytes_out_by_group"] for r in alone]
+    launchers = {
+        "static": lambda hosts, i: production.torchrun_argv(
+            1, nnodes=2, node_rank=i, master_addr=hosts[0].address, master_port=29500
+        ),  # in fresh namespaces nothing listens yet
+        "c10d": lambda hosts, i: production.torchrun_argv(1, nnodes=2, rdzv_endpoint=f"{hosts[0].name}:29400"),
+    }
+    for rendezvous, launcher in launchers.items():
+        two = tmp_path / rendezvous
+        with two_hosts(names_resolve=rendezvous == "c10d") as hosts:
+            _succeed([host.argv(launcher(hosts, i) + _run(folder, two, config)) for i, host in enumerate(hosts)])
+        for a, b in zip(_images(one_node), _images(two), strict=True):
+            assert np.array_equal(a, b), rendezvous
+        ranks = json.loads((two / "report.json").read_text())["ranks"]
+        assert [(r["host"], r["interface"]) for r in ranks] == [(h.name, h.interface) for h in hosts], ranks
+        assert [r["bytes_out_by_group"] for r in ranks] == [r["bytes_out_by_group"] for r in alone], rendezvous
 
 
 def test_run_failure_leaves_no_partial_file(folder, tmp_path):

@@ -196,6 +196,14 @@ def test_run_argv_parses_back_to_the_same_call():
         "--master_port",
         "29999",
     ]
+    c10d = production.torchrun_argv(1, nnodes=2, rdzv_endpoint="host-a:29400")  # torch's own parser reads it
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(c10d[3:] + ["-m", "xdit_lab.cli"])
+    assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.nnodes) == ("c10d", "host-a:29400", "2")
+    for neither_or_both in ({}, {"master_port": 29999, "rdzv_endpoint": "host-a:29400"}):
+        with pytest.raises(ValueError, match="master_port= .* or rdzv_endpoint="):
+            production.torchrun_argv(1, **neither_or_both)
 
 
 def test_run_processes_and_timeout():

@@ -4,8 +4,12 @@ its own (a UTS namespace per command):
 
     host A: namespace xdlNa, interface xvNa 169.254.x.1  <--veth-->  host B: namespace xdlNb, interface xvNb 169.254.x.2
 
-Only the namespaces made here are used, and they are removed afterwards with every process still in them. Making
-them needs root (CI has it); where that fails, the test is skipped and says why.
+Host names resolve to nothing by default (gloo then falls back to loopback: what init_distributed's interface
+choice is for). `two_hosts(names_resolve=True)` gives each namespace a hosts file naming both hosts' addresses, as a
+site's DNS would (`ip netns exec` mounts /etc/netns/NAMESPACE/hosts over /etc/hosts): torch's c10d rendezvous
+looks its own host name up. Only the namespaces made here are used, and they are removed afterwards with every
+process still in them, their hosts files with them. Making them needs root (CI has it); where that fails, the test
+is skipped and says why.
 """
 
 from __future__ import annotations
@@ -39,17 +43,19 @@ def _ip(*arguments: str, namespace: str | None = None) -> None:
 
 
 def _remove(namespace: str) -> None:
-    """The namespace and every process still in it (its veth end goes with it)."""
+    """The namespace, every process still in it (its veth end goes with it) and its hosts file."""
     pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30).stdout
     for pid in pids.split():
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), 9)
     subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, timeout=30)
+    shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
 
 
 @contextlib.contextmanager
-def two_hosts():
-    """(host A, host B), joined; skips the test, saying why, where they cannot be made."""
+def two_hosts(names_resolve: bool = False):
+    """(host A, host B), joined; with `names_resolve`, each host's name resolves to its address on both. Skips the
+    test, saying why, where they cannot be made."""
     if os.geteuid() != 0:
         pytest.skip("two hosts on one machine need network namespaces, which only root can make")
     missing = [tool for tool in ("ip", "unshare") if shutil.which(tool) is None]
@@ -71,10 +77,17 @@ def two_hosts():
             _ip("addr", "add", f"{host.address}/24", "dev", host.interface, namespace=host.namespace)
             _ip("link", "set", host.interface, "up", namespace=host.namespace)
             _ip("link", "set", "lo", "up", namespace=host.namespace)
-    except subprocess.CalledProcessError as error:
+        if names_resolve:
+            names = "".join(f"{host.address} {host.name}\n" for host in hosts)
+            for host in hosts:
+                os.makedirs(f"/etc/netns/{host.namespace}", exist_ok=True)
+                with open(f"/etc/netns/{host.namespace}/hosts", "w") as hosts_file:
+                    hosts_file.write("127.0.0.1 localhost\n" + names)
+    except (subprocess.CalledProcessError, OSError) as error:
         for namespace in made:
             _remove(namespace)
-        pytest.skip(f"two hosts on one machine: `{' '.join(error.cmd)}` failed: {error.stderr.strip()}")
+        why = f"`{' '.join(error.cmd)}` failed: {error.stderr.strip()}" if hasattr(error, "cmd") else error
+        pytest.skip(f"two hosts on one machine: {why}")
     try:
         yield hosts[0], hosts[1]
     finally:

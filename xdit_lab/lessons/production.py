@@ -47,25 +47,26 @@ def run_argv(model, prompts, config, output, *, seed: int = 0, negative_prompt=N
 
 
 def torchrun_argv(
-    nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1", master_port: int
+    nproc_per_node: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    rdzv_endpoint: str | None = None,
 ) -> list[str]:
-    """torchrun (as `python -m torch.distributed.run`, the kernel's own interpreter) with a static
-    rendezvous at master_addr:master_port, up to the module it runs: append ["-m", "xdit_lab.cli", ...]."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(nnodes),
-        "--node_rank",
-        str(node_rank),
-        "--nproc_per_node",
-        str(nproc_per_node),
-        "--master_addr",
-        master_addr,
-        "--master_port",
-        str(master_port),
-    ]
+    """torchrun (as `python -m torch.distributed.run`, the kernel's own interpreter) up to the module it runs:
+    append ["-m", "xdit_lab.cli", ...]. Either a static rendezvous at master_addr:master_port, this node being
+    node_rank, or (`rdzv_endpoint="host:port"`) torch's c10d rendezvous there, which numbers the nodes as they
+    join; its host (by name or address) serves the rendezvous and every node runs the same command."""
+    if (master_port is None) == (rdzv_endpoint is None):
+        raise ValueError("torchrun_argv needs master_port= (a static rendezvous) or rdzv_endpoint= (c10d), one of them")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes)]
+    if rdzv_endpoint is not None:
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "xdit-lab"]
+        return torchrun + ["--nproc_per_node", str(nproc_per_node), *rendezvous]
+    node = ["--node_rank", str(node_rank), "--nproc_per_node", str(nproc_per_node)]
+    return torchrun + node + ["--master_addr", master_addr, "--master_port", str(master_port)]
 
 
 def run_processes(

@@ -5,12 +5,15 @@ rows) and, per configuration, the latents and every rank's bytes per group and s
 
     python tests/lab_on_host_a.py A_ADDRESS B_ADDRESS OUTPUT SSH_ARGS_JSON FOLDER B_NAMESPACE B_INTERFACE
 
-Then a fault: host B's link goes down in the middle of a session (the step's collectives wait for B's ranks),
-the call ends with an error within the Lab's timeout, the link comes back, and lab.restart() starts fresh engines
-over SSH and reloads: its run is written too (the error, how long it took, the latents after the restart).
+Then two faults, each in the middle of a session: host B's link goes down (the step's collectives wait for B's
+ranks), and B's engines are killed. Each time the call ends with an error within the Lab's timeout, B comes back
+(its link up), and lab.restart() starts fresh engines over SSH and reloads: each fault's run is written too (the
+error, how long it took, the latents after the restart).
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,18 +51,26 @@ def main(a_address, b_address, output, ssh_args, folder, b_namespace, b_interfac
                 comm = [summary["comm"] for summary in session.summaries()]
                 roles = [dict(row) for row in lab.ranks]
                 results["runs"][parallel.short()] = dict(latents=latents, comm=comm, ranks=roles)
-            results["fault"] = _link_lost(lab, folder, b_namespace, b_interface)
+            link = ["ip", "netns", "exec", b_namespace, "ip", "link", "set", b_interface]
+            results["faults"] = {
+                "link down": _host_lost(
+                    lab,
+                    folder,
+                    lose=lambda: subprocess.run([*link, "down"], check=True, timeout=30),
+                    back=lambda: subprocess.run([*link, "up"], check=True, timeout=30),
+                ),
+                "engines killed": _host_lost(lab, folder, lose=lambda: _kill_engines(b_namespace), back=lambda: None),
+            }
         torch.save(results, output)
     finally:
         cluster.stop_cluster_sync()
 
 
-def _link_lost(lab, folder, namespace, interface) -> dict:
-    """B's link down after the first step of a session: the rest of it fails by name; the link up, a restart."""
-    link = ["ip", "netns", "exec", namespace, "ip", "link", "set", interface]
+def _host_lost(lab, folder, lose, back) -> dict:
+    """`lose()` host B after the first step of a session: the rest of it fails by name; `back()`, a restart."""
     lab.load(folder, CONFIGS[0])
     session = lab.session(PROMPTS, seed=0, **CALL).step()
-    subprocess.run([*link, "down"], check=True, timeout=30)
+    lose()
     started = time.monotonic()
     try:
         session.run(timeout_s=FAULT_TIMEOUT_S)
@@ -67,10 +78,26 @@ def _link_lost(lab, folder, namespace, interface) -> dict:
     except LabError as lost:
         error = str(lost)
     seconds = time.monotonic() - started
-    subprocess.run([*link, "up"], check=True, timeout=30)
+    back()
     lab.restart()  # fresh engines over SSH on both hosts, the last pipeline loaded again
     latents = output_latents(lab.session(PROMPTS, seed=0, **CALL).run().result(output_type="latent"))
     return dict(error=error, seconds=seconds, latents=latents, ranks=[dict(row) for row in lab.ranks])
+
+
+def _kill_engines(namespace):
+    """SIGKILL every ipyparallel engine process in host B's namespace (its sshd stays)."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30).stdout
+    killed = []
+    for pid in pids.split():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"ipyparallel.engine" not in cmdline.read():
+                    continue
+            os.kill(int(pid), signal.SIGKILL)
+            killed.append(int(pid))
+        except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
+            continue
+    assert killed, f"no engine process in {namespace}"
 
 
 if __name__ == "__main__":

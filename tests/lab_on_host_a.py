@@ -32,6 +32,11 @@ CONFIGS = [ParallelConfig(cfg=2, ulysses=2), ParallelConfig(pipefusion=2, ulysse
 CALL = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=3, negative_prompt=["", "a photo"])
 LAB_TIMEOUT_S, COLLECTIVE_TIMEOUT_S = 60, 20
 FAULT_TIMEOUT_S = 30  # the call that loses host B: named within it
+STARTED = time.monotonic()
+
+
+def _log(what):  # on stderr, which tests/test_lab_hosts.py shows when this fails: where the time went
+    print(f"[{time.monotonic() - STARTED:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def main(a_address, b_address, output, ssh_args, folder, b_namespace, b_interface):
@@ -41,9 +46,11 @@ def main(a_address, b_address, output, ssh_args, folder, b_namespace, b_interfac
     config.SSHLauncher.remote_python = sys.executable  # the same environment on every host
     cluster = ipp.Cluster(engine_launcher_class="ssh", controller_ip=a_address, cluster_id="two-hosts", config=config)
     cluster.start_cluster_sync(n=4)
+    _log("controller and 4 engines started over SSH")
     try:
         with Lab(4, cluster=cluster, timeout_s=LAB_TIMEOUT_S, collective_timeout_s=COLLECTIVE_TIMEOUT_S) as lab:
             results = dict(table=repr(lab), ranks=[dict(row) for row in lab.ranks], runs={})
+            _log("Lab connected")
             for parallel in CONFIGS:
                 lab.load(folder, parallel)
                 session = lab.session(PROMPTS, seed=0, **CALL).run()
@@ -51,6 +58,7 @@ def main(a_address, b_address, output, ssh_args, folder, b_namespace, b_interfac
                 comm = [summary["comm"] for summary in session.summaries()]
                 roles = [dict(row) for row in lab.ranks]
                 results["runs"][parallel.short()] = dict(latents=latents, comm=comm, ranks=roles)
+                _log(f"{parallel.short()} loaded and run")
             link = ["ip", "netns", "exec", b_namespace, "ip", "link", "set", b_interface]
             results["faults"] = {
                 "link down": _host_lost(
@@ -78,9 +86,12 @@ def _host_lost(lab, folder, lose, back) -> dict:
     except LabError as lost:
         error = str(lost)
     seconds = time.monotonic() - started
+    _log(f"host B lost: the call ended in {seconds:.1f} s")
     back()
     lab.restart()  # fresh engines over SSH on both hosts, the last pipeline loaded again
+    _log("restarted")
     latents = output_latents(lab.session(PROMPTS, seed=0, **CALL).run().result(output_type="latent"))
+    _log("run again")
     return dict(error=error, seconds=seconds, latents=latents, ranks=[dict(row) for row in lab.ranks])
 
 

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,13 +50,16 @@ def test_a_lab_over_two_hosts_equals_one_host(tmp_path):
             a.argv([*script, str(folder), b.namespace, b.interface]), capture_output=True, text=True, timeout=600
         )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    print(*[line for line in run.stderr.splitlines() if line.startswith("[")], sep="\n")  # where the time went
     results = torch.load(output, weights_only=False)
     ranks = results["ranks"]
     assert [(r["host"], r["local_rank"]) for r in ranks] == [(a.name, 0), (a.name, 1), (b.name, 0), (b.name, 1)]
     assert a.name in results["table"] and b.name in results["table"]
     assert {r["master"].rsplit(":", 1)[0] for r in ranks} == {a.address}  # A's address as B reaches it
     assert [r["interface"] for r in ranks] == [a.interface, a.interface, b.interface, b.interface]
+    started = time.monotonic()
     alone = run_on_ranks(_one_host, 4, folder, timeout_s=300)
+    print(f"one host, 4 ranks: {time.monotonic() - started:.1f} s")
     for config in CONFIGS:
         name, run = config.short(), results["runs"][config.short()]
         roles = [row["role"] for row in run["ranks"]]

@@ -57,8 +57,8 @@ def torchrun_argv(
 ) -> list[str]:
     """torchrun (as `python -m torch.distributed.run`, the kernel's own interpreter) up to the module it runs:
     append ["-m", "xdit_lab.cli", ...]. Either a static rendezvous at master_addr:master_port, this node being
-    node_rank, or (`rdzv_endpoint="host:port"`) torch's c10d rendezvous there, which numbers the nodes as they
-    join; its host (by name or address) serves the rendezvous and every node runs the same command."""
+    node_rank, or (`rdzv_endpoint="host:port"`) torch's c10d rendezvous there, which ranks the nodes by their host
+    names; its host (by name or address) serves the rendezvous and every node runs the same command."""
     if (master_port is None) == (rdzv_endpoint is None):
         raise ValueError("torchrun_argv needs master_port= (a static rendezvous) or rdzv_endpoint= (c10d), one of them")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes)]

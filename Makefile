@@ -40,15 +40,17 @@ demo: $(STAMP)
 NOTEBOOKS := tutorials notebooks
 # The suite runs the CPU path (gloo ranks, CPU engines), also on a GPU host: GPUs hidden from it.
 # tests/gpu is collected and skipped there; `make gpu-check` runs it.
-# pytest and nbval run side by side: each leaves about a quarter of the two CI cores idle (spawns, engine
-# start-ups, timeouts waited out), which the other fills. Each one's output is printed whole when it ends
-# (--output-sync), and either failing fails `make test`. `make pytest` or `make nbval` runs one alone.
+# tests/ and the notebooks run as one queue on two workers (pytest-xdist): each file, test file or notebook, goes
+# whole to the next free worker, longest first (conftest.py). Each worker leaves part of a core idle (spawns,
+# engine start-ups, timeouts waited out), which the other fills, until the queue is empty: run as two halves side
+# by side, the tests ran alone for their last 20 minutes with a third of the CPU idle. `make pytest` or `make nbval`
+# runs one half alone.
+PYTEST_NBVAL := --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg
 test: export CUDA_VISIBLE_DEVICES :=
-test: $(STAMP) $(KERNEL)
+test: $(STAMP) $(KERNEL) ssh-server
 	$(BIN)/ruff check xdit_lab tests benchmarks
 	$(BIN)/ruff format --check xdit_lab tests benchmarks
-	@echo "pytest (tests/) and nbval ($(NOTEBOOKS)) run side by side; each prints its report when it ends"
-	$(MAKE) --no-print-directory -j2 --output-sync=target pytest nbval
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60 $(PYTEST_NBVAL) tests $(NOTEBOOKS)
 
 pytest: export CUDA_VISIBLE_DEVICES :=
 pytest: $(STAMP) $(KERNEL) ssh-server
@@ -62,7 +64,7 @@ ssh-server:
 
 nbval: export CUDA_VISIBLE_DEVICES :=
 nbval: $(STAMP) $(KERNEL)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 --nbval --nbval-sanitize-with tutorials/nbval_sanitize.cfg $(NOTEBOOKS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_NBVAL) $(NOTEBOOKS)
 
 # The explorer in a real browser: JupyterLab served on 127.0.0.1, notebooks/explorer.ipynb run
 # with Run All Cells, its buttons clicked (tests/browser/). Playwright drives Debian's chromium,

@@ -56,6 +56,14 @@ def _images(output):
     return [np.asarray(Image.open(output / f"{i:03d}.png")) for i in range(len(PROMPTS))]
 
 
+@pytest.fixture(scope="module")
+def one_node(folder, tmp_path_factory):
+    """The reference of the two tests below: `xdit-lab run` under cfg 2, torchrun on one node, 2 ranks (run once)."""
+    output = tmp_path_factory.mktemp("one_node")
+    _succeed([production.torchrun_argv(2, master_port=free_port()) + _run(folder, output, ParallelConfig(cfg=2))])
+    return output
+
+
 def _bytes_on_disk(folder, component) -> dict[str, int]:
     """Each tensor's bytes in a component's safetensors files, read with safetensors' own reader."""
     from safetensors import safe_open
@@ -70,13 +78,12 @@ def _bytes_on_disk(folder, component) -> dict[str, int]:
     return sizes
 
 
-def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
-    one_node, two_nodes = tmp_path / "one", tmp_path / "two"
-    single, shared = _ports(2)
+def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, one_node, tmp_path):
+    two_nodes = tmp_path / "two"
+    shared = free_port()
     config = ParallelConfig(cfg=2)
     _succeed(
-        [production.torchrun_argv(2, master_port=single) + _run(folder, one_node, config)]
-        + [
+        [
             production.torchrun_argv(1, nnodes=2, node_rank=rank, master_port=shared) + _run(folder, two_nodes, config)
             for rank in range(2)
         ]
@@ -107,7 +114,7 @@ def test_torchrun_one_node_and_two_nodes_give_the_same_images(folder, tmp_path):
     assert not list(one_node.glob("*.partial")) and not list(two_nodes.glob("*.partial"))
 
 
-def test_torchrun_across_two_hosts_gives_the_one_node_images(folder, tmp_path):
+def test_torchrun_across_two_hosts_gives_the_one_node_images(folder, one_node, tmp_path):
     """`torchrun --nnodes 2` on two hosts (network namespaces with host names of their own, joined by a veth pair:
     tests/two_hosts.py) gives the same images as one node, each rank on its host, its collectives bound to the
     interface its route to the master leaves by (GLOO_SOCKET_IFNAME, chosen by init_distributed), and cfg 2 across
@@ -119,9 +126,7 @@ def test_torchrun_across_two_hosts_gives_the_one_node_images(folder, tmp_path):
       the master address)."""
     from two_hosts import two_hosts
 
-    one_node = tmp_path / "one"
     config = ParallelConfig(cfg=2)
-    _succeed([production.torchrun_argv(2, master_port=_ports(1)[0]) + _run(folder, one_node, config)])
     alone = json.loads((one_node / "report.json").read_text())["ranks"]
     assert {r["interface"] for r in alone} == {None}  # one host: the route to the master is loopback
     launchers = {

@@ -12,10 +12,17 @@ from xdit_lab.cli import main
 from xdit_lab.distributed import usable_cpu_cores
 
 
-def _run(*args: str, script: bool = False) -> subprocess.CompletedProcess:
+def _run(*args: str, script: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the CLI as a user would: the installed console script, or `python -m xdit_lab.cli`."""
     command = [str(Path(sys.executable).with_name("xdit-lab"))] if script else [sys.executable, "-m", "xdit_lab.cli"]
-    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, **env} if env else None
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _imported_packages(stderr: str) -> set[str]:
+    """The top-level packages a process imported, from Python's own list (PYTHONPROFILEIMPORTTIME=1 on stderr)."""
+    rows = [line.split("|")[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")]
+    return {name.split(".")[0] for name in rows[1:]}  # the first row is the column titles
 
 
 def _table(stdout: str) -> tuple[list[str], list[list[str]]]:
@@ -27,8 +34,14 @@ def _table(stdout: str) -> tuple[list[str], list[list[str]]]:
 
 
 def test_plan_rows_match_options():
-    result = _run("plan", "--world-size", "4", "--heads", "4", "--top", "0")
+    """The table is options()'s ranking. It is arithmetic: the process never imports diffusers, transformers or
+    the rest of what loading a pipeline needs (xdit_lab/__init__.py's promise that `xdit-lab plan` starts in a
+    moment; importing fit/ for --gpu-memory's parser once made every `plan` wait for diffusers)."""
+    result = _run("plan", "--world-size", "4", "--heads", "4", "--top", "0", env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert result.returncode == 0, result.stderr
+    imported = _imported_packages(result.stderr)
+    assert {"torch", "xdit_lab"} <= imported, sorted(imported)  # the list is read: the control
+    assert not imported & {"diffusers", "transformers", "accelerate", "peft", "scipy"}, sorted(imported)
     assert result.stdout.startswith("Parallel configurations for 4 ranks (--world-size); heads 4,")
     header, rows = _table(result.stdout)
     assert header[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "work/rank"]

@@ -25,9 +25,16 @@ import sys
 
 from .config import DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
 from .distributed import usable_cpu_cores
-from .fit.command import memory_size
 from .plan_table import format_plan, plan_table
 from .quantization import SCHEMES
+
+
+def _gpu_memory(text: str) -> int:
+    """argparse type for --gpu-memory (fit.command.memory_size), imported when the option is given: fit/ pulls in
+    diffusers, which `xdit-lab plan` without --model, `--help` and argument errors need not wait for."""
+    from .fit.command import memory_size
+
+    return memory_size(text)
 
 
 def _count(minimum: int):
@@ -318,7 +325,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--why", action="store_true", help="say why each configuration ranks above the next")
     plan.add_argument("--model", metavar="FOLDER", help="a diffusers folder: plan what each rank holds of it")
     plan.add_argument(
-        "--gpu-memory", type=memory_size, metavar="SIZE", help="with --model: one GPU's memory (24GB, 22.5GiB, bytes)"
+        "--gpu-memory", type=_gpu_memory, metavar="SIZE", help="with --model: one GPU's memory (24GB, 22.5GiB, bytes)"
     )
     plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="with --model")
     plan.add_argument(

@@ -1,5 +1,6 @@
 """Per-rank loading: a rank materialises only what it will hold.
 
+`load_own_components` says which components a rank builds itself (load_pipeline hands the rest to diffusers).
 Every component loaded here is built with empty (meta) parameters (empty_model), cut to what this rank
 keeps, and filled with plain reads at the byte ranges the safetensors headers give
 (shard_loading.load_weights: no file is mapped):
@@ -12,12 +13,15 @@ mmap N bytes").
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import torch
 
 from .families import FAMILIES
+from .mesh import PIPEFUSION
+from .quantization import TRANSFORMERS, QuantizationError
 from .safetensors_io import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_files
 from .shard_loading import WeightsMismatchError, load_weights, materialize, transformers_key_renaming
 
@@ -214,7 +218,6 @@ def load_sharded_transformer(folder: Path, class_name: str, config, mesh, dtype,
     """The transformer in `folder` parallelized under `config` with its weights sharded (FSDP2 over the ranks
     of its stage), built empty and filled with this rank's rows only: no rank reads or maps the whole
     checkpoint. `parallel`: parallelize's other options (cache, compile)."""
-    from .mesh import PIPEFUSION
     from .models import parallelize
 
     model = empty_model(folder, "diffusers", class_name, dtype)
@@ -308,3 +311,77 @@ def load_quantized_text_encoder(folder: Path, class_name: str, dtype, device, qu
     return load_quantized(
         model, "transformers", folder, dtype, device, quantization, name, repeated_layers(model), rename
     )
+
+
+# ---- which components a rank builds itself ----------------------------------------------------------------------
+
+
+def text_encoders(index: dict, components: list[str]) -> list[str]:
+    """The pipeline's transformers text encoders (text_encoder, text_encoder_2, ...), in its index's order."""
+    return [name for name in components if name.startswith("text_encoder") and index[name][0] == "transformers"]
+
+
+def stage_blocks(folder: Path, index: dict, config, mesh, name: str = "transformer") -> tuple[int, int]:
+    """[start, stop) of the blocks of transformer `name` (transformer_2: Wan 2.2 A14B's second expert) this rank's
+    PipeFusion stage holds, from the folder's config."""
+    transformer_config = json.loads((folder / name / "config.json").read_text())
+    adapter = FAMILIES[index[name][1]]
+    return config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
+
+
+def load_own_components(
+    folder: Path,
+    index: dict,
+    components: list[str],
+    config,
+    mesh,
+    dtype,
+    device,
+    *,
+    sharding: bool,
+    quantized=None,
+    on_host=(),
+    cache=None,
+    compile=False,
+) -> dict:
+    """{name: module} of the components this rank builds from the files itself, each reading only what it keeps;
+    load_pipeline hands these to diffusers' from_pretrained, which loads the rest whole:
+      - quantized ones (`quantized`: quantization.resolve's), block by block (load_quantized_components);
+      - with `sharding`, each transformer (Wan 2.2 A14B's two experts alike) parallelized and sharded, then this
+        rank's rows read (`cache`, `compile`: parallelize's), and every text encoder not kept `on_host`;
+      - under PipeFusion without sharding, each transformer's stage: its own blocks and the rest."""
+    loaded = load_quantized_components(folder, index, config, mesh, dtype, device, quantized) if quantized else {}
+    for name in TRANSFORMERS:
+        if name not in components or name in loaded:
+            continue
+        if sharding:
+            loaded[name] = load_sharded_transformer(
+                folder / name, index[name][1], config, mesh, dtype, device, cache=cache, compile=compile
+            )
+        elif config.pipefusion > 1:
+            blocks = stage_blocks(folder, index, config, mesh, name)
+            loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, dtype)
+    for name in text_encoders(index, components) if sharding else ():
+        if name not in on_host and name not in loaded:
+            loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, dtype, device)
+    return loaded
+
+
+def load_quantized_components(folder: Path, index: dict, config, mesh, dtype, device, quantized) -> dict:
+    """The components `quantized` names, each built empty and filled block by block, every block quantized
+    as soon as it is read (load_quantized): the transformer (a PipeFusion stage: its blocks) and
+    transformers text encoders. Anything else is refused by name."""
+    loaded = {}
+    for name in quantized.configs:
+        library, class_name = index[name]
+        if name in TRANSFORMERS:
+            blocks = stage_blocks(folder, index, config, mesh, name) if config.pipefusion > 1 else None
+            loaded[name] = load_quantized_transformer(folder / name, class_name, dtype, device, quantized, blocks, name)
+        elif library == "transformers" and name.startswith("text_encoder"):
+            loaded[name] = load_quantized_text_encoder(folder / name, class_name, dtype, device, quantized, name)
+        else:
+            raise QuantizationError(
+                f"{name} ({class_name}) is not quantized by xdit_lab: it quantizes the transformer and the text "
+                f"encoders as it loads them; leave {name} out of the quantization's components"
+            )
+    return loaded

@@ -30,20 +30,18 @@ import torch.distributed as dist
 
 from .config import ParallelConfig, ParallelConfigError
 from .distributed import current_info, init_distributed
-from .families import FAMILIES, Request, recipe_for
+from .families import Request, recipe_for
 from .families.refusals import load_refusals, refusal_message
 from .loading import (
     check_weights_match_configs,
-    load_quantized_text_encoder,
-    load_quantized_transformer,
-    load_sharded_text_encoder,
-    load_sharded_transformer,
-    load_stage_transformer,
+    load_own_components,
+    stage_blocks,
     stage_key_renaming,
+    text_encoders,
 )
 from .lora import check_lora, fuse_loras, lora_bytes
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
-from .mesh import PIPEFUSION, RankMesh
+from .mesh import RankMesh
 from .model_folder import (
     component_folders,
     read_call_defaults,
@@ -232,33 +230,11 @@ def load_pipeline(
                 None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults, owns_mesh=owns_mesh
             )
 
-        loaded = {}  # components built here, each rank reading only what it keeps; diffusers loads the rest
-        if quantized is not None:  # read block by block, each block quantized as soon as it is read
-            loaded.update(load_quantized_components(folder, index, config, mesh, torch_dtype, info.device, quantized))
-        if "transformer" in components and "transformer" not in loaded:
-            if sharding:  # parallelized, sharded, then this rank's rows read
-                loaded["transformer"] = load_sharded_transformer(
-                    folder / "transformer",
-                    index["transformer"][1],
-                    config,
-                    mesh,
-                    torch_dtype,
-                    info.device,
-                    cache=cache,
-                    compile=compile,
-                )
-        for name in TRANSFORMERS if config.pipefusion > 1 and not sharding else ():
-            if name in components and name not in loaded:  # a stage materialises only its own blocks (and the rest)
-                blocks = stage_blocks(folder, index, config, mesh, name)
-                loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, torch_dtype)
-        if sharding and "transformer_2" in components:  # Wan 2.2 A14B's second expert, sharded as the first
-            loaded["transformer_2"] = load_sharded_transformer(
-                folder / "transformer_2", index["transformer_2"][1], config, mesh, torch_dtype, info.device, cache=cache,
-                compile=compile,
-            )  # fmt: skip
-        for name in text_encoders(index, components) if sharding else ():
-            if name not in on_host and name not in loaded:
-                loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, torch_dtype, info.device)
+        # the components this rank builds from the files itself, reading only what it keeps; diffusers loads the rest
+        loaded = load_own_components(
+            folder, index, components, config, mesh, torch_dtype, info.device,
+            sharding=sharding, quantized=quantized, on_host=on_host, cache=cache, compile=compile,
+        )  # fmt: skip
         try:
             inner = from_pretrained(folder, index, torch_dtype, loaded)
         except (OSError, RuntimeError) as error:
@@ -375,11 +351,6 @@ def unknown_keywords(unknown: dict) -> str:
     )
 
 
-def text_encoders(index: dict, components: list[str]) -> list[str]:
-    """The pipeline's transformers text encoders (text_encoder, text_encoder_2, ...), in its index's order."""
-    return [name for name in components if name.startswith("text_encoder") and index[name][0] == "transformers"]
-
-
 def check_on_host(on_host, folder: Path, index: dict, components: list[str]) -> tuple[str, ...]:
     """`on_host` as a tuple of this pipeline's text encoders, or a clear error naming the ones it has."""
     names = (on_host,) if isinstance(on_host, str) else tuple(on_host)
@@ -391,34 +362,6 @@ def check_on_host(on_host, folder: Path, index: dict, components: list[str]) -> 
             f"encoders are {', '.join(map(repr, known)) or 'none'} (the transformer and the VAE stay on the device)"
         )
     return names
-
-
-def stage_blocks(folder: Path, index: dict, config, mesh, name: str = "transformer") -> tuple[int, int]:
-    """[start, stop) of the blocks of transformer `name` (transformer_2: Wan 2.2 A14B's second expert) this rank's
-    PipeFusion stage holds, from the folder's config."""
-    transformer_config = json.loads((folder / name / "config.json").read_text())
-    adapter = FAMILIES[index[name][1]]
-    return config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
-
-
-def load_quantized_components(folder: Path, index: dict, config, mesh, dtype, device, quantized) -> dict:
-    """The components `quantized` names, each built empty and filled block by block, every block quantized
-    as soon as it is read (loading.load_quantized): the transformer (a PipeFusion stage: its blocks) and
-    transformers text encoders. Anything else is refused by name."""
-    loaded = {}
-    for name in quantized.configs:
-        library, class_name = index[name]
-        if name in TRANSFORMERS:
-            blocks = stage_blocks(folder, index, config, mesh, name) if config.pipefusion > 1 else None
-            loaded[name] = load_quantized_transformer(folder / name, class_name, dtype, device, quantized, blocks, name)
-        elif library == "transformers" and name.startswith("text_encoder"):
-            loaded[name] = load_quantized_text_encoder(folder / name, class_name, dtype, device, quantized, name)
-        else:
-            raise QuantizationError(
-                f"{name} ({class_name}) is not quantized by xdit_lab: it quantizes the transformer and the text "
-                f"encoders as it loads them; leave {name} out of the quantization's components"
-            )
-    return loaded
 
 
 def placed_plan(plan: MemoryPlan, folder: Path, dtype, config, sharding: bool, on_host, quantized=None) -> MemoryPlan:

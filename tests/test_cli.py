@@ -71,6 +71,26 @@ def test_bad_world_size_exits_2_without_traceback():
     assert "Traceback" not in result.stderr
 
 
+def test_run_refuses_a_degree_before_reading_the_folder_or_importing_diffusers(tmp_path):
+    """`xdit-lab run --cfg 3` outside torchrun (a world of 1): exit 2 with the mesh's reasons (cfg 3 is no
+    branch count; 3 ranks are not 1), before the folder is looked at (it does not exist) and before diffusers
+    is imported (it once came after the imports and the folder's index: 13 s here, now under 3). Control: a
+    degree that fits goes on to the folder, and says it is missing."""
+    missing = tmp_path / "no-such-model"
+    common = ["run", "--model", str(missing), "--prompt", "a red cat", "--output", str(tmp_path / "out")]
+    env = {"PYTHONPROFILEIMPORTTIME": "1", "WORLD_SIZE": "1", "RANK": "0"}
+    refused, control = _run(*common, "--cfg", "3", env=env), _run(*common, env=env)
+    lines = [line for line in refused.stderr.splitlines() if not line.startswith("import time:")]
+    assert refused.returncode == 2 and lines[0] == "xdit-lab run: error: cannot build a RankMesh:", refused.stderr
+    assert "cfg must be 1 or 2" in lines[1] and "multiply to cfg 3 = 3 ranks, but the world size is 1" in lines[2]
+    assert "Traceback" not in refused.stderr and str(missing) not in refused.stderr
+    imported = _imported_packages(refused.stderr)
+    assert "torch" in imported and not imported & {"diffusers", "transformers"}, sorted(imported)
+    assert control.returncode == 2, control.stderr[-2000:]
+    assert f"xdit-lab run: error: no pipeline folder at {missing}" in control.stderr, control.stderr[-2000:]
+    assert "RankMesh" not in control.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

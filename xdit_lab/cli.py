@@ -24,7 +24,8 @@ import contextlib
 import sys
 
 from .config import DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
-from .distributed import usable_cpu_cores
+from .distributed import env_world_size, usable_cpu_cores
+from .mesh import RankMesh
 from .plan_table import format_plan, plan_table
 from .quantization import SCHEMES
 
@@ -173,12 +174,6 @@ RUN_ARGUMENTS_AS_NAMED = tuple(
 
 
 def cmd_run(args) -> int:
-    from .distributed import shutdown_distributed
-    from .memory import MemoryPlanError
-    from .pipeline import loading_bars_hidden
-    from .run import PeerTimeoutError, run_generation, run_prompts_file
-    from .safetensors_io import CorruptWeightsError
-
     degrees = {degree: getattr(args, degree) for degree in DEGREES}
     config = ParallelConfig(
         **degrees,
@@ -186,6 +181,7 @@ def cmd_run(args) -> int:
         warmup_steps=args.warmup_steps,
         pipefusion_schedule=args.pipefusion_schedule,
     )
+    RankMesh.check(config, env_world_size())  # before diffusers is imported: a wrong degree is said at once
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
         negatives = negatives[0]  # one negative prompt for every prompt
@@ -193,6 +189,12 @@ def cmd_run(args) -> int:
         raise ParallelConfigError("--images-per-prompt and --batch-size go with --prompts FILE")
     if args.prompts is not None and isinstance(negatives, list):
         raise ParallelConfigError("with --prompts, give one --negative-prompt for all, or each line's in a .jsonl file")
+    from .distributed import shutdown_distributed
+    from .memory import MemoryPlanError
+    from .pipeline import loading_bars_hidden
+    from .run import PeerTimeoutError, run_generation, run_prompts_file
+    from .safetensors_io import CorruptWeightsError
+
     bars = loading_bars_hidden() if args.no_progress else contextlib.nullcontext()
     arguments = dict(
         guidance_scale=args.guidance,

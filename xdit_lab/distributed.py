@@ -38,6 +38,11 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def env_world_size() -> int:
+    """The size of the world init_distributed() joins without arguments: torchrun's WORLD_SIZE, else 1."""
+    return _env_int("WORLD_SIZE", 1)
+
+
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -56,7 +61,7 @@ def init_distributed(
     if dist.is_initialized():
         return current_info()
     rank = rank if rank is not None else _env_int("RANK", 0)
-    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", 1)
+    world_size = world_size if world_size is not None else env_world_size()
     local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", rank)
     local_world_size = local_world_size if local_world_size is not None else _env_int("LOCAL_WORLD_SIZE", world_size)
     if not 0 <= rank < world_size:

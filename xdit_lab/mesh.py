@@ -63,11 +63,7 @@ class RankMesh:
                 raise RuntimeError("RankMesh needs torch.distributed: call xdit_lab.init_distributed() first")
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
-        found = config.problems()
-        if config.world_size > world_size:
-            found.append(config._world_size_message(world_size, None, None, None, None))
-        if found:
-            raise ParallelConfigError("cannot build a RankMesh:\n" + "\n".join(f"  - {p}" for p in found))
+        self.check(config, world_size)
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -83,6 +79,17 @@ class RankMesh:
         self.handle = comm.handle(self)  # how a compiled graph's collectives find this mesh
         if dist.is_initialized():
             self._build_groups(current_info().timeout_s if timeout_s is None else timeout_s)
+
+    @staticmethod
+    def check(config: ParallelConfig, world_size: int | None = None) -> None:
+        """Refuse a configuration a mesh cannot be built from (ParallelConfig.problems), or one larger than
+        `world_size` ranks, naming every rule it breaks: a mesh's own check, which callers run before they read
+        anything (the CLI before it imports diffusers, load_pipeline before it reads the folder)."""
+        found = config.problems()
+        if world_size is not None and config.world_size > world_size:
+            found.append(config._world_size_message(world_size, None, None, None, None))
+        if found:
+            raise ParallelConfigError("cannot build a RankMesh:\n" + "\n".join(f"  - {p}" for p in found))
 
     # ---- coordinates -------------------------------------------------------------------
     def coords_of(self, rank: int) -> dict[str, int]:

@@ -7,7 +7,7 @@ and what to do (issue 38, point 6), each beside a control that the same call wit
   diffusers cuts such a prompt and draws the image without the cut words, with at most a logged warning (Wan,
   Qwen-Image, Flux.2 and HunyuanVideo's Llama none at all), and a log line on an engine never reaches the
   notebook; the boundary is checked against diffusers' own encode_prompt for every family.
-- Degrees the world cannot hold are refused before the folder is looked at.
+- A configuration that breaks ParallelConfig's rules (cfg 3) is refused before the folder is looked at.
 - Folders: a file for a folder, a missing component folder, a model_index.json that is not JSON or not an
   index, a config.json that does not build the module its weights were saved from (more layers, fewer, wider;
   a text encoder and a VAE too), and corrupt safetensors (a short file, a header that runs past the end,
@@ -234,8 +234,8 @@ def _folder_errors(folder, tmp):
         for name, path in cases.items()
     }
     out["control"] = _error(lambda: load_pipeline(folder, ParallelConfig(), progress=False).close())
-    # degrees this world of 1 cannot hold, and a folder that does not exist: the degrees are said first
-    out["degrees"] = _error(lambda: load_pipeline(tmp / "no-such-model", ParallelConfig(ulysses=2), progress=False))
+    # a configuration no mesh can be built from, and a folder that does not exist: the configuration is said first
+    out["degrees"] = _error(lambda: load_pipeline(tmp / "no-such-model", ParallelConfig(cfg=3), progress=False))
     return out
 
 
@@ -243,7 +243,7 @@ def test_folder_errors(folder, tmp_path):
     out = run_on_ranks(_folder_errors, 1, str(folder), str(tmp_path), timeout_s=300)[0]
     assert out.pop("control") is None
     kind, message = out.pop("degrees")
-    assert kind == "ParallelConfigError" and "ulysses 2 = 2 ranks, but the world size is 1" in message, message
+    assert kind == "ParallelConfigError" and "cfg must be 1 or 2" in message, message
     assert "no-such-model" not in message
     assert out["a file"] == (
         "NotADirectoryError",

@@ -89,6 +89,9 @@ def test_run_refuses_a_degree_before_reading_the_folder_or_importing_diffusers(t
     assert control.returncode == 2, control.stderr[-2000:]
     assert f"xdit-lab run: error: no pipeline folder at {missing}" in control.stderr, control.stderr[-2000:]
     assert "RankMesh" not in control.stderr
+    garbled = _run(*common, env={"WORLD_SIZE": "two", "RANK": "0"})  # a launcher's environment, mistyped
+    assert garbled.returncode == 2 and "Traceback" not in garbled.stderr, garbled.stderr[-2000:]
+    assert garbled.stderr == "xdit-lab run: error: environment variable WORLD_SIZE='two' is not an integer\n"
 
 
 @pytest.mark.parametrize(

@@ -181,7 +181,11 @@ def cmd_run(args) -> int:
         warmup_steps=args.warmup_steps,
         pipefusion_schedule=args.pipefusion_schedule,
     )
-    RankMesh.check(config, env_world_size())  # before diffusers is imported: a wrong degree is said at once
+    try:  # before diffusers is imported: a wrong degree is said at once
+        RankMesh.check(config, env_world_size())
+    except ValueError as error:  # ParallelConfigError, or a WORLD_SIZE that is not a number
+        print(f"xdit-lab run: error: {error}", file=sys.stderr)
+        return 2
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
         negatives = negatives[0]  # one negative prompt for every prompt

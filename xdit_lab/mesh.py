@@ -83,8 +83,10 @@ class RankMesh:
     @staticmethod
     def check(config: ParallelConfig, world_size: int | None = None) -> None:
         """Refuse a configuration a mesh cannot be built from (ParallelConfig.problems), or one larger than
-        `world_size` ranks, naming every rule it breaks: a mesh's own check, which callers run before they read
-        anything (the CLI before it imports diffusers, load_pipeline before it reads the folder)."""
+        `world_size` ranks (where given), naming every rule it breaks: a mesh's own check, which callers run before
+        they read anything. The CLI runs it with torchrun's world size before it imports diffusers; load_pipeline
+        without one before it reads the folder (it checks the world's size when it builds the mesh, after the
+        model's own refusals)."""
         found = config.problems()
         if world_size is not None and config.world_size > world_size:
             found.append(config._world_size_message(world_size, None, None, None, None))

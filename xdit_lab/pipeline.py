@@ -148,8 +148,7 @@ def load_pipeline(
     if unknown:
         raise TypeError(unknown_keywords(unknown))
     config = ParallelConfig() if config is None else config
-    if mesh is None:  # a configuration no mesh can be built from, or too large for the world: before anything is read
-        RankMesh.check(config, dist.get_world_size() if dist.is_initialized() else None)
+    RankMesh.check(config)  # a configuration no mesh can be built from (cfg 3): said before anything is read
     if compile and compile_problems(config, cache):  # before any weight is read
         raise ParallelConfigError("; ".join(compile_problems(config, cache)))
     folder = resolve_folder(name_or_path)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from xdit_lab.compare import CompareError, compare_runs
+from xdit_lab.compare import CompareError, compare_runs, comparison_figure, format_summary, write_comparison
 from xdit_lab.digits.components import load_digit_images, prompt_for
 from xdit_lab.output_folder import append_record, open_run
 
@@ -71,3 +71,36 @@ def test_the_digits_classifier_reads_each_run_and_the_command_writes_its_files(t
     assert summary["identical"] == 20
     assert Image.open(b / "compare" / "compare.png").size[0] > 100
     assert f"the classifier reads the prompted digit in {summary['digit_accuracy']['a']:.1%} of A" in result.stdout
+
+
+def _psnr_panel_texts(comparison):
+    from matplotlib import pyplot as plt
+
+    figure = comparison_figure(comparison)
+    try:
+        psnr = figure.axes[0]
+        return [t.get_text() for t in psnr.texts], len(psnr.patches), psnr.get_xlabel()
+    finally:
+        plt.close(figure)
+
+
+def test_identical_runs_name_no_worst_image_and_say_so_in_the_plot(tmp_path):
+    """Two identical runs: no image is "worst", the summary says all are identical, and the PSNR panel (no finite
+    PSNR to draw) says so in words. The control, one image changed, names that one alone and draws its PSNR."""
+    rng = np.random.default_rng(1)
+    base = {f"{i:05d}-0": rng.integers(20, 200, size=(16, 16, 3), dtype=np.uint8) for i in range(3)}
+    same = compare_runs(_write_run(tmp_path / "a", base, model="pixart"), _write_run(tmp_path / "b", base))
+    assert same["summary"]["worst"] == [] and same["summary"]["identical"] == 3
+    printed = format_summary(same["summary"])
+    assert "worst:" not in printed and "3 images, 3 identical" in printed and "none is worst" in printed, printed
+    texts, bars, _ = _psnr_panel_texts(same)
+    assert texts == ["all 3 images identical\n(PSNR ∞)"] and bars == 0
+
+    changed = dict(base, **{"00001-0": base["00001-0"] + 10})
+    one = compare_runs(tmp_path / "a", _write_run(tmp_path / "c", changed, model="pixart"))
+    assert one["summary"]["worst"] == ["00001-0"] and one["summary"]["identical"] == 2
+    assert "worst: 00001-0\n" in format_summary(one["summary"]) + "\n"
+    texts, bars, label = _psnr_panel_texts(one)
+    assert texts == ["+ 2 identical (PSNR ∞)"] and bars > 0 and "of the 1 that differ" in label
+    write_comparison(same, tmp_path / "out")  # the figure saves (∞ is in the font)
+    assert Image.open(tmp_path / "out" / "compare.png").size[0] > 100

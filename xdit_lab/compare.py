@@ -7,12 +7,14 @@ gets scikit-image's PSNR and SSIM and the largest difference of a pixel (in 0-25
 
     serial/00007-0.png  <->  pipefusion2/00007-0.png   PSNR 38.1 dB  SSIM 0.991  largest difference 9
                                                        ...
-    summary: mean PSNR and SSIM, the five with the lowest SSIM, and ids found in one run only
+    summary: mean PSNR and SSIM, the five with the lowest SSIM among the images that differ, and ids found in
+             one run only
 
 The comparison writes compare.json (every pair and the summary) and compare.png (the distribution of PSNR and
-SSIM) to DIR (default: RUN_B/compare). For the bundled digits model, an independent classifier also reads each
-run's images, and the accuracy of each run is reported beside the distances. Latent outputs (.pt) are compared
-by their largest difference and a PSNR over the first run's range; SSIM is left out for them.
+SSIM; identical images, whose PSNR is infinite, are counted apart) to DIR (default: RUN_B/compare). For the
+bundled digits model, an independent classifier also reads each run's images, and the accuracy of each run is
+reported beside the distances. Latent outputs (.pt) are compared by their largest difference and a PSNR over
+the first run's range; SSIM is left out for them.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def compare_images(a: np.ndarray, b: np.ndarray) -> dict:
 
 def compare_runs(run_a, run_b) -> dict:
     """Every image both runs hold, compared (compare_images), and a summary: means, the five with the lowest SSIM
-    (lowest PSNR for latents), ids in one run only and, for the digits model, each run's classifier accuracy."""
+    (lowest PSNR for latents) among those that differ (none when all are identical), ids in one run only and, for
+    the digits model, each run's classifier accuracy."""
     (identity_a, records_a), (identity_b, records_b) = read_run(run_a), read_run(run_b)
     shared = sorted(set(records_a) & set(records_b))
     if not shared:
@@ -108,14 +111,15 @@ def compare_runs(run_a, run_b) -> dict:
         row = compare_images(_load(Path(run_a) / a["file"]), _load(Path(run_b) / b["file"]))
         pairs.append(dict(id=image_id, prompt=a["prompt"], **row))
     finite = [p["psnr"] for p in pairs if math.isfinite(p["psnr"])]
-    ranked = sorted(pairs, key=lambda p: (p["ssim"] if p["ssim"] is not None else 1.0, p["psnr"]))
+    differing = [p for p in pairs if p["largest_difference"] > 0]  # an identical image is no one's "worst"
+    ranked = sorted(differing, key=lambda p: (p["ssim"] if p["ssim"] is not None else 1.0, p["psnr"]))
     summary = dict(
         run_a=str(run_a),
         run_b=str(run_b),
         config_a=identity_a.get("config"),
         config_b=identity_b.get("config"),
         images=len(pairs),
-        identical=sum(p["largest_difference"] == 0 for p in pairs),
+        identical=len(pairs) - len(differing),
         mean_psnr=float(np.mean(finite)) if finite else math.inf,
         mean_ssim=None if pairs[0]["ssim"] is None else float(np.mean([p["ssim"] for p in pairs])),
         largest_difference=max(p["largest_difference"] for p in pairs),
@@ -146,26 +150,63 @@ def _digit_accuracy(folder, records: list[dict]) -> float | None:
     return digit_accuracy(images, [digit for _, digit in asked])
 
 
-def write_comparison(comparison: dict, output) -> Path:
-    """compare.json and compare.png (histograms of PSNR and SSIM) in `output`, each written atomically."""
+def comparison_figure(comparison: dict):
+    """compare.png's figure: histograms of PSNR and SSIM (images only). Identical images have an infinite PSNR,
+    which no histogram shows: the PSNR panel counts them apart, and when every image is identical it says so in
+    words instead of drawing an empty axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    output = Path(output).expanduser()
-    atomic_write(output / "compare.json", lambda p: p.write_text(json.dumps(comparison, indent=2)))
     pairs, summary = comparison["pairs"], comparison["summary"]
-    metrics = [("PSNR (dB; equal images left out)", [p["psnr"] for p in pairs if math.isfinite(p["psnr"])])]
+    images, identical = summary["images"], summary["identical"]
+    finite = [p["psnr"] for p in pairs if math.isfinite(p["psnr"])]
+    psnr_name = "PSNR (dB)" if not (identical and finite) else f"PSNR (dB) of the {len(finite)} that differ"
+    metrics = [(psnr_name, finite)]
     if summary["mean_ssim"] is not None:
         metrics.append(("SSIM", [p["ssim"] for p in pairs]))
     figure, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.2), squeeze=False)
     for axis, (name, values) in zip(axes[0], metrics):
-        axis.hist(values, bins=20, color="#4878a8")
+        if values:
+            axis.hist(values, bins=20, color="#4878a8")
+            axis.set_ylabel("images")
         axis.set_xlabel(name)
-        axis.set_ylabel("images")
-    figure.suptitle(f"{Path(summary['run_b']).name} against {Path(summary['run_a']).name}: {summary['images']} images")
+    psnr_axis = axes[0][0]
+    if not finite:  # nothing to draw: say why
+        psnr_axis.set_xticks([])
+        psnr_axis.set_yticks([])
+        psnr_axis.text(
+            0.5,
+            0.5,
+            f"all {images} images identical\n(PSNR ∞)",
+            ha="center",
+            va="center",
+            transform=psnr_axis.transAxes,
+            fontsize=12,
+        )
+    elif identical:
+        psnr_axis.text(
+            0.98,
+            0.95,
+            f"+ {identical} identical (PSNR ∞)",
+            ha="right",
+            va="top",
+            transform=psnr_axis.transAxes,
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.8),
+        )
+    figure.suptitle(f"{Path(summary['run_b']).name} against {Path(summary['run_a']).name}: {images} images")
     figure.tight_layout()
+    return figure
+
+
+def write_comparison(comparison: dict, output) -> Path:
+    """compare.json and compare.png (comparison_figure) in `output`, each written atomically."""
+    import matplotlib.pyplot as plt
+
+    output = Path(output).expanduser()
+    atomic_write(output / "compare.json", lambda p: p.write_text(json.dumps(comparison, indent=2)))
+    figure = comparison_figure(comparison)
     atomic_write(output / "compare.png", lambda p: figure.savefig(p, format="png", dpi=100))
     plt.close(figure)
     return output
@@ -173,12 +214,18 @@ def write_comparison(comparison: dict, output) -> Path:
 
 def format_summary(summary: dict) -> str:
     """The summary as the lines `xdit-lab compare` prints."""
-    ssim = "" if summary["mean_ssim"] is None else f", mean SSIM {summary['mean_ssim']:.4f}"
-    lines = [
-        f"{summary['run_b']} against {summary['run_a']}: {summary['images']} images, {summary['identical']} identical; "
-        f"mean PSNR {summary['mean_psnr']:.2f} dB{ssim}, largest difference {summary['largest_difference']:g}",
-        f"worst: {', '.join(summary['worst'])}",
-    ]
+    images, identical = summary["images"], summary["identical"]
+    head = f"{summary['run_b']} against {summary['run_a']}: {images} images, {identical} identical"
+    if identical == images:
+        lines = [f"{head}: every image is the same in both runs (largest difference 0), none is worst"]
+    else:
+        ssim = "" if summary["mean_ssim"] is None else f", mean SSIM {summary['mean_ssim']:.4f}"
+        of = f" (of the {images - identical} that differ)" if identical else ""
+        lines = [
+            f"{head}; mean PSNR{of} {summary['mean_psnr']:.2f} dB{ssim}, "
+            f"largest difference {summary['largest_difference']:g}",
+            f"worst: {', '.join(summary['worst'])}",
+        ]
     if "digit_accuracy" in summary:
         accuracy = summary["digit_accuracy"]
         lines.append(

@@ -104,3 +104,13 @@ def test_identical_runs_name_no_worst_image_and_say_so_in_the_plot(tmp_path):
     assert texts == ["+ 2 identical (PSNR ∞)"] and bars > 0 and "of the 1 that differ" in label
     write_comparison(same, tmp_path / "out")  # the figure saves (∞ is in the font)
     assert Image.open(tmp_path / "out" / "compare.png").size[0] > 100
+
+
+def test_a_digits_run_whose_prompts_name_no_digit_prints_its_summary(tmp_path):
+    """The digits model under free prompts ("a cat"): the classifier has nothing to check, and the summary says so
+    (it raised a TypeError formatting None as a percentage)."""
+    rng = np.random.default_rng(2)
+    base = {f"{i:05d}-0": rng.integers(20, 200, size=(16, 16, 3), dtype=np.uint8) for i in range(2)}
+    comparison = compare_runs(_write_run(tmp_path / "a", base), _write_run(tmp_path / "b", base))
+    assert comparison["summary"]["digit_accuracy"] == {"a": None, "b": None}
+    assert 'no prompt has the form "a handwritten N"' in format_summary(comparison["summary"])

@@ -228,9 +228,12 @@ def format_summary(summary: dict) -> str:
         ]
     if "digit_accuracy" in summary:
         accuracy = summary["digit_accuracy"]
-        lines.append(
-            f"the classifier reads the prompted digit in {accuracy['a']:.1%} of A and {accuracy['b']:.1%} of B"
-        )
+        if None in (accuracy["a"], accuracy["b"]):  # prompts not of the form "a handwritten 7": nothing to read
+            lines.append('the classifier is not asked: no prompt has the form "a handwritten N"')
+        else:
+            lines.append(
+                f"the classifier reads the prompted digit in {accuracy['a']:.1%} of A and {accuracy['b']:.1%} of B"
+            )
     for side in ("a", "b"):
         if summary[f"only_in_{side}"]:
             lines.append(f"only in {side.upper()}: {len(summary[f'only_in_{side}'])} images (not compared)")

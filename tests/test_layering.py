@@ -10,6 +10,8 @@ lazily), so it is the one module outside the table.
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,3 +194,19 @@ def test_floors_count_the_longest_chain():
     """Control: a chain of eleven entries is eleven floors, whatever shorter chains beside it."""
     graph = {f"m{i}": {f"m{i + 1}"} for i in range(10)} | {"m10": set(), "side": {"m9"}}
     assert len(floors(graph)["m0"]) == 11 and len(floors(graph)["side"]) == 3
+
+
+def test_the_facade_offers_the_lab_and_still_starts_without_ipyparallel():
+    """`from xdit_lab import Lab` is the notebook Lab (xdit_lab.lab.Lab), and the facade stays lazy: a fresh
+    `import xdit_lab` loads no ipyparallel (the CLI's quick start). Control: the first use of Lab does load it."""
+    script = (
+        "import sys, xdit_lab\n"
+        "print('ipyparallel' in sys.modules)\n"
+        "from xdit_lab import Lab, LabError, LabSession\n"
+        "import xdit_lab.lab\n"
+        "print(Lab is xdit_lab.lab.Lab, LabSession is xdit_lab.lab.LabSession, LabError is xdit_lab.lab.LabError)\n"
+        "print('ipyparallel' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:3] == ["False", "True True True", "True"], result.stdout

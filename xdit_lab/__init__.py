@@ -1,7 +1,8 @@
 """xdit_lab: hybrid-parallel inference of Diffusion Transformers, from notebook cells to torchrun.
 
 The light pieces (configuration, mesh, communication) import at once; the ones that pull in
-diffusers' pipelines load on first use, so `xdit-lab plan` starts in a moment."""
+diffusers' pipelines, and the notebook Lab (ipyparallel), load on first use, so `xdit-lab plan` starts in a
+moment."""
 
 import importlib
 
@@ -24,6 +25,10 @@ _LAZY = {
     "ParallelPipeline": "pipeline",
     "load_pipeline": "pipeline",
     "DenoiseSession": "session",
+    # the notebook Lab: xdit_lab.lab is itself lazy, so ipyparallel loads on the first use of Lab, not here
+    "Lab": "lab",
+    "LabSession": "lab",
+    "LabError": "lab",
 }
 
 __all__ = [

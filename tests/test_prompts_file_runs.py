@@ -91,8 +91,18 @@ def test_a_rerun_keeps_complete_records_drops_the_rest_and_refuses_other_argumen
     assert [json.loads(line)["id"] for line in (tmp_path / RECORDS_FILE).read_text().splitlines()] == ["a-0", "a-1"]
     assert not list(tmp_path.glob(".*.partial"))
 
-    with pytest.raises(OutputFolderError, match=r"holds a run with other arguments \(steps: 4 there, 8 now\)"):
+    with pytest.raises(
+        OutputFolderError, match=r"holds 2 image\(s\) of a run with other arguments \(steps: 4 there, 8 now"
+    ):
         open_run(tmp_path, dict(identity, steps=8))
+    with pytest.raises(OutputFolderError, match=r"\(config.ulysses: 1 there, 3 now\)"):  # the leaf, not two dicts
+        open_run(tmp_path, dict(identity, config={"ulysses": 3}))
+    assert sorted(open_run(tmp_path, identity)) == ["a-0", "a-1"]  # the refusals changed nothing
+
+    drew_nothing = tmp_path / "failed-first"  # a run that failed before its first image binds no rerun
+    open_run(drew_nothing, identity)
+    assert open_run(drew_nothing, dict(identity, steps=8)) == {}
+    assert json.loads((drew_nothing / "run.json").read_text())["steps"] == 8
     stray = tmp_path / "stray"
     stray.mkdir()
     (stray / "000.png").write_bytes(b"image")

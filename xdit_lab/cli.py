@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 from .config import DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
 from .distributed import env_world_size, usable_cpu_cores
+from .launch import LAUNCHED, launch_ranks, say_once, under_torchrun
 from .mesh import RankMesh
+from .model_folder import resolve_folder, transformer_heads
 from .plan_table import format_plan, plan_table
 from .quantization import SCHEMES
 
@@ -174,6 +177,12 @@ RUN_ARGUMENTS_AS_NAMED = tuple(
 
 
 def cmd_run(args) -> int:
+    """`run` on this rank (under torchrun), or `--ranks N` local ranks started here (launch.py). An error is one
+    line, said once however many ranks meet it (launch.say_once): exit 2 for the user's input, 1 for the run."""
+    if args.ranks is not None and not os.environ.get(LAUNCHED):
+        if under_torchrun():
+            raise ParallelConfigError("--ranks starts the ranks itself: under torchrun, leave it out")
+        return launch_ranks(args.ranks, args.argv)
     degrees = {degree: getattr(args, degree) for degree in DEGREES}
     config = ParallelConfig(
         **degrees,
@@ -181,10 +190,11 @@ def cmd_run(args) -> int:
         warmup_steps=args.warmup_steps,
         pipefusion_schedule=args.pipefusion_schedule,
     )
-    try:  # before diffusers is imported: a wrong degree is said at once
-        RankMesh.check(config, env_world_size())
-    except ValueError as error:  # ParallelConfigError, or a WORLD_SIZE that is not a number
-        print(f"xdit-lab run: error: {error}", file=sys.stderr)
+    try:  # before diffusers is imported: a wrong degree is said at once, with advice that fits the model's heads
+        RankMesh.check(config, env_world_size(), num_heads=transformer_heads(args.model))
+        resolve_folder(args.model)  # a typo in --model is said before the imports too
+    except (ValueError, OSError) as error:  # ParallelConfigError, a WORLD_SIZE not a number, no such folder
+        say_once(f"xdit-lab run: error: {error}")
         return 2
     negatives = args.negative_prompt
     if negatives and len(negatives) == 1:
@@ -244,10 +254,10 @@ def cmd_run(args) -> int:
         MemoryPlanError,
         CorruptWeightsError,
     ) as error:  # the user's input (the folder, its files, the arguments): say what is wrong, no traceback
-        print(f"xdit-lab run: error: {error}", file=sys.stderr)
+        say_once(f"xdit-lab run: error: {error}")
         return 2
     except (OSError, PeerTimeoutError) as error:  # the run: an output not written, a peer that never answered
-        print(f"xdit-lab run: error: {error}", file=sys.stderr)
+        say_once(f"xdit-lab run: error: {error}")
         return 1
     finally:
         shutdown_distributed()
@@ -307,9 +317,7 @@ def _subcommand(commands, handler, summary: str, description: str) -> argparse.A
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="xdit-lab", description="Hybrid-parallel inference of Diffusion Transformers."
-    )
+    parser = _Parser(prog="xdit-lab", description="Hybrid-parallel inference of Diffusion Transformers.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     plan = _subcommand(
@@ -348,6 +356,12 @@ def _build_parser() -> argparse.ArgumentParser:
         cmd_run,
         "generate with a pipeline folder (launch with torchrun)",
         "Generate images on every rank that torchrun starts; the first rank writes the images and report.json.",
+    )
+    run.add_argument(
+        "--ranks",
+        type=_count(1),
+        metavar="N",
+        help="start N local ranks (torch's torchrun machinery, run here); leave it out under torchrun",
     )
     run.add_argument("--model", required=True, help="a diffusers pipeline folder, or a bundled name (digits)")
     given = run.add_mutually_exclusive_group(required=True)
@@ -484,13 +498,23 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are said once however many ranks parse the same arguments."""
+
+    def error(self, message):
+        say_once(f"{self.format_usage()}{self.prog}: error: {message}")
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)  # bad arguments: argparse prints usage + message, exits 2
+    args = parser.parse_args(argv)  # bad arguments: argparse prints usage + message (once), exits 2
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what `run --ranks N` hands its ranks
     try:
         return args.handler(args)
     except ParallelConfigError as error:  # a rule the arguments break: say it, no traceback
-        parser.exit(2, f"xdit-lab {args.command}: error: {error}\n")
+        say_once(f"xdit-lab {args.command}: error: {error}")
+        return 2
 
 
 if __name__ == "__main__":

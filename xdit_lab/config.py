@@ -229,6 +229,8 @@ class ParallelConfig:
             shown = ", ".join(fits[:8]) + (f" and {len(fits) - 8} more" if len(fits) > 8 else "")
             text += f" Configurations that fit {world_size} ranks (best first): {shown}"
             text += f", or run on {world_size} of your {devices} {unit}." if devices > world_size else "."
+        if self.problems(num_heads=num_heads, num_layers=num_layers, seq_len=seq_len):
+            return text  # no advice to keep it: the model refuses it whatever the ranks (said beside this)
         if self.world_size < world_size:
             text += (
                 f" A smaller configuration may run on a subset of the devices: this one can run on "

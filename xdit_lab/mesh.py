@@ -81,15 +81,15 @@ class RankMesh:
             self._build_groups(current_info().timeout_s if timeout_s is None else timeout_s)
 
     @staticmethod
-    def check(config: ParallelConfig, world_size: int | None = None) -> None:
+    def check(config: ParallelConfig, world_size: int | None = None, *, num_heads: int | None = None) -> None:
         """Refuse a configuration a mesh cannot be built from (ParallelConfig.problems), or one larger than
         `world_size` ranks (where given), naming every rule it breaks: a mesh's own check, which callers run before
-        they read anything. The CLI runs it with torchrun's world size before it imports diffusers; load_pipeline
-        without one before it reads the folder (it checks the world's size when it builds the mesh, after the
-        model's own refusals)."""
-        found = config.problems()
+        they read anything. The CLI runs it with torchrun's world size and the folder's heads (read as JSON)
+        before it imports diffusers, so that what it advises fits them; load_pipeline without either before it
+        reads the folder (it checks the world's size when it builds the mesh, after the model's own refusals)."""
+        found = config.problems(num_heads=num_heads)
         if world_size is not None and config.world_size > world_size:
-            found.append(config._world_size_message(world_size, None, None, None, None))
+            found.append(config._world_size_message(world_size, None, num_heads, None, None))
         if found:
             raise ParallelConfigError("cannot build a RankMesh:\n" + "\n".join(f"  - {p}" for p in found))
 

@@ -39,6 +39,18 @@ def resolve_folder(name_or_path) -> Path:
     return folder
 
 
+def transformer_heads(name_or_path) -> int | None:
+    """The attention heads in the folder's transformer/config.json, read as plain JSON (no library imported), so
+    that a degree's advice can fit them before anything loads; None where the folder does not say (the load itself
+    then names what is wrong)."""
+    try:
+        config = json.loads((resolve_folder(name_or_path) / "transformer" / "config.json").read_text())
+    except (OSError, ValueError):  # no folder, no config, not JSON: the load says it
+        return None
+    heads = config.get("num_attention_heads") if isinstance(config, dict) else None
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
+
+
 def read_model_index(folder: Path) -> dict:
     """The folder's model_index.json, checked: a JSON object naming its pipeline class (`_class_name`), each
     component a [library, class] pair ([null, null]: left out)."""

@@ -1,5 +1,5 @@
-# The two commands: `make demo` and `make test`. Both build .venv first when it is missing or
-# older than pyproject.toml (`make setup`), so they work from a fresh clone.
+# The two commands: `make demo` and `make test`. Both build .venv and install the notebooks' kernel first when
+# they are missing or older than pyproject.toml (`make setup`), so they work from a fresh clone.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,8 +31,9 @@ $(STAMP): pyproject.toml
 $(KERNEL): $(STAMP)
 	$(BIN)/python -m ipykernel install --sys-prefix --name xdit-lab --display-name "Python (xdit-lab)"
 
-# The ten digits drawn by the bundled model, on local ranks with a strategy that fits this machine.
-demo: $(STAMP)
+# The ten digits drawn by the bundled model, on local ranks with a strategy that fits this machine. The notebooks'
+# kernel is installed too: the README's first command leaves the tutorials runnable.
+demo: $(STAMP) $(KERNEL)
 	$(BIN)/xdit-lab demo
 
 # The whole test suite: pytest, and every tutorial and notebook re-run by nbval, its outputs

@@ -23,7 +23,8 @@ def layer_table() -> dict[str, int]:
     """{'config.py': 1, 'attention/': 3, ...} from the README's architecture table."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Architecture") :]
-    section = section[: section.index("\n## ", 4)]
+    end = section.find("\n## ", 4)  # the next section, if Architecture is not the README's last
+    section = section if end < 0 else section[:end]
     table = {}
     for line in section.splitlines():
         match = ROW.match(line)

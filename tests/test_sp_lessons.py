@@ -177,3 +177,26 @@ def test_an_exercise_check_tells_right_from_wrong():
     assert check([1, 2, 3, 4], [1, 2, 4], solution="").startswith("not yet")
     assert check(True, 1, solution="").startswith("not yet")  # True is not the number 1 here
     assert check("1/5", 0.2, solution="").startswith("not yet")  # a fraction as text is not a number
+    # with a hint, the solution waits for a right answer
+    for wrong in (None, 2_621_440):
+        said = check(wrong, 1_310_720, solution="4 × ...", hint="count the rows")
+        assert "count the rows" in said and "4 × ..." not in said and "1310720" not in said, said
+    assert "Solution: 4 × ..." in check(1_310_720, 1_310_720, solution="4 × ...", hint="count the rows")
+
+
+def test_the_ulysses_bytes_exercise_says_its_working_only_to_a_right_answer():
+    """Tutorial 02's exercise 2 asks for the bytes one rank sends per step for 5 prompts: its check compares the
+    answer with what the ranks measured, and neither a wrong answer nor none yet is shown the working (it printed
+    it before), nor the number. The working is the measured closed form: two all-to-alls per layer, four tensors."""
+    value, working = sp.ulysses_bytes_solution(5)
+    assert value == 1_310_720 and working.endswith("= 1,310,720") and working.startswith("4 tensors")
+    assert sp.ulysses_bytes_solution(10)[0] == 2_621_440  # the 10-prompt figure the tutorial measures
+    measured = {0: 1_310_720, 1: 1_310_720}
+    for wrong in (None, 2_621_440, 655_360, "1,310,720"):
+        said = sp.ulysses_bytes_exercise(wrong, measured, 5)
+        assert "Hint: " in said and working not in said and "×" not in said, said
+        assert "1,310,720" not in said.replace("'1,310,720'", "") and "1310720" not in said, said
+    right = sp.ulysses_bytes_exercise(1_310_720, measured, 5)
+    assert right.startswith("right: 1310720") and working in right
+    with pytest.raises(AssertionError, match="not what the ranks sent"):  # a stale working fails the notebook
+        sp.ulysses_bytes_exercise(1_310_720, {0: 2_621_440, 1: 2_621_440}, 5)

@@ -11,6 +11,8 @@ floats). Views are pure functions from those results (or rank summaries) to a ma
     draw_ulysses_exchange(results)    tokens × heads held by each rank, before and after the all-to-all
     draw_ring_schedule(results)       rank × ring step: which K/V block each rank holds
     draw_merge_errors(results, ...)   error against full attention after each merged block
+    ulysses_bytes_exercise(answer, measured, prompts)
+                                      tutorial 02's exercise 2 checked against the bytes the ranks sent
 
 When each split wins at a realistic size, on assumed links: links.py.
 """
@@ -26,6 +28,7 @@ from matplotlib.figure import Figure
 from ..lab.measure import max_relative_difference
 from ..lab.views import new_figure, rank_color, spans
 from ..mesh import RING, SP, ULYSSES
+from .exercises import check
 
 # ---- engine side ----------------------------------------------------------------------------------------
 
@@ -193,6 +196,48 @@ def ring_passes(
         bytes_out=log.bytes_by_group(),
         sends=len(log.filter(op="send")),
     )
+
+
+# ---- exercises --------------------------------------------------------------------------------------------
+
+ULYSSES_BYTES_HINT = (
+    "the exercise's factors are the same as for the 10 prompts measured above (2,621,440 B) but one: "
+    "find which, and how it changes with the prompts."
+)
+
+
+def ulysses_bytes_solution(prompts: int, degree: int = 2, *, folder=None, element_bytes: int = 4) -> tuple[int, str]:
+    """The bytes one rank sends in the `ulysses` group per denoising step of the digits model for `prompts`
+    prompts (classifier-free guidance: two rows each) under ulysses `degree`, worked out: two all-to-alls per
+    self-attention layer carry four tensors (q, k and v in one, the output in the other), (N-1)/N of each
+    leaving the rank. The model's sizes come from its transformer's config.json. Returns (bytes, the working)."""
+    import json
+    from pathlib import Path
+
+    from ..digits.components import DIGITS_DIR
+
+    config = json.loads((Path(folder or DIGITS_DIR) / "transformer" / "config.json").read_text())
+    heads, head_dim, layers = config["num_attention_heads"], config["attention_head_dim"], config["num_layers"]
+    tokens = (config["sample_size"] // config["patch_size"]) ** 2 // degree  # per rank
+    rows = 2 * prompts
+    value = 4 * (degree - 1) * rows * tokens * heads * head_dim * element_bytes * layers // degree
+    working = (
+        f"4 tensors (q, k, v in one all-to-all, the output in the other) × {degree - 1}/{degree} leaving the rank "
+        f"× {rows} rows × {tokens} tokens × {heads * head_dim} ({heads} heads × {head_dim}) × {element_bytes} B "
+        f"× {layers} layers = {value:,}"
+    )
+    return value, working
+
+
+def ulysses_bytes_exercise(answer, measured: dict, prompts: int, degree: int = 2) -> str:
+    """Tutorial 02's exercise 2: `answer`, the learner's bytes per rank per step, against `measured` ({rank:
+    bytes} the ranks sent in the `ulysses` group). The working is said only to a right answer; before, a hint
+    that leaves it to the learner. An AssertionError when the working and the measurement disagree: the lesson
+    went stale, and nbval fails on it."""
+    value, working = ulysses_bytes_solution(prompts, degree)
+    if set(measured.values()) != {value}:
+        raise AssertionError(f"the worked solution ({value:,} B) is not what the ranks sent: {measured}")
+    return check(answer, measured[min(measured)], solution=working, hint=ULYSSES_BYTES_HINT)
 
 
 # ---- views of the demos ---------------------------------------------------------------------------------

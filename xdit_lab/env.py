@@ -1,7 +1,7 @@
 """What this Python environment can run: `python -m xdit_lab.env` (make setup prints it).
 
     torch 2.11.0+cu130 (built for CUDA 13.0), CUDA usable: yes, 1 GPU
-      cuda:0  NVIDIA H200  capability 9.0  139.8 GiB
+      cuda:0  NVIDIA H200  capability 9.0  150.1 GB
     attention kernels (head_dim 64): float16 flash_attn, bfloat16 flash_attn, float32 sdpa_efficient
     flash-attn 2.8.3
 
@@ -34,7 +34,7 @@ def report() -> tuple[list[str], bool]:
             props = torch.cuda.get_device_properties(index)
             lines.append(
                 f"  cuda:{index}  {props.name}  capability {props.major}.{props.minor}  "
-                f"{props.total_memory / 2**30:.1f} GiB"
+                f"{props.total_memory / 1e9:.1f} GB"
             )
         kernels = {
             str(dtype).replace("torch.", ""): attention_backend("cuda", dtype, 64)

@@ -350,9 +350,9 @@ def _pipefusion_advice(plan: MemoryPlan, limit_bytes: int, current: int) -> str:
 
 
 def human_bytes(n: float) -> str:
-    """'1.5 MiB': binary units, as memory is reported."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    """'1.5 MB': decimal units (10³, 10⁶, 10⁹ bytes), as GPU vendors sell memory and the planner counts it."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        n /= 1000
+    return f"{n:.1f} GB"

@@ -381,12 +381,12 @@ def draw_history(rows: list[dict]):
     deviation.legend(loc="lower right")
     seconds.bar(steps, [1e3 * row["seconds"] for row in rows], color="C0")
     seconds.set(xlabel="step", ylabel="ms", title="step wall time")
-    traffic = [row.get("bytes", 0) / 1024 for row in rows]
+    traffic = [row.get("bytes", 0) / 1000 for row in rows]
     if any(traffic):
         twin = seconds.twinx()
         twin.plot(steps, traffic, "s-", color="C1")
         twin.set_ylim(0, 1.2 * max(traffic))
-        twin.set_ylabel("KiB out, busiest rank", color="C1")
+        twin.set_ylabel("KB out, busiest rank", color="C1")
     for axes in (deviation, seconds):
         axes.xaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()

@@ -103,8 +103,8 @@ def _row(row: FitRow) -> FolderPlanRow:
 
 def _smallest_text(row: FitRow, gpus: int, memory: int) -> str:
     return (
-        f"nothing fits {gpus} × {memory / GB:.3g} GB: the smallest GPU that would is {row.per_rank_bytes / GB:.2f} GB "
-        f"({row.per_rank_bytes / 2**30:.2f} GiB), under {row.config.short()} with "
+        f"nothing fits {gpus} × {memory / GB:.3g} GB: the smallest GPU that would is {row.per_rank_bytes / GB:.2f} GB, "
+        f"under {row.config.short()} with "
         f"{'sharded' if row.shard_weights else 'whole'} weights and text encoders {row.text_encoders}"
     )
 

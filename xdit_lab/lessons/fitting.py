@@ -37,7 +37,6 @@ from ..lab.table import text_table
 from ..models.sharded_weights import local_parameter_bytes, whole_parameter_bytes
 
 GB = 10**9
-GIB = 2**30
 
 # ---- the plan, in the notebook's process ---------------------------------------------------------------
 
@@ -83,10 +82,10 @@ def _gb(n: int | None) -> str:
 
 def terms_table(rows) -> str:
     """Per row (fit.FitRow), what one rank holds: each component's weights, the gather buffer, latents and
-    conditioning, PipeFusion's stale K/V, the decode's peak; the total in GB (10⁹) and GiB (2³⁰), and
-    whether it fits. A term is a column, a row a line."""
+    conditioning, PipeFusion's stale K/V, the decode's peak; the total, and whether it fits; all in GB (10⁹
+    bytes). A term is a column, a row a line."""
     components = list(rows[0].weights)
-    header = ["row", *components, "gather", "latents+cond", "stale K/V", "decode", "total GB", "GiB", "fits"]
+    header = ["row", *components, "gather", "latents+cond", "stale K/V", "decode", "total GB", "fits"]
     lines = []
     for row in rows:
         lines.append(
@@ -98,7 +97,6 @@ def terms_table(rows) -> str:
                 _gb(row.stale_kv),
                 _gb(row.decode_peak),
                 _gb(row.per_rank_bytes),
-                f"{row.per_rank_bytes / GIB:.2f}",
                 "yes" if row.fits else "no",
             ]
         )

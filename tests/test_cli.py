@@ -1,6 +1,7 @@
 """xdit-lab plan: the table it prints is options()'s ranking; bad input exits 2 without a traceback."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +27,9 @@ def _imported_packages(stderr: str) -> set[str]:
 
 
 def _table(stdout: str) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the printed table (rows start with their rank number)."""
+    """Header and rows of the printed table (rows start with their rank number; the legend follows them)."""
     lines = stdout.splitlines()
+    lines = lines[: lines.index("Columns:")] if "Columns:" in lines else lines
     header = next(line for line in lines if line.lstrip().startswith("#"))
     rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
     return header.split(), rows
@@ -44,7 +46,7 @@ def test_plan_rows_match_options():
     assert not imported & {"diffusers", "transformers", "accelerate", "peft", "scipy"}, sorted(imported)
     assert result.stdout.startswith("Parallel configurations for 4 ranks (--world-size); heads 4,")
     header, rows = _table(result.stdout)
-    assert header[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "work/rank"]
+    assert header[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "work"]
     expected = ParallelConfig.options(4, num_heads=4)
     assert [row[1] for row in rows] == [c.short() for c in expected]
     assert [int(row[0]) for row in rows] == list(range(1, len(expected) + 1))
@@ -140,6 +142,49 @@ def test_bytes_column_top_and_no_cfg(capsys):
     best = options[0].cost(None, use_cfg=False).comm_bytes(4096, 1152)
     assert f"{best / 1e6:.1f} MB" in " ".join(rows[0])
     assert all(row[3] == "1" for row in rows)  # the cfg column: --no-cfg leaves out cfg 2
+
+
+def _legend_names(stdout: str) -> list[str]:
+    """The column names the legend under the table explains, in its order (an entry starts two spaces in)."""
+    lines = stdout.splitlines()
+    start = lines.index("Columns:")
+    names = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break
+        if line[2] != " ":
+            names.append(re.split(r"\s{2,}", line.strip())[0])
+    return names
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--world-size", "4", "--heads", "4"],  # the README's
+        ["--world-size", "8", "--heads", "24", "--seq-len", "4096", "--hidden-size", "3072", "--top", "0", "--why"],
+    ],
+)
+def test_plan_keeps_to_100_columns_and_its_legend_names_each_column(capsys, args):
+    """Every line within 100 columns: the heading, the table, the legend (a 372-character 'Units:' line until
+    now) and --why's reasons (a 70-character column until now), each said under the table as config.ranking_reasons
+    says it. The legend names each column of the table, in its order; bytes in decimal units."""
+    from xdit_lab.config import ranking_reasons
+
+    assert main(["plan", *args]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100, max(out.splitlines(), key=len)
+    header_line = next(line for line in out.splitlines() if line.lstrip().startswith("# "))
+    columns = re.split(r"\s{2,}", header_line.strip())
+    assert columns[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "work"]
+    assert _legend_names(out) == columns
+    assert "GiB" not in out and "MiB" not in out
+    if "--why" in args:
+        assert "comm bytes" in columns and " MB" in out
+        options = ParallelConfig.options(8, num_heads=24, seq_len=4096)
+        said = re.findall(r"^  #(\d+) (\S+): (.*(?:\n      .*)*)", out, flags=re.M)
+        expected = ranking_reasons(options)
+        assert [(int(i), name) for i, name, _ in said] == [(i, c.short()) for i, c in enumerate(options[:-1], 1)]
+        assert [" ".join(reason.split()) for *_, reason in said] == expected[:-1]
 
 
 def test_default_world_size_is_the_local_machine(capsys):

@@ -363,3 +363,137 @@ def test_plan_model_refuses_what_it_cannot_plan(tmp_path, flux_folder):
         plan_model(flux_folder, 2, 10**9, height=30, width=32)
     with pytest.raises(ValueError, match="gpu_memory_bytes must be a positive whole number"):
         plan_model(flux_folder, 2, "24GB")
+
+
+# ---- the table a newcomer reads ---------------------------------------------------------------------------
+
+DEFAULT_COLUMNS = ["#", "config", "weights", "text enc", "GB/rank", "fits", "work", "GB sent", "NVLink s", "PCIe s"]
+TERMS = ["gather", "latents+cond", "stale K/V", "decode"]
+
+
+@pytest.fixture(scope="module")
+def flux_dev(tmp_path_factory):
+    """FLUX.1-dev's folder as headers over holes: the README's example, at its real sizes."""
+    from xdit_lab.real_models import save_header_only
+
+    return save_header_only("FLUX.1-dev", tmp_path_factory.mktemp("flux-dev") / "FLUX.1-dev")
+
+
+def _columns(line: str) -> list[str]:
+    """A table's header cut into its column names (two spaces or more apart; a name may hold one space)."""
+    return re.split(r"\s{2,}", line.strip())
+
+
+def _legend(out: str) -> dict[str, str]:
+    """The legend under a table: each column's name and what it says (its wrapped lines joined)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Columns"))
+    entries = {}
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break
+        if line[2] != " ":  # a new entry; deeper lines go on the one before
+            name, meaning = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            entries[name] = meaning
+        else:
+            entries[name] += " " + line.strip()
+    return entries
+
+
+def test_the_default_table_keeps_to_100_columns_and_its_legend_names_each(capsys, flux_dev):
+    """`plan --model` at the README's size: every line within 100 columns (the table was 222 wide, the line
+    above it 150), the columns that rank a row and say whether it fits, each named in the legend, and one
+    unit: GB (10^9), never GiB or MiB. The rows' figures are the plan's."""
+    argv = ["--model", str(flux_dev), "--world-size", "4", "--gpu-memory", "24GB", "--top", "0"]
+    code, out, _ = _plan(capsys, *argv)
+    assert code == 0
+    assert max(len(line) for line in out.splitlines()) <= 100, max(out.splitlines(), key=len)
+    assert "GiB" not in out and "MiB" not in out and "of 24 GB each" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("# "))
+    assert _columns(header) == DEFAULT_COLUMNS
+    legend = _legend(out)
+    assert list(legend) == DEFAULT_COLUMNS
+    assert "host memory" in legend["text enc"] and "gathered" in legend["text enc"] and "24 GB" in legend["fits"]
+    assert "--wide" in legend["GB/rank"]
+    rows = plan_model(flux_dev, 4, 24 * 10**9)
+    printed = [_columns(line) for line in lines if re.match(r" *\d+  ", line)]
+    assert len(printed) == len(rows)
+    for cells, row in zip(printed, rows):
+        assert cells[1:6] == [
+            row.config.short(),
+            "sharded" if row.shard_weights else "whole",
+            row.text_encoders,
+            f"{row.per_rank_bytes / 1e9:.2f}",
+            "yes" if row.fits else "no",
+        ]
+        assert float(cells[7]) == pytest.approx(row.traffic_per_step / 1e9, abs=0.005)
+
+
+def test_wide_shows_every_term_and_the_legend_says_each(capsys, flux_dev):
+    """--wide: each component's weights and every other term of GB/rank, a column each, summing to it; the
+    legend names each column, the lines around the table still within 100 columns."""
+    argv = ["--model", str(flux_dev), "--world-size", "4", "--gpu-memory", "24GB", "--top", "5", "--wide"]
+    code, out, _ = _plan(capsys, *argv)
+    assert code == 0 and "GiB" not in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("# "))
+    components = ["transformer", "text_encoder", "text_encoder_2", "vae"]
+    assert _columns(header) == DEFAULT_COLUMNS[:6] + components + TERMS + DEFAULT_COLUMNS[6:]
+    assert list(_legend(out)) == _columns(header)
+    assert "PipeFusion's stale" in _legend(out)["stale K/V"] and "FSDP2" in _legend(out)["gather"]
+    table = lines[lines.index(header) : lines.index(header) + 6]  # the header and --top 5 rows
+    assert [line.split()[0] for line in table] == ["#", "1", "2", "3", "4", "5"]
+    assert all(len(line) <= 100 for line in lines if line not in table)
+    for cells in map(_columns, table[1:]):
+        terms = [float(x) for x in cells[6:14]]
+        assert sum(terms) == pytest.approx(float(cells[4]), abs=0.05), cells
+
+
+def test_why_says_what_ranks_each_row_above_the_next(capsys, flux_dev):
+    """--why with --model (refused until now: 'the folder's configs say them'): a line per row, the first
+    figure of the planner's own sort key in which it and the next row differ, named with both values.
+    The lines' words are checked against fit_rank_key computed here; the JSON rows carry the same."""
+    from xdit_lab.fit import fit_rank_key
+
+    argv = ["--model", str(flux_dev), "--world-size", "4", "--gpu-memory", "24GB", "--top", "0", "--why"]
+    code, out, _ = _plan(capsys, *argv)
+    assert code == 0 and max(len(line) for line in out.splitlines()) <= 100
+    rows = plan_model(flux_dev, 4, 24 * 10**9)
+    said = out.split("Why each row ranks above the next (--why):\n")[1]
+    reasons = re.findall(r"^  #(\d+): (.*(?:\n      .*)*)", said, flags=re.M)
+    assert [int(i) for i, _ in reasons] == list(range(1, len(rows)))
+    starts = ["fits, ", "less work per rank than", "as much work, less sent per step than"]
+    starts += ["the same work and traffic as", "the same cost as", "the same cost and memory as"]
+    decided = set()
+    for (i, reason), row, below in zip(reasons, rows, rows[1:]):
+        reason = " ".join(reason.split())
+        first = next(j for j, (a, b) in enumerate(zip(fit_rank_key(row), fit_rank_key(below))) if a != b)
+        decided.add(first)
+        assert reason.startswith(starts[first] if first < len(starts) else "ties with"), (i, reason, first)
+        assert f"#{int(i) + 1}" in reason
+        if first == 0:
+            assert row.fits and not below.fits and f"{below.per_rank_bytes / 1e9:.2f} GB" in reason
+        if first == 2:
+            assert f"{row.traffic_per_step / 1e9:.2f} vs" in reason
+    assert {0, 1, 2, 3} <= decided  # the plan exercises the figures a newcomer meets
+    code, out, _ = _plan(capsys, *argv, "--json", "--top", "3")
+    found = json.loads(out)
+    assert [row["why_above_the_next"] for row in found] == [" ".join(r.split()) for _, r in reasons[:3]]
+
+
+def test_every_figure_is_in_decimal_units(flux_dev):
+    """GB as GPUs are sold (10^9 bytes), in the planner's neighbours too: the byte formatter of memory plans and
+    errors, the Lab's axes, its folder planning, tutorial 14's table. Each said GiB or MiB (2^30, 2^20)."""
+    from xdit_lab.lab.folder_planning import plan_folder
+    from xdit_lab.lab.views import _scale
+    from xdit_lab.lessons.fitting import terms_table
+    from xdit_lab.memory import human_bytes
+
+    assert [human_bytes(n) for n in (999, 2_500, 2_500_000, 31.4e9)] == ["999 B", "2.5 KB", "2.5 MB", "31.4 GB"]
+    assert _scale(3e9) == (10**9, "GB") and _scale(2e6) == (10**6, "MB") and _scale(500) == (1, "B")
+    plan = plan_folder(flux_dev, 2, "8GB")
+    assert plan.smallest.startswith("nothing fits 2 × 8 GB") and "GiB" not in plan.smallest
+    rows = plan_model(flux_dev, 4, 24 * 10**9)
+    table = terms_table(rows[:2])
+    assert "total GB" in table and "GiB" not in table

@@ -3,7 +3,7 @@
     xdit-lab plan [--world-size N] [--heads H] [--layers L] [--seq-len S] [--hidden-size HS]
                   [--batch B] [--no-cfg] [--top K] [--why]
     xdit-lab plan --model FOLDER --world-size N --gpu-memory 24GB [--dtype bfloat16] [--height H --width W]
-                  [--json] [--top K]
+                  [--json] [--top K] [--wide] [--why]
     torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompt TEXT [--cfg 2 --ulysses 2 ...]
     torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompts FILE [--images-per-prompt K]
                   [--batch-size B] --output DIR ...   (a rerun into DIR resumes)
@@ -29,7 +29,7 @@ from .distributed import env_world_size, usable_cpu_cores
 from .launch import LAUNCHED, launch_ranks, say_once, under_torchrun
 from .mesh import RankMesh
 from .model_folder import resolve_folder, transformer_heads
-from .plan_table import format_plan, plan_table
+from .plan_table import format_plan, plan_legend, plan_table, why_lines, wrapped
 from .quantization import SCHEMES
 
 
@@ -97,24 +97,32 @@ def cmd_plan_model(args) -> int:
     from .fit.command import print_plan
 
     given = [f"--{name.replace('_', '-')}" for name in MODEL_SHAPE_ARGUMENTS if getattr(args, name)]
-    if given or args.why:
-        raise ParallelConfigError(
-            f"{', '.join(given + ['--why'] * args.why)} cannot be given with --model: the folder's configs say them"
-        )
+    if given:
+        raise ParallelConfigError(f"{', '.join(given)} cannot be given with --model: the folder's configs say them")
     if args.gpu_memory is None:
         raise ParallelConfigError("--model needs --gpu-memory: the memory of one GPU, e.g. --gpu-memory 24GB")
     world_size = args.world_size if args.world_size is not None else local_world_size()[0]
     options = dict(height=args.height, width=args.width, batch=args.batch, use_cfg=False if args.no_cfg else None)
     options["quantize"] = args.quantize
-    return print_plan(args.model, world_size, args.gpu_memory, getattr(torch, args.dtype), args.json, args.top, options)
+    return print_plan(
+        args.model,
+        world_size,
+        args.gpu_memory,
+        getattr(torch, args.dtype),
+        args.json,
+        args.top,
+        options,
+        wide=args.wide,
+        why=args.why,
+    )
 
 
 def cmd_plan(args) -> int:
     if args.model is not None:
         return cmd_plan_model(args)
-    if args.gpu_memory is not None or args.json or args.height or args.width or args.quantize:
+    if args.gpu_memory is not None or args.json or args.height or args.width or args.quantize or args.wide:
         raise ParallelConfigError(
-            "--gpu-memory, --json, --height, --width and --quantize plan a model: give --model FOLDER too"
+            "--gpu-memory, --json, --height, --width, --quantize and --wide plan a model: give --model FOLDER too"
         )
     if args.world_size is None:
         world_size, why = local_world_size()
@@ -126,21 +134,19 @@ def cmd_plan(args) -> int:
         f"heads {args.heads or 'any'}, layers {layers}, seq_len {args.seq_len or 'any'}, batch {args.batch}, "
         f"CFG {'off' if args.no_cfg else 'on'}"
     )
-    print(f"Parallel configurations for {world_size} ranks ({source}); {shape}")
+    print(wrapped(f"Parallel configurations for {world_size} ranks ({source}); {shape}"))
     shape_arguments = {name: getattr(args, name) for name in MODEL_SHAPE_ARGUMENTS}
     rows, configs = plan_table(
         world_size, **shape_arguments, batch=args.batch, use_cfg=not args.no_cfg, top=args.top, reasons=args.why
     )
+    # the reasons go under the table, a line each, which keeps it within WIDTH columns
+    reasons = [row.pop() for row in rows] if args.why else []
     print(format_plan(rows))
     if len(configs) > len(rows) - 1:
         print(f"... {len(configs) - (len(rows) - 1)} more (--top 0 shows all {len(configs)})")
-    print(
-        "Units: work = single-image transformer forwards per rank per step (lower is faster); comm = elements "
-        "moved per rank per step in units of p·hs (p tokens per image, hs hidden size)"
-        + (", bytes at 2 bytes per element (bf16)" if _shows_bytes(args) else "")
-        + "; params = share of the model's weights per rank. Ranked by work, then comm, then params; "
-        "cost model: see the docstring of xdit_lab.config (ParallelConfig)."
-    )
+    print(plan_legend(_shows_bytes(args)))
+    if args.why:
+        print(why_lines([f"#{row[0]} {row[1]}" for row in rows[1:]], reasons[1:]))
     return 0
 
 
@@ -337,6 +343,11 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (one branch, no cfg 2)")
     plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
     plan.add_argument("--why", action="store_true", help="say why each configuration ranks above the next")
+    plan.add_argument(
+        "--wide",
+        action="store_true",
+        help="with --model: every term a rank holds, a column each (the default table keeps to 100 columns)",
+    )
     plan.add_argument("--model", metavar="FOLDER", help="a diffusers folder: plan what each rank holds of it")
     plan.add_argument(
         "--gpu-memory", type=_gpu_memory, metavar="SIZE", help="with --model: one GPU's memory (24GB, 22.5GiB, bytes)"

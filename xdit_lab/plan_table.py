@@ -5,7 +5,12 @@ module lays them out as rows of strings, one per configuration, with the figures
 
 from __future__ import annotations
 
+import textwrap
+
 from .config import DEGREES, SHORT, ParallelConfig, ranking_reasons
+
+WIDTH = 100  # the columns a plan's text keeps to, its table and the lines around it (a terminal's, a review's)
+LEGEND_NAME = 14  # the longest column name a legend aligns its meanings after
 
 
 def _number(x: float) -> str:
@@ -41,9 +46,9 @@ def plan_table(
         world_size, num_heads=heads, num_layers=layers, seq_len=seq_len, use_cfg=use_cfg, batch=batch
     )
     show_bytes = seq_len is not None and hidden_size is not None
-    header = ["#", "config", *(SHORT[d] for d in DEGREES), "work/rank", "comm/rank/step (p·hs)"]
+    header = ["#", "config", *(SHORT[d] for d in DEGREES), "work", "comm (p·hs)"]
     header += ["comm bytes"] if show_bytes else []
-    header += ["params/rank"] + (["why above the next"] if reasons else [])
+    header += ["params"] + (["why above the next"] if reasons else [])
     rows = [header]
     shown = configs[: top or None]
     why = ranking_reasons(configs, layers, batch=batch, use_cfg=use_cfg)
@@ -78,3 +83,59 @@ def aligned(rows: list[list[str]], left: set[int]) -> str:
         ).rstrip()
         for row in rows
     )
+
+
+def wrapped(text: str, width: int = WIDTH, indent: str = "  ") -> str:
+    """One paragraph in lines of at most `width` characters, the ones after the first indented."""
+    return textwrap.fill(text, width, subsequent_indent=indent, break_on_hyphens=False)
+
+
+def legend(entries: list[tuple[str, str]], width: int = WIDTH) -> str:
+    """What each column of a table means: a line (or lines, wrapped at `width`) per (column, meaning), the
+    meanings aligned after the names (a name longer than `LEGEND_NAME` pushes its own first line on)."""
+    indent = 2 + min(max(len(name) for name, _ in entries), LEGEND_NAME) + 2
+    return "\n".join(
+        textwrap.fill(
+            meaning,
+            width,
+            initial_indent=f"  {name}  ".ljust(indent),
+            subsequent_indent=" " * indent,
+            break_on_hyphens=False,
+        )
+        for name, meaning in entries
+    )
+
+
+DEGREE_MEANINGS = {  # what each degree's column counts, for the legends
+    "dp": "data parallel: the prompts' rows split over this many groups",
+    "cfg": "classifier-free guidance: 2 runs its two branches side by side",
+    "pf": "PipeFusion: the blocks in this many pipeline stages, the image in patches",
+    "ring": "Ring attention: the tokens split this many ways, their K/V passed around a ring",
+    "ulysses": "Ulysses: the tokens split this many ways, all-to-alls swap them for heads",
+}
+
+
+def plan_legend(show_bytes: bool = False) -> str:
+    """What each column of plan_table's rows means, wrapped to WIDTH: `xdit-lab plan` prints it under them."""
+    entries = [
+        (
+            "#",
+            "the rank, best first: least work, then least comm, then fewest params, then simplest; --why says "
+            "which decided each row",
+        ),
+        ("config", "the degrees above 1, joined by · (cfg2·pf2: cfg 2 × pf 2 = 4 ranks)"),
+        *((SHORT[d], DEGREE_MEANINGS[SHORT[d]]) for d in DEGREES),
+        ("work", "single-image transformer forwards per rank per step (lower is faster)"),
+        ("comm (p·hs)", "elements one rank sends per step, in units of p·hs (p tokens per image, hs hidden size)"),
+    ]
+    if show_bytes:
+        entries.append(("comm bytes", "the same in bytes, at 2 bytes per element (bf16); MB = 10^6 bytes"))
+    entries.append(("params", "the share of the model's weights each rank holds"))
+    return "Columns:\n" + legend(entries) + "\nCost model: see the docstring of xdit_lab.config (ParallelConfig)."
+
+
+def why_lines(names: list[str], reasons: list[str]) -> str:
+    """Why each row ranks above the next, a line per row (wrapped to WIDTH), from `names` ('#1 cfg2·pf2')
+    and their reasons (config.ranking_reasons, fit.fit_ranking_reasons; an empty one, the last's, left out)."""
+    lines = [wrapped(f"  {name}: {reason}", indent="      ") for name, reason in zip(names, reasons) if reason]
+    return "\n".join(["Why each row ranks above the next (--why):", *lines])

@@ -8,8 +8,9 @@ import json
 import re
 import sys
 
+from ..plan_table import why_lines, wrapped
 from .folder import ModelFolderError
-from .plan import LINKS, format_rows, plan_model, smallest_fit
+from .plan import GB, fit_ranking_reasons, format_rows, model_legend, plan_model, smallest_fit
 
 MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 MEMORY_UNITS.update(KIB=2**10, MIB=2**20, GIB=2**30, TIB=2**40)
@@ -30,36 +31,53 @@ def memory_size(text: str) -> int:
     return size
 
 
-def print_plan(folder, world_size: int, gpu_memory: int, dtype, as_json: bool, top: int, request: dict) -> int:
-    """Plan `folder` for `world_size` GPUs of `gpu_memory` bytes and print it; 2 (and the error on
-    stderr) when the folder or the request is wrong."""
+def print_plan(
+    folder,
+    world_size: int,
+    gpu_memory: int,
+    dtype,
+    as_json: bool,
+    top: int,
+    request: dict,
+    *,
+    wide: bool = False,
+    why: bool = False,
+) -> int:
+    """Plan `folder` for `world_size` GPUs of `gpu_memory` bytes and print it: the request, the table
+    (`wide`: every term of a rank's total, a column each), what each column means, the planner's notes
+    and, with `why`, why each row ranks above the next; every line but the wide table's within 100
+    columns. 2 (and the error on stderr) when the folder or the request is wrong."""
     try:
         rows = plan_model(folder, world_size, gpu_memory, dtype=dtype, **request)
     except (ModelFolderError, ValueError, OSError) as error:  # the user's input: say what is wrong, no traceback
         print(f"xdit-lab plan: error: {error}", file=sys.stderr)
         return 2
+    shown = rows[: top or None]
+    reasons = fit_ranking_reasons(rows)[: len(shown)] if why else []
     if as_json:
-        print(json.dumps([row.to_json() for row in rows[: top or None]], indent=1))
+        found = [row.to_json() for row in shown]
+        for row, reason in zip(found, reasons):
+            row["why_above_the_next"] = reason
+        print(json.dumps(found, indent=1))
     else:
         planned = rows[0].request
-        each = f"{gpu_memory / 1e9:.3g} GB ({gpu_memory / 2**30:.3g} GiB)"
-        print(f"{planned.describe()}; {world_size} GPU(s) of {each} each")
-        print(format_rows(rows, top))
+        print(wrapped(f"{planned.describe()}; {world_size} GPU(s) of {gpu_memory / GB:.3g} GB each"))
+        print(format_rows(rows, top, wide=wide))
         if len(rows) > top > 0:
             print(f"... {len(rows) - top} more (--top 0 shows all {len(rows)})")
+        print(model_legend(shown, wide))
         for note in dict.fromkeys([*planned.notes, *rows[0].unknown]):
-            print(f"note: {note}")
-        links = ", ".join(f"{name} {bandwidth / 1e9:.0f} GB/s" for name, bandwidth in LINKS.items())
-        print(
-            f"GB = 10^9 bytes per rank, by term; fitting rows first, then by the cost model (work, then bytes sent "
-            f"per step, FSDP2's weight gathers included); seconds per step at {links} (xdit_lab.fit's constants)."
-        )
+            print(wrapped(f"note: {note}"))
+        if why:
+            print(why_lines([f"#{i}" for i in range(1, len(shown) + 1)], reasons))
     if not any(row.fits for row in rows):
         best = smallest_fit(rows)
         print(
-            f"nothing fits {world_size} × {gpu_memory / 1e9:.3g} GB: the smallest GPU that would is "
-            f"{best.per_rank_bytes / 1e9:.2f} GB ({best.per_rank_bytes / 2**30:.2f} GiB), under {best.config.short()} "
-            f"with {'sharded' if best.shard_weights else 'whole'} weights and text encoders {best.text_encoders}",
+            wrapped(
+                f"nothing fits {world_size} × {gpu_memory / GB:.3g} GB: the smallest GPU that would is "
+                f"{best.per_rank_bytes / GB:.2f} GB, under {best.config.short()} with "
+                f"{'sharded' if best.shard_weights else 'whole'} weights and text encoders {best.text_encoders}"
+            ),
             file=sys.stderr if as_json else sys.stdout,
         )
     return 0

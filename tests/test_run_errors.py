@@ -46,17 +46,8 @@ def test_plain_torchrun_says_our_error_once(tmp_path):
     """Under torch's own torchrun every rank meets the same unwritable --output: the line is printed once, not once
     per rank (torchrun's ChildFailedError after it is torch's, which `xdit-lab run --ranks` leaves out)."""
     result = _run(
-        "-m",
-        "xdit_lab.cli",
-        "run",
-        "--model",
-        "digits",
-        "--prompt",
+        *"-m xdit_lab.cli run --model digits --ulysses 2 --output /proc/no-such-folder --prompt".split(),
         "a 7",
-        "--ulysses",
-        "2",
-        "--output",
-        "/proc/no-such-folder",
         command=(TORCHRUN, "--standalone", "--nproc_per_node", "2"),
     )
     assert result.returncode != 0

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import ipyparallel as ipp
 import numpy as np
@@ -169,8 +170,16 @@ def test_a_remote_error_is_a_short_lab_error(cfg2):
 
 
 def test_a_config_larger_than_the_engines_is_refused_before_any_call(lab, folder):
-    with pytest.raises(ValueError, match="world size is 2"):
+    """Refused with what fits 2 engines; keeping the configuration on more ranks is advised only where the model's
+    heads would run it (ulysses 3 on this model's heads advised 3 ranks, which then failed on the heads)."""
+    with pytest.raises(ValueError, match="world size is 2") as fits:
         lab.load(folder, ParallelConfig(cfg=2, ulysses=2))
+    assert "nproc_per_node 4" in str(fits.value)  # the control: this one the heads allow
+    heads = json.loads((Path(folder) / "transformer" / "config.json").read_text())["num_attention_heads"]
+    assert heads % 3
+    with pytest.raises(ValueError, match=f"{heads} attention heads do not divide by ulysses 3") as refused:
+        lab.load(folder, ParallelConfig(ulysses=3))
+    assert "world size is 2" in str(refused.value) and "nproc_per_node" not in str(refused.value)
 
 
 def test_stuck_rank_and_dead_engine_then_restart(cfg2):

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import ipyparallel as ipp
 
 from ..distributed import usable_cpu_cores
+from ..model_folder import transformer_heads
 from . import engine
 from .errors import LabError, describe_failures
 from .labsession import LabSession
@@ -316,8 +317,8 @@ class Lab:
 
     def load(self, name_or_path, config, *, timeout_s: float | None = None, **kwargs) -> Lab:
         """load_pipeline(name_or_path, config, **kwargs) on every engine (idle ones under a smaller config)."""
-        if config.world_size > self.world_size:
-            config.validate(self.world_size)  # raises, listing the configurations that fit
+        if config.world_size > self.world_size:  # raises, listing what fits the engines and the model's heads
+            config.validate(self.world_size, num_heads=transformer_heads(name_or_path))
         config.validate(config.world_size)
         self.session_token += 1
         for row in self.ranks:

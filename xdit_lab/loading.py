@@ -21,7 +21,8 @@ import torch
 
 from .families import FAMILIES
 from .mesh import PIPEFUSION
-from .quantization import TRANSFORMERS, QuantizationError
+from .model_folder import EXPERT, TEXT_ENCODER, TRANSFORMER, ModelFolder
+from .quantization import QuantizationError
 from .safetensors_io import SAFETENSORS_DTYPES, read_safetensors_header, safetensors_files
 from .shard_loading import WeightsMismatchError, load_weights, materialize, transformers_key_renaming
 
@@ -80,7 +81,7 @@ def empty_model(folder: Path, library: str, class_name: str, dtype: torch.dtype)
     return model.eval()
 
 
-def check_weights_match_config(folder: Path, library: str, class_name: str) -> None:
+def check_weights_match_config(folder: Path, library: str, class_name: str, header=read_safetensors_header) -> None:
     """Refuse a component whose config.json does not build the module its safetensors hold: the module is
     built from the config on meta (no memory) and its parameters are compared, by name and shape, with the
     files' headers, before a byte of weights is read. Without this, diffusers loads a config with fewer
@@ -91,14 +92,14 @@ def check_weights_match_config(folder: Path, library: str, class_name: str) -> N
     checkpoint renaming, the keys each class declares it ignores; tied weights count once, and a buffer
     missing from the files keeps the value the module was built with (as both loaders keep it). A component
     with no safetensors files (.bin only), or whose checkpoint transformers converts tensor by tensor, is
-    left to the library's loader."""
+    left to the library's loader. `header`: a file's tensor table (ModelFolder.header: parsed once per load)."""
     try:
         files = safetensors_files(folder)
     except FileNotFoundError:
         return
     stored = {}
     for file in files:
-        stored.update({key: (file, info["shape"]) for key, info in read_safetensors_header(file).items()})
+        stored.update({key: (file, info["shape"]) for key, info in header(file).items()})
     model = empty_model(folder, library, class_name, torch.float32)
     if library == "diffusers" and hasattr(model, "_fix_state_dict_keys_on_load"):
         model._fix_state_dict_keys_on_load(stored)  # old VAE attention names, as diffusers renames them on load
@@ -155,13 +156,13 @@ def check_weights_match_config(folder: Path, library: str, class_name: str) -> N
     )
 
 
-def check_weights_match_configs(folder: Path, index: dict, components: list[str]) -> None:
+def check_weights_match_configs(model: ModelFolder, components: list[str]) -> None:
     """Every component with weights (a diffusers or transformers model) against its config.json
-    (loading.check_weights_match_config), before any weight is read."""
+    (loading.check_weights_match_config), before any weight is read, from the headers the folder parsed."""
     import importlib
 
     for name in components:
-        library, class_name = index[name]
+        library, class_name = model.index[name]
         if library not in ("diffusers", "transformers"):
             continue
         try:
@@ -169,7 +170,7 @@ def check_weights_match_configs(folder: Path, index: dict, components: list[str]
         except (ImportError, AttributeError):
             continue  # diffusers' own loader names a class it cannot find
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
-            check_weights_match_config(folder / name, library, class_name)
+            check_weights_match_config(model.path / name, library, class_name, model.header)
 
 
 def keep_stage(model, class_name: str, stage_blocks: tuple[int, int]):
@@ -204,17 +205,22 @@ def stage_key_renaming(transformer_config, class_name: str, stage_blocks: tuple[
     return stage_name
 
 
-def load_stage_transformer(folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype):
+def load_stage_transformer(
+    folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype, header=None
+):
     """The diffusers transformer in `folder` with only its stacked blocks [start, stop) materialised
-    (Flux's stack: its double-stream blocks, then its single-stream ones)."""
+    (Flux's stack: its double-stream blocks, then its single-stream ones). `header`, here and below: a
+    file's tensor table parsed once per load (ModelFolder.header), else read by load_weights."""
     model = empty_model(folder, "diffusers", class_name, dtype)
     stage_name = keep_stage(model, class_name, stage_blocks)
     # plain reads of this stage's tensors only, never a mapping of the whole file (shard_loading.py)
-    load_weights(materialize(model, "cpu", dtype=dtype), folder, dtype=dtype, rename=stage_name)
+    load_weights(materialize(model, "cpu", dtype=dtype), folder, dtype=dtype, rename=stage_name, header=header)
     return model.eval()
 
 
-def load_sharded_transformer(folder: Path, class_name: str, config, mesh, dtype, device, **parallel) -> torch.nn.Module:
+def load_sharded_transformer(
+    folder: Path, class_name: str, config, mesh, dtype, device, header=None, **parallel
+) -> torch.nn.Module:
     """The transformer in `folder` parallelized under `config` with its weights sharded (FSDP2 over the ranks
     of its stage), built empty and filled with this rank's rows only: no rank reads or maps the whole
     checkpoint. `parallel`: parallelize's other options (cache, compile)."""
@@ -226,10 +232,10 @@ def load_sharded_transformer(folder: Path, class_name: str, config, mesh, dtype,
         blocks = config.stage_ranges(FAMILIES[class_name].num_blocks(model.config))[mesh.coords[PIPEFUSION]]
         rename = keep_stage(model, class_name, blocks)
     parallelize(model, config, mesh, shard_weights=True, **parallel)
-    return load_sharded(model, folder, dtype, device, rename)
+    return load_sharded(model, folder, dtype, device, rename, header)
 
 
-def load_sharded_text_encoder(folder: Path, class_name: str, mesh, dtype, device) -> torch.nn.Module:
+def load_sharded_text_encoder(folder: Path, class_name: str, mesh, dtype, device, header=None) -> torch.nn.Module:
     """A transformers text encoder sharded over the world (FSDP2: models.sharded_weights.shard_text_encoder),
     built empty and filled with this rank's rows only."""
     from .models import shard_text_encoder
@@ -237,19 +243,21 @@ def load_sharded_text_encoder(folder: Path, class_name: str, mesh, dtype, device
     model = empty_model(folder, "transformers", class_name, dtype)
     rename = transformers_key_renaming(model)  # before sharding: transformers finds the mapping by the class
     shard_text_encoder(model, mesh)
-    return load_sharded(model, folder, dtype, device, rename)
+    return load_sharded(model, folder, dtype, device, rename, header)
 
 
-def load_sharded(model, folder: Path, dtype: torch.dtype, device, rename=None) -> torch.nn.Module:
+def load_sharded(model, folder: Path, dtype: torch.dtype, device, rename=None, header=None) -> torch.nn.Module:
     """Fill an empty model that is already sharded (FSDP2: models.sharded_weights) from its folder: each
     rank materializes and reads only its own rows of every parameter, and whole buffers
     (shard_loading.materialize, load_weights). A transformers model's file keys are renamed to its
     module's by `rename` (transformers_key_renaming, found before the model was sharded)."""
-    load_weights(materialize(model, device, dtype=dtype), folder, dtype=dtype, rename=rename)
+    load_weights(materialize(model, device, dtype=dtype), folder, dtype=dtype, rename=rename, header=header)
     return model.eval()
 
 
-def load_quantized(model, library: str, folder: Path, dtype, device, quantization, name: str, lists, rename=None):
+def load_quantized(
+    model, library: str, folder: Path, dtype, device, quantization, name: str, lists, rename=None, header=None
+):
     """Fill an empty model block by block, quantizing each as soon as it is read (quantization.py): the
     model's outside-the-blocks part first (its linear layers quantized too), then each block of `lists`
     ([(attribute, nn.ModuleList)], in the model's order) read, quantized, kept. So a rank holds the
@@ -273,7 +281,7 @@ def load_quantized(model, library: str, folder: Path, dtype, device, quantizatio
         mine = rename(key)
         return None if mine is None or any(mine.startswith(f"{a}.") for a in held) else mine
 
-    load_weights(materialize(model, device, dtype=dtype), folder, dtype=dtype, rename=outside_blocks)
+    load_weights(materialize(model, device, dtype=dtype), folder, dtype=dtype, rename=outside_blocks, header=header)
     quantize_block(model, config, chosen)
     for attribute, layers in held.items():
         for index, block in enumerate(layers):
@@ -283,14 +291,21 @@ def load_quantized(model, library: str, folder: Path, dtype, device, quantizatio
                 mine = rename(key)
                 return mine[len(prefix) :] if mine is not None and mine.startswith(prefix) else None
 
-            load_weights(materialize(block, device, dtype=dtype), folder, dtype=dtype, rename=in_block)
+            load_weights(materialize(block, device, dtype=dtype), folder, dtype=dtype, rename=in_block, header=header)
             quantize_block(block, config, chosen, prefix=prefix)
         put(attribute, layers)
     return model.eval()
 
 
 def load_quantized_transformer(
-    folder: Path, class_name: str, dtype, device, quantization, stage_blocks=None, name: str = "transformer"
+    folder: Path,
+    class_name: str,
+    dtype,
+    device,
+    quantization,
+    stage_blocks=None,
+    name: str = "transformer",
+    header=None,
 ):
     """The transformer in `folder` (the component `name`: Wan 2.2 A14B's second expert is transformer_2),
     quantized block by block as it is read (a PipeFusion stage: its blocks)."""
@@ -298,10 +313,10 @@ def load_quantized_transformer(
     rename = keep_stage(model, class_name, stage_blocks) if stage_blocks is not None else None
     adapter = FAMILIES[class_name]
     lists = [(attribute, getattr(model, attribute)) for attribute in adapter.block_lists]
-    return load_quantized(model, "diffusers", folder, dtype, device, quantization, name, lists, rename)
+    return load_quantized(model, "diffusers", folder, dtype, device, quantization, name, lists, rename, header)
 
 
-def load_quantized_text_encoder(folder: Path, class_name: str, dtype, device, quantization, name: str):
+def load_quantized_text_encoder(folder: Path, class_name: str, dtype, device, quantization, name: str, header=None):
     """A transformers text encoder quantized layer by layer as it is read (its repeated layers: the same
     lists sharded weights cut, models.sharded_weights.repeated_layers)."""
     from .models.sharded_weights import repeated_layers
@@ -309,16 +324,11 @@ def load_quantized_text_encoder(folder: Path, class_name: str, dtype, device, qu
     model = empty_model(folder, "transformers", class_name, dtype)
     rename = transformers_key_renaming(model)
     return load_quantized(
-        model, "transformers", folder, dtype, device, quantization, name, repeated_layers(model), rename
+        model, "transformers", folder, dtype, device, quantization, name, repeated_layers(model), rename, header
     )
 
 
 # ---- which components a rank builds itself ----------------------------------------------------------------------
-
-
-def text_encoders(index: dict, components: list[str]) -> list[str]:
-    """The pipeline's transformers text encoders (text_encoder, text_encoder_2, ...), in its index's order."""
-    return [name for name in components if name.startswith("text_encoder") and index[name][0] == "transformers"]
 
 
 def stage_blocks(folder: Path, index: dict, config, mesh, name: str = "transformer") -> tuple[int, int]:
@@ -330,9 +340,7 @@ def stage_blocks(folder: Path, index: dict, config, mesh, name: str = "transform
 
 
 def load_own_components(
-    folder: Path,
-    index: dict,
-    components: list[str],
+    model: ModelFolder,
     config,
     mesh,
     dtype,
@@ -344,41 +352,45 @@ def load_own_components(
     cache=None,
     compile=False,
 ) -> dict:
-    """{name: module} of the components this rank builds from the files itself, each reading only what it keeps;
-    load_pipeline hands these to diffusers' from_pretrained, which loads the rest whole:
+    """{name: module} of the components this rank builds from the files itself, each reading only what it keeps
+    (the headers `model` parsed); load_pipeline hands these to diffusers' from_pretrained, which loads the rest
+    whole (an image encoder, a ControlNet, the VAE), by the role the folder gives each component:
       - quantized ones (`quantized`: quantization.resolve's), block by block (load_quantized_components);
-      - with `sharding`, each transformer (Wan 2.2 A14B's two experts alike) parallelized and sharded, then this
-        rank's rows read (`cache`, `compile`: parallelize's), and every text encoder not kept `on_host`;
+      - with `sharding`, the transformer and the expert (Wan 2.2 A14B's two alike) parallelized and sharded, then
+        this rank's rows read (`cache`, `compile`: parallelize's), and every text encoder not kept `on_host`;
       - under PipeFusion without sharding, each transformer's stage: its own blocks and the rest."""
-    loaded = load_quantized_components(folder, index, config, mesh, dtype, device, quantized) if quantized else {}
-    for name in TRANSFORMERS:
-        if name not in components or name in loaded:
+    folder, index, header = model.path, model.index, model.header
+    loaded = load_quantized_components(model, config, mesh, dtype, device, quantized) if quantized else {}
+    for name in model.named(TRANSFORMER, EXPERT):
+        if name in loaded:
             continue
         if sharding:
             loaded[name] = load_sharded_transformer(
-                folder / name, index[name][1], config, mesh, dtype, device, cache=cache, compile=compile
+                folder / name, index[name][1], config, mesh, dtype, device, header, cache=cache, compile=compile
             )
         elif config.pipefusion > 1:
             blocks = stage_blocks(folder, index, config, mesh, name)
-            loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, dtype)
-    for name in text_encoders(index, components) if sharding else ():
+            loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, dtype, header)
+    for name in model.text_encoders if sharding else ():
         if name not in on_host and name not in loaded:
-            loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, dtype, device)
+            loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, dtype, device, header)
     return loaded
 
 
-def load_quantized_components(folder: Path, index: dict, config, mesh, dtype, device, quantized) -> dict:
+def load_quantized_components(model: ModelFolder, config, mesh, dtype, device, quantized) -> dict:
     """The components `quantized` names, each built empty and filled block by block, every block quantized
-    as soon as it is read (load_quantized): the transformer (a PipeFusion stage: its blocks) and
-    transformers text encoders. Anything else is refused by name."""
-    loaded = {}
+    as soon as it is read (load_quantized): the transformer and the expert (a PipeFusion stage: its blocks) and
+    the text encoders. Anything else is refused by name."""
+    loaded, roles = {}, model.roles
     for name in quantized.configs:
-        library, class_name = index[name]
-        if name in TRANSFORMERS:
-            blocks = stage_blocks(folder, index, config, mesh, name) if config.pipefusion > 1 else None
-            loaded[name] = load_quantized_transformer(folder / name, class_name, dtype, device, quantized, blocks, name)
-        elif library == "transformers" and name.startswith("text_encoder"):
-            loaded[name] = load_quantized_text_encoder(folder / name, class_name, dtype, device, quantized, name)
+        class_name, sub = model.index[name][1], model.path / name
+        if roles[name] in (TRANSFORMER, EXPERT):
+            blocks = stage_blocks(model.path, model.index, config, mesh, name) if config.pipefusion > 1 else None
+            loaded[name] = load_quantized_transformer(
+                sub, class_name, dtype, device, quantized, blocks, name, model.header
+            )
+        elif roles[name] == TEXT_ENCODER:
+            loaded[name] = load_quantized_text_encoder(sub, class_name, dtype, device, quantized, name, model.header)
         else:
             raise QuantizationError(
                 f"{name} ({class_name}) is not quantized by xdit_lab: it quantizes the transformer and the text "

@@ -19,7 +19,7 @@ import torch
 
 from .config import ParallelConfig
 from .families import FAMILIES, block_index
-from .quantization import TRANSFORMERS
+from .model_folder import EXPERT, TRANSFORMER, ModelFolder, component_role
 from .safetensors_io import read_safetensors_header
 
 DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
@@ -67,12 +67,13 @@ class MemoryPlan:
         return "\n".join(lines + [f"  ({note})" for note in self.notes])
 
 
-def component_tensor_bytes(folder: Path, dtype: torch.dtype | None) -> dict[str, int]:
-    """Bytes of every tensor in a component folder's safetensors, as loaded in `dtype`, from the headers alone."""
+def component_tensor_bytes(folder: Path, dtype: torch.dtype | None, header=read_safetensors_header) -> dict[str, int]:
+    """Bytes of every tensor in a component folder's safetensors, as loaded in `dtype`, from the headers alone
+    (`header`: a file's table; ModelFolder.header parses each file once per load)."""
     return {
         key: tensor_bytes(info, dtype)
         for f in sorted(Path(folder).glob("*.safetensors"))
-        for key, info in read_safetensors_header(f).items()
+        for key, info in header(f).items()
     }
 
 
@@ -91,7 +92,7 @@ def block_bytes(tensors: dict[str, int], transformer_config: dict) -> tuple[dict
 
 
 def plan_memory(
-    folder: Path,
+    folder: Path | ModelFolder,
     components: list[str],
     *,
     dtype: torch.dtype | None,
@@ -108,13 +109,18 @@ def plan_memory(
     With `decode_latent` (latent rows, cols), the plan adds the VAE decode's activation peak for
     one image of that latent: whole, and per rank in the row bands the config decodes it in (vae.py).
     With `stale_kv_rows` (batch rows per rank) and pipefusion > 1, it adds the largest stage's stale
-    K/V buffers for those rows at that latent (models/pipefusion/)."""
+    K/V buffers for those rows at that latent (models/pipefusion/). `folder`: a path, or the load's ModelFolder
+    (its headers parsed once, its roles naming the transformer and the expert)."""
     config = ParallelConfig() if config is None else config
+    model = folder if isinstance(folder, ModelFolder) else None
+    folder, header = (model.path, model.header) if model is not None else (Path(folder), read_safetensors_header)
+    index = model.index if model is not None else {}
     whole, per_rank, transformer_blocks = {}, {}, None
     for name in components:
-        tensors = component_tensor_bytes(folder / name, dtype)
+        tensors = component_tensor_bytes(folder / name, dtype, header)
         whole[name] = per_rank[name] = sum(tensors.values())
-        if name in TRANSFORMERS:  # transformer_2: Wan 2.2 A14B's second expert, cut into the same stages
+        role = component_role(name, (index.get(name) or [None])[0])
+        if role in (TRANSFORMER, EXPERT):  # transformer_2: Wan 2.2 A14B's second expert, cut into the same stages
             transformer_config = json.loads((folder / name / "config.json").read_text())
             blocks, shared = block_bytes(tensors, transformer_config)
             if blocks and name == "transformer":
@@ -129,7 +135,7 @@ def plan_memory(
         and config.pipefusion > 1
         and "transformer" in components
     ):
-        kv = _stale_kv_bytes(Path(folder), config, stale_kv_rows, decode_latent, dtype)
+        kv = _stale_kv_bytes(folder, config, stale_kv_rows, decode_latent, dtype, header)
         if kv:
             plan.activation_bytes["stale K/V"] = (0, kv)  # a single rank keeps no stale K/V
             plan.notes.append(
@@ -139,7 +145,7 @@ def plan_memory(
     if decode_latent is not None and "vae" in components and config_path.is_file():
         vae_config = json.loads(config_path.read_text())
         if vae_config.get("_class_name") == "AutoencoderKL":
-            element = _float_bytes(Path(folder) / "vae", dtype)
+            element = _float_bytes(folder / "vae", dtype, header)
             shape = (1, vae_config["latent_channels"], *decode_latent)
             plan.activation_bytes["decode peak"] = (
                 decode_peak_bytes(vae_config, shape, element),
@@ -154,7 +160,9 @@ def decode_bands(config: ParallelConfig) -> int:
     return config.sp_degree * config.pipefusion if config.vae_parallel else 1
 
 
-def _stale_kv_bytes(folder: Path, config: ParallelConfig, rows: int, latent: tuple[int, int], dtype) -> int | None:
+def _stale_kv_bytes(
+    folder: Path, config: ParallelConfig, rows: int, latent: tuple[int, int], dtype, header=read_safetensors_header
+) -> int | None:
     """The largest stage's stale K/V buffers, from the transformer's config and header: its
     self-attention layers (the family adapter's names), heads, patches and this rank's rows."""
     from .families.adapter import SEQUENCE_PARALLEL_KINDS as STALE_KINDS  # a PipeFusion stage keeps their K/V
@@ -165,7 +173,7 @@ def _stale_kv_bytes(folder: Path, config: ParallelConfig, rows: int, latent: tup
         return None
     per_block = collections.Counter(  # attention modules with stale K/V (named by their K projection) per block
         adapter.block_index(key, model)
-        for key in component_tensor_bytes(folder / "transformer", dtype)
+        for key in component_tensor_bytes(folder / "transformer", dtype, header)
         if key.endswith(".to_k.weight")
         and adapter.block_index(key, model) is not None
         and adapter.attention_kind(key.removesuffix(".to_k.weight")) in STALE_KINDS
@@ -174,7 +182,7 @@ def _stale_kv_bytes(folder: Path, config: ParallelConfig, rows: int, latent: tup
     grid = grid and adapter.latents.patch_grid(grid)
     if grid is None or grid[0] < config.patches:
         return None  # not known before the call, or too small to cut: the call is planned (or refused) then
-    element = _float_bytes(folder / "transformer", dtype)
+    element = _float_bytes(folder / "transformer", dtype, header)
     return max(
         busiest_stale_kv_bytes(config, model, sum(per_block[i] for i in range(start, stop)), rows, grid, element)
         for start, stop in config.stage_ranges(adapter.num_blocks(model))
@@ -207,12 +215,12 @@ def busiest_stale_kv_bytes(
     )
 
 
-def _float_bytes(folder: Path, dtype: torch.dtype | None) -> int:
+def _float_bytes(folder: Path, dtype: torch.dtype | None, header=read_safetensors_header) -> int:
     """Bytes per element of a component's activations: the load dtype, else its weights' float dtype."""
     if dtype is not None:
         return torch.empty((), dtype=dtype).element_size()
     for f in sorted(folder.glob("*.safetensors")):
-        for info in read_safetensors_header(f).values():
+        for info in header(f).values():
             if info["dtype"] in FLOATS:
                 return DTYPE_BYTES[info["dtype"]]
     return 4

@@ -37,19 +37,22 @@ from .loading import (
     load_own_components,
     stage_blocks,
     stage_key_renaming,
-    text_encoders,
 )
 from .lora import check_lora, fuse_loras, lora_bytes
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import RankMesh
 from .model_folder import (
+    EXPERT,
+    TRANSFORMER,
+    ModelFolder,
     component_folders,
     read_call_defaults,
+    read_model_folder,
     read_model_index,
     resolve_folder,
 )
 from .models import StepCache, compile_problems, parallelize
-from .quantization import TRANSFORMERS, QuantizationError
+from .quantization import QuantizationError
 from .quantization import resolve as resolve_quantization
 from .request_memory import plan_request, rows_of_one_prompt
 from .session import DenoiseSession
@@ -178,8 +181,9 @@ def load_pipeline(
         raise ParallelConfigError(refused)
     call_defaults = {**recipe.call_defaults(index["_class_name"]), **read_call_defaults(folder, recipe)}
     components = component_folders(folder, index)
-    on_host = check_on_host(on_host, folder, index, components)
-    quantized = resolve_quantization(quantization, components)
+    model = read_model_folder(folder, index=index)  # read once: configs, headers, roles (in the load dtype below)
+    on_host = check_on_host(on_host, model)
+    quantized = resolve_quantization(quantization, model)
     if quantized is not None and shard_weights and config.world_size > 1:
         raise QuantizationError(
             "quantization with shard_weights: torchao's quantized weights (Int8Tensor, Float8Tensor) do not "
@@ -194,12 +198,13 @@ def load_pipeline(
         fuse=fuse_lora,
         sharded=shard_weights and config.world_size > 1,
         quantized=quantized is not None,
-        components=tuple(c for c in TRANSFORMERS if (index.get(c) or [None])[0] is not None),
+        components=tuple(model.named(TRANSFORMER, EXPERT)),
     )
     if not dist.is_initialized():
         init_distributed()
     info = current_info()
     torch_dtype = resolve_dtype(torch_dtype, info.device)
+    model = model.in_dtype(torch_dtype)
     owns_mesh = mesh is None  # a mesh made here is closed with the pipeline (or if loading fails)
     mesh = mesh or RankMesh(config)
     try:
@@ -212,7 +217,7 @@ def load_pipeline(
             )
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
         plan = plan_memory(
-            folder,
+            model,
             components,
             dtype=torch_dtype,
             config=config,
@@ -221,10 +226,10 @@ def load_pipeline(
             stale_kv_rows=rows_of_one_prompt(config, recipe, call_defaults),
         )
         if sharding or on_host or quantized:  # who holds which weights, as the planner counts them (fit/)
-            plan = placed_plan(plan, folder, torch_dtype, config, sharding, on_host, quantized)
+            plan = placed_plan(plan, model, config, sharding, on_host, quantized)
         if adapters:  # held while they are fused into the weights, then freed
             plan.activation_bytes["LoRA adapters"] = (lora_bytes(adapters),) * 2
-        check_weights_match_configs(folder, index, components)  # headers were read above: each file is sound
+        check_weights_match_configs(model, components)  # from the headers read above: each file is sound
         check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
         if not mesh.active:
             return ParallelPipeline(
@@ -233,7 +238,7 @@ def load_pipeline(
 
         # the components this rank builds from the files itself, reading only what it keeps; diffusers loads the rest
         loaded = load_own_components(
-            folder, index, components, config, mesh, torch_dtype, info.device,
+            model, config, mesh, torch_dtype, info.device,
             sharding=sharding, quantized=quantized, on_host=on_host, cache=cache, compile=compile,
         )  # fmt: skip
         try:
@@ -266,8 +271,7 @@ def load_pipeline(
                         index[name][1],
                         stage_blocks(folder, index, config, mesh, name),
                     )
-                    for name in TRANSFORMERS
-                    if name in components
+                    for name in model.named(TRANSFORMER, EXPERT)
                 }
             fuse_loras(inner, adapters, stage_names)
         if not sharding:  # a sharded transformer was parallelized before its weights were read
@@ -352,10 +356,11 @@ def unknown_keywords(unknown: dict) -> str:
     )
 
 
-def check_on_host(on_host, folder: Path, index: dict, components: list[str]) -> tuple[str, ...]:
-    """`on_host` as a tuple of this pipeline's text encoders, or a clear error naming the ones it has."""
+def check_on_host(on_host, model: ModelFolder) -> tuple[str, ...]:
+    """`on_host` as a tuple of this pipeline's text encoders (by their role), or a clear error naming the ones
+    it has."""
     names = (on_host,) if isinstance(on_host, str) else tuple(on_host)
-    known = text_encoders(index, components)
+    known, folder = model.text_encoders, model.path
     wrong = [name for name in names if name not in known]
     if wrong:
         raise ValueError(
@@ -365,16 +370,17 @@ def check_on_host(on_host, folder: Path, index: dict, components: list[str]) -> 
     return names
 
 
-def placed_plan(plan: MemoryPlan, folder: Path, dtype, config, sharding: bool, on_host, quantized=None) -> MemoryPlan:
+def placed_plan(plan: MemoryPlan, model: ModelFolder, config, sharding: bool, on_host, quantized=None) -> MemoryPlan:
     """The load's plan with each component's weights as this rank holds them when they are sharded (FSDP2:
     the transformer over its stage's ranks, text encoders over the world), kept in host memory or quantized,
-    and the gather buffer a sharded forward holds: counted by the planner (fit.held_weights), from the headers.
-    A quantization that is not a named scheme is planned at the load dtype (more than it will hold), said so."""
+    and the gather buffer a sharded forward holds: counted by the planner (fit.held_weights), from the headers
+    `model` (the load's ModelFolder, in the load dtype) parsed. Only the text encoders move (the folder's roles):
+    an image encoder stays whole and unquantized, as diffusers loads it. A quantization that is not a named
+    scheme is planned at the load dtype (more than it will hold), said so."""
     import dataclasses
 
-    from .fit import held_weights, read_model_folder
+    from .fit import held_weights
 
-    model = read_model_folder(folder, dtype)
     placements = {name: "host" if name in on_host else "sharded" if sharding else "gpu" for name in model.text_encoders}
     scheme = quantized.scheme if quantized is not None else None
     covered = tuple(quantized.configs) if scheme is not None else ()

@@ -62,14 +62,15 @@ class Quantization:
         return None if found is None else list(found)
 
 
-def resolve(quantization, components: list[str]) -> Quantization | None:
-    """`quantization` as load_pipeline takes it, for a pipeline with these components: None; a named scheme
-    ("int8", "float8") for the transformer and every text encoder; or diffusers' PipelineQuantizationConfig
-    with a torchao config per component (`quant_mapping`), or one diffusers TorchAoConfig for the
-    transformer and the text encoders."""
+def resolve(quantization, folder) -> Quantization | None:
+    """`quantization` as load_pipeline takes it, for the pipeline in `folder` (the load's ModelFolder: its
+    `components`, and `quantizable`, those its roles name the transformer, the expert and the text encoders):
+    None; a named scheme ("int8", "float8") for the transformer and every text encoder; or diffusers'
+    PipelineQuantizationConfig with a torchao config per component (`quant_mapping`), or one diffusers
+    TorchAoConfig for the transformer and the text encoders."""
     if quantization is None:
         return None
-    targets = [name for name in components if name in TRANSFORMERS or name.startswith("text_encoder")]
+    components, targets = folder.components, folder.quantizable
     if isinstance(quantization, str):
         if quantization not in SCHEMES:
             raise QuantizationError(

@@ -166,9 +166,10 @@ def _indexed_files(index: Path) -> list[Path]:
     return files
 
 
-def checked_header(path: Path) -> tuple[int, dict]:
-    """(where the data starts, the tensor table read_safetensors_header checked)."""
-    tensors = read_safetensors_header(path)
+def checked_header(path: Path, header=None) -> tuple[int, dict]:
+    """(where the data starts, the tensor table read_safetensors_header checked; `header`: one already
+    parsed, as ModelFolder.header keeps them)."""
+    tensors = (header or read_safetensors_header)(path)
     with open(path, "rb") as f:
         data_start = 8 + struct.unpack("<Q", f.read(8))[0]
     return data_start, tensors

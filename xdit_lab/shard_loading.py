@@ -177,6 +177,7 @@ def load_weights(
     dtype: torch.dtype | None,
     rename: Callable[[str], str | None] | Mapping[str, str | None] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    header: Callable[[Path], dict] | None = None,
 ) -> LoadReport:
     """Fill every parameter and persistent buffer of `module` (its `state_dict()` keys) from the
     component's safetensors files, reading only what this rank keeps, in place.
@@ -192,7 +193,8 @@ def load_weights(
     `rename` maps a file key to the module's name: a callable, or a mapping (a key it lacks keeps its
     name); None skips the key (a PipeFusion stage's other blocks). Every disagreement between files
     and module is raised at once, before any data is read, with the file, the key and the fix; a
-    corrupt header raises safetensors_io.CorruptWeightsError. Call materialize first."""
+    corrupt header raises safetensors_io.CorruptWeightsError. `header`: a file's tensor table, parsed once
+    elsewhere (ModelFolder.header); by default each file's header is read here. Call materialize first."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors stores little-endian data; this reader runs on little-endian hosts only")
     files = safetensors_files(folder_or_files)
@@ -207,7 +209,7 @@ def load_weights(
     items: dict[int, _Item] = {}
     unexpected, duplicated, problems = [], [], []
     for file in files:
-        data_start, tensors = checked_header(file)
+        data_start, tensors = checked_header(file, header)
         headers[file] = data_start
         for file_key, info in tensors.items():
             name = _renamed(rename, file_key)

@@ -106,3 +106,11 @@ class PatchLayout:
     def gather_order(self, active: list[int]) -> torch.Tensor:
         """Token positions of an all-gather over sp ranks of their rank_tokens (in rank order)."""
         return torch.cat([self.rank_tokens(active, i) for i in range(self.sp)])
+
+
+def gather_buffer_bytes(largest_block: int, root: int) -> int:
+    """The unsharded copies a sharded forward holds at once, on top of the shards, from the whole parameter
+    bytes of its largest block unit and of its root: max(3 × largest, 2 × largest + root) + root (the
+    running block, its all-gather output, the next block's, and the root whole through the forward;
+    model_folder.py's Weights.gather derives it from FSDP2's unshard order and measures it)."""
+    return max(3 * largest_block, 2 * largest_block + root) + root

@@ -38,7 +38,7 @@ Rows are ranked: fitting rows first, then by the cost model (ParallelConfig.cost
 includes FSDP2's gathers, turned into bytes per step and into seconds on NVLink and on PCIe.
 """
 
-from .folder import ModelFolder, ModelFolderError, Tensor, Weights, read_component, read_model_folder
+from ..model_folder import ModelFolder, ModelFolderError, Tensor, Weights, read_component, read_model_folder
 from .plan import (
     GB,
     LINKS,

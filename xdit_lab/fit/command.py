@@ -8,8 +8,8 @@ import json
 import re
 import sys
 
+from ..model_folder import ModelFolderError
 from ..plan_table import why_lines, wrapped
-from .folder import ModelFolderError
 from .plan import GB, fit_ranking_reasons, format_rows, model_legend, plan_model, smallest_fit
 
 MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

@@ -13,10 +13,10 @@ from ..config import DEGREES, CostEstimate, ParallelConfig
 from ..families import CONTROLNETS, recipe_for
 from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..memory import busiest_stale_kv_bytes, decode_peak_bytes
+from ..model_folder import ModelFolder, read_model_folder
 from ..plan_table import aligned, legend
 from ..quantization import SCHEMES, TRANSFORMERS
 from ..sharding import batch_rows
-from .folder import ModelFolder, read_model_folder
 from .requests import Call, RequestShape, make_call, request_shape
 
 # Link bandwidths the planner turns traffic into seconds with (one direction, per GPU, peak; NCCL

@@ -9,7 +9,7 @@ import inspect
 
 from ..families import RECIPES, Recipe, Request
 from ..families.recipe import Call, RequestShape
-from .folder import ModelFolder, ModelFolderError, read_json
+from ..model_folder import ModelFolder, ModelFolderError, read_json
 
 __all__ = ["Call", "RequestShape", "make_call", "request_shape"]
 

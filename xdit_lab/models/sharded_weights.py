@@ -46,6 +46,7 @@ from .. import comm
 from ..distributed import current_info
 from ..mesh import WEIGHTS, WORLD
 from ..quantization import stored_bytes
+from ..sharding import gather_buffer_bytes  # noqa: F401 - its closed form, read beside the shards (lab/held.py)
 
 log = logging.getLogger("xdit_lab.models")
 
@@ -252,14 +253,6 @@ def weight_gather_bytes(
         shard = sum(padded_shard_numel(shape, group_size) * element for shape, element in params)
         total += gathers.get(name, 1) * shard
     return (group_size - 1) * total
-
-
-def gather_buffer_bytes(largest_block: int, root: int) -> int:
-    """The unsharded copies a sharded forward holds at once, on top of the shards, from the whole parameter
-    bytes of its largest block unit and of its root: max(3 × largest, 2 × largest + root) + root (the
-    running block, its all-gather output, the next block's, and the root whole through the forward;
-    fit/folder.py's Weights.gather derives it from FSDP2's unshard order and measures it)."""
-    return max(3 * largest_block, 2 * largest_block + root) + root
 
 
 def local_parameter_bytes(module) -> int:

@@ -1,0 +1,142 @@
+"""One folder reader (issue 56): a load reads each safetensors header once, through the one ModelFolder, and
+the roles it gives each component decide what the plan counts and what the loaders do with it. A Wan 2.1
+image-to-video folder (a CLIP image encoder beside the text encoder) is planned as it is loaded: its image
+encoder whole and unquantized, under shard_weights=True and under quantization="int8", byte for byte."""
+
+import collections
+import contextlib
+import sys
+
+import pytest
+import torch
+
+from xdit_lab import ParallelConfig, RankMesh, load_pipeline
+from xdit_lab.models.sharded_weights import held_checkpoint_bytes
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_transformer
+
+
+@contextlib.contextmanager
+def counted_header_reads():
+    """Count read_safetensors_header's calls by file, wherever the package bound its name."""
+    from xdit_lab import safetensors_io
+
+    original = safetensors_io.read_safetensors_header
+    counts = collections.Counter()
+
+    def counting(path):
+        counts[str(path)] += 1
+        return original(path)
+
+    bound = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("xdit_lab") and getattr(module, "read_safetensors_header", None) is original
+    ]
+    for module in bound:
+        module.read_safetensors_header = counting
+    try:
+        yield counts
+    finally:
+        for module in bound:
+            module.read_safetensors_header = original
+
+
+def _count_one_load(folder, config, options):
+    with counted_header_reads() as counts:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, **options)
+    pipe.close()
+    return dict(counts)
+
+
+@pytest.fixture(scope="module")
+def pixart(tmp_path_factory):
+    return save_tiny_pipeline("pixart", tmp_path_factory.mktemp("pixart"))
+
+
+@pytest.mark.parametrize(
+    "ranks, config, options",
+    [
+        (1, ParallelConfig(), {}),
+        (1, ParallelConfig(), {"quantization": "int8"}),
+        (2, ParallelConfig(ulysses=2), {"shard_weights": True}),
+        (2, ParallelConfig(pipefusion=2), {}),
+    ],
+    ids=["whole", "int8", "sharded", "pipefusion"],
+)
+def test_a_load_parses_each_safetensors_header_once(pixart, ranks, config, options):
+    files = {str(f) for f in pixart.rglob("*.safetensors")}
+    for rank, counts in enumerate(run_on_ranks(_count_one_load, ranks, pixart, config, options, timeout_s=300)):
+        assert counts == dict.fromkeys(files, 1), f"rank {rank}: headers parsed {counts}"
+
+
+# ---- Wan 2.1 image to video: a CLIP image encoder, planned as loaded ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wan_2_1_i2v(tmp_path_factory):
+    """Wan 2.1 I2V's layout (tests/test_image_conditioned_pipelines.py): the image's latents and mask on the
+    transformer's channels, CLIP image embeddings beside the text, a CLIP vision tower as image_encoder."""
+    from diffusers import WanImageToVideoPipeline
+
+    from xdit_lab.families.tiny_spec import HEAD_DIM, HEADS
+    from xdit_lab.tiny.parts import clip_image_processor, clip_vision_encoder
+
+    wan = tiny_pipeline("wan")
+    parts = {k: v for k, v in wan.components.items() if k != "transformer_2"}
+    vision = clip_vision_encoder(5)
+    transformer = tiny_transformer(
+        "wan", in_channels=2 * wan.vae.config.z_dim + wan.vae_scale_factor_temporal, out_channels=wan.vae.config.z_dim,
+        image_dim=vision.config.hidden_size, added_kv_proj_dim=HEADS * HEAD_DIM,
+    )  # fmt: skip
+    pipe = WanImageToVideoPipeline(
+        **(parts | {"transformer": transformer}), image_encoder=vision, image_processor=clip_image_processor()
+    )
+    folder = tmp_path_factory.mktemp("wan_2_1_i2v")
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _planned_and_held(folder, config, options):
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, **options)
+    modules = {n: c for n, c in pipe.diffusers_pipeline.components.items() if isinstance(c, torch.nn.Module)}
+    found = dict(
+        planned=dict(pipe.memory_plan.per_rank_bytes),
+        held={n: held_checkpoint_bytes(c) for n, c in modules.items()},
+        sharded={n: any(hasattr(p, "to_local") for p in c.parameters()) for n, c in modules.items()},
+        quantized={
+            n: any(type(p).__module__.startswith("torchao") for p in c.parameters()) for n, c in modules.items()
+        },
+    )
+    pipe.close()
+    return found
+
+
+@pytest.mark.parametrize(
+    "ranks, config, options",
+    [(2, ParallelConfig(ulysses=2), {"shard_weights": True}), (1, ParallelConfig(), {"quantization": "int8"})],
+    ids=["sharded", "int8"],
+)
+def test_wan_2_1_image_encoder_is_planned_as_it_is_loaded(wan_2_1_i2v, ranks, config, options):
+    rank0 = run_on_ranks(_planned_and_held, ranks, wan_2_1_i2v, config, options, timeout_s=300)[0]
+    planned, held = rank0["planned"], rank0["held"]
+    assert "image_encoder" in held
+    assert planned["image_encoder"] == held["image_encoder"], f"planned {planned}, held {held}"
+    for name in held:  # the busiest rank (rank 0) holds what its plan counts, component by component
+        assert planned[name] == held[name], f"{name}: planned {planned[name]}, held {held[name]}"
+    kind = "sharded" if "shard_weights" in options else "quantized"
+    assert rank0[kind]["transformer"] and rank0[kind]["text_encoder"]  # the placement was applied where planned
+
+
+def test_the_planner_keeps_an_image_encoder_whole_and_unquantized(wan_2_1_i2v):
+    """`xdit-lab plan --model` moves the text encoders only (sharded, on the host, quantized): the image encoder
+    is whole on every rank in every row, as load_pipeline loads it."""
+    from xdit_lab.fit import plan_model, read_model_folder
+
+    whole = read_model_folder(wan_2_1_i2v).weights["image_encoder"].whole
+    rows = [*plan_model(wan_2_1_i2v, 2, 10**12), *plan_model(wan_2_1_i2v, 2, 10**12, quantize="int8")]
+    assert {row.text_encoders for row in rows} == {"gpu", "sharded", "host"}
+    assert any(row.quantize for row in rows) and any(row.shard_weights for row in rows)
+    for row in rows:
+        assert row.weights["image_encoder"] == whole, f"{row.config.short()} {row.text_encoders}: {row.weights}"
+    assert "image_encoder" not in rows[0].request.text_encoders

@@ -144,7 +144,9 @@ def test_generate_writes_as_it_draws_resumes_and_equals_a_serial_run(lab, folder
     assert (dp2["images"], dp2["drawn"], dp2["resumed_with"], dp2["config_short"]) == (6, 6, 0, "dp2")
     again = lab.generate(prompts, tmp_path / "dp2", batch_size=4, output_type="latent", progress=False, **call)
     assert (again["drawn"], again["resumed_with"]) == (0, 6)
-    with pytest.raises(LabError, match=r"holds a run with other arguments \(call: .*'num_inference_steps': 3.* there"):
+    with pytest.raises(
+        LabError, match=r"holds 6 image\(s\) of a run with other arguments \(call.num_inference_steps: 3 there, 4 now\)"
+    ):
         lab.generate(prompts, tmp_path / "dp2", output_type="latent", **dict(call, num_inference_steps=4))
 
     lab.configure(ParallelConfig())

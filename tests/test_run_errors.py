@@ -56,9 +56,9 @@ def test_plain_torchrun_says_our_error_once(tmp_path):
 
 
 def test_a_failed_run_fixed_and_rerun_into_the_same_output_draws_every_image(tmp_path):
-    """A prompts run that fails after it opened its folder (a pipeline argument the family does not take) left a
-    run.json that refused the corrected command ("holds a run with other arguments"); the corrected command now
-    draws every image. A typo in --model is said before anything is written or imported."""
+    """A prompts run with a typo in --model, then one that fails after loading (a pipeline argument the family does
+    not take), each left a run.json that refused the corrected command ("holds a run with other arguments"); the
+    corrected command now draws every image, with no manual step."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a 3\na 5\n")
     output = tmp_path / "out"
@@ -66,12 +66,12 @@ def test_a_failed_run_fixed_and_rerun_into_the_same_output_draws_every_image(tmp
 
     typo = _run("--model", "digts", *common)
     assert typo.returncode == 2 and len(_said(typo)) == 1 and "no pipeline folder at digts" in typo.stderr
-    assert not output.exists()
+    assert json.loads((output / "run.json").read_text())["model"] == "digts"  # it did open the folder
 
     failed = _run("--model", "digits", "--cfg", "2", *common, "--option", "no_such_argument=1")
     assert failed.returncode == 2 and len(_said(failed)) == 1, failed.stderr
     assert "no_such_argument" in failed.stderr and "Traceback" not in failed.stderr, failed.stderr
-    assert json.loads((output / "run.json").read_text())["call"]["no_such_argument"] == 1  # it did open the folder
+    assert json.loads((output / "run.json").read_text())["call"]["no_such_argument"] == 1
 
     fixed = _run("--model", "digits", "--cfg", "2", *common)
     assert fixed.returncode == 0, fixed.stderr

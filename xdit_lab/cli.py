@@ -28,7 +28,7 @@ from .config import DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _vi
 from .distributed import env_world_size, usable_cpu_cores
 from .launch import LAUNCHED, launch_ranks, say_once, under_torchrun
 from .mesh import RankMesh
-from .model_folder import resolve_folder, transformer_heads
+from .model_folder import transformer_heads
 from .plan_table import format_plan, plan_legend, plan_table, why_lines, wrapped
 from .quantization import SCHEMES
 
@@ -198,8 +198,7 @@ def cmd_run(args) -> int:
     )
     try:  # before diffusers is imported: a wrong degree is said at once, with advice that fits the model's heads
         RankMesh.check(config, env_world_size(), num_heads=transformer_heads(args.model))
-        resolve_folder(args.model)  # a typo in --model is said before the imports too
-    except (ValueError, OSError) as error:  # ParallelConfigError, a WORLD_SIZE not a number, no such folder
+    except ValueError as error:  # ParallelConfigError, or a WORLD_SIZE that is not a number
         say_once(f"xdit-lab run: error: {error}")
         return 2
     negatives = args.negative_prompt

@@ -21,6 +21,7 @@ _LAZY = {
     "set_attention_backend": "attention",
     "sp_attention": "attention",
     "parallelize": "models",
+    "unparallelize": "models",
     "StepCache": "models",
     "ParallelPipeline": "pipeline",
     "load_pipeline": "pipeline",

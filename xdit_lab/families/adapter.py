@@ -383,7 +383,7 @@ class FamilyAdapter:
     block_lists: tuple = ("transformer_blocks",)
     block_counts: tuple = ()  # the config key holding each list's length; () for diffusers' (BLOCK_COUNTS)
     joined_block_lists: tuple = ()  # lists whose blocks take [text; image] as one tensor (Flux.2's single-stream)
-    # (transformer, block 0) -> None: what a PipeFusion stage without the model's block 0 installs so that its
+    # (transformer, block 0, hooks) -> None: what a PipeFusion stage without the model's block 0 installs so that its
     # output layer still gets block 0's conditioning (DiT), or None where the output layer needs nothing of it
     output_conditioning: Callable | None = None
     # submodules the forward calls outside the block that holds them (DiT's output layer takes its

@@ -7,13 +7,14 @@ from .adapter import FamilyAdapter
 from .tiny_spec import TinySpec
 
 
-def output_conditioning_from_block_0(transformer, block_0) -> None:
+def output_conditioning_from_block_0(transformer, block_0, hooks) -> None:
     """DiT's output layer takes its conditioning from `transformer_blocks[0].norm1.emb`, the model's
     block 0. On a later PipeFusion stage that list starts at another block, so once this stage's blocks
     have run, that call is answered by block 0's embedding, kept here (a few small layers). The hooks
-    hold that embedding, not the transformer: no reference cycle keeps a replaced model alive."""
+    hold that embedding, not the transformer: no reference cycle keeps a replaced model alive. Each is
+    installed in `hooks` (the model's parallel_state(...).hooks), by name."""
     block_0_emb = block_0.norm1.emb
-    transformer._xdit_lab_block_0_emb = block_0_emb  # a registered submodule: moves with the model
+    hooks.replace("dit.block_0_emb", transformer, _xdit_lab_block_0_emb=block_0_emb)  # a submodule: moves with it
     first, last = transformer.transformer_blocks[0], transformer.transformer_blocks[-1]
     blocks_done = [False]
 
@@ -26,9 +27,9 @@ def output_conditioning_from_block_0(transformer, block_0) -> None:
     def output_conditioning(_module, args, kwargs, output):
         return block_0_emb(*args, **kwargs) if blocks_done[0] else output
 
-    first.register_forward_pre_hook(entering)
-    last.register_forward_hook(leaving)
-    first.norm1.emb.register_forward_hook(output_conditioning, with_kwargs=True)
+    hooks.forward_pre_hook("dit.entering", first, entering)
+    hooks.forward_hook("dit.leaving", last, leaving)
+    hooks.forward_hook("dit.output_conditioning", first.norm1.emb, output_conditioning, with_kwargs=True)
 
 
 ADAPTER = FamilyAdapter(

@@ -7,12 +7,14 @@ step.py       one denoising step as one transformer call (every strategy's, Pipe
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
 sharded_weights.py  torch's FSDP2 over the ranks that hold the same weights (shard_weights=True),
               and the closed form of its gathered bytes
-parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take
+parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take;
+              unparallelize undoes it
+installed.py  Installed: every hook and replacement parallelize installs, by name, and their removal
 """
 
 from .cache import StepCache
 from .hooks import ParallelState, parallel_state
-from .parallel import compile_problems, parallelize
+from .parallel import compile_problems, parallelize, unparallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import ShardedWeights, shard_text_encoder, shard_weights, weight_gather_bytes, weight_units
@@ -22,6 +24,7 @@ __all__ = [
     "ParallelState",
     "parallel_state",
     "parallelize",
+    "unparallelize",
     "compile_problems",
     "PipeFusionStage",
     "SequenceShards",

@@ -82,10 +82,10 @@ class FirstBlockCache:
         self.settings, self.state = settings, state
         meta = [block_metadata(block) for block in blocks]
         if holds_first_block:
-            _wrap(blocks[0], functools.partial(self._first, meta[0]))
+            _wrap(state.hooks, blocks[0], functools.partial(self._first, meta[0]))
             blocks, meta = blocks[1:], meta[1:]
         for index, (block, block_meta) in enumerate(zip(blocks, meta)):
-            _wrap(block, functools.partial(self._rest, block_meta, index == 0, index == len(blocks) - 1))
+            _wrap(state.hooks, block, functools.partial(self._rest, block_meta, index == 0, index == len(blocks) - 1))
         self.passes_first = False  # PipeFusion's pipelined pass: the first block's outputs are known
         self.reset()
 
@@ -221,11 +221,12 @@ def _text(meta, output):
     return output[index] if index is not None and isinstance(output, tuple) else None
 
 
-def _wrap(block, around) -> None:
-    """block.forward = around(the block's own forward, ...), holding the block weakly (no cycle)."""
+def _wrap(hooks, block, around) -> None:
+    """block.forward = around(the block's own forward, ...), holding the block weakly (no cycle); installed
+    in `hooks` as "step_cache[i]"."""
     own, module = type(block).forward, weakref.ref(block)
 
     def forward(*args, **kwargs):
         return around(functools.partial(own, module()), *args, **kwargs)
 
-    block.forward = forward
+    hooks.replace(hooks.numbered("step_cache"), block, forward=forward)

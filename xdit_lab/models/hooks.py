@@ -57,6 +57,7 @@ from ..families import block_metadata
 from ..families.adapter import SEQUENCE_PARALLEL_KINDS, RankLocal
 from ..mesh import CFG, DP
 from ..sharding import batch_rows
+from .installed import Installed
 
 log = logging.getLogger("xdit_lab.models")
 
@@ -78,6 +79,8 @@ class ParallelState:
         self.text_len = 0  # joint text tokens of the running forward (the whole text, however it is split)
         self.image_len = None  # whole image tokens, set where they are sharded
         self.sites: list[tuple[weakref.ref, AttentionSite]] = []  # the attended modules (held weakly)
+        self.hooks = Installed()  # every hook and replacement parallelize installed, by name (unparallelize)
+        self.owns_mesh = False  # parallelize made the mesh: unparallelize closes it
 
     def reset(self) -> None:
         """A new generation: the strategy (PipeFusion warms up again) and the cache start over."""
@@ -116,7 +119,7 @@ def install_hooks(transformer, state: ParallelState) -> None:
             continue
         known += 1
         if kind in SEQUENCE_PARALLEL_KINDS and _says(strategy, "takes_attention"):
-            before = _attend_through_site(module, AttentionSite(state, kind, name))
+            before = _attend_through_site(module, AttentionSite(state, kind, name), state.hooks)
             if before is not None:
                 replaced.setdefault(before, []).append(name)
     if not known:
@@ -136,11 +139,11 @@ def install_hooks(transformer, state: ParallelState) -> None:
         )
     if _says(strategy, "splits_tokens"):
         for path in (adapter.shard_at, *adapter.shard_also):
-            _hook_output(transformer, path, functools.partial(_when_running, state, "shard"))
+            _hook_output(transformer, state, path, "shard")
         if adapter.gather_at is not None:  # None: a ControlNet, whose residuals stay this rank's
-            _hook_output(transformer, adapter.gather_at, functools.partial(_when_running, state, "gather"))
+            _hook_output(transformer, state, adapter.gather_at, "gather")
         if adapter.rotary_at:
-            _hook_output(transformer, adapter.rotary_at, functools.partial(_when_running, state, "shard_rotary"))
+            _hook_output(transformer, state, adapter.rotary_at, "shard_rotary")
         for entry in adapter.per_token:
             if entry.module:
                 _hook_per_token(transformer, state, entry)
@@ -149,8 +152,10 @@ def install_hooks(transformer, state: ParallelState) -> None:
     setattr(transformer, STATE_ATTRIBUTE, state)
 
 
-def _hook_output(root, path: str, fn):
-    root.get_submodule(path).register_forward_hook(lambda _module, _inputs, output: fn(output))
+def _hook_output(root, state, path: str, method: str):
+    """The strategy's `method` on the output of module `path`, installed as "<method>[<path>]"."""
+    fn = functools.partial(_when_running, state, method)
+    state.hooks.forward_hook(f"{method}[{path}]", root.get_submodule(path), lambda _module, _inputs, output: fn(output))
 
 
 def _when_running(state, method: str, value):
@@ -178,7 +183,7 @@ def _hook_text_at_first_block(transformer, state) -> None:
             args = (*args[:position], state.strategy.shard_text(args[position]), *args[position + 1 :])
         return args, kwargs
 
-    first.register_forward_pre_hook(shard_text, with_kwargs=True, prepend=True)
+    state.hooks.forward_pre_hook("shard_text", first, shard_text, with_kwargs=True, prepend=True)
 
 
 def _hook_per_token(transformer, state, entry) -> None:
@@ -202,7 +207,7 @@ def _hook_per_token(transformer, state, entry) -> None:
                 args = (*args[:position], entry.keep(state.strategy, args[position]), *args[position + 1 :])
             return args, kwargs
 
-        module.register_forward_pre_hook(keep, with_kwargs=True)
+        state.hooks.forward_pre_hook(f"per_token[{name}].{entry.argument}", module, keep, with_kwargs=True)
 
 
 def keep_forward_per_token(state, arguments: dict, whole: dict | None = None) -> None:
@@ -293,9 +298,10 @@ class AttentionSite:
         return mask[:, 0, 0, :text] if self.kind == "joint_first" else mask[:, 0, 0, mask.shape[3] - text :]
 
 
-def _attend_through_site(module, site: AttentionSite) -> str | None:
+def _attend_through_site(module, site: AttentionSite, hooks: Installed) -> str | None:
     """Make `module`'s attention the site's: through diffusers' dispatcher where its processor calls
-    it, else through a copy of its processor with F.scaled_dot_product_attention rebound. Returns the
+    it, else through a copy of its processor with F.scaled_dot_product_attention rebound (installed in
+    `hooks` as "attention[<module>]"). Returns the
     diffusers attention backend the module was set to before, if it was another than the native one."""
     processor = module.processor
     call = type(processor).__call__
@@ -306,14 +312,13 @@ def _attend_through_site(module, site: AttentionSite) -> str | None:
         backend = registered_backend()
         chosen = processor._attention_backend or _AttentionBackendRegistry._active_backend
         chosen = AttentionBackendName(chosen).value
-        processor._attention_backend = backend
-        processor._parallel_config = site
+        hooks.replace(f"attention[{site.name}]", processor, _attention_backend=backend, _parallel_config=site)
         site.processor, site.through_dispatch = processor, True
         site.state.sites.append((weakref.ref(module), site))
         return None if chosen in (AttentionBackendName.NATIVE.value, BACKEND_NAME) else chosen
     if "F" in names and "scaled_dot_product_attention" in names:
         site.processor = rebind_sdpa(processor, site.sdpa)
-        module.processor = site.processor
+        hooks.replace(f"attention[{site.name}]", module, processor=site.processor)
         site.state.sites.append((weakref.ref(module), site))
         return None
     raise TypeError(

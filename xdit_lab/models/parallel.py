@@ -6,6 +6,7 @@
 The family adapter (xdit_lab/families/<family>.py) says where to take over; hooks.py installs the hooks; the token
 strategy decides what each rank holds: sequence shards (sequence.py) or, with pipefusion > 1, a
 PipeFusion stage (pipefusion/). Weights are not copied; the module keeps its forward signature.
+Every hook and replaced forward is kept by name (`parallel_state(t).hooks`): `unparallelize(t)` removes them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
 from ..mesh import RankMesh
 from .cache import StepCache, apply_step_cache
-from .hooks import ParallelState, gather_batch, install_hooks, parallel_state, run_forward, split_batch
+from .hooks import (
+    STATE_ATTRIBUTE,
+    ParallelState,
+    gather_batch,
+    install_hooks,
+    parallel_state,
+    run_forward,
+    split_batch,
+)
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import shard_transformer
@@ -55,7 +64,10 @@ def parallelize(
     backend = _compile_backend(compile) if compile else None
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
-        raise ValueError(f"this {type(transformer).__name__} is already parallelized; build or load a fresh one")
+        raise ValueError(
+            f"this {type(transformer).__name__} is already parallelized; unparallelize it first, or build or load "
+            f"a fresh one"
+        )
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in transformer.modules()):
@@ -79,6 +91,7 @@ def parallelize(
         num_layers=adapter.num_blocks(model_config),
         seq_len=adapter.latents.default_image_tokens(model_config),
     )
+    owns_mesh = mesh is None
     mesh = mesh or RankMesh(config)
     if mesh.config != config:
         raise ValueError(f"mesh was built for {mesh.config.short()}, not {config.short()}")
@@ -89,6 +102,7 @@ def parallelize(
         )
 
     state = ParallelState(adapter, mesh)
+    state.owns_mesh = owns_mesh
     if getattr(config, PIPEFUSION) > 1:
         state.strategy = PipeFusionStage.apply(transformer, state, config)
     else:
@@ -96,11 +110,38 @@ def parallelize(
     if cache is not None:
         state.cache = apply_step_cache(transformer, state, cache)
     install_hooks(transformer, state)
-    transformer.forward = _parallel_forward(transformer, state)
+    state.hooks.replace("parallel_forward", transformer, forward=_parallel_forward(transformer, state))
     if shard_weights:  # after the hooks: FSDP2 gathers before them and frees after them
         state.weights = shard_transformer(transformer, state)
     if compile:
-        transformer.forward = _compiled(transformer.forward, backend)
+        state.hooks.replace("compile", transformer, forward=_compiled(transformer.forward, backend))
+    return transformer
+
+
+def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
+    """Undo `parallelize` on this rank (call it on every rank of the mesh); returns the module.
+
+    Every hook and replaced forward listed in `parallel_state(transformer).hooks` is removed (the
+    attention processors run diffusers' attention again), the parallel state is dropped, and
+    `parallelize` may be called on the module again. The mesh's process groups are closed here only
+    if parallelize made the mesh (no `mesh=` given); a mesh passed in (load_pipeline's, a Lab's, your
+    own) belongs to whoever made it, who closes it (RankMesh.close) once nothing else runs on it.
+    A PipeFusion stage stays a stage: parallelize dropped the other stages' blocks to free their memory,
+    and they do not come back; the module runs its own blocks serially, and parallelize takes it again
+    as the same stage. Weights sharded with shard_weights=True are refused: FSDP2 changed the modules'
+    classes, which cannot be undone; load the model again."""
+    state = parallel_state(transformer)
+    if state is None:
+        raise ValueError(f"this {type(transformer).__name__} is not parallelized")
+    if state.weights is not None and state.weights.sharded:
+        raise ValueError(
+            f"this {type(transformer).__name__}'s weights were sharded (shard_weights=True), which cannot be "
+            f"undone; build or load a fresh one"
+        )
+    state.hooks.remove_all()
+    delattr(transformer, STATE_ATTRIBUTE)
+    if state.owns_mesh:
+        state.mesh.close()
     return transformer
 
 

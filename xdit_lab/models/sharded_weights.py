@@ -47,6 +47,7 @@ from ..distributed import current_info
 from ..mesh import WEIGHTS, WORLD
 from ..quantization import stored_bytes
 from ..sharding import gather_buffer_bytes  # noqa: F401 - its closed form, read beside the shards (lab/held.py)
+from .installed import Installed
 
 log = logging.getLogger("xdit_lab.models")
 
@@ -68,11 +69,14 @@ class ShardedWeights:
         return bool(self.units)
 
 
-def shard_weights(module, mesh, group: str, blocks, *, separate: Sequence[str] = ()) -> ShardedWeights:
+def shard_weights(
+    module, mesh, group: str, blocks, *, separate: Sequence[str] = (), hooks: Installed | None = None
+) -> ShardedWeights:
     """Shard `module`'s parameters over the mesh group `group` with torch's FSDP2: `fully_shard` on each
     block, in forward order, then on the root; every unit reshards after its forward (its whole weights
     live only while it runs), and each block prefetches the next one's gather (FSDP2's
     `set_modules_to_forward_prefetch`). Every gather is recorded (comm.weights_all_gather).
+    `hooks` (a parallelized model's parallel_state(...).hooks) names the hooks installed beside FSDP2's.
 
     `blocks`: the repeated layers in the order the forward runs them, one list; or several lists
     (runs whose order relative to each other is unknown, like a text encoder's vision and language
@@ -126,9 +130,10 @@ def shard_weights(module, mesh, group: str, blocks, *, separate: Sequence[str] =
     units.append(module)
     record_again()
     gather = comm.weights_all_gather(mesh, group, tag=TAG)
+    hooks = Installed() if hooks is None else hooks
     for unit in units:
         unit.set_custom_all_gather(gather)
-        unit.register_forward_hook(_free_after_exception, always_call=True)
+        hooks.forward_hook(f"shard_weights.free[{names[id(unit)]}]", unit, _free_after_exception, always_call=True)
     for run in runs:
         for block, following in zip(run, run[1:]):
             block.set_modules_to_forward_prefetch([following])
@@ -173,7 +178,12 @@ def shard_transformer(transformer, state) -> ShardedWeights:
     holds) over the weights group, then the root."""
     adapter = state.adapter
     shards = shard_weights(
-        transformer, state.mesh, WEIGHTS, adapter.blocks(transformer), separate=adapter.called_outside_their_block
+        transformer,
+        state.mesh,
+        WEIGHTS,
+        adapter.blocks(transformer),
+        separate=adapter.called_outside_their_block,
+        hooks=state.hooks,
     )
     if shards.sharded:
         log.info("sharded %s over %s: %d units", type(transformer).__name__, WEIGHTS, len(shards.units))

@@ -107,6 +107,8 @@ class PipeFusionStage:
         if loaded is None:  # built whole: drop the other stages' blocks (load_pipeline never builds them)
             block_0 = adapter.blocks(transformer)[0]
             adapter.keep_blocks(transformer, start, stop)
+            # a stage from now on (unparallelize does not bring the dropped blocks back)
+            transformer._xdit_lab_stage_blocks = (start, stop, adapter.num_blocks(transformer.config))
         elif loaded[:2] != (start, stop):
             raise ValueError(
                 f"this transformer holds blocks {loaded[:2]}, but stage {stage_index} of {config.pipefusion} runs "
@@ -119,7 +121,7 @@ class PipeFusionStage:
                     f"a {adapter.family} stage loaded without block 0 cannot condition its output layer; build the "
                     "transformer whole and let parallelize drop the other stages' blocks"
                 )
-            adapter.output_conditioning(transformer, block_0)
+            adapter.output_conditioning(transformer, block_0, state.hooks)
         stage.block_names = adapter.stage_block_names(transformer.config, start, stop)
         blocks = adapter.blocks(transformer)
         stage.first_block, stage.last_block = block_metadata(blocks[0]), block_metadata(blocks[-1])
@@ -128,9 +130,9 @@ class PipeFusionStage:
         stage.last_joined = held[-1] in adapter.joined_block_lists
         stage.hands_text = stage.last_joined or stage.last_block.return_encoder_hidden_states_index is not None
         if not mesh.is_first_stage:
-            blocks[0].register_forward_pre_hook(stage._take_incoming, with_kwargs=True)
+            state.hooks.forward_pre_hook("pipefusion.take_incoming", blocks[0], stage._take_incoming, with_kwargs=True)
         if not mesh.is_last_stage:
-            blocks[-1].register_forward_hook(stage._hand_over)
+            state.hooks.forward_hook("pipefusion.hand_over", blocks[-1], stage._hand_over)
         return stage
 
     # ---- what the rank keeps and holds: the questions every token strategy answers ------------------

@@ -45,12 +45,12 @@ class Installed:
     def replace(self, name: str, obj, **attributes) -> None:
         """Set `attributes` on `obj` (a module's forward, a processor's backend); undone by setting back
         what the instance held before, or deleting what it did not hold."""
-        before = {key: vars(obj).get(key, _ABSENT) for key in attributes}
+        before = {key: _held(obj, key) for key in attributes}
 
         def restore():
             for key, value in before.items():
                 if value is _ABSENT:
-                    if key in vars(obj):
+                    if _held(obj, key) is not _ABSENT:
                         delattr(obj, key)
                 else:
                     setattr(obj, key, value)
@@ -69,6 +69,15 @@ class Installed:
             _undo(undo)
             raise ValueError(f"a hook named {name!r} is installed already")
         self._undo[name] = undo
+
+
+def _held(obj, key: str):
+    """What the instance itself holds under `key` (a module keeps its submodules, parameters and buffers
+    apart from its __dict__), else _ABSENT: what the class provides is not the instance's."""
+    for place in (vars(obj), *(vars(obj).get(kind, {}) for kind in ("_modules", "_parameters", "_buffers"))):
+        if key in place:
+            return place[key]
+    return _ABSENT
 
 
 def _undo(undo) -> None:

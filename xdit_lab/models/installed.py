@@ -5,6 +5,8 @@ checks that every hook on a parallelized model is one listed here)."""
 
 from __future__ import annotations
 
+import weakref
+
 _ABSENT = object()
 
 
@@ -46,14 +48,18 @@ class Installed:
         """Set `attributes` on `obj` (a module's forward, a processor's backend); undone by setting back
         what the instance held before, or deleting what it did not hold."""
         before = {key: _held(obj, key) for key in attributes}
+        held = weakref.ref(obj)  # the registry lives on the model: a strong reference would be a cycle through it
 
         def restore():
+            target = held()
+            if target is None:
+                return
             for key, value in before.items():
                 if value is _ABSENT:
-                    if _held(obj, key) is not _ABSENT:
-                        delattr(obj, key)
+                    if _held(target, key) is not _ABSENT:
+                        delattr(target, key)
                 else:
-                    setattr(obj, key, value)
+                    setattr(target, key, value)
 
         for key, value in attributes.items():
             setattr(obj, key, value)

@@ -11,17 +11,37 @@ Children come from a forkserver that has already imported torch and diffusers, s
 test pays the ~3 s import once, not once per rank and per test. Where CUDA is visible they are
 spawned instead: importing diffusers asks CUDA for its devices, and torch then refuses CUDA in
 every process forked after that ("Cannot re-initialize CUDA in forked subprocess").
+
+run_cli: the console script's own entry point (`xdit-lab ARGV`) on N ranks, each given the environment torchrun
+gives its ranks, its stdout, stderr and exit code kept:
+
+    job = run_cli(["run", "--model", "digits", "--prompt", "a 7", "--ulysses", "2", "--output", out], 2)
+    assert job.codes == [0, 0], job
+
+The ranks are forks of one agent process (as torchrun's ranks are children of its agent), so an error said once
+per job (launch.say_once, keyed by the ranks' parent) is said once here too, and the CLI's flags are checked
+without starting a torchrun and a fresh interpreter per rank (~7 core-seconds each). What only torchrun proves
+(its rendezvous, several nodes, a rank killed under it) needs torchrun itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
 import re
+import shutil
+import signal
+import sys
+import tempfile
 import time
 import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 _CONTEXT = None
 # diffusers imports its models and pipelines lazily, on a class's first use: about 2 s of CPU that
@@ -153,6 +173,288 @@ def run_on_ranks(
     if failures:
         raise RankFailure(f"{getattr(fn, '__name__', fn)} on {world_size} ranks failed:\n\n" + "\n\n".join(failures))
     return [outcomes[rank][1] for rank in range(world_size)]
+
+
+# ---- the console script on N ranks, as torchrun starts them ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """One rank of a run_cli job: its exit status as subprocess reports one (the SystemExit code, -N for a signal,
+    None where it was killed at the job's timeout), and what it wrote to its stdout and stderr."""
+
+    rank: int
+    code: int | None
+    stdout: str
+    stderr: str
+
+
+@dataclass(frozen=True)
+class CliJob:
+    """What run_cli's ranks did: each rank's RankExit, in rank order, and whether the job ran past its timeout."""
+
+    ranks: tuple[RankExit, ...]
+    timed_out: bool
+
+    @property
+    def codes(self) -> list[int | None]:
+        return [rank.code for rank in self.ranks]
+
+    @property
+    def stdout(self) -> str:
+        """Every rank's stdout, rank 0's first."""
+        return "".join(rank.stdout for rank in self.ranks)
+
+    @property
+    def stderr(self) -> str:
+        """Every rank's stderr, rank 0's first."""
+        return "".join(rank.stderr for rank in self.ranks)
+
+    @property
+    def output(self) -> str:
+        """Every rank's stdout, then every rank's stderr: what a terminal shows of the job, less the interleaving."""
+        return self.stdout + self.stderr
+
+    def __str__(self) -> str:  # an assertion's message: each rank's code and the end of its output
+        timed_out = " (timed out)" if self.timed_out else ""
+        return "\n".join(
+            f"rank {r.rank}: exit {r.code}{timed_out}\n--- stdout\n{r.stdout[-2000:]}\n--- stderr\n{r.stderr[-3000:]}"
+            for r in self.ranks
+        )
+
+
+def run_cli(
+    argv: list[str],
+    ranks: int = 1,
+    *,
+    torchrun: bool = True,
+    env: dict | None = None,
+    timeout_s: float = 240,
+    cpus: set[int] | None = None,
+    stop_after_failure_s: float = 3,
+) -> CliJob:
+    """`xdit-lab ARGV` on `ranks` local ranks given torchrun's environment (`torchrun --standalone --nproc_per_node
+    RANKS -m xdit_lab.cli ARGV` without the launcher): each rank runs the console script's entry point as its
+    `sys.exit(main())`, in this process's environment plus `env`, plus what torchrun's agent sets for its workers
+    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT on a free port, TORCHELASTIC_RUN_ID
+    and the rest; OMP_NUM_THREADS=1 for several ranks where it is not set, as torchrun does). One difference: rank
+    0 serves the rendezvous store (TORCHELASTIC_USE_AGENT_STORE=False), where torchrun's agent serves it.
+
+    `torchrun=False` (one rank): a plain `xdit-lab ARGV` process in this environment plus `env`, nothing added.
+    `cpus` pins every rank to those cores (Linux). The ranks are children of one agent process made for the job,
+    as torchrun's are of its agent. When a rank fails, the others get `stop_after_failure_s` to end by themselves,
+    then SIGTERM, then SIGKILL (torchrun sends SIGTERM at once); at `timeout_s` every rank still running is killed
+    and the job says it timed out. Never raises for what the ranks did: see CliJob."""
+    from .distributed import free_port
+
+    if not torchrun and ranks != 1:
+        raise ValueError(f"a plain process is one rank; {ranks} ranks need torchrun=True")
+    base = {**os.environ, **(env or {})}
+    if torchrun and ranks > 1 and "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = "1"
+    if torchrun:  # one job: one port and one run id for all its ranks
+        port, run_id = free_port(), uuid.uuid4().hex
+        envs = [{**base, **_torchrun_worker_env(rank, ranks, port, run_id)} for rank in range(ranks)]
+    else:
+        envs = [base]
+    folder = tempfile.mkdtemp(prefix="xdit-lab-cli-")
+    try:
+        agent = _context().Process(
+            target=_cli_agent,
+            daemon=True,
+            name="xdit-lab-cli-agent",
+            args=(list(map(str, argv)), envs, folder, timeout_s, stop_after_failure_s, cpus),
+        )
+        agent.start()
+        try:
+            agent.join(timeout_s + 2 * stop_after_failure_s + 30)  # the agent keeps the deadline; this, a hung agent
+        finally:  # also where this process is interrupted: no rank outlives the call
+            if agent.is_alive():
+                with contextlib.suppress(OSError):
+                    if os.getpgid(agent.pid) == agent.pid:  # the group its ranks are in
+                        os.killpg(agent.pid, signal.SIGKILL)
+                agent.kill()
+                agent.join(5)
+        exits = Path(folder, "exits.json")
+        if not exits.exists():  # the harness failed, not the ranks
+            raise RankFailure(
+                f"run_cli's agent for `xdit-lab {' '.join(map(str, argv))}` ended ({agent.exitcode}) "
+                "without the ranks' exit codes"
+            )
+        ended = json.loads(exits.read_text())
+        codes = ended["codes"]
+        streams = [
+            [_read(Path(folder, f"rank{rank}.{stream}")) for stream in ("stdout", "stderr")] for rank in range(ranks)
+        ]
+        return CliJob(tuple(RankExit(r, codes[r], *streams[r]) for r in range(ranks)), ended["timed_out"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _torchrun_worker_env(rank: int, world_size: int, port: int, run_id: str) -> dict[str, str]:
+    """What torchrun's agent (torch.distributed.elastic's LocalElasticAgent) sets for worker `rank` of one node."""
+    return {
+        "RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def console_script(name: str = "xdit-lab"):
+    """The function the installed console script `name` runs (pyproject.toml's [project.scripts]): its entry
+    point, or, where the package is not installed, the one pyproject.toml names."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="console_scripts", name=name)
+    if found:
+        return next(iter(found)).load()
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    module, _, function = tomllib.loads(pyproject.read_text())["project"]["scripts"][name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def _cli_agent(argv, envs, folder, timeout_s, stop_after_failure_s, cpus):
+    """The job's agent: forks the ranks (their parent, as torchrun's agent is), waits for them, stops the rest
+    after a failure or at the deadline, and writes their exit codes to FOLDER/exits.json."""
+    os.setpgrp()  # the ranks and whatever they start share this group: what is left is killed with it
+    signal.signal(signal.SIGTERM, _stop_the_job)  # multiprocessing ends a daemon so, at its parent's exit
+    try:
+        _start_and_wait(argv, envs, folder, timeout_s, stop_after_failure_s, cpus)
+    finally:
+        _kill_the_rest_of_my_group()
+
+
+def _stop_the_job(signum, frame):
+    _kill_the_rest_of_my_group()
+    os._exit(128 + signum)
+
+
+def _start_and_wait(argv, envs, folder, timeout_s, stop_after_failure_s, cpus):
+    main = console_script()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pids = {}
+    for rank, env in enumerate(envs):
+        pid = os.fork()
+        if pid == 0:
+            _cli_rank(main, argv, env, Path(folder, f"rank{rank}"), cpus)  # never returns
+        pids[pid] = rank
+    codes: dict[int, int | None] = {}
+    deadline = time.monotonic() + timeout_s
+    failed_at = terminated_at = None
+    timed_out = False
+    while len(codes) < len(envs):
+        while len(codes) < len(envs):
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in pids:
+                codes[pids[pid]] = os.waitstatus_to_exitcode(status)
+                if codes[pids[pid]] != 0 and failed_at is None:
+                    failed_at = time.monotonic()
+        running = [pid for pid, rank in pids.items() if rank not in codes]
+        now = time.monotonic()
+        if running and now > deadline:
+            timed_out = True
+            _signal(running, signal.SIGKILL)
+            for pid in running:
+                os.waitpid(pid, 0)
+                codes[pids[pid]] = None
+        elif running and failed_at is not None and now > failed_at + stop_after_failure_s:
+            if terminated_at is None:
+                terminated_at = now
+                _signal(running, signal.SIGTERM)
+            elif now > terminated_at + stop_after_failure_s:
+                _signal(running, signal.SIGKILL)
+        time.sleep(0.02)
+    Path(folder, "exits.json").write_text(
+        json.dumps({"codes": [codes[r] for r in range(len(envs))], "timed_out": timed_out})
+    )
+
+
+def _signal(pids, signum) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _kill_the_rest_of_my_group() -> None:
+    """Processes the ranks started and left running (a compile worker pool): killed, as their rank has ended."""
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != me:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == me:  # field 5: the process group
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _cli_rank(main, argv, env, stem: Path, cpus) -> None:
+    """One rank: `sys.exit(main())` with ARGV in ENV, its stdout and stderr into STEM.stdout and STEM.stderr; exits
+    the process with the status the interpreter would have."""
+    status = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the agent's: a rank ends on SIGTERM as torchrun's do
+        os.environ.clear()
+        os.environ.update(env)
+        for fd, suffix in ((1, ".stdout"), (2, ".stderr")):
+            file = os.open(f"{stem}{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(file, fd)
+            os.close(file)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        sys.argv = [sys.modules[main.__module__].__file__, *argv]  # as `python -m xdit_lab.cli ARGV` has it
+        status = _exit_status(main)
+    finally:
+        # what multiprocessing's own children run on their way out (no atexit: the handlers this fork inherited
+        # are the fork server's): the finalizers of what the rank made, its semaphores released (a progress bar's)
+        with contextlib.suppress(BaseException):
+            from multiprocessing.util import _exit_function
+
+            _exit_function()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(status)
+
+
+def _exit_status(main) -> int:
+    """`sys.exit(main())`'s exit status, as the interpreter makes it: SystemExit's code (None: 0, a number: itself,
+    anything else printed to stderr: 1); an uncaught exception's traceback on stderr: 1."""
+    try:
+        sys.exit(main())
+    except SystemExit as exiting:
+        code = exiting.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code & 0xFF
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
 
 
 # ---- a process's peak resident set (Linux /proc), for the tests that bound a load's memory ----------------------

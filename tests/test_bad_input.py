@@ -16,11 +16,8 @@ and what to do (issue 38, point 6), each beside a control that the same call wit
 """
 
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +29,7 @@ from xdit_lab.families import RECIPES
 from xdit_lab.families.recipe import Request
 from xdit_lab.safetensors_io import CorruptWeightsError
 from xdit_lab.shard_loading import WeightsMismatchError
-from xdit_lab.testing import run_on_ranks
+from xdit_lab.testing import run_cli, run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs
 
 KWARGS = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2)
@@ -341,21 +338,18 @@ def test_corrupt_weights_are_named_by_every_loader(folder, tmp_path, config):
 
 
 def test_cli_exits_2_with_one_line_on_corrupt_weights(folder, tmp_path):
+    """`xdit-lab run` on a folder whose transformer file is corrupt, in a plain process (a world of one, run_cli's):
+    exit 2 with one line naming the file, nothing written."""
     corrupt = _copy(folder, tmp_path, "corrupt")
     _corrupt(corrupt / "transformer" / "diffusion_pytorch_model.safetensors", "header overrun")
-    proc = subprocess.run(
-        [sys.executable, "-m", "xdit_lab.cli", "run", "--model", str(corrupt), "--prompt", "a red cat"]
-        + ["--output", str(tmp_path / "out"), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={
-            **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
-            "MASTER_PORT": str(free_port()),
-        },
+    job = run_cli(
+        ["run", "--model", str(corrupt), "--prompt", "a red cat", "--output", str(tmp_path / "out"), "--no-progress"],
+        torchrun=False,
+        env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())},
+        timeout_s=180,
     )
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = job.stderr.strip().splitlines()
+    assert job.codes == [2], job
+    assert len(lines) == 1 and "Traceback" not in job.stderr, job
     assert lines[0].startswith(f"xdit-lab run: error: {corrupt}/transformer/diffusion_pytorch_model.safetensors")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -17,7 +17,7 @@ import torch
 from xdit_lab import ParallelConfig, load_pipeline
 from xdit_lab.digits import DIGITS_DIR, call_kwargs, classify, load_digits_pipeline
 from xdit_lab.distributed import free_port
-from xdit_lab.testing import run_on_ranks
+from xdit_lab.testing import run_cli, run_on_ranks
 
 
 def _newcomer_calls(config):
@@ -120,34 +120,14 @@ def test_load_pipeline_in_a_plain_python_process():
     assert "size (16, 16) read 7" in proc.stdout
 
 
-def test_torchrun_cli_with_only_a_prompt(tmp_path):
+def test_the_cli_with_only_a_prompt(tmp_path):
+    """`xdit-lab run --model digits --prompt ... --ulysses 2 --output DIR` on 2 ranks given torchrun's environment
+    (run_cli): the folder's 20 steps, a 16-px image the classifier reads as the prompted 3, and ulysses traffic."""
     output = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "xdit_lab.cli",
-            "run",
-            "--model",
-            "digits",
-            "--prompt",
-            "a handwritten 3",
-            "--ulysses",
-            "2",
-            "--output",
-            str(output),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    job = run_cli(
+        ["run", "--model", "digits", "--prompt", "a handwritten 3", "--ulysses", "2", "--output", str(output)], 2
     )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert job.codes == [0, 0], job
     report = json.loads((output / "report.json").read_text())
     assert report["steps"] == 20 and report["ranks"][0]["bytes_out_by_group"]["ulysses"] > 0
     from PIL import Image

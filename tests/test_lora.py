@@ -11,7 +11,7 @@ import torch
 from xdit_lab import ParallelConfig, RankMesh, load_pipeline
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.lora import LoraError
-from xdit_lab.testing import run_on_ranks
+from xdit_lab.testing import run_cli, run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 PROMPTS = ["a red cat", "a blue dog"]
@@ -110,21 +110,18 @@ def test_sd3_takes_the_same_path(tmp_path_factory):
 
 
 def test_the_cli_takes_a_lora_and_its_scale(flux, tmp_path):
-    """`xdit-lab run --lora PATH=SCALE` in a plain process (a world of one): the latents of diffusers' run."""
-    import sys
-
+    """`xdit-lab run --lora PATH=SCALE` in a plain process (a world of one, run_cli's): the latents of diffusers'
+    run."""
     from xdit_lab.distributed import free_port
     from xdit_lab.lessons import production
 
     folder, lora = flux
     argv = production.run_argv(folder, PROMPTS, ParallelConfig(), tmp_path / "out", seed=0, **KWARGS)
     env = {"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    (result,) = production.run_processes(
-        [[sys.executable, "-m", "xdit_lab.cli", *argv, "--output-type", "latent", "--lora", f"{lora}={SCALE}"]],
-        timeout_s=240,
-        envs=[env],
+    job = run_cli(
+        [*argv, "--output-type", "latent", "--lora", f"{lora}={SCALE}"], torchrun=False, env=env, timeout_s=240
     )
-    assert result["returncode"] == 0, result["output"][-3000:]
+    assert job.codes == [0], job
     expected = _diffusers(folder, lora, SCALE)
     latents = torch.load(tmp_path / "out" / "latents.pt")
     assert (latents - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())

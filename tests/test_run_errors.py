@@ -1,6 +1,7 @@
-"""What a newcomer meets when `xdit-lab run` fails, run as they run it (the console script with `--ranks`, and
-torch's own `torchrun`): one error line, said once however many ranks meet it, without torchrun's traceback where
-the launch is ours; advice that fits the model's heads; a failed run that does not lock its output folder."""
+"""What a newcomer meets when `xdit-lab run` fails: one error line, said once however many ranks meet it, without
+torchrun's traceback where the launch is ours (run as they run it: the console script with `--ranks`, and torch's
+own `torchrun`); advice that fits the model's heads; a failed run that does not lock its output folder (its ranks
+given torchrun's environment by run_cli, as what it proves is the folder's, not the launch's)."""
 
 import json
 import stat
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 from xdit_lab.output_folder import atomic_write, check_output_folder
+from xdit_lab.testing import run_cli
 
 XDIT_LAB = str(Path(sys.executable).with_name("xdit-lab"))
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -19,7 +21,7 @@ def _run(*args: str, command=(XDIT_LAB, "run", "--ranks", "2"), timeout=240) -> 
 
 
 def _said(result) -> list[str]:
-    """The error lines of a run's output (stdout and stderr)."""
+    """The error lines of a run's output (stdout and stderr; a finished process or a run_cli job)."""
     return [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
 
 
@@ -58,24 +60,25 @@ def test_plain_torchrun_says_our_error_once(tmp_path):
 def test_a_failed_run_fixed_and_rerun_into_the_same_output_draws_every_image(tmp_path):
     """A prompts run with a typo in --model, then one that fails after loading (a pipeline argument the family does
     not take), each left a run.json that refused the corrected command ("holds a run with other arguments"); the
-    corrected command now draws every image, with no manual step."""
+    corrected command now draws every image, with no manual step. Each on 2 ranks given torchrun's environment
+    (run_cli), each error said once."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a 3\na 5\n")
     output = tmp_path / "out"
     common = ["--prompts", str(prompts), "--output", str(output), "--steps", "3", "--no-progress"]
 
-    typo = _run("--model", "digts", *common)
-    assert typo.returncode == 2 and len(_said(typo)) == 1 and "no pipeline folder at digts" in typo.stderr
+    typo = run_cli(["run", "--model", "digts", *common], 2)
+    assert typo.codes == [2, 2] and len(_said(typo)) == 1 and "no pipeline folder at digts" in typo.stderr, typo
     assert json.loads((output / "run.json").read_text())["model"] == "digts"  # it did open the folder
 
-    failed = _run("--model", "digits", "--cfg", "2", *common, "--option", "no_such_argument=1")
-    assert failed.returncode == 2 and len(_said(failed)) == 1, failed.stderr
-    assert "no_such_argument" in failed.stderr and "Traceback" not in failed.stderr, failed.stderr
+    failed = run_cli(["run", "--model", "digits", "--cfg", "2", *common, "--option", "no_such_argument=1"], 2)
+    assert failed.codes == [2, 2] and len(_said(failed)) == 1, failed
+    assert "no_such_argument" in failed.stderr and "Traceback" not in failed.stderr, failed
     assert json.loads((output / "run.json").read_text())["call"]["no_such_argument"] == 1
 
-    fixed = _run("--model", "digits", "--cfg", "2", *common)
-    assert fixed.returncode == 0, fixed.stderr
-    assert "drew 2 of 2 images" in fixed.stdout, fixed.stdout
+    fixed = run_cli(["run", "--model", "digits", "--cfg", "2", *common], 2)
+    assert fixed.codes == [0, 0], fixed
+    assert "drew 2 of 2 images" in fixed.stdout, fixed
     assert sorted(p.name for p in output.glob("*.png")) == ["00000-0.png", "00001-0.png"]
 
 

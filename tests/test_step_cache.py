@@ -414,23 +414,21 @@ def test_pipefusion_with_stale_steps_skips_agreed_and_keeps_old_kv(folders):
     assert all(step["moved"]["pipefusion"] > 0 for step in ranks[0]["traffic"])
 
 
-def test_torchrun_cli_cache_threshold_equals_diffusers_first_block_cache(folders, tmp_path):
-    """`xdit-lab run --cache-threshold T` under torchrun, ulysses 2: the report's skipped steps and
-    the latents equal diffusers' First-Block Cache run serially."""
+def test_the_cli_cache_threshold_equals_diffusers_first_block_cache(folders, tmp_path):
+    """`xdit-lab run --cache-threshold T` under ulysses 2, on 2 ranks given torchrun's environment (run_cli): the
+    report's skipped steps and the latents equal diffusers' First-Block Cache run serially."""
     import json
 
-    from xdit_lab.distributed import free_port
     from xdit_lab.lessons import production
+    from xdit_lab.testing import run_cli
 
     threshold = THRESHOLDS["pixart"]
     argv = production.run_argv(
         folders["pixart"], PROMPTS, ParallelConfig(ulysses=2), tmp_path, seed=0, **_call_kwargs("pixart")
     )
-    command = production.torchrun_argv(2, master_port=free_port()) + ["-m", "xdit_lab.cli", *argv]
-    command += ["--output-type", "latent", "--cache-threshold", str(threshold)]
-    (result,) = production.run_processes([command], 240)
-    assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
-    assert f"StepCache({threshold}) skipped" in result["output"]
+    job = run_cli([*argv, "--output-type", "latent", "--cache-threshold", str(threshold)], 2, timeout_s=240)
+    assert job.codes == [0, 0], job
+    assert f"StepCache({threshold}) skipped" in job.stdout, job
     report = json.loads((tmp_path / "report.json").read_text())
     expected, expected_skips = _reference(folders["pixart"], "pixart", threshold)
     assert report["cache_skips"] == expected_skips and any(expected_skips)

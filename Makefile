@@ -51,7 +51,7 @@ test: export CUDA_VISIBLE_DEVICES :=
 test: $(STAMP) $(KERNEL) ssh-server
 	$(BIN)/ruff check xdit_lab tests benchmarks
 	$(BIN)/ruff format --check xdit_lab tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60 $(PYTEST_NBVAL) tests $(NOTEBOOKS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60 --calibrate $(PYTEST_NBVAL) tests $(NOTEBOOKS)
 
 pytest: export CUDA_VISIBLE_DEVICES :=
 pytest: $(STAMP) $(KERNEL) ssh-server

@@ -12,7 +12,24 @@ kernel's closing message came later than that after a cell had run to its end (t
 the CI of 31a1f53): the cell failed as "Timeout of 5 seconds exceeded waiting for output" and every
 later cell of the notebook with it. A slow machine is not a wrong tutorial, so the wait is longer here.
 A hung cell is still bounded: by pytest-timeout's per-item limit (pyproject.toml) and nbval's
---nbval-cell-timeout."""
+--nbval-cell-timeout.
+
+What a run costs, told apart from how fast the VM is (printed at the end of every run, recorded in
+tests/DURATIONS.md): the fresh interpreters that imported diffusers, against a budget committed here (a test that
+starts a process for what a fork or an in-process call proves is caught where it is added); the core-seconds of
+each file, its processes included; and the calibration figure of this machine (python -m xdit_lab.tools.calibrate)."""
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
 
 # Long enough for a starved kernel, short enough that a dead one is reported well inside the item's limit.
 NBVAL_OUTPUT_TIMEOUT_S = 60
@@ -39,6 +56,111 @@ LONGEST_FIRST = [
     "tutorials/04_usp.ipynb",  # 61
     "tests/test_gpu_true.py",  # 59
 ]
+
+
+# Fresh interpreters that import diffusers in one `make test` (tests/interpreters/sitecustomize.py counts them): the
+# pytest workers, every notebook's kernel, every fork server of the Lab's engines, every torchrun rank and CLI run.
+FRESH_DIFFUSERS_INTERPRETERS_BUDGET = 80
+
+
+def _controller(config) -> bool:
+    return not hasattr(config, "workerinput")  # pytest-xdist's workers have it
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--calibrate", action="store_true", help="print this machine's calibration figure at the end (make test)"
+    )
+
+
+def pytest_configure(config):
+    if _controller(config):  # before the workers start: they and everything they start inherit the environment
+        folder = tempfile.mkdtemp(prefix="xdit-lab-diffusers-imports-")
+        config._diffusers_imports = folder
+        os.environ["XDIT_LAB_DIFFUSERS_IMPORTS"] = folder
+        here = str(Path(__file__).parent / "tests" / "interpreters")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    config._core_seconds = {}  # file -> core-seconds (this process's, and its descendants')
+    config._current_file = None
+
+
+def core_seconds() -> float:
+    """CPU seconds of this process, its reaped children, and every live descendant (with what each reaped)."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+        except psutil.Error:  # ended meanwhile: its parent reaps it into the count above
+            pass
+    return total
+
+
+def _close_file(config) -> None:
+    if config._current_file is not None:
+        name, started = config._current_file
+        config._core_seconds[name] = config._core_seconds.get(name, 0.0) + core_seconds() - started
+        config._current_file = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    config, name = item.config, item.nodeid.split("::")[0]
+    if config._current_file is None or config._current_file[0] != name:
+        _close_file(config)
+        config._current_file = (name, core_seconds())
+
+
+def pytest_testnodedown(node, error):
+    for name, seconds in json.loads(node.workeroutput.get("core_seconds", "{}")).items():
+        node.config._core_seconds[name] = node.config._core_seconds.get(name, 0.0) + seconds
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    _close_file(config)
+    if not _controller(config):
+        config.workeroutput["core_seconds"] = json.dumps(config._core_seconds)
+        return
+    fresh = sorted(os.listdir(config._diffusers_imports))
+    config._fresh_diffusers_interpreters = len(fresh)
+    if len(fresh) > FRESH_DIFFUSERS_INTERPRETERS_BUDGET:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _controller(config):
+        return
+    write = terminalreporter.write_line
+    files = sorted(config._core_seconds.items(), key=lambda item: -item[1])
+    terminalreporter.section("core-seconds by file (processes included)")
+    write(f"{sum(config._core_seconds.values()):.0f} core-s in all; files of 20 or more:")
+    for name, seconds in files:
+        if seconds >= 20:
+            write(f"{seconds:7.0f}  {name}")
+    count = config._fresh_diffusers_interpreters
+    terminalreporter.section("fresh interpreters that imported diffusers")
+    write(f"{count} (budget {FRESH_DIFFUSERS_INTERPRETERS_BUDGET}, conftest.py)")
+    if count > FRESH_DIFFUSERS_INTERPRETERS_BUDGET:
+        folder = config._diffusers_imports
+        commands = sorted(Path(folder, pid).read_text() for pid in os.listdir(folder))
+        write(
+            "over the budget: a test starts a process where a fork or an in-process call would prove the same "
+            "(forked ranks: xdit_lab.testing; the Lab's engines are forks). Their command lines:",
+            red=True,
+        )
+        for command in commands:
+            write(f"  {command}")
+    shutil.rmtree(config._diffusers_imports, ignore_errors=True)
+    if config.getoption("calibrate"):  # this machine's speed beside the run's times, measured with nothing else running
+        env = {k: v for k, v in os.environ.items() if k != "XDIT_LAB_DIFFUSERS_IMPORTS"}
+        calibration = subprocess.run(
+            [sys.executable, "-m", "xdit_lab.tools.calibrate"], capture_output=True, text=True, timeout=300, env=env
+        )
+        write(((calibration.stdout or calibration.stderr).strip().splitlines() or ["calibration: no output"])[-1])
 
 
 def pytest_collection_modifyitems(items):

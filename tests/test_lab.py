@@ -238,9 +238,10 @@ def test_connect_to_a_running_cluster(ipython_dir):
 NEVER_STOPPED = """
 import json, os, sys, time
 from xdit_lab.lab import Lab
-lab = Lab(n=1, timeout_s=60)
+from xdit_lab.lab.forkserver import FORK_SERVERS
+lab = Lab(n=1, timeout_s=60, fork_engines=sys.argv[3] == "forked")
 pids = dict(controller=lab.cluster.controller.process.pid, engines=[row["pid"] for row in lab.ranks],
-            watchdog=lab._watchdog.pid)
+            watchdog=lab._watchdog.pid, fork_servers=FORK_SERVERS.pids())
 with open(sys.argv[2] + ".tmp", "w") as file:
     json.dump(pids, file)
 os.replace(sys.argv[2] + ".tmp", sys.argv[2])
@@ -258,15 +259,16 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("end", ["exit", "kill"])
-def test_the_engines_end_with_the_process_that_started_them(end, tmp_path):
+@pytest.mark.parametrize("end, engines", [("exit", "forked"), ("kill", "forked"), ("kill", "spawned")])
+def test_the_engines_end_with_the_process_that_started_them(end, engines, tmp_path):
     """On a normal exit (a kernel shut down) the Lab's atexit handler stops it, before ipyparallel's
     own handler would, loudly. A process killed outright (nbval kills its kernels; so does an
     out-of-memory kill) runs no handler: the Lab's watchdog stops the engines and the controller,
-    which ipyparallel started in sessions of their own and would otherwise outlive it."""
+    which ipyparallel started in sessions of their own and would otherwise outlive it. Forked engines (the CPU
+    default) and their fork server end too; so do engines of ipyparallel's own launcher (GPU engines')."""
     pid_file = tmp_path / "pids.json"
     script = subprocess.Popen(
-        [sys.executable, "-c", NEVER_STOPPED, end, str(pid_file)],
+        [sys.executable, "-c", NEVER_STOPPED, end, str(pid_file), engines],
         text=True,
         env=dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython")),
         stdin=subprocess.PIPE,
@@ -282,8 +284,10 @@ def test_the_engines_end_with_the_process_that_started_them(end, tmp_path):
         started = json.loads(pid_file.read_text())
         cluster = [started["controller"], *started["engines"]]
         children = [child.pid for pid in cluster for child in psutil.Process(pid).children(recursive=True)]
-        pids = [*cluster, *children, started["watchdog"]]
+        pids = [*cluster, *children, started["watchdog"], *started["fork_servers"]]
         assert children and all(running(pid) for pid in pids)  # children: the schedulers, each engine's nanny
+        forked = [psutil.Process(pid).ppid() in started["fork_servers"] for pid in started["engines"]]
+        assert forked == [engines == "forked"], (forked, started)  # the launcher asked for, and no other
         if end == "kill":
             script.kill()
         _, stderr = script.communicate("exit\n", timeout=60)

@@ -55,6 +55,8 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -65,8 +67,9 @@ from ..distributed import usable_cpu_cores
 from ..model_folder import transformer_heads
 from . import engine
 from .errors import LabError, describe_failures
+from .forkserver import FORK_SERVERS, ForkedEngineSetLauncher
 from .labsession import LabSession
-from .processes import Watchdog, engine_plan, forget_at_exit, stop_at_exit
+from .processes import Watchdog, cpu_engines, engine_plan, forget_at_exit, stop_at_exit
 from .table import html_table, text_table
 
 GRACE_S = 5.0  # after one rank fails, how long its peers get to fail too before we report
@@ -143,7 +146,9 @@ class Lab:
     a running cluster (`cluster=`: the ipyparallel.Cluster that started them, which lab.restart() restarts with
     its own launchers and their settings). `timeout_s` bounds every call to the engines (methods take their own
     timeout_s too); `collective_timeout_s` is torch.distributed's timeout on the engines.
-    `engine_env` adds environment variables to started engines."""
+    `engine_env` adds environment variables to started engines. CPU engines started here are forks of one process
+    that imported the libraries once, kept for this process's later Labs (forkserver.py; `fork_engines=False`:
+    fresh interpreters, as ipyparallel starts them)."""
 
     def __init__(
         self,
@@ -159,6 +164,7 @@ class Lab:
         backend: str | None = None,
         master_addr: str | None = None,
         cluster: ipp.Cluster | None = None,
+        fork_engines: bool | None = None,
     ):
         self.timeout_s, self.collective_timeout_s = timeout_s, collective_timeout_s
         self.profile, self.cluster_id, self.backend, self.master_addr = profile, cluster_id, backend, master_addr
@@ -173,6 +179,7 @@ class Lab:
         self._watchdog = None  # the process that stops our cluster if this one is killed
         self.calls = CallLock()  # one call at a time on the engines
         self.n = n  # engines to use (None when connecting: all that are there)
+        self.fork_engines = fork_engines  # None: decided when the cluster starts (_start_cluster)
         try:
             if self.owns_cluster:
                 self._start_cluster(n, ip, engine_env)
@@ -193,8 +200,18 @@ class Lab:
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         n, self._engine_env = engine_plan(n, gpus, self.backend, usable_cpu_cores(), engine_env)
-        profile = {"profile": self.profile} if self.profile else {}  # else ipyparallel's default profile
-        self.cluster = ipp.Cluster(n=n, controller_ip=ip, log_level=30, **profile)
+        options = {"profile": self.profile} if self.profile else {}  # else ipyparallel's default profile
+        if self.fork_engines is None:  # CPU engines on Linux; a GPU engine is never a fork (CUDA)
+            self.fork_engines = cpu_engines(gpus, self.backend) and sys.platform == "linux"
+        elif self.fork_engines and not cpu_engines(gpus, self.backend):
+            raise LabError("fork_engines=True is for CPU engines (a GPU engine cannot be a fork): use backend='gloo'")
+        if self.fork_engines:  # its imports run while the controller starts
+            FORK_SERVERS.get(self._engine_env)
+            options["engine_launcher_class"] = ForkedEngineSetLauncher
+        # The hub pings the engines every 0.5 s, not ipyparallel's 3 s: an engine counts as registered at its first
+        # ping, so a Lab waited up to 3 s more for each start. Still 30 s of missed pings before an engine is dead.
+        beats = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"]
+        self.cluster = ipp.Cluster(n=n, controller_ip=ip, log_level=30, controller_args=beats, **options)
         self.cluster_id = self.cluster.cluster_id
         self.cluster.start_controller_sync()
         log = os.path.join(self.cluster.profile_dir, "log", f"xdit-lab-watchdog-{self.cluster_id}.log")
@@ -269,9 +286,19 @@ class Lab:
                 # engine's whole log. Expected here: quiet this cluster's own logger (not a shared one).
                 if self.cluster.log.name.endswith(str(self.cluster_id)):
                     self.cluster.log.setLevel(logging.ERROR)
+                self._end_engines_now()
                 self.cluster.stop_cluster_sync()
             if self._watchdog is not None:  # after the cluster: it ends what the stop left running
                 self._watchdog.close()
+
+    def _end_engines_now(self) -> None:
+        """End the engines this Lab started, at once: they have left their process group (stop) or are being
+        replaced (restart), and hold nothing to save. ipyparallel's own stop (SIGTERM, up to 5 s, then SIGKILL)
+        took 1.4 s for two idle engines, and waits its 5 s for a hung one; it then finds them gone."""
+        try:
+            self.cluster.signal_engines_sync(signal.SIGKILL)
+        except Exception:  # noqa: BLE001 - gone already; the stop that follows ends whatever is left
+            pass
 
     def restart(self) -> Lab:
         """Stop the engines, start fresh ones, join them again and reload the last pipeline."""
@@ -285,6 +312,7 @@ class Lab:
         self._pending.clear()
         self.session_token += 1  # sessions of the old engines are gone with them
         if self.owns_cluster:
+            self._end_engines_now()
             self.cluster.stop_engines_sync()
             self.cluster.start_engines_sync(self.n, environment=self._engine_env)
         elif self.started_by_caller is not None:  # its launchers as the caller configured them (SSH: its keys)

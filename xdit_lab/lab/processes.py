@@ -19,13 +19,18 @@ import traceback
 import weakref
 
 
+def cpu_engines(gpus: int, backend: str | None) -> bool:
+    """Whether the Lab's engines run on CPU (gloo): no GPU visible, or backend="gloo" asked for CPU engines."""
+    return backend == "gloo" or not gpus
+
+
 def engine_plan(
     n: int | None, gpus: int, backend: str | None, cpu_cores: int, engine_env: dict | None = None
 ) -> tuple[int, dict]:
     """How many engines to start, and their environment: one per GPU (at most one per GPU: NCCL
     refuses two ranks on one), or CPU engines over gloo when there are no GPUs or backend="gloo"
     asks for them (any number; the GPUs are hidden from them, one torch thread each)."""
-    cpu = backend == "gloo" or not gpus
+    cpu = cpu_engines(gpus, backend)
     if not cpu and backend not in (None, "nccl"):
         raise ValueError(f"backend {backend!r}: choose 'nccl' (one engine per GPU), 'gloo' (CPU engines) or None")
     if not cpu and n is not None and n > gpus:

@@ -69,14 +69,31 @@ nbval: $(STAMP) $(KERNEL)
 
 # The explorer in a real browser: JupyterLab served on 127.0.0.1, notebooks/explorer.ipynb run
 # with Run All Cells, its buttons clicked (tests/browser/). Playwright drives Debian's chromium,
-# installed here when missing: Playwright's own browser download is not used.
+# installed here when missing: Playwright's own browser download is not used. `make browser-deps`
+# installs the two alone; .ci/run runs it beside `make test`.
 CHROMIUM := /usr/bin/chromium
 BROWSER_STAMP := $(VENV)/.installed-browser
-browser-test: $(STAMP) $(KERNEL) $(BROWSER_STAMP) $(CHROMIUM)
+browser-test: $(STAMP) $(KERNEL) browser-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/browser/browser_explorer.py
 
+.PHONY: browser-deps
+browser-deps: $(BROWSER_STAMP) $(CHROMIUM)
+
+# The `browser` extra's packages only, as the installed project's metadata lists them (pyproject.toml's, as
+# $(STAMP) installed it): the project and its [test] extra are there already, and reinstalling the project
+# (pip install -e) would take it away for a moment from any process starting meanwhile, such as a test's,
+# when this runs beside `make test`.
+define BROWSER_REQUIREMENTS
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for r in map(Requirement, requires("xdit-lab")):
+    if r.marker is not None and r.marker.evaluate({"extra": "browser"}):
+        print(r.name + (f"[{','.join(sorted(r.extras))}]" if r.extras else "") + str(r.specifier))
+endef
+$(BROWSER_STAMP): export BROWSER_REQUIREMENTS := $(BROWSER_REQUIREMENTS)
 $(BROWSER_STAMP): $(STAMP)
-	$(BIN)/pip install -e '.[test,browser]'
+	$(BIN)/python -c "$$BROWSER_REQUIREMENTS" > $(VENV)/browser-requirements.txt
+	$(BIN)/pip install -r $(VENV)/browser-requirements.txt
 	touch $(BROWSER_STAMP)
 
 $(CHROMIUM):

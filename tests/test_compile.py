@@ -42,14 +42,16 @@ def _graphs(cases):
 # one family per way of holding text and positions, compiled beside eager in
 # test_compiled_equals_eager_records_the_same_bytes_and_does_not_recompile, which also asserts one graph
 # (dynamo's unique graphs) and no recompiles over three calls: the explain sweep below leaves these out.
-# One is compiled as a user's compile=True does (inductor, whose kernels a cold cache builds in about a
-# minute per family on the CI's two cores), under ring; inductor under ulysses runs in two other tests
-# (tests/test_run_cli.py's --compile, PixArt, and tests/test_quantization.py's int8 Flux). The other four use
-# the backend "aot_eager": the same dynamo graph and the same functionalized collectives, run by eager
-# kernels (#38).
+# All five use the backend "aot_eager": the same dynamo graph, guards and functionalized collectives as a user's
+# compile=True, run by eager kernels (#38). Inductor itself (whose kernels a cold cache builds in about a minute
+# per model on the CI's two cores) runs in two other tests, each a compile a user makes, one per way the
+# attention's collectives run inside its opaque operator: tests/test_run_cli.py's --compile (PixArt under ulysses 2,
+# the pipeline over every step) and tests/test_quantization.py's int8 Flux under ring 2 (torchao's weights, which
+# inductor builds kernels of its own for). A third, here, would build kernels for one more model and add no way
+# of running our operators that those two lack (#59).
 COMPILED = [
     ("sd3", ParallelConfig(ulysses=2), "aot_eager"),  # text after the image
-    ("flux2", ParallelConfig(ring=2), True),  # text first, image ids sharded before the forward
+    ("flux2", ParallelConfig(ring=2), "aot_eager"),  # text first, image ids sharded before the forward
     ("qwenimage", ParallelConfig(ring=2), "aot_eager"),  # padded text: a key mask handed to the attention operator
     ("cogvideox", ParallelConfig(ring=2), "aot_eager"),  # text and image embedded in one tensor
     ("wan", ParallelConfig(ulysses=2), "aot_eager"),  # a grid sharded at the embedding, rotary tables hooked
@@ -90,7 +92,7 @@ def test_every_family_traces_as_one_graph(world_size):
 
 
 def _compiled_against_eager(cases):
-    """Three forwards with different inputs, compiled (inductor) beside eager: the largest relative
+    """Three forwards with different inputs, compiled (each case's backend) beside eager: the largest relative
     error, whether every collective recorded matches, and dynamo's graph and recompile counts. The
     control: at each step after the first the compiled model is also run on this step's inputs with the
     previous step's timestep, as a graph that kept a value of an earlier call would compute; its error

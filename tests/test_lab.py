@@ -22,9 +22,9 @@ import torch.distributed as dist
 from PIL import Image
 
 from xdit_lab import ParallelConfig
-from xdit_lab.distributed import free_port
 from xdit_lab.lab import Lab, LabError, engine
 from xdit_lab.lessons import production
+from xdit_lab.testing import run_cli
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
 PROMPTS = ["a red cat", "a blue dog"]
@@ -100,22 +100,21 @@ def test_stepping_equals_run(cfg2):
         stepped.step()  # its engines' session was replaced by `ran`
 
 
-def test_lab_images_equal_the_torchrun_cli(cfg2, folder, tmp_path):
+def test_lab_images_equal_the_cli(cfg2, folder, tmp_path):
+    """The Lab's images under cfg 2 equal, bit for bit, those `xdit-lab run` writes for the same call on 2 ranks
+    given torchrun's environment (run_cli). torchrun itself runs this job once, as test_run_cli's one-node
+    reference; here it is the CLI's code against the Lab's, which that reference does not compare."""
     output = tmp_path / "cli"
     call = {k: v for k, v in KWARGS.items() if k != "seed"}
-    command = (
-        production.torchrun_argv(2, master_port=free_port())
-        + ["-m", "xdit_lab.cli"]
-        + production.run_argv(folder, PROMPTS, ParallelConfig(cfg=2), output, seed=KWARGS["seed"], **call)
-    )
+    argv = production.run_argv(folder, PROMPTS, ParallelConfig(cfg=2), output, seed=KWARGS["seed"], **call)
     # Two cores for the two ranks, so each runs one torch thread as the engines do (thread counts
     # can change the order of float sums, and the comparison below is exact).
-    cpus = [set(sorted(os.sched_getaffinity(0))[:2])] if hasattr(os, "sched_getaffinity") else None
-    with ThreadPoolExecutor(1) as pool:  # the Lab works while torchrun starts
-        cli = pool.submit(production.run_processes, [command], 180, cpus=cpus)
+    cpus = set(sorted(os.sched_getaffinity(0))[:2]) if hasattr(os, "sched_getaffinity") else None
+    with ThreadPoolExecutor(1) as pool:  # the Lab works while the CLI's ranks run
+        cli = pool.submit(run_cli, argv, 2, timeout_s=180, cpus=cpus)
         images = cfg2.session(PROMPTS, **KWARGS).run().result().images
-        (result,) = cli.result()
-    assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
+        job = cli.result()
+    assert job.codes == [0, 0], job
     assert np.asarray(images[0]).std() > 0  # not a blank image that any two runs would agree on
     for i, image in enumerate(images):
         assert np.array_equal(np.asarray(image), np.asarray(Image.open(output / f"{i:03d}.png")))
@@ -184,8 +183,13 @@ def test_a_config_larger_than_the_engines_is_refused_before_any_call(lab, folder
     assert "world size is 2" in str(refused.value) and "nproc_per_node" not in str(refused.value)
 
 
-def test_stuck_rank_and_dead_engine_then_restart(cfg2):
-    before = cfg2.session(PROMPTS, **KWARGS).run().latents
+def test_a_stuck_rank_and_a_dead_engine_are_named(cfg2):
+    """A rank stuck in a collective is named when the Lab stops waiting, and refused as busy; an engine that exits
+    through a Lab call (a segfault) is named as gone, with lab.restart() as the way out. The restart itself is
+    tests/test_lab_robustness.py's, after each state it leaves here: an engine gone (killed mid-run) and an engine
+    busy that takes no signal but SIGKILL (stopped mid-run), each restarted into the same latents as before the
+    fault. A restart here would prove nothing more, at the price of two engines started and a pipeline loaded.
+    The last test on this module's Lab: it leaves rank 1 dead, and the fixture's stop ends the cluster."""
     # Rank 0 alone enters a barrier: it waits for rank 1, and the Lab stops waiting after 2 s.
     with pytest.raises(LabError, match=r"rank 0 \(engine \d+ on .*\): no answer after 2 s") as caught:
         cfg2.call(dist.barrier, ranks=[0], state=False, timeout_s=2)
@@ -203,14 +207,6 @@ def test_stuck_rank_and_dead_engine_then_restart(cfg2):
     with pytest.raises(LabError, match=r"rank 1 \(engine \d+ on .*\): the engine is gone") as caught:
         cfg2.session(PROMPTS, **KWARGS)
     assert "lab.restart()" in str(caught.value)
-
-    cfg2.restart()
-    assert [row["rank"] for row in cfg2.ranks] == [0, 1]
-    assert not set(row["engine"] for row in cfg2.ranks) & set(old_engines)
-    assert cfg2.config == ParallelConfig(cfg=2)  # reloaded after the restart
-    session = cfg2.session(PROMPTS, **KWARGS).step()
-    assert session.step_index == 1
-    assert torch.equal(session.run().latents, before)
 
 
 def test_connect_to_a_running_cluster(ipython_dir):

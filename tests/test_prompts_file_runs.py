@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -17,6 +18,7 @@ from xdit_lab.distributed import free_port
 from xdit_lab.lessons import production
 from xdit_lab.output_folder import RECORDS_FILE, OutputFolderError, append_record, open_run
 from xdit_lab.prompts_file import PromptsFileError, image_seed, read_prompts_file
+from xdit_lab.testing import run_cli
 
 # ---- the file, read in-process ------------------------------------------------------------------------------
 
@@ -170,13 +172,32 @@ def _latents(folder) -> dict[str, torch.Tensor]:
     return {path.stem: torch.load(path) for path in folder.glob("*.pt")}
 
 
+KILLED_RUN_PROMPTS = 32  # eight batches of 4 under dp 2: the kill after the first leaves at least six to resume
+
+
+def _workers(proc) -> dict[str, psutil.Process]:
+    """torchrun's workers, by LOCAL_RANK (those started so far)."""
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "xdit_lab.cli" in child.cmdline():
+                found[child.environ().get("LOCAL_RANK")] = child
+        except psutil.NoSuchProcess:  # one that ended meanwhile
+            continue
+    return found
+
+
 @pytest.mark.timeout(720)
 def test_a_killed_dp2_run_resumes_to_the_serial_run_image_for_image(tmp_path):
-    """200 digits prompts under dp 2 in batches of 4; rank 1 is killed (SIGKILL) once 40 images are recorded; the
-    same command again draws only the rest. Every image then equals the serial run's, drawn one per call, within
-    1e-4, and records.jsonl holds each image once."""
+    """32 digits prompts under dp 2 in batches of 4; rank 1 is killed (SIGKILL) once the first batch is recorded;
+    the same command again draws only the rest. Every image then equals the serial run's, drawn one per call,
+    within 1e-4, and records.jsonl holds each image once. (With rank 1 gone, rank 0 writes at most the batch it
+    has gathered. The kill must come before the last batch, 7 batches after the first: about 1 s of drawing on an
+    idle 2-core machine, longer on a busy one; the workers are found before the first image, so that the kill is
+    one signal away when it comes.)"""
+    n = KILLED_RUN_PROMPTS
     prompts = tmp_path / "digits.txt"
-    prompts.write_text("".join(f"a handwritten {i % 10}\n" for i in range(200)))
+    prompts.write_text("".join(f"a handwritten {i % 10}\n" for i in range(n)))
     serial, parallel = tmp_path / "serial", tmp_path / "dp2"
     dp2 = production.torchrun_argv(2, master_port=free_port()) + _run_argv(
         prompts, parallel, "--dp", "2", "--batch-size", "4"
@@ -186,43 +207,48 @@ def test_a_killed_dp2_run_resumes_to_the_serial_run_image_for_image(tmp_path):
     proc = subprocess.Popen(dp2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
+        workers = {}
+        records = parallel / RECORDS_FILE
         while killed_at is None and proc.poll() is None and time.monotonic() < deadline:
-            records = parallel / RECORDS_FILE
-            if records.exists() and len(records.read_text().splitlines()) >= 40:
-                workers = {
-                    child.environ().get("LOCAL_RANK"): child
-                    for child in psutil.Process(proc.pid).children(recursive=True)
-                    if "xdit_lab.cli" in child.cmdline()
-                }
+            if "1" not in workers:
+                workers = _workers(proc)
+            elif records.exists() and len(records.read_text().splitlines()) >= 4:
                 workers["1"].send_signal(signal.SIGKILL)
                 killed_at = len(records.read_text().splitlines())
-            time.sleep(0.02)
+            time.sleep(0.01)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert killed_at is not None and proc.returncode != 0, output[-3000:]
     interrupted = len(_latents(parallel))
-    assert 40 <= interrupted < 200, interrupted  # killed mid-run
+    assert 4 <= interrupted < n, interrupted  # killed mid-run, after the first batch
+    assert len((parallel / RECORDS_FILE).read_text().splitlines()) < n
 
-    production_runs = production.run_processes(
-        [
-            production.torchrun_argv(2, master_port=free_port())
-            + _run_argv(prompts, parallel, "--dp", "2", "--batch-size", "4"),
-            production.torchrun_argv(1, master_port=free_port()) + _run_argv(prompts, serial, "--batch-size", "1"),
-        ],
-        timeout_s=480,
-    )
-    for result in production_runs:
-        assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
+    # the resume under torchrun, as the user reruns it; the serial reference beside it, on one rank given
+    # torchrun's environment (run_cli: no torchrun and fresh interpreter for a reference)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_cli, _run_argv(prompts, serial, "--batch-size", "1")[2:], 1, timeout_s=480)
+        (resumed,) = production.run_processes(
+            [
+                production.torchrun_argv(2, master_port=free_port())
+                + _run_argv(prompts, parallel, "--dp", "2", "--batch-size", "4")
+            ],
+            timeout_s=480,
+        )
+        reference = reference.result()
+    assert resumed["returncode"] == 0 and not resumed["timed_out"], resumed["output"][-4000:]
+    assert reference.codes == [0], reference
 
     report = json.loads((parallel / "report.json").read_text())
-    assert report["resumed_with"] >= interrupted - 1 and report["resumed_with"] + report["drawn"] == 200, report
+    # only the missing images drawn (one written but not yet recorded at the kill is drawn again)
+    assert report["resumed_with"] >= interrupted - 1 and report["resumed_with"] + report["drawn"] == n, report
+    assert report["drawn"] > 0, report
     records = [json.loads(line) for line in (parallel / RECORDS_FILE).read_text().splitlines()]
-    assert sorted(r["id"] for r in records) == sorted(f"{i:05d}-0" for i in range(200))  # each once
+    assert sorted(r["id"] for r in records) == sorted(f"{i:05d}-0" for i in range(n))  # each once
     assert not [p.name for p in parallel.iterdir() if p.name.startswith(".")]  # no temporary left
     drawn, expected = _latents(parallel), _latents(serial)
-    assert sorted(drawn) == sorted(expected) and len(drawn) == 200
+    assert sorted(drawn) == sorted(expected) and len(drawn) == n
     worst = max(((drawn[i] - expected[i]).abs().max() / expected[i].abs().max()).item() for i in expected)
     assert worst < 1e-4, worst
     # the control: neighbours differ (each image has noise of its own), so the comparison can fail
@@ -238,55 +264,56 @@ def test_a_killed_dp2_run_resumes_to_the_serial_run_image_for_image(tmp_path):
     assert compared.returncode == 0, compared.stderr[-3000:]
     summary = json.loads((parallel / "compare" / "compare.json").read_text())["summary"]
     largest = max(t.abs().max().item() for t in expected.values())
-    assert summary["images"] == 200 and not summary["only_in_a"] and not summary["only_in_b"], summary
+    assert summary["images"] == n and not summary["only_in_a"] and not summary["only_in_b"], summary
     assert summary["largest_difference"] < 1e-4 * largest, summary
 
 
 def test_a_long_prompt_and_a_failed_write_name_their_line_and_image_then_a_rerun_resumes(tmp_path):
-    """In a plain process (a world of one): a prompt longer than the digits' text encoder reads is refused before
-    anything is drawn, naming its line; image 00002-0's name is taken by a folder, so its write fails: exit 1 naming
-    it, the two images before it written and recorded; with the folder gone, the same command draws the rest."""
+    """In a plain process (a world of one, run_cli's): a prompt longer than the digits' text encoder reads is
+    refused before anything is drawn, naming its line; image 00002-0's name is taken by a folder, so its write
+    fails: exit 1 naming it, the two images before it written and recorded; with the folder gone, the same command
+    draws the rest."""
     long = tmp_path / "long.txt"
     long.write_text("a handwritten 1\na handwritten 2 " + "very " * 20 + "\n")
     prompts = tmp_path / "digits.txt"
     prompts.write_text("".join(f"a handwritten {i}\n" for i in range(5)))
     blocked = tmp_path / "blocked"
     (blocked / "00002-0.png").mkdir(parents=True)  # a name taken: the write of image 00002-0 fails
-    runs = [
-        (long, tmp_path / "never"),
-        (prompts, blocked),
-    ]
 
-    def command(file, folder):
-        argv = _run_argv(file, folder, "--batch-size", "2")
-        return [sys.executable, *argv[: argv.index("--output-type")], *argv[argv.index("--output-type") + 2 :]]
+    def run(file, folder, *, bar=False):
+        argv = _run_argv(file, folder, "--batch-size", "2")[2:]  # without "-m xdit_lab.cli"
+        argv = argv[: argv.index("--output-type")] + argv[argv.index("--output-type") + 2 :]
+        argv = [arg for arg in argv if arg != "--no-progress"] if bar else argv
+        env = {"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        return run_cli(argv, torchrun=False, env=env, timeout_s=240)
 
-    envs = [{"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"} for _ in runs]
-    refused, failed = production.run_processes([command(*run) for run in runs], timeout_s=240, envs=envs)
-    errors = [line for line in refused["output"].splitlines() if line.startswith("xdit-lab run: error:")]
-    assert refused["returncode"] == 2 and len(errors) == 1, refused["output"][-3000:]
+    refused = run(long, tmp_path / "never")
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("xdit-lab run: error:")]
+    assert refused.codes == [2] and len(errors) == 1, refused
     assert errors[0].startswith(f"xdit-lab run: error: {long}:2: the prompt is 24 tokens"), errors[0]
     assert not (tmp_path / "never" / RECORDS_FILE).exists()
 
-    errors = [line for line in failed["output"].splitlines() if line.startswith("xdit-lab run: error:")]
-    assert failed["returncode"] == 1 and len(errors) == 1 and "Traceback" not in failed["output"], failed["output"]
+    failed = run(prompts, blocked)
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("xdit-lab run: error:")]
+    assert failed.codes == [1] and len(errors) == 1 and "Traceback" not in failed.output, failed
     assert errors[0].startswith(f"xdit-lab run: error: writing image 00002-0 (line 3) to {blocked}/00002-0.png"), errors
     assert "2 image(s) are written and recorded in records.jsonl" in errors[0], errors[0]
     recorded = [json.loads(line)["id"] for line in (blocked / RECORDS_FILE).read_text().splitlines()]
     assert recorded == ["00000-0", "00001-0"]
 
     (blocked / "00002-0.png").rmdir()
-    with_bar = [arg for arg in command(prompts, blocked) if arg != "--no-progress"]
-    (rerun,) = production.run_processes([with_bar], timeout_s=240, envs=envs[1:])
-    assert rerun["returncode"] == 0, rerun["output"][-3000:]
+    rerun = run(prompts, blocked, bar=True)
+    assert rerun.codes == [0], rerun
     report = json.loads((blocked / "report.json").read_text())
     assert (report["resumed_with"], report["drawn"]) == (2, 3), report
     assert report["images_per_second"] > 0 and sorted(report["seconds_per_phase"]) == ["decode", "denoise", "encode"]
     assert all(report["seconds_per_phase"][phase] > 0 for phase in ("encode", "denoise")), report
-    # rank 0's bar: images done of all (from the 2 found done), the rate, the time left
-    bar = rerun["output"].replace("\r", "\n").splitlines()
-    assert any(re.search(r"5/5 \[\d\d:\d\d<00:00, +[\d.]+image/s\]", line) for line in bar), rerun["output"][-2000:]
-    assert any(re.search(r"2/5 \[", line) for line in bar), rerun["output"][-2000:]
+    # rank 0's bar: images done of all (from the 2 found done), the rate (seconds an image where under 1/s: a busy
+    # machine), the time left
+    bar = rerun.stderr.replace("\r", "\n").splitlines()
+    rate = r"5/5 \[\d\d:\d\d<00:00, +[\d.]+(image/s|s/image)\]"
+    assert any(re.search(rate, line) for line in bar), rerun.stderr[-2000:]
+    assert any(re.search(r"2/5 \[", line) for line in bar), rerun.stderr[-2000:]
     recorded = [json.loads(line)["id"] for line in (blocked / RECORDS_FILE).read_text().splitlines()]
     assert recorded == [f"{i:05d}-0" for i in range(5)]
     assert sorted(p.name for p in blocked.glob("*.png")) == [f"{i:05d}-0.png" for i in range(5)]

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from xdit_lab import ParallelConfig, RankMesh, StepCache, load_pipeline
-from xdit_lab.distributed import free_port
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.models.sharded_weights import held_checkpoint_bytes
 from xdit_lab.quantization import FALSE_ALARMS
@@ -158,21 +157,25 @@ CACHE_STEPS, CACHE_THRESHOLD = 6, 0.55  # int8 Flux tiny: steps 2, 3, 4 and 6 sk
 
 
 def _cache_and_compile(folder):
-    config = ParallelConfig(ulysses=2)
     found = {}
-    pipe = load_pipeline(folder, config, progress=False, quantization="int8", cache=StepCache(CACHE_THRESHOLD))
+    pipe = load_pipeline(
+        folder, ParallelConfig(ulysses=2), progress=False, quantization="int8", cache=StepCache(CACHE_THRESHOLD)
+    )
     output = pipe(PROMPTS, seed=0, output_type="latent", **_kwargs("flux", CACHE_STEPS))
     found["cache"] = (output_latents(output), output.cache_skips)
     pipe.close()
-    pipe = load_pipeline(folder, config, progress=False, quantization="int8", compile=True)
+    # compiled with inductor under ring 2, the suite's one inductor run of Ring's collectives inside the attention
+    # operator (tests/test_run_cli.py's --compile runs Ulysses'; tests/test_compile.py says why not a third)
+    pipe = load_pipeline(folder, ParallelConfig(ring=2), progress=False, quantization="int8", compile=True)
     found["compile"] = (output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_kwargs("flux"))), None)
     pipe.close()
     return found
 
 
 def test_quantized_with_a_step_cache_and_with_compile_on_two_ranks(folders):
-    """Ulysses on 2 ranks, int8: with a StepCache against diffusers' First-Block Cache on its quantized
-    pipeline (some steps skipped, some run: the same latents), and compiled against diffusers' quantized."""
+    """int8 on 2 ranks: under Ulysses with a StepCache against diffusers' First-Block Cache on its quantized
+    pipeline (some steps skipped, some run: the same latents), and under Ring compiled (inductor) against
+    diffusers' quantized."""
     cached = _reference(folders["flux"], "flux", "int8", CACHE_STEPS, cache_threshold=CACHE_THRESHOLD)
     plain = _reference(folders["flux"], "flux", "int8")
     for rank, found in enumerate(run_on_ranks(_cache_and_compile, 2, folders["flux"], timeout_s=420)):
@@ -270,11 +273,12 @@ def test_a_quantized_load_never_holds_the_whole_transformer_in_full_precision(wi
 # ---- as the commands take it ------------------------------------------------------------------------------------
 
 
-def test_xdit_lab_run_quantize_under_torchrun_equals_diffusers_quantized(folders, tmp_path):
-    """`xdit-lab run --quantize int8` under torchrun on 2 ranks (ulysses 2), as tutorial 10's helpers launch
-    it: the latents equal diffusers' quantized pipeline's, and the report says int8 and counts each rank's
-    transformer at its int8 bytes (under half of the float32 files)."""
+def test_xdit_lab_run_quantize_equals_diffusers_quantized(folders, tmp_path):
+    """`xdit-lab run --quantize int8` on 2 ranks (ulysses 2) given torchrun's environment (run_cli): the latents
+    equal diffusers' quantized pipeline's, and the report says int8 and counts each rank's transformer at its int8
+    bytes (under half of the float32 files)."""
     from xdit_lab.lessons import production
+    from xdit_lab.testing import run_cli
 
     folder, output = folders["pixart"], tmp_path / "run"
     kwargs = _kwargs("pixart")
@@ -282,10 +286,8 @@ def test_xdit_lab_run_quantize_under_torchrun_equals_diffusers_quantized(folders
     argv = production.run_argv(
         folder, PROMPTS, ParallelConfig(ulysses=2), output, seed=0, negative_prompt=negatives, **kwargs
     )
-    command = production.torchrun_argv(2, master_port=free_port()) + ["-m", "xdit_lab.cli", *argv]
-    command += ["--quantize", "int8", "--output-type", "latent"]
-    (result,) = production.run_processes([command], 300)
-    assert result["returncode"] == 0 and not result["timed_out"], result["output"][-4000:]
+    job = run_cli([*argv, "--quantize", "int8", "--output-type", "latent"], 2, timeout_s=300)
+    assert job.codes == [0, 0], job
     expected = _reference(folder, "pixart", "int8")
     latents = torch.load(output / "latents.pt")
     assert ((latents - expected).abs().max() / expected.abs().max()).item() < 1e-4

@@ -60,7 +60,7 @@ def _parallel(folder, configs):
         if config is PIPEFUSION:  # each expert's stage: its blocks' bytes as planned, as held
             stages = _stage_bytes(pipe)
     # compiled: each expert one graph of its own, nothing recompiled over the steps (aot_eager: dynamo's graph and
-    # functionalized collectives, eager kernels; inductor's kernels are tests/test_compile.py's)
+    # functionalized collectives, eager kernels; inductor's kernels: tests/test_compile.py says where)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = load_pipeline(folder, CONFIGS[0], mesh=RankMesh(CONFIGS[0]), progress=False, compile="aot_eager")

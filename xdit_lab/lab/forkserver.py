@@ -1,9 +1,10 @@
 """CPU engines forked from one process that imported the libraries once.
 
     Lab process ──stdin pipe──▶ fork server (imported torch, transformers, diffusers, ipyparallel's engine)
-        │                            │ os.fork() per engine, on request over a unix socket
-        └── ForkedEngineSetLauncher ─┘──▶ engine 0, engine 1, …  (each in a session of its own, as ipyparallel's
-                                                                   local launcher starts them)
+        │                            │ os.fork() on request, over a unix socket:
+        └── ForkedEngineSetLauncher ─┼──▶ engine 0, engine 1, …   each in a session of its own, as ipyparallel's
+                                     │                            local launcher starts them
+            each engine ─────────────┴──▶ its nanny               with the pipe it watches, handed over the socket
 
 An engine started by ipyparallel's local launcher is a fresh interpreter: before its first `lab.load` it pays
 7 core-seconds of imports (torch, transformers, scipy, diffusers), and a Lab of 2 engines on 2 cores waits for

@@ -223,7 +223,10 @@ def _become_engine(request: dict) -> int:
         sys.modules["numpy"].random.seed()
     sys.argv = [sys.executable, *request["argv"]]
     try:
-        _forked_engine_class(request["socket_path"]).launch_instance(argv=request["argv"])
+        from ipyparallel.engine import app
+
+        app.start_nanny = _nanny_forked_by(request["socket_path"])  # in this fork's own copy of the module
+        app.IPEngine.launch_instance(argv=request["argv"])
         return 0
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else 1
@@ -239,51 +242,35 @@ def _reap(signum, frame) -> None:
             return
 
 
-def _forked_engine_class(socket_path: str):
-    """ipyparallel's engine, whose nanny (the process beside each engine that relays signals and reports the
-    engine's end to the hub at once) is forked by the server too, not started as a fresh interpreter: 0.5 to 1 s
-    of each engine's start here. The nanny's arguments and its pipe are ipyparallel's (engine/nanny.py)."""
+def _nanny_forked_by(socket_path: str):
+    """A stand-in for ipyparallel's `start_nanny(**kwargs)` (engine/nanny.py), which starts the nanny (the process
+    beside each engine that relays signals and reports the engine's end to the hub at once) as a fresh interpreter:
+    0.5 to 1 s of each engine's start here. This one asks the server to fork it, with ipyparallel's own arguments
+    and the pipe the nanny watches, and answers as ipyparallel's does: the nanny's address, and what keeps it."""
     import base64
     import pickle
 
-    from ipyparallel.engine.app import IPEngine
-    from traitlets.config import Config
+    def start_nanny(**kwargs):
+        kwargs["pid"] = os.getpid()
+        read, write = os.pipe()
+        request = json.dumps(dict(nanny=base64.b64encode(pickle.dumps(kwargs)).decode())).encode() + b"\n"
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.settimeout(READY_TIMEOUT_S)
+                connection.connect(socket_path)
+                socket.send_fds(connection, [request], [write, 2])
+                answer = json.loads(_read_line(connection))
+        finally:
+            os.close(write)
+        if "error" in answer:
+            raise RuntimeError(f"nanny failed: {answer['error']}")
+        pipe = os.fdopen(read, "r")
+        nanny_url = pipe.readline().strip()
+        if not nanny_url:
+            raise RuntimeError("nanny failed")
+        return nanny_url, pipe  # the nanny ends when this pipe closes (this engine's end), as ipyparallel's
 
-    class ForkedIPEngine(IPEngine):
-        def start_nanny(self, control_url):
-            self.log.info("Starting nanny (a fork of the engines' fork server)")
-            config = Config()
-            config.Session = self.config.Session
-            kwargs = dict(
-                pid=os.getpid(),
-                engine_id=self.id,
-                identity=self.bident,
-                control_url=control_url,
-                curve_serverkey=self.curve_serverkey,
-                curve_secretkey=self.curve_secretkey,
-                curve_publickey=self.curve_publickey,
-                registration_url=self.registration_url,
-                config=config,
-            )
-            read, write = os.pipe()
-            request = json.dumps(dict(nanny=base64.b64encode(pickle.dumps(kwargs)).decode())).encode() + b"\n"
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-                    connection.settimeout(READY_TIMEOUT_S)
-                    connection.connect(socket_path)
-                    socket.send_fds(connection, [request], [write, 2])
-                    answer = json.loads(_read_line(connection))
-            finally:
-                os.close(write)
-            if "error" in answer:
-                raise RuntimeError(f"nanny failed: {answer['error']}")
-            pipe = os.fdopen(read, "r")
-            nanny_url = pipe.readline().strip()
-            if not nanny_url:
-                raise RuntimeError("nanny failed")
-            return nanny_url, pipe  # the nanny ends when this pipe closes (this engine's end), as ipyparallel's
-
-    return ForkedIPEngine
+    return start_nanny
 
 
 def _become_nanny(request: dict, fds: list[int]) -> int:

@@ -23,6 +23,7 @@ _LAZY = {
     "parallelize": "models",
     "unparallelize": "models",
     "StepCache": "models",
+    "LoadOptions": "load_options",
     "ParallelPipeline": "pipeline",
     "load_pipeline": "pipeline",
     "DenoiseSession": "session",

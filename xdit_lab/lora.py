@@ -19,7 +19,6 @@ stage's adapter goes through the transformer's own loader (`load_lora_adapter`) 
 
 from __future__ import annotations
 
-import numbers
 from pathlib import Path
 
 TRANSFORMER_PREFIX = "transformer."
@@ -27,56 +26,8 @@ TRANSFORMER_PREFIX = "transformer."
 
 class LoraError(ValueError):
     """An adapter that cannot be fused here: the pipeline has no LoRA loader, a placement it cannot go with, or an
-    argument of the wrong form; the message says what would work."""
-
-
-def check_lora(
-    lora, pipeline_class, *, fuse: bool, sharded: bool, quantized: bool, components=("transformer",)
-) -> list[tuple[object, float, str]]:
-    """`lora` as [(path or state dict, scale, transformer)], checked before any weight is read. A path or a state
-    dict alone has scale 1; an entry of two goes into "transformer", one of three into the transformer it names
-    ("transformer_2": Wan 2.2 A14B's second expert), one of `components`, the folder's transformers."""
-    if lora is None or lora == []:
-        return []
-    entries = lora if isinstance(lora, list) else [lora]
-    adapters = []
-    for entry in entries:
-        if isinstance(entry, tuple) and len(entry) in (2, 3):
-            source, scale, into = (*entry, "transformer")[:3]
-        else:
-            source, scale, into = entry, 1.0, "transformer"
-        if into not in components:
-            raise LoraError(
-                f"LoRA entry {entry!r:.80}: its third element names the transformer it goes into, one of "
-                f"{', '.join(map(repr, components))} in this folder; got {into!r}"
-            )
-        if not isinstance(source, (str, Path, dict)):
-            raise LoraError(
-                f"lora takes [(path_or_state_dict, scale), ...]; got {entry!r:.80}: give a LoRA file or folder, or "
-                f"its state dict, each with a scale"
-            )
-        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-            raise LoraError(f"a LoRA's scale must be a number (1.0: as trained); got {scale!r}")
-        if isinstance(source, (str, Path)) and not Path(source).expanduser().exists():
-            raise LoraError(f"LoRA {source}: no such file or folder")
-        adapters.append((Path(source).expanduser() if isinstance(source, (str, Path)) else source, float(scale), into))
-    if not hasattr(pipeline_class, "load_lora_weights"):
-        raise LoraError(
-            f"{pipeline_class.__name__} has no LoRA loader in diffusers (load_lora_weights), so its adapters cannot "
-            f"be read as diffusers reads them; fuse the adapter into the folder's weights first"
-        )
-    if not fuse:
-        raise LoraError(
-            "fuse_lora=False (adapters kept beside the weights, switchable) is not supported: the strategies' hooks, "
-            "PipeFusion's stages and compile take plain linear layers; keep fuse_lora=True"
-        )
-    if sharded or quantized:
-        raise LoraError(
-            f"lora with {'shard_weights' if sharded else 'quantization'}: an adapter is fused into whole "
-            f"full-precision weights, which a{' sharded' if sharded else ' quantized'} rank does not hold; fuse it "
-            f"into the folder's weights first (diffusers: pipe.load_lora_weights, pipe.fuse_lora, save_pretrained)"
-        )
-    return adapters
+    argument of the wrong form (each said before loading by LoadOptions.problems); the message says what would
+    work."""
 
 
 def fuse_loras(pipe, adapters: list[tuple[object, float, str]], stage_names: dict | None = None) -> None:

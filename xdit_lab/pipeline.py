@@ -3,21 +3,33 @@
     pipe = load_pipeline("path/to/pixart", ParallelConfig(cfg=2, ulysses=2))
     images = pipe(["a red cat", "a blue dog"], seed=0).images
 
+load_pipeline runs eight stages, in this order, each a function below of what it is given:
+
+    1. read and check     read_and_check: the folder read once (ModelFolder: index, configs, headers, roles),
+                          each file against its config, and every refusal of the LoadOptions said at once,
+                          before torch.distributed is joined
+    2. plan               plan_load: what this rank will hold, from the headers, against the memory it has
+    3. own components     build_own_components: what this rank reads itself (a stage, a shard, quantized blocks)
+    4. assemble           assemble: diffusers' from_pretrained with those in place
+    5. place              place: on the device, or in host memory (on_host)
+    6. adapt weights      adapt_weights: LoRA adapters fused into the weights
+    7. parallelize        parallelize_named: the transformer(s) and the ControlNet the recipe names
+    8. the VAE            parallel_vae: each rank decodes its own images, in row bands
+
+Between 1 and 2 the world is joined and the dtype resolved; a rank left idle by a configuration smaller than
+the world stops after 2 and loads nothing.
+
 A folder may carry its own call defaults in `call_defaults.json` beside `model_index.json`
 (the bundled digits model does: its 16-pixel size, no resolution binning, its token budget,
 steps, guidance and negative prompt). `pipe(...)`, `pipe.session(...)`, the Lab, the CLI and the
 explorer all start from them; an argument the caller passes wins. A stock diffusers folder has
 no such file and keeps the family's diffusers defaults.
-
-Before any weight is read, the memory plan (bytes per component per rank, from the
-safetensors headers) is checked against the memory this rank has; a corrupt or truncated file
-is named. Ranks left idle by a configuration smaller than the world load nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
+import dataclasses
 import json
 import numbers
 import operator
@@ -28,17 +40,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import ParallelConfig, ParallelConfigError
+from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .families import Request, recipe_for
-from .families.refusals import load_refusals, refusal_message
+from .load_options import LoadOptions
 from .loading import (
     check_weights_match_configs,
     load_own_components,
     stage_blocks,
     stage_key_renaming,
 )
-from .lora import check_lora, fuse_loras, lora_bytes
+from .lora import fuse_loras, lora_bytes
 from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import RankMesh
 from .model_folder import (
@@ -51,9 +63,7 @@ from .model_folder import (
     read_model_index,
     resolve_folder,
 )
-from .models import StepCache, compile_problems, parallelize
-from .quantization import QuantizationError
-from .quantization import resolve as resolve_quantization
+from .models import parallelize
 from .request_memory import plan_request, rows_of_one_prompt
 from .session import DenoiseSession
 from .vae import apply_parallel_vae
@@ -103,26 +113,23 @@ def resolve_dtype(torch_dtype, device) -> torch.dtype:
 def load_pipeline(
     name_or_path,
     config: ParallelConfig | None = None,
+    options: LoadOptions | None = None,
     *,
     mesh: RankMesh | None = None,
-    torch_dtype: torch.dtype | str = "auto",
-    memory_limit_bytes: int | None = None,
-    progress: bool = True,
-    cache: StepCache | None = None,
-    compile: bool | str = False,
-    shard_weights: bool = False,
-    on_host: tuple[str, ...] = (),
-    quantization=None,
-    lora=None,
-    fuse_lora: bool = True,
-    pipeline_class: str | None = None,
-    **unknown,
+    **keywords,
 ) -> ParallelPipeline:
     """Load a pipeline folder of a family with a recipe (families.RECIPES) and parallelize it on this rank.
 
     Call on every rank. `config` defaults to one rank (serial); without torch.distributed
     initialised, the world is joined here as `init_distributed()` would (a world of one in a
-    plain Python process, torchrun's world under torchrun). `memory_limit_bytes` overrides the
+    plain Python process, torchrun's world under torchrun). `options` (a LoadOptions) says how the weights
+    load; each of its fields may be given as a keyword too, and a keyword wins over `options`' field:
+    `load_pipeline(folder, config, shard_weights=True)` is `load_pipeline(folder, config,
+    LoadOptions(shard_weights=True))`. `mesh`: a RankMesh of `config` to run on (default: one made here, closed
+    with the pipeline). What the options refuse for this folder is said before any weight is read
+    (LoadOptions.problems), all at once.
+
+    `memory_limit_bytes` overrides the
     memory a rank is assumed to have (default: free GPU memory, or available RAM shared by this
     host's ranks). `cache=StepCache(threshold)` skips the blocks after the first at steps where the
     first block barely changed, decided by all ranks together (results carry `cache_skips`).
@@ -148,157 +155,163 @@ def load_pipeline(
     "WanImageToVideoPipeline" from Wan 2.2 TI2V 5B's. The pipelines each family runs: families.RECIPES.
 
     `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype)."""
-    if unknown:
-        raise TypeError(unknown_keywords(unknown))
+    options = LoadOptions.given(options, **keywords)
     config = ParallelConfig() if config is None else config
-    RankMesh.check(config)  # a configuration no mesh can be built from (cfg 3): said before anything is read
-    if compile and compile_problems(config, cache):  # before any weight is read
-        raise ParallelConfigError("; ".join(compile_problems(config, cache)))
-    folder = resolve_folder(name_or_path)
-    index = read_model_index(folder)
-    recipe = recipe_for(index.get("_class_name", "?"))
-    if pipeline_class is not None and pipeline_class != index["_class_name"]:
-        if recipe_for(pipeline_class) is not recipe:
-            raise ValueError(
-                f"pipeline_class={pipeline_class!r} is a {recipe_for(pipeline_class).family} pipeline, and {folder} holds "
-                f"a {recipe.family} one ({index['_class_name']}); name one of {', '.join(recipe.pipeline_classes)}"
-            )
-        index = {**index, "_class_name": pipeline_class}
-    recipe.check_branches(config.cfg)
-    asked = dict(
-        pipefusion=config.pipefusion > 1,
-        pipefusion_async=config.pipefusion > 1 and config.pipefusion_schedule == "async",
-        shard_weights=shard_weights and config.world_size > 1,
-        quantization=quantization is not None,
-        compile=bool(compile),
-        cache=cache is not None,
-    )
-    components_named = [name for name, value in index.items() if isinstance(value, list) and value[0] is not None]
-    refused = refusal_message(
-        load_refusals(recipe, index["_class_name"], components_named), [what for what, given in asked.items() if given]
-    )
-    if refused:
-        raise ParallelConfigError(refused)
-    call_defaults = {**recipe.call_defaults(index["_class_name"]), **read_call_defaults(folder, recipe)}
-    components = component_folders(folder, index)
-    model = read_model_folder(folder, index=index)  # read once: configs, headers, roles (in the load dtype below)
-    on_host = check_on_host(on_host, model)
-    quantized = resolve_quantization(quantization, model)
-    if quantized is not None and shard_weights and config.world_size > 1:
-        raise QuantizationError(
-            "quantization with shard_weights: torchao's quantized weights (Int8Tensor, Float8Tensor) do not "
-            "implement FSDP2's all-gather extensions (fsdp_pre_all_gather), so a quantized block cannot be sharded "
-            "and gathered; use one of the two (xdit-lab plan --model says which fits)"
-        )
-    import diffusers
-
-    adapters = check_lora(
-        lora,
-        getattr(diffusers, index["_class_name"]),
-        fuse=fuse_lora,
-        sharded=shard_weights and config.world_size > 1,
-        quantized=quantized is not None,
-        components=tuple(model.named(TRANSFORMER, EXPERT)),
-    )
+    model, recipe, call_defaults = read_and_check(name_or_path, config, options)
     if not dist.is_initialized():
         init_distributed()
     info = current_info()
-    torch_dtype = resolve_dtype(torch_dtype, info.device)
-    model = model.in_dtype(torch_dtype)
+    dtype = resolve_dtype(options.torch_dtype, info.device)
+    model = model.in_dtype(dtype)
     owns_mesh = mesh is None  # a mesh made here is closed with the pipeline (or if loading fails)
     mesh = mesh or RankMesh(config)
     try:
-        sharding = shard_weights and config.world_size > 1
-        if shard_weights and not sharding:
-            warnings.warn(
-                f"shard_weights=True on {config.world_size} rank: there is nothing to shard over, every weight stays "
-                f"whole on this rank; run on more ranks (e.g. ParallelConfig(ulysses=2) on 2) to shard them",
-                stacklevel=2,
-            )
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-        plan = plan_memory(
-            model,
-            components,
-            dtype=torch_dtype,
-            config=config,
-            ranks_per_host=min(local_ranks, config.world_size),
-            decode_latent=recipe.default_latent(folder, call_defaults),
-            stale_kv_rows=rows_of_one_prompt(config, recipe, call_defaults),
-        )
-        if sharding or on_host or quantized:  # who holds which weights, as the planner counts them (fit/)
-            plan = placed_plan(plan, model, config, sharding, on_host, quantized)
-        if adapters:  # held while they are fused into the weights, then freed
-            plan.activation_bytes["LoRA adapters"] = (lora_bytes(adapters),) * 2
-        check_weights_match_configs(model, components)  # from the headers read above: each file is sound
-        check_plan(plan, info.device, limit_bytes=memory_limit_bytes, config=config)
-        if not mesh.active:
+        plan = plan_load(model, recipe, config, options, call_defaults, dtype, info)
+        if not mesh.active:  # a rank left idle by a configuration smaller than the world loads nothing
             return ParallelPipeline(
-                None, recipe, config, mesh, info.device, plan, folder, call_defaults=call_defaults, owns_mesh=owns_mesh
-            )
-
-        # the components this rank builds from the files itself, reading only what it keeps; diffusers loads the rest
-        loaded = load_own_components(
-            model, config, mesh, torch_dtype, info.device,
-            sharding=sharding, quantized=quantized, on_host=on_host, cache=cache, compile=compile,
-        )  # fmt: skip
-        try:
-            inner = from_pretrained(folder, index, torch_dtype, loaded)
-        except (OSError, RuntimeError) as error:
-            if not _mentions_mmap(error):
-                raise
-            # mmap can fail on some file systems or under address-space limits: read the files instead.
-            try:
-                inner = from_pretrained(folder, index, torch_dtype, loaded, disable_mmap=True)
-            except Exception as retry_error:
-                raise MemoryError(
-                    f"loading {folder} failed with mmap ({error}) and with plain reads ({retry_error}). "
-                    f"Memory plan per rank:\n{plan.table()}\nUse fewer ranks per host, bfloat16, or "
-                    f"PipeFusion to hold less per rank"
-                ) from retry_error
-        inner.set_progress_bar_config(disable=True)
+                None, recipe, config, mesh, info.device, plan, model.path, call_defaults=call_defaults,
+                owns_mesh=owns_mesh,
+            )  # fmt: skip
+        loaded = build_own_components(model, config, mesh, dtype, info.device, options)
+        inner = assemble(model, dtype, loaded, plan)
         recipe.check_pipeline(inner)
-        for name, component in inner.components.items():
-            if isinstance(component, torch.nn.Module) and (name not in loaded or name in on_host):
-                component.to("cpu" if name in on_host else info.device)
-        for name in on_host:
-            run_on_host(getattr(inner, name), info.device)
-        if adapters:  # fused before the strategies' hooks and compile see the transformer
-            stage_names = None  # under PipeFusion: each expert's keys as its stage renames its blocks
-            if config.pipefusion > 1:
-                stage_names = {
-                    name: stage_key_renaming(
-                        json.loads((folder / name / "config.json").read_text()),
-                        index[name][1],
-                        stage_blocks(folder, index, config, mesh, name),
-                    )
-                    for name in model.named(TRANSFORMER, EXPERT)
-                }
-            fuse_loras(inner, adapters, stage_names)
-        if not sharding:  # a sharded transformer was parallelized before its weights were read
-            parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
-        if getattr(inner, "transformer_2", None) is not None and not sharding:  # Wan 2.2 A14B's second expert
-            parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile)  # same mesh, own cache state
-        if getattr(inner, "controlnet", None) is not None and config.pipefusion == 1:
-            parallelize(inner.controlnet, config, mesh)  # cut like the transformer: its residuals stay here
-        # (under PipeFusion the ControlNet runs whole on every rank: each stage takes its own blocks' residuals)
-        if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
-            apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
+        place(inner, loaded, options.on_host, info.device)
+        adapt_weights(inner, model, config, mesh, options.adapters)
+        parallelize_named(inner, config, mesh, options)
+        parallel_vae(inner, config, mesh)
         return ParallelPipeline(
-            inner,
-            recipe,
-            config,
-            mesh,
-            info.device,
-            plan,
-            folder,
-            progress=progress,
-            call_defaults=call_defaults,
-            owns_mesh=owns_mesh,
-        )
+            inner, recipe, config, mesh, info.device, plan, model.path, progress=options.progress,
+            call_defaults=call_defaults, owns_mesh=owns_mesh,
+        )  # fmt: skip
     except BaseException:
         if owns_mesh:
             mesh.close()
         raise
+
+
+# ---- the stages, in load_pipeline's order --------------------------------------------------------------------------
+def read_and_check(name_or_path, config: ParallelConfig, options: LoadOptions) -> tuple[ModelFolder, object, dict]:
+    """Stage 1, before torch.distributed is joined or a weight is read: the folder read once (its index, configs,
+    headers and roles: ModelFolder), each file checked against its config, the degrees against the mesh and the
+    family's branches, and every refusal of the options said at once (LoadOptions.problems). Returns the folder as
+    the pipeline class it runs as, its recipe and its call defaults."""
+    RankMesh.check(config)  # a configuration no mesh can be built from (cfg 3): said before anything is read
+    path = resolve_folder(name_or_path)
+    index = read_model_index(path)
+    recipe = recipe_for(index.get("_class_name", "?"))
+    recipe.check_branches(config.cfg)
+    model = read_model_folder(path, index=index)  # read once: configs, headers, roles (in the load dtype later)
+    options.check(recipe, model, config)
+    if options.shard_weights and not options.sharding(config):
+        warnings.warn(
+            f"shard_weights=True on {config.world_size} rank: there is nothing to shard over, every weight stays "
+            f"whole on this rank; run on more ranks (e.g. ParallelConfig(ulysses=2) on 2) to shard them",
+            stacklevel=3,
+        )
+    pipeline_class = options.pipeline_class_of(model)
+    if pipeline_class != model.pipeline_class:  # run as another pipeline of the family: its index says so
+        model = dataclasses.replace(
+            model, pipeline_class=pipeline_class, index={**index, "_class_name": pipeline_class}
+        )
+    check_weights_match_configs(model, component_folders(path, model.index))  # from the headers read above
+    call_defaults = {**recipe.call_defaults(pipeline_class), **read_call_defaults(path, recipe)}
+    return model, recipe, call_defaults
+
+
+def plan_load(model: ModelFolder, recipe, config, options: LoadOptions, call_defaults: dict, dtype, info) -> MemoryPlan:
+    """Stage 2: what this rank will hold (bytes per component, from the headers, as it holds them: a stage, a
+    shard, on the host, quantized; the adapters while they are fused), checked against the memory it has."""
+    sharding, quantized, adapters = options.sharding(config), options.quantized(model), options.adapters
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    plan = plan_memory(
+        model,
+        component_folders(model.path, model.index),
+        dtype=dtype,
+        config=config,
+        ranks_per_host=min(local_ranks, config.world_size),
+        decode_latent=recipe.default_latent(model.path, call_defaults),
+        stale_kv_rows=rows_of_one_prompt(config, recipe, call_defaults),
+    )
+    if sharding or options.on_host or quantized:  # who holds which weights, as the planner counts them (fit/)
+        plan = placed_plan(plan, model, config, sharding, options.on_host, quantized)
+    if adapters:  # held while they are fused into the weights, then freed
+        plan.activation_bytes["LoRA adapters"] = (lora_bytes(adapters),) * 2
+    check_plan(plan, info.device, limit_bytes=options.memory_limit_bytes, config=config)
+    return plan
+
+
+def build_own_components(model: ModelFolder, config, mesh, dtype, device, options: LoadOptions) -> dict:
+    """Stage 3: the components this rank builds from the files itself, reading only what it keeps (a stage's
+    blocks, a shard's rows, quantized blocks); diffusers loads the rest (loading.load_own_components)."""
+    return load_own_components(
+        model, config, mesh, dtype, device, sharding=options.sharding(config), quantized=options.quantized(model),
+        on_host=options.on_host, cache=options.cache, compile=options.compile,
+    )  # fmt: skip
+
+
+def assemble(model: ModelFolder, dtype, loaded: dict, plan: MemoryPlan):
+    """Stage 4: diffusers' pipeline from the folder with this rank's own components in place; where mmap fails
+    (some file systems, address-space limits) the files are read plainly instead."""
+    try:
+        inner = from_pretrained(model.path, model.index, dtype, loaded)
+    except (OSError, RuntimeError) as error:
+        if not _mentions_mmap(error):
+            raise
+        try:
+            inner = from_pretrained(model.path, model.index, dtype, loaded, disable_mmap=True)
+        except Exception as retry_error:
+            raise MemoryError(
+                f"loading {model.path} failed with mmap ({error}) and with plain reads ({retry_error}). "
+                f"Memory plan per rank:\n{plan.table()}\nUse fewer ranks per host, bfloat16, or "
+                f"PipeFusion to hold less per rank"
+            ) from retry_error
+    inner.set_progress_bar_config(disable=True)
+    return inner
+
+
+def place(inner, loaded: dict, on_host: tuple[str, ...], device) -> None:
+    """Stage 5: what diffusers loaded goes to this rank's device, the text encoders named `on_host` to host memory,
+    where they run (run_on_host); what this rank built itself is where it was built."""
+    for name, component in inner.components.items():
+        if isinstance(component, torch.nn.Module) and (name not in loaded or name in on_host):
+            component.to("cpu" if name in on_host else device)
+    for name in on_host:
+        run_on_host(getattr(inner, name), device)
+
+
+def adapt_weights(inner, model: ModelFolder, config, mesh, adapters: list) -> None:
+    """Stage 6: the LoRA adapters fused into the weights, before the strategies' hooks and compile see the
+    transformer; under PipeFusion each expert's keys renamed as its stage renames its blocks (lora.fuse_loras)."""
+    if not adapters:
+        return
+    stage_names = None
+    if config.pipefusion > 1:
+        stage_names = {
+            name: stage_key_renaming(
+                model.configs[name], model.index[name][1], stage_blocks(model.path, model.index, config, mesh, name)
+            )
+            for name in model.named(TRANSFORMER, EXPERT)
+        }
+    fuse_loras(inner, adapters, stage_names)
+
+
+def parallelize_named(inner, config, mesh, options: LoadOptions) -> None:
+    """Stage 7: the transformer, Wan 2.2 A14B's second expert (same mesh, its own cache state) and a ControlNet
+    (cut like the transformer: its residuals stay on the rank) parallelized under `config`. A sharded transformer
+    was parallelized before its weights were read (stage 3); under PipeFusion the ControlNet runs whole on every
+    rank, each stage taking its own blocks' residuals."""
+    if not options.sharding(config):
+        for transformer in (inner.transformer, getattr(inner, "transformer_2", None)):
+            if transformer is not None:
+                parallelize(transformer, config, mesh, cache=options.cache, compile=options.compile)
+    if getattr(inner, "controlnet", None) is not None and config.pipefusion == 1:
+        parallelize(inner.controlnet, config, mesh)
+
+
+def parallel_vae(inner, config, mesh) -> None:
+    """Stage 8: the VAE decodes only this rank's images, in row bands over the sequence ranks with vae_parallel."""
+    if getattr(inner, "vae", None) is not None:
+        apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
 
 
 def from_pretrained(folder: Path, index: dict, dtype, loaded: dict, **kwargs):
@@ -325,49 +338,6 @@ def from_pretrained(folder: Path, index: dict, dtype, loaded: dict, **kwargs):
         inner = pipeline_class.from_pretrained(view, dtype=dtype, **passed, **kwargs)
     inner.register_modules(**hidden)
     return inner
-
-
-LOAD_KEYWORDS = (
-    "mesh",
-    "torch_dtype",
-    "memory_limit_bytes",
-    "progress",
-    "cache",
-    "compile",
-    "shard_weights",
-    "on_host",
-    "quantization",
-    "lora",
-    "fuse_lora",
-    "pipeline_class",
-)
-
-
-def unknown_keywords(unknown: dict) -> str:
-    """A clear error for keywords load_pipeline does not take (before, they went to diffusers' from_pretrained
-    and were ignored: `shard_wieghts=True` ran replicated without a word)."""
-    lines = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, LOAD_KEYWORDS, n=1)
-        lines.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (
-        f"load_pipeline() got keyword argument(s) it does not know: {', '.join(lines)}; it takes the folder, "
-        f"the ParallelConfig and {', '.join(LOAD_KEYWORDS)}"
-    )
-
-
-def check_on_host(on_host, model: ModelFolder) -> tuple[str, ...]:
-    """`on_host` as a tuple of this pipeline's text encoders (by their role), or a clear error naming the ones
-    it has."""
-    names = (on_host,) if isinstance(on_host, str) else tuple(on_host)
-    known, folder = model.text_encoders, model.path
-    wrong = [name for name in names if name not in known]
-    if wrong:
-        raise ValueError(
-            f"on_host names {', '.join(map(repr, wrong))}, which {folder.name} has no text encoder called: its text "
-            f"encoders are {', '.join(map(repr, known)) or 'none'} (the transformer and the VAE stay on the device)"
-        )
-    return names
 
 
 def placed_plan(plan: MemoryPlan, model: ModelFolder, config, sharding: bool, on_host, quantized=None) -> MemoryPlan:

@@ -140,6 +140,7 @@ def _reads_per_step(output):
     """On this rank, per case: the host reads of each step (names), the steps' seconds, the dtype loaded by
     default, and what the timeline recorded, off (the default) and on; then `xdit-lab run`'s report (rank 0)
     of a run with its defaults."""
+    from xdit_lab.load_options import LoadOptions
     from xdit_lab.models import parallel_state
     from xdit_lab.run import run_generation
 
@@ -176,7 +177,8 @@ def _reads_per_step(output):
             out[name] = row
         finally:
             pipe.close()
-    report = run_generation("digits", [prompt_for(5)], ParallelConfig(cfg=2), output, steps=2, progress=False)
+    quiet = LoadOptions(progress=False)
+    report = run_generation("digits", [prompt_for(5)], ParallelConfig(cfg=2), output, load_options=quiet, steps=2)
     out["report dtype"] = None if report is None else report["dtype"]
     return out
 
@@ -266,10 +268,12 @@ def test_load_pipeline_and_xdit_lab_run_default_to_auto():
     import inspect
 
     from xdit_lab.cli import _build_parser
+    from xdit_lab.load_options import LoadOptions
     from xdit_lab.run import run_generation
 
-    assert inspect.signature(load_pipeline).parameters["torch_dtype"].default == "auto"
-    assert inspect.signature(run_generation).parameters["dtype"].default == "auto"
+    assert LoadOptions().torch_dtype == "auto"  # what load_pipeline and run_generation load with, given none
+    assert inspect.signature(load_pipeline).parameters["options"].default is None
+    assert inspect.signature(run_generation).parameters["load_options"].default is None
     args = _build_parser().parse_args(["run", "--model", "digits", "--prompt", "a 3", "--output", "out"])
     assert args.dtype == "auto"
 

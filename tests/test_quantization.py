@@ -292,7 +292,7 @@ def test_xdit_lab_run_quantize_equals_diffusers_quantized(folders, tmp_path):
     latents = torch.load(output / "latents.pt")
     assert ((latents - expected).abs().max() / expected.abs().max()).item() < 1e-4
     report = json.loads((output / "report.json").read_text())
-    assert report["quantization"] == "int8"
+    assert report["load_options"]["quantization"] == "int8"
     whole = _whole(folder, "transformer")
     for rank in report["ranks"]:
         assert rank["memory"]["parameter_bytes"]["transformer"] < 0.5 * whole, rank["memory"]

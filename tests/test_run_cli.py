@@ -182,7 +182,7 @@ def test_latent_output_compile_and_sharded_weights_equal_serial_diffusers(folder
         assert latents.shape == expected.shape
         assert (latents - expected).abs().max() <= 1e-4 * expected.abs().max(), name
     compiled = json.loads((tmp_path / "compiled" / "report.json").read_text())
-    assert compiled["compiled"] is True and [r["compiled_graphs"] for r in compiled["ranks"]] == [1, 1]
+    assert compiled["load_options"]["compile"] is True and [r["compiled_graphs"] for r in compiled["ranks"]] == [1, 1]
     sharded = json.loads((tmp_path / "sharded" / "report.json").read_text())
     assert [r["compiled_graphs"] for r in sharded["ranks"]] == [0, 0]
     whole = {c: sum(_bytes_on_disk(folder, c).values()) for c in ("transformer", "text_encoder")}
@@ -194,7 +194,7 @@ def test_latent_output_compile_and_sharded_weights_equal_serial_diffusers(folder
     for r in staged["ranks"]:
         own = sum(n for key, n in on_disk.items() if key.startswith(f"transformer_blocks.{r['rank']}."))
         assert r["memory"]["parameter_bytes"]["transformer"] == outside + own, r["memory"]["parameter_bytes"]
-    assert sharded["shard_weights"] is True
+    assert sharded["load_options"]["shard_weights"] is True
     for r in sharded["ranks"]:
         held = r["memory"]["parameter_bytes"]
         assert 0.4 < held["transformer"] / whole["transformer"] <= 0.6, held

@@ -177,9 +177,26 @@ def _lora(text: str) -> tuple:
 
 
 # `run`'s arguments that run_generation takes under the same names, as they are
-RUN_ARGUMENTS_AS_NAMED = tuple(
-    "steps seed height width dtype output_type cache_threshold compile shard_weights quantization lora".split()
-)
+RUN_ARGUMENTS_AS_NAMED = tuple("steps seed height width output_type".split())
+
+
+def load_options_of(args):
+    """`run`'s flags that say how the weights load, as load_pipeline's LoadOptions (a --cache-threshold as a
+    StepCache of that threshold)."""
+    from .load_options import LoadOptions
+    from .models import StepCache
+
+    return LoadOptions(
+        torch_dtype=args.dtype,
+        progress=not args.no_progress,
+        cache=None if args.cache_threshold is None else StepCache(args.cache_threshold),
+        compile=args.compile,
+        shard_weights=args.shard_weights,
+        on_host=tuple(args.on_host),
+        quantization=args.quantization,
+        lora=args.lora,
+        pipeline_class=args.pipeline_class,
+    )
 
 
 def cmd_run(args) -> int:
@@ -218,11 +235,8 @@ def cmd_run(args) -> int:
     arguments = dict(
         guidance_scale=args.guidance,
         **{name: getattr(args, name) for name in RUN_ARGUMENTS_AS_NAMED},
-        progress=not args.no_progress,
         timeout_s=args.timeout,
         options=dict(args.option),
-        on_host=tuple(args.on_host),
-        pipeline_class=args.pipeline_class,
         image_files={
             k: v
             for k, v in dict(
@@ -234,6 +248,7 @@ def cmd_run(args) -> int:
         },
     )
     try:
+        arguments["load_options"] = load_options_of(args)  # here: a StepCache's threshold is checked as it is made
         with bars:
             if args.prompts is not None:
                 report = run_prompts_file(
@@ -281,9 +296,10 @@ def cmd_run(args) -> int:
             f"{report['pipeline']} under {report['config_short']}: encode {t['encode']:.2f} s, "
             f"denoise {t['denoise']:.2f} s ({len(t['steps'])} steps), decode {t['decode']:.2f} s"
         )
-        if report["cache_threshold"] is not None:
+        cache = report["load_options"]["cache"]
+        if cache is not None:
             skips = report["cache_skips"]
-            print(f"StepCache({report['cache_threshold']}) skipped {sum(skips)} of {len(skips)} steps: {skips}")
+            print(f"StepCache({cache['threshold']}) skipped {sum(skips)} of {len(skips)} steps: {skips}")
         print(f"wrote {', '.join(report['outputs'])} and report.json to {args.output}")
     return 0
 

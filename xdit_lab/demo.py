@@ -33,12 +33,19 @@ def default_config(ranks: int) -> ParallelConfig:
 
 def _demo_rank(config, output, steps, seed):
     from .digits.components import prompt_for
+    from .load_options import LoadOptions
     from .pipeline import loading_bars_hidden
     from .run import run_generation
 
     with loading_bars_hidden():  # size, steps, guidance and negative prompt: the model folder's own
         return run_generation(
-            "digits", [prompt_for(d) for d in range(10)], config, output, steps=steps, seed=seed, progress=False
+            "digits",
+            [prompt_for(d) for d in range(10)],
+            config,
+            output,
+            load_options=LoadOptions(progress=False),
+            steps=steps,
+            seed=seed,
         )
 
 

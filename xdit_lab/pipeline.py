@@ -200,6 +200,7 @@ def read_and_check(name_or_path, config: ParallelConfig, options: LoadOptions) -
     index = read_model_index(path)
     recipe = recipe_for(index.get("_class_name", "?"))
     recipe.check_branches(config.cfg)
+    components = component_folders(path, index)  # a missing one named before anything reads it
     model = read_model_folder(path, index=index)  # read once: configs, headers, roles (in the load dtype later)
     options.check(recipe, model, config)
     if options.shard_weights and not options.sharding(config):
@@ -213,7 +214,7 @@ def read_and_check(name_or_path, config: ParallelConfig, options: LoadOptions) -
         model = dataclasses.replace(
             model, pipeline_class=pipeline_class, index={**index, "_class_name": pipeline_class}
         )
-    check_weights_match_configs(model, component_folders(path, model.index))  # from the headers read above
+    check_weights_match_configs(model, components)  # from the headers read above
     call_defaults = {**recipe.call_defaults(pipeline_class), **read_call_defaults(path, recipe)}
     return model, recipe, call_defaults
 

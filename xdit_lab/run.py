@@ -30,8 +30,8 @@ import torch.distributed as dist
 from . import comm
 from .config import ParallelConfig
 from .distributed import current_info, init_distributed, interface_variable
+from .load_options import LoadOptions
 from .mesh import WORLD
-from .models import StepCache
 from .output_folder import RECORDS_FILE, OutputWriteError, append_record, atomic_write, check_output_folder, open_run
 from .pipeline import load_pipeline, resolve_dtype
 from .request_memory import rank_memory
@@ -47,34 +47,27 @@ def run_generation(
     config: ParallelConfig,
     output_dir,
     *,
+    load_options: LoadOptions | None = None,
     negative_prompts=None,
     steps=None,
     guidance_scale=None,
     seed: int = 0,
     height=None,
     width=None,
-    dtype: str = "auto",
     output_type: str = "pil",
-    progress: bool = True,
     timeout_s: float = 600,
     options: dict | None = None,
-    cache_threshold: float | None = None,
-    compile: bool | str = False,
-    shard_weights: bool = False,
-    on_host: tuple[str, ...] = (),
-    quantization: str | None = None,
-    lora: list | None = None,
-    pipeline_class: str | None = None,
     image_files: dict[str, list] | None = None,
 ) -> dict | None:
     """Generate on this rank; the configuration's first rank writes the outputs and returns the report.
-    `cache_threshold` turns on a StepCache with that threshold; `compile` compiles the transformer;
-    `shard_weights`, `on_host`, `quantization` and `lora` place, store and change the weights as load_pipeline's arguments of
-    those names do; `dtype` "auto" is bfloat16 on a GPU, float32 on a CPU (the report names the one it ran in).
-    `pipeline_class` runs the folder as another pipeline of its family (FluxImg2ImgPipeline); `image_files` maps
+    `load_options` (a LoadOptions: its dtype, cache, compile, placed, quantized or adapted weights, pipeline class,
+    progress bars) go to load_pipeline as they are, and into the report as LoadOptions.to_record() writes them
+    (its torch_dtype "auto" is bfloat16 on a GPU, float32 on a CPU: the report's `dtype` names the one it ran in).
+    `options` are the family's call options (`pipe(..., **options)`); `image_files` maps
     the call's image arguments to files ({"image": ["cat.png"], "mask_image": ["mask.png"]}), read on every rank.
     A peer that does not answer within `timeout_s` (hung, or gone) ends in PeerTimeoutError, naming this
     rank, what it was waiting in and the peers it waited for."""
+    load_options = LoadOptions() if load_options is None else load_options
     where = Waiting()
     try:
         init_distributed(timeout_s=timeout_s)
@@ -83,19 +76,7 @@ def run_generation(
         images = read_image_files(image_files)  # before loading too: a wrong path costs no load
         with comm.comm_log() as where.log:  # every collective this rank starts: the last one names its peers
             where.phase = "loading the pipeline"
-            pipe = _load(
-                model,
-                config,
-                dtype,
-                progress,
-                cache_threshold,
-                compile,
-                shard_weights,
-                on_host,
-                quantization,
-                lora,
-                pipeline_class,
-            )
+            pipe = load_pipeline(model, config, load_options)
             if not pipe.active:
                 return None  # a configuration smaller than the world: this rank sits out
             where.phase, where.mesh = "generating", pipe.mesh
@@ -138,16 +119,11 @@ def run_generation(
         negative_prompts=negative_prompts,
         seed=seed,
         steps=len(result.timings["steps"]),
-        dtype=str(resolve_dtype(dtype, pipe.device)).removeprefix("torch."),
+        dtype=str(resolve_dtype(load_options.torch_dtype, pipe.device)).removeprefix("torch."),
+        load_options=load_options.to_record(),
         outputs=[],  # each file's name once it is in place
         complete=False,  # until report.json is written after every output
         timings=result.timings,
-        cache_threshold=cache_threshold,
-        compiled=compile,
-        shard_weights=shard_weights,
-        on_host=list(on_host),
-        quantization=quantization,
-        lora=lora,
         image_files=file_identities(image_files),
         cache_skips=result.cache_skips,
         memory_plan={
@@ -167,6 +143,7 @@ def run_prompts_file(
     config: ParallelConfig,
     output_dir,
     *,
+    load_options: LoadOptions | None = None,
     images_per_prompt: int = 1,
     batch_size: int | None = None,
     negative_prompt: str | None = None,
@@ -175,18 +152,9 @@ def run_prompts_file(
     seed: int = 0,
     height=None,
     width=None,
-    dtype: str = "auto",
     output_type: str = "pil",
-    progress: bool = True,
     timeout_s: float = 600,
     options: dict | None = None,
-    cache_threshold: float | None = None,
-    compile: bool | str = False,
-    shard_weights: bool = False,
-    on_host: tuple[str, ...] = (),
-    quantization: str | None = None,
-    lora: list | None = None,
-    pipeline_class: str | None = None,
     image_files: dict[str, list] | None = None,
 ) -> dict | None:
     """Draw every image a prompts file asks for (prompts_file.py), `batch_size` at a time on one loaded pipeline
@@ -204,18 +172,12 @@ def run_prompts_file(
 
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a whole number >= 1; got {batch_size!r}")
+    load_options = LoadOptions() if load_options is None else load_options
     jobs = read_prompts_file(prompts_file, images_per_prompt, seed)
     call = dict(num_inference_steps=steps, guidance_scale=guidance_scale, height=height, width=width, **(options or {}))
-    loaded = dict(
-        torch_dtype=dtype,
-        cache_threshold=cache_threshold,
-        quantization=quantization,
-        lora=lora,
-        pipeline_class=pipeline_class,
-    )
     # the files by their bytes' digest, so that a rerun resumes only when they are the same pictures
     identity = run_identity(
-        model, jobs, config, call | file_identities(image_files), negative_prompt, output_type, loaded
+        model, jobs, config, call | file_identities(image_files), negative_prompt, output_type, load_options
     )
     call |= read_image_files(image_files)
     where = Waiting()
@@ -225,19 +187,7 @@ def run_prompts_file(
         done = open_run(output_dir, identity) if current_info().rank == 0 else {}  # before any loading
         with comm.comm_log() as where.log:
             where.phase = "loading the pipeline"
-            pipe = _load(
-                model,
-                config,
-                dtype,
-                progress,
-                cache_threshold,
-                compile,
-                shard_weights,
-                on_host,
-                quantization,
-                lora,
-                pipeline_class,
-            )
+            pipe = load_pipeline(model, config, load_options)
             if not pipe.active:
                 return None
             where.phase, where.mesh = "checking the prompts", pipe.mesh
@@ -249,7 +199,10 @@ def run_prompts_file(
             batch = batch_size or config.dp
             drawn = []
             bar = tqdm(
-                total=len(jobs), initial=len(jobs) - len(pending), unit="image", disable=not (progress and writer)
+                total=len(jobs),
+                initial=len(jobs) - len(pending),
+                unit="image",
+                disable=not (load_options.progress and writer),
             )
             with bar:
                 for first in range(0, len(pending), batch):
@@ -268,17 +221,26 @@ def run_prompts_file(
         raise PeerTimeoutError(where.describe(error, timeout_s)) from error
     if not writer:
         return None
-    report = generation_report(pipe, model, config, jobs, len(jobs) - len(pending), drawn, batch, dtype)
+    report = generation_report(pipe, model, config, jobs, len(jobs) - len(pending), drawn, batch, load_options)
     report.update(prompts_file=str(prompts_file), ranks=ranks)
     write_generation_report(output_dir, report)
     return report
 
 
-def run_identity(model, jobs, config: ParallelConfig, call: dict, negative_prompt, output_type, loaded: dict) -> dict:
+# the LoadOptions fields that change what is drawn (a run resumed with others would mix two runs' images); how the
+# weights are placed (sharded, on the host), compiled, bounded or shown changes where and how fast, not the images
+DRAWN_BY = ("torch_dtype", "cache", "quantization", "lora", "pipeline_class")
+
+
+def run_identity(
+    model, jobs, config: ParallelConfig, call: dict, negative_prompt, output_type, load_options: LoadOptions
+) -> dict:
     """What a run into a folder draws (output_folder.open_run keeps it in run.json): the model, the images (their
-    ids, texts and seeds), the call, how the weights were loaded, and the configuration but its dp degree, which
-    changes who draws an image, not what is drawn."""
+    ids, texts and seeds), the call, the load options that change the images (DRAWN_BY), and the configuration but
+    its dp degree, which changes who draws an image, not what is drawn."""
     from .prompts_file import prompts_digest
+
+    record = load_options.to_record()
 
     return json.loads(
         json.dumps(
@@ -289,7 +251,7 @@ def run_identity(model, jobs, config: ParallelConfig, call: dict, negative_promp
                 call=call,
                 negative_prompt=negative_prompt,
                 output_type=output_type,
-                loaded=loaded,
+                load_options={name: record[name] for name in DRAWN_BY},
                 config={k: v for k, v in config.__dict__.items() if k != "dp"},
             ),
             default=str,
@@ -337,9 +299,12 @@ def draw_images(pipe, rows, output_dir, call: dict, negative_prompt, output_type
     return dict(timings=timings, files=files, images=len(rows), seconds=time.perf_counter() - started)
 
 
-def generation_report(pipe, model, config, jobs, resumed_with: int, drawn: list[dict], batch: int, dtype) -> dict:
+def generation_report(
+    pipe, model, config, jobs, resumed_with: int, drawn: list[dict], batch: int, load_options: LoadOptions
+) -> dict:
     """The report of a prompts run: images asked, found done, drawn; the throughput (images over the seconds of the
-    batches drawn, on this rank's clock, writes included) and the seconds per phase, summed over the batches."""
+    batches drawn, on this rank's clock, writes included) and the seconds per phase, summed over the batches; the
+    dtype it ran in and the load options."""
     per_phase = {phase: sum(b["timings"][phase] for b in drawn) for phase in ("encode", "denoise", "decode")}
     seconds, images = sum(b["seconds"] for b in drawn), sum(b["images"] for b in drawn)
     return dict(
@@ -354,7 +319,8 @@ def generation_report(pipe, model, config, jobs, resumed_with: int, drawn: list[
         seconds=seconds,
         images_per_second=images / seconds if seconds else None,
         seconds_per_phase=per_phase,
-        dtype=str(resolve_dtype(dtype, pipe.device)).removeprefix("torch."),
+        dtype=str(resolve_dtype(load_options.torch_dtype, pipe.device)).removeprefix("torch."),
+        load_options=load_options.to_record(),
         complete=True,
     )
 
@@ -428,25 +394,6 @@ def file_identities(image_files: dict[str, list] | None) -> dict:
         argument: [dict(file=str(path), sha256=hashlib.sha256(Path(path).read_bytes()).hexdigest()) for path in paths]
         for argument, paths in (image_files or {}).items()
     }
-
-
-def _load(
-    model, config, dtype, progress, cache_threshold, compile, shard_weights, on_host, quantization, lora, pipeline_class
-):
-    """load_pipeline with a run's arguments (a StepCache at `cache_threshold`, when one is given)."""
-    return load_pipeline(
-        model,
-        config,
-        pipeline_class=pipeline_class,
-        torch_dtype=dtype,
-        progress=progress,
-        cache=None if cache_threshold is None else StepCache(cache_threshold),
-        compile=compile,
-        shard_weights=shard_weights,
-        on_host=on_host,
-        quantization=quantization,
-        lora=lora,
-    )
 
 
 def waited_for_a_peer(error: BaseException) -> bool:

@@ -81,7 +81,7 @@ class Loaded:
 
     name_or_path: str
     config: object  # a ParallelConfig
-    kwargs: dict
+    options: object  # a LoadOptions
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ class Lab:
                 ) from None
         self._setup(self._wait_for_engines(self.n or len(self.ranks), exclude=old))
         if self.loaded is not None:
-            self.load(self.loaded.name_or_path, self.loaded.config, **self.loaded.kwargs)
+            self.load(self.loaded.name_or_path, self.loaded.config, self.loaded.options)
         return self
 
     def __enter__(self) -> Lab:
@@ -344,27 +344,31 @@ class Lab:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    def load(self, name_or_path, config, *, timeout_s: float | None = None, **kwargs) -> Lab:
-        """load_pipeline(name_or_path, config, **kwargs) on every engine (idle ones under a smaller config)."""
+    def load(self, name_or_path, config, options=None, *, timeout_s: float | None = None, **keywords) -> Lab:
+        """load_pipeline(name_or_path, config, options, **keywords) on every engine (idle ones under a smaller
+        config): `options` a LoadOptions, each of its fields a keyword too (a mistyped one is refused here)."""
+        from ..load_options import LoadOptions
+
+        options = LoadOptions.given(options, **keywords)
         if config.world_size > self.world_size:  # raises, listing what fits the engines and the model's heads
             config.validate(self.world_size, num_heads=transformer_heads(name_or_path))
         config.validate(config.world_size)
         self.session_token += 1
         for row in self.ranks:
             row["role"] = ""  # the engines drop their pipeline first: until this load succeeds, none
-        roles = self.call(engine.load, str(name_or_path), config, kwargs, timeout_s=timeout_s, what="load")
+        roles = self.call(engine.load, str(name_or_path), config, options, timeout_s=timeout_s, what="load")
         for row in self.ranks:  # the table shows where each rank sits in the new grid
             coords = roles[row["rank"]]["coords"]
             used = [f"{name}={value}" for name, value in (coords or {}).items() if getattr(config, name) > 1]
             row["role"] = ("·".join(used) or "serial") if coords else "idle"
-        self.loaded = Loaded(str(name_or_path), config, kwargs)
+        self.loaded = Loaded(str(name_or_path), config, options)
         return self
 
     def configure(self, config, *, timeout_s: float | None = None) -> Lab:
         """Another ParallelConfig on the same engines: a new mesh, the last pipeline loaded again."""
         if self.loaded is None:
             raise LabError("nothing is loaded yet: call lab.load(name_or_path, config) first")
-        return self.load(self.loaded.name_or_path, config, timeout_s=timeout_s, **self.loaded.kwargs)
+        return self.load(self.loaded.name_or_path, config, self.loaded.options, timeout_s=timeout_s)
 
     @property
     def config(self):

@@ -77,7 +77,7 @@ def shutdown(state: dict) -> None:
     shutdown_distributed()
 
 
-def load(state: dict, name_or_path, config, kwargs: dict) -> dict:
+def load(state: dict, name_or_path, config, options) -> dict:
     """load_pipeline on every engine; idle ranks of a smaller configuration get an inactive pipeline."""
     from xdit_lab.model_folder import resolve_folder
     from xdit_lab.pipeline import load_pipeline
@@ -90,7 +90,7 @@ def load(state: dict, name_or_path, config, kwargs: dict) -> dict:
     if old is not None:
         old.close()  # its process groups: every engine is in this call, so all close together
     del old  # the last reference: the old model is freed here (tests/test_gpu_true.py checks it with gc off)
-    pipe = load_pipeline(name_or_path, config, **kwargs)
+    pipe = load_pipeline(name_or_path, config, options)
     state["pipe"] = pipe
     return dict(active=pipe.active, coords=pipe.mesh.coords)
 
@@ -237,12 +237,14 @@ def draw(state: dict, rows: list, output_dir: str, call: dict, negative_prompt, 
     return draw_images(pipe, rows, output_dir if writer else None, call, negative_prompt, output_type)
 
 
-def finish_generation(state: dict, output_dir: str, model, jobs: list, resumed_with: int, drawn: list, batch, dtype):
+def finish_generation(
+    state: dict, output_dir: str, model, jobs: list, resumed_with: int, drawn: list, batch, load_options
+):
     """On the writing rank: the report of a prompts run (run.generation_report), written as report.json."""
     from xdit_lab.run import generation_report, write_generation_report
 
     pipe = state["pipe"]
-    report = generation_report(pipe, model, pipe.config, jobs, resumed_with, drawn, batch, dtype)
+    report = generation_report(pipe, model, pipe.config, jobs, resumed_with, drawn, batch, load_options)
     write_generation_report(output_dir, report)
     return report
 

@@ -215,9 +215,9 @@ class ExplorerController:
         size = dict(height=options.pop("height", None), width=options.pop("width", None))
         loaded = self.lab.loaded
         device = self.lab.ranks[0].get("device", "cpu") if self.lab.ranks else "cpu"  # load_pipeline's "auto"
-        dtype = resolve_dtype(loaded.kwargs.get("torch_dtype", "auto"), device)
+        dtype = resolve_dtype(loaded.options.torch_dtype, device)
         folder = resolve_folder(loaded.name_or_path)
-        scheme = loaded.kwargs.get("quantization")
+        scheme = loaded.options.quantization
         quantize = scheme if isinstance(scheme, str) else None  # a diffusers config: planned unquantized
         return plan_folder(
             folder, gpus, gpu_memory, batch=len(self.prompts()), options=options, dtype=dtype, quantize=quantize, **size

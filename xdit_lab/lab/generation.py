@@ -53,15 +53,8 @@ def generate(
     jobs = (read_prompts_file if from_file else prompt_list_jobs)(prompts, images_per_prompt, seed)
     source = str(prompts) if from_file else "prompts"
     config, output = lab.loaded.config, str(Path(output).expanduser().absolute())
-    kwargs = lab.loaded.kwargs  # what changes the images, named as `xdit-lab run --prompts` names it in run.json
-    cache = kwargs.get("cache")
-    loaded = dict(
-        torch_dtype=kwargs.get("torch_dtype", "auto"),
-        cache_threshold=None if cache is None else cache.threshold,
-        quantization=kwargs.get("quantization"),
-        lora=kwargs.get("lora"),
-    )
-    identity = run_identity(lab.loaded.name_or_path, jobs, config, call, negative_prompt, output_type, loaded)
+    load_options = lab.loaded.options  # run.json records them as `xdit-lab run --prompts` does
+    identity = run_identity(lab.loaded.name_or_path, jobs, config, call, negative_prompt, output_type, load_options)
 
     def on_engines(fn, *args, ranks=None):
         return lab.call(fn, *args, ranks=ranks, timeout_s=timeout_s, what="generate")
@@ -84,7 +77,7 @@ def generate(
         len(done),
         drawn,
         batch,
-        loaded["torch_dtype"],
+        load_options,
         ranks=[0],
     )[0]
     report["prompts"] = source

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,7 +67,7 @@ class LoadOptions:
     cache: StepCache | None = None
     compile: bool | str = False
     shard_weights: bool = False
-    on_host: tuple[str, ...] = field(default=())
+    on_host: tuple[str, ...] = ()
     quantization: object = None  # "int8", "float8", or diffusers' PipelineQuantizationConfig / TorchAoConfig
     lora: object = None  # [(path_or_state_dict, scale[, "transformer_2"]), ...]
     fuse_lora: bool = True

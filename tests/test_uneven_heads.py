@@ -8,6 +8,8 @@ forward (1e-4 relative, float32), and every all-to-all's bytes against traffic.p
 test is one forked run on 4 ranks (a configuration of 2 leaves two idle).
 """
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ from xdit_lab.attention.ulysses import head_counts, ulysses_attention
 from xdit_lab.mesh import RING, SP, ULYSSES
 from xdit_lab.sharding import shard_sizes, take_shard
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import tiny_inputs, tiny_transformer
+from xdit_lab.tiny import tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
 from xdit_lab.traffic import expected_bytes_per_step
 
 BATCH, SEQ, EVEN, TEXT, HEAD_DIM = 2, 37, 36, 5, 4
@@ -284,3 +286,57 @@ def test_pipefusion_with_ulysses_runs_any_head_count():
         assert not mismatches, mismatches
         if "stale" in errors:
             assert errors["stale"] < 1e-4 < errors["stale vs serial"], errors
+
+
+# ---- a 30-head model, Z-Image's head count, planned and run under ulysses 4 -------------------------------
+
+
+@pytest.fixture(scope="module")
+def thirty_heads(tmp_path_factory):
+    """The tiny PixArt pipeline with a transformer of 30 heads of 4 (Z-Image's 30 heads over ulysses 4: 8, 8,
+    7, 7), saved as a diffusers folder with its tiny call as the folder's defaults."""
+    from xdit_lab.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline("pixart")
+    pipe.transformer = tiny_transformer("pixart", heads=30, attention_head_dim=4, cross_attention_dim=120)
+    folder = tmp_path_factory.mktemp("thirty_heads") / "pipe"
+    pipe.save_pretrained(folder, safe_serialization=True)
+    (folder / "call_defaults.json").write_text(json.dumps(tiny_pipeline_kwargs("pixart")))  # its tiny size
+    return folder
+
+
+def _run_pipeline(folder, config, kwargs):
+    from forward_traffic import session_traffic
+
+    from xdit_lab import load_pipeline
+    from xdit_lab.lessons.families import output_latents
+
+    pipe = load_pipeline(folder, config, progress=False)
+    session = pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run()
+    return output_latents(session.result(output_type="latent")), session_traffic(session)
+
+
+def test_a_thirty_head_model_is_planned_and_runs_under_ulysses_4(thirty_heads, capsys):
+    """`xdit-lab plan --model` lists ulysses 4 for the 30-head folder (it was refused: 4 does not divide 30), and
+    load_pipeline runs it on 4 ranks: its latents equal diffusers' own pipeline run serially (1e-4), and every
+    step's bytes per group equal the closed form."""
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab.cli import main
+    from xdit_lab.lessons.families import output_latents
+
+    assert main(["plan", "--model", str(thirty_heads), "--world-size", "4", "--gpu-memory", "80GB", "--top", "0"]) == 0
+    planned = capsys.readouterr().out
+    assert any(line.split()[1:2] == ["ulysses4"] for line in planned.splitlines() if line[:4].strip().isdigit())
+
+    kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, negative_prompt=["", "a photo"])
+    reference = DiffusionPipeline.from_pretrained(thirty_heads)
+    reference.set_progress_bar_config(disable=True)
+    call = dict(generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs)
+    expected = output_latents(reference(prompt=["a red cat", "a blue dog"], **call))
+    for rank, (latents, traffic) in enumerate(
+        run_on_ranks(_run_pipeline, 4, thirty_heads, ParallelConfig(ulysses=4), kwargs, timeout_s=240)
+    ):
+        assert _relative(latents, expected) < 1e-4, rank
+        assert all(step["moved"].get(ULYSSES) for step in traffic), traffic
+        assert not traffic_mismatches(traffic, f"rank {rank}")

@@ -18,10 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from xdit_lab import ParallelConfig, RankMesh, comm_log, parallelize
 from xdit_lab.attention import joint_local_attention, sp_attention, sp_attention_sharded
+from xdit_lab.attention.stale import stale_kv_bytes
 from xdit_lab.attention.ulysses import head_counts, ulysses_attention
 from xdit_lab.mesh import RING, SP, ULYSSES
+from xdit_lab.models import parallel_state
 from xdit_lab.sharding import shard_sizes, take_shard
 from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import HEAD_DIM as TINY_HEAD_DIM
 from xdit_lab.tiny import tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
 from xdit_lab.traffic import expected_bytes_per_step
 
@@ -270,22 +273,36 @@ def _pipefusion(heads):
             with torch.no_grad(), comm_log() as log:
                 outputs[name].append(parallel(**x).sample)
             mismatches += traffic_mismatches([traffic_row(parallel, x, log, step)], f"{name} {heads} heads")
+        if name == "stale":  # the stale K/V this rank keeps: 2 self-attention layers per stage, 2 rows, 4 × 4 tokens
+            shape = dict(layers=2, rows=2, heads=heads, head_dim=TINY_HEAD_DIM, grid=(4, 4), patches=2, ulysses=2)
+            shape |= dict(ring=1, ring_rank=0, element_bytes=4)
+            kept = dict(
+                held=parallel_state(parallel).strategy.kept_bytes()["stale K/V"],
+                mine=stale_kv_bytes(**shape, ulysses_rank=mesh.group_rank(ULYSSES)),
+                busiest=stale_kv_bytes(**shape),
+            )
     errors = dict(warm=max(_relative(o, s) for o, s in zip(outputs["warm"], serial)))
     if "pf alone" in outputs:
         errors["stale"] = max(_relative(o, s) for o, s in zip(outputs["stale"], outputs["pf alone"]))
         errors["stale vs serial"] = _relative(outputs["stale"][-1], serial[-1])  # stale K/V: not serial
-    return errors, mismatches
+    return errors, mismatches, kept
 
 
 def test_pipefusion_with_ulysses_runs_any_head_count():
     """PipeFusion's stale attention goes through the same all-to-alls: 3 heads under pf 2 × ulysses 2, exact
     against serial with the warmup over every call, and after one warmup call equal to pf 2 alone (the same
-    stale K/V, which differ from serial: the control that the stale path ran)."""
-    for errors, mismatches in run_on_ranks(_pipefusion, 4, 3, timeout_s=180):
+    stale K/V, which differ from serial: the control that the stale path ran). Each rank keeps the stale K/V
+    of its own heads (2 or 1), as stale_kv_bytes says for its Ulysses rank; the memory plan's busiest rank is
+    the one with 2."""
+    results = run_on_ranks(_pipefusion, 4, 3, timeout_s=180)
+    for errors, mismatches, kept in results:
         assert errors["warm"] < 1e-4, errors
         assert not mismatches, mismatches
         if "stale" in errors:
             assert errors["stale"] < 1e-4 < errors["stale vs serial"], errors
+        assert kept["held"] == kept["mine"] > 0, kept
+    held = [kept["held"] for _, _, kept in results]
+    assert max(held) == results[0][2]["busiest"] == 2 * min(held), held
 
 
 # ---- a 30-head model, Z-Image's head count, planned and run under ulysses 4 -------------------------------

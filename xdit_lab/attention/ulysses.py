@@ -21,15 +21,15 @@ The all-to-all takes a size per peer (all_to_all_single's split sizes), so each 
 its heads. The other way to fit N is to pad the heads to a multiple of N with zeros and drop them
 after (diffusers' `ulysses_anything` does that); judged by the bytes moved, the uneven split wins.
 A rank sends 3·B·S_me·D elements for every head it does not keep (q, k, v) and B·(S - S_me)·D for
-every head it does (o), in units of B·(S/N)·D for even shards:
+every head it does (o); in units of B·(S/N)·D for even shards, per rank:
 
-                        rank's q, k, v      o       30 heads, N = 4
-    uneven (H_r)        3·(H - H_r)      (N-1)·H_r      90 on every rank
-    padded (H' = 32)    3·(H' - H'/N)    (N-1)·H'/N     96 on every rank, zeros included
+                              q, k, v         o            30 heads, N = 4    3 heads, N = 2
+    uneven (H_r heads)        3·(H - H_r)     (N-1)·H_r    90, 90, 90, 90     5, 7
+    padded (H' = N·ceil(H/N)) 3·(H' - H'/N)   (N-1)·H'/N   96 each            8 each
 
-and the busiest rank attends ceil(H/N) heads either way (padding hands the zeros to the ranks
-that hold fewer real heads). Under USP a ring group's ranks share a Ulysses coordinate, so they
-hold the same H_r heads and Ring runs unchanged.
+zeros included. The busiest rank attends ceil(H/N) heads either way (padded, the last rank's
+heads hold the zeros). Under USP a ring group's ranks share a Ulysses coordinate, so they hold
+the same H_r heads and Ring runs unchanged.
 
 What travels is token-major, [B, tokens, H_r, D] per peer (q, k, v side by side on the way in),
 the layout the model's projections write and read. Packing a tensor for every peer is one

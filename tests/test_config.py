@@ -33,9 +33,14 @@ def test_product_not_world_size_spells_the_product():
     assert "ParallelConfig(dp=1, cfg=2, pipefusion=1, ring=1, ulysses=2" in text
 
 
-def test_heads_not_divisible_by_ulysses_lists_the_degrees_that_fit():
-    text = _message(ParallelConfig(ulysses=4), 4, num_heads=6)
-    assert "6 attention heads do not divide by ulysses 4; ulysses degrees that fit: 1, 2, 3, 6" in text
+def test_any_head_count_runs_under_ulysses_with_a_head_for_every_rank():
+    """6 heads under ulysses 4 run (2 + 2 + 1 + 1: attention/ulysses.py); 3 heads cannot give 4 ranks one each."""
+    ParallelConfig(ulysses=4).validate(4, num_heads=6)
+    ParallelConfig(ulysses=4, ring=2).validate(8, num_heads=30)
+    text = _message(ParallelConfig(ulysses=4), 4, num_heads=3)
+    assert "3 attention heads cannot give each of ulysses 4 ranks a head; use ulysses <= 3" in text
+    assert "ulysses4" in [c.short() for c in ParallelConfig.options(4, num_heads=30, use_cfg=False)]
+    assert "ulysses4" not in [c.short() for c in ParallelConfig.options(4, num_heads=3, use_cfg=False)]
 
 
 def test_fewer_layers_than_pipefusion_stages():
@@ -79,12 +84,12 @@ def test_negative_warmup_and_non_int_degrees():
 
 def test_several_violations_in_one_message():
     config = ParallelConfig(cfg=2, pipefusion=4, num_patches=2, ulysses=4)
-    text = _message(config, 8, num_heads=6, num_layers=2)
+    text = _message(config, 8, num_heads=3, num_layers=2)
     bullets = [line for line in text.splitlines() if line.startswith("  - ")]
     assert len(bullets) == 4, text
     for part in (
         "num_patches 2 is below",
-        "do not divide by ulysses 4",
+        "cannot give each of ulysses 4 ranks a head",
         "cannot fill 4 PipeFusion stages",
         "cfg 2 × pipefusion 4 × ulysses 4 = 32 ranks, but the world size is 8",
     ):
@@ -124,7 +129,7 @@ def _brute_force(world_size, num_heads, num_layers, seq_len, use_cfg):
     for dp, cfg, pf, ring, uly in itertools.product(range(1, world_size + 1), repeat=5):
         if dp * cfg * pf * ring * uly != world_size or cfg not in ((1, 2) if use_cfg else (1,)):
             continue
-        if num_heads is not None and num_heads % uly:
+        if num_heads is not None and num_heads < uly:
             continue
         if num_layers is not None and num_layers < pf:
             continue
@@ -142,9 +147,9 @@ SHAPES = [
 ]
 
 
-def _cost_key(config, num_layers, batch, use_cfg):
+def _cost_key(config, num_layers, batch, use_cfg, num_heads):
     """The documented order: work, then communication, then parameters, then fewest parallel dimensions."""
-    cost = config.cost(num_layers, batch=batch, use_cfg=use_cfg)
+    cost = config.cost(num_layers, num_heads=num_heads, batch=batch, use_cfg=use_cfg)
     dims = sum(d > 1 for d in (config.dp, config.cfg, config.pipefusion, config.ring, config.ulysses))
     return (round(cost.work_fraction, 9), round(cost.comm_p_hs, 9), cost.params_fraction, dims)
 
@@ -160,7 +165,7 @@ def test_options_complete_valid_and_ranked(shape, use_cfg):
             assert set(got) == _brute_force(world_size, use_cfg=use_cfg, **shape), (world_size, shape)
             for c in options:
                 assert c.validate(world_size, **shape) is c
-            keys = [_cost_key(c, shape["num_layers"], batch, use_cfg) for c in options]
+            keys = [_cost_key(c, shape["num_layers"], batch, use_cfg, shape["num_heads"]) for c in options]
             assert keys == sorted(keys), (world_size, shape, [c.short() for c in options])
             if not use_cfg:
                 assert all(c.cfg == 1 for c in options)
@@ -212,6 +217,21 @@ def test_cost_cfg_dp_and_hybrid():
     expected = 4 * (1 / 4) * (1 / 2) * (8 / 2) + 2 * (1 / 2) * (1 / 2) * (8 / 2) + 2 / (2 * 2)
     assert math.isclose(hybrid.comm_p_hs, expected)
     assert math.isclose(hybrid.work_fraction, 1 / 8) and hybrid.params_fraction == 0.5
+
+
+def test_cost_of_heads_the_ulysses_degree_does_not_divide():
+    """3 heads under ulysses 2 are 2 + 1: the rank with one head sends q, k, v of two and o of one,
+    (3·2 + 1)/(2·3) of p·hs per layer, the busiest. 30 heads under ulysses 4 (8, 8, 7, 7): every rank sends
+    (3·(30 - H_r) + 3·H_r)/(4·30) = 3/4, as an even split does. Ring passes K/V of the rank's heads: 5 heads
+    under ulysses 2 × ring 2, the rank with 2 of them sends (3·3 + 2)/(2·5)/2 + 2·(1/2)·(2/5), the one with 3
+    (3·2 + 3)/(2·5)/2 + 2·(1/2)·(3/5), more: the busiest counts. Work (tokens per rank) is unchanged."""
+    one_branch = dict(batch=1, use_cfg=False)
+    assert math.isclose(ParallelConfig(ulysses=2).cost(1, num_heads=3, **one_branch).comm_p_hs, 7 / 6)
+    assert math.isclose(ParallelConfig(ulysses=2).cost(1, **one_branch).comm_p_hs, 1.0)  # as if they divided
+    assert math.isclose(ParallelConfig(ulysses=4).cost(1, num_heads=30, **one_branch).comm_p_hs, 3 / 4)
+    usp = ParallelConfig(ulysses=2, ring=2).cost(1, num_heads=5, **one_branch).comm_p_hs
+    assert math.isclose(usp, max(11 / 20 + 2 / 5, 9 / 20 + 3 / 5))
+    assert ParallelConfig(ulysses=2).cost(1, num_heads=3, **one_branch).work_fraction == 0.5
 
 
 def test_comm_bytes():

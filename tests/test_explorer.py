@@ -34,7 +34,7 @@ def test_four_engines_offer_hybrids_and_subsets():
     offered = valid_configs(4, DIGITS)
     sizes = [c.world_size for c in offered]
     assert sizes == sorted(sizes, reverse=True) and set(sizes) == {1, 2, 3, 4}  # all ranks first, then subsets
-    assert {"ring3", "pf3", "dp3"} <= set(shorts(offered)) and "ulysses3" not in shorts(offered)  # 4 heads
+    assert {"ring3", "pf3", "dp3", "ulysses3"} <= set(shorts(offered))  # ulysses 3: 4 heads as 2 + 1 + 1
     hybrids = {"cfg2·ulysses2", "cfg2·pf2", "ulysses4", "pf4", "cfg2·ring2", "cfg2"}
     assert hybrids <= set(shorts(offered))
     assert all(not explain(c, 4, DIGITS) for c in offered)
@@ -47,7 +47,7 @@ def test_four_engines_offer_hybrids_and_subsets():
     "config, engines, expected",
     [
         (ParallelConfig(cfg=2, dp=2), 2, ["world size is 2", "cfg2, dp2, pf2", "Lab(n=4)"]),
-        (ParallelConfig(ulysses=3), 4, ["4 attention heads do not divide by ulysses 3"]),
+        (ParallelConfig(ulysses=8), 8, ["4 attention heads cannot give each of ulysses 8 ranks a head"]),
         (ParallelConfig(cfg=3), 4, ["cfg must be 1 or 2"]),
         (ParallelConfig(pipefusion=2, num_patches=1), 2, ["num_patches 1 is below the 2 PipeFusion stages"]),
         (ParallelConfig(pipefusion=2, num_patches=9), 2, ["9 PipeFusion patches are row bands, but the image has 8"]),
@@ -165,13 +165,13 @@ def test_planning_for_gpus_the_lab_does_not_have(controller):
     expected = {
         ParallelConfig(dp=dp, cfg=cfg, pipefusion=pf, ring=ring, ulysses=ulysses).short()
         for dp, cfg, pf, ring, ulysses in itertools.product([1, 2, 4, 8], repeat=5)
-        if dp * cfg * pf * ring * ulysses == 8 and cfg <= 2 and pf <= 2 and 4 % ulysses == 0
+        if dp * cfg * pf * ring * ulysses == 8 and cfg <= 2 and pf <= 2 and ulysses <= 4
     }
     rows = [line.split() for line in text.splitlines()[2:] if line.split() and line.split()[0].isdigit()]
     assert len(rows) == len(expected) == 24 and {row[1] for row in rows} == expected, [row[1] for row in rows]
     assert [row[0] for row in rows] == [str(i) for i in range(1, 25)] and rows[0][1] == "dp4·pf2"
     assert "the same cost as dp2·cfg2·pf2, fewer degrees above 1" in text.splitlines()[2]
-    assert "ulysses8: 4 attention heads do not divide by ulysses 8" in text
+    assert "ulysses8: 4 attention heads cannot give each of ulysses 8 ranks a head" in text
     assert "pf8: 2 transformer layers cannot fill 8 PipeFusion stages" in text
     assert "4.1 KB" in text  # dp4·pf2's patch hand-off: 2 p·hs = 2 × 16 tokens × 64 hidden × 2 bytes (bf16)
     with pytest.raises(ValueError, match="positive number of GPUs"):

@@ -172,14 +172,14 @@ def test_a_remote_error_is_a_short_lab_error(cfg2):
 
 def test_a_config_larger_than_the_engines_is_refused_before_any_call(lab, folder):
     """Refused with what fits 2 engines; keeping the configuration on more ranks is advised only where the model's
-    heads would run it (ulysses 3 on this model's heads advised 3 ranks, which then failed on the heads)."""
+    heads would run it (a ulysses degree above this model's heads was advised its ranks, which then failed on the
+    heads)."""
     with pytest.raises(ValueError, match="world size is 2") as fits:
         lab.load(folder, ParallelConfig(cfg=2, ulysses=2))
     assert "nproc_per_node 4" in str(fits.value)  # the control: this one the heads allow
     heads = json.loads((Path(folder) / "transformer" / "config.json").read_text())["num_attention_heads"]
-    assert heads % 3
-    with pytest.raises(ValueError, match=f"{heads} attention heads do not divide by ulysses 3") as refused:
-        lab.load(folder, ParallelConfig(ulysses=3))
+    with pytest.raises(ValueError, match=f"{heads} attention heads cannot give each of ulysses {heads + 1}") as refused:
+        lab.load(folder, ParallelConfig(ulysses=heads + 1))
     assert "world size is 2" in str(refused.value) and "nproc_per_node" not in str(refused.value)
 
 

@@ -98,12 +98,12 @@ def test_parallel_forward_equals_serial_diffusers(family, world_size):
 
 
 def _refusal(case: str) -> str | None:
-    """What each rank is told: "heads", parallelizing 3 heads under ulysses 2 (a ParallelConfigError); "tokens",
+    """What each rank is told: "heads", parallelizing 1 head under ulysses 2 (a ParallelConfigError); "tokens",
     a forward of one patch on two ring ranks (a ValueError). None: nothing was refused."""
     error_type = {"heads": ParallelConfigError, "tokens": ValueError}[case]
     try:
         if case == "heads":
-            parallelize(tiny_transformer("pixart", heads=3), ParallelConfig(ulysses=2))
+            parallelize(tiny_transformer("pixart", heads=1), ParallelConfig(ulysses=2))
         else:
             model = parallelize(tiny_transformer("pixart"), ParallelConfig(ring=2))
             model(**tiny_inputs("pixart", 1, height=2, width=2))  # one patch for two ranks
@@ -113,7 +113,7 @@ def _refusal(case: str) -> str | None:
 
 def test_heads_checked_at_parallelize_time():
     messages = run_on_ranks(_refusal, 2, "heads")
-    assert all("3 attention heads do not divide by ulysses 2" in m for m in messages)
+    assert all("1 attention heads cannot give each of ulysses 2 ranks a head" in m for m in messages)
 
 
 def test_too_few_tokens_fails_before_any_kernel():

@@ -26,17 +26,17 @@ def _said(result) -> list[str]:
 
 
 def test_a_degree_the_heads_refuse_is_said_once_with_no_advice_into_another_error(tmp_path):
-    """ulysses 3 on 2 ranks of the digits model (4 heads): once this suggested launching 3 ranks, which then loaded
-    for 17 s and failed on the heads. Now: one error, once, naming the heads and what fits 2 ranks, no advice to
-    keep ulysses 3; no traceback; nothing left in --output. Control: ulysses 4 fits the heads, so keeping it on 4
-    ranks is advised."""
+    """ulysses 8 on 2 ranks of the digits model (4 heads, fewer than 8 ranks): once a degree the heads refuse
+    suggested launching its ranks, which then loaded for 17 s and failed on the heads. Now: one error, once, naming
+    the heads and what fits 2 ranks, no advice to keep ulysses 8; no traceback; nothing left in --output. Control:
+    ulysses 4 fits the heads, so keeping it on 4 ranks is advised."""
     output = tmp_path / "out"
-    result = _run("--model", "digits", "--prompt", "a 7", "--ulysses", "3", "--output", str(output))
+    result = _run("--model", "digits", "--prompt", "a 7", "--ulysses", "8", "--output", str(output))
     assert result.returncode == 2, result.stderr
     assert len(_said(result)) == 1, result.stderr
     text = result.stdout + result.stderr
-    assert "4 attention heads do not divide by ulysses 3" in text and "fit 2 ranks" in text, text
-    assert "nproc_per_node 3" not in text and "Traceback" not in text and "ChildFailedError" not in text, text
+    assert "4 attention heads cannot give each of ulysses 8 ranks a head" in text and "fit 2 ranks" in text, text
+    assert "nproc_per_node 8" not in text and "Traceback" not in text and "ChildFailedError" not in text, text
     assert not output.exists()
 
     control = _run("--model", "digits", "--prompt", "a 7", "--ulysses", "4", "--output", str(output))

@@ -350,7 +350,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--world-size", type=_count(1), metavar="N", help="number of ranks (default: visible CUDA GPUs, else CPU cores)"
     )
-    plan.add_argument("--heads", type=_count(1), metavar="H", help="attention heads (Ulysses must divide them)")
+    plan.add_argument("--heads", type=_count(1), metavar="H", help="attention heads (Ulysses up to this many ranks)")
     plan.add_argument("--layers", type=_count(1), metavar="L", help="transformer layers (default 28 for costs)")
     plan.add_argument("--seq-len", type=_count(1), metavar="S", help="image tokens per image (p)")
     plan.add_argument("--hidden-size", type=_count(1), metavar="HS", help="hidden size; with --seq-len, shows bytes")

@@ -13,7 +13,11 @@ layers, P = parameter bytes, N = the method's degree):
     Ulysses      4(N-1)/N²·p·hs·L  q, k, v and out (1/N of the tokens each) cross once; a rank keeps
                                    1/N of each. The published table's 4/N counts the whole shard,
                                    which would rank Ulysses 2 below Ring 2 where they send the same.
-    Ring         2(N-1)/N·p·hs·L   K and V shards (1/N each) travel N-1 hops of the ring
+                 (3(H-H_r) + (N-1)·H_r)/(N·H)·p·hs·L  with H heads that N does not divide: rank r
+                                   attends H_r of them (ceil or floor of H/N), sends q, k, v of the
+                                   others and o of its own; the busiest rank counts
+    Ring         2(N-1)/N·p·hs·L   K and V shards (1/N each) travel N-1 hops of the ring (of H_r/H
+                                   of the heads under Ulysses)
     PipeFusion   2·p·hs            one patch activation handed to the next stage, and back
     CFG, DP      ~0                only the final noise prediction is gathered
     parameters   P per rank under sequence/CFG/data parallelism, P/N under PipeFusion, P/world sharded
@@ -21,6 +25,8 @@ layers, P = parameter bytes, N = the method's degree):
                                    same stage): every forward all-gathers the stage's weights again;
                                    F forwards per step (a PipeFusion stage runs one per patch past the
                                    warmup), in units of P (CostEstimate.gather_weights)
+An uneven split of the heads leaves work_fraction (tokens per rank) as it is; the busiest Ulysses
+rank attends ceil(H/N) of the H heads (8 of 30 under ulysses 4, not 7.5), which it does not count.
 In a hybrid, Ring passes K/V that Ulysses has already split by heads (so ÷ulysses), Ulysses
 works on the ring's share of the sequence (so ÷ring), and each PipeFusion stage holds
 L/pipefusion layers. The model's batch is every prompt's rows, twice with guidance
@@ -173,11 +179,10 @@ class ParallelConfig:
             )
         if below_one:  # the size rules below need positive degrees
             return found
-        if num_heads is not None and num_heads % self.ulysses:
-            fits = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        if num_heads is not None and num_heads < self.ulysses:  # any count splits, one head per rank at least
             found.append(
-                f"{num_heads} attention heads do not divide by ulysses {self.ulysses}; "
-                f"ulysses degrees that fit: {', '.join(map(str, fits))}"
+                f"{num_heads} attention heads cannot give each of ulysses {self.ulysses} ranks a head; "
+                f"use ulysses <= {num_heads} (ring for the rest of the sequence parallelism)"
             )
         if num_layers is not None and self.stage_split is not None and sum(self.stage_split) != num_layers:
             found.append(
@@ -253,6 +258,7 @@ class ParallelConfig:
         self,
         num_layers: int | None = None,
         *,
+        num_heads: int | None = None,
         batch: int = 1,
         use_cfg: bool = True,
         shard_weights: bool = False,
@@ -265,16 +271,29 @@ class ParallelConfig:
         count (tests/test_cost_model.py counts them on real ranks). With `shard_weights` (FSDP2
         over the world / pipefusion ranks that hold the same blocks), `gather_weights` counts the
         weights a rank all-gathers per step: (S-1)/S of its stage's share for each of
-        `forwards_per_step` forwards (default: one, or one per patch under PipeFusion)."""
+        `forwards_per_step` forwards (default: one, or one per patch under PipeFusion). `num_heads`: the
+        model's attention heads, for Ulysses degrees that do not divide them (None: as if they did)."""
         layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
         branches = 2 if (use_cfg or self.cfg == 2) else 1
         images_per_rank = max(1, -(-(batch * branches) // (self.cfg * self.dp)))
         u, r, n = self.ulysses, self.ring, self.pipefusion
+        # each Ulysses rank's share of the heads (H_r / H); the busiest rank's traffic counts
+        # (floor and ceil of H/u: sharding.shard_sizes's split, spelled here without importing torch)
+        shares = (
+            [1 / u]
+            if num_heads is None or num_heads % u == 0
+            else [num_heads // u / num_heads, (num_heads // u + 1) / num_heads]
+        )
         per_image = 0.0
-        if u > 1:
-            per_image += 4 * (u - 1) / u**2 * (1 / r) * (layers / n)
-        if r > 1:
-            per_image += 2 * ((r - 1) / r) * (1 / u) * (layers / n)
+        by_share = []
+        for share in shares:
+            sent = 0.0
+            if u > 1:  # q, k, v of the other heads, o of its own, for 1/(u·r) of the tokens
+                sent += (3 * (1 - share) / u + share * (u - 1) / u) * (1 / r) * (layers / n)
+            if r > 1:
+                sent += 2 * ((r - 1) / r) * share * (layers / n)
+            by_share.append(sent)
+        per_image += max(by_share)
         if n > 1:
             per_image += 2 / (u * r)
         shards = self.world_size // n  # ranks that hold the same stage's weights
@@ -328,7 +347,7 @@ class ParallelConfig:
             if not config.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len):
                 found.append(config)
 
-        return sorted(found, key=lambda c: rank_key(c, num_layers, batch=batch, use_cfg=use_cfg))
+        return sorted(found, key=lambda c: rank_key(c, num_layers, batch=batch, use_cfg=use_cfg, num_heads=num_heads))
 
 
 # Why a configuration ranks above the next one, by the first figure of rank_key that differs.
@@ -346,10 +365,10 @@ _TIES = (  # then the degrees: less dp, more cfg, more Ulysses (fast links), mor
 )
 
 
-def rank_key(config: ParallelConfig, num_layers=None, *, batch=1, use_cfg=True) -> tuple:
+def rank_key(config: ParallelConfig, num_layers=None, *, batch=1, use_cfg=True, num_heads=None) -> tuple:
     """What options() sorts by: compute per rank, then traffic, then parameter share, then the
     number of degrees above 1; remaining ties prefer cfg, then Ulysses (fast links), over dp."""
-    cost = config.cost(num_layers, batch=batch, use_cfg=use_cfg)
+    cost = config.cost(num_layers, num_heads=num_heads, batch=batch, use_cfg=use_cfg)
     dims = sum(getattr(config, n) > 1 for n in DEGREES)
     return (
         round(cost.work_fraction, 9),
@@ -363,10 +382,10 @@ def rank_key(config: ParallelConfig, num_layers=None, *, batch=1, use_cfg=True) 
     )
 
 
-def ranking_reasons(configs, num_layers=None, *, batch=1, use_cfg=True) -> list[str]:
+def ranking_reasons(configs, num_layers=None, *, batch=1, use_cfg=True, num_heads=None) -> list[str]:
     """Why each configuration of a ranked list (options()) sits above the next one: the first figure
     of rank_key in which the two differ, named ('' for the last)."""
-    keys = [rank_key(c, num_layers, batch=batch, use_cfg=use_cfg) for c in configs]
+    keys = [rank_key(c, num_layers, batch=batch, use_cfg=use_cfg, num_heads=num_heads) for c in configs]
     reasons = []
     for i, (key, below) in enumerate(zip(keys, keys[1:])):
         first = next((j for j, (a, b) in enumerate(zip(key, below)) if a != b), len(key))

@@ -51,9 +51,9 @@ def plan_table(
     header += ["params"] + (["why above the next"] if reasons else [])
     rows = [header]
     shown = configs[: top or None]
-    why = ranking_reasons(configs, layers, batch=batch, use_cfg=use_cfg)
+    why = ranking_reasons(configs, layers, batch=batch, use_cfg=use_cfg, num_heads=heads)
     for i, c in enumerate(shown, start=1):
-        cost = c.cost(layers, batch=batch, use_cfg=use_cfg)
+        cost = c.cost(layers, num_heads=heads, batch=batch, use_cfg=use_cfg)
         row = [
             str(i),
             c.short(),

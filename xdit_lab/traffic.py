@@ -26,15 +26,17 @@ def expected_bytes_per_step(
 
     Pass a rank summary (its last step by default), or a ParallelConfig (or its fields), the
     summary's `shapes`, the rank's `coords` and the step index. With b = this rank's batch rows,
-    h = heads, d = head_dim, e = bytes per element, per sequence-parallel attention layer:
-      ulysses     2 all-to-alls: q, k, v together send (N-1)/N of 3·b·h·S_me·d; o sends b·(h/N)·(S_group - S_me)·d
-                  (= 4·(N-1)/N of the local q, k, v, o for even shards). Joint text, sequence shards: each
-                  rank's text shard T_me travels beside its image shard (S_me + T_me tokens above, in joint
-                  layers); whole on every rank (PipeFusion, or `text_sharded=False`): in o's, b·(h/N)·T·d
+    h = heads, h_me = the heads this rank attends under Ulysses (h/N, or its tensor_split share where N
+    does not divide h: attention/ulysses.py), d = head_dim, e = bytes per element, per sequence-parallel
+    attention layer:
+      ulysses     2 all-to-alls: q, k, v together send 3·b·(h - h_me)·S_me·d; o sends b·h_me·(S_group - S_me)·d
+                  (= 4·(N-1)/N of the local q, k, v, o for even shards and heads). Joint text, sequence shards:
+                  each rank's text shard T_me travels beside its image shard (S_me + T_me tokens above, in joint
+                  layers); whole on every rank (PipeFusion, or `text_sharded=False`): in o's, b·h_me·T·d
                   to each peer
-      ring        N-1 sends of the K/V block held [2, b, h/ulysses, block, d], a block holding its ranks'
+      ring        N-1 sends of the K/V block held [2, b, h_me, block, d], a block holding its ranks'
                   text shards in joint layers; text whole on every rank: a float32 gather of the text
-                  partials with their LSE [b, h/ulysses, T, d+1] instead
+                  partials with their LSE [b, h_me, T, d+1] instead
       sp          the token gather before unpatchify, padded to the longest shard
       pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
                   states where its blocks return them (SD3, Flux, CogVideoX); the last stage
@@ -76,6 +78,7 @@ def expected_bytes_per_step(
     # the image tokens: the grid's, and those after it (an edit's reference image, `appended_tokens`)
     tokens = s["rows"] * s["cols"] + s.get("appended_tokens", 0)
     h, d, text = s["heads"], s["head_dim"], s["text_len"]
+    h_me = shard_sizes(h, u)[my_u]  # the heads this rank attends after the Ulysses all-to-all
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
     last_stage = coords[PIPEFUSION] == c.pipefusion - 1
 
@@ -110,14 +113,14 @@ def expected_bytes_per_step(
         if u > 1:
 
             def all_to_alls(group, me):  # q, k, v: this rank's tokens, other heads; o: the others' tokens, own heads
-                return 3 * b * (h - h // u) * me * d + b * (h // u) * (sum(group) - me) * d
+                return 3 * b * (h - h_me) * me * d + b * h_me * (sum(group) - me) * d
 
             out[ULYSSES] += (
                 self_layers * all_to_alls(sizes[mine], sizes[mine][my_u])
                 + joint_layers * all_to_alls(with_text[mine], with_text[mine][my_u])
             ) * e
             if not text_sharded:  # the text output, whole, in o's all-to-all to every peer
-                out[ULYSSES] += joint * b * (h // u) * text * d * (u - 1) * e
+                out[ULYSSES] += joint * b * h_me * text * d * (u - 1) * e
         if r > 1:
 
             def held(tokens):  # the blocks held at each of the N-1 sends
@@ -125,9 +128,9 @@ def expected_bytes_per_step(
                 return sum(blocks[(my_r - k) % r] for k in range(r - 1))
 
             kv_with_text = [n + t for n, t in zip(kv_sizes, text_sizes)]
-            out[RING] += 2 * b * (h // u) * d * e * (self_layers * held(kv_sizes) + joint_layers * held(kv_with_text))
+            out[RING] += 2 * b * h_me * d * e * (self_layers * held(kv_sizes) + joint_layers * held(kv_with_text))
             if not text_sharded:  # the text partials with their LSE, gathered in float32
-                out[RING] += joint * (r - 1) * b * (h // u) * text * (d + 1) * 4
+                out[RING] += joint * (r - 1) * b * h_me * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:
             handed = sizes[sp_rank] + (text if s.get("handed_text") else 0)  # this patch's tokens (and text)
             out[PIPEFUSION] += b * handed * h * d * e

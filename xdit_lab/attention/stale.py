@@ -9,7 +9,7 @@ they are:
     step t, patch 2:  fresh t | fresh t | fresh t | stale t-1    (written step per slice)
 
 With sequence parallelism inside a stage, the buffer holds K/V after the Ulysses all-to-all (for
-heads/ulysses), ordered ulysses-rank-major, patch-minor; with ring > 1 each ring rank holds its
+the rank's share of the heads), ordered ulysses-rank-major, patch-minor; with ring > 1 each ring rank holds its
 part of every patch and the buffers travel the ring. The schedule that decides which patches run
 when is in models/pipefusion/; the index math in sharding.py. stale_kv_bytes: what the buffers
 hold, for the memory plan.
@@ -23,7 +23,7 @@ from ..mesh import RING, ULYSSES
 from ..sharding import PatchLayout, patch_ranges
 from .local import joint_local_attention
 from .ring import ring_attention
-from .ulysses import heads_to_seq, seq_to_heads
+from .ulysses import head_counts, head_slice, heads_to_seq, seq_to_heads
 
 
 class StaleKV:
@@ -84,11 +84,11 @@ def stale_attention(
     ring = mesh.group_size(RING)
     sources = [buffer.ring_rank * ulysses + j for j in range(ulysses)]
     seq_sizes = [sum(layout.chunk_len(p, s) for p in active) for s in sources]
+    heads = q.shape[1]
     if ulysses > 1:
         q, k, v = seq_to_heads((q, k, v), mesh, seq_sizes, tag="qkv")
-        if joint is not None:
-            me, per_rank = mesh.group_rank(ULYSSES), q.shape[1]
-            joint = tuple(t.narrow(1, me * per_rank, per_rank) for t in joint)
+        if joint is not None:  # whole on every rank: this rank's heads of it
+            joint = tuple(t[:, head_slice(heads, ulysses, mesh.group_rank(ULYSSES))] for t in joint)
     buffer.write(k, v, active, step)
     keys, values = buffer.read(active, step)
     if ring == 1:
@@ -102,16 +102,20 @@ def stale_attention(
             q, keys, values, mesh, block_sizes, joint=joint, joint_mask=joint_mask, scale=scale
         )
     if ulysses > 1:
-        out, joint_out = heads_to_seq(out, mesh, seq_sizes, joint=joint_out, tag="out")
+        out, joint_out = heads_to_seq(out, mesh, seq_sizes, heads=heads, joint=joint_out, tag="out")
     return out, joint_out
 
 
-def stale_kv_bytes(*, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes) -> int:
+def stale_kv_bytes(
+    *, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes, ulysses_rank=None
+) -> int:
     """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
     of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
-    every patch, for heads / ulysses heads)."""
+    every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends)."""
     layout = PatchLayout(patch_ranges(*grid, patches), ulysses * ring)
     length = sum(
         layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
     )
-    return layers * 2 * rows * (heads // ulysses) * length * head_dim * element_bytes
+    counts = head_counts(heads, ulysses)
+    held_heads = max(counts) if ulysses_rank is None else counts[ulysses_rank]
+    return layers * 2 * rows * held_heads * length * head_dim * element_bytes

@@ -4,7 +4,8 @@ The sequence-parallel ("sp") group of a RankMesh is ring × ulysses, ulysses var
 Every sp rank holds one contiguous shard of the image tokens, in sp-rank order, sized as
 torch.tensor_split sizes them. USP runs Ulysses inside Ring: the Ulysses all-to-all gathers a
 ring rank's contiguous block (its Ulysses group's shards, side by side) for H/ulysses heads,
-Ring attention runs over those blocks, and the second all-to-all hands the shards back.
+Ring attention runs over those blocks, and the second all-to-all hands the shards back. Any head
+count: a Ulysses rank attends its tensor_split share of the heads (ulysses.py), one head at least.
 
 Three kinds of attention, as diffusers' DiT families use them:
   self   q, k, v all sharded (image tokens)
@@ -53,7 +54,7 @@ def sp_attention_sharded(
     text (True: attend), every rank holding all of it. Returns out [B, H, L_me, D] in q's token order,
     a view of [B, L_me, H, D] memory (what the model's output projection reads).
 
-        rank r: [t_r; i_r] --ulysses all-to-all--> the group's tokens, H/u heads --ring over the groups'
+        rank r: [t_r; i_r] --ulysses all-to-all--> the group's tokens, H_r heads --ring over the groups'
         blocks (or one local call)--> --all-to-all back--> [t_r; i_r], every head"""
     sp, ulysses, ring = mesh.group_size(SP), mesh.group_size(ULYSSES), mesh.group_size(RING)
     text_sizes = list(text_sizes) if text_sizes is not None else [0] * sp
@@ -62,7 +63,7 @@ def sp_attention_sharded(
     masked = text_mask is not None and sum(text_sizes) > 0
     ring_rank = mesh.group_rank(RING)
     mine = slice(ring_rank * ulysses, (ring_rank + 1) * ulysses)
-    pieces = None
+    pieces, heads = None, q.shape[1]
     if ulysses > 1:  # a mask wants the gathered image keys apart from the text keys: image first
         pieces = gathered_pieces(sizes[mine], text_sizes[mine] if masked else None, text_first=text_first)
         q, k, v = seq_to_heads((q, k, v), mesh, sizes[mine], pieces=pieces, tag="qkv")
@@ -87,7 +88,7 @@ def sp_attention_sharded(
     else:
         out = attention(q, k, v, scale=scale)
     if ulysses > 1:
-        out, _ = heads_to_seq(out, mesh, sizes[mine], pieces=pieces, tag="out")
+        out, _ = heads_to_seq(out, mesh, sizes[mine], heads=heads, pieces=pieces, tag="out")
     return out
 
 
@@ -113,12 +114,15 @@ def _check_sharded(q, k, v, mesh, image_sizes, text_sizes, text_mask):
             f"text_mask masks the whole text's keys: bool [batch, text] = [{q.shape[0]}, {sum(text_sizes)}], got "
             f"{text_mask.dtype} {tuple(text_mask.shape)}"
         )
-    heads, ulysses = q.shape[1], mesh.group_size(ULYSSES)
-    if heads % ulysses:
-        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+    _check_heads(q.shape[1], mesh.group_size(ULYSSES))
+
+
+def _check_heads(heads: int, ulysses: int) -> None:
+    """Any head count splits over Ulysses (ulysses.py: head_counts), as long as every rank gets a head."""
+    if heads < ulysses:
         raise ValueError(
-            f"{heads} attention heads do not divide by ulysses {ulysses}; ulysses degrees that "
-            f"fit {heads} heads: {', '.join(map(str, fits))}"
+            f"{heads} attention heads cannot give each of ulysses {ulysses} ranks a head; use ulysses <= {heads} "
+            f"(ring for the rest of the sequence parallelism)"
         )
 
 
@@ -229,12 +233,6 @@ def _check_inputs(q, k, v, mesh, joint_q, joint_k, joint_v, kv_sharded):
                 f"joint q/k/v {[tuple(t.shape) for t in joint]} must match q's batch, heads and "
                 f"head_dim {tuple(q.shape)} and share one text length"
             )
-    ulysses = mesh.group_size(ULYSSES)
-    heads = q.shape[1]
-    if kv_sharded and heads % ulysses:
-        fits = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(
-            f"{heads} attention heads do not divide by ulysses {ulysses}; ulysses degrees that "
-            f"fit {heads} heads: {', '.join(map(str, fits))}"
-        )
+    if kv_sharded:
+        _check_heads(q.shape[1], mesh.group_size(ULYSSES))
     return joint

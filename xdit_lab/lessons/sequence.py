@@ -82,7 +82,7 @@ def ulysses_exchange(state, config, tokens: int = 8, heads: int = 4) -> dict | N
     x = x.to(_device())  # nccl moves GPU tensors only
     with comm.comm_log() as log:
         (gathered,) = seq_to_heads([x], mesh, group_sizes, tag="demo")
-        back, _ = heads_to_seq(gathered, mesh, group_sizes, tag="demo")
+        back, _ = heads_to_seq(gathered, mesh, group_sizes, heads=heads, tag="demo")
     return dict(
         rank=mesh.rank,
         coords=dict(mesh.coords),
@@ -138,6 +138,7 @@ def ring_passes(
 
     from .. import comm
     from ..attention import local_attention, sp_attention
+    from ..attention.ulysses import head_slice
 
     mesh = _mesh(config)
     if not mesh.active:
@@ -149,9 +150,9 @@ def ring_passes(
     sizes, start, _ = _sp_layout(mesh, tokens)
     u, r = mesh.group_size(ULYSSES), mesh.group_size(RING)
     mine = slice(start, start + sizes[mesh.group_rank(SP)])
-    # After the Ulysses all-to-all a ring rank holds its ring block's tokens for heads/u heads.
+    # After the Ulysses all-to-all a ring rank holds its ring block's tokens for its share of the heads.
     block_ranges = [(sum(sizes[: i * u]), sum(sizes[: (i + 1) * u])) for i in range(r)]
-    my_heads = slice(mesh.group_rank(ULYSSES) * heads // u, (mesh.group_rank(ULYSSES) + 1) * heads // u)
+    my_heads = head_slice(heads, u, mesh.group_rank(ULYSSES))
     ring_rank = mesh.group_rank(RING)
     queries = slice(*block_ranges[ring_rank])
     target = reference[:, my_heads, queries]

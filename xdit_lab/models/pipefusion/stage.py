@@ -154,6 +154,7 @@ class PipeFusionStage:
             ring=self.mesh.group_size(RING),
             ring_rank=self.mesh.group_rank(RING),
             element_bytes=element,
+            ulysses_rank=self.mesh.group_rank(ULYSSES),
         )
         return {"stale K/V": kv}
 

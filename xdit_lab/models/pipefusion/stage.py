@@ -38,7 +38,7 @@ from ...mesh import PIPEFUSION, RING, SP, ULYSSES
 from ...sharding import PatchLayout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
-from .schedules import async_step
+from .schedules import AsyncSchedule
 
 STALE_KINDS = SEQUENCE_PARALLEL_KINDS  # attention whose image K/V a stage keeps per patch
 
@@ -86,13 +86,8 @@ class PipeFusionStage:
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
         self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens
-        # the async schedule (ParallelConfig.pipefusion_schedule): one call runs one patch
-        self.cursor = 0  # the patch the next call runs
-        self.pending_sends: list = []  # this step's sends, waited once its last patch has gone
-        self.latent_elements: dict = {}  # (latent shape, patch) -> that patch's flat latent positions
-        self.awaiting = None  # stage 0, async: buffers for the latents the last stage has sent back
-        self.returning: list = []  # the last stage, async: its sends of latents back to stage 0
-        self.patch_states = None  # async: (scheduler, recipe extras) per patch, on every rank
+        # the async schedule (ParallelConfig.pipefusion_schedule), past its warmup: one call runs one patch
+        self.schedule = AsyncSchedule(self) if config.pipefusion_schedule == "async" else None
         self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
 
     @classmethod
@@ -186,36 +181,21 @@ class PipeFusionStage:
         """One denoising step of `session`: one transformer call (the drained schedule, and every warmup
         step), or this stage's patches of its next step under the async schedule (schedules.py)."""
         if self.pipelined:
-            async_step(self, session, t)
+            self.schedule.step(session, t)
         else:
             whole_step(session, t)
 
     def reset(self) -> None:
-        """A new generation: warm up again with empty buffers. An async session left between steps
-        has latents in flight from the last stage to stage 0: they are taken and dropped here, or the
-        next session's receives would get them."""
-        if self.awaiting:
-            received = [(buffer, self.mesh.pipeline_prev) for buffer in self.awaiting]
-            comm.wait(comm.exchange([], received, self.mesh, PIPEFUSION))
-        comm.wait(self.returning)
+        """A new generation: warm up again with empty buffers (and the async schedule starts over)."""
+        if self.schedule is not None:
+            self.schedule.reset()
         self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
-        self.cursor, self.pending_sends, self.awaiting, self.returning = 0, [], None, []
-        self.patch_states = None
 
     @property
     def pipelined(self) -> bool:
         """The async schedule past its warmup: each call runs one patch, and the last stage steps the
         scheduler patch by patch (schedules.py)."""
-        return self.config.pipefusion_schedule == "async" and self.step >= self.config.warmup_steps
-
-    def patch_latents(self, latents: torch.Tensor, patch: int) -> torch.Tensor:
-        """Flat positions in one sample of `latents` that make up `patch` (on the latents' device)."""
-        key = (size := tuple(latents.shape[1:]), patch)
-        if key not in self.latent_elements:  # the grid is known once a forward ran on this size
-            start, stop = patch_ranges(*self.token_grids[size], self.config.patches)[patch]
-            positions = self.state.adapter.latents.latent_positions(latents, self.model_config)
-            self.latent_elements[key] = positions[start:stop].flatten()
-        return self.latent_elements[key]
+        return self.schedule is not None and self.step >= self.config.warmup_steps
 
     # ---- one diffusion step ----------------------------------------------------------------------------
     def forward(self, run, bound):
@@ -274,7 +254,7 @@ class PipeFusionStage:
                 sends += comm.exchange(handed, [], mesh, PIPEFUSION, tag="patch")
             self.busy_s += time.perf_counter() - started  # host seconds (on a GPU: launching, not running)
         if pipelined:
-            return self._end_patch(sends, output)
+            return self.schedule.end_patch(sends, output)
         comm.wait(sends)
         if cache is not None:
             cache.end()
@@ -286,17 +266,6 @@ class PipeFusionStage:
         comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
         self.step += 1
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
-
-    def _end_patch(self, sends, output):
-        """Pipelined: this call's patch is done. A stage's sends are waited once the step's last patch
-        has gone (a stage runs ahead of the next one by at most a step); only the last stage has an
-        output: the whole prediction, in which this patch's tokens are this step's."""
-        self.pending_sends += sends
-        self.cursor += 1
-        if self.cursor == len(self.layout.patches):
-            comm.wait(self.pending_sends)
-            self.cursor, self.pending_sends, self.step = 0, [], self.step + 1
-        return output
 
     def _rebase_block_residuals(self, arguments: dict) -> None:
         """Each residual list the adapter declares (a ControlNet's), as this stage's blocks take them: the one
@@ -317,14 +286,14 @@ class PipeFusionStage:
 
     def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
         if self.grid != (rows, cols):  # a new image size: new patches, new buffers
-            if self.cursor:
+            if self.schedule is not None and self.schedule.cursor:
                 raise RuntimeError("the image size changed in the middle of a pipelined step")
             self.grid, self.buffers, self.indices = (rows, cols), {}, {}
             self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
         patches = len(self.layout.patches)
         if self.step < self.config.warmup_steps:
             return [list(range(patches))]
-        return [[self.cursor]] if self.pipelined else [[p] for p in range(patches)]
+        return [[self.schedule.cursor]] if self.pipelined else [[p] for p in range(patches)]
 
     decides_before_blocks = True  # a StepCache needs the first block over the whole image first
 

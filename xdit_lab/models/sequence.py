@@ -75,9 +75,9 @@ class SequenceShards:
     # ---- what the rank keeps and holds: the questions every token strategy answers ------------------
     hands_text = False  # nothing is handed on between stages
 
-    def run_step(self, session, t) -> None:
-        """One denoising step of `session`: one transformer call (models/step.py)."""
-        whole_step(session, t)
+    def run_step(self, context, t) -> None:
+        """One denoising step (`context`: a StepContext): one transformer call (models/step.py)."""
+        whole_step(context, t)
 
     def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
         """What this rank keeps between steps beside the latents and conditioning: nothing."""

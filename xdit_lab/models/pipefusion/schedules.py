@@ -1,4 +1,5 @@
-"""PipeFusion's two schedules: what one denoising step (`session.step()`) runs on a stage.
+"""PipeFusion's two schedules: what one denoising step (`session.step()`, which hands the stage a
+StepContext) runs on a stage.
 
 drained (the default): one transformer call per step runs every patch through every stage, and the
 pipeline empties before the scheduler steps (models/step.py's whole step). The bubble is
@@ -59,11 +60,11 @@ class AsyncSchedule:
         self.returning: list = []  # the last stage: its sends of latents back to stage 0
         self.patch_states = None  # (scheduler, recipe extras) per patch, on every rank
 
-    def step(self, session, t) -> None:
-        """The async schedule past its warmup: this rank's stage runs every patch of its next step; the
-        last stage steps each patch and sends its latents back to stage 0."""
+    def step(self, context, t) -> None:
+        """The async schedule past its warmup (`context`: the step's StepContext): this rank's stage runs
+        every patch of its next step; the last stage steps each patch and sends its latents back to stage 0."""
         stage = self.stage
-        inner, prepared, recipe, mesh = session.pipe.diffusers_pipeline, session.prepared, session.recipe, stage.mesh
+        inner, prepared, recipe, mesh = context.pipeline, context.prepared, context.recipe, stage.mesh
         latents = prepared.latents = prepared.latents.contiguous()  # written patch by patch, in place
         flat, patches = latents.view(latents.shape[0], -1), stage.config.patches
         if self.patch_states is None:  # the first pipelined step: every rank holds the same latents
@@ -74,7 +75,7 @@ class AsyncSchedule:
             for buffer in self.awaiting:
                 arriving.append((buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)))
             self.awaiting = None
-        sent, last_step = [], session.step_index + 1 == session.num_steps
+        sent, last_step = [], context.last
         for p in range(patches):
             if arriving:
                 buffer, requests = arriving[p]
@@ -86,11 +87,11 @@ class AsyncSchedule:
             if not mesh.is_last_stage:
                 continue
             # a copy: the output is a reused buffer
-            noise = recipe.guide(inner, prepared, output[0].clone(), session.step_index)
+            noise = recipe.guide(inner, prepared, output[0].clone(), context.step_index)
             whole = (inner.scheduler, prepared.extra)
             inner.scheduler, prepared.extra = self.patch_states[p]
             try:  # a copy: the scheduler may keep the sample it was given, and these latents change in place
-                stepped = recipe.scheduler_step(inner, prepared, noise, t, latents.clone(), session.step_index)
+                stepped = recipe.scheduler_step(inner, prepared, noise, t, latents.clone(), context.step_index)
                 self.patch_states[p] = (inner.scheduler, prepared.extra)
             finally:
                 inner.scheduler, prepared.extra = whole

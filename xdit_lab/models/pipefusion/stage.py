@@ -89,6 +89,9 @@ class PipeFusionStage:
         # the async schedule (ParallelConfig.pipefusion_schedule), past its warmup: one call runs one patch
         self.schedule = AsyncSchedule(self) if config.pipefusion_schedule == "async" else None
         self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
+        # what the hooks install (TokenStrategy): every token hook and every attention; the text stays whole
+        self.splits_tokens = self.takes_attention = True
+        self.text_shard_at = None
 
     @classmethod
     def apply(cls, transformer, state, config) -> PipeFusionStage:
@@ -177,13 +180,13 @@ class PipeFusionStage:
             source="PatchLayout" if recorded else "computed (no forward yet)",
         )
 
-    def run_step(self, session, t) -> None:
-        """One denoising step of `session`: one transformer call (the drained schedule, and every warmup
-        step), or this stage's patches of its next step under the async schedule (schedules.py)."""
+    def run_step(self, context, t) -> None:
+        """One denoising step (`context`: a StepContext): one transformer call (the drained schedule, and
+        every warmup step), or this stage's patches of its next step under the async schedule (schedules.py)."""
         if self.pipelined:
-            self.schedule.step(session, t)
+            self.schedule.step(context, t)
         else:
-            whole_step(session, t)
+            whole_step(context, t)
 
     def reset(self) -> None:
         """A new generation: warm up again with empty buffers (and the async schedule starts over)."""
@@ -327,6 +330,10 @@ class PipeFusionStage:
         self.state.image_len = tokens.shape[1] - text
         image = tokens[:, text:].index_select(1, self._index("shard", tokens.device))
         return torch.cat([tokens[:, :text], image], dim=1) if text else image
+
+    def shard_text(self, text):
+        """A stage keeps the joint text whole (text_shard_at None: no hook asks)."""
+        return text
 
     def keep_tokens(self, tensor, dim: int):
         """The entries of the active patches' tokens of this rank, of a tensor with one per image token."""

@@ -1,0 +1,80 @@
+"""The token strategy's interface: what the hooks, the parallel forward, the session and the cache ask of
+the strategy that decides which tokens a rank holds (sequence.py's SequenceShards, pipefusion/'s
+PipeFusionStage), and what one step is handed.
+
+    session.step() ──StepContext──> strategy.run_step ──> transformer(...) ──> the parallel forward
+                                                                               ├─ strategy.forward
+                                                                               └─ the hooks: shard, attend, gather, ...
+
+A strategy is told nothing about the session that drives it: a step gets a StepContext (the diffusers
+pipeline, the prepared request, the recipe, which step of how many), built by the session for that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What one denoising step needs, built by the session for that step: the diffusers pipeline, the
+    prepared request (its latents and conditioning change in place), the family's recipe, and the step's
+    index among `num_steps`."""
+
+    pipeline: Any  # the diffusers pipeline (its transformer, scheduler)
+    prepared: Any  # families.Prepared
+    recipe: Any  # families.recipe.Recipe
+    step_index: int
+    num_steps: int
+
+    @property
+    def last(self) -> bool:
+        return self.step_index + 1 == self.num_steps
+
+
+class TokenStrategy(Protocol):
+    """What a token strategy answers; nothing else of it is called at run time."""
+
+    # what the hooks install (models/hooks.py): token hooks, the attention, the text where the blocks take it
+    splits_tokens: bool
+    takes_attention: bool
+    text_shard_at: str | None  # "input", "block" (the adapter's place), or None: the joint text stays whole
+    # what a StepCache asks (models/cache.py): decide before the blocks run (over the whole image) or after
+    decides_before_blocks: bool
+
+    def forward(self, run, bound):
+        """One call of the parallel forward: `run()` runs the model's own forward on `bound`'s arguments."""
+
+    def run_step(self, context: StepContext, t) -> None:
+        """One denoising step at timestep `t`."""
+
+    def reset(self) -> None:
+        """A new generation: nothing kept from the last one."""
+
+    # ---- the hooks ------------------------------------------------------------------------------------
+    def shard(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of the patch embedding's output."""
+
+    def shard_rotary(self, tables):
+        """This rank's rows of the rotary tables."""
+
+    def shard_text(self, text: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the joint text states [B, T, C], where `text_shard_at` says."""
+
+    def keep_tokens(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's entries of a tensor with one per image token on `dim`."""
+
+    def keep_prefix(self, count: int) -> int:
+        """How many of this rank's image tokens are among the sequence's first `count`."""
+
+    def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None) -> torch.Tensor:
+        """Attention of this rank's queries over the whole sequence, for one attention module."""
+
+    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole image's tokens, before unpatchify."""
+
+    def token_patches(self, tokens: int) -> list[tuple[int, int]]:
+        """(patch, tokens) of this rank's tokens in the running forward."""

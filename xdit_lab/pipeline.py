@@ -51,7 +51,7 @@ from .model_folder import (
     read_model_index,
     resolve_folder,
 )
-from .models import StepCache, compile_problems, parallelize
+from .models import Controls, StepCache, compile_problems, parallelize
 from .quantization import QuantizationError
 from .quantization import resolve as resolve_quantization
 from .request_memory import plan_request, rows_of_one_prompt
@@ -116,6 +116,7 @@ def load_pipeline(
     lora=None,
     fuse_lora: bool = True,
     pipeline_class: str | None = None,
+    controls: Controls | None = None,
     **unknown,
 ) -> ParallelPipeline:
     """Load a pipeline folder of a family with a recipe (families.RECIPES) and parallelize it on this rank.
@@ -147,7 +148,9 @@ def load_pipeline(
     `FluxImg2ImgPipeline.from_pretrained(folder)` does: image to image from a FluxPipeline folder,
     "WanImageToVideoPipeline" from Wan 2.2 TI2V 5B's. The pipelines each family runs: families.RECIPES.
 
-    `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype)."""
+    `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype).
+    `controls=Controls(...)` (xdit_lab.models) hands this pipeline's models deliberately wrong variants (tests
+    and lessons show that a bound catches them); by default none."""
     if unknown:
         raise TypeError(unknown_keywords(unknown))
     config = ParallelConfig() if config is None else config
@@ -239,7 +242,7 @@ def load_pipeline(
         # the components this rank builds from the files itself, reading only what it keeps; diffusers loads the rest
         loaded = load_own_components(
             model, config, mesh, torch_dtype, info.device,
-            sharding=sharding, quantized=quantized, on_host=on_host, cache=cache, compile=compile,
+            sharding=sharding, quantized=quantized, on_host=on_host, cache=cache, compile=compile, controls=controls,
         )  # fmt: skip
         try:
             inner = from_pretrained(folder, index, torch_dtype, loaded)
@@ -275,11 +278,12 @@ def load_pipeline(
                 }
             fuse_loras(inner, adapters, stage_names)
         if not sharding:  # a sharded transformer was parallelized before its weights were read
-            parallelize(inner.transformer, config, mesh, cache=cache, compile=compile)
+            parallelize(inner.transformer, config, mesh, cache=cache, compile=compile, controls=controls)
         if getattr(inner, "transformer_2", None) is not None and not sharding:  # Wan 2.2 A14B's second expert
-            parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile)  # same mesh, own cache state
+            parallelize(inner.transformer_2, config, mesh, cache=cache, compile=compile, controls=controls)  # own cache
         if getattr(inner, "controlnet", None) is not None and config.pipefusion == 1:
-            parallelize(inner.controlnet, config, mesh)  # cut like the transformer: its residuals stay here
+            # cut like the transformer: its residuals stay here
+            parallelize(inner.controlnet, config, mesh, controls=controls)
         # (under PipeFusion the ControlNet runs whole on every rank: each stage takes its own blocks' residuals)
         if getattr(inner, "vae", None) is not None:  # own images only; row bands over sp with vae_parallel
             apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
@@ -340,6 +344,7 @@ LOAD_KEYWORDS = (
     "lora",
     "fuse_lora",
     "pipeline_class",
+    "controls",
 )
 
 

@@ -58,7 +58,7 @@ from ..families.adapter import SEQUENCE_PARALLEL_KINDS, RankLocal
 from ..mesh import CFG, DP
 from ..sharding import batch_rows
 from .installed import Installed
-from .strategy import TokenStrategy
+from .strategy import Controls, TokenStrategy
 
 log = logging.getLogger("xdit_lab.models")
 
@@ -66,11 +66,12 @@ BACKEND_NAME = "xdit_lab"  # the attention backend registered in diffusers' disp
 
 
 class ParallelState:
-    """What one parallelized module knows: its adapter, the mesh, the token strategy, and what the
+    """What one parallelized module knows: its adapter, the mesh, the controls it was given, the token strategy, and what the
     forward running now has seen (the text length, the whole image length)."""
 
-    def __init__(self, adapter, mesh):
+    def __init__(self, adapter, mesh, controls: Controls):
         self.adapter, self.mesh = adapter, mesh
+        self.controls = controls  # this model's deliberately wrong variants (none by default), which its strategy reads
         self.handle = comm.handle(self)  # how a compiled graph's operators find this state
         self.strategy: TokenStrategy | None = None  # SequenceShards or PipeFusionStage, set by parallelize
         self.cache = None  # a FirstBlockCache when parallelize was given a StepCache

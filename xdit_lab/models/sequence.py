@@ -19,7 +19,7 @@ columns of the text shards it attends. No family needs the whole text after its 
 forwards return the image only (Flux.2 slices its joined [text; image] by the text length the
 forward saw, the shard's).
 
-`shards_text = False` (on the class or an instance) keeps the joint text whole on every rank, the
+`Controls(shards_text=False)`, given to parallelize, keeps the joint text whole on every rank, the
 way before text was split: a control, deliberately more work per rank (tests/test_models.py counts
 the rows).
 """
@@ -42,8 +42,6 @@ class SequenceShards:
     """The token strategy of ulysses, ring and their hybrid (and of a single rank, where it splits
     nothing: no hook is installed, diffusers' forward runs as it is on this rank's batch rows)."""
 
-    shards_text = True  # the control (False): joint text whole on every rank, as before it was split
-
     def __init__(self, state):
         self.state, self.mesh = state, state.mesh
         self.shard_range = None  # (start, stop) of this rank's image tokens in the last forward
@@ -51,7 +49,8 @@ class SequenceShards:
         self.splits_tokens = self.takes_attention = sp > 1  # what the hooks install (models/hooks.py)
         joint = any(kind in JOINT_KINDS for kind in state.adapter.attention.values())
         # where this rank keeps its share of the joint text: "input", "block" (the adapter's), or None
-        self.text_shard_at = state.adapter.text_shard_at if (self.shards_text and joint and sp > 1) else None
+        shards_text = state.controls.shards_text  # the control (False): joint text whole on every rank
+        self.text_shard_at = state.adapter.text_shard_at if (shards_text and joint and sp > 1) else None
 
     def forward(self, run, bound):
         """One pass of the model's forward. Its arguments with one entry per image token (adapter.per_token:

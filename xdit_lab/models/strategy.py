@@ -8,6 +8,8 @@ PipeFusionStage), and what one step is handed.
 
 A strategy is told nothing about the session that drives it: a step gets a StepContext (the diffusers
 pipeline, the prepared request, the recipe, which step of how many), built by the session for that step.
+Deliberately wrong variants (Controls) are passed to one model's parallelize and read from its parallel
+state, never set on a strategy's class.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import dataclasses
 from typing import Any, Protocol
 
 import torch
+
+from ..attention.stale import StaleKV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +82,25 @@ class TokenStrategy(Protocol):
 
     def token_patches(self, tokens: int) -> list[tuple[int, int]]:
         """(patch, tokens) of this rank's tokens in the running forward."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Controls:
+    """Deliberately wrong variants that a measured bound must catch, passed to one model
+    (`parallelize(..., controls=Controls(...))`, `load_pipeline(..., controls=...)`) and kept on its
+    parallel state, where its strategy reads them: a control given to one model changes no other.
+
+    shards_text             False: sequence shards keep the joint text whole on every rank, as before
+                            it was split (more rows per rank; tests/test_models.py counts them)
+    buffer_type             the class of each layer's stale K/V buffer on a PipeFusion stage
+                            (xdit_lab.lessons.controls: zeros, or a read before the write)
+    drops_returned_latents  True: stage 0 of the async schedule receives the latents the last stage sends
+                            back but keeps its own, a step behind: the mistake the return path prevents
+    rebases_block_residuals False: a ControlNet's residuals reach a stage's blocks as the whole model
+                            indexes them: the mistake rebasing prevents
+    """
+
+    shards_text: bool = True
+    buffer_type: type = StaleKV
+    drops_returned_latents: bool = False
+    rebases_block_residuals: bool = True

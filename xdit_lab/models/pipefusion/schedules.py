@@ -80,7 +80,7 @@ class AsyncSchedule:
             if arriving:
                 buffer, requests = arriving[p]
                 comm.wait(requests)
-                if not stage.drops_returned_latents:
+                if not stage.state.controls.drops_returned_latents:
                     flat[:, self.patch_latents(latents, p)] = buffer
             model_input = recipe.model_input(inner, prepared, latents, t)  # checked: unscaled
             output = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))

@@ -53,18 +53,10 @@ class _StageDone(Exception):
 
 class PipeFusionStage:
     """The token strategy of PipeFusion: this rank's stage, its patch layout, stale K/V buffers and
-    the step counter.
-
-    Controls, deliberately wrong, that a test or a lesson sets on a stage or on the class to show that a
-    bound catches them: `buffer_type` makes each layer's K/V buffer (xdit_lab.lessons.controls),
-    `drops_returned_latents` has stage 0 of the async schedule receive the latents the last stage sends
-    back but keep its own (one step behind), the mistake the return path prevents, and
-    `rebases_block_residuals` False hands a ControlNet's residuals to the stage's blocks as the whole model
-    indexes them, the mistake rebasing prevents."""
-
-    buffer_type = StaleKV
-    drops_returned_latents = False
-    rebases_block_residuals = True
+    the step counter. The model's Controls (models/strategy.py, on its parallel state) may make each
+    layer's K/V buffer wrong (`buffer_type`), drop the latents sent back to stage 0 under the async
+    schedule (`drops_returned_latents`), or hand a ControlNet's residuals unrebased
+    (`rebases_block_residuals`)."""
 
     def __init__(self, state, config, blocks: tuple[int, int], model_config, dtype: torch.dtype):
         self.state, self.mesh, self.config = state, state.mesh, config
@@ -275,7 +267,7 @@ class PipeFusionStage:
         each held block takes in the whole model, in the order held (adapter.BlockResiduals), in place."""
         adapter = self.state.adapter
         counts = dict(zip(adapter.block_lists, adapter.block_counts))
-        for entry in adapter.block_residuals if self.rebases_block_residuals else ():
+        for entry in adapter.block_residuals if self.state.controls.rebases_block_residuals else ():
             residuals = arguments.get(entry.argument)
             if residuals is None:
                 continue
@@ -367,7 +359,7 @@ class PipeFusionStage:
         if kind not in STALE_KINDS:
             raise NotImplementedError(f"PipeFusion handles self and joint attention, not {kind}")
         if name not in self.buffers:
-            self.buffers[name] = self.buffer_type(
+            self.buffers[name] = self.state.controls.buffer_type(
                 self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING)
             )
         (q, k, v), joint = split_text(kind, text, query, key, value)

@@ -59,7 +59,7 @@ def _steps(config, family="pixart", control=None):
     stage = parallel_state(model).strategy
     return dict(
         rows=rows,
-        staleness=stage.staleness(),
+        staleness=stage.report().staleness,
         block_params=sum(p.numel() for block in adapter_for(model).blocks(model) for p in block.parameters()),
         whole=sum(per_block),
         per_block=per_block,

@@ -34,6 +34,7 @@ from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
 from .hooks import join_text, keep_forward_per_token, refuse_unsplittable, split_text
 from .step import whole_step
+from .strategy import StrategyReport
 
 JOINT_KINDS = ("joint_first", "joint_last")
 
@@ -71,21 +72,17 @@ class SequenceShards:
     def reset(self) -> None:
         """A new generation: nothing carries over between steps."""
 
-    # ---- what the rank keeps and holds: the questions every token strategy answers ------------------
-    hands_text = False  # nothing is handed on between stages
-
     def run_step(self, context, t) -> None:
         """One denoising step (`context`: a StepContext): one transformer call (models/step.py)."""
         whole_step(context, t)
 
-    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
-        """What this rank keeps between steps beside the latents and conditioning: nothing."""
-        return {}
+    # ---- what the views and the planner ask -----------------------------------------------------------
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
+        """This rank's shard of a `grid` of tokens; nothing is kept between steps, nothing handed on."""
+        tokens = None if grid is None else self._token_pieces(*grid)
+        return StrategyReport(kind="sequence shards", step=None, hands_text=False, kept_bytes={}, tokens=tokens)
 
-    def kept_bytes(self) -> dict[str, int]:
-        return {}
-
-    def token_pieces(self, rows: int, cols: int) -> dict:
+    def _token_pieces(self, rows: int, cols: int) -> dict:
         """The image tokens this rank computes for a rows × cols token grid: one contiguous shard (the
         last forward's, when it had this many tokens, else computed the same way)."""
         sp, sp_rank = self.mesh.group_size(SP), self.mesh.group_rank(SP)
@@ -98,9 +95,6 @@ class SequenceShards:
         else:
             source = "computed (no forward yet)"
         return dict(sp_size=sp, sp_rank=sp_rank, tokens=[[start, stop]], pipefusion=None, source=source)
-
-    def staleness(self):
-        return None
 
     decides_before_blocks = False  # a StepCache decides when the first block returns
 

@@ -8,8 +8,9 @@ PipeFusionStage), and what one step is handed.
 
 A strategy is told nothing about the session that drives it: a step gets a StepContext (the diffusers
 pipeline, the prepared request, the recipe, which step of how many), built by the session for that step.
-Deliberately wrong variants (Controls) are passed to one model's parallelize and read from its parallel
-state, never set on a strategy's class.
+Whatever the Lab, the lessons or the planner want to know of a strategy comes from one call,
+`strategy.report(grid, rows)`, as a frozen StrategyReport. Deliberately wrong variants (Controls) are
+passed to one model's parallelize and read from its parallel state, never set on a strategy's class.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class StepContext:
 
 
 class TokenStrategy(Protocol):
-    """What a token strategy answers; nothing else of it is called at run time."""
+    """What a token strategy answers: the hooks, the parallel forward, the session's step and the cache
+    call the members below at run time, and everything else asks `report`."""
 
     # what the hooks install (models/hooks.py): token hooks, the attention, the text where the blocks take it
     splits_tokens: bool
@@ -83,6 +85,10 @@ class TokenStrategy(Protocol):
     def token_patches(self, tokens: int) -> list[tuple[int, int]]:
         """(patch, tokens) of this rank's tokens in the running forward."""
 
+    # ---- what the views and the planner ask, in one record ---------------------------------------------
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
+        """This strategy now, its tokens for a `grid` of tokens, and what it would keep for `rows` batch rows."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Controls:
@@ -104,3 +110,30 @@ class Controls:
     buffer_type: type = StaleKV
     drops_returned_latents: bool = False
     rebases_block_residuals: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyReport:
+    """What a token strategy tells whoever looks at it (the Lab's views and summaries, the lessons, the
+    tests, the memory plan of a request), in one record from one call, `strategy.report(grid, rows)`:
+    the runtime classes answer the hooks, and this, nothing else.
+
+    kind                "sequence shards" or "pipefusion stage"
+    step                transformer calls since the last reset (a stage's diffusion step); None: not counted
+    hands_text          a stage hands on the text states with each patch (SD3, Flux, ...)
+    kept_bytes          what the strategy holds between steps now, counted tensor by tensor ({"stale K/V": n})
+    busy_s              host seconds a stage spent in its blocks, all calls (its bubble is the rest); None
+    staleness           a stage's stale K/V record per layer (StaleKV's written steps and reads); None
+    tokens              the image tokens this rank computes for `grid` (rows, cols) of tokens; None: none asked
+    planned_kept_bytes  what it would keep between steps for `rows` batch rows at `grid` ({}: nothing, or
+                        none asked)
+    """
+
+    kind: str
+    step: int | None
+    hands_text: bool
+    kept_bytes: dict[str, int]
+    busy_s: float | None = None
+    staleness: dict | None = None
+    tokens: dict | None = None
+    planned_kept_bytes: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -26,6 +26,7 @@ tokens; the ControlNet itself runs whole on every rank.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -38,6 +39,7 @@ from ...mesh import PIPEFUSION, RING, SP, ULYSSES
 from ...sharding import PatchLayout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
+from ..strategy import StrategyReport
 from .schedules import AsyncSchedule
 
 STALE_KINDS = SEQUENCE_PARALLEL_KINDS  # attention whose image K/V a stage keeps per patch
@@ -105,6 +107,7 @@ class PipeFusionStage:
                 f"blocks {(start, stop)}"
             )
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
+        stage.module = weakref.ref(transformer)  # held weakly: the module holds its state, which holds this
         if adapter.output_conditioning is not None and mesh.is_last_stage and start > 0:
             if block_0 is None:
                 raise ValueError(
@@ -125,7 +128,22 @@ class PipeFusionStage:
             state.hooks.forward_hook("pipefusion.hand_over", blocks[-1], stage._hand_over)
         return stage
 
-    # ---- what the rank keeps and holds: the questions every token strategy answers ------------------
+    # ---- what the views and the planner ask -----------------------------------------------------------
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
+        """This stage now (its step, its stale K/V held and their record, its seconds in its blocks), its
+        pieces of every patch of a `grid` of tokens, and the stale K/V it keeps for `rows` batch rows there."""
+        planned = {} if grid is None or rows is None else self.planned_kept_bytes(self.module(), rows, grid)
+        return StrategyReport(
+            kind="pipefusion stage",
+            step=self.step,
+            hands_text=self.hands_text,
+            kept_bytes=self._kept_bytes(),
+            busy_s=self.busy_s,
+            staleness=self._staleness(),
+            tokens=None if grid is None else self._token_pieces(*grid),
+            planned_kept_bytes=planned,
+        )
+
     def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
         """{"stale K/V": bytes} of the buffers this stage keeps between steps once a step ran with `rows`
         batch rows on this rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's
@@ -147,12 +165,12 @@ class PipeFusionStage:
         )
         return {"stale K/V": kv}
 
-    def kept_bytes(self) -> dict[str, int]:
+    def _kept_bytes(self) -> dict[str, int]:
         """{"stale K/V": bytes} of the buffers this stage holds now, counted tensor by tensor."""
         held = [t for b in self.buffers.values() for t in (b.keys, b.values) if t is not None]
         return {"stale K/V": sum(t.numel() * t.element_size() for t in held)}
 
-    def token_pieces(self, rows: int, cols: int) -> dict:
+    def _token_pieces(self, rows: int, cols: int) -> dict:
         """The image tokens this rank computes for a rows × cols token grid: its piece of every patch
         (the layout of the last forward when it had this grid, else computed the same way)."""
         sp, sp_rank = self.config.sp_degree, self.mesh.group_rank(SP)
@@ -423,7 +441,7 @@ class PipeFusionStage:
                 return residuals[-1]
         return None
 
-    def staleness(self) -> dict:
+    def _staleness(self) -> dict:
         """Small summary for views: per layer of this stage (named as in the whole model, in the
         forward's order), the step that wrote each patch and what attention read in the latest step
         (StaleKV.reads)."""

@@ -66,8 +66,8 @@ BACKEND_NAME = "xdit_lab"  # the attention backend registered in diffusers' disp
 
 
 class ParallelState:
-    """What one parallelized module knows: its adapter, the mesh, the controls it was given, the token strategy, and what the
-    forward running now has seen (the text length, the whole image length)."""
+    """What one parallelized module knows: its adapter, the mesh, the controls it was given, the token
+    strategy, and what the forward running now has seen (the text length, the whole image length)."""
 
     def __init__(self, adapter, mesh, controls: Controls):
         self.adapter, self.mesh = adapter, mesh

@@ -2,9 +2,9 @@
 the strategy that decides which tokens a rank holds (sequence.py's SequenceShards, pipefusion/'s
 PipeFusionStage), and what one step is handed.
 
-    session.step() ──StepContext──> strategy.run_step ──> transformer(...) ──> the parallel forward
-                                                                               ├─ strategy.forward
-                                                                               └─ the hooks: shard, attend, gather, ...
+    session.step() ──StepContext──> strategy.run_step ──> transformer(...): the parallel forward
+                                                            ├─ strategy.forward
+                                                            └─ the hooks: shard, attend, gather, ...
 
 A strategy is told nothing about the session that drives it: a step gets a StepContext (the diffusers
 pipeline, the prepared request, the recipe, which step of how many), built by the session for that step.

@@ -62,6 +62,7 @@ class PipeFusionStage:
 
     def __init__(self, state, config, blocks: tuple[int, int], model_config, dtype: torch.dtype):
         self.state, self.mesh, self.config = state, state.mesh, config
+        self.module = None  # the transformer, held weakly (apply): its state holds this stage
         self.blocks = blocks  # [start, stop) of the model's blocks held here
         self.dtype = dtype  # of the activations a stage hands over (the model's)
         self.model_config = model_config
@@ -107,7 +108,7 @@ class PipeFusionStage:
                 f"blocks {(start, stop)}"
             )
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
-        stage.module = weakref.ref(transformer)  # held weakly: the module holds its state, which holds this
+        stage.module = weakref.ref(transformer)
         if adapter.output_conditioning is not None and mesh.is_last_stage and start > 0:
             if block_0 is None:
                 raise ValueError(

@@ -14,7 +14,7 @@ single-stream blocks, 24 heads x 128) on `meta`, bf16, and run once per method i
                           splits the image and the text at the forward's input
   ours ulysses<N>         xdit_lab.parallelize: the joint text split like the image
   ours, text whole        the control: xdit_lab with the text whole on every rank
-                          (SequenceShards.shards_text = False, the way before issue 42)
+                          (controls=Controls(shards_text=False), the way before issue 42)
 
 Rows are batch x tokens at each linear layer's input (forward pre-hooks); linear FLOPs are 2 x rows x
 in_features x out_features. The target of issue 42: ours <= diffusers' per rank, at 2 and 4 ranks.
@@ -121,7 +121,7 @@ def measure_world(world: int, image_tokens: int, text_tokens: int, config: dict)
 
     from xdit_lab import ParallelConfig, RankMesh, parallelize
     from xdit_lab.distributed import shutdown_distributed
-    from xdit_lab.models import SequenceShards
+    from xdit_lab.models import Controls
 
     logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
@@ -134,11 +134,8 @@ def measure_world(world: int, image_tokens: int, text_tokens: int, config: dict)
         parallel = ParallelConfig(ulysses=world)
         mesh = RankMesh(parallel)
         ours = parallelize(copy.deepcopy(model), parallel, mesh)
-        try:
-            SequenceShards.shards_text = False  # the control: the text whole on every rank
-            control = parallelize(copy.deepcopy(model), parallel, mesh)
-        finally:
-            SequenceShards.shards_text = True
+        # the control: the text whole on every rank
+        control = parallelize(copy.deepcopy(model), parallel, mesh, controls=Controls(shards_text=False))
         methods = {
             "serial": model,
             f"diffusers ulysses{world}": peer,

@@ -7,7 +7,7 @@ On 2 ranks (pipefusion 2, 1 warmup step, the model's own 20 steps unless --steps
 draws the same batch (per_digit images of each digit: one batch of 10 × per_digit prompts, twice
 the rows with guidance), interleaved (drained, async, drained, ...) and repeated. Per run and rank:
   - seconds of the K pipelined steps (those after the warmup), the slowest rank's;
-  - the bubble: the share of those seconds a stage spent outside its blocks (PipeFusionStage.busy_s,
+  - the bubble: the share of those seconds a stage spent outside its blocks (the stage report's busy_s,
     host time around each patch's blocks), beside the closed form for N stages, M patches, equal
     stage times and free messages: drained (N-1)/(M+N-1), async (N-1)/(K·M+N-1);
   - the async latents' largest deviation from the drained ones (relative to their largest value).

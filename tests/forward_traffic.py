@@ -41,7 +41,7 @@ def forward_shapes(model, inputs: dict) -> dict:
         first_block_self_layers=first.count("self"),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,
-        handed_text=state.strategy.hands_text,
+        handed_text=state.strategy.report().hands_text,
         proj_width=model.get_submodule(adapter.gather_at).out_features,
         dtype_bytes=next(model.parameters()).element_size(),
     )

@@ -103,7 +103,7 @@ def _no_residuals(recipe) -> None:
 
 
 def _parallel(folders, configs):
-    from xdit_lab.models.pipefusion import PipeFusionStage
+    from xdit_lab.models import Controls
 
     rows, controls = [], {}
     for family, folder in folders.items():
@@ -115,11 +115,9 @@ def _parallel(folders, configs):
         _no_residuals(pipe.recipe)
         controls[family] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call(family)))
         # PipeFusion's control: each stage's blocks given the residuals as the whole model numbers its blocks
-        PipeFusionStage.rebases_block_residuals = False
-        config = PIPEFUSION[family]
-        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        config, unrebased = PIPEFUSION[family], Controls(rebases_block_residuals=False)
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, controls=unrebased)
         controls[family, "pipefusion"] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_call(family)))
-        PipeFusionStage.rebases_block_residuals = True
     return rows, controls
 
 

@@ -115,9 +115,9 @@ class MainsPhaseTimings(PhaseTimings):
 def _nan_checked(run_step):
     """A deliberately wrong control: a NaN check after the step, as a careful loop might add (one read)."""
 
-    def run(session, t):
-        run_step(session, t)
-        if session.prepared.latents.isnan().any():
+    def run(context, t):
+        run_step(context, t)
+        if context.prepared.latents.isnan().any():
             raise FloatingPointError("NaN in the latents")
 
     return run

@@ -5,8 +5,6 @@ K/V ages as the buffers recorded them, bytes moved equal the closed forms, PipeF
 blocks); then every view is drawn from them and its structure checked (axes, images, bars), not
 its pixels, against expectations worked out here (which rank owns which token)."""
 
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -40,11 +38,10 @@ def _two_steps(folder, config, prompts, size, control=None):
     from xdit_lab.lab.summaries import rank_summary
     from xdit_lab.lessons.controls import wrong_stale_kv
 
-    with wrong_stale_kv(control) if control else contextlib.nullcontext():
-        pipe = load_pipeline(folder, config, progress=False)
-        kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, height=size[0], width=size[1])
-        session = pipe.session(prompts, seed=0, timeline=True, **kwargs)
-        after = [rank_summary(session.step()) for _ in range(2)]
+    pipe = load_pipeline(folder, config, progress=False, controls=wrong_stale_kv(control))
+    kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, height=size[0], width=size[1])
+    session = pipe.session(prompts, seed=0, timeline=True, **kwargs)
+    after = [rank_summary(session.step()) for _ in range(2)]
     return dict(
         summaries=after, latent=session.latents[0, 0].numpy(), spans=session.last_step_spans, comm=session.comm_per_step
     )

@@ -221,7 +221,7 @@ def _rows_per_rank(image_side: int, text_len: int):
     from diffusers import ContextParallelConfig
 
     from xdit_lab.families import adapter_for
-    from xdit_lab.models import SequenceShards
+    from xdit_lab.models import Controls
 
     config = ParallelConfig(ulysses=2)
     model = tiny_transformer("flux", seed=0)
@@ -236,11 +236,8 @@ def _rows_per_rank(image_side: int, text_len: int):
         peer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
     mesh = RankMesh(config)
     ours = parallelize(copy.deepcopy(model), config, mesh)
-    try:
-        SequenceShards.shards_text = False  # the control: the text whole on every rank, as before
-        control = parallelize(copy.deepcopy(model), config, mesh)
-    finally:
-        SequenceShards.shards_text = True
+    # the control: the text whole on every rank, as before
+    control = parallelize(copy.deepcopy(model), config, mesh, controls=Controls(shards_text=False))
     rows, errors = {}, {}
     for name, candidate in (("diffusers", peer), ("ours", ours), ("control", control)):
         out = {}

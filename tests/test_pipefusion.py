@@ -4,7 +4,6 @@ Every run above one rank also shows its traffic: the bytes each rank sent in eac
 the closed form (xdit_lab.traffic.expected_bytes_per_step; tests/forward_traffic.py reads its sizes from a
 transformer called outside a session)."""
 
-import contextlib
 import functools
 
 import pytest
@@ -43,9 +42,8 @@ def _steps(config, family="pixart", control=None):
     with torch.no_grad():
         reference = [model(**x).sample for x in inputs]
     rows = []
-    # a control's buffers are made at the first forward: the wrong buffer type stays installed throughout
-    with torch.no_grad(), wrong_stale_kv(control) if control else contextlib.nullcontext():
-        model = parallelize(model, config)
+    with torch.no_grad():
+        model = parallelize(model, config, controls=wrong_stale_kv(control))
         for step, (x, ref) in enumerate(zip(inputs, reference)):
             with comm_log() as log:
                 out = model(**x).sample
@@ -61,7 +59,7 @@ def _steps(config, family="pixart", control=None):
     stage = parallel_state(model).strategy
     return dict(
         rows=rows,
-        staleness=stage.staleness(),
+        staleness=stage.report().staleness,
         block_params=sum(p.numel() for block in adapter_for(model).blocks(model) for p in block.parameters()),
         whole=sum(per_block),
         per_block=per_block,
@@ -388,10 +386,9 @@ def _digits(config, per_digit, controls=()):
     for control in (None, *controls):
         per = per_digit if control is None else 1
         digits = [d for d in range(10) for _ in range(per)]
-        with wrong_stale_kv(control) if control else contextlib.nullcontext():
-            pipe = load_pipeline("digits", config, mesh=RankMesh(config), progress=False)
-            generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per)]
-            session = pipe.session([prompt_for(d) for d in digits], generator=generators).run()
+        pipe = load_pipeline("digits", config, mesh=RankMesh(config), progress=False, controls=wrong_stale_kv(control))
+        generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per)]
+        session = pipe.session([prompt_for(d) for d in digits], generator=generators).run()
         runs[control] = dict(latents=session.latents.clone(), digits=digits, traffic=session_traffic(session))
         if control is None:
             runs[None]["read"] = classify(session.result(output_type="np").images).tolist()

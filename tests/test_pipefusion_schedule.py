@@ -16,7 +16,7 @@ from forward_traffic import session_traffic, traffic_mismatches
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, load_pipeline, parallelize
 from xdit_lab.digits import DIGITS_DIR, call_kwargs, prompt_for
 from xdit_lab.lessons.families import output_latents
-from xdit_lab.models import StepCache
+from xdit_lab.models import Controls, StepCache
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
 
@@ -41,25 +41,20 @@ def _digits_latents(configs, controls, extras=False):
     final latents and each step's bytes out by (group, tag); then the refusal of a noisy scheduler."""
     from diffusers import DDPMScheduler
 
-    from xdit_lab.models.pipefusion import PipeFusionStage
-
     rows = {}
     for config, control in [(c, False) for c in configs] + [(c, True) for c in controls]:
-        pipe = load_pipeline(DIGITS_DIR, config, mesh=RankMesh(config), progress=False)
-        PipeFusionStage.drops_returned_latents = control
-        try:
-            session = pipe.session(DIGITS, num_inference_steps=STEPS, seed=3)  # the folder's own defaults
-            steps = []
-            for _ in range(STEPS):
-                with comm_log() as log:
-                    session.step()
-                sent = {}
-                for r in log:
-                    if r.bytes_out:
-                        sent[r.group, r.tag] = sent.get((r.group, r.tag), 0) + r.bytes_out
-                steps.append(sent)
-        finally:
-            PipeFusionStage.drops_returned_latents = False
+        given = Controls(drops_returned_latents=control)
+        pipe = load_pipeline(DIGITS_DIR, config, mesh=RankMesh(config), progress=False, controls=given)
+        session = pipe.session(DIGITS, num_inference_steps=STEPS, seed=3)  # the folder's own defaults
+        steps = []
+        for _ in range(STEPS):
+            with comm_log() as log:
+                session.step()
+            sent = {}
+            for r in log:
+                if r.bytes_out:
+                    sent[r.group, r.tag] = sent.get((r.group, r.tag), 0) + r.bytes_out
+            steps.append(sent)
         rows[_name(config, control)] = dict(
             latents=session.latents.clone(), steps=steps, last=pipe.mesh.is_last_stage, traffic=session_traffic(session)
         )
@@ -152,18 +147,13 @@ FAMILIES = ["sd3", "flux", "cogvideox", "wan"]  # a latent layout each beside th
 
 
 def _families(folders):
-    from xdit_lab.models.pipefusion import PipeFusionStage
-
     rows = {}
     for family, folder in folders.items():
         kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=3)
         for config, control in ((DRAINED[0], False), (ASYNC[0], False), (ASYNC[0], True)):
-            pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-            PipeFusionStage.drops_returned_latents = control  # the control: stage 0 drops the latents sent back
-            try:
-                session = pipe.session(["a red cat"], seed=0, **kwargs).run()
-            finally:
-                PipeFusionStage.drops_returned_latents = False
+            given = Controls(drops_returned_latents=control)  # the control: stage 0 drops the latents sent back
+            pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, controls=given)
+            session = pipe.session(["a red cat"], seed=0, **kwargs).run()
             latents = output_latents(session.result(output_type="latent"))
             rows[family, _name(config, control)] = dict(latents=latents, traffic=session_traffic(session))
     return rows

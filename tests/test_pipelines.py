@@ -122,7 +122,7 @@ def _held_between_steps(pipe, session) -> dict[str, int]:
         conditioning=size(session.prepared.conditioning.values()),  # each entry a tensor, or None
     )
     strategy = parallel_state(pipe.diffusers_pipeline.transformer).strategy
-    held.update(strategy.kept_bytes())  # PipeFusion: its stale K/V buffers, counted tensor by tensor
+    held.update(strategy.report().kept_bytes)  # PipeFusion: its stale K/V buffers, counted tensor by tensor
     return held
 
 

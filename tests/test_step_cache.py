@@ -396,7 +396,7 @@ def _stale_pipefusion(folder, threshold):
     config = ParallelConfig(pipefusion=2, num_patches=2, warmup_steps=1)
     pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(threshold))
     session = pipe.session(PROMPTS, seed=0, **_call_kwargs("pixart")).run()
-    stage = parallel_state(pipe.diffusers_pipeline.transformer).strategy.staleness()
+    stage = parallel_state(pipe.diffusers_pipeline.transformer).strategy.report().staleness
     return dict(skips=list(session.cache_skips), written=stage["written_step"], traffic=session_traffic(session))
 
 

@@ -162,9 +162,9 @@ def _stale_steps(folder):
     stages = [parallel_state(t).strategy for t in (inner.transformer, inner.transformer_2)]
     while not session.done:
         expert = pipe.recipe.transformer_for(inner, session.prepared, session.timestep)
-        counter = parallel_state(expert).strategy.step
+        counter = parallel_state(expert).strategy.report().step
         session.step()
-        steps.append((session.step_experts[-1], counter, [stage.kept_bytes()["stale K/V"] for stage in stages]))
+        steps.append((session.step_experts[-1], counter, [stage.report().kept_bytes["stale K/V"] for stage in stages]))
     planned = pipe.memory_plan_for(PROMPTS, **_call()).activation_bytes["stale K/V"][1]
     return steps, planned, session_traffic(session)
 

@@ -277,7 +277,7 @@ def _pipefusion(heads):
             shape = dict(layers=2, rows=2, heads=heads, head_dim=TINY_HEAD_DIM, grid=(4, 4), patches=2, ulysses=2)
             shape |= dict(ring=1, ring_rank=0, element_bytes=4)
             kept = dict(
-                held=parallel_state(parallel).strategy.kept_bytes()["stale K/V"],
+                held=parallel_state(parallel).strategy.report().kept_bytes["stale K/V"],
                 mine=stale_kv_bytes(**shape, ulysses_rank=mesh.group_rank(ULYSSES)),
                 busiest=stale_kv_bytes(**shape),
             )

@@ -41,7 +41,7 @@ from .quantization import QuantizationError
 if TYPE_CHECKING:
     from .families.recipe import Recipe
     from .model_folder import ModelFolder
-    from .models import StepCache
+    from .models import Controls, StepCache
     from .quantization import Quantization
 
 
@@ -72,6 +72,7 @@ class LoadOptions:
     lora: object = None  # [(path_or_state_dict, scale[, "transformer_2"]), ...]
     fuse_lora: bool = True
     pipeline_class: str | None = None
+    controls: Controls | None = None  # deliberately wrong variants for tests and lessons (models.Controls); none
 
     def __post_init__(self):
         if isinstance(self.on_host, str):
@@ -162,6 +163,7 @@ class LoadOptions:
             ],
             fuse_lora=self.fuse_lora,
             pipeline_class=self.pipeline_class,
+            controls=None if self.controls is None else repr(self.controls),
         )
 
     # ---- the rules, by option --------------------------------------------------------------------------------

@@ -223,7 +223,7 @@ def load_sharded_transformer(
 ) -> torch.nn.Module:
     """The transformer in `folder` parallelized under `config` with its weights sharded (FSDP2 over the ranks
     of its stage), built empty and filled with this rank's rows only: no rank reads or maps the whole
-    checkpoint. `parallel`: parallelize's other options (cache, compile)."""
+    checkpoint. `parallel`: parallelize's other options (cache, compile, controls)."""
     from .models import parallelize
 
     model = empty_model(folder, "diffusers", class_name, dtype)
@@ -351,22 +351,25 @@ def load_own_components(
     on_host=(),
     cache=None,
     compile=False,
+    controls=None,
 ) -> dict:
     """{name: module} of the components this rank builds from the files itself, each reading only what it keeps
     (the headers `model` parsed); load_pipeline hands these to diffusers' from_pretrained, which loads the rest
     whole (an image encoder, a ControlNet, the VAE), by the role the folder gives each component:
       - quantized ones (`quantized`: quantization.resolve's), block by block (load_quantized_components);
       - with `sharding`, the transformer and the expert (Wan 2.2 A14B's two alike) parallelized and sharded, then
-        this rank's rows read (`cache`, `compile`: parallelize's), and every text encoder not kept `on_host`;
+        this rank's rows read (`cache`, `compile`, `controls`: parallelize's), and every text encoder not kept
+        `on_host`;
       - under PipeFusion without sharding, each transformer's stage: its own blocks and the rest."""
     folder, index, header = model.path, model.index, model.header
     loaded = load_quantized_components(model, config, mesh, dtype, device, quantized) if quantized else {}
+    parallel = dict(cache=cache, compile=compile, controls=controls)
     for name in model.named(TRANSFORMER, EXPERT):
         if name in loaded:
             continue
         if sharding:
             loaded[name] = load_sharded_transformer(
-                folder / name, index[name][1], config, mesh, dtype, device, header, cache=cache, compile=compile
+                folder / name, index[name][1], config, mesh, dtype, device, header, **parallel
             )
         elif config.pipefusion > 1:
             blocks = stage_blocks(folder, index, config, mesh, name)

@@ -154,7 +154,9 @@ def load_pipeline(
     `FluxImg2ImgPipeline.from_pretrained(folder)` does: image to image from a FluxPipeline folder,
     "WanImageToVideoPipeline" from Wan 2.2 TI2V 5B's. The pipelines each family runs: families.RECIPES.
 
-    `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype)."""
+    `torch_dtype="auto"` (the default) loads bfloat16 on a GPU and float32 on a CPU (resolve_dtype).
+    `controls=Controls(...)` (xdit_lab.models) hands this pipeline's models deliberately wrong variants (tests
+    and lessons show that a bound catches them); by default none."""
     options = LoadOptions.given(options, **keywords)
     config = ParallelConfig() if config is None else config
     model, recipe, call_defaults = read_and_check(name_or_path, config, options)
@@ -246,7 +248,7 @@ def build_own_components(model: ModelFolder, config, mesh, dtype, device, option
     blocks, a shard's rows, quantized blocks); diffusers loads the rest (loading.load_own_components)."""
     return load_own_components(
         model, config, mesh, dtype, device, sharding=options.sharding(config), quantized=options.quantized(model),
-        on_host=options.on_host, cache=options.cache, compile=options.compile,
+        on_host=options.on_host, cache=options.cache, compile=options.compile, controls=options.controls,
     )  # fmt: skip
 
 
@@ -304,9 +306,11 @@ def parallelize_named(inner, config, mesh, options: LoadOptions) -> None:
     if not options.sharding(config):
         for transformer in (inner.transformer, getattr(inner, "transformer_2", None)):
             if transformer is not None:
-                parallelize(transformer, config, mesh, cache=options.cache, compile=options.compile)
+                parallelize(
+                    transformer, config, mesh, cache=options.cache, compile=options.compile, controls=options.controls
+                )
     if getattr(inner, "controlnet", None) is not None and config.pipefusion == 1:
-        parallelize(inner.controlnet, config, mesh)
+        parallelize(inner.controlnet, config, mesh, controls=options.controls)
 
 
 def parallel_vae(inner, config, mesh) -> None:

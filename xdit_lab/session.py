@@ -38,7 +38,7 @@ from . import comm
 from .families import Prepared, Request
 from .families.recipe import pad_text
 from .mesh import CFG, DP, WORLD
-from .models import parallel_state
+from .models import StepContext, parallel_state
 from .sharding import shard_sizes
 
 PHASES = ("encode", "prepare", "step", "decode")
@@ -184,7 +184,7 @@ class DenoiseSession:
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
         with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans:
-            state.strategy.run_step(self, t)
+            state.strategy.run_step(self._context(), t)
         self.comm_per_step.append(log.bytes_by_group())
         if spans is not None:
             self.last_step_spans = dict(step=self.step_index, seconds=spans.end_s - spans.start_s, spans=spans.rows())
@@ -193,6 +193,11 @@ class DenoiseSession:
         self.step_experts.append([id(m) for m in experts].index(id(transformer)))
         self.step_index += 1
         return self
+
+    def _context(self) -> StepContext:
+        """What the token strategy's step is handed: this step, not the session."""
+        inner = self.pipe.diffusers_pipeline
+        return StepContext(inner, self.prepared, self.recipe, self.step_index, self.num_steps)
 
     def run(self) -> DenoiseSession:
         """Run the remaining steps (with a progress bar on the first rank when asked)."""

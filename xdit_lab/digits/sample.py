@@ -83,9 +83,10 @@ def measure_accuracy(pipe, per_digit: int = 10, **overrides) -> dict:
     }
 
 
-def generate_parallel(config, per_digit: int = 10, cache=None, quantization=None) -> dict:
+def generate_parallel(config, per_digit: int = 10, cache=None, quantization=None, controls=None) -> dict:
     """On a rank of `config`: per_digit images of each digit (seeds 0..per_digit-1, one generator
-    each) through load_pipeline (with a StepCache, a quantization when given); the final latents, what
+    each) through load_pipeline (with a StepCache, a quantization, deliberately wrong Controls when
+    given); the final latents, what
     the classifier reads, the seconds the denoising steps took, the steps the cache skipped and the
     bytes the transformer's weights hold on this rank."""
     import torch
@@ -96,7 +97,7 @@ def generate_parallel(config, per_digit: int = 10, cache=None, quantization=None
     digits = [d for d in range(10) for _ in range(per_digit)]
     generators = [torch.Generator().manual_seed(s) for _ in range(10) for s in range(per_digit)]
 
-    pipe = load_pipeline("digits", config, progress=False, cache=cache, quantization=quantization)
+    pipe = load_pipeline("digits", config, progress=False, cache=cache, quantization=quantization, controls=controls)
     weights = local_parameter_bytes(pipe.diffusers_pipeline.transformer)
     t0 = time.perf_counter()
     session = pipe.session([prompt_for(d) for d in digits], generator=generators)  # the folder's defaults

@@ -44,6 +44,7 @@ def rank_summary(session) -> dict:
     state = parallel_state(transformer)
     rows, cols = token_grid(session)
     step = session.step_index
+    report = state.strategy.report(grid=(rows, cols))
     summary = dict(
         rank=mesh.rank,
         mesh=str(mesh),
@@ -57,11 +58,11 @@ def rank_summary(session) -> dict:
         timestep=float(session.prepared.timesteps[step - 1]) if step else None,
         grid=[rows, cols],
         image_tokens=rows * cols,
-        shapes=_shapes(session, transformer, state, rows, cols),
-        shard=state.strategy.token_pieces(rows, cols),
+        shapes=_shapes(session, transformer, state, report, rows, cols),
+        shard=report.tokens,
         batch=_batch(session, state),
-        staleness=_staleness(state.strategy.staleness()),
-        memory=_memory(pipe, session, state.strategy),
+        staleness=_staleness(report.staleness),
+        memory=_memory(pipe, session, report),
         cache=_cache(session, state),
         encode=dict(prompts=list(session.own_prompts), bytes=dict(session.comm_encode)),
         decode=_decode(session),
@@ -144,7 +145,7 @@ def _controlnet_layers(session) -> dict:
     )
 
 
-def _shapes(session, transformer, state, rows, cols) -> dict:
+def _shapes(session, transformer, state, report, rows, cols) -> dict:
     """Sizes the communication formulas need, read from the model this rank holds."""
     named_kinds = [(name, state.adapter.attention_kind(name)) for name, _ in transformer.named_modules()]
     kinds = [kind for _, kind in named_kinds]
@@ -181,7 +182,7 @@ def _shapes(session, transformer, state, rows, cols) -> dict:
         if "cross" in kinds
         else None,
         # PipeFusion: a stage hands on the text states with each patch where its blocks change them (SD3, Flux, ...)
-        handed_text=state.strategy.hands_text,
+        handed_text=report.hands_text,
         proj_width=gather.out_features,  # features per token where tokens are gathered (before unpatchify)
         dtype_bytes=next(transformer.parameters()).element_size(),
         # the async PipeFusion schedule sends latents back to stage 0: their size, and the last step
@@ -251,14 +252,14 @@ def _staleness(info: dict | None) -> dict | None:
     )
 
 
-def _memory(pipe, session, strategy) -> dict:
+def _memory(pipe, session, report) -> dict:
     figures = rank_memory(pipe)
     params = figures.pop("parameter_bytes")
     total = figures.pop("parameter_total")
     transformer = pipe.diffusers_pipeline.transformer
     state = parallel_state(transformer)  # the blocks this rank holds, of every block list; a shard's own bytes
     blocks = sum(local_parameter_bytes(block) for block in state.adapter.blocks(transformer))
-    kv = sum(strategy.kept_bytes().values())  # what the strategy keeps between steps (PipeFusion: stale K/V)
+    kv = sum(report.kept_bytes.values())  # what the strategy keeps between steps (PipeFusion: stale K/V)
     components = component_holdings(pipe)  # each as this rank holds it: shards, buffers, on the host or not
     gathers = max((c["gather_bytes"] for c in components.values()), default=0)  # whole during a sharded forward
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above

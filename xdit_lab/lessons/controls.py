@@ -4,8 +4,9 @@ A measured bound (the deviation of stale PipeFusion from the serial run, of a bf
 from the float32 one, of int8 weights from the unquantized run) means something only if a wrong variant
 exceeds it. These are those variants:
 
-    with wrong_stale_kv("zeros"): ...            zeros where the stale K/V should be
-    with wrong_stale_kv("read before write"): ... a patch attends to its own K/V of the step before
+    parallelize(..., controls=wrong_stale_kv("zeros"))     zeros where the stale K/V should be
+    load_pipeline(..., controls=wrong_stale_kv("read before write"))
+                                                  a patch attends to its own K/V of the step before
     generate_with_control(config, n, kind)        (rank) the digits, optionally under one of them
     with band_statistics_in_activation_dtype(): ... the VAE band's GroupNorm sums in bfloat16 (the old bug)
     coarser_quantization(bits=4, group_size=32)   int4 weights: what a bound on int8 weight-only must catch
@@ -19,6 +20,7 @@ import torch
 
 from .. import comm, vae
 from ..attention.stale import StaleKV
+from ..models import Controls
 
 
 class ZeroStaleKV(StaleKV):
@@ -60,30 +62,24 @@ class ReadBeforeWriteKV(StaleKV):
 CONTROLS = {"zeros": ZeroStaleKV, "read before write": ReadBeforeWriteKV}
 
 
-@contextlib.contextmanager
-def wrong_stale_kv(kind: str):
-    """Inside, every PipeFusion stage of this process builds `kind`'s deliberately wrong buffers
+def wrong_stale_kv(kind: str | None) -> Controls:
+    """The Controls under which a model's PipeFusion stages build `kind`'s deliberately wrong buffers
     ("zeros" or "read before write") instead of StaleKV: a control that a bound on PipeFusion's
-    deviation from serial must catch. Restored on the way out."""
-    from ..models import PipeFusionStage
-
+    deviation from serial must catch. None: no control (StaleKV). Given to one model (parallelize's or
+    load_pipeline's `controls=`), it changes no other."""
+    if kind is None:
+        return Controls()
     if kind not in CONTROLS:
         raise ValueError(f"unknown control {kind!r}; choose one of {', '.join(CONTROLS)}")
-    before = PipeFusionStage.buffer_type
-    PipeFusionStage.buffer_type = CONTROLS[kind]
-    try:
-        yield
-    finally:
-        PipeFusionStage.buffer_type = before
+    return Controls(buffer_type=CONTROLS[kind])
 
 
 def generate_with_control(config, per_digit: int = 10, control: str | None = None) -> dict:
-    """(rank) xdit_lab.digits.sample.generate_parallel(config, per_digit), with `control`'s wrong
-    K/V buffers when one is named (see wrong_stale_kv)."""
+    """(rank) xdit_lab.digits.sample.generate_parallel(config, per_digit), its pipeline loaded with
+    `control`'s wrong K/V buffers when one is named (see wrong_stale_kv)."""
     from ..digits.sample import generate_parallel
 
-    with wrong_stale_kv(control) if control else contextlib.nullcontext():
-        return generate_parallel(config, per_digit)
+    return generate_parallel(config, per_digit, controls=wrong_stale_kv(control))
 
 
 def coarser_quantization(bits: int = 4, group_size: int | None = 32):

@@ -186,7 +186,7 @@ def planned_and_held(state: dict, prompts: int) -> dict:
     plan = pipe.memory_plan_for(prompts)
 
     held = dict(latents=held_bytes(prepared.latents), conditioning=held_bytes(prepared.conditioning))
-    held.update(parallel_state(pipe.diffusers_pipeline.transformer).strategy.kept_bytes())  # PipeFusion: stale K/V
+    held.update(parallel_state(pipe.diffusers_pipeline.transformer).strategy.report().kept_bytes)  # stale K/V
     planned = {name: plan.activation_bytes[name][1] for name in held}
     return dict(planned=planned, held=held, total=plan.total_per_rank, table=plan.table())
 

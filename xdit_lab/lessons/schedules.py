@@ -6,7 +6,7 @@
     markdown(table)                                the table as Markdown
 
 The bubble is measured, not assumed: a stage counts the host seconds it spends in its blocks
-(PipeFusionStage.busy_s), and the rest of the pipelined steps is idle. The closed form assumes
+(its report's busy_s), and the rest of the pipelined steps is idle. The closed form assumes
 equal stages and free messages: drained (N-1)/(M+N-1) of every step, async (N-1)/(K·M+N-1) of K
 pipelined steps. On a GPU the blocks' kernels run asynchronously, so busy_s counts launching:
 measure a GPU's bubble with a profiler.
@@ -45,7 +45,7 @@ def run_schedules(configs, prompts, steps=None, repeats=1, threads=1) -> list[di
             session = pipe.session(prompts, seed=0, **({"num_inference_steps": steps} if steps else {}))
             for _ in range(config.warmup_steps):
                 session.step()
-            busy, started = stage.busy_s, time.perf_counter()
+            busy, started = stage.report().busy_s, time.perf_counter()
             session.run()
             seconds = time.perf_counter() - started
             rows.append(
@@ -54,7 +54,7 @@ def run_schedules(configs, prompts, steps=None, repeats=1, threads=1) -> list[di
                     repeat=repeat,
                     pipelined_steps=session.num_steps - config.warmup_steps,
                     seconds=seconds,
-                    bubble=1 - (stage.busy_s - busy) / seconds,
+                    bubble=1 - (stage.report().busy_s - busy) / seconds,
                     latents=session.latents.clone() if repeat == 0 else None,
                 )
             )

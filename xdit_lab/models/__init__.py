@@ -10,6 +10,8 @@ sharded_weights.py  torch's FSDP2 over the ranks that hold the same weights (sha
 parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take;
               unparallelize undoes it
 installed.py  Installed: every hook and replacement parallelize installs, by name, and their removal
+strategy.py   the token strategy's interface (TokenStrategy), what a step is handed (StepContext), what
+              a strategy reports (StrategyReport), the deliberately wrong variants a model is given (Controls)
 """
 
 from .cache import StepCache
@@ -18,6 +20,7 @@ from .parallel import compile_problems, parallelize, unparallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import ShardedWeights, shard_text_encoder, shard_weights, weight_gather_bytes, weight_units
+from .strategy import Controls, StepContext, StrategyReport, TokenStrategy
 
 __all__ = [
     "StepCache",
@@ -28,6 +31,10 @@ __all__ = [
     "compile_problems",
     "PipeFusionStage",
     "SequenceShards",
+    "Controls",
+    "StepContext",
+    "StrategyReport",
+    "TokenStrategy",
     "ShardedWeights",
     "shard_weights",
     "shard_text_encoder",

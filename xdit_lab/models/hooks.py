@@ -35,8 +35,8 @@ How attention is taken over, without watching every torch call:
 
 How tokens are split is the strategy's alone: one contiguous shard per sequence-parallel rank
 (sequence.py), or a PipeFusion stage's patches (pipefusion/). The hooks below never ask which; a
-strategy says what it needs (`splits_tokens`, `takes_attention`, `text_shard_at`; a strategy that does
-not say splits tokens and takes attention, and keeps the text whole).
+strategy says what it needs (`splits_tokens`, `takes_attention`, `text_shard_at`: the members of
+TokenStrategy, models/strategy.py, that decide what is installed).
 `parallel_state(module)` is the one way to read what a parallelized module knows.
 """
 
@@ -58,6 +58,7 @@ from ..families.adapter import SEQUENCE_PARALLEL_KINDS, RankLocal
 from ..mesh import CFG, DP
 from ..sharding import batch_rows
 from .installed import Installed
+from .strategy import Controls, TokenStrategy
 
 log = logging.getLogger("xdit_lab.models")
 
@@ -65,13 +66,14 @@ BACKEND_NAME = "xdit_lab"  # the attention backend registered in diffusers' disp
 
 
 class ParallelState:
-    """What one parallelized module knows: its adapter, the mesh, the token strategy, and what the
-    forward running now has seen (the text length, the whole image length)."""
+    """What one parallelized module knows: its adapter, the mesh, the controls it was given, the token
+    strategy, and what the forward running now has seen (the text length, the whole image length)."""
 
-    def __init__(self, adapter, mesh):
+    def __init__(self, adapter, mesh, controls: Controls):
         self.adapter, self.mesh = adapter, mesh
+        self.controls = controls  # this model's deliberately wrong variants (none by default), which its strategy reads
         self.handle = comm.handle(self)  # how a compiled graph's operators find this state
-        self.strategy = None  # SequenceShards or PipeFusionStage, set by parallelize
+        self.strategy: TokenStrategy | None = None  # SequenceShards or PipeFusionStage, set by parallelize
         self.cache = None  # a FirstBlockCache when parallelize was given a StepCache
         self.weights = None  # a ShardedWeights when parallelize was asked to shard them (sharded_weights.py)
         self.stand_in = False  # this rank computes a dp stand-in row (it has no rows of its own)
@@ -97,11 +99,6 @@ def parallel_state(module) -> ParallelState | None:
     return getattr(module, STATE_ATTRIBUTE, None)
 
 
-def _says(strategy, what: str) -> bool:
-    """What a strategy says it needs; one that does not say splits tokens and takes attention."""
-    return getattr(strategy, what, True)
-
-
 def install_hooks(transformer, state: ParallelState) -> None:
     """Shard, rotary, text and gather hooks at the adapter's places, and the attention of every known
     self and joint attention module handed to the strategy (as far as the strategy needs them)."""
@@ -118,7 +115,7 @@ def install_hooks(transformer, state: ParallelState) -> None:
                 )
             continue
         known += 1
-        if kind in SEQUENCE_PARALLEL_KINDS and _says(strategy, "takes_attention"):
+        if kind in SEQUENCE_PARALLEL_KINDS and strategy.takes_attention:
             before = _attend_through_site(module, AttentionSite(state, kind, name), state.hooks)
             if before is not None:
                 replaced.setdefault(before, []).append(name)
@@ -137,7 +134,7 @@ def install_hooks(transformer, state: ParallelState) -> None:
             backend,
             BACKEND_NAME,
         )
-    if _says(strategy, "splits_tokens"):
+    if strategy.splits_tokens:
         for path in (adapter.shard_at, *adapter.shard_also):
             _hook_output(transformer, state, path, "shard")
         if adapter.gather_at is not None:  # None: a ControlNet, whose residuals stay this rank's
@@ -147,7 +144,7 @@ def install_hooks(transformer, state: ParallelState) -> None:
         for entry in adapter.per_token:
             if entry.module:
                 _hook_per_token(transformer, state, entry)
-    if getattr(strategy, "text_shard_at", None) == "block":
+    if strategy.text_shard_at == "block":
         _hook_text_at_first_block(transformer, state)
     setattr(transformer, STATE_ATTRIBUTE, state)
 

@@ -34,6 +34,7 @@ from .hooks import (
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import shard_transformer
+from .strategy import Controls
 
 
 def parallelize(
@@ -44,6 +45,7 @@ def parallelize(
     cache: StepCache | None = None,
     compile: bool | str = False,
     shard_weights: bool = False,
+    controls: Controls | None = None,
 ):
     """Make `transformer` (a diffusers DiT) run under `config` on this rank; returns it.
 
@@ -59,7 +61,9 @@ def parallelize(
     with torch's FSDP2 (sharded_weights.py): each rank keeps 1/N of them, and each block is gathered
     just before it runs; `parallel_state(t).weights` says what was sharded (nothing on a group of one).
     With compile=True too, FSDP2's gathers run eagerly between compiled pieces (torch marks its hooks
-    as not traceable): exact and recorded alike, but in several graphs (a break at every block) rather than one."""
+    as not traceable): exact and recorded alike, but in several graphs (a break at every block) rather than one.
+    `controls` (models/strategy.py) are deliberately wrong variants for this model alone, which tests and
+    lessons give to show that a bound catches them; by default none."""
     check_diffusers_version()
     backend = _compile_backend(compile) if compile else None
     adapter = adapter_for(transformer)
@@ -101,7 +105,7 @@ def parallelize(
             f"ranks): only ranks with mesh.active run the model"
         )
 
-    state = ParallelState(adapter, mesh)
+    state = ParallelState(adapter, mesh, controls or Controls())
     state.owns_mesh = owns_mesh
     if getattr(config, PIPEFUSION) > 1:
         state.strategy = PipeFusionStage.apply(transformer, state, config)

@@ -19,7 +19,7 @@ columns of the text shards it attends. No family needs the whole text after its 
 forwards return the image only (Flux.2 slices its joined [text; image] by the text length the
 forward saw, the shard's).
 
-`shards_text = False` (on the class or an instance) keeps the joint text whole on every rank, the
+`Controls(shards_text=False)`, given to parallelize, keeps the joint text whole on every rank, the
 way before text was split: a control, deliberately more work per rank (tests/test_models.py counts
 the rows).
 """
@@ -34,6 +34,7 @@ from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
 from .hooks import join_text, keep_forward_per_token, refuse_unsplittable, split_text
 from .step import whole_step
+from .strategy import StrategyReport
 
 JOINT_KINDS = ("joint_first", "joint_last")
 
@@ -42,8 +43,6 @@ class SequenceShards:
     """The token strategy of ulysses, ring and their hybrid (and of a single rank, where it splits
     nothing: no hook is installed, diffusers' forward runs as it is on this rank's batch rows)."""
 
-    shards_text = True  # the control (False): joint text whole on every rank, as before it was split
-
     def __init__(self, state):
         self.state, self.mesh = state, state.mesh
         self.shard_range = None  # (start, stop) of this rank's image tokens in the last forward
@@ -51,7 +50,8 @@ class SequenceShards:
         self.splits_tokens = self.takes_attention = sp > 1  # what the hooks install (models/hooks.py)
         joint = any(kind in JOINT_KINDS for kind in state.adapter.attention.values())
         # where this rank keeps its share of the joint text: "input", "block" (the adapter's), or None
-        self.text_shard_at = state.adapter.text_shard_at if (self.shards_text and joint and sp > 1) else None
+        shards_text = state.controls.shards_text  # the control (False): joint text whole on every rank
+        self.text_shard_at = state.adapter.text_shard_at if (shards_text and joint and sp > 1) else None
 
     def forward(self, run, bound):
         """One pass of the model's forward. Its arguments with one entry per image token (adapter.per_token:
@@ -72,21 +72,17 @@ class SequenceShards:
     def reset(self) -> None:
         """A new generation: nothing carries over between steps."""
 
-    # ---- what the rank keeps and holds: the questions every token strategy answers ------------------
-    hands_text = False  # nothing is handed on between stages
+    def run_step(self, context, t) -> None:
+        """One denoising step (`context`: a StepContext): one transformer call (models/step.py)."""
+        whole_step(context, t)
 
-    def run_step(self, session, t) -> None:
-        """One denoising step of `session`: one transformer call (models/step.py)."""
-        whole_step(session, t)
+    # ---- what the views and the planner ask -----------------------------------------------------------
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
+        """This rank's shard of a `grid` of tokens; nothing is kept between steps, nothing handed on."""
+        tokens = None if grid is None else self._token_pieces(*grid)
+        return StrategyReport(kind="sequence shards", step=None, hands_text=False, kept_bytes={}, tokens=tokens)
 
-    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
-        """What this rank keeps between steps beside the latents and conditioning: nothing."""
-        return {}
-
-    def kept_bytes(self) -> dict[str, int]:
-        return {}
-
-    def token_pieces(self, rows: int, cols: int) -> dict:
+    def _token_pieces(self, rows: int, cols: int) -> dict:
         """The image tokens this rank computes for a rows × cols token grid: one contiguous shard (the
         last forward's, when it had this many tokens, else computed the same way)."""
         sp, sp_rank = self.mesh.group_size(SP), self.mesh.group_rank(SP)
@@ -99,9 +95,6 @@ class SequenceShards:
         else:
             source = "computed (no forward yet)"
         return dict(sp_size=sp, sp_rank=sp_rank, tokens=[[start, stop]], pipefusion=None, source=source)
-
-    def staleness(self):
-        return None
 
     decides_before_blocks = False  # a StepCache decides when the first block returns
 

@@ -15,10 +15,11 @@ K/V is fresh; with warmup_steps >= num_inference_steps the result equals serial 
 
     stage.py       PipeFusionStage: the token strategy (what a stage holds, hands over and keeps)
     schedules.py   what a denoising step runs: drained (one call, the pipeline empties) or async
-                   (the next step's patches enter stage 0 while the last stage finishes this one)
+                   (the next step's patches enter stage 0 while the last stage finishes this one;
+                   AsyncSchedule, owned by the stage, keeps its bookkeeping)
 """
 
-from .schedules import NOISY_SCHEDULERS, async_step, check_patchwise_scheduler
+from .schedules import NOISY_SCHEDULERS, AsyncSchedule, check_patchwise_scheduler
 from .stage import STALE_KINDS, PipeFusionStage
 
-__all__ = ["NOISY_SCHEDULERS", "STALE_KINDS", "PipeFusionStage", "async_step", "check_patchwise_scheduler"]
+__all__ = ["NOISY_SCHEDULERS", "STALE_KINDS", "AsyncSchedule", "PipeFusionStage", "check_patchwise_scheduler"]

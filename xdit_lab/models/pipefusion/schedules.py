@@ -1,4 +1,5 @@
-"""PipeFusion's two schedules: what one denoising step (`session.step()`) runs on a stage.
+"""PipeFusion's two schedules: what one denoising step (`session.step()`, which hands the stage a
+StepContext) runs on a stage.
 
 drained (the default): one transformer call per step runs every patch through every stage, and the
 pipeline empties before the scheduler steps (models/step.py's whole step). The bubble is
@@ -31,6 +32,7 @@ import torch
 
 from ... import comm
 from ...mesh import PIPEFUSION
+from ...sharding import patch_ranges
 
 # Schedulers that draw noise at every step: stepped once per patch, each patch would draw its own.
 NOISY_SCHEDULERS = (
@@ -44,50 +46,100 @@ NOISY_SCHEDULERS = (
 )
 
 
-def async_step(stage, session, t) -> None:
-    """The async schedule past its warmup: `stage` (this rank's PipeFusionStage) runs every patch of its
-    next step; the last stage steps each patch and sends its latents back to stage 0."""
-    inner, prepared, recipe, mesh = session.pipe.diffusers_pipeline, session.prepared, session.recipe, stage.mesh
-    latents = prepared.latents = prepared.latents.contiguous()  # written patch by patch, in place
-    flat, patches = latents.view(latents.shape[0], -1), stage.config.patches
-    if stage.patch_states is None:  # the first pipelined step: every rank holds the same latents
-        check_patchwise_scheduler(recipe, inner, prepared, latents, t)
-        stage.patch_states = [(copy.deepcopy(inner.scheduler), dict(prepared.extra)) for _ in range(patches)]
-    arriving = []
-    if stage.awaiting:  # stage 0: this step's latents, patch by patch, from the last stage
-        for buffer in stage.awaiting:
-            arriving.append((buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)))
-        stage.awaiting = None
-    sent, last_step = [], session.step_index + 1 == session.num_steps
-    for p in range(patches):
-        if arriving:
-            buffer, requests = arriving[p]
-            comm.wait(requests)
-            if not stage.drops_returned_latents:
-                flat[:, stage.patch_latents(latents, p)] = buffer
-        model_input = recipe.model_input(inner, prepared, latents, t)  # checked: unscaled
-        output = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))
-        if not mesh.is_last_stage:
-            continue
-        noise = recipe.guide(inner, prepared, output[0].clone(), session.step_index)  # the output is a reused buffer
-        whole = (inner.scheduler, prepared.extra)
-        inner.scheduler, prepared.extra = stage.patch_states[p]
-        try:  # a copy: the scheduler may keep the sample it was given, and these latents change in place
-            stepped = recipe.scheduler_step(inner, prepared, noise, t, latents.clone(), session.step_index)
-            stage.patch_states[p] = (inner.scheduler, prepared.extra)
-        finally:
-            inner.scheduler, prepared.extra = whole
-        elements = stage.patch_latents(latents, p)
-        flat[:, elements] = stepped.reshape(flat.shape)[:, elements]
-        if not last_step:
-            region = flat[:, elements]
-            sent += comm.exchange([(region, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="latents")
-    comm.wait(stage.returning)  # the previous step's: stage 0 took them before this step's patches
-    stage.returning = sent
-    if mesh.is_first_stage and not last_step:  # what the last stage sends back, kept on the stage (reset)
-        stage.awaiting = [latents.new_empty(len(latents), len(stage.patch_latents(latents, p))) for p in range(patches)]
-    if last_step:  # every rank holds the final latents, as after a drained step
-        comm.broadcast(latents, mesh, PIPEFUSION, src_group_rank=stage.config.pipefusion - 1, tag="latents")
+class AsyncSchedule:
+    """The async schedule's bookkeeping on one stage, owned by it (PipeFusionStage.schedule): which patch
+    the next transformer call runs, the sends in flight, the latents travelling back to stage 0, and one
+    scheduler per patch. A stage of the drained schedule has none."""
+
+    def __init__(self, stage):
+        self.stage = stage  # this rank's PipeFusionStage
+        self.cursor = 0  # the patch the next call runs
+        self.pending_sends: list = []  # this step's sends, waited once its last patch has gone
+        self.latent_elements: dict = {}  # (latent shape, patch) -> that patch's flat latent positions
+        self.awaiting = None  # stage 0: buffers for the latents the last stage has sent back
+        self.returning: list = []  # the last stage: its sends of latents back to stage 0
+        self.patch_states = None  # (scheduler, recipe extras) per patch, on every rank
+
+    def step(self, context, t) -> None:
+        """The async schedule past its warmup (`context`: the step's StepContext): this rank's stage runs
+        every patch of its next step; the last stage steps each patch and sends its latents back to stage 0."""
+        stage = self.stage
+        inner, prepared, recipe, mesh = context.pipeline, context.prepared, context.recipe, stage.mesh
+        latents = prepared.latents = prepared.latents.contiguous()  # written patch by patch, in place
+        flat, patches = latents.view(latents.shape[0], -1), stage.config.patches
+        if self.patch_states is None:  # the first pipelined step: every rank holds the same latents
+            check_patchwise_scheduler(recipe, inner, prepared, latents, t)
+            self.patch_states = [(copy.deepcopy(inner.scheduler), dict(prepared.extra)) for _ in range(patches)]
+        arriving = []
+        if self.awaiting:  # stage 0: this step's latents, patch by patch, from the last stage
+            for buffer in self.awaiting:
+                arriving.append((buffer, comm.exchange([], [(buffer, mesh.pipeline_prev)], mesh, PIPEFUSION)))
+            self.awaiting = None
+        sent, last_step = [], context.last
+        for p in range(patches):
+            if arriving:
+                buffer, requests = arriving[p]
+                comm.wait(requests)
+                if not stage.state.controls.drops_returned_latents:
+                    flat[:, self.patch_latents(latents, p)] = buffer
+            model_input = recipe.model_input(inner, prepared, latents, t)  # checked: unscaled
+            output = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))
+            if not mesh.is_last_stage:
+                continue
+            # a copy: the output is a reused buffer
+            noise = recipe.guide(inner, prepared, output[0].clone(), context.step_index)
+            whole = (inner.scheduler, prepared.extra)
+            inner.scheduler, prepared.extra = self.patch_states[p]
+            try:  # a copy: the scheduler may keep the sample it was given, and these latents change in place
+                stepped = recipe.scheduler_step(inner, prepared, noise, t, latents.clone(), context.step_index)
+                self.patch_states[p] = (inner.scheduler, prepared.extra)
+            finally:
+                inner.scheduler, prepared.extra = whole
+            elements = self.patch_latents(latents, p)
+            flat[:, elements] = stepped.reshape(flat.shape)[:, elements]
+            if not last_step:
+                region = flat[:, elements]
+                sent += comm.exchange([(region, mesh.pipeline_next)], [], mesh, PIPEFUSION, tag="latents")
+        comm.wait(self.returning)  # the previous step's: stage 0 took them before this step's patches
+        self.returning = sent
+        if mesh.is_first_stage and not last_step:  # what the last stage sends back, kept here (reset)
+            sizes = [len(self.patch_latents(latents, p)) for p in range(patches)]
+            self.awaiting = [latents.new_empty(len(latents), size) for size in sizes]
+        if last_step:  # every rank holds the final latents, as after a drained step
+            comm.broadcast(latents, mesh, PIPEFUSION, src_group_rank=stage.config.pipefusion - 1, tag="latents")
+
+    def end_patch(self, sends, output):
+        """This call's patch is done. A stage's sends are waited once the step's last patch has gone (a
+        stage runs ahead of the next one by at most a step); only the last stage has an output: the whole
+        prediction, in which this patch's tokens are this step's."""
+        self.pending_sends += sends
+        self.cursor += 1
+        if self.cursor == len(self.stage.layout.patches):
+            comm.wait(self.pending_sends)
+            self.cursor, self.pending_sends = 0, []
+            self.stage.step += 1
+        return output
+
+    def patch_latents(self, latents: torch.Tensor, patch: int) -> torch.Tensor:
+        """Flat positions in one sample of `latents` that make up `patch` (on the latents' device)."""
+        stage = self.stage
+        key = (size := tuple(latents.shape[1:]), patch)
+        if key not in self.latent_elements:  # the grid is known once a forward ran on this size
+            start, stop = patch_ranges(*stage.token_grids[size], stage.config.patches)[patch]
+            positions = stage.state.adapter.latents.latent_positions(latents, stage.model_config)
+            self.latent_elements[key] = positions[start:stop].flatten()
+        return self.latent_elements[key]
+
+    def reset(self) -> None:
+        """A new generation. A session left between steps has latents in flight from the last stage to
+        stage 0: they are taken and dropped here, or the next session's receives would get them."""
+        mesh = self.stage.mesh
+        if self.awaiting:
+            received = [(buffer, mesh.pipeline_prev) for buffer in self.awaiting]
+            comm.wait(comm.exchange([], received, mesh, PIPEFUSION))
+        comm.wait(self.returning)
+        self.cursor, self.pending_sends, self.awaiting, self.returning = 0, [], None, []
+        self.patch_states = None
 
 
 def check_patchwise_scheduler(recipe, pipe, prepared, latents: torch.Tensor, t) -> None:

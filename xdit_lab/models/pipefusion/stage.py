@@ -26,6 +26,7 @@ tokens; the ControlNet itself runs whole on every rank.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -38,7 +39,8 @@ from ...mesh import PIPEFUSION, RING, SP, ULYSSES
 from ...sharding import PatchLayout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
-from .schedules import async_step
+from ..strategy import StrategyReport
+from .schedules import AsyncSchedule
 
 STALE_KINDS = SEQUENCE_PARALLEL_KINDS  # attention whose image K/V a stage keeps per patch
 
@@ -53,21 +55,14 @@ class _StageDone(Exception):
 
 class PipeFusionStage:
     """The token strategy of PipeFusion: this rank's stage, its patch layout, stale K/V buffers and
-    the step counter.
-
-    Controls, deliberately wrong, that a test or a lesson sets on a stage or on the class to show that a
-    bound catches them: `buffer_type` makes each layer's K/V buffer (xdit_lab.lessons.controls),
-    `drops_returned_latents` has stage 0 of the async schedule receive the latents the last stage sends
-    back but keep its own (one step behind), the mistake the return path prevents, and
-    `rebases_block_residuals` False hands a ControlNet's residuals to the stage's blocks as the whole model
-    indexes them, the mistake rebasing prevents."""
-
-    buffer_type = StaleKV
-    drops_returned_latents = False
-    rebases_block_residuals = True
+    the step counter. The model's Controls (models/strategy.py, on its parallel state) may make each
+    layer's K/V buffer wrong (`buffer_type`), drop the latents sent back to stage 0 under the async
+    schedule (`drops_returned_latents`), or hand a ControlNet's residuals unrebased
+    (`rebases_block_residuals`)."""
 
     def __init__(self, state, config, blocks: tuple[int, int], model_config, dtype: torch.dtype):
         self.state, self.mesh, self.config = state, state.mesh, config
+        self.module = None  # the transformer, held weakly (apply): its state holds this stage
         self.blocks = blocks  # [start, stop) of the model's blocks held here
         self.dtype = dtype  # of the activations a stage hands over (the model's)
         self.model_config = model_config
@@ -86,14 +81,12 @@ class PipeFusionStage:
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
         self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens
-        # the async schedule (ParallelConfig.pipefusion_schedule): one call runs one patch
-        self.cursor = 0  # the patch the next call runs
-        self.pending_sends: list = []  # this step's sends, waited once its last patch has gone
-        self.latent_elements: dict = {}  # (latent shape, patch) -> that patch's flat latent positions
-        self.awaiting = None  # stage 0, async: buffers for the latents the last stage has sent back
-        self.returning: list = []  # the last stage, async: its sends of latents back to stage 0
-        self.patch_states = None  # async: (scheduler, recipe extras) per patch, on every rank
+        # the async schedule (ParallelConfig.pipefusion_schedule), past its warmup: one call runs one patch
+        self.schedule = AsyncSchedule(self) if config.pipefusion_schedule == "async" else None
         self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
+        # what the hooks install (TokenStrategy): every token hook and every attention; the text stays whole
+        self.splits_tokens = self.takes_attention = True
+        self.text_shard_at = None
 
     @classmethod
     def apply(cls, transformer, state, config) -> PipeFusionStage:
@@ -115,6 +108,7 @@ class PipeFusionStage:
                 f"blocks {(start, stop)}"
             )
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
+        stage.module = weakref.ref(transformer)
         if adapter.output_conditioning is not None and mesh.is_last_stage and start > 0:
             if block_0 is None:
                 raise ValueError(
@@ -135,7 +129,22 @@ class PipeFusionStage:
             state.hooks.forward_hook("pipefusion.hand_over", blocks[-1], stage._hand_over)
         return stage
 
-    # ---- what the rank keeps and holds: the questions every token strategy answers ------------------
+    # ---- what the views and the planner ask -----------------------------------------------------------
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
+        """This stage now (its step, its stale K/V held and their record, its seconds in its blocks), its
+        pieces of every patch of a `grid` of tokens, and the stale K/V it keeps for `rows` batch rows there."""
+        planned = {} if grid is None or rows is None else self.planned_kept_bytes(self.module(), rows, grid)
+        return StrategyReport(
+            kind="pipefusion stage",
+            step=self.step,
+            hands_text=self.hands_text,
+            kept_bytes=self._kept_bytes(),
+            busy_s=self.busy_s,
+            staleness=self._staleness(),
+            tokens=None if grid is None else self._token_pieces(*grid),
+            planned_kept_bytes=planned,
+        )
+
     def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
         """{"stale K/V": bytes} of the buffers this stage keeps between steps once a step ran with `rows`
         batch rows on this rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's
@@ -158,12 +167,12 @@ class PipeFusionStage:
         )
         return {"stale K/V": kv}
 
-    def kept_bytes(self) -> dict[str, int]:
+    def _kept_bytes(self) -> dict[str, int]:
         """{"stale K/V": bytes} of the buffers this stage holds now, counted tensor by tensor."""
         held = [t for b in self.buffers.values() for t in (b.keys, b.values) if t is not None]
         return {"stale K/V": sum(t.numel() * t.element_size() for t in held)}
 
-    def token_pieces(self, rows: int, cols: int) -> dict:
+    def _token_pieces(self, rows: int, cols: int) -> dict:
         """The image tokens this rank computes for a rows × cols token grid: its piece of every patch
         (the layout of the last forward when it had this grid, else computed the same way)."""
         sp, sp_rank = self.config.sp_degree, self.mesh.group_rank(SP)
@@ -183,40 +192,25 @@ class PipeFusionStage:
             source="PatchLayout" if recorded else "computed (no forward yet)",
         )
 
-    def run_step(self, session, t) -> None:
-        """One denoising step of `session`: one transformer call (the drained schedule, and every warmup
-        step), or this stage's patches of its next step under the async schedule (schedules.py)."""
+    def run_step(self, context, t) -> None:
+        """One denoising step (`context`: a StepContext): one transformer call (the drained schedule, and
+        every warmup step), or this stage's patches of its next step under the async schedule (schedules.py)."""
         if self.pipelined:
-            async_step(self, session, t)
+            self.schedule.step(context, t)
         else:
-            whole_step(session, t)
+            whole_step(context, t)
 
     def reset(self) -> None:
-        """A new generation: warm up again with empty buffers. An async session left between steps
-        has latents in flight from the last stage to stage 0: they are taken and dropped here, or the
-        next session's receives would get them."""
-        if self.awaiting:
-            received = [(buffer, self.mesh.pipeline_prev) for buffer in self.awaiting]
-            comm.wait(comm.exchange([], received, self.mesh, PIPEFUSION))
-        comm.wait(self.returning)
+        """A new generation: warm up again with empty buffers (and the async schedule starts over)."""
+        if self.schedule is not None:
+            self.schedule.reset()
         self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
-        self.cursor, self.pending_sends, self.awaiting, self.returning = 0, [], None, []
-        self.patch_states = None
 
     @property
     def pipelined(self) -> bool:
         """The async schedule past its warmup: each call runs one patch, and the last stage steps the
         scheduler patch by patch (schedules.py)."""
-        return self.config.pipefusion_schedule == "async" and self.step >= self.config.warmup_steps
-
-    def patch_latents(self, latents: torch.Tensor, patch: int) -> torch.Tensor:
-        """Flat positions in one sample of `latents` that make up `patch` (on the latents' device)."""
-        key = (size := tuple(latents.shape[1:]), patch)
-        if key not in self.latent_elements:  # the grid is known once a forward ran on this size
-            start, stop = patch_ranges(*self.token_grids[size], self.config.patches)[patch]
-            positions = self.state.adapter.latents.latent_positions(latents, self.model_config)
-            self.latent_elements[key] = positions[start:stop].flatten()
-        return self.latent_elements[key]
+        return self.schedule is not None and self.step >= self.config.warmup_steps
 
     # ---- one diffusion step ----------------------------------------------------------------------------
     def forward(self, run, bound):
@@ -275,7 +269,7 @@ class PipeFusionStage:
                 sends += comm.exchange(handed, [], mesh, PIPEFUSION, tag="patch")
             self.busy_s += time.perf_counter() - started  # host seconds (on a GPU: launching, not running)
         if pipelined:
-            return self._end_patch(sends, output)
+            return self.schedule.end_patch(sends, output)
         comm.wait(sends)
         if cache is not None:
             cache.end()
@@ -288,23 +282,12 @@ class PipeFusionStage:
         self.step += 1
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
 
-    def _end_patch(self, sends, output):
-        """Pipelined: this call's patch is done. A stage's sends are waited once the step's last patch
-        has gone (a stage runs ahead of the next one by at most a step); only the last stage has an
-        output: the whole prediction, in which this patch's tokens are this step's."""
-        self.pending_sends += sends
-        self.cursor += 1
-        if self.cursor == len(self.layout.patches):
-            comm.wait(self.pending_sends)
-            self.cursor, self.pending_sends, self.step = 0, [], self.step + 1
-        return output
-
     def _rebase_block_residuals(self, arguments: dict) -> None:
         """Each residual list the adapter declares (a ControlNet's), as this stage's blocks take them: the one
         each held block takes in the whole model, in the order held (adapter.BlockResiduals), in place."""
         adapter = self.state.adapter
         counts = dict(zip(adapter.block_lists, adapter.block_counts))
-        for entry in adapter.block_residuals if self.rebases_block_residuals else ():
+        for entry in adapter.block_residuals if self.state.controls.rebases_block_residuals else ():
             residuals = arguments.get(entry.argument)
             if residuals is None:
                 continue
@@ -318,14 +301,14 @@ class PipeFusionStage:
 
     def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
         if self.grid != (rows, cols):  # a new image size: new patches, new buffers
-            if self.cursor:
+            if self.schedule is not None and self.schedule.cursor:
                 raise RuntimeError("the image size changed in the middle of a pipelined step")
             self.grid, self.buffers, self.indices = (rows, cols), {}, {}
             self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
         patches = len(self.layout.patches)
         if self.step < self.config.warmup_steps:
             return [list(range(patches))]
-        return [[self.cursor]] if self.pipelined else [[p] for p in range(patches)]
+        return [[self.schedule.cursor]] if self.pipelined else [[p] for p in range(patches)]
 
     decides_before_blocks = True  # a StepCache needs the first block over the whole image first
 
@@ -360,6 +343,10 @@ class PipeFusionStage:
         image = tokens[:, text:].index_select(1, self._index("shard", tokens.device))
         return torch.cat([tokens[:, :text], image], dim=1) if text else image
 
+    def shard_text(self, text):
+        """A stage keeps the joint text whole (text_shard_at None: no hook asks)."""
+        return text
+
     def keep_tokens(self, tensor, dim: int):
         """The entries of the active patches' tokens of this rank, of a tensor with one per image token."""
         return tensor.index_select(dim, self._index("shard", tensor.device))
@@ -392,7 +379,7 @@ class PipeFusionStage:
         if kind not in STALE_KINDS:
             raise NotImplementedError(f"PipeFusion handles self and joint attention, not {kind}")
         if name not in self.buffers:
-            self.buffers[name] = self.buffer_type(
+            self.buffers[name] = self.state.controls.buffer_type(
                 self.layout, self.mesh.group_size(ULYSSES), self.mesh.group_rank(RING)
             )
         (q, k, v), joint = split_text(kind, text, query, key, value)
@@ -456,7 +443,7 @@ class PipeFusionStage:
                 return residuals[-1]
         return None
 
-    def staleness(self) -> dict:
+    def _staleness(self) -> dict:
         """Small summary for views: per layer of this stage (named as in the whole model, in the
         forward's order), the step that wrote each patch and what attention read in the latest step
         (StaleKV.reads)."""

@@ -22,7 +22,7 @@ from xdit_lab.testing import run_on_ranks
 
 def decode(world_size, rows, cols):
     from xdit_lab.lab.measure import PeakTensorBytes
-    from xdit_lab.memory import decode_peak_bytes
+    from xdit_lab.plan import decode_peak_bytes
     from xdit_lab.tiny.parts import image_vae
     from xdit_lab.vae import apply_parallel_vae
 

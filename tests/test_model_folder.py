@@ -131,7 +131,8 @@ def test_wan_2_1_image_encoder_is_planned_as_it_is_loaded(wan_2_1_i2v, ranks, co
 def test_the_planner_keeps_an_image_encoder_whole_and_unquantized(wan_2_1_i2v):
     """`xdit-lab plan --model` moves the text encoders only (sharded, on the host, quantized): the image encoder
     is whole on every rank in every row, as load_pipeline loads it."""
-    from xdit_lab.fit import plan_model, read_model_folder
+    from xdit_lab.model_folder import read_model_folder
+    from xdit_lab.plan import plan_model
 
     whole = read_model_folder(wan_2_1_i2v).weights["image_encoder"].whole
     rows = [*plan_model(wan_2_1_i2v, 2, 10**12), *plan_model(wan_2_1_i2v, 2, 10**12, quantize="int8")]

@@ -15,6 +15,8 @@ A combination the load refuses is one the planner has no row for, and the other 
 Every load of every folder runs in one pair of forked ranks (xdit_lab.testing.run_on_ranks): no fresh
 interpreter per case."""
 
+import json
+
 import pytest
 import torch
 
@@ -87,8 +89,17 @@ def _load_every_case(folders: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    """Every tiny pipeline folder, each with its tiny call as its own call defaults (call_defaults.json, as the
+    digits folder carries): the call a load plans for, and the one the planner plans by default."""
     saved = {family: save_tiny_pipeline(family, tmp_path_factory.mktemp(family)) for family in PIPELINES}
-    return saved | {"wan_2_1_i2v": _save_wan_2_1_i2v(tmp_path_factory.mktemp("wan_2_1_i2v"))}
+    saved["wan_2_1_i2v"] = _save_wan_2_1_i2v(tmp_path_factory.mktemp("wan_2_1_i2v"))
+    for name, folder in saved.items():
+        (folder / "call_defaults.json").write_text(json.dumps(tiny_pipeline_kwargs(_family(name))))
+    return saved
+
+
+def _family(name: str) -> str:
+    return "wan" if name == "wan_2_1_i2v" else name
 
 
 @pytest.fixture(scope="module")
@@ -102,30 +113,30 @@ def loads(folders):
 def planned_rows(folders):
     """The planner's rows for each folder on WORLD GPUs, in the load dtype on a CPU (float32), quantized or not."""
     from xdit_lab.families import RECIPES
-    from xdit_lab.fit import ModelFolderError, plan_model
+    from xdit_lab.model_folder import ModelFolderError
+    from xdit_lab.plan import plan_model
 
     rows = {}
     for name, folder in folders.items():
-        family = "wan" if name == "wan_2_1_i2v" else name
-        recipe = RECIPES[PIPELINES[family]]  # the tiny call's options (PixArt's tiny size: no resolution binning)
-        options = {k: v for k, v in tiny_pipeline_kwargs(family).items() if k in recipe.options}
+        pipeline_class = json.loads((folder / "model_index.json").read_text())["_class_name"]
+        defaults = json.loads((folder / "call_defaults.json").read_text())
+        use_cfg = _two_branches(RECIPES[pipeline_class], pipeline_class, defaults)
         for quantize in (None, "int8"):
             try:
                 rows[name, quantize] = plan_model(
-                    folder, WORLD, PLENTY, dtype=torch.float32, quantize=quantize, options=options,
-                    use_cfg=_two_branches(recipe, PIPELINES[family]),
-                )  # fmt: skip
+                    folder, WORLD, PLENTY, dtype=torch.float32, quantize=quantize, use_cfg=use_cfg
+                )
             except ModelFolderError as error:  # a family with no closed form for its request yet (Flux.2)
                 rows[name, quantize] = error
     return rows
 
 
-def _two_branches(recipe, pipeline_class) -> bool:
+def _two_branches(recipe, pipeline_class, folder_defaults: dict) -> bool:
     """Whether the load plans two branches: one prompt at the call defaults, a negative prompt counted as given
     where the recipe's CFG needs one (a call may bring it: Qwen-Image's true CFG)."""
     from xdit_lab.families import Request
 
-    defaults = recipe.call_defaults(pipeline_class)
+    defaults = recipe.call_defaults(pipeline_class) | folder_defaults
     negatives = None if recipe.cfg_needs is None else [""]
     request = Request(["a prompt"], negatives, 1, defaults["guidance_scale"], None, None, None)
     request.options = recipe.check_options({k: v for k, v in defaults.items() if k in recipe.options})

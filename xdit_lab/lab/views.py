@@ -22,8 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from ..config import DEGREES, SHORT
-from ..memory import human_bytes
 from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
+from ..plan import human_bytes
 
 GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP)  # the degrees in their one order, then the token gather
 

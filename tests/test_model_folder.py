@@ -98,6 +98,19 @@ def test_a_load_parses_each_safetensors_header_once(pixart, ranks, config, optio
         assert set(json_counts.values()) == {1}, f"rank {rank}: read {json_counts}"
 
 
+def test_a_lora_under_pipefusion_reads_each_config_once(tmp_path_factory):
+    """Fusing a LoRA into a PipeFusion stage renames its keys by the stage's blocks: from the configs the load read."""
+    from test_lora import _folder_and_lora
+
+    folder, lora = _folder_and_lora(tmp_path_factory, "flux")
+    options = {"lora": [(str(lora), 0.7)]}
+    for rank, (_, json_counts) in enumerate(
+        run_on_ranks(_count_one_load, 2, folder, ParallelConfig(pipefusion=2), options, timeout_s=300)
+    ):
+        assert str(folder / "transformer" / "config.json") in json_counts
+        assert set(json_counts.values()) == {1}, f"rank {rank}: read {json_counts}"
+
+
 # ---- Wan 2.1 image to video: a CLIP image encoder, planned as loaded ------------------------------------------
 
 

@@ -322,7 +322,7 @@ def _measured_and_planned_peaks(ranks):
 
 
 def test_the_decode_peak_closed_form_matches_the_measured_peak():
-    """memory.decode_peak_bytes, the memory plan's decode row, against the tensors the decode really
+    """plan.decode_peak_bytes, the memory plan's decode row, against the tensors the decode really
     made (PeakTensorBytes): equal for the whole decode, within 5% (under) in 2 and 3 bands of an odd
     number of rows; and it is the band's own: the whole decode's figure is far above a band's."""
     whole_measured, whole_planned = run_on_ranks(_measured_and_planned_peaks, 1, 1)[0]

@@ -5,7 +5,7 @@
 
 Each model's folder is rebuilt from its published configs (xdit_lab.real_models.save_header_only:
 every safetensors header, the data a sparse hole, a few hundred KB on disk) and planned by
-xdit_lab.fit.plan_model for N GPUs of each memory, at the model's default size in bfloat16. Printed
+xdit_lab.plan.plan_model for N GPUs of each memory, at the model's default size in bfloat16. Printed
 as a markdown table: per model and GPU set, the best row that fits (ranked by the cost model:
 work, then bytes sent per step with FSDP2's gathers) and its GB per rank; the best that fits without
 PipeFusion (exact: sequence parallelism, cfg and dp read no stale K/V); and the replicated row of
@@ -17,8 +17,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from xdit_lab.fit import GB, plan_model
-from xdit_lab.fit.command import memory_size
+from xdit_lab.plan import GB, plan_model
+from xdit_lab.plan.command import memory_size
 from xdit_lab.real_models import REAL_MODELS, save_header_only
 
 DEFAULT_MODELS = ["FLUX.1-dev", "SD3.5-large", "Wan2.1-T2V-14B", "CogVideoX-5b"]

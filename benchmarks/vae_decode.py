@@ -6,7 +6,7 @@ The tiny AutoencoderKL of xdit_lab.tiny (channels 8 and 16, one ×2 upsampling) 
 latent of rows × cols: on one rank whole (diffusers' vae.decode, the reference), then on N ranks
 of an sp group in bands (xdit_lab.vae). Peak: the most bytes the tensors made inside the decode
 held at once (lab.measure.PeakTensorBytes; weights and the latent excluded), beside the memory
-plan's closed form of it (memory.decode_peak_bytes, the largest band's). Each run also checks
+plan's closed form of it (plan.decode_peak_bytes, the largest band's). Each run also checks
 the image against the whole decode (max abs difference). Ranks share this machine's cores: the
 seconds are not a speedup figure here, the memory is.
 """
@@ -22,7 +22,7 @@ from xdit_lab.testing import run_on_ranks
 
 def decode(world_size, rows, cols):
     from xdit_lab.lab.measure import PeakTensorBytes
-    from xdit_lab.memory import decode_peak_bytes
+    from xdit_lab.plan import decode_peak_bytes
     from xdit_lab.tiny.parts import image_vae
     from xdit_lab.vae import apply_parallel_vae
 

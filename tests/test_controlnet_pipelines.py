@@ -241,7 +241,7 @@ def test_the_planner_leaves_out_what_a_controlnet_does_not_run_with(folders):
     note; PipeFusion rows, their traffic the same folder's without the ControlNet (it runs whole on every rank
     there); elsewhere the ControlNet's blocks counted in the traffic beside the transformer's (the same folder
     without the ControlNet is the control); --quantize refused by load_pipeline's words."""
-    from xdit_lab.fit import plan_model
+    from xdit_lab.plan import plan_model
 
     for family, folder in folders.items():
         rows = plan_model(folder, 4, 24 * 10**9)

@@ -22,8 +22,9 @@ import torch
 
 from xdit_lab import ParallelConfig
 from xdit_lab.cli import main
-from xdit_lab.fit import ModelFolderError, plan_model, read_component
-from xdit_lab.fit.command import memory_size
+from xdit_lab.model_folder import ModelFolderError, read_component
+from xdit_lab.plan import plan_model
+from xdit_lab.plan.command import memory_size
 from xdit_lab.real_models import Component, build_on_meta, stored_tensors, write_header_only_weights
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
@@ -454,7 +455,7 @@ def test_why_says_what_ranks_each_row_above_the_next(capsys, flux_dev):
     """--why with --model (refused until now: 'the folder's configs say them'): a line per row, the first
     figure of the planner's own sort key in which it and the next row differ, named with both values.
     The lines' words are checked against fit_rank_key computed here; the JSON rows carry the same."""
-    from xdit_lab.fit import fit_rank_key
+    from xdit_lab.plan import fit_rank_key
 
     argv = ["--model", str(flux_dev), "--world-size", "4", "--gpu-memory", "24GB", "--top", "0", "--why"]
     code, out, _ = _plan(capsys, *argv)
@@ -488,7 +489,7 @@ def test_every_figure_is_in_decimal_units(flux_dev):
     from xdit_lab.lab.folder_planning import plan_folder
     from xdit_lab.lab.views import _scale
     from xdit_lab.lessons.fitting import terms_table
-    from xdit_lab.memory import human_bytes
+    from xdit_lab.plan import human_bytes
 
     assert [human_bytes(n) for n in (999, 2_500, 2_500_000, 31.4e9)] == ["999 B", "2.5 KB", "2.5 MB", "31.4 GB"]
     assert _scale(3e9) == (10**9, "GB") and _scale(2e6) == (10**6, "MB") and _scale(500) == (1, "B")

@@ -117,7 +117,7 @@ def test_on_disk_counts_a_sparse_file_apart_from_a_dense_one(tmp_path):
 
 @pytest.fixture(scope="module")
 def flux_rows(tmp_path_factory):
-    from xdit_lab.fit import plan_model
+    from xdit_lab.plan import plan_model
     from xdit_lab.real_models import save_header_only
 
     folder = save_header_only("FLUX.1-dev", tmp_path_factory.mktemp("flux") / "FLUX.1-dev")

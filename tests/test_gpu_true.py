@@ -334,8 +334,8 @@ def test_mesh_groups_take_the_worlds_timeout():
 def _groups_closed(folder):
     from torch.distributed.distributed_c10d import _world
 
-    from xdit_lab.memory import MemoryPlanError
     from xdit_lab.pipeline import load_pipeline
+    from xdit_lab.plan import MemoryPlanError
 
     counts = dict(start=len(_world.pg_map))
     mesh = RankMesh(ParallelConfig(cfg=2))

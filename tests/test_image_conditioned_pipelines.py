@@ -615,7 +615,7 @@ def _hunyuan_refusals(folders, text_to_video, wrong_transformer):
     image_to_video = load_pipeline(folders["token_replace"], progress=False)
     text_only = load_pipeline(text_to_video, progress=False)
     call, plans = _hunyuan_call(1), {}
-    for condition, folder in folders.items():  # the memory plan, and the folder's closed form (fit/plan.py)
+    for condition, folder in folders.items():  # the memory plan, and the folder's closed form (plan/rows.py)
         pipe = load_pipeline(folder, progress=False)
         for prompts in (1, 2):
             measured = pipe.memory_plan_for(PROMPTS[:prompts], **_hunyuan_call(prompts)).activation_bytes
@@ -642,11 +642,11 @@ def test_hunyuanvideo_image_to_video_is_checked_and_planned(tmp_path):
     image-to-video folder whose transformer takes no image (image_condition_type None): each refused by name
     before anything runs. The memory plan counts the image's latents kept over the steps (token replace: frame
     0's; latent concat: every frame's and the mask), as many bytes as the session holds; the planner's closed
-    form from the folder alone (fit/plan.py) equals the latents and conditioning the encode holds, one prompt
+    form from the folder alone (plan/rows.py) equals the latents and conditioning the encode holds, one prompt
     with true CFG (the negative's longer text) and two without. The call's defaults are the pipeline class's."""
     import shutil
 
-    from xdit_lab.fit import plan_model
+    from xdit_lab.plan import plan_model
 
     folders = _hunyuan_folders(tmp_path)
     text_to_video = save_tiny_pipeline("hunyuanvideo", tmp_path / "text")

@@ -5,6 +5,7 @@ encoder whole and unquantized, under shard_weights=True and under quantization="
 
 import collections
 import contextlib
+import pathlib
 import sys
 
 import pytest
@@ -42,11 +43,30 @@ def counted_header_reads():
             module.read_safetensors_header = original
 
 
+@contextlib.contextmanager
+def counted_json_reads():
+    """Count the package's reads of a folder's model_index.json and config.json files (Path.read_text, as
+    model_folder reads them; diffusers' own from_pretrained opens them itself and is not counted)."""
+    original = pathlib.Path.read_text
+    counts = collections.Counter()
+
+    def counting(self, *args, **kwargs):
+        if self.name in ("model_index.json", "config.json"):
+            counts[str(self)] += 1
+        return original(self, *args, **kwargs)
+
+    pathlib.Path.read_text = counting
+    try:
+        yield counts
+    finally:
+        pathlib.Path.read_text = original
+
+
 def _count_one_load(folder, config, options):
-    with counted_header_reads() as counts:
+    with counted_header_reads() as counts, counted_json_reads() as json_counts:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, **options)
     pipe.close()
-    return dict(counts)
+    return dict(counts), dict(json_counts)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +85,30 @@ def pixart(tmp_path_factory):
     ids=["whole", "int8", "sharded", "pipefusion"],
 )
 def test_a_load_parses_each_safetensors_header_once(pixart, ranks, config, options):
+    """Each safetensors header parsed once, and model_index.json and each config.json read once, by one load."""
     files = {str(f) for f in pixart.rglob("*.safetensors")}
-    for rank, counts in enumerate(run_on_ranks(_count_one_load, ranks, pixart, config, options, timeout_s=300)):
+    for rank, (counts, json_counts) in enumerate(
+        run_on_ranks(_count_one_load, ranks, pixart, config, options, timeout_s=300)
+    ):
         assert counts == dict.fromkeys(files, 1), f"rank {rank}: headers parsed {counts}"
+        assert (
+            str(pixart / "model_index.json") in json_counts
+            and str(pixart / "transformer" / "config.json") in json_counts
+        )
+        assert set(json_counts.values()) == {1}, f"rank {rank}: read {json_counts}"
+
+
+def test_a_lora_under_pipefusion_reads_each_config_once(tmp_path_factory):
+    """Fusing a LoRA into a PipeFusion stage renames its keys by the stage's blocks: from the configs the load read."""
+    from test_lora import _folder_and_lora
+
+    folder, lora = _folder_and_lora(tmp_path_factory, "flux")
+    options = {"lora": [(str(lora), 0.7)]}
+    for rank, (_, json_counts) in enumerate(
+        run_on_ranks(_count_one_load, 2, folder, ParallelConfig(pipefusion=2), options, timeout_s=300)
+    ):
+        assert str(folder / "transformer" / "config.json") in json_counts
+        assert set(json_counts.values()) == {1}, f"rank {rank}: read {json_counts}"
 
 
 # ---- Wan 2.1 image to video: a CLIP image encoder, planned as loaded ------------------------------------------
@@ -131,7 +172,8 @@ def test_wan_2_1_image_encoder_is_planned_as_it_is_loaded(wan_2_1_i2v, ranks, co
 def test_the_planner_keeps_an_image_encoder_whole_and_unquantized(wan_2_1_i2v):
     """`xdit-lab plan --model` moves the text encoders only (sharded, on the host, quantized): the image encoder
     is whole on every rank in every row, as load_pipeline loads it."""
-    from xdit_lab.fit import plan_model, read_model_folder
+    from xdit_lab.model_folder import read_model_folder
+    from xdit_lab.plan import plan_model
 
     whole = read_model_folder(wan_2_1_i2v).weights["image_encoder"].whole
     rows = [*plan_model(wan_2_1_i2v, 2, 10**12), *plan_model(wan_2_1_i2v, 2, 10**12, quantize="int8")]

@@ -468,7 +468,7 @@ def test_stale_kv_under_ring(digits_serial, digits_pipefusion):
 
 def test_memory_plan_counts_the_largest_stage_and_the_shared_tensors():
     from xdit_lab.digits import DIGITS_DIR
-    from xdit_lab.memory import plan_memory, tensor_bytes
+    from xdit_lab.plan import plan_memory, tensor_bytes
     from xdit_lab.safetensors_io import read_safetensors_header
 
     header = read_safetensors_header(DIGITS_DIR / "transformer" / "diffusion_pytorch_model.safetensors")
@@ -491,7 +491,7 @@ def test_a_refused_plan_suggests_only_pipefusion_degrees_that_exist_and_fit():
     import re
 
     from xdit_lab.digits import DIGITS_DIR
-    from xdit_lab.memory import MemoryPlanError, check_plan, human_bytes, plan_memory, tensor_bytes
+    from xdit_lab.plan import MemoryPlanError, check_plan, human_bytes, plan_memory, tensor_bytes
     from xdit_lab.safetensors_io import read_safetensors_header
 
     header = read_safetensors_header(DIGITS_DIR / "transformer" / "diffusion_pytorch_model.safetensors")

@@ -320,11 +320,11 @@ def test_the_load_plan_counts_the_rows_the_recipe_runs():
     the recipe decides them (a negative prompt counted as given). It used to read guidance_scale > 1,
     which counted Flux's distilled 3.5 as two branches and Qwen-Image's None as one."""
     from xdit_lab.families import recipe_for
-    from xdit_lab.request_memory import rows_of_one_prompt
+    from xdit_lab.plan.terms import kv_rows, load_branches
 
-    def rows(pipeline, config, **defaults):
+    def rows(pipeline, config, **defaults):  # one prompt's rows on the busiest rank
         recipe = recipe_for(pipeline)
-        return rows_of_one_prompt(config, recipe, {**recipe.defaults, **defaults})
+        return kv_rows(config, load_branches(recipe, {**recipe.defaults, **defaults}))
 
     one = ParallelConfig()
     assert rows("PixArtAlphaPipeline", one) == 2 and rows("PixArtAlphaPipeline", ParallelConfig(cfg=2)) == 1

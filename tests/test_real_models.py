@@ -4,7 +4,7 @@ Each folder is built once for this module (xdit_lab.real_models.save_header_only
 classes save them, safetensors headers at the stored dtype, the data a sparse hole). The bytes per
 component are read back with safetensors' own reader and compared with the published totals of
 /work/shared/REAL-MODELS.md: exactly where it gives bytes, within 0.5% where it gives ~ or GB. Then
-the planner (xdit_lab.fit.plan_model) plans FLUX.1-dev, SD3.5-large, Wan2.1-T2V-14B and CogVideoX-5b
+the planner (xdit_lab.plan.plan_model) plans FLUX.1-dev, SD3.5-large, Wan2.1-T2V-14B and CogVideoX-5b
 on 2, 4 and 8 GPUs of 24 and 80 GB: the targets below, each beside its control (the replicated row,
 which must not fit). No weight is ever materialized and no rank is spawned."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from xdit_lab.fit import GB, plan_model
+from xdit_lab.plan import GB, plan_model
 from xdit_lab.real_models import REAL_MODELS, save_header_only
 
 ROOT = Path(__file__).resolve().parents[1]

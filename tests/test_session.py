@@ -8,7 +8,7 @@ import torch
 from forward_traffic import session_traffic, traffic_mismatches
 
 from xdit_lab import ParallelConfig, load_pipeline
-from xdit_lab.memory import MemoryPlanError
+from xdit_lab.plan import MemoryPlanError
 from xdit_lab.safetensors_io import CorruptWeightsError
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs

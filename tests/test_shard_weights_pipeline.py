@@ -53,7 +53,7 @@ def _local_parameters(module) -> int:
 
 
 def _whole(folder, name) -> int:
-    from xdit_lab.memory import component_tensor_bytes
+    from xdit_lab.plan import component_tensor_bytes
 
     return sum(component_tensor_bytes(folder / name, torch.float32).values())
 

@@ -30,7 +30,7 @@ def test_header_block_bytes_match_the_loaded_model():
     from diffusers import PixArtTransformer2DModel
 
     from xdit_lab.digits import DIGITS_DIR
-    from xdit_lab.memory import plan_memory
+    from xdit_lab.plan import plan_memory
 
     figures = loading.header_block_bytes(DIGITS_DIR)
     model = PixArtTransformer2DModel.from_pretrained(DIGITS_DIR / "transformer")

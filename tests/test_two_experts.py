@@ -176,7 +176,7 @@ def test_two_experts_under_pipefusion_warm_up_each_expert_and_are_planned(folder
     first expert's stale K/V is freed, so a rank holds one expert's buffers, as the plan says. The async schedule, which would switch experts with
     latents in flight, is refused by name at load. The planner offers PipeFusion rows for the folder, the second
     expert cut into the same stages as the first."""
-    from xdit_lab.fit import plan_model
+    from xdit_lab.plan import plan_model
 
     for rank, (steps, planned, traffic) in enumerate(run_on_ranks(_stale_steps, 4, folder, timeout_s=300)):
         where = f"wan two experts pf2·ring2 rank {rank}"  # a warmup step moves other bytes than a pipelined one

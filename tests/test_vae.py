@@ -310,7 +310,7 @@ def test_a_parallel_vae_is_freed_by_its_last_reference():
 
 def _measured_and_planned_peaks(ranks):
     from xdit_lab.lab.measure import PeakTensorBytes
-    from xdit_lab.memory import decode_peak_bytes
+    from xdit_lab.plan import decode_peak_bytes
 
     vae, shape = _vae(), (2, 4, 33, 24)
     z = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
@@ -322,7 +322,7 @@ def _measured_and_planned_peaks(ranks):
 
 
 def test_the_decode_peak_closed_form_matches_the_measured_peak():
-    """memory.decode_peak_bytes, the memory plan's decode row, against the tensors the decode really
+    """plan.decode_peak_bytes, the memory plan's decode row, against the tensors the decode really
     made (PeakTensorBytes): equal for the whole decode, within 5% (under) in 2 and 3 bands of an odd
     number of rows; and it is the band's own: the whole decode's figure is far above a band's."""
     whole_measured, whole_planned = run_on_ranks(_measured_and_planned_peaks, 1, 1)[0]
@@ -336,7 +336,7 @@ def test_the_decode_peak_closed_form_matches_the_measured_peak():
 
 def _plans(folder):
     from xdit_lab import load_pipeline
-    from xdit_lab.memory import MemoryPlanError
+    from xdit_lab.plan import MemoryPlanError
 
     plans = {}
     for config in (ParallelConfig(ulysses=2), ParallelConfig(ulysses=2, vae_parallel=False)):
@@ -356,7 +356,7 @@ def test_the_memory_plan_counts_the_decode_peak(tmp_path):
     latent): the whole decode's peak, as measured here on diffusers' own decode of the folder's VAE, and
     per rank a band's under ulysses 2 (the whole's with vae_parallel=False); a limit the weights fit but
     the decode does not is refused before loading, saying the decode's peak splits in bands."""
-    from xdit_lab.memory import decode_peak_bytes, human_bytes
+    from xdit_lab.plan import decode_peak_bytes, human_bytes
     from xdit_lab.tiny import save_tiny_pipeline
 
     folder = save_tiny_pipeline("pixart", tmp_path / "pixart")

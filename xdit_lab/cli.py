@@ -12,7 +12,7 @@
 
 `plan` ranks every parallel configuration that fits N ranks with ParallelConfig's cost model
 (see xdit_lab/config.py) and prints it as a table; with --model, what each rank of N GPUs would hold
-of that folder's model under each configuration, sharded or not (xdit_lab/fit/). `run` generates on
+of that folder's model under each configuration, sharded or not (xdit_lab/plan/). `run` generates on
 every rank torchrun starts (xdit_lab/run.py); `demo` spawns local ranks and draws the bundled model's ten digits (demo.py);
 `compare` sets two runs of one prompts file side by side, image by image (compare.py).
 """
@@ -34,9 +34,9 @@ from .quantization import SCHEMES
 
 
 def _gpu_memory(text: str) -> int:
-    """argparse type for --gpu-memory (fit.command.memory_size), imported when the option is given: fit/ pulls in
+    """argparse type for --gpu-memory (plan.command.memory_size), imported when the option is given: plan/ pulls in
     diffusers, which `xdit-lab plan` without --model, `--help` and argument errors need not wait for."""
-    from .fit.command import memory_size
+    from .plan.command import memory_size
 
     return memory_size(text)
 
@@ -91,10 +91,10 @@ MODEL_SHAPE_ARGUMENTS = ("heads", "layers", "seq_len", "hidden_size")
 
 
 def cmd_plan_model(args) -> int:
-    """`plan --model`: what each rank would hold of a model folder under every configuration (fit/)."""
+    """`plan --model`: what each rank would hold of a model folder under every configuration (plan/)."""
     import torch
 
-    from .fit.command import print_plan
+    from .plan.command import print_plan
 
     given = [f"--{name.replace('_', '-')}" for name in MODEL_SHAPE_ARGUMENTS if getattr(args, name)]
     if given:
@@ -226,8 +226,8 @@ def cmd_run(args) -> int:
     if args.prompts is not None and isinstance(negatives, list):
         raise ParallelConfigError("with --prompts, give one --negative-prompt for all, or each line's in a .jsonl file")
     from .distributed import shutdown_distributed
-    from .memory import MemoryPlanError
     from .pipeline import loading_bars_hidden
+    from .plan import MemoryPlanError
     from .run import PeerTimeoutError, run_generation, run_prompts_file
     from .safetensors_io import CorruptWeightsError
 

@@ -13,7 +13,6 @@ mmap N bytes").
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -331,12 +330,11 @@ def load_quantized_text_encoder(folder: Path, class_name: str, dtype, device, qu
 # ---- which components a rank builds itself ----------------------------------------------------------------------
 
 
-def stage_blocks(folder: Path, index: dict, config, mesh, name: str = "transformer") -> tuple[int, int]:
+def stage_blocks(model: ModelFolder, config, mesh, name: str = "transformer") -> tuple[int, int]:
     """[start, stop) of the blocks of transformer `name` (transformer_2: Wan 2.2 A14B's second expert) this rank's
-    PipeFusion stage holds, from the folder's config."""
-    transformer_config = json.loads((folder / name / "config.json").read_text())
-    adapter = FAMILIES[index[name][1]]
-    return config.stage_ranges(adapter.num_blocks(transformer_config))[mesh.coords[PIPEFUSION]]
+    PipeFusion stage holds, from its config as the load's ModelFolder read it."""
+    adapter = FAMILIES[model.index[name][1]]
+    return config.stage_ranges(adapter.num_blocks(model.configs[name]))[mesh.coords[PIPEFUSION]]
 
 
 def load_own_components(
@@ -372,7 +370,7 @@ def load_own_components(
                 folder / name, index[name][1], config, mesh, dtype, device, header, **parallel
             )
         elif config.pipefusion > 1:
-            blocks = stage_blocks(folder, index, config, mesh, name)
+            blocks = stage_blocks(model, config, mesh, name)
             loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, dtype, header)
     for name in model.text_encoders if sharding else ():
         if name not in on_host and name not in loaded:
@@ -388,7 +386,7 @@ def load_quantized_components(model: ModelFolder, config, mesh, dtype, device, q
     for name in quantized.configs:
         class_name, sub = model.index[name][1], model.path / name
         if roles[name] in (TRANSFORMER, EXPERT):
-            blocks = stage_blocks(model.path, model.index, config, mesh, name) if config.pipefusion > 1 else None
+            blocks = stage_blocks(model, config, mesh, name) if config.pipefusion > 1 else None
             loaded[name] = load_quantized_transformer(
                 sub, class_name, dtype, device, quantized, blocks, name, model.header
             )

@@ -309,20 +309,22 @@ class ModelFolder:
         return self.headers[path]
 
     def in_dtype(self, dtype: torch.dtype) -> ModelFolder:
-        """The same folder planned in `dtype`, from the headers already parsed."""
+        """The same folder planned in `dtype`, from the configs already read and the headers already parsed."""
         if torch.empty((), dtype=dtype).element_size() == self.element:
             return self
-        return read_model_folder(self.path, dtype, index=self.index, headers=self.headers)
+        return read_model_folder(self.path, dtype, index=self.index, headers=self.headers, configs=self.configs)
 
 
 def _listed(name: str, entry) -> bool:
     return not name.startswith("_") and isinstance(entry, list) and len(entry) == 2 and None not in entry
 
 
-def read_model_folder(folder, dtype: torch.dtype = torch.bfloat16, *, index=None, headers=None) -> ModelFolder:
+def read_model_folder(
+    folder, dtype: torch.dtype = torch.bfloat16, *, index=None, headers=None, configs=None
+) -> ModelFolder:
     """Read a diffusers folder's index, configs and safetensors headers (no weights), checking each. `index`:
     the folder's model_index.json already read and checked (load_pipeline's); `headers`: a header cache to share
-    (ModelFolder.headers)."""
+    (ModelFolder.headers); `configs`: the configs already read (ModelFolder.configs), each read at most once."""
     path = Path(folder).expanduser()
     if not path.exists():
         raise ModelFolderError(f"no model folder at {path}: pass a diffusers pipeline folder (with model_index.json)")
@@ -344,7 +346,10 @@ def read_model_folder(folder, dtype: torch.dtype = torch.bfloat16, *, index=None
             continue
         library, class_name = entry
         sub = path / name
-        if (sub / "tokenizer_config.json").is_file():
+        known = (configs or {}).get(name)  # as a first read left it: config.json where there are weights
+        if known is not None:
+            model.configs[name] = known
+        elif (sub / "tokenizer_config.json").is_file():
             model.configs[name] = read_json(sub / "tokenizer_config.json", f"{name}'s tokenizer configuration")
         if not _has_weights(library, class_name, sub):
             continue
@@ -353,7 +358,7 @@ def read_model_folder(folder, dtype: torch.dtype = torch.bfloat16, *, index=None
                 f"model_index.json lists the component {name!r} ({library} {class_name}), but {sub} is missing: "
                 f"copy the whole pipeline folder, or remove {name!r} from model_index.json if it is not used"
             )
-        config = read_json(sub / "config.json", f"{name}'s configuration")
+        config = known if known is not None else read_json(sub / "config.json", f"{name}'s configuration")
         model.configs[name] = config
         model.weights[name] = _read_weights(name, library, class_name, config, sub, element, model.notes, model.header)
     if "transformer" not in model.weights:

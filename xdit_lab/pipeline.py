@@ -51,7 +51,6 @@ from .loading import (
     stage_key_renaming,
 )
 from .lora import fuse_loras, lora_bytes
-from .memory import MemoryPlan, check_plan, human_bytes, plan_memory
 from .mesh import RankMesh
 from .model_folder import (
     EXPERT,
@@ -64,7 +63,8 @@ from .model_folder import (
     resolve_folder,
 )
 from .models import parallelize
-from .request_memory import plan_request, rows_of_one_prompt
+from .plan import MemoryPlan, check_plan, plan_memory
+from .plan.loaded import plan_request
 from .session import DenoiseSession
 from .vae import apply_parallel_vae
 
@@ -226,17 +226,11 @@ def plan_load(model: ModelFolder, recipe, config, options: LoadOptions, call_def
     shard, on the host, quantized; the adapters while they are fused), checked against the memory it has."""
     sharding, quantized, adapters = options.sharding(config), options.quantized(model), options.adapters
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    plan = plan_memory(
-        model,
-        component_folders(model.path, model.index),
-        dtype=dtype,
-        config=config,
-        ranks_per_host=min(local_ranks, config.world_size),
-        decode_latent=recipe.default_latent(model.path, call_defaults),
-        stale_kv_rows=rows_of_one_prompt(config, recipe, call_defaults),
-    )
-    if sharding or options.on_host or quantized:  # who holds which weights, as the planner counts them (fit/)
-        plan = placed_plan(plan, model, config, sharding, options.on_host, quantized)
+    plan = plan_memory(  # the row `xdit-lab plan --model` prints for this configuration and placement
+        model, component_folders(model.path, model.index), dtype=dtype, config=config,
+        ranks_per_host=min(local_ranks, config.world_size), shard_weights=sharding, on_host=options.on_host,
+        quantized=quantized, call_defaults=call_defaults, request=True,
+    )  # fmt: skip
     if adapters:  # held while they are fused into the weights, then freed
         plan.activation_bytes["LoRA adapters"] = (lora_bytes(adapters),) * 2
     check_plan(plan, info.device, limit_bytes=options.memory_limit_bytes, config=config)
@@ -290,9 +284,7 @@ def adapt_weights(inner, model: ModelFolder, config, mesh, adapters: list) -> No
     stage_names = None
     if config.pipefusion > 1:
         stage_names = {
-            name: stage_key_renaming(
-                model.configs[name], model.index[name][1], stage_blocks(model.path, model.index, config, mesh, name)
-            )
+            name: stage_key_renaming(model.configs[name], model.index[name][1], stage_blocks(model, config, mesh, name))
             for name in model.named(TRANSFORMER, EXPERT)
         }
     fuse_loras(inner, adapters, stage_names)
@@ -343,45 +335,6 @@ def from_pretrained(folder: Path, index: dict, dtype, loaded: dict, **kwargs):
         inner = pipeline_class.from_pretrained(view, dtype=dtype, **passed, **kwargs)
     inner.register_modules(**hidden)
     return inner
-
-
-def placed_plan(plan: MemoryPlan, model: ModelFolder, config, sharding: bool, on_host, quantized=None) -> MemoryPlan:
-    """The load's plan with each component's weights as this rank holds them when they are sharded (FSDP2:
-    the transformer over its stage's ranks, text encoders over the world), kept in host memory or quantized,
-    and the gather buffer a sharded forward holds: counted by the planner (fit.held_weights), from the headers
-    `model` (the load's ModelFolder, in the load dtype) parsed. Only the text encoders move (the folder's roles):
-    an image encoder stays whole and unquantized, as diffusers loads it. A quantization that is not a named
-    scheme is planned at the load dtype (more than it will hold), said so."""
-    import dataclasses
-
-    from .fit import held_weights
-
-    placements = {name: "host" if name in on_host else "sharded" if sharding else "gpu" for name in model.text_encoders}
-    scheme = quantized.scheme if quantized is not None else None
-    covered = tuple(quantized.configs) if scheme is not None else ()
-    weights, gather, _, _, host = held_weights(model, config, sharding, placements, scheme=scheme, quantized=covered)
-    placed = dataclasses.replace(
-        plan,
-        per_rank_bytes={**plan.per_rank_bytes, **weights},
-        activation_bytes=dict(plan.activation_bytes),
-        notes=list(plan.notes),
-    )
-    if gather:
-        placed.activation_bytes["weight gathers"] = (0, gather)  # a single rank gathers nothing
-        placed.notes.append(
-            f"weights sharded over {config.world_size // config.pipefusion} rank(s) of a stage (text encoders over "
-            f"{config.world_size}); weight gathers: the largest blocks and the root a sharded forward holds whole"
-        )
-    if on_host:
-        placed.notes.append(f"in host memory, not on the device: {', '.join(on_host)} ({human_bytes(host)})")
-    if scheme is not None:
-        placed.notes.append(f"{scheme} weight-only (torchao): the linear weights of {', '.join(covered)}")
-    elif quantized is not None:
-        placed.notes.append(
-            f"quantized with a config that is no named scheme, or with modules_to_not_convert: "
-            f"{', '.join(quantized.configs)} planned at the load dtype (more than they will hold)"
-        )
-    return placed
 
 
 def run_on_host(module: torch.nn.Module, device) -> None:
@@ -585,7 +538,7 @@ class ParallelPipeline:
         with the other arguments `pipe(...)` takes (guidance_scale, negative_prompt, the family's
         options; the model's defaults where left out) leaves on this rank once a step ran: its
         latents, its conditioning and, under PipeFusion, the stale K/V buffers
-        (request_memory.plan_request). A step's transient activations are not in it."""
+        (plan.loaded.plan_request). A step's transient activations are not in it."""
         if not self.active:  # an idle rank holds nothing for a request
             return self.memory_plan
         prompts = [""] * prompts if isinstance(prompts, int) else prompts

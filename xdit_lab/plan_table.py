@@ -136,6 +136,6 @@ def plan_legend(show_bytes: bool = False) -> str:
 
 def why_lines(names: list[str], reasons: list[str]) -> str:
     """Why each row ranks above the next, a line per row (wrapped to WIDTH), from `names` ('#1 cfg2·pf2')
-    and their reasons (config.ranking_reasons, fit.fit_ranking_reasons; an empty one, the last's, left out)."""
+    and their reasons (config.ranking_reasons, plan.fit_ranking_reasons; an empty one, the last's, left out)."""
     lines = [wrapped(f"  {name}: {reason}", indent="      ") for name, reason in zip(names, reasons) if reason]
     return "\n".join(["Why each row ranks above the next (--why):", *lines])

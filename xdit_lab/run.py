@@ -34,7 +34,7 @@ from .load_options import LoadOptions
 from .mesh import WORLD
 from .output_folder import RECORDS_FILE, OutputWriteError, append_record, atomic_write, check_output_folder, open_run
 from .pipeline import load_pipeline, resolve_dtype
-from .request_memory import rank_memory
+from .plan.loaded import rank_memory
 
 
 class PeerTimeoutError(RuntimeError):

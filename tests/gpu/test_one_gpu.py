@@ -110,7 +110,7 @@ def test_block_merge_is_exact_and_syncs_nothing(dtype, figures):
 
 
 def test_memory_plan_counts_this_process_cached_blocks_as_free(figures):
-    from xdit_lab.memory import available_bytes
+    from xdit_lab.plan import available_bytes
 
     device = torch.device("cuda", 0)
     block = torch.empty(1 << 30, dtype=torch.uint8, device=device)  # 1 GiB, then back to torch's cache

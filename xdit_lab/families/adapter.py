@@ -434,6 +434,18 @@ class FamilyAdapter:
             offset += model_config.get(count) or 0
         return None
 
+    def stale_kv_layers(self, attention_names, model_config) -> list[int]:
+        """Per stacked block, its attention layers whose image K/V a PipeFusion stage keeps from step to step
+        (SEQUENCE_PARALLEL_KINDS: self and joint, not cross or text), from the qualified names of the model's
+        attention modules (a module's named_modules, or a checkpoint's K projections less ".to_k.weight"): the
+        one count the planner, the load's plan and a running stage share."""
+        counts = [0] * self.num_blocks(model_config)
+        for name in attention_names:
+            index = self.block_index(f"{name}.", model_config)
+            if index is not None and index < len(counts) and self.attention_kind(name) in SEQUENCE_PARALLEL_KINDS:
+                counts[index] += 1
+        return counts
+
     def blocks(self, transformer) -> list:
         """The model's blocks, every list of them in the forward's order (a stage: those it holds)."""
         return [block for name in self.block_lists for block in getattr(transformer, name)]

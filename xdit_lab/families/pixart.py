@@ -77,7 +77,8 @@ class PixArtRecipe(Recipe):
     def planned_request(self, configs, call, element):
         t = configs["transformer"]
         height, width = call.height, call.width
-        if call.options.get("use_resolution_binning", True):
+        # a sample size without bins (a tiny specimen's) at the size asked: its pipeline refuses binning when called
+        if call.options.get("use_resolution_binning", True) and t["sample_size"] in BINNED_SAMPLE_SIZES:
             height, width = binned_size(t["sample_size"], height, width)
         scale = vae_scale(configs["vae"])[0]
         rows, cols = height // scale, width // scale
@@ -121,6 +122,9 @@ class PixArtRecipe(Recipe):
 
 
 RECIPE = PixArtRecipe()
+
+
+BINNED_SAMPLE_SIZES = (32, 64, 128)  # diffusers' aspect-ratio bins: 256, 512 and 1024 pixels
 
 
 def binned_size(sample_size: int, height: int, width: int) -> tuple[int, int]:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -107,7 +105,7 @@ class Recipe:
     pipeline_defaults: dict = {}  # pipeline class -> its call defaults where they differ from `defaults`
     # prepared.extra's entries that hold a request's images, encoded, kept beside the latents over the steps: an
     # edit's reference tokens, inpainting's image latents, mask and first noise, Fill's masked image, an image to
-    # video's first frame (the memory plan counts them, request_memory.plan_request)
+    # video's first frame (the memory plan counts them, plan.loaded.plan_request)
     image_inputs = ("reference", "inpaint", "fill", "first_frame")
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
@@ -146,22 +144,7 @@ class Recipe:
         default = config.sample_size * pipe.vae_scale_factor
         return pipe.vae_scale_factor * config.patch_size, (default, default)
 
-    def default_latent(self, folder, call_defaults: dict) -> tuple[int, int] | None:
-        """(rows, cols) of the latent the VAE decodes at the model's default size, from the folder's
-        configs alone (before loading): the call defaults' height when given, else the family's
-        default; None without a VAE or transformer config. What the memory plan sizes activations at."""
-        paths = [Path(folder) / "vae" / "config.json", Path(folder) / "transformer" / "config.json"]
-        if not all(path.is_file() for path in paths):
-            return None
-        vae, transformer = (json.loads(path.read_text()) for path in paths)
-        scale = 2 ** (len(vae.get("block_out_channels", [0])) - 1)
-        if call_defaults.get("height"):
-            height = call_defaults["height"]
-            return height // scale, (call_defaults.get("width") or height) // scale
-        side = self.default_latent_side(transformer)
-        return None if side is None else (side, side)
-
-    # ---- the planner's closed forms, from the folder's configs alone (xdit_lab.fit; checked against
+    # ---- the planner's closed forms, from the folder's configs alone (xdit_lab.plan; checked against
     # what encode and prepare hold on tiny pipelines, tests/test_fit.py) ------------------------------------
     def planned_request(self, configs: dict[str, dict], call: Call, element: int) -> RequestShape:
         """What a request keeps besides the weights (`configs`: every component's config.json, and the

@@ -1,5 +1,5 @@
 """What load_pipeline refuses to combine with a pipeline, and why: one table, which load_pipeline raises from
-and the planner (fit/plan.py) reads to leave out the rows load_pipeline would refuse."""
+and the planner (plan/rows.py) reads to leave out the rows load_pipeline would refuse."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def load_refusals(recipe: Recipe, pipeline_class: str, components) -> dict[str, 
     """What load_pipeline refuses to combine with `pipeline_class` holding `components` (a folder's), by argument
     (REFUSABLE's keys), each with its reason: a template with {names} and {them} where the reason is the
     pipeline's components (two experts, a ControlNet), a sentence where it is the pipeline class's. The planner
-    (fit/plan.py) leaves the rows out that load_pipeline would refuse."""
+    (plan/rows.py) leaves the rows out that load_pipeline would refuse."""
     refused = {}
     if "transformer_2" in components:
         refused["pipefusion_async"] = TWO_EXPERTS_REFUSED

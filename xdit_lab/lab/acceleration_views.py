@@ -13,8 +13,8 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ..memory import human_bytes
 from ..mesh import CFG, DP
+from ..plan import human_bytes
 from .views import _by_rank, _scale, new_figure, rank_color, spans
 
 # ---- step cache -----------------------------------------------------------------------------------------

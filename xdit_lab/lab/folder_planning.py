@@ -1,7 +1,7 @@
 """The explorer's planning mode for a model folder: which way to run it fits N GPUs of a given memory.
 
     plan_folder("flux-dev", 4, "24GB")   every configuration × sharded or whole weights × text encoders
-                                         on the GPU, sharded or in host memory (xdit_lab.fit.plan_model,
+                                         on the GPU, sharded or in host memory (xdit_lab.plan.plan_model,
                                          from the folder's configs and safetensors headers alone), best
                                          first; when nothing fits, the smallest GPU memory that would
     folder_plan_html(plan)               the same as the table the panel shows
@@ -17,8 +17,8 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fit import GB, FitRow, plan_model, smallest_fit
-from ..fit.command import memory_size
+from ..plan import GB, FitRow, plan_model, smallest_fit
+from ..plan.command import memory_size
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class FolderPlanRow:
 @dataclass(frozen=True)
 class FolderPlan:
     """The rows for `gpus` GPUs of `gpu_memory_bytes`, best first (fitting rows first, then the cost
-    model's ranking: xdit_lab.fit.fit_rank_key), and what to buy when nothing fits."""
+    model's ranking: xdit_lab.plan.fit_rank_key), and what to buy when nothing fits."""
 
     heading: str  # the model and request planned for, and the GPUs
     rows: tuple[FolderPlanRow, ...]  # every row, best first

@@ -20,7 +20,7 @@ import dataclasses
 from ..mesh import CFG, DP
 from ..models import parallel_state
 from ..models.sharded_weights import local_parameter_bytes
-from ..request_memory import held_bytes, rank_memory
+from ..plan.loaded import held_bytes, rank_memory
 from ..sharding import batch_rows
 from ..traffic import expected_bytes_per_step
 from ..vae import DECODED

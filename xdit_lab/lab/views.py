@@ -22,8 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from ..config import DEGREES, SHORT
-from ..memory import human_bytes
 from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
+from ..plan import human_bytes
 
 GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP)  # the degrees in their one order, then the token gather
 
@@ -84,7 +84,7 @@ def rank_color(rank: int, world_size: int):
 
 
 def _scale(largest: float) -> tuple[float, str]:
-    """A unit for an axis whose largest value is `largest` bytes: decimal, as memory.human_bytes says them."""
+    """A unit for an axis whose largest value is `largest` bytes: decimal, as plan.human_bytes says them."""
     for power, unit in ((3, "GB"), (2, "MB"), (1, "KB")):
         if largest >= 1000**power:
             return 1000**power, unit

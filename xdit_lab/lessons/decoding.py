@@ -20,9 +20,9 @@ def decode_peak(rows: int, sp: int) -> dict:
 
     from ..config import ParallelConfig
     from ..lab.measure import PeakTensorBytes
-    from ..memory import decode_peak_bytes
     from ..mesh import RankMesh
     from ..model_folder import BUNDLED
+    from ..plan import decode_peak_bytes
     from ..vae import apply_parallel_vae
 
     vae = AutoencoderKL.from_pretrained(BUNDLED["digits"] / "vae").eval()

@@ -4,7 +4,7 @@ run with its weights sharded by torch's FSDP2 on the Lab's engines, seen rank by
 In the notebook's own process (no engine):
 
     on_disk(folder)                        a header-only folder's size as its files say, and on disk
-    pick(rows, short, shard, text)         one row of fit.plan_model's plan, by its configuration
+    pick(rows, short, shard, text)         one row of plan.plan_model's plan, by its configuration
     terms_table(rows)                      what one rank holds under each row, by term, in GB
     traffic_table(rows)                    bytes sent per step (activations, weight gathers) and seconds
                                            on the planner's links
@@ -22,7 +22,7 @@ On the engines (`lab.call(fn, ...)`: the Lab's state dict first, small dicts bac
     held_and_planned(state)                per component what this rank holds against pipe.memory_plan
     last_step_bytes(state)                 bytes out of this rank per group in the session's last step
 
-Nothing here owns any math: the shards are FSDP2's, the plan is xdit_lab.fit's, the records comm.py's.
+Nothing here owns any math: the shards are FSDP2's, the plan is xdit_lab.plan's, the records comm.py's.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def on_disk(folder) -> dict:
 
 
 def pick(rows, short: str, shard: bool, text_encoders: str):
-    """The one row of a plan (fit.plan_model) with configuration `short` ("ulysses4"), weights sharded
+    """The one row of a plan (plan.plan_model) with configuration `short` ("ulysses4"), weights sharded
     or whole, and text encoders "gpu", "sharded" or "host"."""
     found = [
         row
@@ -81,7 +81,7 @@ def _gb(n: int | None) -> str:
 
 
 def terms_table(rows) -> str:
-    """Per row (fit.FitRow), what one rank holds: each component's weights, the gather buffer, latents and
+    """Per row (plan.FitRow), what one rank holds: each component's weights, the gather buffer, latents and
     conditioning, PipeFusion's stale K/V, the decode's peak; the total, and whether it fits; all in GB (10⁹
     bytes). A term is a column, a row a line."""
     components = list(rows[0].weights)
@@ -106,8 +106,8 @@ def terms_table(rows) -> str:
 def traffic_table(rows) -> str:
     """Per row, the bytes one rank sends per denoising step (the strategy's activations, FSDP2's weight
     gathers), the text encoders' gathers once per request, and the step's traffic in seconds over
-    one link at the planner's bandwidths (fit.LINKS)."""
-    from ..fit import LINKS
+    one link at the planner's bandwidths (plan.LINKS)."""
+    from ..plan import LINKS
 
     header = ["row", "activations GB/step", "weight gathers GB/step", "encode gathers GB"]
     header += [f"s/step {name}" for name in LINKS]

@@ -24,8 +24,8 @@ from matplotlib.figure import Figure
 
 from ..lab.table import text_table
 from ..lab.views import GROUP_ORDER, new_figure
-from ..memory import human_bytes
 from ..mesh import RING, ULYSSES
+from ..plan import human_bytes
 
 
 def dit_shapes(

@@ -26,7 +26,7 @@ import torch
 def header_block_bytes(folder, component: str = "transformer", dtype: torch.dtype | None = torch.float32) -> dict:
     """From the safetensors headers of `folder/component` alone (no weight read): the component's
     bytes, the bytes of its transformer blocks, and of each block, as loaded in `dtype`."""
-    from ..memory import block_bytes, component_tensor_bytes
+    from ..plan import block_bytes, component_tensor_bytes
 
     tensors = component_tensor_bytes(Path(folder) / component, dtype)
     blocks, _ = block_bytes(tensors, json.loads((Path(folder) / component / "config.json").read_text()))
@@ -180,7 +180,7 @@ def planned_and_held(state: dict, prompts: int) -> dict:
     (pipe.memory_plan_for) gives for the latents, the conditioning and PipeFusion's stale K/V, and
     what this rank holds of each, counted tensor by tensor; the plan's total and table."""
     from ..models import parallel_state
-    from ..request_memory import held_bytes
+    from ..plan.loaded import held_bytes
 
     pipe, prepared = state["pipe"], state["session"].prepared
     plan = pipe.memory_plan_for(prompts)

@@ -151,9 +151,7 @@ class PipeFusionStage:
         frames stacked as rows: LatentLayout.token_grid): stale_kv_bytes, for its blocks' attention."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
         kv = stale_kv_bytes(
-            layers=sum(
-                1 for name, _ in transformer.named_modules() if self.state.adapter.attention_kind(name) in STALE_KINDS
-            ),
+            layers=sum(self.state.adapter.stale_kv_layers((name for name, _ in transformer.named_modules()), config)),
             rows=rows,
             heads=config.num_attention_heads,
             head_dim=config.attention_head_dim,

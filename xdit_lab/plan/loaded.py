@@ -1,7 +1,7 @@
 """What a request adds to the load's memory plan, on this rank, before it runs: the tensors a
 session keeps from step to step.
 
-    load's plan      weights per component, the VAE decode's peak          (memory.plan_memory)
+    load's plan      weights per component, the VAE decode's peak          (load.plan_memory)
     + latents        prompts × one prompt's latent                          every rank, whole
     + conditioning   rows × one row's text conditioning (+ what no row has)  every rank, gathered
     + image inputs   the encoded images a request starts from (a reference,  every rank, whole
@@ -27,12 +27,12 @@ import dataclasses
 
 import torch
 
-from .families import Request, adapter_for
-from .memory import MemoryPlan
-from .mesh import CFG, DP
-from .models import parallel_state
-from .models.sharded_weights import local_parameter_bytes
-from .sharding import batch_rows
+from ..families import Request, adapter_for
+from ..mesh import CFG, DP
+from ..models import parallel_state
+from ..models.sharded_weights import local_parameter_bytes
+from ..sharding import batch_rows
+from .check import MemoryPlan
 
 
 def held_bytes(value) -> int:
@@ -113,18 +113,6 @@ def plan_request(pipe, request: Request) -> MemoryPlan:
             + f", {stop - start} row(s) on this rank"
         )
     return plan
-
-
-def rows_of_one_prompt(config, recipe, call_defaults: dict) -> int:
-    """The most batch rows a rank computes for one prompt at the call defaults, as the forward splits
-    them (batch_rows): what the load's plan sizes PipeFusion's stale K/V at. A negative prompt counts
-    as given, since a call may bring one (true-CFG families have two branches only with it)."""
-    options = {key: value for key, value in call_defaults.items() if key in recipe.options}
-    negatives = None if recipe.cfg_needs is None else [""]
-    default = Request(["a prompt"], negatives, 1, call_defaults["guidance_scale"], None, None, None)
-    default.options = recipe.check_options(options)
-    total = 2 if recipe.do_cfg(default) and config.cfg == 1 else 1  # cfg 2 takes one branch
-    return max(stop - start for start, stop, _ in (batch_rows(total, 1, config.dp, 0, d) for d in range(config.dp)))
 
 
 def rank_memory(pipe) -> dict:

@@ -10,7 +10,8 @@ import sys
 
 from ..model_folder import ModelFolderError
 from ..plan_table import why_lines, wrapped
-from .plan import GB, fit_ranking_reasons, format_rows, model_legend, plan_model, smallest_fit
+from .rows import GB, plan_model, smallest_fit
+from .table import fit_ranking_reasons, format_rows, model_legend
 
 MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 MEMORY_UNITS.update(KIB=2**10, MIB=2**20, GIB=2**30, TIB=2**40)

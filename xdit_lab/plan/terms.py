@@ -1,0 +1,213 @@
+"""The request terms: what a request keeps on a rank besides the weights, from the folder's configs alone.
+
+the call       make_call: the folder's call defaults over the family's, the caller's over both; the load
+               plans one prompt at its call defaults (load_call), a negative prompt counted as given
+latents,       request_shape: each family recipe's closed form (Recipe.planned_request, in
+conditioning   xdit_lab/families/<family>.py), checked against the family's own encode and prepare on
+               tiny pipelines (tests/test_fit.py)
+stale K/V      PipeFusion's buffers on the busiest rank of the busiest stage: the layers the family
+               adapter counts (FamilyAdapter.stale_kv_layers), the busiest rank's batch rows (kv_rows),
+               attention/stale.py's stale_kv_bytes
+decode peak    the VAE decode's activations, whole or in row bands (decode_peak_bytes; AutoencoderKL)
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ..config import ParallelConfig
+from ..families import RECIPES, Recipe, Request
+from ..families.recipe import Call, RequestShape
+from ..model_folder import ModelFolder, ModelFolderError, read_json
+from ..sharding import batch_rows
+
+__all__ = ["Call", "RequestShape", "make_call", "request_shape"]
+
+
+def request_shape(folder: ModelFolder, call: Call) -> RequestShape:
+    """What `call` keeps besides the weights on a rank that holds the whole batch (latents, conditioning)."""
+    return RECIPES[folder.pipeline_class].planned_request(folder.configs, call, folder.element)
+
+
+def make_call(
+    folder: ModelFolder,
+    *,
+    height: int | None = None,
+    width: int | None = None,
+    batch: int = 1,
+    use_cfg: bool | None = None,
+    options: dict | None = None,
+    call_defaults: dict | None = None,
+) -> Call:
+    """The request a plan is for: the folder's call defaults (call_defaults.json, or `call_defaults` as the load
+    read them) over the family's, what the caller passes over both, and the branches the family's recipe runs
+    for it."""
+    if folder.pipeline_class not in RECIPES:
+        raise ModelFolderError(
+            f"xdit_lab does not run {folder.pipeline_class}, so it plans no memory for it; pipelines it runs: "
+            f"{', '.join(RECIPES)}"
+        )
+    recipe = RECIPES[folder.pipeline_class]
+    if type(recipe).planned_request is Recipe.planned_request:
+        raise ModelFolderError(
+            f"the planner has no closed form for {folder.pipeline_class}'s latents and conditioning yet "
+            f"({recipe.family}'s recipe has no planned_request); plan it on a loaded pipeline: "
+            f"pipe.memory_plan_for(prompts)"
+        )
+    if "vae" not in folder.configs:
+        raise ModelFolderError(
+            f"{folder.path} has no vae component: the planner sizes the latents from the VAE's config; "
+            f"copy the whole pipeline folder"
+        )
+    if call_defaults is None:
+        defaults_file = folder.path / "call_defaults.json"
+        call_defaults = read_json(defaults_file, "call defaults") if defaults_file.is_file() else {}
+    merged = {**recipe.call_defaults(folder.pipeline_class), **recipe.options, **call_defaults, **(options or {})}
+    merged.update({k: v for k, v in recipe.planned_option_defaults(folder.configs).items() if merged.get(k) is None})
+    if merged.get("max_sequence_length") is None:  # the pipeline's own default (PixArt-α 120, PixArt-Σ 300)
+        import diffusers
+
+        signature = inspect.signature(getattr(diffusers, folder.pipeline_class).__call__)
+        merged["max_sequence_length"] = signature.parameters["max_sequence_length"].default
+    default = recipe.planned_default_size(folder.configs)
+    height = height or merged.get("height") or default[0]
+    width = width or merged.get("width") or default[1]
+    multiple = recipe.planned_multiple(folder.configs)
+    bad = [f"{name} {value}" for name, value in (("height", height), ("width", width)) if value % multiple]
+    if bad:
+        raise ValueError(
+            f"{' and '.join(bad)} not a multiple of {multiple} (the VAE's downsampling × the patch size) for "
+            f"{folder.pipeline_class}; use e.g. {height // multiple * multiple or multiple}"
+        )
+    if use_cfg is None:
+        request = Request(["?"] * batch, None, 1, merged.get("guidance_scale"), height, width, 0)
+        request.options = {k: merged[k] for k in recipe.options}
+        use_cfg = recipe.do_cfg(request)
+    return Call(height, width, batch, 2 if use_cfg else 1, merged)
+
+
+def load_call(folder: ModelFolder, call_defaults: dict) -> Call:
+    """The request a load is planned for: one prompt at the call defaults, with load_branches' branches."""
+    branches = load_branches(RECIPES[folder.pipeline_class], call_defaults)
+    return make_call(folder, use_cfg=branches == 2, call_defaults=call_defaults)
+
+
+def load_branches(recipe: Recipe, call_defaults: dict) -> int:
+    """The branches of one prompt at the call defaults as the recipe decides them, a negative prompt counted as
+    given since a call may bring one (true-CFG families, Qwen-Image, have two branches only with it)."""
+    options = {key: value for key, value in call_defaults.items() if key in recipe.options}
+    negatives = None if recipe.cfg_needs is None else [""]
+    default = Request(["a prompt"], negatives, 1, call_defaults["guidance_scale"], None, None, None)
+    default.options = recipe.check_options(options)
+    return 2 if recipe.do_cfg(default) else 1
+
+
+def kv_rows(config: ParallelConfig, total: int) -> int:
+    """The most batch rows of `total` ([unconditional; conditional]) that one rank computes under `config`, as the
+    forward splits them (batch_rows): the rows its stale K/V is kept for. One branch under cfg 2 is a call the
+    session refuses: its rows as under cfg 1."""
+    cfg = config.cfg if total % 2 == 0 else 1
+    return max(
+        stop - start
+        for c in range(cfg)
+        for d in range(config.dp)
+        for start, stop, _ in [batch_rows(total, cfg, config.dp, c, d)]
+    )
+
+
+def stale_layers(folder: ModelFolder) -> list[int]:
+    """Per transformer block, its attention layers whose image K/V a PipeFusion stage keeps, named in the header
+    by their K projections and counted by the family adapter (FamilyAdapter.stale_kv_layers); kept on the folder."""
+    if folder.stale_layers is None:
+        keys = folder.transformer.names
+        names = [key.removesuffix(".to_k.weight") for key in keys if key.endswith(".to_k.weight")]
+        folder.stale_layers = folder.adapter.stale_kv_layers(names, folder.transformer.config)
+    return folder.stale_layers
+
+
+def stale_kv(folder: ModelFolder, call: Call, shape: RequestShape, config: ParallelConfig, span) -> int:
+    """PipeFusion's stale K/V on a stage holding blocks [start, stop): its self/joint attention layers, the busiest
+    rank's batch rows, this rank's tokens (attention/stale.py's stale_kv_bytes)."""
+    layers = sum(stale_layers(folder)[span[0] : span[1]])
+    rows = kv_rows(config, call.prompts * call.branches)
+    return busiest_stale_kv_bytes(config, folder.transformer.config, layers, rows, shape.grid, folder.element)
+
+
+def busiest_stale_kv_bytes(
+    config: ParallelConfig, transformer: dict, layers: int, rows: int, grid, element: int
+) -> int:
+    """The stale K/V buffers of a PipeFusion stage's busiest rank under `config` (the ring rank that keeps
+    the most: stale_kv_bytes), for `layers` attention layers whose K/V it keeps, `rows` batch rows, a
+    `grid` (rows, cols) of tokens and the heads of the transformer's config.json (`transformer`), with
+    `element` bytes per float."""
+    from ..attention.stale import stale_kv_bytes
+
+    return max(
+        stale_kv_bytes(
+            layers=layers,
+            rows=rows,
+            heads=transformer["num_attention_heads"],
+            head_dim=transformer["attention_head_dim"],
+            grid=grid,
+            patches=config.patches,
+            ulysses=config.ulysses,
+            ring=config.ring,
+            ring_rank=ring_rank,
+            element_bytes=element,
+        )
+        for ring_rank in range(config.ring)
+    )
+
+
+def decode_bands(config: ParallelConfig) -> int:
+    """Row bands the VAE decodes one image in: over the ranks that share it (vae.py), or whole."""
+    return config.sp_degree * config.pipefusion if config.vae_parallel else 1
+
+
+def decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *, bands: int = 1) -> int:
+    """The most bytes an AutoencoderKL decode holds at once (weights and the latent not counted),
+    from its configuration: the largest set of activations alive together, in units of channels
+    × pixels at each resolution (diffusers' decoder, step by step):
+
+        resnet c_in -> c_out     input (held by the caller) + shortcut, hidden, sum, sum / scale
+        ×2 upsample of c         input + interpolated (4×) + convolved (4×)
+        mid attention            input, norm, q, k, v, out, projection (flash kernels: no scores);
+                                 in bands Ring's two K/V buffers and the merged partial outputs
+
+    In bands (vae.py) a rank holds its band's rows (the largest band) and every 3×3 convolution
+    also a copy of its input with the halo rows. Against lab.measure.PeakTensorBytes on CPU
+    (tests/test_vae.py): exact for the whole decode, within 5% in bands."""
+    batch, latent_channels, rows, cols = latent_shape
+    rows = -(-rows // bands)
+    blocks = list(reversed(vae_config["block_out_channels"]))
+
+    def pixels(scale):  # (a band's pixels, its convolutions' input with halo rows) at this scale
+        band = rows * scale * cols * scale
+        return band, (band + 2 * cols * scale if bands > 1 else 0)
+
+    top = blocks[0]
+    p, halo = pixels(1)
+    # the post-quant latent, held while the decoder runs
+    held = latent_channels * p if vae_config.get("use_post_quant_conv", True) else 0
+    peaks = [latent_channels * (p + halo) + top * p, 4 * top * p]
+    if vae_config.get("mid_block_add_attention", True):
+        attention = 7 if bands == 1 else 16  # Ring adds two K/V buffers (2 each), partial outputs and their merge
+        peaks.append(attention * top * p)
+    previous, scale = top, 1
+    for i, out in enumerate(blocks):
+        p, halo = pixels(scale)
+        block_input = previous * p  # held by the decoder's loop until the up block returns
+        for j in range(vae_config["layers_per_block"] + 1):
+            c_in, also_held = (previous, 0) if j == 0 else (out, block_input)
+            end = (c_in + 4 * out if c_in != out else 4 * out) * p  # shortcut, hidden, sum, sum / scale
+            first_conv = 2 * c_in * p + c_in * halo + out * p  # input, activation, its halo copy, output
+            peaks += [also_held + end, also_held + first_conv]
+        if i < len(blocks) - 1:
+            scale *= 2
+            high, high_halo = pixels(scale)
+            peaks.append(block_input + out * (p + 2 * high + high_halo))
+        previous = out
+    first = vae_config["block_out_channels"][0]
+    p, halo = pixels(scale)
+    peaks.append(3 * first * p + first * halo + 3 * p)  # norm, activation, conv_out to RGB
+    return batch * (held + max(peaks)) * element_bytes

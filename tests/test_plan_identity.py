@@ -35,6 +35,9 @@ CASES = {
     "pipefusion": (ParallelConfig(pipefusion=2), {}, (False, "gpu", None)),
 }
 FOLDERS = [*PIPELINES, "wan_2_1_i2v"]
+# (shard_weights, the text encoders' placement) load_pipeline can make: shard_weights shards the transformer and every
+# text encoder not kept on the host
+LOADABLE = {(False, "gpu"), (True, "sharded"), (False, "host"), (True, "host")}
 
 
 def _save_wan_2_1_i2v(path):
@@ -173,3 +176,33 @@ def test_the_load_plans_the_planners_row_and_holds_it(loads, planned_rows, folde
     assert activations.get("weight gathers", (0, 0))[1] == row.gather, f"load {activations}, row {row.gather}"
     assert activations.get("stale K/V", (0, 0))[1] == row.stale_kv, f"load {activations}, row {row.stale_kv}"
     assert activations.get("decode peak", (0, None))[1] == row.decode_peak, f"load {activations}, row {row.decode_peak}"
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_row_is_a_load_the_options_take(planned_rows, folders, folder):
+    """A row says how to load it (row.load_options()), and load_pipeline takes those options for its configuration:
+    the planner lists no holding load_pipeline cannot make (shard_weights shards the transformer and the text
+    encoders together, so "text encoders sharded, the transformer whole" is no row), and a case's keywords are
+    exactly its row's options."""
+    from xdit_lab import LoadOptions
+    from xdit_lab.families import recipe_for
+    from xdit_lab.model_folder import read_model_folder
+
+    model = read_model_folder(folders[folder])
+    recipe = recipe_for(model.pipeline_class)
+    for quantize in (None, "int8"):
+        rows = planned_rows[folder, quantize]
+        if isinstance(rows, Exception):
+            pytest.skip(f"the planner plans no {folder} folder: {rows}")
+        holdings = {(row.shard_weights, row.text_encoders) for row in rows}
+        assert holdings <= LOADABLE, f"rows no load can make: {holdings - LOADABLE}"
+        if quantize is None and model.text_encoders:  # ulysses 2 refuses none of them: every holding has rows
+            assert holdings == LOADABLE, f"{folder}: rows for {sorted(holdings)} only"
+        refused = [row.name() for row in rows if row.load_options().problems(recipe, model, row.config)]
+        assert not refused, f"rows load_pipeline refuses: {refused}"
+    for case, (config, keywords, (shard, placement, quantize)) in CASES.items():
+        row = _row(planned_rows[folder, quantize], config, shard, placement)
+        if row is None:  # refused: the identity test above holds the load to that
+            continue
+        keywords = {k: tuple(model.text_encoders) if v == "text encoders" else v for k, v in keywords.items()}
+        assert row.load_options() == LoadOptions(**keywords), f"{case}: {row.load_options()} for {keywords}"

@@ -1,7 +1,7 @@
 """The explorer's planning mode for a model folder: which way to run it fits N GPUs of a given memory.
 
-    plan_folder("flux-dev", 4, "24GB")   every configuration × sharded or whole weights × text encoders
-                                         on the GPU, sharded or in host memory (xdit_lab.plan.plan_model,
+    plan_folder("flux-dev", 4, "24GB")   every configuration × weights whole or sharded, the text encoders
+                                         with them or in host memory (xdit_lab.plan.plan_model,
                                          from the folder's configs and safetensors headers alone), best
                                          first; when nothing fits, the smallest GPU memory that would
     folder_plan_html(plan)               the same as the table the panel shows

@@ -1,7 +1,9 @@
 """The rows of a plan: what one rank holds under one configuration, with whole or sharded weights, the text
 encoders on the GPU, sharded or on the host, quantized or not (plan_row: a FitRow, from the weight planner and
-the request terms), and every such row for N GPUs, ranked (plan_model). A load asks plan_row for its own
-configuration and placement (load.plan_memory): the row the command prints for them."""
+the request terms), and every such row for N GPUs that load_pipeline takes, ranked (plan_model). A row is a load:
+its configuration and `row.load_options()`, which LoadOptions.problems() accepts (the rows it refuses are left
+out, by the same rules). A load asks plan_row for its own configuration and placement (load.plan_memory): the row
+the command prints for them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from ..config import DEGREES, CostEstimate, ParallelConfig
 from ..families import CONTROLNETS, recipe_for
 from ..families.refusals import REFUSABLE, load_refusals, refusal_message
+from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
 from ..quantization import SCHEMES
 from .terms import Call, RequestShape, decode_bands, decode_peak_bytes, make_call, request_shape, stale_kv
@@ -26,6 +29,10 @@ PCIE_BYTES_PER_S = 32e9  # PCIe 4.0 x16: 16 GT/s × 16 lanes × 128/130 ≈ 31.5
 LINKS = {"NVLink": NVLINK_BYTES_PER_S, "PCIe": PCIE_BYTES_PER_S}
 
 PLACEMENTS = ("gpu", "sharded", "host")  # where text encoders live; ranked in this order at equal cost
+# how load_pipeline can hold the weights, as (shard_weights, the text encoders' placement): shard_weights shards the
+# transformer and every text encoder it does not keep on_host, so "text encoders sharded, the transformer whole"
+# and "the transformer sharded, text encoders whole" are no load's, and no row's
+HOLDINGS = ((False, "gpu"), (True, "sharded"), (False, "host"), (True, "host"))
 GB = 10**9
 
 
@@ -118,6 +125,11 @@ class FitRow:
             + (f"·{self.quantize}" * bool(self.quantize))
         )
 
+    def load_options(self) -> LoadOptions:
+        """What to load this row with: `load_pipeline(folder, row.config, row.load_options())`."""
+        text_encoders = self.request.text_encoders if self.request is not None else ()
+        return load_options_of(self.shard_weights, self.text_encoders, self.quantize, text_encoders)
+
     def to_json(self) -> dict:
         return dict(
             config=self.config.short(),
@@ -190,9 +202,6 @@ def plan_model(
     refused = load_refusals(recipe_for(model.pipeline_class), model.pipeline_class, model.weights)
     if quantize and "quantization" in refused:
         raise ValueError(refusal_message(refused, ["quantization"]))
-    if "pipefusion" in refused:
-        configs = [c for c in configs if c.pipefusion == 1]
-    unsharded = "shard_weights" in refused  # neither the transformer's weights nor the text encoders' sharded
     planned = PlannedRequest(
         model.path,
         model.pipeline_class,
@@ -209,25 +218,30 @@ def plan_model(
         quantize,
         tuple(model.text_encoders),
     )
+    recipe = recipe_for(model.pipeline_class)
     rows = []
     for config in configs:
-        for shard in (False, True):
-            if shard and (quantize or unsharded):
-                continue  # refused by load_pipeline: see _quantize_notes, _refused_notes
+        for shard, placement in HOLDINGS:
+            if placement != "gpu" and not model.text_encoders:
+                continue  # no text encoder to place: the whole and sharded rows say it all
             if shard and world_size // config.pipefusion == 1:
                 continue  # nothing to shard: every rank of a stage is alone with its blocks
-            for placement in PLACEMENTS:
-                if placement == "sharded" and (world_size == 1 or not model.text_encoders or quantize or unsharded):
-                    continue
-                if placement != "gpu" and not model.text_encoders:
-                    continue
-                rows.append(
-                    plan_row(
-                        model, config, shard=shard, placement=placement, quantize=quantize, call=call, shape=shape,
-                        gpu_memory_bytes=gpu_memory_bytes, planned=planned,
-                    )
-                )  # fmt: skip
+            options = load_options_of(shard, placement, quantize, model.text_encoders)
+            if options.problems(recipe, model, config):
+                continue  # refused by load_pipeline (LoadOptions.problems): see _quantize_notes, _refused_notes
+            rows.append(
+                plan_row(
+                    model, config, shard=shard, placement=placement, quantize=quantize, call=call, shape=shape,
+                    gpu_memory_bytes=gpu_memory_bytes, planned=planned,
+                )
+            )  # fmt: skip
     return sorted(rows, key=fit_rank_key)
+
+
+def load_options_of(shard: bool, placement: str, quantize: str | None, text_encoders) -> LoadOptions:
+    """The LoadOptions that hold the weights as a row says: load_pipeline(folder, row.config, these)."""
+    on_host = tuple(text_encoders) if placement == "host" else ()
+    return LoadOptions(shard_weights=shard, on_host=on_host, quantization=quantize)
 
 
 def fit_rank_key(row: FitRow) -> tuple:
@@ -327,7 +341,9 @@ def plan_row(
     # on every rank and moves nothing
     if config.pipefusion == 1:
         blocks += _controlnet_blocks(model)
-    cost = config.cost(blocks, batch=prompts, use_cfg=branches == 2, shard_weights=shard)
+    cost = config.cost(
+        blocks, num_heads=t["num_attention_heads"], batch=prompts, use_cfg=branches == 2, shard_weights=shard
+    )
     hidden = t["num_attention_heads"] * t["attention_head_dim"]
     unknown = []
     decode = None

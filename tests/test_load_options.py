@@ -1,7 +1,7 @@
 """LoadOptions.problems(): every refusal of what load_pipeline takes besides the degrees, a sentence each, for a
 folder, before a weight is read; and load_pipeline raising those sentences, all at once, as the first one's kind.
 
-One test per family of rules (compile, the pipeline class, the refusal table, on_host, quantization, LoRA), each with
+One test per family of rules (compile, a cache, the pipeline class, the refusal table, on_host, quantization, LoRA), each with
 a control that an allowed combination of the same options finds nothing.
 """
 
@@ -35,6 +35,11 @@ def digits():
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
     return _read(save_tiny_pipeline("flux", tmp_path_factory.mktemp("flux")))
+
+
+@pytest.fixture(scope="module")
+def flux2(tmp_path_factory):
+    return _read(save_tiny_pipeline("flux2", tmp_path_factory.mktemp("flux2")))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +91,21 @@ def test_compile_refuses_pipefusion_and_a_step_cache(digits):
     assert "compile=True does not take PipeFusion" in said[0][1]
     assert "compile=True does not take a StepCache" in said[1][1]
     assert _said(LoadOptions(compile=True), digits, TWO) == []  # the control: compiled under ulysses
+
+
+def test_what_parallelize_refuses_of_a_cache_or_compile_is_said_before_loading(digits, flux2):
+    """The rules parallelize raises after the weights are read (an unknown compile backend, a family with no
+    StepCache yet, a StepCache under the async schedule) are LoadOptions' too: said before a byte is read."""
+    (said,) = _said(LoadOptions(compile="no_such_backend"), digits, TWO)
+    assert said[0] == "ValueError" and "compile='no_such_backend'" in said[1] and "aot_eager" in said[1]
+    (said,) = _said(LoadOptions(cache=StepCache(0.1)), flux2)
+    assert said[0] == "ParallelConfigError" and "StepCache is not offered on flux2 yet" in said[1]
+    async_pf = ParallelConfig(pipefusion=2, pipefusion_schedule="async")
+    (said,) = _said(LoadOptions(cache=StepCache(0.1)), digits, async_pf)
+    assert said[0] == "ParallelConfigError" and "pipefusion_schedule='async'" in said[1]
+    # the controls: a known backend, a family with a StepCache, the drained schedule
+    assert _said(LoadOptions(compile="aot_eager"), digits, TWO) == []
+    assert _said(LoadOptions(cache=StepCache(0.1)), digits, ParallelConfig(pipefusion=2)) == []
 
 
 def test_a_pipeline_class_of_another_family_or_none_is_refused(digits):

@@ -9,7 +9,9 @@ is the other half (dtype, cache, compile, sharded, host-placed, quantized or ada
 class of the family) and says the same way what the model in `folder` refuses, before a weight is read:
 
     the pipeline class      another family's, or one xdit_lab does not run
-    compile                 with PipeFusion, with a StepCache (models.compile_problems, which parallelize asks too)
+    cache, compile          an unknown compile backend, compile with PipeFusion or a StepCache, a StepCache on a family
+                            that has none yet or under the async schedule (option_problems, which parallelize
+                            asks too: acceleration_rules.py)
     the refusal table       what a pipeline's components or class do not run with (families/refusals.py, which the
                             planner reads to leave out the rows load_pipeline would refuse)
     on_host                 names that are not the folder's text encoders (by their role)
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .acceleration_rules import option_problems
 from .config import ParallelConfig, ParallelConfigError
 from .families import RECIPES, recipe_for
 from .families.refusals import load_refusals, refusal_message
@@ -41,7 +44,6 @@ from .quantization import QuantizationError
 if TYPE_CHECKING:
     from .families.recipe import Recipe
     from .model_folder import ModelFolder
-    from .models import Controls, StepCache
     from .quantization import Quantization
 
 
@@ -64,7 +66,7 @@ class LoadOptions:
     torch_dtype: object = "auto"  # "auto" (bfloat16 on a GPU, float32 on a CPU), a torch.dtype or its name
     memory_limit_bytes: int | None = None
     progress: bool = True
-    cache: StepCache | None = None
+    cache: object = None  # a StepCache (models/cache.py): the parallel core sits below, so no import of it here
     compile: bool | str = False
     shard_weights: bool = False
     on_host: tuple[str, ...] = ()
@@ -72,7 +74,7 @@ class LoadOptions:
     lora: object = None  # [(path_or_state_dict, scale[, "transformer_2"]), ...]
     fuse_lora: bool = True
     pipeline_class: str | None = None
-    controls: Controls | None = None  # deliberately wrong variants for tests and lessons (models.Controls); none
+    controls: object = None  # models.Controls: deliberately wrong variants for tests and lessons; none by default
 
     def __post_init__(self):
         if isinstance(self.on_host, str):
@@ -97,11 +99,10 @@ class LoadOptions:
         and its async schedule, sharding over several ranks, compile under PipeFusion) read `config`, the load's
         ParallelConfig; None is one rank, serial."""
         config = ParallelConfig() if config is None else config
-        found = []
-        if self.compile:
-            from .models import compile_problems
-
-            found += [Refusal(sentence) for sentence in compile_problems(config, self.cache)]
+        found = [
+            Refusal(sentence, error)
+            for sentence, error in option_problems(config, folder.adapter, cache=self.cache, compile=self.compile)
+        ]
         wrong_class = self._pipeline_class_problems(recipe, folder)
         pipeline_class = (
             folder.pipeline_class if wrong_class else self.pipeline_class_of(folder)

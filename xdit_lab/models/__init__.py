@@ -16,7 +16,7 @@ strategy.py   the token strategy's interface (TokenStrategy), what a step is han
 
 from .cache import StepCache
 from .hooks import ParallelState, parallel_state
-from .parallel import compile_problems, parallelize, unparallelize
+from .parallel import parallelize, unparallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import ShardedWeights, shard_text_encoder, shard_weights, weight_gather_bytes, weight_units
@@ -28,7 +28,6 @@ __all__ = [
     "parallel_state",
     "parallelize",
     "unparallelize",
-    "compile_problems",
     "PipeFusionStage",
     "SequenceShards",
     "Controls",

@@ -17,7 +17,8 @@ import weakref
 
 import torch
 
-from ..config import PIPEFUSION, ParallelConfig, ParallelConfigError
+from ..acceleration_rules import compile_backend, option_problems
+from ..config import PIPEFUSION, ParallelConfig
 from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
 from ..mesh import RankMesh
@@ -65,7 +66,6 @@ def parallelize(
     `controls` (models/strategy.py) are deliberately wrong variants for this model alone, which tests and
     lessons give to show that a bound catches them; by default none."""
     check_diffusers_version()
-    backend = _compile_backend(compile) if compile else None
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
         raise ValueError(
@@ -79,17 +79,11 @@ def parallelize(
             f"this {type(transformer).__name__} was sharded with fully_shard before parallelize: parallelize the "
             f"whole model first, then shard it (parallelize(..., shard_weights=True))"
         )
-    unsupported = compile_problems(config, cache) if compile else []
-    if cache is not None and adapter.step_cache_refused:
-        unsupported.append(f"StepCache is not offered on {adapter.family} yet: {adapter.step_cache_refused}")
-    if cache is not None and config.pipefusion_schedule == "async":
-        unsupported.append(
-            "a StepCache does not run under pipefusion_schedule='async': it decides for a whole step before "
-            "any patch moves, while the async schedule has two steps in flight; use the drained schedule"
-        )
-    model_config = transformer.config
+    unsupported = option_problems(config, adapter, cache=cache, compile=compile)
     if unsupported:
-        raise ParallelConfigError("; ".join(unsupported))
+        raise unsupported[0][1]("; ".join(sentence for sentence, _ in unsupported))
+    backend = compile_backend(compile) if compile else None
+    model_config = transformer.config
     config.validate(
         num_heads=model_config.get("num_attention_heads"),
         num_layers=adapter.num_blocks(model_config),
@@ -147,36 +141,6 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
     if state.owns_mesh:
         state.mesh.close()
     return transformer
-
-
-def compile_problems(config, cache=None) -> list[str]:
-    """Why compile=True cannot take this configuration whole, as sentences."""
-    found = []
-    if getattr(config, PIPEFUSION) > 1:
-        found.append(
-            "compile=True does not take PipeFusion: a stage runs its blocks once per patch, reading and writing "
-            "stale K/V buffers in place between sends, which torch.compile cannot trace as one graph; "
-            "compile ulysses, ring, cfg and dp, or run PipeFusion eagerly"
-        )
-    if cache is not None:
-        found.append(
-            "compile=True does not take a StepCache: whether a step runs its blocks is decided from this step's "
-            "values, which splits the graph; run the cache eagerly"
-        )
-    return found
-
-
-def _compile_backend(compile: bool | str) -> str:
-    """torch.compile's backend that `compile` asks for: its default for True, else the one named."""
-    if compile is True:
-        return "inductor"
-    if not isinstance(compile, str) or compile not in torch._dynamo.list_backends(exclude_tags=()):
-        shown = [*torch._dynamo.list_backends(), "aot_eager", "eager"]  # the debug ones a user may want too
-        raise ValueError(
-            f"compile={compile!r}: give True (torch.compile's default backend, inductor) or the name of one of "
-            f"torch.compile's backends: {', '.join(shown)}"
-        )
-    return compile
 
 
 def _compiled(forward, backend: str):

@@ -39,6 +39,7 @@ VARIANTS = {
     "pixart-1024-binned": ("pixart", {"sample_size": 128}, {"use_resolution_binning": True, "height": 40}),
     "sd3": ("sd3", {}, {}),
     "flux": ("flux", {}, {}),
+    "flux2": ("flux2", {}, {}),  # Mistral 3's stacked states padded to max_sequence_length, int64 ids of 4 axes
     "cogvideox": ("cogvideox", {}, {}),
     "cogvideox-rotary": ("cogvideox", {"use_rotary_positional_embeddings": True}, {}),
     "wan": ("wan", {}, {}),

@@ -17,7 +17,7 @@ import torch
 
 from .adapter import FamilyAdapter, PerToken
 from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
-from .recipe import PackedLatentsRecipe, generator_of, prompt_embeds
+from .recipe import PackedLatentsRecipe, RequestShape, generator_of, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -94,6 +94,30 @@ class Flux2Recipe(PackedLatentsRecipe):
             )
             first_size = first_size or (height, width)
         return prepared_images, first_size
+
+    def planned_request(self, configs, call, element):
+        """Flux2Pipeline's text to image (no image=), as a rank keeps it between steps:
+
+            latents        [prompts, rows × cols, in_channels]     packed 2 × 2, in the text's dtype
+            per row        [max_sequence_length, joint_attention_dim]  the text encoder's out layers' states
+                           stacked (3 × Mistral 3's hidden size), every prompt padded to max_sequence_length
+            shared         txt_ids [max_sequence_length, 4] and img_ids [rows × cols, 4], int64 coordinates
+                           (t, h, w, l): the one row of each the transformer reads (encode_texts, prepare)
+
+        The guidance is no tensor kept: a step makes its [rows] float32 from the scale (model_kwargs). The ids
+        are counted as the row handed over; behind them encode and prepare_latents keep one per prompt (a view of
+        [prompts, tokens, 4]: some 130 KB a prompt at 1024²), left out as the other families' ids are.
+
+        Reference images (image=) would add, per prompt, each image's packed latents [its tokens, in_channels]
+        in the VAE's dtype (counted as "image inputs" by pipe.memory_plan_for) and their int64 ids [tokens, 4]
+        joined to img_ids, every image at most 1024² pixels; their tokens also lengthen the transformer's
+        sequence, which the traffic and PipeFusion (that refuses them) count on the drawn grid alone."""
+        rows, cols, latents = self.packed_grid(configs, call, element)
+        text = call.options["max_sequence_length"]
+        per_row = text * configs["transformer"]["joint_attention_dim"] * element
+        shared = (text + rows * cols) * 4 * torch.int64.itemsize
+        channels = configs["vae"]["latent_channels"]  # unpatchified from in_channels = 2 × 2 × latent_channels
+        return RequestShape(latents, per_row, shared, (rows, cols), (channels, 2 * rows, 2 * cols))
 
     def guidance_input(self, pipe, prepared):
         return prepared.guidance_scale  # handed over always, as Flux2Pipeline does

@@ -19,6 +19,7 @@ from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
 from ..quantization import SCHEMES
+from ..vae import BANDED_VAES
 from .terms import Call, RequestShape, decode_bands, decode_peak_bytes, make_call, request_shape, stale_kv
 from .weights import held_weights
 
@@ -347,13 +348,16 @@ def plan_row(
     hidden = t["num_attention_heads"] * t["attention_head_dim"]
     unknown = []
     decode = None
-    if known and shape.decode_latent is not None and model.configs["vae"].get("_class_name") == "AutoencoderKL":
+    # diffusers' 2D Decoder behind a post_quant_conv: AutoencoderKL's, and Flux.2's (measured: tests/test_vae.py)
+    if known and shape.decode_latent is not None and model.configs["vae"].get("_class_name") in BANDED_VAES:
         decode = decode_peak_bytes(
             model.configs["vae"], (1, *shape.decode_latent), model.element, bands=decode_bands(config)
         )
     elif known:
         vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
-        unknown.append(f"decode peak: {vae} has no closed form here (AutoencoderKL's only); measure it")
+        unknown.append(
+            f"decode peak: {vae} has no closed form here (only {' and '.join(BANDED_VAES)} have one); measure it"
+        )
     else:
         unknown.append("latents, conditioning, stale K/V, decode peak: no closed form for this request here")
     if isinstance(placement, dict):  # a load's: each text encoder's own (one word where they agree)

@@ -247,7 +247,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
                 f"raise strength or num_inference_steps"
             )
         image, batch, generator = image.to(dtype=torch.float32), len(request.prompts), generator_of(request)
-        channels = pipe.vae.config.latent_channels if _fill(pipe) else pipe.transformer.config.in_channels // 4
+        channels = pipe.vae.config.latent_channels if _fill(pipe) else self.latent_channels(pipe)
         dtype = prepared.conditioning["encoder_hidden_states"].dtype
         latents = pipe.prepare_latents(
             image, prepared.timesteps[:1].repeat(batch), batch, channels, height, width, dtype, device, generator
@@ -319,16 +319,8 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             image_width, image_height = image_width // multiple * multiple, image_height // multiple * multiple
             image = pipe.image_processor.resize(image, image_height, image_width)
             image = pipe.image_processor.preprocess(image, image_height, image_width)
-        prepared.latents, reference, ids, reference_ids = pipe.prepare_latents(
-            image,
-            len(request.prompts),
-            pipe.transformer.config.in_channels // 4,
-            height,
-            width,
-            prepared.conditioning["encoder_hidden_states"].dtype,
-            device,
-            generator_of(request),
-            None,
+        prepared.latents, reference, ids, reference_ids = self.image_latents(
+            pipe, request, prepared, device, height, width, image
         )
         prepared.conditioning["img_ids"] = ids if reference is None else torch.cat([ids, reference_ids], dim=0)
         if reference is not None:

@@ -26,7 +26,6 @@ from .controlnet import (
 from .recipe import (
     Recipe,
     RequestShape,
-    generator_of,
     prompt_embeds,
     shifted_vae_decoded,
     vae_scale,
@@ -115,17 +114,7 @@ class SD3Recipe(Recipe):
 
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
-        embeds = prepared.conditioning["encoder_hidden_states"]
-        prepared.latents = pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.config.in_channels,
-            height,
-            width,
-            embeds.dtype,
-            device,
-            generator_of(request),
-            None,
-        )
+        prepared.latents = self.image_latents(pipe, request, prepared, device, height, width)
         scheduler_kwargs = {}
         mu = request.options["mu"]
         config = pipe.scheduler.config

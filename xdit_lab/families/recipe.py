@@ -505,14 +505,27 @@ class VideoRecipe(Recipe):
         frames = (request.options["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
         return frames // VIDEO.video_patch(pipe.transformer.config)[0]
 
-    def video_latents(self, pipe, request: Request, device) -> torch.Tensor:
-        """The starting latents at the request's size (the default where it gives none), float32 as these
-        pipelines keep them (the model's input is cast to its dtype)."""
-        height, width = request.height or self.default_size[0], request.width or self.default_size[1]
-        frames, generator = request.options["num_frames"], generator_of(request)
-        channels = pipe.transformer.config.in_channels
+    def size(self, request: Request) -> tuple[int, int]:
+        """The request's (height, width), the pipeline's default where it gives none."""
+        return request.height or self.default_size[0], request.width or self.default_size[1]
+
+    def video_latents(self, pipe, request: Request, device, *inputs, channels=None, after=()):
+        """What the pipeline's prepare_latents returns for the request's prompts, size and num_frames: after
+        `inputs` (an image to video's image), `channels` of them (the transformer's in_channels where None),
+        float32 as these pipelines keep them (the model's input is cast to its dtype), drawn from the request's
+        generator, then the pipeline's own arguments `after`."""
+        height, width = self.size(request)
         return pipe.prepare_latents(
-            len(request.prompts), channels, height, width, frames, torch.float32, device, generator
+            *inputs,
+            len(request.prompts),
+            channels or pipe.transformer.config.in_channels,
+            height,
+            width,
+            request.options["num_frames"],
+            torch.float32,
+            device,
+            generator_of(request),
+            *after,
         )
 
     def scale_model_input(self, pipe, model_input, t):

@@ -276,7 +276,7 @@ class FluxRecipe(ControlNetRecipe, PackedLatentsRecipe, TrueCFGRecipe):
         )  # fmt: skip
         latents = retrieve_latents(pipe.vae.encode(image), generator=generator)
         latents = (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
-        channels = pipe.transformer.config.in_channels // 4
+        channels = self.latent_channels(pipe)
         self.keep_control(prepared, request, pipe._pack_latents(latents, batch, channels, *latents.shape[2:]))
 
     def _prepare_kontext(self, pipe, request, prepared, device):

@@ -1,5 +1,7 @@
-"""The ControlNet pipelines' shared arguments, checks and refusals (FluxControlNetPipeline,
-StableDiffusion3ControlNetPipeline; each family's recipe runs its own ControlNet, flux.py and sd3.py).
+"""What the ControlNet pipelines share (FluxControlNetPipeline, StableDiffusion3ControlNetPipeline): their
+arguments, checks and refusals, and ControlNetRecipe, the part of a recipe that keeps the control image's latents
+and runs the ControlNet before the transformer at every step (each family says how its ControlNet is called,
+flux.py and sd3.py).
 
 A ControlNet runs on its transformer's mesh with the family's layout (`CONTROLNET_ADAPTER`): it cuts the same
 batch rows and tokens, and hands each block of the transformer its residuals for the tokens this rank holds
@@ -14,7 +16,7 @@ the blocks it holds (adapter.BlockResiduals), cut with the patches.
 
 from __future__ import annotations
 
-from .recipe import Request
+from .recipe import Prepared, Recipe, Request
 
 # their arguments and defaults: the control image, the ControlNet's scale and the fraction of the steps it guides
 CONTROLNET_OPTIONS = dict(
@@ -80,3 +82,46 @@ def controlnet_scales(request: Request) -> list[float]:
     start, end = options["control_guidance_start"], options["control_guidance_end"]
     keep = [1.0 - float(i / steps < start or (i + 1) / steps > end) for i in range(steps)]
     return [options["controlnet_conditioning_scale"] * k for k in keep]
+
+
+class ControlNetRecipe(Recipe):
+    """A family recipe's ControlNet part, mixed in before its base recipe: the pipeline's ControlNet (one
+    `controlnet_model`) and the request's ControlNet arguments checked, the control image's latents kept beside
+    the latents (keep_control, from the family's prepare), and at every step the family's ControlNet run on the
+    step's input, its residuals added to the transformer's arguments (controlnet_kwargs). The family lists
+    CONTROLNET_OPTIONS among its options, and CONTROLNET_NOT_CACHED as its ControlNet pipeline's
+    step_cache_refused."""
+
+    controlnet_model = ""  # the ControlNet class the family's pipeline runs
+    image_inputs = (*Recipe.image_inputs, "control")  # the control image's latents
+
+    def check_pipeline(self, pipe):
+        super().check_pipeline(pipe)
+        if runs_controlnet(pipe):
+            check_controlnet(pipe, self.controlnet_model)
+            self.check_controlnet(pipe)
+
+    def check_controlnet(self, pipe) -> None:
+        """Refuse, by name, a `controlnet_model` whose layout the family does not run."""
+
+    def check_inputs(self, pipe, request):
+        super().check_inputs(pipe, request)
+        check_controlnet_options(pipe, request)
+
+    def keep_control(self, prepared: Prepared, request: Request, latents) -> None:
+        """Keep the control image's latents, and the ControlNet's scale at each step (controlnet_scales)."""
+        prepared.extra["control"] = latents
+        prepared.extra["control_scales"] = controlnet_scales(request)
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        kwargs = super().model_kwargs(pipe, prepared, model_input, t)
+        control = prepared.extra.get("control")
+        if control is None:
+            return kwargs
+        scale = prepared.extra["control_scales"][prepared.step_index]
+        return kwargs | self.controlnet_kwargs(pipe, prepared, model_input, kwargs, control, scale)
+
+    def controlnet_kwargs(self, pipe, prepared: Prepared, model_input, kwargs: dict, control, scale: float) -> dict:
+        """The ControlNet's residuals for this step, as the transformer's arguments: the ControlNet run on
+        `model_input` and the transformer's own `kwargs`, given the control image's latents at `scale`."""
+        raise NotImplementedError

@@ -47,14 +47,7 @@ import math
 import torch
 
 from .adapter import TOKENS, BlockResiduals, FamilyAdapter, PerToken
-from .controlnet import (
-    CONTROLNET_NOT_CACHED,
-    CONTROLNET_OPTIONS,
-    check_controlnet,
-    check_controlnet_options,
-    controlnet_scales,
-    runs_controlnet,
-)
+from .controlnet import CONTROLNET_NOT_CACHED, CONTROLNET_OPTIONS, ControlNetRecipe, runs_controlnet
 from .recipe import (
     PackedLatentsRecipe,
     RequestShape,
@@ -120,7 +113,7 @@ CONTROLNET_ADAPTER = FamilyAdapter(
 )
 
 
-class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
+class FluxRecipe(ControlNetRecipe, PackedLatentsRecipe, TrueCFGRecipe):
     pipeline_classes = (
         "FluxPipeline",
         "FluxImg2ImgPipeline",
@@ -141,7 +134,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp",
     )
     step_cache_refused = dict(FluxControlNetPipeline=CONTROLNET_NOT_CACHED)
-    image_inputs = (*PackedLatentsRecipe.image_inputs, "control")  # a ControlNet's control image, packed
+    controlnet_model = "FluxControlNetModel"
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)
     pipeline_defaults = dict(
@@ -173,10 +166,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         embeds, pooled, text_ids = prompt_embeds(pipe, request, texts, device, prompt_2=None)
         return dict(encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids)
 
-    def check_pipeline(self, pipe):
-        if not runs_controlnet(pipe):
-            return
-        check_controlnet(pipe, "FluxControlNetModel")
+    def check_controlnet(self, pipe):
         if pipe.controlnet.input_hint_block is not None:
             raise NotImplementedError(
                 "a Flux ControlNet with an input_hint_block (XLabs' layout: the control image in pixels, convolved "
@@ -190,8 +180,8 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             )
 
     def check_inputs(self, pipe, request):
+        super().check_inputs(pipe, request)
         name, options = type(pipe).__name__, request.options
-        check_controlnet_options(pipe, request)
         if _fill(pipe) and request.negatives is not None:
             raise ValueError(f"{name} takes no negative_prompt: it runs one branch, guided by the model's input")
         takes, needs = PIPELINE_INPUTS[name]
@@ -247,7 +237,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
                 f"raise strength or num_inference_steps"
             )
         image, batch, generator = image.to(dtype=torch.float32), len(request.prompts), generator_of(request)
-        channels = pipe.vae.config.latent_channels if _fill(pipe) else pipe.transformer.config.in_channels // 4
+        channels = pipe.vae.config.latent_channels if _fill(pipe) else self.latent_channels(pipe)
         dtype = prepared.conditioning["encoder_hidden_states"].dtype
         latents = pipe.prepare_latents(
             image, prepared.timesteps[:1].repeat(batch), batch, channels, height, width, dtype, device, generator
@@ -286,9 +276,8 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         )  # fmt: skip
         latents = retrieve_latents(pipe.vae.encode(image), generator=generator)
         latents = (latents - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
-        channels = pipe.transformer.config.in_channels // 4
-        prepared.extra["control"] = pipe._pack_latents(latents, batch, channels, *latents.shape[2:])
-        prepared.extra["control_scales"] = controlnet_scales(request)
+        channels = self.latent_channels(pipe)
+        self.keep_control(prepared, request, pipe._pack_latents(latents, batch, channels, *latents.shape[2:]))
 
     def _prepare_kontext(self, pipe, request, prepared, device):
         """FluxKontextPipeline's: the size fit to max_area (its aspect ratio kept, multiples of the packed
@@ -319,27 +308,15 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             image_width, image_height = image_width // multiple * multiple, image_height // multiple * multiple
             image = pipe.image_processor.resize(image, image_height, image_width)
             image = pipe.image_processor.preprocess(image, image_height, image_width)
-        prepared.latents, reference, ids, reference_ids = pipe.prepare_latents(
-            image,
-            len(request.prompts),
-            pipe.transformer.config.in_channels // 4,
-            height,
-            width,
-            prepared.conditioning["encoder_hidden_states"].dtype,
-            device,
-            generator_of(request),
-            None,
+        prepared.latents, reference, ids, reference_ids = self.image_latents(
+            pipe, request, prepared, device, height, width, image
         )
         prepared.conditioning["img_ids"] = ids if reference is None else torch.cat([ids, reference_ids], dim=0)
         if reference is not None:
             prepared.extra["reference"] = reference
         self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
 
-    def model_kwargs(self, pipe, prepared, model_input, t):
-        kwargs = super().model_kwargs(pipe, prepared, model_input, t)
-        control = prepared.extra.get("control")
-        if control is None:
-            return kwargs
+    def controlnet_kwargs(self, pipe, prepared, model_input, kwargs, control, scale):
         # the ControlNet on the positive prompt, in every row the transformer runs (both branches take its
         # residuals); parallelized like the transformer, so its residuals come cut as the transformer cuts (under
         # PipeFusion whole, and each stage takes its own blocks')
@@ -353,7 +330,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         blocks, single_blocks = pipe.controlnet(
             hidden_states=model_input,
             controlnet_cond=control.repeat(rows // len(control), 1, 1).to(model_input.dtype),
-            conditioning_scale=prepared.extra["control_scales"][prepared.step_index],
+            conditioning_scale=scale,
             timestep=kwargs["timestep"],
             guidance=guidance if pipe.controlnet.config.guidance_embeds else None,
             txt_ids=kwargs["txt_ids"],
@@ -361,7 +338,7 @@ class FluxRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             return_dict=False,
             **positive,
         )
-        return kwargs | dict(controlnet_block_samples=blocks, controlnet_single_block_samples=single_blocks)
+        return dict(controlnet_block_samples=blocks, controlnet_single_block_samples=single_blocks)
 
     def model_input(self, pipe, prepared, latents, t):
         if "fill" in prepared.extra:  # FluxFillPipeline's: the masked image and the mask beside the latents

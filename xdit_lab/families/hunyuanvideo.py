@@ -24,7 +24,7 @@ import torch
 
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken
 from .qwenimage import padded_text_mask
-from .recipe import TrueCFGRecipe, VideoRecipe, generator_of
+from .recipe import TrueCFGRecipe, VideoRecipe
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
 ADAPTER = FamilyAdapter(
@@ -114,9 +114,6 @@ class HunyuanVideoRecipe(VideoRecipe, TrueCFGRecipe):
             pooled_projections=pooled.to(dtype),
         )
 
-    def size(self, request) -> tuple[int, int]:
-        return request.height or self.default_size[0], request.width or self.default_size[1]
-
     def prepare(self, pipe, request, prepared, device):
         from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import retrieve_timesteps
 
@@ -134,20 +131,10 @@ class HunyuanVideoRecipe(VideoRecipe, TrueCFGRecipe):
         condition = pipe.transformer.config.image_condition_type
         config = pipe.transformer.config
         channels = (config.in_channels - 1) // 2 if condition == "latent_concat" else config.in_channels
-        latents, image_latents = pipe.prepare_latents(
-            image.expand(len(request.prompts), -1, -1, -1),
-            len(request.prompts),
-            channels,
-            height,
-            width,
-            request.options["num_frames"],
-            torch.float32,
-            device,
-            generator_of(request),
-            None,
-            condition,
+        image = image.expand(len(request.prompts), -1, -1, -1)
+        prepared.latents, image_latents = self.video_latents(
+            pipe, request, device, image, channels=channels, after=(None, condition)
         )
-        prepared.latents = latents
         if condition == "token_replace":
             prepared.extra["first_frame"] = image_latents
         else:

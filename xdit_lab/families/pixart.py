@@ -54,16 +54,7 @@ class PixArtRecipe(Recipe):
         if hasattr(pipe.scheduler, "set_begin_index"):
             pipe.scheduler.set_begin_index(0)
         embeds = prepared.conditioning["encoder_hidden_states"]
-        prepared.latents = pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.config.in_channels,
-            height,
-            width,
-            embeds.dtype,
-            device,
-            generator,
-            None,
-        )
+        prepared.latents = self.image_latents(pipe, request, prepared, device, height, width, generator=generator)
         prepared.extra["step_kwargs"] = pipe.prepare_extra_step_kwargs(generator, request.options["eta"])
         added = {"resolution": None, "aspect_ratio": None}
         if sample_size == 128:  # PixArt-α 1024 takes micro-conditions

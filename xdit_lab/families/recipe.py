@@ -297,6 +297,26 @@ class Recipe:
     def prepare(self, pipe, request: Request, prepared: Prepared, device) -> None:
         raise NotImplementedError
 
+    def latent_channels(self, pipe) -> int:
+        """The channels of the latents the pipeline's prepare_latents draws (the transformer's input's)."""
+        return pipe.transformer.config.in_channels
+
+    def image_latents(self, pipe, request: Request, prepared: Prepared, device, height, width, *inputs, generator=None):
+        """What a 2D pipeline's prepare_latents returns for the request's prompts at `height` × `width`: after
+        `inputs` (an edit's reference image), latent_channels of them in the text's dtype, drawn from `generator`
+        (the request's where None), none given to start from."""
+        return pipe.prepare_latents(
+            *inputs,
+            len(request.prompts),
+            self.latent_channels(pipe),
+            height,
+            width,
+            prepared.conditioning["encoder_hidden_states"].dtype,
+            device,
+            generator or generator_of(request),
+            None,
+        )
+
     def model_kwargs(self, pipe, prepared: Prepared, model_input: torch.Tensor, t: torch.Tensor) -> dict:
         """The transformer's keyword arguments: SD3's and CogVideoX's as they are (others override)."""
         return dict(
@@ -388,6 +408,9 @@ class PackedLatentsRecipe(Recipe):
     def default_latent_side(self, transformer_config):
         return 128  # these pipelines' default_sample_size (not in the transformer's config)
 
+    def latent_channels(self, pipe):
+        return pipe.transformer.config.in_channels // 4  # a token's 2 × 2 latent pixels are its channels
+
     def packed_latents(self, pipe, request: Request, prepared: Prepared, device, default_size=None, generator=None):
         """What the pipeline's prepare_latents returns (the packed latents, and ids where the family
         has them) at the request's size (where it gives none: `default_size`, else the pipeline's), in the
@@ -395,16 +418,7 @@ class PackedLatentsRecipe(Recipe):
         default_height, default_width = default_size or self.size_multiple(pipe)[1]
         height, width = request.height or default_height, request.width or default_width
         prepared.extra["size"] = (height, width)
-        return pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.config.in_channels // 4,
-            height,
-            width,
-            prepared.conditioning["encoder_hidden_states"].dtype,
-            device,
-            generator or generator_of(request),
-            None,
-        )
+        return self.image_latents(pipe, request, prepared, device, height, width, generator=generator)
 
     def set_timesteps(self, pipe, request: Request, prepared: Prepared, device, mu: float, *, flow_sigmas=True):
         """Sigmas 1 → 1/steps, shifted by `mu`, as these pipelines set them; with `flow_sigmas` (Flux's
@@ -491,14 +505,27 @@ class VideoRecipe(Recipe):
         frames = (request.options["num_frames"] - 1) // pipe.vae_scale_factor_temporal + 1
         return frames // VIDEO.video_patch(pipe.transformer.config)[0]
 
-    def video_latents(self, pipe, request: Request, device) -> torch.Tensor:
-        """The starting latents at the request's size (the default where it gives none), float32 as these
-        pipelines keep them (the model's input is cast to its dtype)."""
-        height, width = request.height or self.default_size[0], request.width or self.default_size[1]
-        frames, generator = request.options["num_frames"], generator_of(request)
-        channels = pipe.transformer.config.in_channels
+    def size(self, request: Request) -> tuple[int, int]:
+        """The request's (height, width), the pipeline's default where it gives none."""
+        return request.height or self.default_size[0], request.width or self.default_size[1]
+
+    def video_latents(self, pipe, request: Request, device, *inputs, channels=None, after=()):
+        """What the pipeline's prepare_latents returns for the request's prompts, size and num_frames: after
+        `inputs` (an image to video's image), `channels` of them (the transformer's in_channels where None),
+        float32 as these pipelines keep them (the model's input is cast to its dtype), drawn from the request's
+        generator, then the pipeline's own arguments `after`."""
+        height, width = self.size(request)
         return pipe.prepare_latents(
-            len(request.prompts), channels, height, width, frames, torch.float32, device, generator
+            *inputs,
+            len(request.prompts),
+            channels or pipe.transformer.config.in_channels,
+            height,
+            width,
+            request.options["num_frames"],
+            torch.float32,
+            device,
+            generator_of(request),
+            *after,
         )
 
     def scale_model_input(self, pipe, model_input, t):

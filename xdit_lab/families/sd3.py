@@ -15,18 +15,9 @@ from __future__ import annotations
 import torch
 
 from .adapter import BlockResiduals, FamilyAdapter, PerToken
-from .controlnet import (
-    CONTROLNET_NOT_CACHED,
-    CONTROLNET_OPTIONS,
-    check_controlnet,
-    check_controlnet_options,
-    controlnet_scales,
-    runs_controlnet,
-)
+from .controlnet import CONTROLNET_NOT_CACHED, CONTROLNET_OPTIONS, ControlNetRecipe, runs_controlnet
 from .recipe import (
-    Recipe,
     RequestShape,
-    generator_of,
     prompt_embeds,
     shifted_vae_decoded,
     vae_scale,
@@ -64,28 +55,22 @@ CONTROLNET_ADAPTER = FamilyAdapter(
 )
 
 
-class SD3Recipe(Recipe):
+class SD3Recipe(ControlNetRecipe):
     pipeline_classes = ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline")
     tasks = dict(StableDiffusion3ControlNetPipeline="ControlNet")
     step_cache_refused = dict(StableDiffusion3ControlNetPipeline=CONTROLNET_NOT_CACHED)
-    image_inputs = (*Recipe.image_inputs, "control")  # a ControlNet's control image's latents
+    controlnet_model = "SD3ControlNetModel"
     output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)
     options = dict(max_sequence_length=256, clip_skip=None, mu=None, **CONTROLNET_OPTIONS)
 
-    def check_pipeline(self, pipe):
-        if not runs_controlnet(pipe):
-            return
-        check_controlnet(pipe, "SD3ControlNetModel")
+    def check_controlnet(self, pipe):
         if pipe.controlnet.config.joint_attention_dim is None:
             raise NotImplementedError(
                 "an SD3.5 ControlNet without text (joint_attention_dim None: SD3.5 Large's own, its blocks attend to "
                 "the image alone and share the transformer's pos_embed) is not run by xdit_lab yet; SD3 ControlNets "
                 "with joint attention (InstantX's) are"
             )
-
-    def check_inputs(self, pipe, request):
-        check_controlnet_options(pipe, request)
 
     bounded_tokenizer = "tokenizer_3"  # T5's; CLIP reads its 77 tokens whatever max_sequence_length says
     longest_text = 512  # StableDiffusion3Pipeline.check_inputs
@@ -115,17 +100,7 @@ class SD3Recipe(Recipe):
 
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
-        embeds = prepared.conditioning["encoder_hidden_states"]
-        prepared.latents = pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.config.in_channels,
-            height,
-            width,
-            embeds.dtype,
-            device,
-            generator_of(request),
-            None,
-        )
+        prepared.latents = self.image_latents(pipe, request, prepared, device, height, width)
         scheduler_kwargs = {}
         mu = request.options["mu"]
         config = pipe.scheduler.config
@@ -160,14 +135,9 @@ class SD3Recipe(Recipe):
         )  # fmt: skip
         latents = pipe.vae.encode(image).latent_dist.sample(generator=_control_generator(request))
         shift = 0 if pipe.controlnet.config.force_zeros_for_pooled_projection else pipe.vae.config.shift_factor
-        prepared.extra["control"] = (latents - shift) * pipe.vae.config.scaling_factor
-        prepared.extra["control_scales"] = controlnet_scales(request)
+        self.keep_control(prepared, request, (latents - shift) * pipe.vae.config.scaling_factor)
 
-    def model_kwargs(self, pipe, prepared, model_input, t):
-        kwargs = super().model_kwargs(pipe, prepared, model_input, t)
-        control = prepared.extra.get("control")
-        if control is None:
-            return kwargs
+    def controlnet_kwargs(self, pipe, prepared, model_input, kwargs, control, scale):
         pooled = kwargs["pooled_projections"]  # InstantX's ControlNets take zeros
         if pipe.controlnet.config.force_zeros_for_pooled_projection:
             pooled = torch.zeros_like(pooled)
@@ -177,10 +147,10 @@ class SD3Recipe(Recipe):
             encoder_hidden_states=kwargs["encoder_hidden_states"],
             pooled_projections=pooled,
             controlnet_cond=control,
-            conditioning_scale=prepared.extra["control_scales"][prepared.step_index],
+            conditioning_scale=scale,
             return_dict=False,
         )
-        return kwargs | dict(block_controlnet_hidden_states=blocks)
+        return dict(block_controlnet_hidden_states=blocks)
 
     def scale_model_input(self, pipe, model_input, t):
         return model_input  # flow matching feeds latents as they are

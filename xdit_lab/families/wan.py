@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken
-from .recipe import VideoRecipe, causal_vae_decoded, generator_of, video_prompt_embeds
+from .recipe import VideoRecipe, causal_vae_decoded, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
 ADAPTER = FamilyAdapter(
@@ -114,22 +114,13 @@ class WanRecipe(VideoRecipe):
             return
         # WanImageToVideoPipeline's: the noise, and the image's latents as frame 0; with expand_timesteps, the
         # mask that keeps them there (0 on frame 0), else (Wan 2.1) the mask and latents for the channels
-        height, width = request.height or self.default_size[0], request.width or self.default_size[1]
+        height, width = self.size(request)
         if _image_embeds_taken(pipe):  # CLIP's, of the image as given (one per prompt, the same)
             embeds = pipe.encode_image(request.options["image"], device).repeat(len(request.prompts), 1, 1)
             prepared.extra["image_embeds"] = embeds.to(pipe.transformer.dtype)
         image = pipe.video_processor.preprocess(request.options["image"], height=height, width=width)
-        prepared_latents = pipe.prepare_latents(
-            image.to(device, dtype=torch.float32),
-            len(request.prompts),
-            pipe.vae.config.z_dim,
-            height,
-            width,
-            request.options["num_frames"],
-            torch.float32,
-            device,
-            generator_of(request),
-        )
+        image = image.to(device, dtype=torch.float32)
+        prepared_latents = self.video_latents(pipe, request, device, image, channels=pipe.vae.config.z_dim)
         if pipe.config.get("expand_timesteps"):
             prepared.latents, condition, mask = prepared_latents
             prepared.extra["first_frame"] = (condition, mask)

@@ -17,6 +17,7 @@ from xdit_lab import ParallelConfig, RankMesh, parallelize
 from xdit_lab.attention.stale import StaleKV
 from xdit_lab.lessons.controls import ZeroStaleKV, wrong_stale_kv
 from xdit_lab.models import Controls, PipeFusionStage, SequenceShards, parallel_state
+from xdit_lab.models.cache import FirstBlockCache
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
@@ -81,7 +82,7 @@ def test_controls_are_frozen_and_no_strategy_class_keeps_one():
     with pytest.raises(dataclasses.FrozenInstanceError):
         controls.shards_text = True
     for field in dataclasses.fields(Controls):
-        for strategy in (SequenceShards, PipeFusionStage):
+        for strategy in (SequenceShards, PipeFusionStage, FirstBlockCache):
             assert not hasattr(strategy, field.name), (strategy.__name__, field.name)
     assert wrong_stale_kv(None) == Controls()
     with pytest.raises(ValueError, match="unknown control 'ones'"):
@@ -89,7 +90,7 @@ def test_controls_are_frozen_and_no_strategy_class_keeps_one():
 
 
 def test_nothing_assigns_an_attribute_of_a_strategy_class():
-    assignment = re.compile(r"\b(SequenceShards|PipeFusionStage)\.\w+\s*=(?!=)")
+    assignment = re.compile(r"\b(SequenceShards|PipeFusionStage|FirstBlockCache)\.\w+\s*=(?!=)|\.cache\.agree\s*=")
     found = [
         f"{path.relative_to(ROOT)}:{number}"
         for folder in ("xdit_lab", "tests", "benchmarks")
@@ -100,3 +101,4 @@ def test_nothing_assigns_an_attribute_of_a_strategy_class():
     assert found == []
     # the control of this test: an assignment as the tests wrote them before is found
     assert assignment.search("        " + "PipeFusionStage" + ".drops_returned_latents = control")
+    assert assignment.search("    parallel_state(t).cache" + ".agree = False")  # the cache's, flipped on its instance

@@ -108,6 +108,26 @@ def test_what_parallelize_refuses_of_a_cache_or_compile_is_said_before_loading(d
     assert _said(LoadOptions(cache=StepCache(0.1)), digits, ParallelConfig(pipefusion=2)) == []
 
 
+def test_a_cache_that_is_no_step_cache_is_refused_by_name(digits):
+    """diffusers' cache configurations are refused by name, before a weight is read and by parallelize, not run
+    as a StepCache with their threshold (a MagCacheConfig once ran as one, giving another image than diffusers')."""
+    import diffusers
+
+    from xdit_lab import parallelize
+    from xdit_lab.tiny import tiny_transformer
+
+    caches = (diffusers.MagCacheConfig(threshold=0.1, calibrate=True), diffusers.FirstBlockCacheConfig(0.1))
+    for config in (*caches, diffusers.TaylorSeerCacheConfig()):
+        (said,) = _said(LoadOptions(cache=config), digits)
+        assert said[0] == "TypeError" and f"cache=diffusers's {type(config).__name__} is not a cache" in said[1]
+        assert "xdit_lab.StepCache(threshold)" in said[1]
+        with pytest.raises(TypeError, match=type(config).__name__):
+            load_pipeline("digits", cache=config)  # before a weight is read: no world is joined for it
+        with pytest.raises(TypeError, match=type(config).__name__):
+            parallelize(tiny_transformer("pixart"), SERIAL, cache=config)
+    assert _said(LoadOptions(cache=StepCache(0.1)), digits) == []  # the control: our own cache
+
+
 def test_a_pipeline_class_of_another_family_or_none_is_refused(digits):
     (said,) = _said(LoadOptions(pipeline_class="WanPipeline"), digits)
     assert said[0] == "ValueError" and re.search(r"'WanPipeline' is a wan pipeline, .* holds a pixart one", said[1])

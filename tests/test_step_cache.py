@@ -17,7 +17,7 @@ import torch
 from forward_traffic import session_traffic, traffic_mismatches, traffic_row
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
-from xdit_lab.models import parallel_state
+from xdit_lab.models import Controls, parallel_state
 from xdit_lab.testing import RankFailure, run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
@@ -361,9 +361,11 @@ def _perturbed(folder, config, agree):
     """Rank 1's local sums are made 10^6 times larger before the decision: alone, it would run every
     step while rank 0 alone would skip them (threshold 1000). Returns each rank's local verdict
     and the decisions taken."""
-    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(1000.0))
+    pipe = load_pipeline(
+        folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(1000.0),
+        controls=Controls(cache_agrees=agree),
+    )  # fmt: skip
     cache = parallel_state(pipe.diffusers_pipeline.transformer).cache
-    cache.agree = agree
     decide, local = cache.decide, []
 
     def perturbed_decide():

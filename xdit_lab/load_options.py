@@ -11,7 +11,7 @@ class of the family) and says the same way what the model in `folder` refuses, b
     the pipeline class      another family's, or one xdit_lab does not run
     cache, compile          an unknown compile backend, compile with PipeFusion or a StepCache, a StepCache on a family
                             that has none yet or under the async schedule (option_problems, which parallelize
-                            asks too: acceleration_rules.py)
+                            asks too: accelerations.py)
     the refusal table       what a pipeline's components or class do not run with (families/refusals.py, which the
                             planner reads to leave out the rows load_pipeline would refuse)
     on_host                 names that are not the folder's text encoders (by their role)
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .acceleration_rules import option_problems
+from .accelerations import StepCache, option_problems
 from .config import ParallelConfig, ParallelConfigError
 from .families import RECIPES, recipe_for
 from .families.refusals import load_refusals, refusal_message
@@ -66,7 +66,7 @@ class LoadOptions:
     torch_dtype: object = "auto"  # "auto" (bfloat16 on a GPU, float32 on a CPU), a torch.dtype or its name
     memory_limit_bytes: int | None = None
     progress: bool = True
-    cache: object = None  # a StepCache (models/cache.py): the parallel core sits below, so no import of it here
+    cache: StepCache | None = None
     compile: bool | str = False
     shard_weights: bool = False
     on_host: tuple[str, ...] = ()

@@ -44,12 +44,13 @@ def diverging_threshold(summaries) -> tuple[int, float] | None:
 
 def _generate_alone(config, threshold: float, per_digit: int) -> list[bool]:
     from ..digits import prompt_for
-    from ..models import StepCache, parallel_state
+    from ..models import Controls, StepCache
     from ..pipeline import load_pipeline, loading_bars_hidden
 
-    with loading_bars_hidden():
-        pipe = load_pipeline("digits", config, progress=False, cache=StepCache(threshold))
-    parallel_state(pipe.diffusers_pipeline.transformer).cache.agree = False  # the deliberately wrong variant
+    with loading_bars_hidden():  # the deliberately wrong variant: each rank's cache decides alone
+        pipe = load_pipeline(
+            "digits", config, progress=False, cache=StepCache(threshold), controls=Controls(cache_agrees=False)
+        )
     prompts = [prompt_for(d) for d in range(10) for _ in range(per_digit)]
     return pipe.session(prompts, seed=0).run().cache_skips
 

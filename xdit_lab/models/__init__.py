@@ -14,7 +14,7 @@ strategy.py   the token strategy's interface (TokenStrategy), what a step is han
               a strategy reports (StrategyReport), the deliberately wrong variants a model is given (Controls)
 """
 
-from .cache import StepCache
+from ..accelerations import StepCache
 from .hooks import ParallelState, parallel_state
 from .parallel import parallelize, unparallelize
 from .pipefusion import PipeFusionStage

@@ -34,35 +34,13 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from .. import comm
+from ..accelerations import StepCache
 from ..families import block_metadata
 from ..mesh import WORLD
-
-METHODS = ("first_block",)
-
-
-@dataclass(frozen=True)
-class StepCache:
-    """Skip the transformer's blocks after the first block when its residual changed by at most
-    `threshold` (relative, summed over the whole batch on every rank) since the last full step.
-
-    Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
-    or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips."""
-
-    threshold: float = 0.1
-    method: str = "first_block"
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"StepCache method {self.method!r} is not implemented; methods: {', '.join(METHODS)}")
-        if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold) or self.threshold < 0:
-            raise ValueError(
-                f"StepCache threshold must be a finite number >= 0 (0 never skips), got {self.threshold!r}"
-            )
 
 
 class _FirstBlockDone(Exception):
@@ -73,10 +51,8 @@ class FirstBlockCache:
     """The runtime of a StepCache on one parallelized module: wraps its blocks, keeps the residuals
     and the decisions (`skips`, `changes`: one entry per transformer call since reset()).
 
-    `agree = False` makes each rank decide from its own sums only: a deliberately wrong control for
-    tests and the tutorial (the ranks diverge and a collective times out)."""
-
-    agree = True
+    The model's `Controls(cache_agrees=False)` makes each rank decide from its own sums only: a deliberately
+    wrong control for tests and the tutorial (the ranks diverge and a collective times out)."""
 
     def __init__(self, settings: StepCache, state, blocks: list, holds_first_block: bool):
         self.settings, self.state = settings, state
@@ -113,7 +89,7 @@ class FirstBlockCache:
         change = None
         if self.has_reference:
             self._local_sums.append(self.sums.clone())  # no sync: read only when asked (local_changes)
-            if self.agree:
+            if self.state.controls.cache_agrees:
                 comm.all_reduce(self.sums, self.state.mesh, WORLD, tag="cache")
             differing, total = self.sums.tolist()  # the one host sync of a step
             change = differing / total if total > 0 else math.inf

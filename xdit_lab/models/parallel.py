@@ -17,12 +17,12 @@ import weakref
 
 import torch
 
-from ..acceleration_rules import compile_backend, option_problems
+from ..accelerations import StepCache, compile_backend, option_problems
 from ..config import PIPEFUSION, ParallelConfig
 from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
 from ..mesh import RankMesh
-from .cache import StepCache, apply_step_cache
+from .cache import apply_step_cache
 from .hooks import (
     STATE_ATTRIBUTE,
     ParallelState,

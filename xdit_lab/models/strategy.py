@@ -104,12 +104,15 @@ class Controls:
                             back but keeps its own, a step behind: the mistake the return path prevents
     rebases_block_residuals False: a ControlNet's residuals reach a stage's blocks as the whole model
                             indexes them: the mistake rebasing prevents
+    cache_agrees            False: a StepCache's ranks each decide from their own tokens' sums, not the
+                            whole batch's (they diverge, and a collective times out): models/cache.py
     """
 
     shards_text: bool = True
     buffer_type: type = StaleKV
     drops_returned_latents: bool = False
     rebases_block_residuals: bool = True
+    cache_agrees: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,8 @@
-"""What an acceleration refuses under a configuration, for a family: torch.compile (an unknown backend, PipeFusion, a
-StepCache) and a StepCache (a family that has none yet, the async PipeFusion schedule).
+"""The accelerations a user asks for, and what they refuse under a configuration, for a family: a StepCache's
+settings (its runtime, the hooks that skip blocks, is models/cache.py), torch.compile's backend, and the rules:
+compile with PipeFusion or a StepCache, a StepCache on a family that has none yet or under the async PipeFusion
+schedule, and a cache object that is no StepCache (diffusers' cache configurations are not run here yet: each is
+refused by name, never run as something else).
 
     option_problems(config, adapter, cache=StepCache(0.1), compile=True)   # [(sentence, exception type), ...]
 
@@ -10,9 +13,34 @@ ask them without the planner reaching up into the parallel core.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from .config import PIPEFUSION, ParallelConfigError
+
+METHODS = ("first_block",)
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """Skip the transformer's blocks after the first block when its residual changed by at most
+    `threshold` (relative, summed over the whole batch on every rank) since the last full step.
+
+    Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
+    or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips."""
+
+    threshold: float = 0.1
+    method: str = "first_block"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"StepCache method {self.method!r} is not implemented; methods: {', '.join(METHODS)}")
+        if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold) or self.threshold < 0:
+            raise ValueError(
+                f"StepCache threshold must be a finite number >= 0 (0 never skips), got {self.threshold!r}"
+            )
 
 
 def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple[str, type[Exception]]]:
@@ -21,6 +49,9 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
     (compile_problems), a family that has no StepCache yet, a StepCache under the async schedule. LoadOptions.problems
     asks the same before a weight is read."""
     found = []
+    if cache is not None and not isinstance(cache, StepCache):
+        found.append((_unknown_cache(cache), TypeError))
+        cache = None  # the rules below are a StepCache's
     if compile:
         try:
             compile_backend(compile)
@@ -40,6 +71,16 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
             )
         )
     return found
+
+
+def _unknown_cache(cache) -> str:
+    kind = f"{type(cache).__module__.split('.')[0]}'s {type(cache).__name__}"
+    return (
+        f"cache={kind} is not a cache xdit_lab runs: cache= takes xdit_lab.StepCache(threshold) (First-Block Cache, "
+        f"one decision for the whole batch taken by every rank together); diffusers' own cache configurations are "
+        f"not run under a ParallelConfig yet, and running one as a StepCache would give another image than "
+        f"diffusers' without a word"
+    )
 
 
 def compile_problems(config, cache=None) -> list[str]:

@@ -20,10 +20,15 @@ import torch
 from forward_traffic import session_traffic, traffic_mismatches
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, load_pipeline
-from xdit_lab.families.tiny_spec import HEAD_DIM, HEADS
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
+from xdit_lab.tiny import (
+    save_tiny_pipeline,
+    tiny_pipeline,
+    tiny_pipeline_kwargs,
+    tiny_transformer,
+    tiny_wan_2_1_image_to_video,
+)
 
 # ---- Wan 2.2 TI2V 5B's pipelines: text to video (WanPipeline) and image to video (WanImageToVideoPipeline) ----
 PROMPTS = ["a red cat", "a blue dog"]
@@ -57,24 +62,12 @@ def _wan_folders(root) -> dict:
     image embeddings (image_dim, with the image's own key and value projections), a CLIP vision tower."""
     from diffusers import WanImageToVideoPipeline
 
-    from xdit_lab.tiny.parts import clip_image_processor, clip_vision_encoder
-
     text_to_video = tiny_pipeline("wan")
     text_to_video.register_to_config(expand_timesteps=True)
     parts = {k: v for k, v in text_to_video.components.items() if k != "transformer_2"}
     image_to_video = WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None, expand_timesteps=True)
-    z, temporal, vision = (
-        text_to_video.vae.config.z_dim,
-        text_to_video.vae_scale_factor_temporal,
-        clip_vision_encoder(5),
-    )
-    transformer = tiny_transformer(  # the image's key and value projections take the embedded image (the width)
-        "wan", in_channels=2 * z + temporal, out_channels=z, image_dim=vision.config.hidden_size,
-        added_kv_proj_dim=HEADS * HEAD_DIM,
-    )  # fmt: skip
-    wan_2_1 = WanImageToVideoPipeline(
-        **(parts | {"transformer": transformer}), image_encoder=vision, image_processor=clip_image_processor()
-    )
+    z, temporal = text_to_video.vae.config.z_dim, text_to_video.vae_scale_factor_temporal
+    wan_2_1 = tiny_wan_2_1_image_to_video()
     experts = [  # Wan 2.2 I2V A14B: the channels as Wan 2.1's, no CLIP, two experts
         tiny_transformer("wan", seed=seed, in_channels=2 * z + temporal, out_channels=z) for seed in (0, 7)
     ]

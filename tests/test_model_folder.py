@@ -14,7 +14,7 @@ import torch
 from xdit_lab import ParallelConfig, RankMesh, load_pipeline
 from xdit_lab.models.sharded_weights import held_checkpoint_bytes
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline, tiny_transformer
+from xdit_lab.tiny import save_tiny_pipeline, tiny_wan_2_1_image_to_video
 
 
 @contextlib.contextmanager
@@ -116,25 +116,10 @@ def test_a_lora_under_pipefusion_reads_each_config_once(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wan_2_1_i2v(tmp_path_factory):
-    """Wan 2.1 I2V's layout (tests/test_image_conditioned_pipelines.py): the image's latents and mask on the
-    transformer's channels, CLIP image embeddings beside the text, a CLIP vision tower as image_encoder."""
-    from diffusers import WanImageToVideoPipeline
-
-    from xdit_lab.families.tiny_spec import HEAD_DIM, HEADS
-    from xdit_lab.tiny.parts import clip_image_processor, clip_vision_encoder
-
-    wan = tiny_pipeline("wan")
-    parts = {k: v for k, v in wan.components.items() if k != "transformer_2"}
-    vision = clip_vision_encoder(5)
-    transformer = tiny_transformer(
-        "wan", in_channels=2 * wan.vae.config.z_dim + wan.vae_scale_factor_temporal, out_channels=wan.vae.config.z_dim,
-        image_dim=vision.config.hidden_size, added_kv_proj_dim=HEADS * HEAD_DIM,
-    )  # fmt: skip
-    pipe = WanImageToVideoPipeline(
-        **(parts | {"transformer": transformer}), image_encoder=vision, image_processor=clip_image_processor()
-    )
+    """Wan 2.1 I2V's layout (xdit_lab.tiny.tiny_wan_2_1_image_to_video): CLIP image embeddings beside the text,
+    a CLIP vision tower as image_encoder."""
     folder = tmp_path_factory.mktemp("wan_2_1_i2v")
-    pipe.save_pretrained(folder, safe_serialization=True)
+    tiny_wan_2_1_image_to_video().save_pretrained(folder, safe_serialization=True)
     return folder
 
 

@@ -22,7 +22,7 @@ import torch
 
 from xdit_lab import ParallelConfig
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import PIPELINES, save_tiny_pipeline, tiny_pipeline, tiny_pipeline_kwargs, tiny_transformer
+from xdit_lab.tiny import PIPELINES, save_tiny_pipeline, tiny_pipeline_kwargs, tiny_wan_2_1_image_to_video
 
 WORLD = 2
 PLENTY = 10**12  # bytes of "GPU" memory: every row fits, so none is dropped for size
@@ -41,24 +41,8 @@ LOADABLE = {(False, "gpu"), (True, "sharded"), (False, "host"), (True, "host")}
 
 
 def _save_wan_2_1_i2v(path):
-    """Wan 2.1 I2V's layout (tests/test_model_folder.py): a CLIP vision tower as image_encoder beside the text
-    encoder, the image's latents and mask on the transformer's channels."""
-    from diffusers import WanImageToVideoPipeline
-
-    from xdit_lab.families.tiny_spec import HEAD_DIM, HEADS
-    from xdit_lab.tiny.parts import clip_image_processor, clip_vision_encoder
-
-    wan = tiny_pipeline("wan")
-    parts = {k: v for k, v in wan.components.items() if k != "transformer_2"}
-    vision = clip_vision_encoder(5)
-    transformer = tiny_transformer(
-        "wan", in_channels=2 * wan.vae.config.z_dim + wan.vae_scale_factor_temporal, out_channels=wan.vae.config.z_dim,
-        image_dim=vision.config.hidden_size, added_kv_proj_dim=HEADS * HEAD_DIM,
-    )  # fmt: skip
-    pipe = WanImageToVideoPipeline(
-        **(parts | {"transformer": transformer}), image_encoder=vision, image_processor=clip_image_processor()
-    )
-    pipe.save_pretrained(path, safe_serialization=True)
+    """Wan 2.1 I2V's layout: a CLIP vision tower as image_encoder beside the text encoder."""
+    tiny_wan_2_1_image_to_video().save_pretrained(path, safe_serialization=True)
     return path
 
 

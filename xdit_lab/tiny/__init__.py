@@ -105,6 +105,28 @@ def tiny_pipeline(family: str, *, seed: int = 0, pipeline_class: str | None = No
     return getattr(diffusers, pipeline_class)(**{name: built[name] for name in spec.parts})
 
 
+def tiny_wan_2_1_image_to_video(*, seed: int = 0):
+    """Wan 2.1 I2V's layout at tiny size, a WanImageToVideoPipeline: the tiny Wan parts (one transformer), a
+    transformer taking the noise, the image's mask and latents on its channels and CLIP image embeddings
+    (image_dim, with the image's own key and value projections, as wide as the attention), and a CLIP vision
+    tower as `image_encoder`: the one folder layout with an image encoder beside the text encoder."""
+    from diffusers import WanImageToVideoPipeline
+
+    wan = tiny_pipeline("wan", seed=seed)
+    parts = {name: part for name, part in wan.components.items() if name != "transformer_2"}
+    vision = part_builders.clip_vision_encoder(5)
+    z, temporal = wan.vae.config.z_dim, wan.vae_scale_factor_temporal
+    transformer = tiny_transformer(
+        "wan", seed=seed, in_channels=2 * z + temporal, out_channels=z, image_dim=vision.config.hidden_size,
+        added_kv_proj_dim=HEADS * HEAD_DIM,
+    )  # fmt: skip
+    return WanImageToVideoPipeline(
+        **(parts | {"transformer": transformer}),
+        image_encoder=vision,
+        image_processor=part_builders.clip_image_processor(),
+    )
+
+
 def save_tiny_pipeline(family: str, path, *, seed: int = 0, pipeline_class: str | None = None) -> Path:
     """Build `tiny_pipeline(family, ...)` and save it as a diffusers folder (model_index.json + safetensors)."""
     path = Path(path)

@@ -668,3 +668,111 @@ def test_hunyuanvideo_image_to_video_is_checked_and_planned(tmp_path):
             use_cfg=prompts == 1, options=options,
         )[0]  # fmt: skip
         assert (row.latents, row.conditioning) == (measured["latents"], measured["conditioning"]), (condition, prompts)
+
+
+# ---- Qwen-Image-Edit: the image shown to Qwen2.5-VL with the prompt, its latents after the drawn ones -----------
+# Qwen2VLImageTextProcessor (Qwen2VLProcessor without its video processor, which transformers cannot build
+# without torchvision: the module says why) is the tiny folders' processor; diffusers loads a component of a
+# library it does not know only once that module is imported
+import xdit_lab.tiny.qwen_vl_processor  # noqa: E402, F401
+
+QWEN_EDIT_CONFIGS = [*CONFIGS[:3], ParallelConfig(dp=2)]
+QWEN_EDIT_USP = [ParallelConfig(ulysses=2, ring=2)]
+
+
+def _qwen_edit_folders(root) -> dict:
+    """QwenImageEditPipeline (Qwen-Image-Edit: one image), and QwenImageEditPlusPipeline with a zero_cond_t
+    transformer (Qwen-Image-Edit-2511: several images, their tokens modulated at t = 0)."""
+    from xdit_lab.tiny import tiny_qwen_image_edit
+
+    folders = {"edit": root / "edit", "plus": root / "plus"}
+    tiny_qwen_image_edit().save_pretrained(folders["edit"], safe_serialization=True)
+    tiny_qwen_image_edit(plus=True, zero_cond_t=True).save_pretrained(folders["plus"], safe_serialization=True)
+    return folders
+
+
+def _qwen_edit_call(task, **changes):
+    """Two prompts with negative ones and true CFG, drawn at 128² (the reference at 1024² whatever is drawn): Edit
+    one image of 4:3, Plus that and one of 5:8 (each its own grid of reference tokens)."""
+    images = _picture(64).resize((64, 48)) if task == "edit" else [_picture(64).resize((64, 48)), _picture(40)]
+    call = dict(image=images, height=128, width=128, num_inference_steps=3, true_cfg_scale=2.0)
+    return call | dict(negative_prompt=["", "a photo"]) | changes
+
+
+def _qwen_edit_reference(folder, task):
+    """diffusers' own pipeline from the folder, serially, one prompt a call (QwenImageEditPlusPipeline takes one;
+    QwenImageEditPipeline reads several prompts' images as a list, one per prompt), each from its row of the noise
+    the pipeline's prepare_latents draws for both prompts with the seed."""
+    from diffusers import DiffusionPipeline
+
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    call = _qwen_edit_call(task)
+    channels, generator = reference.transformer.config.in_channels // 4, torch.Generator().manual_seed(0)
+    noise, _ = reference.prepare_latents(None, 2, channels, 128, 128, torch.float32, "cpu", generator)
+    rows = [
+        reference(prompt=prompt, latents=noise[i : i + 1], output_type="latent", **(call | dict(negative_prompt=neg)))
+        for i, (prompt, neg) in enumerate(zip(PROMPTS, call["negative_prompt"]))
+    ]
+    return torch.cat([output_latents(row) for row in rows])
+
+
+def _qwen_edit_parallel(folders, configs, checks: bool):
+    rows = []
+    for task, folder in folders.items():
+        for config in configs:
+            pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+            session = pipe.session(PROMPTS, seed=0, **_qwen_edit_call(task)).run()
+            latents = output_latents(session.result(output_type="latent"))
+            rows.append(dict(task=task, config=config.short(), latents=latents, traffic=session_traffic(session)))
+    if not checks:
+        return rows, None, None
+    # the control: Plus shown its first image alone (one grid of reference tokens, not two)
+    first = _qwen_edit_call("plus")["image"][:1]
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_qwen_edit_call("plus", image=first)))
+    loaded = {
+        task: load_pipeline(f, configs[0], mesh=RankMesh(configs[0]), progress=False) for task, f in folders.items()
+    }
+    told = dict(
+        no_image=_refused(lambda: loaded["edit"].session(PROMPTS, **_qwen_edit_call("edit", image=None))),
+        a_list=_refused(lambda: loaded["edit"].session(PROMPTS, **_qwen_edit_call("plus"))),
+        image_inputs=[_image_inputs(pipe, _qwen_edit_call(task)) for task, pipe in loaded.items()],
+    )
+    return rows, control, told
+
+
+def test_qwen_image_edit_equals_diffusers(tmp_path):
+    """QwenImageEditPipeline (one image) and QwenImageEditPlusPipeline with Qwen-Image-Edit-2511's zero_cond_t (two
+    images, img_shapes listing three grids a sample, the references' tokens modulated at t = 0) under ulysses,
+    ring, cfg and dp (2 ranks) and ulysses 2 × ring 2 (4 ranks), against diffusers' own pipelines from the same
+    folders, run serially; every step moves its closed form. The control, Plus shown one of its two images, must
+    miss. An edit without an image, or Edit given a list, is refused by name; PipeFusion is refused at load. The
+    memory plan counts the reference tokens the session keeps."""
+    folders = _qwen_edit_folders(tmp_path)
+    expected = {task: _qwen_edit_reference(folder, task) for task, folder in folders.items()}
+    runs = [
+        *[(rank, *result) for rank, result in enumerate(
+            run_on_ranks(_qwen_edit_parallel, 2, folders, QWEN_EDIT_CONFIGS, True, timeout_s=600)
+        )],
+        *[(rank, *result) for rank, result in enumerate(
+            run_on_ranks(_qwen_edit_parallel, 4, folders, QWEN_EDIT_USP, False, timeout_s=600)
+        )],
+    ]  # fmt: skip
+    for rank, rows, control, told in runs:
+        for row in rows:
+            where, target = f"qwen-image {row['task']} {row['config']} rank {rank}", expected[row["task"]]
+            bound = 1e-4 * max(1.0, target.abs().max().item())
+            assert (row["latents"] - target).abs().max().item() <= bound, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            assert all(step["moved"] for step in row["traffic"]), where
+        if control is None:
+            continue
+        target = expected["plus"]
+        assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item())
+        assert re.match(r"ValueError: QwenImageEditPipeline edits an image: give image=", told["no_image"]), told
+        assert re.match(r"ValueError: QwenImageEditPipeline edits one image, .* not a list of 2", told["a_list"]), told
+        for planned, kept in told["image_inputs"]:
+            assert planned == kept > 0, told["image_inputs"]
+    for folder in folders.values():  # refused before torch.distributed is joined, so in this process
+        with pytest.raises(ParallelConfigError, match=r"QwenImageEdit(Plus)?Pipeline does not run under PipeFusion"):
+            load_pipeline(folder, CONFIGS[3], progress=False)

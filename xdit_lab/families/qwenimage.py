@@ -6,14 +6,35 @@ own longest prompt with a mask (None when nothing is padded), and runs the negat
 second forward. Here both branches go in one batch [negative; positive], which cfg 2 then splits:
 their text is padded to one length with the mask extended (`padded_text`), which the transformer's
 masked attention makes exact, and the session pads every rank's rows to the longest over the ranks
-before it gathers them. The parallel kernels take the mask as a key mask over the text alone."""
+before it gathers them. The parallel kernels take the mask as a key mask over the text alone.
+
+Editing (QwenImageEditPipeline, one image; QwenImageEditPlusPipeline, Qwen-Image-Edit-2509's, one or several):
+the image goes twice into the call. Qwen2.5-VL reads the prompt with the image in it (its processor expands
+the image into vision tokens; Plus names each image "Picture n:" and shows it at 384² pixels), and the VAE
+encodes it at 1024² pixels, whatever size is drawn; its packed tokens follow the drawn ones in one sequence,
+img_shapes lists one (frames, rows, cols) per image, and the prediction keeps the drawn tokens:
+
+    [latents; image 1 tokens; image 2 tokens ...]  img_shapes [(1, h, w), (1, h1, w1), ...]  -> noise[:, :h·w]
+
+Sequence parallelism splits that sequence as any other, and 2511's zero_cond_t (the references' tokens
+modulated at t = 0, modulate_index) follows the tokens' shard (ADAPTER.per_token). PipeFusion, which cuts one
+image into row bands, refuses it at load. Every prompt of a call edits the same image(s), each prompt encoded
+with them apart (diffusers' Plus pipeline takes one prompt a call), padded to the longest and masked as the
+branches are."""
 
 from __future__ import annotations
 
 import torch
 
 from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter, PerToken
-from .recipe import PackedLatentsRecipe, RequestShape, TrueCFGRecipe, causal_vae_decoded, prompt_embeds
+from .recipe import (
+    PackedLatentsRecipe,
+    RequestShape,
+    TrueCFGRecipe,
+    causal_vae_decoded,
+    pad_text,
+    prompt_embeds,
+)
 from .tiny_spec import TEXT_DIM, Part, TinySpec, flow_scheduler
 
 ADAPTER = FamilyAdapter(
@@ -32,13 +53,48 @@ ADAPTER = FamilyAdapter(
 )
 
 
+EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+
 class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
-    pipeline_classes = ("QwenImagePipeline",)
+    pipeline_classes = ("QwenImagePipeline", *EDIT_PIPELINES)
+    tasks = dict.fromkeys(EDIT_PIPELINES, "editing")
+    pipefusion_refused = dict.fromkeys(
+        EDIT_PIPELINES,
+        "its reference images' tokens follow the drawn ones, several images per sample that do not form one grid "
+        "of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp",
+    )
     output_class = "diffusers.pipelines.qwenimage.pipeline_output:QwenImagePipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=None)  # guidance_scale: a distilled model's input
-    options = dict(true_cfg_scale=4.0, max_sequence_length=512)
+    options = dict(true_cfg_scale=4.0, max_sequence_length=512, image=None)  # image: the edit pipelines'
     longest_text = 1024  # QwenImagePipeline.check_inputs
     counted_with = " with the template's closing tokens"
+
+    def check_inputs(self, pipe, request):
+        name, image = type(pipe).__name__, request.options["image"]
+        if not _edits(pipe):
+            if image is not None:
+                raise ValueError(
+                    f"{name} draws from text alone and takes no image; editing is QwenImageEditPipeline's (one image) "
+                    f"and QwenImageEditPlusPipeline's (several): load an edit model's folder"
+                )
+            return
+        images = image if isinstance(image, list) else [image]
+        if image is None or not images:
+            raise ValueError(f"{name} edits an image: give image= (a PIL image{_PLUS_LIST[name]})")
+        if name == "QwenImageEditPipeline" and isinstance(image, list):
+            # diffusers' pipeline reads a list as one image per prompt, and leaves such images unresized for its
+            # processor: here every prompt edits the one image given, as diffusers' call with one prompt does
+            raise ValueError(
+                f"QwenImageEditPipeline edits one image, and every prompt edits it: give image= one PIL image, not a "
+                f"list of {len(image)} (several reference images are QwenImageEditPlusPipeline's, Qwen-Image-Edit-2509)"
+            )
+        if any(not hasattr(picture, "convert") for picture in images):  # the PIL images the processor reads
+            raise ValueError(f"{name} takes image= as a PIL image{_PLUS_LIST[name]}; got {type(images[0]).__name__}")
+
+    def token_budget(self, pipe, request):
+        # the edit pipelines never cut a prompt (max_sequence_length goes unused): there is nothing to refuse
+        return None if _edits(pipe) else super().token_budget(pipe, request)
 
     def prompt_tokens(self, pipe, request, text):
         # the prompt in its template, less the template's opening the pipeline crops (its closing tokens count)
@@ -48,19 +104,46 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     padded_text = ("encoder_hidden_states", "encoder_hidden_states_mask")
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
-        embeds, mask = prompt_embeds(pipe, request, texts, device)
+        if _edits(pipe):  # each prompt apart with the image(s), then padded to the longest as the branches are
+            shown = _shown_images(pipe, request)
+            rows = [self._masked(*pipe.encode_prompt([text], shown, device)) for text in texts]
+            longest = max(row["encoder_hidden_states"].shape[1] for row in rows)
+            rows = [pad_text(row, self.padded_text, longest) for row in rows]
+            return {key: torch.cat([row[key] for row in rows]) for key in self.padded_text}
+        return self._masked(*prompt_embeds(pipe, request, texts, device))
+
+    @staticmethod
+    def _masked(embeds, mask):
         if mask is None:  # diffusers drops a mask that masks nothing; a batch of two branches needs one
             mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         return dict(encoder_hidden_states=embeds, encoder_hidden_states_mask=mask.bool())
 
     def prepare(self, pipe, request, prepared, device):
-        prepared.latents = self.packed_latents(pipe, request, prepared, device)
+        factor = pipe.vae_scale_factor * 2  # latent pixels × the 2 × 2 packing
+        if _edits(pipe):
+            sizes = _vae_sizes(request)  # the size drawn where the request gives none: the last image's
+            prepared.latents, prepared.extra["reference"] = self.packed_latents(
+                pipe, request, prepared, device, sizes[-1], images=_encoded_images(pipe, request)
+            )
+            references = [(1, height // factor, width // factor) for height, width in sizes]
+        else:
+            prepared.latents, references = self.packed_latents(pipe, request, prepared, device), []
         height, width = prepared.extra["size"]
-        prepared.extra["image_shape"] = (1, height // pipe.vae_scale_factor // 2, width // pipe.vae_scale_factor // 2)
+        prepared.extra["image_shapes"] = [(1, height // factor, width // factor), *references]
         if pipe.transformer.config.guidance_embeds and request.guidance_scale is None:
             raise ValueError("this Qwen-Image model is guidance-distilled: give guidance_scale")
         mu = self.image_tokens_shift(pipe, prepared.latents.shape[1])
         self.set_timesteps(pipe, request, prepared, device, mu, flow_sigmas=False)
+
+    def packed_latents(self, pipe, request, prepared, device, default_size=None, generator=None, images=None):
+        """As PackedLatentsRecipe's, the edit pipelines' size cut to multiples of the packed latent's pixels as
+        they cut it, and the reference images' packed latents beside (prepare_latents encodes them first)."""
+        if images is None:
+            return super().packed_latents(pipe, request, prepared, device, default_size, generator)
+        multiple = pipe.vae_scale_factor * 2
+        height, width = request.height or default_size[0], request.width or default_size[1]
+        prepared.extra["size"] = (height // multiple * multiple, width // multiple * multiple)
+        return self.image_latents(pipe, request, prepared, device, *prepared.extra["size"], images, generator=generator)
 
     def planned_request(self, configs, call, element):
         rows, cols, latents = self.packed_grid(configs, call, element)
@@ -73,11 +156,13 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         return RequestShape(latents, per_row, 0, (rows, cols), None, bounds=(why,))
 
     def model_kwargs(self, pipe, prepared, model_input, t):
-        image_shapes = [[prepared.extra["image_shape"]]] * model_input.shape[0]
+        image_shapes = [prepared.extra["image_shapes"]] * model_input.shape[0]
         return dict(super().model_kwargs(pipe, prepared, model_input, t), img_shapes=image_shapes)
 
     def guide(self, pipe, prepared, noise, step_index):
         """True CFG, rescaled to the conditional prediction's norm per token, as QwenImagePipeline does."""
+        if "reference" in prepared.extra:  # the prediction of the drawn tokens alone
+            noise = noise[:, : prepared.latents.shape[1]]
         if not prepared.do_cfg:
             return noise
         uncond, cond = noise.chunk(2)
@@ -88,6 +173,48 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         height, width = prepared.extra["size"]
         latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
         return causal_vae_decoded(pipe, latents)[:, :, 0]  # one frame
+
+
+_PLUS_LIST = dict(QwenImageEditPipeline="", QwenImageEditPlusPipeline=", or a list of them")
+
+
+def _edits(pipe) -> bool:
+    return type(pipe).__name__ in EDIT_PIPELINES
+
+
+def _images(request) -> list:
+    image = request.options["image"]
+    return image if isinstance(image, list) else [image]
+
+
+def _vae_sizes(request) -> list[tuple[int, int]]:
+    """(height, width) of each image as the edit pipelines encode it: its aspect at 1024² pixels."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import VAE_IMAGE_SIZE, calculate_dimensions
+
+    return [calculate_dimensions(VAE_IMAGE_SIZE, image.size[0] / image.size[1])[::-1] for image in _images(request)]
+
+
+def _shown_images(pipe, request):
+    """What an edit pipeline's processor shows Qwen2.5-VL with the prompt: Edit's one image at 1024² pixels,
+    Plus's each at 384² (its aspect kept)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
+
+    resize = pipe.image_processor.resize
+    if type(pipe).__name__ == "QwenImageEditPipeline":
+        (image,), (size,) = _images(request), _vae_sizes(request)
+        return resize(image, *size)
+    sizes = [calculate_dimensions(CONDITION_IMAGE_SIZE, image.size[0] / image.size[1]) for image in _images(request)]
+    return [resize(image, height, width) for image, (width, height) in zip(_images(request), sizes)]
+
+
+def _encoded_images(pipe, request):
+    """What an edit pipeline's VAE encodes, [1, 3, 1, H, W] per image at its 1024² size (Edit: one tensor, as
+    QwenImageEditPipeline hands it to prepare_latents; Plus: a list)."""
+    processor, sizes = pipe.image_processor, _vae_sizes(request)
+    if type(pipe).__name__ == "QwenImageEditPipeline":  # resized first, as the processor's image was
+        (image,), (size,) = _images(request), sizes
+        return processor.preprocess(processor.resize(image, *size), *size).unsqueeze(2)
+    return [processor.preprocess(image, *size).unsqueeze(2) for image, size in zip(_images(request), sizes)]
 
 
 RECIPE = QwenImageRecipe()

@@ -11,6 +11,8 @@ package builds it, the same way for every family:
                                          tokenizers, VAE, scheduler (parts.py), each part seeded
     save_tiny_pipeline(family, path)     that pipeline saved as an ordinary diffusers folder
     tiny_pipeline_kwargs(family)         call arguments that run it in well under a second on a CPU
+    tiny_wan_2_1_image_to_video()        other layouts of a family's pipeline, built from its tiny parts
+    tiny_qwen_image_edit(plus=...)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "tiny_inputs",
     "tiny_pipeline",
     "tiny_pipeline_kwargs",
+    "tiny_qwen_image_edit",
     "tiny_transformer",
 ]
 
@@ -124,6 +127,28 @@ def tiny_wan_2_1_image_to_video(*, seed: int = 0):
         **(parts | {"transformer": transformer}),
         image_encoder=vision,
         image_processor=part_builders.clip_image_processor(),
+    )
+
+
+def tiny_qwen_image_edit(*, plus: bool = False, zero_cond_t: bool = False, seed: int = 0):
+    """Qwen-Image-Edit's layout at tiny size: QwenImageEditPipeline (one image), or with `plus`
+    QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's, several images), whose transformer with `zero_cond_t`
+    (Qwen-Image-Edit-2511's) modulates the reference images' tokens at t = 0. The tiny Qwen-Image parts, but a
+    Qwen2.5-VL that sees the image (its vision tokens in the tokenizer, parts.qwen_vl_processor) and a VAE of 32x
+    (the pipelines encode the reference at 1024² pixels: parts.qwen_edit_vae)."""
+    import diffusers
+
+    qwen = tiny_pipeline("qwenimage", seed=seed)
+    processor = part_builders.qwen_vl_processor()
+    transformer = tiny_transformer("qwenimage", seed=seed, zero_cond_t=zero_cond_t)
+    pipeline = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
+    return pipeline(
+        scheduler=qwen.scheduler,
+        vae=part_builders.qwen_edit_vae(seed + 2, qwen.vae.config.z_dim),
+        text_encoder=part_builders.qwen_vl_encoder(seed + 1, len(processor.tokenizer), vision=True),
+        tokenizer=processor.tokenizer,
+        processor=processor,
+        transformer=transformer,
     )
 
 

@@ -102,17 +102,34 @@ QWEN_TEMPLATE_WORDS = (
 ).split()
 
 
-def qwen_tokenizer():
+def qwen_tokenizer(*, vision: bool = False):
     """Qwen2's byte-level BPE over the 256 byte symbols, with merges that make each of WORDS and the chat
-    template's words one token (alone, or after a space: "Ġword"), and the template's special tokens."""
+    template's words one token (alone, or after a space: "Ġword"), and the template's special tokens. With
+    `vision` (Qwen-Image-Edit's, whose template holds the image): the edit template's words too, and the vision
+    tokens last, QWEN_VISION_TOKENS in that order (qwen_vl_encoder reads their ids from the vocabulary's end)."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
-    words = [list(prefix + w) for w in WORDS + QWEN_TEMPLATE_WORDS for prefix in ("Ġ", "")]
+    template_words = QWEN_TEMPLATE_WORDS + (QWEN_EDIT_TEMPLATE_WORDS if vision else [])
+    words = [list(prefix + w) for w in WORDS + template_words for prefix in ("Ġ", "")]
     vocab, merges = _bpe(["<|endoftext|>", *sorted(ByteLevel.alphabet())], words)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    specials = ["<|im_start|>", "<|im_end|>", *(QWEN_VISION_TOKENS if vision else ())]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
     return tokenizer
+
+
+# the words of QwenImageEditPipeline's chat template, and Qwen2.5-VL's vision tokens (the image's place in it)
+QWEN_EDIT_TEMPLATE_WORDS = (
+    "the key features of input objects), then explain how user's instruction should alter or modify Generate a new "
+    "that meets requirements while maintaining consistency original where appropriate Picture"
+).split()
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def qwen_vl_tokenizer():
+    """qwen_tokenizer with vision: the tokenizer of Qwen-Image-Edit's tiny pipelines."""
+    return qwen_tokenizer(vision=True)
 
 
 # the special tokens of the Llama-format tokenizers (_llama_bpe): "<unk>" pads, "<s>" begins, "</s>" ends
@@ -126,8 +143,11 @@ def decoder_text(vocab_size: int, layers: int, **settings) -> dict:
     return dict(vocab_size=vocab_size, **sizes, **settings)
 
 
-def qwen_vl_encoder(seed: int, vocab_size: int):
-    """Qwen2.5-VL, text and a one-layer vision tower, TEXT_DIM wide (what QwenImagePipeline encodes with)."""
+def qwen_vl_encoder(seed: int, vocab_size: int, *, vision: bool = False):
+    """Qwen2.5-VL, text and a one-layer vision tower, TEXT_DIM wide (what QwenImagePipeline encodes with). With
+    `vision` (qwen_tokenizer(vision=True)'s vocabulary), the vision tokens' ids are the vocabulary's last four,
+    so that the image's embeddings take the places of <|image_pad|> and its rotary positions start at
+    <|vision_start|> (Qwen-Image-Edit's pipelines feed it the image)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -135,17 +155,33 @@ def qwen_vl_encoder(seed: int, vocab_size: int):
     text = decoder_text(
         vocab_size, 2, intermediate_size=TEXT_DIM, rope_scaling=rope, rope_theta=1e6, bos_token_id=0, eos_token_id=0
     )
-    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
+    vision_tower = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
+    ids = dict(vision_start_token_id=vocab_size - 1)
+    if vision:
+        names = ("vision_start", "vision_end", "image", "video")
+        ids = {f"{name}_token_id": vocab_size - 4 + i for i, name in enumerate(names)}
     config = Qwen2_5_VLConfig(
         text_config=text,
-        vision_config=vision,
+        vision_config=vision_tower,
         hidden_size=TEXT_DIM,
         vocab_size=vocab_size,
-        vision_start_token_id=vocab_size - 1,
         bos_token_id=0,
         eos_token_id=0,
+        **ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def qwen_vl_processor():
+    """What Qwen-Image-Edit's pipelines hand the image and the prompt to: Qwen2.5-VL's image processor (the PIL
+    one; images scaled to at most 56 × 56 pixels: 4 × 4 patches of 14, merged 2 × 2 into 4 tokens) and
+    qwen_vl_tokenizer, in a Qwen2VLImageTextProcessor."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from .qwen_vl_processor import Qwen2VLImageTextProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
+    return Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=qwen_vl_tokenizer())
 
 
 def llama_tokenizer():
@@ -367,6 +403,13 @@ def _causal_3d_vae(cls_name: str, seed: int, latent_channels: int, **shape):
 def qwen_vae(seed: int, latent_channels: int):
     """Qwen-Image's VAE (Wan's causal 3D VAE, one frame at a time) at its smallest: 4x spatial."""
     shape = dict(base_dim=8, dim_mult=[1, 2, 4], temperal_downsample=[False, True])
+    return _causal_3d_vae("AutoencoderKLQwenImage", seed, latent_channels, **shape)
+
+
+def qwen_edit_vae(seed: int, latent_channels: int):
+    """Qwen-Image's VAE for its edit pipelines, 32x spatial, two channels wide: they encode the reference image at
+    1024² pixels whatever the size asked for (1024² / 32² / 2 × 2 packed = 256 tokens), in well under a second."""
+    shape = dict(base_dim=2, dim_mult=[1] * 6, temperal_downsample=[False] * 5)
     return _causal_3d_vae("AutoencoderKLQwenImage", seed, latent_channels, **shape)
 
 

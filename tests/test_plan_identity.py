@@ -1,7 +1,8 @@
 """One planner (issue 56): what a load plans for each component's weights is the row `xdit-lab plan --model` prints
 for the same configuration and placement, and it is what each rank holds once loaded.
 
-    every tiny family's pipeline folder (and Wan 2.1 I2V's, whose CLIP image encoder is no text encoder)
+    every tiny family's pipeline folder (and Wan 2.1 I2V's, whose CLIP image encoder is no text encoder, and
+    Qwen-Image-Edit-2511's, whose Qwen2.5-VL holds a vision tower and whose processor holds no weights)
       × whole | sharded (shard_weights) | text encoders on the host | int8 | a PipeFusion stage
         the load's plan    pipe.memory_plan.per_rank_bytes, per component
       = the planner's row  plan_model(folder, 2, ...)'s row for that config and placement, its weights
@@ -22,7 +23,13 @@ import torch
 
 from xdit_lab import ParallelConfig
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import PIPELINES, save_tiny_pipeline, tiny_pipeline_kwargs, tiny_wan_2_1_image_to_video
+from xdit_lab.tiny import (
+    PIPELINES,
+    save_tiny_pipeline,
+    tiny_pipeline_kwargs,
+    tiny_qwen_image_edit,
+    tiny_wan_2_1_image_to_video,
+)
 
 WORLD = 2
 PLENTY = 10**12  # bytes of "GPU" memory: every row fits, so none is dropped for size
@@ -34,7 +41,7 @@ CASES = {
     "int8": (ParallelConfig(ulysses=2), {"quantization": "int8"}, (False, "gpu", "int8")),
     "pipefusion": (ParallelConfig(pipefusion=2), {}, (False, "gpu", None)),
 }
-FOLDERS = [*PIPELINES, "wan_2_1_i2v"]
+FOLDERS = [*PIPELINES, "wan_2_1_i2v", "qwen_image_edit_plus"]
 # (shard_weights, the text encoders' placement) load_pipeline can make: shard_weights shards the transformer and every
 # text encoder not kept on the host
 LOADABLE = {(False, "gpu"), (True, "sharded"), (False, "host"), (True, "host")}
@@ -80,13 +87,18 @@ def folders(tmp_path_factory):
     digits folder carries): the call a load plans for, and the one the planner plans by default."""
     saved = {family: save_tiny_pipeline(family, tmp_path_factory.mktemp(family)) for family in PIPELINES}
     saved["wan_2_1_i2v"] = _save_wan_2_1_i2v(tmp_path_factory.mktemp("wan_2_1_i2v"))
+    saved["qwen_image_edit_plus"] = tmp_path_factory.mktemp("qwen_image_edit_plus")
+    tiny_qwen_image_edit(plus=True, zero_cond_t=True).save_pretrained(saved["qwen_image_edit_plus"])
     for name, folder in saved.items():
-        (folder / "call_defaults.json").write_text(json.dumps(tiny_pipeline_kwargs(_family(name))))
+        (folder / "call_defaults.json").write_text(json.dumps(_call(name)))
     return saved
 
 
-def _family(name: str) -> str:
-    return "wan" if name == "wan_2_1_i2v" else name
+def _call(name: str) -> dict:
+    """The folder's tiny call: its family's, the edit folder's at 128² (its VAE's 32x × the 2 × 2 packing)."""
+    if name == "qwen_image_edit_plus":
+        return dict(tiny_pipeline_kwargs("qwenimage"), height=128, width=128)
+    return tiny_pipeline_kwargs("wan" if name == "wan_2_1_i2v" else name)
 
 
 @pytest.fixture(scope="module")

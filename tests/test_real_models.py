@@ -1,4 +1,4 @@
-"""Header-only folders of seven real models, and the planner proven on them at their real size.
+"""Header-only folders of the real models, and the planner proven on them at their real size.
 
 Each folder is built once for this module (xdit_lab.real_models.save_header_only: configs as the
 classes save them, safetensors headers at the stored dtype, the data a sparse hole). The bytes per
@@ -111,6 +111,25 @@ def test_folders_are_sparse_and_load_as_diffusers_folders(folders):
             else:
                 config = transformers.AutoConfig.from_pretrained(folder / component)
                 assert config.architectures == [spec.class_name]
+
+
+def test_qwen_image_edit_2511_is_qwen_image_with_its_references_at_t_0(folders):
+    """Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline, a processor listed beside the tokenizer) stores Qwen-Image's
+    transformer and text encoder tensor for tensor; its transformer's config differs in zero_cond_t alone. Planned
+    at its size, PipeFusion has no row: the load refuses it for the edit pipelines (several images per sample)."""
+    edit, base = folders["Qwen-Image-Edit-2511"], folders["Qwen-Image"]
+    for component in ("transformer", "text_encoder"):
+        assert stored(edit / component) == stored(base / component), component
+    configs = [json.loads((folder / "transformer" / "config.json").read_text()) for folder in (edit, base)]
+    assert {k for k in configs[0].keys() | configs[1].keys() if configs[0].get(k) != configs[1].get(k)} == {
+        "zero_cond_t"
+    }
+    assert configs[0]["zero_cond_t"] is True
+    index = json.loads((edit / "model_index.json").read_text())
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    rows = plan_model(edit, 4, 80 * GB)
+    assert rows and not [r for r in rows if r.config.pipefusion > 1]
+    assert {r.config.ulysses for r in rows} >= {4}
 
 
 def _row(rows, short, shard, placement):

@@ -1,4 +1,4 @@
-"""The seven real models as published (/work/shared/REAL-MODELS.md): per component its class, the
+"""The real models as published (/work/shared/REAL-MODELS.md): per component its class, the
 library it lives in, its constructor (or configuration) arguments and the dtype its weights are
 stored in; per model its pipeline class and the components model_index.json lists but that hold no
 weights here (tokenizers).

@@ -736,6 +736,8 @@ def _qwen_edit_parallel(folders, configs, checks: bool):
     told = dict(
         no_image=_refused(lambda: loaded["edit"].session(PROMPTS, **_qwen_edit_call("edit", image=None))),
         a_list=_refused(lambda: loaded["edit"].session(PROMPTS, **_qwen_edit_call("plus"))),
+        # longer than max_sequence_length (512), which the edit pipelines never cut a prompt to: not refused
+        long_prompt=_refused(lambda: loaded["edit"].request(["a" + " a" * 600] * 2, **_qwen_edit_call("edit"))),
         image_inputs=[_image_inputs(pipe, _qwen_edit_call(task)) for task, pipe in loaded.items()],
     )
     return rows, control, told
@@ -746,8 +748,9 @@ def test_qwen_image_edit_equals_diffusers(tmp_path):
     images, img_shapes listing three grids a sample, the references' tokens modulated at t = 0) under ulysses,
     ring, cfg and dp (2 ranks) and ulysses 2 × ring 2 (4 ranks), against diffusers' own pipelines from the same
     folders, run serially; every step moves its closed form. The control, Plus shown one of its two images, must
-    miss. An edit without an image, or Edit given a list, is refused by name; PipeFusion is refused at load. The
-    memory plan counts the reference tokens the session keeps."""
+    miss. An edit without an image, or Edit given a list, is refused by name, a prompt longer than
+    max_sequence_length is not (the edit pipelines cut none); PipeFusion is refused at load. The memory plan
+    counts the reference tokens the session keeps."""
     folders = _qwen_edit_folders(tmp_path)
     expected = {task: _qwen_edit_reference(folder, task) for task, folder in folders.items()}
     runs = [
@@ -771,6 +774,7 @@ def test_qwen_image_edit_equals_diffusers(tmp_path):
         assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item())
         assert re.match(r"ValueError: QwenImageEditPipeline edits an image: give image=", told["no_image"]), told
         assert re.match(r"ValueError: QwenImageEditPipeline edits one image, .* not a list of 2", told["a_list"]), told
+        assert told["long_prompt"] is None, told["long_prompt"]
         for planned, kept in told["image_inputs"]:
             assert planned == kept > 0, told["image_inputs"]
     for folder in folders.values():  # refused before torch.distributed is joined, so in this process

@@ -81,7 +81,7 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             return
         images = image if isinstance(image, list) else [image]
         if image is None or not images:
-            raise ValueError(f"{name} edits an image: give image= (a PIL image{_PLUS_LIST[name]})")
+            raise ValueError(f"{name} edits an image: give image= ({_IMAGE_TAKEN[name]})")
         if name == "QwenImageEditPipeline" and isinstance(image, list):
             # diffusers' pipeline reads a list as one image per prompt, and leaves such images unresized for its
             # processor: here every prompt edits the one image given, as diffusers' call with one prompt does
@@ -90,7 +90,7 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
                 f"list of {len(image)} (several reference images are QwenImageEditPlusPipeline's, Qwen-Image-Edit-2509)"
             )
         if any(not hasattr(picture, "convert") for picture in images):  # the PIL images the processor reads
-            raise ValueError(f"{name} takes image= as a PIL image{_PLUS_LIST[name]}; got {type(images[0]).__name__}")
+            raise ValueError(f"{name} takes image= as {_IMAGE_TAKEN[name]}; got {type(images[0]).__name__}")
 
     def token_budget(self, pipe, request):
         # the edit pipelines never cut a prompt (max_sequence_length goes unused): there is nothing to refuse
@@ -153,6 +153,12 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             f"conditioning: at most max_sequence_length {text} text tokens a row; Qwen-Image pads a batch to its "
             f"longest prompt, whose length is known only once it is tokenized"
         )
+        if "processor" in configs:  # an edit folder: Qwen2.5-VL reads the image(s) with the prompt
+            why = (
+                f"conditioning: {text} text tokens a row (max_sequence_length; the edit pipelines cut no prompt), "
+                f"and the image's vision tokens beside them, and the reference images' latents (image inputs), "
+                f"known once the images are given: pipe.memory_plan_for counts them"
+            )
         return RequestShape(latents, per_row, 0, (rows, cols), None, bounds=(why,))
 
     def model_kwargs(self, pipe, prepared, model_input, t):
@@ -175,7 +181,8 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         return causal_vae_decoded(pipe, latents)[:, :, 0]  # one frame
 
 
-_PLUS_LIST = dict(QwenImageEditPipeline="", QwenImageEditPlusPipeline=", or a list of them")
+# what image= is, as each edit pipeline takes it (its errors say)
+_IMAGE_TAKEN = dict(QwenImageEditPipeline="a PIL image", QwenImageEditPlusPipeline="a PIL image, or a list of them")
 
 
 def _edits(pipe) -> bool:

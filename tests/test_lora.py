@@ -112,12 +112,11 @@ def test_sd3_takes_the_same_path(tmp_path_factory):
 def test_the_cli_takes_a_lora_and_its_scale(flux, tmp_path):
     """`xdit-lab run --lora PATH=SCALE` in a plain process (a world of one, run_cli's): the latents of diffusers'
     run."""
-    from xdit_lab.distributed import free_port
     from xdit_lab.lessons import production
 
     folder, lora = flux
     argv = production.run_argv(folder, PROMPTS, ParallelConfig(), tmp_path / "out", seed=0, **KWARGS)
-    env = {"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     job = run_cli(
         [*argv, "--output-type", "latent", "--lora", f"{lora}={SCALE}"], torchrun=False, env=env, timeout_s=240
     )

@@ -14,7 +14,6 @@ import psutil
 import pytest
 import torch
 
-from xdit_lab.distributed import free_port
 from xdit_lab.lessons import production
 from xdit_lab.output_folder import RECORDS_FILE, OutputFolderError, append_record, open_run
 from xdit_lab.prompts_file import PromptsFileError, image_seed, read_prompts_file
@@ -199,32 +198,25 @@ def test_a_killed_dp2_run_resumes_to_the_serial_run_image_for_image(tmp_path):
     prompts = tmp_path / "digits.txt"
     prompts.write_text("".join(f"a handwritten {i % 10}\n" for i in range(n)))
     serial, parallel = tmp_path / "serial", tmp_path / "dp2"
-    # A port picked free can be taken by the other test worker before torchrun binds it (EADDRINUSE, in the
-    # clean-clone CI of cb731ab): then nothing ran, and the run starts again on another port.
-    for _ in range(3):
-        dp2 = production.torchrun_argv(2, master_port=free_port()) + _run_argv(
-            prompts, parallel, "--dp", "2", "--batch-size", "4"
-        )
+    dp2 = production.torchrun_argv(2) + _run_argv(prompts, parallel, "--dp", "2", "--batch-size", "4")
 
-        killed_at = None
-        proc = subprocess.Popen(dp2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 300
-            workers = {}
-            records = parallel / RECORDS_FILE
-            while killed_at is None and proc.poll() is None and time.monotonic() < deadline:
-                if "1" not in workers:
-                    workers = _workers(proc)
-                elif records.exists() and len(records.read_text().splitlines()) >= 4:
-                    workers["1"].send_signal(signal.SIGKILL)
-                    killed_at = len(records.read_text().splitlines())
-                time.sleep(0.01)
-            output, _ = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        if killed_at is not None or "EADDRINUSE" not in output:
-            break
+    killed_at = None
+    proc = subprocess.Popen(dp2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        workers = {}
+        records = parallel / RECORDS_FILE
+        while killed_at is None and proc.poll() is None and time.monotonic() < deadline:
+            if "1" not in workers:
+                workers = _workers(proc)
+            elif records.exists() and len(records.read_text().splitlines()) >= 4:
+                workers["1"].send_signal(signal.SIGKILL)
+                killed_at = len(records.read_text().splitlines())
+            time.sleep(0.01)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert killed_at is not None and proc.returncode != 0, output[-3000:]
     interrupted = len(_latents(parallel))
     assert 4 <= interrupted < n, interrupted  # killed mid-run, after the first batch
@@ -235,10 +227,7 @@ def test_a_killed_dp2_run_resumes_to_the_serial_run_image_for_image(tmp_path):
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(run_cli, _run_argv(prompts, serial, "--batch-size", "1")[2:], 1, timeout_s=480)
         (resumed,) = production.run_processes(
-            [
-                production.torchrun_argv(2, master_port=free_port())
-                + _run_argv(prompts, parallel, "--dp", "2", "--batch-size", "4")
-            ],
+            [production.torchrun_argv(2) + _run_argv(prompts, parallel, "--dp", "2", "--batch-size", "4")],
             timeout_s=480,
         )
         reference = reference.result()
@@ -289,7 +278,7 @@ def test_a_long_prompt_and_a_failed_write_name_their_line_and_image_then_a_rerun
         argv = _run_argv(file, folder, "--batch-size", "2")[2:]  # without "-m xdit_lab.cli"
         argv = argv[: argv.index("--output-type")] + argv[argv.index("--output-type") + 2 :]
         argv = [arg for arg in argv if arg != "--no-progress"] if bar else argv
-        env = {"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
         return run_cli(argv, torchrun=False, env=env, timeout_s=240)
 
     refused = run(long, tmp_path / "never")

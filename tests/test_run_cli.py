@@ -17,7 +17,6 @@ import torch
 from PIL import Image
 
 from xdit_lab import ParallelConfig
-from xdit_lab.distributed import free_port
 from xdit_lab.lessons import production
 from xdit_lab.testing import run_cli
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
@@ -65,7 +64,7 @@ def one_node(folder, tmp_path_factory):
     """The reference of the two tests below (its report; the two hosts' images and bytes): `xdit-lab run` under
     cfg 2, torchrun on one node, 2 ranks (run once)."""
     output = tmp_path_factory.mktemp("one_node")
-    _succeed([production.torchrun_argv(2, master_port=free_port()) + _run(folder, output, ParallelConfig(cfg=2))])
+    _succeed([production.torchrun_argv(2) + _run(folder, output, ParallelConfig(cfg=2))])
     return output
 
 
@@ -238,7 +237,7 @@ def test_atomic_write_fault_mid_write_leaves_no_partial_file(tmp_path):
 def _plain(*argv):
     """`xdit-lab ARGV` in a plain process (run_cli's, torchrun's environment left out): a world of one, as a user
     tries it before torchrun, with a port of its own."""
-    env = {"MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     return run_cli(list(argv), torchrun=False, env=env, timeout_s=180)
 
 
@@ -292,7 +291,7 @@ def test_a_hung_peer_ends_in_an_error_naming_the_rank_within_the_timeout(folder,
 
     import psutil
 
-    command = production.torchrun_argv(2, master_port=free_port()) + _run(
+    command = production.torchrun_argv(2) + _run(
         folder, tmp_path / "out", ParallelConfig(cfg=2), "--timeout", "5", num_inference_steps=1000
     )
     command.remove("--no-progress")  # the progress bar says when the loop runs

@@ -201,9 +201,12 @@ def test_run_argv_parses_back_to_the_same_call():
 
     parsed = get_args_parser().parse_args(c10d[3:] + ["-m", "xdit_lab.cli"])
     assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.nnodes) == ("c10d", "host-a:29400", "2")
-    for neither_or_both in ({}, {"master_port": 29999, "rdzv_endpoint": "host-a:29400"}):
+    standalone = production.torchrun_argv(2)  # one node: torchrun binds its own rendezvous port
+    parsed = get_args_parser().parse_args(standalone[3:] + ["-m", "xdit_lab.cli"])
+    assert (parsed.standalone, parsed.nproc_per_node) == (True, "2")
+    for nodes, neither_or_both in ((2, {}), (1, {"master_port": 29999, "rdzv_endpoint": "host-a:29400"})):
         with pytest.raises(ValueError, match="master_port= .* or rdzv_endpoint="):
-            production.torchrun_argv(1, **neither_or_both)
+            production.torchrun_argv(1, nnodes=nodes, **neither_or_both)
 
 
 def test_run_processes_and_timeout():

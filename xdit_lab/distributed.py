@@ -89,7 +89,7 @@ def init_distributed(
     if "MASTER_PORT" not in os.environ:
         if world_size > 1:
             raise ValueError("MASTER_PORT is not set: launch with torchrun or pass master_port=")
-        os.environ["MASTER_PORT"] = str(free_port())
+        os.environ["MASTER_PORT"] = "0"  # a world of one: its own store, on a port the kernel picks when it binds
 
     # gloo and NCCL bind the interface their host name resolves to, loopback where it resolves to nothing: on
     # several hosts the peers would then dial 127.0.0.1. Without the user's choice, bind the one the master's

@@ -2,7 +2,7 @@
 
     results = run_on_ranks(check_all_reduce, 4, ParallelConfig(ulysses=2, ring=2))
 
-Each child joins a fresh process group on a free localhost port, calls
+Each child joins a fresh process group through a store this process serves (job_store), calls
 `fn(*args, **kwargs)` and sends back its return value (anything picklable; tensors are fine).
 The parent waits at most `timeout_s`; a child that raises has its traceback re-raised in the
 parent as `RankFailure`, and a child that hangs or dies is killed and reported the same way.
@@ -74,6 +74,24 @@ def _context():
     return _CONTEXT
 
 
+# The ranks of one job are clients of a store this process serves, as torchrun's workers are of their agent's:
+# bound to a port the kernel picks (0), where a port picked free and bound later by rank 0 can be taken in between
+# by another test's process (EADDRINUSE)
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def job_store(world_size: int):
+    """A rendezvous store for one job of `world_size` ranks, served by this process on a port of the kernel's
+    choosing (`.port`); the ranks join it with AGENT_STORE in their environment and MASTER_PORT its port."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+
+
 def _child(fn, rank, world_size, port, backend, timeout_s, env, args, kwargs, results):
     os.environ.update(env)
     try:
@@ -115,13 +133,12 @@ def run_on_ranks(
     `fn` must be importable by name (a module-level function). `collective_timeout_s` bounds each
     collective inside the children (default: a little under `timeout_s`), so a rank that waits
     for a lost peer fails with torch's own message rather than being killed silently."""
-    from xdit_lab.distributed import free_port
-
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    store = job_store(world_size)  # kept alive here until every rank is done
+    port = store.port
     collective_timeout_s = collective_timeout_s or max(5.0, timeout_s * 0.8)
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    env = {"OMP_NUM_THREADS": "1", **(env or {}), **AGENT_STORE}
     procs = [
         ctx.Process(
             target=_child,
@@ -236,25 +253,24 @@ def run_cli(
     """`xdit-lab ARGV` on `ranks` local ranks given torchrun's environment (`torchrun --standalone --nproc_per_node
     RANKS -m xdit_lab.cli ARGV` without the launcher): each rank runs the console script's entry point as its
     `sys.exit(main())`, in this process's environment plus `env`, plus what torchrun's agent sets for its workers
-    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT on a free port, TORCHELASTIC_RUN_ID
-    and the rest; OMP_NUM_THREADS=1 for several ranks where it is not set, as torchrun does). One difference: rank
-    0 serves the rendezvous store (TORCHELASTIC_USE_AGENT_STORE=False), where torchrun's agent serves it.
+    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, TORCHELASTIC_RUN_ID and the rest;
+    OMP_NUM_THREADS=1 for several ranks where it is not set, as torchrun does). The rendezvous store is served by
+    this process, as torchrun's agent serves it (TORCHELASTIC_USE_AGENT_STORE=True), on a port the kernel picks.
 
     `torchrun=False` (one rank): a plain `xdit-lab ARGV` process in this environment plus `env`, nothing added.
     `cpus` pins every rank to those cores (Linux). The ranks are children of one agent process made for the job,
     as torchrun's are of its agent. When a rank fails, the others get `stop_after_failure_s` to end by themselves,
     then SIGTERM, then SIGKILL (torchrun sends SIGTERM at once); at `timeout_s` every rank still running is killed
     and the job says it timed out. Never raises for what the ranks did: see CliJob."""
-    from .distributed import free_port
-
     if not torchrun and ranks != 1:
         raise ValueError(f"a plain process is one rank; {ranks} ranks need torchrun=True")
     base = {**os.environ, **(env or {})}
     if torchrun and ranks > 1 and "OMP_NUM_THREADS" not in base:
         base["OMP_NUM_THREADS"] = "1"
-    if torchrun:  # one job: one port and one run id for all its ranks
-        port, run_id = free_port(), uuid.uuid4().hex
-        envs = [{**base, **_torchrun_worker_env(rank, ranks, port, run_id)} for rank in range(ranks)]
+    store = job_store(ranks) if torchrun else None  # one job: one store and one run id for all its ranks
+    if torchrun:
+        run_id = uuid.uuid4().hex
+        envs = [{**base, **_torchrun_worker_env(rank, ranks, store.port, run_id)} for rank in range(ranks)]
     else:
         envs = [base]
     folder = tempfile.mkdtemp(prefix="xdit-lab-cli-")
@@ -308,7 +324,7 @@ def _torchrun_worker_env(rank: int, world_size: int, port: int, run_id: str) -> 
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        **AGENT_STORE,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
 

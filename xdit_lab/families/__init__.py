@@ -20,6 +20,7 @@ import importlib
 import pkgutil
 
 from .adapter import FamilyAdapter, block_metadata
+from .cp_plan import with_plan
 from .recipe import Prepared, Recipe, Request
 
 SUPPORTED_DIFFUSERS = ("0.42", "0.43")  # tested range: >= first, < second
@@ -52,11 +53,19 @@ def adapter_for(transformer) -> FamilyAdapter:
     torch.compile wrap a model in a subclass of its own)."""
     for cls in type(transformer).__mro__:
         if cls.__name__ in FAMILIES or cls.__name__ in CONTROLNETS:
-            return FAMILIES.get(cls.__name__) or CONTROLNETS[cls.__name__]
+            return _with_plan(cls.__name__, cls)
     raise TypeError(
         f"xdit_lab cannot parallelize {type(transformer).__name__}; supported transformers: {', '.join(FAMILIES)}; "
         f"ControlNets: {', '.join(CONTROLNETS)}"
     )
+
+
+@functools.cache
+def _with_plan(class_name: str, cls) -> FamilyAdapter:
+    """The adapter of diffusers class `cls`, with what its `_cp_plan` declares where the adapter says
+    `from_cp_plan` (families/cp_plan.py): once per class."""
+    adapter = FAMILIES.get(class_name) or CONTROLNETS[class_name]
+    return with_plan(adapter, cls) if adapter.from_cp_plan else adapter
 
 
 def recipe_for(pipeline_class: str) -> Recipe:

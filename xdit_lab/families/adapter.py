@@ -390,6 +390,9 @@ class FamilyAdapter:
     # conditioning from transformer_blocks.0.norm1.emb after every block ran): sharded weights make each
     # an FSDP2 unit of its own, gathered wherever it is called (models/sharded_weights.py)
     called_outside_their_block: tuple = ()
+    # take gather_at, rotary_at, the text's cut and the per-token arguments from the transformer class's own
+    # `_cp_plan` (diffusers' context-parallel plan) when the model is parallelized: families/cp_plan.py
+    from_cp_plan: bool = False
 
     def __post_init__(self):
         if not self.block_counts:

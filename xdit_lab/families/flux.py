@@ -65,10 +65,6 @@ FLUX_LAYOUT = dict(
     attention={r"^(single_)?transformer_blocks\.\d+\.attn$": "joint_first"},
     latents=TOKENS,
     unbatched=("img_ids", "txt_ids"),
-    # the text and its ids cut at the input: Flux.2's forward slices its joined [text; image] by the text
-    # length it was given, and Flux.1's rotary tables then hold this rank's text rows already
-    text_shard_at="input",
-    text_rows_kwarg="txt_ids",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
 )
 
@@ -86,10 +82,12 @@ def _double_stream_residual(block: int, blocks: int, residuals: int, arguments: 
     return _every_few_blocks(block, blocks, residuals, arguments)
 
 
+# The transformer's _cp_plan (families/cp_plan.py) cuts the text and its ids at the input, and the image's ids with
+# the image tokens, so the rotary tables the forward makes of them hold this rank's rows already
 ADAPTER = FamilyAdapter(
     "flux",
     "FluxTransformer2DModel",
-    rotary_at="pos_embed",
+    from_cp_plan=True,
     # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them (a
     # ControlNet parallelized on the same mesh hands them over cut already: RankLocal, taken as they are); under
     # PipeFusion each stage is given its own blocks' residuals
@@ -106,7 +104,9 @@ ADAPTER = FamilyAdapter(
 CONTROLNET_ADAPTER = FamilyAdapter(
     "flux",
     "FluxControlNetModel",
-    rotary_at="pos_embed",
+    rotary_at="pos_embed",  # no _cp_plan: the text and its ids cut at the input, the rotary tables after
+    text_shard_at="input",
+    text_rows_kwarg="txt_ids",
     gather_at=None,
     per_token=(PerToken("", "controlnet_cond"),),
     **FLUX_LAYOUT,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import FamilyAdapter, PerToken
+from .adapter import FamilyAdapter
 from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
 from .recipe import PackedLatentsRecipe, RequestShape, generator_of, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
@@ -23,7 +23,7 @@ from .tiny_spec import TEXT_DIM, Part, TinySpec
 ADAPTER = FamilyAdapter(
     "flux2",
     "Flux2Transformer2DModel",
-    per_token=(PerToken("", "img_ids", dim=-2),),  # its rotary tables are computed from them, text ids apart
+    from_cp_plan=True,  # the text and its ids cut at the input, the image's ids with its tokens: cp_plan.py
     joined_block_lists=("single_transformer_blocks",),
     step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
     **FLUX_LAYOUT,

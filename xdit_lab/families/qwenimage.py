@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter, PerToken
+from .adapter import IMAGE_AND_TEXT, TOKENS, FamilyAdapter
 from .recipe import (
     PackedLatentsRecipe,
     RequestShape,
@@ -43,12 +43,11 @@ ADAPTER = FamilyAdapter(
     shard_at="img_in",
     attention={r"^transformer_blocks\.\d+\.attn$": "joint_first"},
     latents=TOKENS,
-    rotary_at="pos_embed",
     rotary=IMAGE_AND_TEXT,
-    text_key_mask=True,
-    # Qwen-Image-Edit-2511 (zero_cond_t): which image of the sample each token is of (0: the one drawn, 1: a
-    # reference, modulated at t = 0), built whole by the forward and handed to every block
-    per_token=(PerToken(r"^transformer_blocks\.\d+$", "modulate_index", dim=1, dims=2),),
+    # from its _cp_plan (cp_plan.py): the rotary tables at pos_embed, the text and its key mask as block 0 takes
+    # them, and Qwen-Image-Edit-2511's modulate_index (zero_cond_t: which image of the sample each token is of),
+    # built whole by the forward and handed to every block, cut with the tokens
+    from_cp_plan=True,
     per_sample_lists=("img_shapes",),
 )
 

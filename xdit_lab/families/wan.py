@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken
+from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
 from .recipe import VideoRecipe, causal_vae_decoded, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
@@ -39,10 +39,10 @@ ADAPTER = FamilyAdapter(
     attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
     latents=VIDEO,
     grid_at_shard=True,
-    rotary_at="rope",
     rotary=IMAGE_ONLY,
     block_lists=("blocks",),
-    per_token=(PerToken("", "timestep", dim=1, dims=2),),  # Wan 2.2 TI2V: a timestep per token, [B, S]
+    # from its _cp_plan (cp_plan.py): the rotary tables at rope, and Wan 2.2 TI2V's timestep per token [B, S]
+    from_cp_plan=True,
 )
 
 

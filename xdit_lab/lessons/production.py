@@ -56,11 +56,18 @@ def torchrun_argv(
     rdzv_endpoint: str | None = None,
 ) -> list[str]:
     """torchrun (as `python -m torch.distributed.run`, the kernel's own interpreter) up to the module it runs:
-    append ["-m", "xdit_lab.cli", ...]. Either a static rendezvous at master_addr:master_port, this node being
-    node_rank, or (`rdzv_endpoint="host:port"`) torch's c10d rendezvous there, which ranks the nodes by their host
-    names; its host (by name or address) serves the rendezvous and every node runs the same command."""
-    if (master_port is None) == (rdzv_endpoint is None):
-        raise ValueError("torchrun_argv needs master_port= (a static rendezvous) or rdzv_endpoint= (c10d), one of them")
+    append ["-m", "xdit_lab.cli", ...]. On one node, by default, `--standalone`: torchrun serves its rendezvous on
+    a port it binds itself. Or a static rendezvous at master_addr:master_port, this node being node_rank, or
+    (`rdzv_endpoint="host:port"`) torch's c10d rendezvous there, which ranks the nodes by their host names; its host
+    (by name or address) serves the rendezvous and every node runs the same command."""
+    neither = master_port is None and rdzv_endpoint is None
+    if (master_port is not None and rdzv_endpoint is not None) or (neither and nnodes > 1):
+        raise ValueError(
+            "torchrun_argv needs master_port= (a static rendezvous) or rdzv_endpoint= (c10d), one of them"
+            + (" on several nodes" if nnodes > 1 else "")
+        )
+    if neither:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes)]
     if rdzv_endpoint is not None:
         rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "xdit-lab"]

@@ -671,11 +671,6 @@ def test_hunyuanvideo_image_to_video_is_checked_and_planned(tmp_path):
 
 
 # ---- Qwen-Image-Edit: the image shown to Qwen2.5-VL with the prompt, its latents after the drawn ones -----------
-# Qwen2VLImageTextProcessor (Qwen2VLProcessor without its video processor, which transformers cannot build
-# without torchvision: the module says why) is the tiny folders' processor; diffusers loads a component of a
-# library it does not know only once that module is imported
-import xdit_lab.tiny.qwen_vl_processor  # noqa: E402, F401
-
 QWEN_EDIT_CONFIGS = [*CONFIGS[:3], ParallelConfig(dp=2)]
 QWEN_EDIT_USP = [ParallelConfig(ulysses=2, ring=2)]
 
@@ -704,6 +699,11 @@ def _qwen_edit_reference(folder, task):
     QwenImageEditPipeline reads several prompts' images as a list, one per prompt), each from its row of the noise
     the pipeline's prepare_latents draws for both prompts with the seed."""
     from diffusers import DiffusionPipeline
+
+    # the folders' processor is Qwen2VLImageTextProcessor, Qwen2VLProcessor without the video processor that
+    # transformers cannot build without torchvision (the module says why): diffusers loads a component of a library
+    # it does not know only once its module is imported (load_pipeline's folder reader imports it itself)
+    import xdit_lab.tiny.qwen_vl_processor  # noqa: F401
 
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)

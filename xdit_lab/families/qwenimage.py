@@ -8,19 +8,19 @@ their text is padded to one length with the mask extended (`padded_text`), which
 masked attention makes exact, and the session pads every rank's rows to the longest over the ranks
 before it gathers them. The parallel kernels take the mask as a key mask over the text alone.
 
-Editing (QwenImageEditPipeline, one image; QwenImageEditPlusPipeline, Qwen-Image-Edit-2509's, one or several):
-the image goes twice into the call. Qwen2.5-VL reads the prompt with the image in it (its processor expands
-the image into vision tokens; Plus names each image "Picture n:" and shows it at 384² pixels), and the VAE
-encodes it at 1024² pixels, whatever size is drawn; its packed tokens follow the drawn ones in one sequence,
+Editing (QwenImageEditPipeline, Qwen-Image-Edit's: one image; QwenImageEditPlusPipeline, 2509's and 2511's:
+several): the image goes twice into the call. Qwen2.5-VL reads the prompt with the image in it (its processor
+expands the image into vision tokens; Plus names each image "Picture n:" and shows it at 384² pixels), and the
+VAE encodes it at 1024² pixels, whatever size is drawn; its packed tokens follow the drawn ones in one sequence,
 img_shapes lists one (frames, rows, cols) per image, and the prediction keeps the drawn tokens:
 
     [latents; image 1 tokens; image 2 tokens ...]  img_shapes [(1, h, w), (1, h1, w1), ...]  -> noise[:, :h·w]
 
 Sequence parallelism splits that sequence as any other, and 2511's zero_cond_t (the references' tokens
-modulated at t = 0, modulate_index) follows the tokens' shard (ADAPTER.per_token). PipeFusion, which cuts one
-image into row bands, refuses it at load. Every prompt of a call edits the same image(s), each prompt encoded
-with them apart (diffusers' Plus pipeline takes one prompt a call), padded to the longest and masked as the
-branches are."""
+modulated at t = 0, modulate_index) follows the tokens' shard, as the transformer's _cp_plan says. PipeFusion,
+which cuts one image into row bands, refuses it at load. Every prompt of a call edits the same image(s), each
+prompt encoded with them apart (diffusers' Plus pipeline takes one prompt a call), padded to the longest and
+masked as the branches are."""
 
 from __future__ import annotations
 

@@ -13,9 +13,12 @@ hasattr(self, "video_processor")`. This subclass's __init__ takes no video proce
 still go through the same image processor and the text through the same tokenizer, with Qwen2VLProcessor's own
 image-token expansion (replace_image_token). Nothing of the image or text processing changes.
 
-A pipeline folder's model_index.json names this module as the component's library, and diffusers'
-from_pretrained imports it, finds ProcessorMixin among its names (imported here) and loads the processor with
-ProcessorMixin.from_pretrained: the tiny folder and the reference built from it hold the same processor.
+A pipeline folder's model_index.json names this module as the component's library. diffusers' from_pretrained
+will not import a module a folder names, only use one already imported: load_pipeline's folder reader imports it
+(model_folder, asking which components hold weights), and a plain DiffusionPipeline.from_pretrained (a test's
+reference) needs `import xdit_lab.tiny.qwen_vl_processor` first. diffusers then finds ProcessorMixin among this
+module's names (imported here) and loads the processor with its from_pretrained: the tiny folder and the
+reference built from it hold the same processor.
 """
 
 from transformers import ProcessorMixin, Qwen2VLProcessor
@@ -27,5 +30,6 @@ class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
     """Qwen2VLProcessor with an image processor and a tokenizer, no video processor (the module says why)."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        # ProcessorMixin pairs the positional sub-processors with get_attributes(): image_processor, tokenizer
+        # Qwen2VLProcessor hands (image_processor, tokenizer, video_processor) on, and ProcessorMixin pairs them with
+        # get_attributes(), image_processor and tokenizer here: the None in the video processor's place pairs with none
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)

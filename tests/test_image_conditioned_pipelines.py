@@ -722,9 +722,17 @@ def _qwen_edit_parallel(folders, configs, checks: bool):
     for task, folder in folders.items():
         for config in configs:
             pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+            planned = pipe.memory_plan_for(PROMPTS, **_qwen_edit_call(task)).activation_bytes  # before the call
             session = pipe.session(PROMPTS, seed=0, **_qwen_edit_call(task)).run()
             latents = output_latents(session.result(output_type="latent"))
-            rows.append(dict(task=task, config=config.short(), latents=latents, traffic=session_traffic(session)))
+            held = dict(latents=[session.prepared.latents], conditioning=session.prepared.conditioning.values())
+            rows.append(
+                dict(
+                    task=task, config=config.short(), latents=latents, traffic=session_traffic(session),
+                    planned={name: planned[name][1] for name in held},
+                    held={name: sum(t.numel() * t.element_size() for t in kept) for name, kept in held.items()},
+                )
+            )  # fmt: skip
     if not checks:
         return rows, None, None
     # the control: Plus shown its first image alone (one grid of reference tokens, not two)
@@ -768,6 +776,8 @@ def test_qwen_image_edit_equals_diffusers(tmp_path):
             assert (row["latents"] - target).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
+            # the request's plan, made before the call (the text's vision tokens measured), is what the rank kept
+            assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
         if control is None:
             continue
         target = expected["plus"]

@@ -756,9 +756,9 @@ def test_qwen_image_edit_equals_diffusers(tmp_path):
     images, img_shapes listing three grids a sample, the references' tokens modulated at t = 0) under ulysses,
     ring, cfg and dp (2 ranks) and ulysses 2 × ring 2 (4 ranks), against diffusers' own pipelines from the same
     folders, run serially; every step moves its closed form. The control, Plus shown one of its two images, must
-    miss. An edit without an image, or Edit given a list, is refused by name, a prompt longer than
-    max_sequence_length is not (the edit pipelines cut none); PipeFusion is refused at load. The memory plan
-    counts the reference tokens the session keeps."""
+    miss. An edit without an image, Edit given a list, and the text-to-image pipeline given an image are refused by
+    name, a prompt longer than max_sequence_length is not (the edit pipelines cut none); PipeFusion is refused at
+    load. Each request's memory plan is what the rank kept: latents, conditioning, the reference tokens."""
     folders = _qwen_edit_folders(tmp_path)
     expected = {task: _qwen_edit_reference(folder, task) for task, folder in folders.items()}
     runs = [
@@ -790,3 +790,10 @@ def test_qwen_image_edit_equals_diffusers(tmp_path):
     for folder in folders.values():  # refused before torch.distributed is joined, so in this process
         with pytest.raises(ParallelConfigError, match=r"QwenImageEdit(Plus)?Pipeline does not run under PipeFusion"):
             load_pipeline(folder, CONFIGS[3], progress=False)
+    # the text-to-image pipeline given an image: refused by the recipe's check of the request, naming the edit ones
+    from xdit_lab.families import RECIPES, Request
+
+    recipe = RECIPES["QwenImagePipeline"]
+    request = Request(PROMPTS, None, 2, None, None, None, 0, options=recipe.check_options(dict(image=_picture(64))))
+    with pytest.raises(ValueError, match=r"QwenImagePipeline draws from text alone and takes no image; editing is"):
+        recipe.check_inputs(tiny_pipeline("qwenimage"), request)

@@ -134,13 +134,14 @@ def tiny_qwen_image_edit(*, plus: bool = False, zero_cond_t: bool = False, seed:
     """Qwen-Image-Edit's layout at tiny size: QwenImageEditPipeline (one image), or with `plus`
     QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's, several images), whose transformer with `zero_cond_t`
     (Qwen-Image-Edit-2511's) modulates the reference images' tokens at t = 0. The tiny Qwen-Image parts, but a
-    Qwen2.5-VL that sees the image (its vision tokens in the tokenizer, parts.qwen_vl_processor) and a VAE of 32x
-    (the pipelines encode the reference at 1024² pixels: parts.qwen_edit_vae)."""
+    transformer of 3 heads (an uneven count: Ulysses 2 splits them 2 + 1), a Qwen2.5-VL that sees the image (its
+    vision tokens in the tokenizer, parts.qwen_vl_processor) and a VAE of 32x (the pipelines encode the reference
+    at 1024² pixels: parts.qwen_edit_vae)."""
     import diffusers
 
     qwen = tiny_pipeline("qwenimage", seed=seed)
     processor = part_builders.qwen_vl_processor()
-    transformer = tiny_transformer("qwenimage", seed=seed, zero_cond_t=zero_cond_t)
+    transformer = tiny_transformer("qwenimage", seed=seed, heads=3, zero_cond_t=zero_cond_t)
     pipeline = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
     return pipeline(
         scheduler=qwen.scheduler,

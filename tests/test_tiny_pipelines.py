@@ -16,6 +16,7 @@ EXPECTED = {
     ("sd3", "StableDiffusion3Pipeline"): ((2, 16, 8, 8), (2, 16, 16, 3)),
     ("flux", "FluxPipeline"): ((2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
     ("flux2", "Flux2Pipeline"): ((2, 16, 16), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
+    ("flux2", "Flux2KleinPipeline"): ((2, 4, 8, 8), (2, 16, 16, 3)),  # klein returns the VAE's input, unpacked
     ("cogvideox", "CogVideoXPipeline"): ((2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
     ("wan", "WanPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
     ("qwenimage", "QwenImagePipeline"): ((2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _call(pipe, family, output_type):
     # Flux's, Qwen-Image's and HunyuanVideo's CFG is true_cfg_scale; their guidance_scale is a distilled model's input
     extra = {"true_cfg_scale": 3.0} if family in ("flux", "qwenimage", "hunyuanvideo") else {"guidance_scale": 3.0}
-    if family != "flux2":  # guidance-distilled, without a negative prompt
+    if family != "flux2":  # guidance-distilled, without a negative prompt (klein's base: CFG on the empty one)
         extra["negative_prompt"] = ["", "photo"]
     out = pipe(
         prompt=["a red cat", "a blue dog"],

@@ -228,9 +228,13 @@ TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
     ),
     # the system message and the prompt are some 50 tokens: padded to 64 (the pipeline's default: 512)
     call=dict(height=16, width=16, max_sequence_length=64),
-    class_parts=dict(  # klein: Qwen3's states after 3 of its 27 layers stacked, and no guidance embedding
+    # klein: Qwen3's states after 3 of its 27 layers stacked, no guidance embedding, and 3 heads (ulysses 2 splits
+    # them unevenly, as it would 24 heads over 5 ranks)
+    class_parts=dict(
         Flux2KleinPipeline=dict(
-            transformer=Part("transformer", kwargs=dict(joint_attention_dim=3 * TEXT_DIM, guidance_embeds=False)),
+            transformer=Part(
+                "transformer", kwargs=dict(joint_attention_dim=3 * TEXT_DIM, guidance_embeds=False, heads=3)
+            ),
             text_encoder=Part("qwen3_causal_encoder", seed=1, vocab_of="tokenizer"),
             tokenizer=Part("qwen3_tokenizer"),
         ),

@@ -114,6 +114,21 @@ def test_flux2_chat_reloads_with_whole_word_tokens(tmp_path):
     assert 30 < len(text) < 64 and "▁descriptions" in text
 
 
+def test_flux2_klein_chat_reloads_with_whole_word_tokens(tmp_path):
+    """Flux2KleinPipeline's tokenizer renders the prompt in Qwen3's chat as the pipeline asks (the assistant's
+    header and, with enable_thinking=False, an empty thinking block after the user's turn), each word one token."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("flux2", tmp_path, pipeline_class="Flux2KleinPipeline")
+    tokenizer = DiffusionPipeline.from_pretrained(folder).tokenizer
+    chat = [{"role": "user", "content": "a red cat"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text == "<|im_start|>user\na red cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(text).input_ids)
+    assert tokens[:7] == ["<|im_start|>", "user", "Ċ", "a", "Ġred", "Ġcat", "<|im_end|>"]
+    assert {"<think>", "</think>"} <= set(tokens) and len(tokens) < 32
+
+
 def test_unknown_family():
     """A family without a pipeline (DiT) and one that does not exist are each named, with the choices."""
     with pytest.raises(ValueError, match="dit has no tiny pipeline; families with one: .*pixart"):

@@ -7,7 +7,8 @@ and what to do (issue 38, point 6), each beside a control that the same call wit
   diffusers cuts such a prompt and draws the image without the cut words, with at most a logged warning (Wan,
   Qwen-Image, Flux.2 and HunyuanVideo's Llama none at all), and a log line on an engine never reaches the
   notebook; the boundary is checked against diffusers' own encode_prompt for every family.
-- A configuration that breaks ParallelConfig's rules (cfg 3) is refused before the folder is looked at.
+- A configuration that breaks ParallelConfig's rules (cfg 3) is refused before the folder is looked at; one the
+  folder's own settings rule out (cfg 2 on a step-distilled Flux.2 klein: one branch) before a weight is read.
 - Folders: a file for a folder, a missing component folder, a model_index.json that is not JSON or not an
   index, a config.json that does not build the module its weights were saved from (more layers, fewer, wider;
   a text encoder and a VAE too), and corrupt safetensors (a short file, a header that runs past the end,
@@ -129,15 +130,19 @@ FAMILIES = {
     "cogvideox": "CogVideoXPipeline",
     "wan": "WanPipeline",
     "flux2": "Flux2Pipeline",
+    "flux2 klein": "Flux2KleinPipeline",
     "qwenimage": "QwenImagePipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
 }
-TEMPLATED = {"flux2", "qwenimage", "hunyuanvideo"}  # the prompt sits in a template whose closing tokens count
+# the prompt sits in a template whose closing tokens count: words this many past P are past them (klein's chat
+# closes with its assistant's header and an empty thinking block, 13 tokens in the tiny tokenizer)
+TEMPLATED = {"flux2": 8, "flux2 klein": 16, "qwenimage": 8, "hunyuanvideo": 8}
 # HunyuanVideo's pooled CLIP embedding reads up to 77 tokens whatever max_sequence_length says (Llama's bound)
 UNBOUNDED = {"hunyuanvideo": ("pooled_projections",)}
 
 
-def _request(recipe, family, text):
+def _request(recipe, case, text):
+    family = case.split()[0]  # "flux2 klein": the flux2 family's Flux2KleinPipeline
     options = {k: v for k, v in tiny_pipeline_kwargs(family).items() if k in recipe.options}
     if family == "qwenimage":
         # its default, 512, would make a long prompt to encode; the tiny tokenizer spells the template in more
@@ -151,8 +156,8 @@ def test_the_longest_prompt_accepted_is_the_longest_diffusers_reads_whole(family
     """P is the longest prompt of "a"s (one token each in every tiny tokenizer) the check accepts, Q = P and one
     more "a". Reference: diffusers' encode_prompt, through the recipe's one call of it. Diffusers reads all of
     P (its last word, made "an", changes the embeddings) and cuts a longer prompt: the last word of Q (for the
-    families with a template, of P and eight more, past the template's closing tokens) changes nothing."""
-    pipe, recipe = tiny_pipeline(family), RECIPES[FAMILIES[family]]
+    families with a template, of P and TEMPLATED's more, past the template's closing tokens) changes nothing."""
+    pipe, recipe = tiny_pipeline(family.split()[0], pipeline_class=FAMILIES[family]), RECIPES[FAMILIES[family]]
 
     def accepted(text):
         try:
@@ -182,7 +187,7 @@ def test_the_longest_prompt_accepted_is_the_longest_diffusers_reads_whole(family
         return all(torch.equal(x, y) for x, y in zip(encoded(a), encoded(b)))
 
     assert len(prompt.split()) >= 3 and not same(prompt, prompt[:-1] + "an")  # P is read whole
-    cut = longer if family not in TEMPLATED else prompt + " a" * 8
+    cut = longer if family not in TEMPLATED else prompt + " a" * TEMPLATED[family]
     assert same(cut, cut[:-1] + "an")  # what runs past the limit is dropped by diffusers
 
 
@@ -352,3 +357,57 @@ def test_cli_exits_2_with_one_line_on_corrupt_weights(folder, tmp_path):
     assert len(lines) == 1 and "Traceback" not in job.stderr, job
     assert lines[0].startswith(f"xdit-lab run: error: {corrupt}/transformer/diffusion_pytorch_model.safetensors")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# ---- a step-distilled Flux.2 klein folder: one branch, as its model_index.json says ------------------------------
+
+
+def _distilled_klein_errors(distilled, corrupt, base):
+    """On each rank: cfg 2 on the step-distilled folder whose transformer file is cut short (never opened: the index
+    says it first), cfg 1 on it (control: the short file is met), a negative prompt on the distilled model, and the
+    base model's folder under cfg 2 with one (control: two branches to split)."""
+    from xdit_lab import RankMesh
+
+    kwargs = dict(tiny_pipeline_kwargs("flux2"), num_inference_steps=1, output_type="latent")
+    out = dict(
+        cfg_2=_error(lambda: load_pipeline(corrupt, ParallelConfig(cfg=2), progress=False)),
+        cfg_1=_error(lambda: load_pipeline(corrupt, ParallelConfig(dp=2), progress=False)),
+    )
+    pipe = load_pipeline(distilled, ParallelConfig(dp=2), mesh=RankMesh(ParallelConfig(dp=2)), progress=False)
+    out["negative"] = _error(lambda: pipe(["a red cat"] * 2, negative_prompt="a photo", **kwargs))
+    out["distilled"] = _error(lambda: pipe(["a red cat"] * 2, guidance_scale=4.0, **kwargs))  # ignored, as diffusers
+    pipe.close()
+    pipe = load_pipeline(base, ParallelConfig(cfg=2), mesh=RankMesh(ParallelConfig(cfg=2)), progress=False)
+    out["base"] = _error(lambda: pipe("a red cat", negative_prompt="a photo", guidance_scale=2.0, **kwargs))
+    pipe.close()
+    return out
+
+
+def test_cfg_2_on_a_step_distilled_klein_folder_is_refused_before_a_weight_is_read(tmp_path):
+    """Flux2KleinPipeline runs a folder whose model_index.json says is_distilled on one branch, its guidance_scale
+    ignored: cfg 2 is refused at load by that setting, naming what runs instead, before a weight is read (the
+    transformer's file, cut short, is never opened); a negative prompt is refused at the call. The base model's
+    folder (is_distilled false) runs both."""
+    klein = dict(pipeline_class="Flux2KleinPipeline")
+    distilled = save_tiny_pipeline("flux2", tmp_path / "distilled", is_distilled=True, **klein)
+    base = save_tiny_pipeline("flux2", tmp_path / "base", is_distilled=False, **klein)
+    corrupt = _copy(distilled, tmp_path, "corrupt")
+    _corrupt(corrupt / "transformer" / "diffusion_pytorch_model.safetensors", "short")
+    for out in run_on_ranks(_distilled_klein_errors, 2, str(distilled), str(corrupt), str(base), timeout_s=300):
+        kind, message = out["cfg_2"]
+        assert kind == "ParallelConfigError", out["cfg_2"]
+        assert "step-distilled (is_distilled: true in its model_index.json)" in message, message
+        assert "Use cfg 1 (dp 2 splits the prompts over 2 ranks)" in message and "base model" in message, message
+        assert out["cfg_1"][0] == CorruptWeightsError.__name__, out["cfg_1"]
+        kind, message = out["negative"]
+        assert kind == "ValueError" and "drop negative_prompt" in message and "is_distilled: true" in message, message
+        assert out["distilled"] is None and out["base"] is None, (out["distilled"], out["base"])
+    # Flux.2 [dev]'s folder holds a Mistral 3 text encoder, klein's a Qwen3: neither runs as the other's pipeline
+    dev = save_tiny_pipeline("flux2", tmp_path / "dev")
+    for folder, asked, runs in [
+        (dev, "Flux2KleinPipeline", "Flux2Pipeline"),
+        (base, "Flux2Pipeline", klein["pipeline_class"]),
+    ]:
+        kind, message = _error(lambda folder=folder, asked=asked: load_pipeline(folder, pipeline_class=asked))
+        assert kind == "ValueError" and message.startswith(f"pipeline_class={asked!r} runs other components than")
+        assert message.endswith(f"(another flux2 pipeline); name one of {runs}"), message

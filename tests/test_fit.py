@@ -32,6 +32,9 @@ from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs, tiny_transfo
 PROMPTS, NEGATIVES = ["a red cat", "a blue dog"], ["", "a photo"]
 TRUE_CFG = ("flux", "hunyuanvideo", "qwenimage")  # two branches only with negative prompts
 SIGMA = "PixArtSigmaPipeline"  # the pixart family's second pipeline (tiny_pipeline's pipeline_class)
+# Flux2KleinPipeline's folders, by the setting each keeps in its model_index.json: the base model's two branches at
+# its default guidance, the step-distilled model's one
+KLEIN = {"flux2-klein": {"is_distilled": False}, "flux2-klein-distilled": {"is_distilled": True}}
 # name: (tiny family, edits to the transformer's config, call changes): switches the real configs use
 VARIANTS = {
     "pixart": ("pixart", {}, {}),
@@ -40,6 +43,8 @@ VARIANTS = {
     "sd3": ("sd3", {}, {}),
     "flux": ("flux", {}, {}),
     "flux2": ("flux2", {}, {}),  # Mistral 3's stacked states padded to max_sequence_length, int64 ids of 4 axes
+    "flux2-klein": ("flux2", {}, {}),  # Qwen3's stacked states, as wide as the transformer's joint_attention_dim
+    "flux2-klein-distilled": ("flux2", {}, {}),
     "cogvideox": ("cogvideox", {}, {}),
     "cogvideox-rotary": ("cogvideox", {"use_rotary_positional_embeddings": True}, {}),
     "wan": ("wan", {}, {}),
@@ -56,13 +61,15 @@ SIZE_KEYS = ("height", "width", "num_frames")
 def tiny_folders(tmp_path_factory):
     built, folders = {}, {}
     for name, (family, edits, _) in VARIANTS.items():
-        cls = SIGMA if name.startswith("pixart-") else None
-        if (family, cls) not in built:
-            built[family, cls] = save_tiny_pipeline(family, tmp_path_factory.mktemp(family), pipeline_class=cls)
-        folder = built[family, cls]
+        cls = SIGMA if name.startswith("pixart-") else "Flux2KleinPipeline" if name in KLEIN else None
+        key = (family, cls, name if name in KLEIN else None)
+        if key not in built:
+            made = tmp_path_factory.mktemp(family)
+            built[key] = save_tiny_pipeline(family, made, pipeline_class=cls, **KLEIN.get(name, {}))
+        folder = built[key]
         if edits:
             folder = tmp_path_factory.mktemp(name)
-            shutil.copytree(built[family, cls], folder, dirs_exist_ok=True)
+            shutil.copytree(built[key], folder, dirs_exist_ok=True)
             path = folder / "transformer" / "config.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), **edits}))
         folders[name] = folder
@@ -78,6 +85,8 @@ def _calls(name):
     calls = [(tiny, None), (default_size, None)]
     if family in TRUE_CFG:
         calls.append(({**tiny, "negative_prompt": NEGATIVES, "true_cfg_scale": 2.0}, 2))
+    if name == "flux2-klein":  # the base model: one branch at guidance 1, two with negative prompts
+        calls += [({**tiny, "guidance_scale": 1.0}, None), ({**tiny, "negative_prompt": NEGATIVES}, 2)]
     return calls
 
 

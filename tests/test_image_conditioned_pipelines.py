@@ -375,48 +375,59 @@ def test_image_inputs_are_checked_by_name(tmp_path):
 
 
 # ---- Flux.2 with reference images: their tokens after the drawn ones ------------------------------------------
-FLUX2_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]  # one branch: no cfg
+FLUX2_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
+# pipeline class: (the folder's settings, the call's own arguments, the configurations); Flux2Pipeline has one
+# branch, klein's base model two at guidance 2 (the references in both, as diffusers runs them), which cfg 2 splits
+FLUX2_PIPELINES = dict(
+    Flux2Pipeline=({}, {}, FLUX2_CONFIGS),
+    Flux2KleinPipeline=({"is_distilled": False}, {"guidance_scale": 2.0}, [*FLUX2_CONFIGS, ParallelConfig(cfg=2)]),
+)
 
 
-def _flux2_call(**changes):
-    return dict(tiny_pipeline_kwargs("flux2"), num_inference_steps=3, image=[_picture(64), _picture(64)]) | changes
+def _flux2_call(own, **changes):
+    images = [_picture(64), _picture(64)]
+    return dict(tiny_pipeline_kwargs("flux2"), num_inference_steps=3, image=images) | own | changes
 
 
-def _flux2_parallel(folder, configs):
+def _flux2_parallel(folder, configs, own):
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-        session = pipe.session(PROMPTS, seed=0, **_flux2_call()).run()
+        session = pipe.session(PROMPTS, seed=0, **_flux2_call(own)).run()
         latents = output_latents(session.result(output_type="latent"))
         rows.append(dict(config=config.short(), latents=latents, traffic=session_traffic(session)))
-    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_flux2_call(image=None)))  # no reference
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_flux2_call(own, image=None)))  # none
     config = ParallelConfig(pipefusion=2, warmup_steps=3)
     pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
     try:
-        pipe(PROMPTS, seed=0, output_type="latent", **_flux2_call())
+        pipe(PROMPTS, seed=0, output_type="latent", **_flux2_call(own))
         refused = None
     except NotImplementedError as error:
         refused = str(error)
     return rows, control, refused
 
 
-def test_flux2_reference_images_equal_diffusers(tmp_path):
-    """Flux2Pipeline with two reference images (their latents after the drawn ones, each with its own first id)
-    under ulysses, ring and dp against diffusers' Flux2Pipeline; the control draws without them; PipeFusion
-    refuses several images per sample by name."""
+@pytest.mark.parametrize("pipeline_class", FLUX2_PIPELINES)
+def test_flux2_reference_images_equal_diffusers(tmp_path, pipeline_class):
+    """Flux2Pipeline and Flux2KleinPipeline with two reference images (their latents after the drawn ones, each
+    with its own first id) under ulysses, ring and dp (klein's base model: cfg too) against diffusers' own
+    pipeline; the control draws without them; PipeFusion refuses several images per sample by name."""
     from diffusers import DiffusionPipeline
 
-    folder = save_tiny_pipeline("flux2", tmp_path / "flux2")
+    settings, own, configs = FLUX2_PIPELINES[pipeline_class]
+    folder = save_tiny_pipeline("flux2", tmp_path / "flux2", pipeline_class=pipeline_class, **settings)
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
-    expected = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_flux2_call()))
+    called = reference(prompt=PROMPTS, generator=generator, output_type="latent", **_flux2_call(own))
+    expected = output_latents(called)
     bound = 1e-4 * max(1.0, expected.abs().max().item())
     for rank, (rows, control, refused) in enumerate(
-        run_on_ranks(_flux2_parallel, 2, folder, FLUX2_CONFIGS, timeout_s=400)
+        run_on_ranks(_flux2_parallel, 2, folder, configs, own, timeout_s=400)
     ):
+        assert [row["config"] for row in rows] == [config.short() for config in configs]
         for row in rows:
-            where = f"flux2 reference images {row['config']} rank {rank}"
+            where = f"{pipeline_class} reference images {row['config']} rank {rank}"
             assert (row["latents"] - expected).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where

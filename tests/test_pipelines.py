@@ -74,8 +74,8 @@ def references(folders):
     return {family: _reference(folders[family], family) for family in FAMILIES}
 
 
-def _parallel(folder, family, configs, expected):
-    kwargs = _family_kwargs(family)
+def _parallel(folder, family, configs, expected, kwargs=None):
+    kwargs = _family_kwargs(family) if kwargs is None else kwargs
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
@@ -132,19 +132,84 @@ def test_latents_equal_diffusers_pipeline(folders, references, family, world_siz
     configs = [c for c in CONFIGS[world_size] if not (family in ONE_BRANCH and c.cfg > 1)]
     expected = references[family]
     per_rank = run_on_ranks(_parallel, world_size, folders[family], family, configs, expected, timeout_s=300)
+    _check_rows(per_rank, configs, family)
+    if world_size == 2:  # the ulysses 2 run: where the family's text sits, as the token-layout view draws it
+        _check_token_layout(family, [next(r["summary"] for r in rows if r["summary"]) for rows in per_rank])
+
+
+def _check_rows(per_rank, configs, name):
+    """Every configuration ran on every rank, as exact as the bound, its traffic the closed form's, and the request's
+    memory plan, made before the call, what the rank held between steps."""
     for rank, rows in enumerate(per_rank):
         assert [row["config"] for row in rows] == [config.short() for config in configs]
         for row in rows:
-            where = f"{family} {row['config']} rank {rank}"
+            where = f"{name} {row['config']} rank {rank}"
             assert row["shape"] == row["expected_shape"], where
             assert row["error"] <= row["bound"], f"{where}: {row['error']:.3g} > {row['bound']:.3g}"
             config = next(c for c in configs if c.short() == row["config"])
             _check_traffic(row, config, where)
-            # the request's memory plan, made before the call, equals what the rank held between steps
             assert row["held"]["latents"] > 0 and row["held"]["conditioning"] > 0, where
             assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
-    if world_size == 2:  # the ulysses 2 run: where the family's text sits, as the token-layout view draws it
-        _check_token_layout(family, [next(r["summary"] for r in rows if r["summary"]) for rows in per_rank])
+
+
+# Flux.2 klein's two models, a tiny folder each: (the pipeline's settings its folder keeps, the call). The base
+# model's true CFG at guidance 2 with negative prompts (diffusers takes them as negative_prompt_embeds), which cfg 2
+# splits; the step-distilled model's one branch, its guidance ignored (cfg 2 refused: tests/test_bad_input.py)
+KLEIN = dict(
+    base=(dict(is_distilled=False), dict(guidance_scale=2.0, negative_prompt=NEGATIVES)),
+    distilled=(dict(is_distilled=True), dict(guidance_scale=4.0)),
+)
+
+
+@pytest.fixture(scope="module")
+def klein_folders(tmp_path_factory):
+    return {
+        form: save_tiny_pipeline(
+            "flux2", tmp_path_factory.mktemp(f"klein-{form}"), pipeline_class="Flux2KleinPipeline", **settings
+        )
+        for form, (settings, _) in KLEIN.items()
+    }
+
+
+def _klein_call(form):
+    return dict(_call_kwargs("flux2"), **KLEIN[form][1])
+
+
+def _klein_reference(folder, kwargs):
+    """diffusers' Flux2KleinPipeline from the folder, run serially, its negative prompts encoded by its own
+    encode_prompt (its call takes them as embeddings)."""
+    from diffusers import DiffusionPipeline
+
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    kwargs = dict(kwargs)
+    if "negative_prompt" in kwargs:
+        negatives = kwargs.pop("negative_prompt")
+        length = kwargs["max_sequence_length"]
+        kwargs["negative_prompt_embeds"] = reference.encode_prompt(negatives, max_sequence_length=length)[0]
+    generator = torch.Generator().manual_seed(0)
+    return output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **kwargs))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("form", KLEIN)
+def test_flux2_klein_equals_diffusers_pipeline(klein_folders, form, world_size):
+    """Flux2KleinPipeline folders (Qwen3 text, no guidance embedding, 3 heads) through load_pipeline under every
+    strategy: equal to diffusers' Flux2KleinPipeline run serially within 1e-4 relative, the base model's two branches
+    split by cfg 2 too, each step's bytes the closed form's, the plan what a rank holds. Control (2 ranks): PipeFusion
+    on stale K/V at every step misses the bound (measured 2.0e-4 relative on both models; one warmup step of three
+    1.4e-4)."""
+    kwargs = _klein_call(form)
+    expected = _klein_reference(klein_folders[form], kwargs)
+    configs = [c for c in CONFIGS[world_size] if form == "base" or c.cfg == 1]
+    stale = [ParallelConfig(pipefusion=2, warmup_steps=0)] if world_size == 2 else []
+    folder = klein_folders[form]
+    runs = [*configs, *stale]
+    per_rank = run_on_ranks(_parallel, world_size, folder, "flux2", runs, expected, kwargs, timeout_s=400)
+    _check_rows([rows[: len(configs)] for rows in per_rank], configs, f"flux2 klein {form}")
+    for rank, rows in enumerate(per_rank):
+        for row in rows[len(configs) :]:
+            assert row["error"] > row["bound"], f"rank {rank}: {row['config']} on stale K/V within the bound"
 
 
 def _check_traffic(row, config, where):
@@ -322,8 +387,8 @@ def test_the_load_plan_counts_the_rows_the_recipe_runs():
     from xdit_lab.families import recipe_for
     from xdit_lab.plan.terms import kv_rows, load_branches
 
-    def rows(pipeline, config, **defaults):  # one prompt's rows on the busiest rank
-        recipe = recipe_for(pipeline)
+    def rows(pipeline, config, index=None, **defaults):  # one prompt's rows on the busiest rank
+        recipe = recipe_for(pipeline, index)
         return kv_rows(config, load_branches(recipe, {**recipe.defaults, **defaults}))
 
     one = ParallelConfig()
@@ -332,3 +397,7 @@ def test_the_load_plan_counts_the_rows_the_recipe_runs():
     assert rows("FluxPipeline", one) == 1 and rows("FluxPipeline", one, true_cfg_scale=2.0) == 2
     assert rows("QwenImagePipeline", one) == 2  # true_cfg_scale 4.0 by default
     assert rows("Flux2Pipeline", one) == 1 and rows("PixArtAlphaPipeline", ParallelConfig(dp=2)) == 1
+    # Flux.2 klein: its folder's is_distilled says (diffusers' default, the base model's true CFG, without it)
+    assert rows("Flux2KleinPipeline", one) == 2 and rows("Flux2KleinPipeline", one, {"is_distilled": False}) == 2
+    assert rows("Flux2KleinPipeline", one, {"is_distilled": True}) == 1
+    assert rows("Flux2KleinPipeline", one, guidance_scale=1.0) == 1

@@ -1,8 +1,9 @@
 """One planner (issue 56): what a load plans for each component's weights is the row `xdit-lab plan --model` prints
 for the same configuration and placement, and it is what each rank holds once loaded.
 
-    every tiny family's pipeline folder (and Wan 2.1 I2V's, whose CLIP image encoder is no text encoder, and
-    Qwen-Image-Edit-2511's, whose Qwen2.5-VL holds a vision tower and whose processor holds no weights)
+    every tiny family's pipeline folder (and Wan 2.1 I2V's, whose CLIP image encoder is no text encoder,
+    Flux.2 klein's two, whose model_index.json says one branch or two, and Qwen-Image-Edit-2511's, whose
+    Qwen2.5-VL holds a vision tower and whose processor holds no weights)
       × whole | sharded (shard_weights) | text encoders on the host | int8 | a PipeFusion stage
         the load's plan    pipe.memory_plan.per_rank_bytes, per component
       = the planner's row  plan_model(folder, 2, ...)'s row for that config and placement, its weights
@@ -41,7 +42,14 @@ CASES = {
     "int8": (ParallelConfig(ulysses=2), {"quantization": "int8"}, (False, "gpu", "int8")),
     "pipefusion": (ParallelConfig(pipefusion=2), {}, (False, "gpu", None)),
 }
-FOLDERS = [*PIPELINES, "wan_2_1_i2v", "qwen_image_edit_plus"]
+# folders beside each family's default pipeline: name -> family
+OTHER_FOLDERS = {
+    "wan_2_1_i2v": "wan",
+    "flux2_klein": "flux2",
+    "flux2_klein_distilled": "flux2",
+    "qwen_image_edit_plus": "qwenimage",
+}
+FOLDERS = [*PIPELINES, *OTHER_FOLDERS]
 # (shard_weights, the text encoders' placement) load_pipeline can make: shard_weights shards the transformer and every
 # text encoder not kept on the host
 LOADABLE = {(False, "gpu"), (True, "sharded"), (False, "host"), (True, "host")}
@@ -87,6 +95,9 @@ def folders(tmp_path_factory):
     digits folder carries): the call a load plans for, and the one the planner plans by default."""
     saved = {family: save_tiny_pipeline(family, tmp_path_factory.mktemp(family)) for family in PIPELINES}
     saved["wan_2_1_i2v"] = _save_wan_2_1_i2v(tmp_path_factory.mktemp("wan_2_1_i2v"))
+    for name, distilled in (("flux2_klein", False), ("flux2_klein_distilled", True)):
+        klein = dict(pipeline_class="Flux2KleinPipeline", is_distilled=distilled)
+        saved[name] = save_tiny_pipeline("flux2", tmp_path_factory.mktemp(name), **klein)
     saved["qwen_image_edit_plus"] = tmp_path_factory.mktemp("qwen_image_edit_plus")
     tiny_qwen_image_edit(plus=True, zero_cond_t=True).save_pretrained(saved["qwen_image_edit_plus"])
     for name, folder in saved.items():
@@ -94,11 +105,14 @@ def folders(tmp_path_factory):
     return saved
 
 
+def _family(name: str) -> str:
+    return OTHER_FOLDERS.get(name, name)
+
+
 def _call(name: str) -> dict:
     """The folder's tiny call: its family's, the edit folder's at 128² (its VAE's 32x × the 2 × 2 packing)."""
-    if name == "qwen_image_edit_plus":
-        return dict(tiny_pipeline_kwargs("qwenimage"), height=128, width=128)
-    return tiny_pipeline_kwargs("wan" if name == "wan_2_1_i2v" else name)
+    call = tiny_pipeline_kwargs(_family(name))
+    return dict(call, height=128, width=128) if name == "qwen_image_edit_plus" else call
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +125,15 @@ def loads(folders):
 @pytest.fixture(scope="module")
 def planned_rows(folders):
     """The planner's rows for each folder on WORLD GPUs, in the load dtype on a CPU (float32), quantized or not."""
-    from xdit_lab.families import RECIPES
+    from xdit_lab.families import recipe_for
     from xdit_lab.plan import plan_model
 
     rows = {}
     for name, folder in folders.items():
-        pipeline_class = json.loads((folder / "model_index.json").read_text())["_class_name"]
+        index = json.loads((folder / "model_index.json").read_text())
         defaults = json.loads((folder / "call_defaults.json").read_text())
-        use_cfg = _two_branches(RECIPES[pipeline_class], pipeline_class, defaults)
+        pipeline_class = index["_class_name"]
+        use_cfg = _two_branches(recipe_for(pipeline_class, index), pipeline_class, defaults)
         for quantize in (None, "int8"):
             rows[name, quantize] = plan_model(
                 folder, WORLD, PLENTY, dtype=torch.float32, quantize=quantize, use_cfg=use_cfg
@@ -173,11 +188,10 @@ def test_every_row_is_a_load_the_options_take(planned_rows, folders, folder):
     encoders together, so "text encoders sharded, the transformer whole" is no row), and a case's keywords are
     exactly its row's options."""
     from xdit_lab import LoadOptions
-    from xdit_lab.families import recipe_for
     from xdit_lab.model_folder import read_model_folder
 
     model = read_model_folder(folders[folder])
-    recipe = recipe_for(model.pipeline_class)
+    recipe = model.recipe
     for quantize in (None, "int8"):
         rows = planned_rows[folder, quantize]
         if isinstance(rows, Exception):

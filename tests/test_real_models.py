@@ -37,6 +37,8 @@ PUBLISHED = {
     "Wan2.1-T2V-14B": dict(transformer=28_576_983_168, text_encoder=22.72e9),
     "HunyuanVideo": dict(transformer=25_642_025_088, text_encoder=15_010_373_632),
     "Qwen-Image": dict(transformer=40_860_802_176, text_encoder=16_584_333_312),
+    # Qwen3-4B's own index total (its embedding tied to the LM head, stored once); the transformer's is not published
+    "FLUX.2-klein-4B": dict(text_encoder=8_044_936_192),
 }
 PLANNED = ["FLUX.1-dev", "SD3.5-large", "Wan2.1-T2V-14B", "CogVideoX-5b"]
 GPU_SETS = [(n, memory) for n in (2, 4, 8) for memory in (24 * GB, 80 * GB)]
@@ -280,3 +282,27 @@ def test_the_published_configurations_ship_in_the_wheel_and_read_back(tmp_path):
             assert json.loads(json.dumps(read.kwargs)) == kwargs  # tuples written as arrays
     assert REAL_MODELS["FLUX.1-dev"].components["vae"].kwargs["block_out_channels"] == (128, 256, 512, 512)
     assert REAL_MODELS["Qwen-Image"].components["text_encoder"].kwargs["rope_scaling"]["mrope_section"] == [16, 24, 24]
+    klein = "FLUX.2-klein-4B"
+    assert REAL_MODELS[klein].settings == {"is_distilled": True} == written["models"][klein]["settings"]
+
+
+def test_flux2_klein_plans_one_branch_and_its_qwen3_from_its_folder(folders):
+    """FLUX.2-klein-4B's folder says is_distilled in its model_index.json: the planner plans one branch (no cfg 2
+    row), and the text encoder whole at Qwen3-4B's published bytes; a request keeps Qwen3's three stacked states
+    per prompt, 512 tokens × 7680 (3 × 2560) in bfloat16, beside the ids. Control: the same folder marked as the
+    base model (is_distilled false) plans two branches and cfg 2 rows."""
+    import shutil
+
+    folder = folders["FLUX.2-klein-4B"]
+    rows = plan_model(folder, 2, 80 * GB)
+    assert rows and {row.config.cfg for row in rows} == {1} and {row.request.branches for row in rows} == {1}
+    whole = _row(rows, "ulysses2", False, "gpu")
+    assert whole.weights["text_encoder"] == 8_044_936_192 and whole.fits
+    ids = (512 + 64 * 64) * 4 * 8  # txt_ids and img_ids at 1024², int64 (t, h, w, l)
+    assert whole.conditioning == 512 * 3 * 2560 * 2 + ids
+    base = folder.with_name("FLUX.2-klein-base-4B")
+    shutil.copytree(folder, base, symlinks=True)
+    index = json.loads((base / "model_index.json").read_text())
+    (base / "model_index.json").write_text(json.dumps(index | {"is_distilled": False}))
+    rows = plan_model(base, 2, 80 * GB)
+    assert {row.request.branches for row in rows} == {2} and any(row.config.cfg == 2 for row in rows)

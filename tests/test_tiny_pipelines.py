@@ -16,6 +16,7 @@ EXPECTED = {
     ("sd3", "StableDiffusion3Pipeline"): ((2, 16, 8, 8), (2, 16, 16, 3)),
     ("flux", "FluxPipeline"): ((2, 16, 64), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 16
     ("flux2", "Flux2Pipeline"): ((2, 16, 16), (2, 16, 16, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
+    ("flux2", "Flux2KleinPipeline"): ((2, 4, 8, 8), (2, 16, 16, 3)),  # klein returns the VAE's input, unpacked
     ("cogvideox", "CogVideoXPipeline"): ((2, 3, 4, 8, 8), (2, 9, 32, 32, 3)),  # [B, F, C, H, W]; 9 frames
     ("wan", "WanPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
     ("qwenimage", "QwenImagePipeline"): ((2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _call(pipe, family, output_type):
     # Flux's, Qwen-Image's and HunyuanVideo's CFG is true_cfg_scale; their guidance_scale is a distilled model's input
     extra = {"true_cfg_scale": 3.0} if family in ("flux", "qwenimage", "hunyuanvideo") else {"guidance_scale": 3.0}
-    if family != "flux2":  # guidance-distilled, without a negative prompt
+    if family != "flux2":  # guidance-distilled, without a negative prompt (klein's base: CFG on the empty one)
         extra["negative_prompt"] = ["", "photo"]
     out = pipe(
         prompt=["a red cat", "a blue dog"],
@@ -111,6 +112,21 @@ def test_flux2_chat_reloads_with_whole_word_tokens(tmp_path):
     assert set(tokens[: 64 - sum(mask)]) == {"<unk>"} and mask[-sum(mask) :] == [1] * sum(mask)
     assert text[:2] == ["<s>", "[SYSTEM_PROMPT]"] and text[-5:] == ["[INST]", "a", "▁red", "▁cat", "[/INST]"]
     assert 30 < len(text) < 64 and "▁descriptions" in text
+
+
+def test_flux2_klein_chat_reloads_with_whole_word_tokens(tmp_path):
+    """Flux2KleinPipeline's tokenizer renders the prompt in Qwen3's chat as the pipeline asks (the assistant's
+    header and, with enable_thinking=False, an empty thinking block after the user's turn), each word one token."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("flux2", tmp_path, pipeline_class="Flux2KleinPipeline")
+    tokenizer = DiffusionPipeline.from_pretrained(folder).tokenizer
+    chat = [{"role": "user", "content": "a red cat"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text == "<|im_start|>user\na red cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(text).input_ids)
+    assert tokens[:7] == ["<|im_start|>", "user", "Ċ", "a", "Ġred", "Ġcat", "<|im_end|>"]
+    assert {"<think>", "</think>"} <= set(tokens) and len(tokens) < 32
 
 
 def test_unknown_family():

@@ -174,15 +174,15 @@ class LoadOptions:
             return []
         if asked not in RECIPES:
             return [Refusal(f"xdit_lab does not run {asked}; supported pipelines: {', '.join(RECIPES)}", ValueError)]
-        if recipe_for(asked) is not recipe:
-            return [
-                Refusal(
-                    f"pipeline_class={asked!r} is a {recipe_for(asked).family} pipeline, and {folder.path} holds a "
-                    f"{recipe.family} one ({holds}); name one of {', '.join(recipe.pipeline_classes)}",
-                    ValueError,
-                )
-            ]
-        return []
+        other = recipe_for(asked, folder.index)
+        if other is recipe:
+            return []
+        runs = ", ".join(name for name in RECIPES if recipe_for(name, folder.index) is recipe)
+        if other.family == recipe.family:  # Flux.2 [dev] and klein: one family, other text encoders
+            said = f"runs other components than {folder.path}'s {holds} (another {recipe.family} pipeline)"
+        else:
+            said = f"is a {other.family} pipeline, and {folder.path} holds a {recipe.family} one ({holds})"
+        return [Refusal(f"pipeline_class={asked!r} {said}; name one of {runs}", ValueError)]
 
     def _refused(self, recipe: Recipe, pipeline_class: str, folder: ModelFolder, config) -> list[Refusal]:
         """The refusal table's reasons for what is asked, one sentence per reason with every asked argument it

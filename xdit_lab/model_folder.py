@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .families import FAMILIES, FamilyAdapter
+from .families import FAMILIES, FamilyAdapter, Recipe, recipe_for
 from .quantization import TRANSFORMERS, quantized_linears, quantized_weight_bytes
 from .safetensors_io import CorruptWeightsError, read_safetensors_header
 from .sharding import gather_buffer_bytes
@@ -274,6 +274,11 @@ class ModelFolder:
     @property
     def adapter(self) -> FamilyAdapter:
         return FAMILIES[self.transformer.class_name]
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe of its pipeline class, as its model_index.json's settings make it (families.recipe_for)."""
+        return recipe_for(self.pipeline_class, self.index)
 
     @property
     def components(self) -> list[str]:

@@ -200,7 +200,7 @@ def read_and_check(name_or_path, config: ParallelConfig, options: LoadOptions) -
     RankMesh.check(config)  # a configuration no mesh can be built from (cfg 3): said before anything is read
     path = resolve_folder(name_or_path)
     index = read_model_index(path)
-    recipe = recipe_for(index.get("_class_name", "?"))
+    recipe = recipe_for(index.get("_class_name", "?"), index)
     recipe.check_branches(config.cfg)
     components = component_folders(path, index)  # a missing one named before anything reads it
     model = read_model_folder(path, index=index)  # read once: configs, headers, roles (in the load dtype later)

@@ -9,7 +9,8 @@ family).
     FAMILIES        transformer class name -> FamilyAdapter
     CONTROLNETS     ControlNet class name -> FamilyAdapter (a family's CONTROLNET_ADAPTER: its transformer's layout,
                     residuals out, nothing gathered)
-    RECIPES         pipeline class name -> Recipe
+    RECIPES         pipeline class name -> Recipe, at the pipeline's default settings (recipe_for(name, index): as a
+                    folder's model_index.json sets them)
     family(name)    a family's module, by its name ("flux")
 """
 
@@ -37,7 +38,10 @@ CONTROLNETS = {
     if hasattr(module, "CONTROLNET_ADAPTER")
 }
 RECIPES = {
-    name: module.RECIPE for module in MODULES.values() if module.RECIPE for name in module.RECIPE.pipeline_classes
+    name: module.RECIPE.for_folder(name, {})
+    for module in MODULES.values()
+    if module.RECIPE
+    for name in module.RECIPE.pipeline_classes
 }
 
 
@@ -68,10 +72,12 @@ def _with_plan(class_name: str, cls) -> FamilyAdapter:
     return with_plan(adapter, cls) if adapter.from_cp_plan else adapter
 
 
-def recipe_for(pipeline_class: str) -> Recipe:
+def recipe_for(pipeline_class: str, index: dict | None = None) -> Recipe:
+    """The recipe that runs `pipeline_class`; given a folder's model_index.json (`index`), as the pipeline's
+    settings there make it (Recipe.for_folder)."""
     if pipeline_class not in RECIPES:
         raise ValueError(f"xdit_lab does not run {pipeline_class}; supported pipelines: {', '.join(RECIPES)}")
-    return RECIPES[pipeline_class]
+    return RECIPES[pipeline_class] if index is None else RECIPES[pipeline_class].for_folder(pipeline_class, index)
 
 
 def block_index(transformer_config: dict, key: str) -> int | None:

@@ -9,12 +9,24 @@ diffusers' does, so the ranks' rows stack as they are.
 
 Reference images (image=, one or several): their latents follow the drawn ones in one sequence, each
 image with its own value on the ids' first axis, and the prediction keeps the drawn tokens (as Kontext's,
-recipe.PackedLatentsRecipe); sequence parallelism splits that sequence, PipeFusion refuses it."""
+recipe.PackedLatentsRecipe); sequence parallelism splits that sequence, PipeFusion refuses it.
+
+Flux.2 [klein] (Flux2KleinPipeline) is the same transformer, smaller and without the guidance embedding,
+reading a Qwen3 text encoder (Qwen3ForCausalLM: its states after layers 9, 18 and 27 stacked, the prompt in
+Qwen3's chat). Its folder says which of two models it is (`is_distilled` in model_index.json, the pipeline's
+own setting, so Recipe.for_folder picks the recipe from it):
+
+    base        true CFG at a guidance_scale above 1: a branch on the empty prompt (or the negative_prompt,
+                which diffusers takes as negative_prompt_embeds) beside the prompt's, [negative; positive]
+                in one batch here, which cfg 2 splits
+    distilled   one branch, guidance_scale ignored (as diffusers ignores it): cfg 2 and a negative prompt
+                are refused, naming the folder's setting"""
 
 from __future__ import annotations
 
 import torch
 
+from ..config import ParallelConfigError
 from .adapter import FamilyAdapter
 from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
 from .recipe import PackedLatentsRecipe, RequestShape, generator_of, prompt_embeds
@@ -31,12 +43,18 @@ ADAPTER = FamilyAdapter(
 
 
 class Flux2Recipe(PackedLatentsRecipe):
-    pipeline_classes = ("Flux2Pipeline",)
+    pipeline_classes = ("Flux2Pipeline", "Flux2KleinPipeline")  # klein's recipe: for_folder's
     output_class = "diffusers.pipelines.flux2.pipeline_output:Flux2PipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=4.0)  # the distilled guidance, an input
     options = dict(max_sequence_length=512, text_encoder_out_layers=(10, 20, 30), image=None)
     cfg_needs = None  # never two branches: see the module's docstring
     counted_with = " with the chat's system message"
+    unbatched_conditioning = ("txt_ids",)  # one row of ids for every row (klein's two branches too)
+
+    def for_folder(self, pipeline_class, settings):
+        if pipeline_class == "Flux2KleinPipeline":
+            return KLEIN_DISTILLED if settings.get("is_distilled") else KLEIN
+        return RECIPE
 
     def prompt_tokens(self, pipe, request, text):
         # the whole chat the pipeline tokenizes (its system message included) counts against max_sequence_length
@@ -100,7 +118,8 @@ class Flux2Recipe(PackedLatentsRecipe):
 
             latents        [prompts, rows × cols, in_channels]     packed 2 × 2, in the text's dtype
             per row        [max_sequence_length, joint_attention_dim]  the text encoder's out layers' states
-                           stacked (3 × Mistral 3's hidden size), every prompt padded to max_sequence_length
+                           stacked (3 × Mistral 3's hidden size; klein's: 3 × Qwen3's), every prompt padded to
+                           max_sequence_length; a row per branch (klein's base: two at a guidance_scale above 1)
             shared         txt_ids [max_sequence_length, 4] and img_ids [rows × cols, 4], int64 coordinates
                            (t, h, w, l): the one row of each the transformer reads (encode_texts, prepare)
 
@@ -123,15 +142,70 @@ class Flux2Recipe(PackedLatentsRecipe):
         return prepared.guidance_scale  # handed over always, as Flux2Pipeline does
 
     def decoded(self, pipe, prepared, latents):
+        return pipe.vae.decode(self.vae_input(pipe, prepared, latents).to(pipe.vae.dtype), return_dict=False)[0]
+
+    def vae_input(self, pipe, prepared, latents):
+        """What the VAE decodes of the final packed latents: each token put back in place by its ids, the batch
+        norm undone, each token's 2 × 2 patch unfolded [prompts, latent_channels, 2 rows, 2 cols]."""
         latents = pipe._unpack_latents_with_ids(latents, prepared.extra["image_ids"])
         norm = pipe.vae.bn
         mean = norm.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(norm.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps).to(latents)
-        latents = pipe._unpatchify_latents(latents * std + mean)
-        return pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]
+        return pipe._unpatchify_latents(latents * std + mean)
+
+
+class Flux2KleinRecipe(Flux2Recipe):
+    """Flux2KleinPipeline's: Flux2Pipeline's but for its text (Qwen3's chat, its own out layers), no guidance
+    input, and its branches, as the folder's `is_distilled` says (`distilled`; the module's docstring)."""
+
+    pipeline_classes = ("Flux2KleinPipeline",)
+    options = dict(Flux2Recipe.options, text_encoder_out_layers=(9, 18, 27))
+    counted_with = " with Qwen3's chat template"
+
+    def __init__(self, distilled: bool):
+        self.distilled = distilled
+        # what gives a call two branches: the base model's guidance above 1; the distilled model has none
+        self.cfg_needs = None if distilled else "a guidance_scale above 1"
+
+    def prompt_tokens(self, pipe, request, text):
+        # the chat the pipeline tokenizes (its template's closing tokens included) counts against max_sequence_length
+        chat = pipe.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        return len(pipe.tokenizer(chat).input_ids)
+
+    def do_cfg(self, request):
+        return not self.distilled and request.guidance_scale > 1.0
+
+    def check_branches(self, cfg, request=None):
+        if cfg == 2 and self.distilled:
+            raise ParallelConfigError(
+                f"cfg 2 splits the branches [unconditional; conditional], but this {self.family} klein folder is "
+                f"step-distilled (is_distilled: true in its model_index.json): Flux2KleinPipeline runs it on one "
+                f"branch and ignores its guidance_scale. Use cfg 1 (dp 2 splits the prompts over 2 ranks), or FLUX.2 "
+                f"klein's base model (is_distilled: false), whose true CFG cfg 2 splits"
+            )
+        super().check_branches(cfg, request)
+
+    def check_negatives(self, request):
+        if request.negatives is not None and self.distilled:
+            raise ValueError(
+                f"this {self.family} klein folder is step-distilled (is_distilled: true in its model_index.json): "
+                f"one branch, no negative prompt; drop negative_prompt, or load FLUX.2 klein's base model "
+                f"(is_distilled: false), whose true CFG takes one at a guidance_scale above 1"
+            )
+
+    def decode(self, pipe, prepared, latents, output_type):
+        if output_type == "latent":  # Flux2KleinPipeline returns the VAE's input, where Flux2Pipeline its tokens
+            return self.vae_input(pipe, prepared, latents)
+        return super().decode(pipe, prepared, latents, output_type)
+
+    def guidance_input(self, pipe, prepared):
+        return None  # klein's transformer has no guidance embedding: diffusers hands it guidance=None
 
 
 RECIPE = Flux2Recipe()
+KLEIN, KLEIN_DISTILLED = Flux2KleinRecipe(distilled=False), Flux2KleinRecipe(distilled=True)
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):
@@ -144,7 +218,7 @@ TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
         timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
     ),
     inputs=tiny_inputs,
-    pipeline_classes=("Flux2Pipeline",),
+    pipeline_classes=("Flux2Pipeline", "Flux2KleinPipeline"),
     parts=dict(  # Mistral 3's states after 3 layers stacked (3 × 32 wide); 2 × 2 × 4 latent channels packed into 16
         transformer=Part("transformer", kwargs=dict(joint_attention_dim=3 * TEXT_DIM, guidance_embeds=True)),
         text_encoder=Part("mistral3_encoder", seed=1, vocab_of="tokenizer"),
@@ -154,4 +228,15 @@ TINY = TinySpec(  # modelled on diffusers' own test of Flux2Transformer2DModel
     ),
     # the system message and the prompt are some 50 tokens: padded to 64 (the pipeline's default: 512)
     call=dict(height=16, width=16, max_sequence_length=64),
+    # klein: Qwen3's states after 3 of its 27 layers stacked, no guidance embedding, and 3 heads (ulysses 2 splits
+    # them unevenly, as it would 24 heads over 5 ranks)
+    class_parts=dict(
+        Flux2KleinPipeline=dict(
+            transformer=Part(
+                "transformer", kwargs=dict(joint_attention_dim=3 * TEXT_DIM, guidance_embeds=False, heads=3)
+            ),
+            text_encoder=Part("qwen3_causal_encoder", seed=1, vocab_of="tokenizer"),
+            tokenizer=Part("qwen3_tokenizer"),
+        ),
+    ),
 )  # fmt: skip

@@ -126,6 +126,12 @@ class Recipe:
         checks them against diffusers' signatures)."""
         return {**self.defaults, **self.pipeline_defaults.get(pipeline_class, {})}
 
+    def for_folder(self, pipeline_class: str, settings: dict) -> Recipe:
+        """The recipe that runs `pipeline_class` (one of pipeline_classes) as a folder's pipeline settings make it
+        (`settings`: its model_index.json, where a diffusers pipeline keeps its own configuration beside the
+        components: Flux.2 klein's is_distilled says one branch or two). This one, for most."""
+        return self
+
     def check_options(self, options: dict) -> dict:
         unknown = sorted(set(options) - set(self.options))
         if unknown:

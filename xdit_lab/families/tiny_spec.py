@@ -44,6 +44,12 @@ class TinySpec:
     # component -> Part; a pipeline's "transformer" is the family's tiny transformer unless a Part says otherwise
     parts: dict = field(default_factory=dict)
     call: dict = field(default_factory=dict)  # arguments that run the pipeline at a tiny size (a Part: built)
+    # another of `pipeline_classes` -> the parts where its pipeline differs from the first's (Flux.2 klein's text)
+    class_parts: dict = field(default_factory=dict)
+
+    def parts_of(self, pipeline_class: str) -> dict:
+        """The parts of `pipeline_class`'s tiny pipeline: the family's, with the class's own in place."""
+        return {**self.parts, **self.class_parts.get(pipeline_class, {})}
 
     def __post_init__(self):
         if self.pipeline_classes and "transformer" not in self.parts:

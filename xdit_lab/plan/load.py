@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ..config import ParallelConfig
-from ..families import recipe_for
 from ..model_folder import ModelFolder, ModelFolderError, read_call_defaults, read_model_folder
 from .check import MemoryPlan, human_bytes
 from .rows import plan_row
@@ -54,7 +53,7 @@ def plan_memory(
     notes = []
     if request:
         if call_defaults is None:
-            recipe = recipe_for(model.pipeline_class)
+            recipe = model.recipe
             call_defaults = {**recipe.call_defaults(model.pipeline_class), **read_call_defaults(model.path, recipe)}
         try:
             call = load_call(model, call_defaults)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEGREES, CostEstimate, ParallelConfig
-from ..families import CONTROLNETS, recipe_for
+from ..families import CONTROLNETS
 from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
@@ -200,7 +200,7 @@ def plan_model(
     )
     configs = [c for c in configs if c.pipefusion == 1 or shape.grid[0] >= c.patches]
     # what load_pipeline refuses with this pipeline (two experts, a ControlNet, Kontext's references) is not planned
-    refused = load_refusals(recipe_for(model.pipeline_class), model.pipeline_class, model.weights)
+    refused = load_refusals(model.recipe, model.pipeline_class, model.weights)
     if quantize and "quantization" in refused:
         raise ValueError(refusal_message(refused, ["quantization"]))
     planned = PlannedRequest(
@@ -219,7 +219,7 @@ def plan_model(
         quantize,
         tuple(model.text_encoders),
     )
-    recipe = recipe_for(model.pipeline_class)
+    recipe = model.recipe
     rows = []
     for config in configs:
         for shard, placement in HOLDINGS:

@@ -26,7 +26,7 @@ __all__ = ["Call", "RequestShape", "make_call", "request_shape"]
 
 def request_shape(folder: ModelFolder, call: Call) -> RequestShape:
     """What `call` keeps besides the weights on a rank that holds the whole batch (latents, conditioning)."""
-    return RECIPES[folder.pipeline_class].planned_request(folder.configs, call, folder.element)
+    return folder.recipe.planned_request(folder.configs, call, folder.element)
 
 
 def make_call(
@@ -47,7 +47,7 @@ def make_call(
             f"xdit_lab does not run {folder.pipeline_class}, so it plans no memory for it; pipelines it runs: "
             f"{', '.join(RECIPES)}"
         )
-    recipe = RECIPES[folder.pipeline_class]
+    recipe = folder.recipe
     if type(recipe).planned_request is Recipe.planned_request:
         raise ModelFolderError(
             f"the planner has no closed form for {folder.pipeline_class}'s latents and conditioning yet "
@@ -88,7 +88,7 @@ def make_call(
 
 def load_call(folder: ModelFolder, call_defaults: dict) -> Call:
     """The request a load is planned for: one prompt at the call defaults, with load_branches' branches."""
-    branches = load_branches(RECIPES[folder.pipeline_class], call_defaults)
+    branches = load_branches(folder.recipe, call_defaults)
     return make_call(folder, use_cfg=branches == 2, call_defaults=call_defaults)
 
 

@@ -39,7 +39,7 @@ def save_header_only(name: str, folder) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     import diffusers
 
-    index = {"_class_name": model.pipeline_class, "_diffusers_version": diffusers.__version__}
+    index = {"_class_name": model.pipeline_class, "_diffusers_version": diffusers.__version__, **model.settings}
     listed = {part: [c.library, c.class_name] for part, c in model.components.items()}
     listed.update({part: list(where) for part, where in model.listed_only.items()})
     index.update(sorted(listed.items()))

@@ -1,6 +1,7 @@
 """The real models as published (/work/shared/REAL-MODELS.md): per component its class, the
 library it lives in, its constructor (or configuration) arguments and the dtype its weights are
-stored in; per model its pipeline class and the components model_index.json lists but that hold no
+stored in; per model its pipeline class, the pipeline's own settings model_index.json keeps beside the
+components (FLUX.2 klein's is_distilled), and the components model_index.json lists but that hold no
 weights here (tokenizers).
 
 The configurations are data, not code: they live in published.json beside this module (shipped as
@@ -39,6 +40,7 @@ class RealModel:
     pipeline_class: str
     components: dict[str, Component]  # written: configs (and weights, for models)
     listed_only: dict[str, tuple[str, str]] = field(default_factory=dict)  # in model_index.json, not written
+    settings: dict = field(default_factory=dict)  # the pipeline's own, in model_index.json (is_distilled)
 
 
 def _arguments(written: dict, configs: dict) -> dict:
@@ -70,6 +72,7 @@ def load_real_models(path: Path = PUBLISHED) -> dict[str, RealModel]:
             model["pipeline_class"],
             {part: _component(written, configs) for part, written in model["components"].items()},
             {part: tuple(where) for part, where in model.get("listed_only", {}).items()},
+            model.get("settings", {}),
         )
         for name, model in published["models"].items()
     }

@@ -89,9 +89,10 @@ def _build(part: Part, family: str, seed: int, built: dict):
     return builder(*args, **part.kwargs)
 
 
-def tiny_pipeline(family: str, *, seed: int = 0, pipeline_class: str | None = None):
+def tiny_pipeline(family: str, *, seed: int = 0, pipeline_class: str | None = None, **settings):
     """A stock diffusers pipeline of `family` with tiny random parts, each seeded from `seed`;
-    `pipeline_class` picks another of the family's pipelines (pixart: "PixArtSigmaPipeline")."""
+    `pipeline_class` picks another of the family's pipelines (pixart: "PixArtSigmaPipeline"); `settings`: the
+    pipeline's own (Flux2KleinPipeline's is_distilled), which a saved folder keeps in its model_index.json."""
     import diffusers
 
     spec = _spec(family)
@@ -100,12 +101,12 @@ def tiny_pipeline(family: str, *, seed: int = 0, pipeline_class: str | None = No
     pipeline_class = pipeline_class or spec.pipeline_classes[0]
     if pipeline_class not in spec.pipeline_classes:
         raise ValueError(f"{family}'s tiny parts make {', '.join(spec.pipeline_classes)}, not {pipeline_class}")
-    built = {}
+    parts, built = spec.parts_of(pipeline_class), {}
     with torch.random.fork_rng():  # leave the caller's global RNG alone
         # tokenizers first: a text encoder takes its tokenizer's vocabulary size
-        for name, part in sorted(spec.parts.items(), key=lambda item: item[1].vocab_of is not None):
+        for name, part in sorted(parts.items(), key=lambda item: item[1].vocab_of is not None):
             built[name] = _build(part, family, seed, built)
-    return getattr(diffusers, pipeline_class)(**{name: built[name] for name in spec.parts})
+    return getattr(diffusers, pipeline_class)(**built, **settings)
 
 
 def tiny_wan_2_1_image_to_video(*, seed: int = 0):
@@ -153,10 +154,11 @@ def tiny_qwen_image_edit(*, plus: bool = False, zero_cond_t: bool = False, seed:
     )
 
 
-def save_tiny_pipeline(family: str, path, *, seed: int = 0, pipeline_class: str | None = None) -> Path:
+def save_tiny_pipeline(family: str, path, *, seed: int = 0, pipeline_class: str | None = None, **settings) -> Path:
     """Build `tiny_pipeline(family, ...)` and save it as a diffusers folder (model_index.json + safetensors)."""
     path = Path(path)
-    tiny_pipeline(family, seed=seed, pipeline_class=pipeline_class).save_pretrained(path, safe_serialization=True)
+    pipe = tiny_pipeline(family, seed=seed, pipeline_class=pipeline_class, **settings)
+    pipe.save_pretrained(path, safe_serialization=True)
     return path
 
 

@@ -132,6 +132,36 @@ def qwen_vl_tokenizer():
     return qwen_tokenizer(vision=True)
 
 
+# Qwen3's chat as Flux2KleinPipeline renders it: the user's turn, then the assistant's header and, with
+# enable_thinking=False, an empty thinking block (the real template's shape, its tool and system parts left out)
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def qwen3_tokenizer():
+    """qwen_tokenizer's, with Qwen3's thinking tokens and QWEN3_CHAT_TEMPLATE (Flux.2 klein's tokenizer)."""
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]})
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen3_causal_encoder(seed: int, vocab_size: int):
+    """Qwen3ForCausalLM (Flux.2 klein's text encoder), TEXT_DIM wide and 27 layers deep: Flux2KleinPipeline
+    stacks the states after layers 9, 18 and 27 by default."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = decoder_text(vocab_size, 27, intermediate_size=TEXT_DIM, max_position_embeddings=512, head_dim=16)
+    return Qwen3ForCausalLM(Qwen3Config(**config, tie_word_embeddings=True)).eval()
+
+
 # the special tokens of the Llama-format tokenizers (_llama_bpe): "<unk>" pads, "<s>" begins, "</s>" ends
 LLAMA_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

@@ -75,8 +75,10 @@ def expected_bytes_per_step(
     per_branch = s["batch"] // c.cfg
     dp_sizes = shard_sizes(per_branch, c.dp)
     b = max(dp_sizes[coords[DP]], 1)  # a dp group without samples computes one stand-in
-    # the image tokens: the grid's, and those after it (an edit's reference image, `appended_tokens`)
+    # the image tokens: the grid's, and those after it (an edit's reference image, `appended_tokens`); the model
+    # shards and gathers its padding with them too (`padded_tokens`, Z-Image's), which its output drops
     tokens = s["rows"] * s["cols"] + s.get("appended_tokens", 0)
+    sharded = tokens + s.get("padded_tokens", 0)
     h, d, text = s["heads"], s["head_dim"], s["text_len"]
     h_me = shard_sizes(h, u)[my_u]  # the heads this rank attends after the Ulysses all-to-all
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
@@ -93,7 +95,7 @@ def expected_bytes_per_step(
         forwards = [layout.rank_sizes(active) for active in patch_sets]
         kv_sizes = layout.rank_sizes(list(range(c.patches)))  # the buffer: every patch
     else:  # one forward over this rank's shard; Ring passes the shards themselves
-        forwards = [shard_sizes(tokens, sp)]
+        forwards = [shard_sizes(sharded, sp)]
         kv_sizes = forwards[0]
     skipped = bool(cache_skips and cache_skips[step])
     # a ControlNet's layers run beside the transformer's (no StepCache with one)

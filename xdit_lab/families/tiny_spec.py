@@ -44,6 +44,10 @@ class TinySpec:
     # component -> Part; a pipeline's "transformer" is the family's tiny transformer unless a Part says otherwise
     parts: dict = field(default_factory=dict)
     call: dict = field(default_factory=dict)  # arguments that run the pipeline at a tiny size (a Part: built)
+    heads: int = HEADS  # the attention heads of the tiny transformer, unless a caller asks for others
+    # the constructor's names of the shared sizes, where the transformer spells them otherwise: each of
+    # num_attention_heads, attention_head_dim and num_layers -> the settings that take it (() for none)
+    size_names: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.pipeline_classes and "transformer" not in self.parts:

@@ -149,6 +149,8 @@ class SequenceShards:
 
     def gather(self, tokens):
         sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))
+        if self.state.adapter.text_after_image_at_gather:  # Z-Image's [image; text]: the image's tokens alone
+            tokens = tokens[:, : self.shard_range[1] - self.shard_range[0]]
         return comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
 
     def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None):

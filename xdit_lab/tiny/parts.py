@@ -115,6 +115,31 @@ def qwen_tokenizer():
     return tokenizer
 
 
+# Qwen3's chat template, shortened: the user's turn, then the assistant's opening (ZImagePipeline's encode asks for
+# it with enable_thinking=True, which adds nothing; False would add an empty thinking block)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def qwen3_tokenizer():
+    """qwen_tokenizer with Qwen3's chat template (QWEN3_CHAT_TEMPLATE), which ZImagePipeline puts every prompt in."""
+    tokenizer = qwen_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen3_encoder(seed: int, vocab_size: int):
+    """Qwen3's decoder, two layers TEXT_DIM wide (ZImagePipeline reads the states before the last layer's)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**decoder_text(vocab_size, 2, intermediate_size=TEXT_DIM, head_dim=16))
+    return Qwen3Model(config).eval()
+
+
 # the special tokens of the Llama-format tokenizers (_llama_bpe): "<unk>" pads, "<s>" begins, "</s>" ends
 LLAMA_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

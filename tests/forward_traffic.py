@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from xdit_lab.models import parallel_state
 from xdit_lab.traffic import expected_bytes_per_step
+
+
+def sample(output) -> torch.Tensor:
+    """A forward's output sample: a tensor, or one tensor per sample (Z-Image's list), stacked."""
+    return torch.stack(output.sample) if isinstance(output.sample, list) else output.sample
 
 
 def forward_shapes(model, inputs: dict) -> dict:

@@ -132,8 +132,9 @@ FAMILIES = {
     "flux2": "Flux2Pipeline",
     "qwenimage": "QwenImagePipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
+    "zimage": "ZImagePipeline",
 }
-TEMPLATED = {"flux2", "qwenimage", "hunyuanvideo"}  # the prompt sits in a template whose closing tokens count
+TEMPLATED = {"flux2", "qwenimage", "hunyuanvideo", "zimage"}  # the prompt sits in a template whose closing tokens count
 # HunyuanVideo's pooled CLIP embedding reads up to 77 tokens whatever max_sequence_length says (Llama's bound)
 UNBOUNDED = {"hunyuanvideo": ("pooled_projections",)}
 

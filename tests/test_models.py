@@ -6,13 +6,14 @@ max abs error <= 1e-4 · max(1, max |reference|) in float32."""
 
 import pytest
 import torch
+from forward_traffic import sample
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, parallelize
 from xdit_lab.families import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage"]
 # the control of families with padded text: the forward argument that masks it, and "nothing padded"
 UNMASKED = {"qwenimage": ("encoder_hidden_states_mask", None), "hunyuanvideo": ("encoder_attention_mask", "ones")}
 CASES = [  # (name, latent height, width, text length, batch)
@@ -44,11 +45,11 @@ def _compare(family, configs):
             model = _model(family, text_len)
             inputs = tiny_inputs(family, batch, height=height, width=width, text_len=text_len)
             with torch.no_grad():
-                reference = model(**inputs).sample
+                reference = sample(model(**inputs))
             pointers = [p.data_ptr() for p in model.parameters()]
             model = parallelize(model, config, mesh)
             with torch.no_grad(), comm_log() as log:
-                output = model(**inputs).sample
+                output = sample(model(**inputs))
             unmasked_error = None
             if family in UNMASKED:  # the control: padded text attended as if it were real
                 key, value = UNMASKED[family]

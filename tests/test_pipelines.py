@@ -16,8 +16,9 @@ from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage"]
 ONE_BRANCH = ("flux2",)  # guidance-distilled, no negative prompt: cfg 2 is refused (tested below)
+NO_PIPEFUSION = ("zimage",)  # its forward joins [image; caption] between its refiners and layers: refused (below)
 CONFIGS = {
     1: [ParallelConfig()],
     2: [
@@ -129,7 +130,11 @@ def _held_between_steps(pipe, session) -> dict[str, int]:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_latents_equal_diffusers_pipeline(folders, references, family, world_size):
-    configs = [c for c in CONFIGS[world_size] if not (family in ONE_BRANCH and c.cfg > 1)]
+    configs = [
+        c
+        for c in CONFIGS[world_size]
+        if not (family in ONE_BRANCH and c.cfg > 1) and not (family in NO_PIPEFUSION and c.pipefusion > 1)
+    ]
     expected = references[family]
     per_rank = run_on_ranks(_parallel, world_size, folders[family], family, configs, expected, timeout_s=300)
     for rank, rows in enumerate(per_rank):
@@ -165,6 +170,7 @@ TEXT_AT = dict(
     hunyuanvideo="last",
     cogvideox="first",
     wan="cross",
+    zimage="last",
 )
 
 
@@ -332,3 +338,32 @@ def test_the_load_plan_counts_the_rows_the_recipe_runs():
     assert rows("FluxPipeline", one) == 1 and rows("FluxPipeline", one, true_cfg_scale=2.0) == 2
     assert rows("QwenImagePipeline", one) == 2  # true_cfg_scale 4.0 by default
     assert rows("Flux2Pipeline", one) == 1 and rows("PixArtAlphaPipeline", ParallelConfig(dp=2)) == 1
+
+
+def _pipefusion_refusals(folders):
+    """What load_pipeline says of Z-Image under PipeFusion (before a weight is read), and parallelize of its
+    transformer built by hand."""
+    from xdit_lab import ParallelConfigError, parallelize
+    from xdit_lab.tiny import tiny_transformer
+
+    refused = {}
+    for name, run in (
+        ("load", lambda: load_pipeline(folders["zimage"], ParallelConfig(pipefusion=2), progress=False)),
+        ("parallelize", lambda: parallelize(tiny_transformer("zimage"), ParallelConfig(pipefusion=2))),
+    ):
+        try:
+            run()
+        except ParallelConfigError as error:
+            refused[name] = str(error)
+    return refused
+
+
+def test_pipefusion_is_refused_by_name_where_the_forward_joins_the_text(folders):
+    """Z-Image's forward joins [image; caption] into one sequence between its refiners and its main layers, so a
+    stage's blocks would not take what the stage before hands on: PipeFusion is refused at load and at
+    parallelize, naming what runs instead."""
+    for refused in run_on_ranks(_pipefusion_refusals, 2, folders, timeout_s=120):
+        assert set(refused) == {"load", "parallelize"}, refused
+        for message in refused.values():
+            assert "PipeFusion" in message and "joins [image; caption]" in message, message
+            assert "run ulysses, ring, cfg and dp" in message, message

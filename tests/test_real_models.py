@@ -37,6 +37,7 @@ PUBLISHED = {
     "Wan2.1-T2V-14B": dict(transformer=28_576_983_168, text_encoder=22.72e9),
     "HunyuanVideo": dict(transformer=25_642_025_088, text_encoder=15_010_373_632),
     "Qwen-Image": dict(transformer=40_860_802_176, text_encoder=16_584_333_312),
+    "Z-Image-Turbo": dict(transformer=6.15e9 * 2),  # 6.15B parameters in bfloat16 (no byte total is published)
 }
 PLANNED = ["FLUX.1-dev", "SD3.5-large", "Wan2.1-T2V-14B", "CogVideoX-5b"]
 GPU_SETS = [(n, memory) for n in (2, 4, 8) for memory in (24 * GB, 80 * GB)]

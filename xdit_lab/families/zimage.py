@@ -87,11 +87,13 @@ ADAPTER = FamilyAdapter(
 
 
 class ZImageRecipe(Recipe):
-    pipeline_classes = ("ZImagePipeline",)
+    pipeline_classes = ("ZImagePipeline", "ZImageImg2ImgPipeline")
+    tasks = dict(ZImageImg2ImgPipeline="image to image")
     output_class = "diffusers.pipelines.z_image.pipeline_output:ZImagePipelineOutput"
     pipefusion_refused = dict.fromkeys(pipeline_classes, ADAPTER.pipefusion_refused)
     defaults = dict(num_inference_steps=50, guidance_scale=5.0)  # Z-Image-Turbo's folder: 8 to 9 steps, guidance 0
-    options = dict(max_sequence_length=512, cfg_normalization=False, cfg_truncation=1.0)
+    # image and strength: image to image's (strength None: ZImageImg2ImgPipeline's default, 0.6)
+    options = dict(max_sequence_length=512, cfg_normalization=False, cfg_truncation=1.0, image=None, strength=None)
     cfg_needs = "a guidance_scale above 0"
     counted_with = " in the chat template"
     padded_text = ("cap_feats",)  # each prompt's tokens, padded here to the batch's longest; cap_lengths says how many
@@ -116,10 +118,20 @@ class ZImageRecipe(Recipe):
         return vae_scale(configs["vae"])[0] * 2
 
     def check_inputs(self, pipe, request):
-        multiple = self.size_multiple(pipe)[0]
-        for name, side in (("height", request.height), ("width", request.width)):
+        multiple, name = self.size_multiple(pipe)[0], type(pipe).__name__
+        for side_name, side in (("height", request.height), ("width", request.width)):
             if side is not None and side % multiple:
-                raise ValueError(f"{name} must be a multiple of {multiple} for ZImagePipeline, got {side}")
+                raise ValueError(f"{side_name} must be a multiple of {multiple} for {name}, got {side}")
+        image, strength = request.options["image"], request.options["strength"]
+        if _from_image(pipe) and image is None:
+            raise ValueError(f"{name} redraws an image: give image= (a PIL image)")
+        if not _from_image(pipe) and (image is not None or strength is not None):
+            raise ValueError(
+                f"{name} draws from text alone and takes no image or strength; image to image is "
+                f"ZImageImg2ImgPipeline's (load the folder with pipeline_class='ZImageImg2ImgPipeline')"
+            )
+        if strength is not None and not 0 <= strength <= 1:
+            raise ValueError(f"strength must be between 0 and 1 (how much of the image is redrawn); got {strength}")
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
         limit = request.options["max_sequence_length"]
@@ -137,20 +149,16 @@ class ZImageRecipe(Recipe):
             retrieve_timesteps,
         )
 
-        height, width = request.height or 1024, request.width or 1024
-        prepared.latents = pipe.prepare_latents(
-            len(request.prompts),
-            pipe.transformer.in_channels,
-            height,
-            width,
-            torch.float32,
-            device,
-            generator_of(request),
-            None,
-        )
+        image = None
+        if _from_image(pipe):  # the image's own size where the request gives none, as the pipeline takes it
+            image = pipe.image_processor.preprocess(request.options["image"]).to(dtype=torch.float32)
+        height = request.height or (image.shape[-2] if image is not None else 1024)
+        width = request.width or (image.shape[-1] if image is not None else 1024)
+        multiple = pipe.vae_scale_factor * 2
+        rows, cols = height // multiple, width // multiple  # the image's tokens: 2 × 2 latent pixels each
         config = pipe.scheduler.config
         mu = calculate_shift(
-            (prepared.latents.shape[2] // 2) * (prepared.latents.shape[3] // 2),
+            rows * cols,
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
@@ -159,7 +167,21 @@ class ZImageRecipe(Recipe):
         steps = request.num_inference_steps
         sigmas = get_default_z_image_sigmas(steps)
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas, mu=mu)
-        pipe.scheduler.set_begin_index(0)
+        arguments = (len(request.prompts), pipe.transformer.in_channels, height, width)
+        if image is None:
+            pipe.scheduler.set_begin_index(0)
+            prepared.latents = pipe.prepare_latents(*arguments, torch.float32, device, generator_of(request), None)
+            return
+        # image to image: the schedule's last `strength` of the steps, from the image's latents noised to the first
+        strength = 0.6 if request.options["strength"] is None else request.options["strength"]
+        prepared.timesteps, left = pipe.get_timesteps(steps, strength, device)
+        if left < 1:
+            raise ValueError(
+                f"strength {strength} of {steps} steps leaves no step to run; raise strength or num_inference_steps"
+            )
+        start = prepared.timesteps[:1].repeat(len(request.prompts))
+        dtype = prepared.conditioning["cap_feats"].dtype  # the pipeline's: its prompt embeddings'
+        prepared.latents = pipe.prepare_latents(image, start, *arguments, dtype, device, generator_of(request), None)
 
     def planned_request(self, configs, call, element):
         """ZImagePipeline's text to image, as a rank keeps it between steps:
@@ -226,6 +248,10 @@ class ZImageRecipe(Recipe):
 
 
 RECIPE = ZImageRecipe()
+
+
+def _from_image(pipe) -> bool:
+    return type(pipe).__name__ == "ZImageImg2ImgPipeline"
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):

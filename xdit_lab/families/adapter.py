@@ -281,7 +281,9 @@ class PerToken:
     dims      only a tensor of this many dimensions is per token (Wan's timestep is per sample when 1-D)
     prefix    the argument is a count of the sequence's leading image tokens, not a tensor
     then_text the argument holds the image's tokens, then the joint text's (Z-Image's rotary rows and padding
-              mask of the sequence [image; text] its forward joins): the image's entries are cut, the text's kept
+              mask of the sequence [image; text] its forward joins): the image's entries are cut, and the text's
+              "rows" follow the text's share (the strategy's shard_text: rotary rows), or every one of them is kept
+              ("keys": a padded-text key mask, which attention reads whole)
     A tuple or list of tensors (CogVideoX's rotary (cos, sin); a ControlNet's residuals, one per block it
     feeds, [B, S, D] each) has each of its tensors cut."""
 
@@ -290,7 +292,7 @@ class PerToken:
     dim: int = 1
     dims: int | None = None
     prefix: bool = False
-    then_text: bool = False
+    then_text: str | None = None
 
     def keep(self, strategy, value):
         """`value` as this rank holds it: `strategy` (the token strategy) cuts it or counts it (a RankLocal,
@@ -302,9 +304,11 @@ class PerToken:
         if isinstance(value, (tuple, list)):
             return type(value)(self.keep(strategy, t) for t in value)
         if isinstance(value, torch.Tensor) and (self.dims is None or value.dim() == self.dims):
-            if self.then_text:  # [image; text] on dim: this rank's image entries, then every text entry
+            if self.then_text:  # [image; text] on dim: this rank's image entries, then its text's or all of it
                 dim, image = self.dim % value.dim(), strategy.state.image_len
                 text = value.narrow(dim, image, value.shape[dim] - image)
+                if self.then_text == "rows":
+                    text = strategy.shard_text(text.movedim(dim, 1)).movedim(1, dim)
                 return torch.cat([strategy.keep_tokens(value.narrow(dim, 0, image), dim), text], dim=dim)
             return strategy.keep_tokens(value, self.dim)
         return value
@@ -397,9 +401,9 @@ class FamilyAdapter:
     # where sequence shards cut the joint text: "input", the forward's encoder_hidden_states (and the
     # argument `text_rows_kwarg` with one row per text token, Flux's txt_ids), or "block", as the first
     # block takes it (where the forward needs the whole text before its blocks: rotary positions, a
-    # padding mask, one embedding of [text; image]); None: whole on every rank (Z-Image's forward joins
-    # [image; text] into one sequence itself, between its refiners and its layers)
-    text_shard_at: str | None = "block"
+    # padding mask, one embedding of [text; image]), or "joined", where the first block takes [image; text] as one
+    # tensor its forward joined (Z-Image, between its refiners and its layers)
+    text_shard_at: str = "block"
     text_rows_kwarg: str | None = None
     # arguments with one entry per image token, which follow the tokens' shard or patch (PerToken)
     per_token: tuple = ()

@@ -12,10 +12,13 @@ whole and unpatchify keeps the image's part:
         ──layers (joint_last, masked caption padding)──> final layer ──> unpatchify: the image's S tokens
 
 Sequence shards cut the image tokens where the image refiner's first block takes them (shard_at_input):
-the forward then joins this rank's shard with the whole caption, [image shard; caption], and its main
-layers attend over every rank's image and the caption (joint_last, the caption whole on every rank). The
-rotary rows and the padding mask, which the forward builds for the whole sequence, keep this rank's image
-rows and every caption row at each block (PerToken, then_text); the final layer's image rows are gathered.
+the forward then joins this rank's shard with the whole caption, [image shard; caption], and the first main
+layer keeps this rank's share of the caption (text_shard_at "joined"), so every layer runs on
+[image shard; caption shard] and attends over every rank's image and caption (joint_last). The rotary rows
+and the padding mask, which the forward builds for the whole sequence, keep this rank's image rows at each
+block, and its caption rows (the rotary's) or every caption column (the mask, a key mask: PerToken then_text);
+the caption refiner runs whole on every rank (its attention is the text's alone), and the final layer's image
+rows are gathered.
 
 diffusers' ZImagePipeline batches [positive; negative]; here the branches go [negative; positive], which cfg 2
 splits. Its guidance is pos + g·(pos - neg) (not neg + g·(pos - neg)), applied where guidance_scale > 0, with
@@ -68,12 +71,12 @@ ADAPTER = FamilyAdapter(
     latents_argument="x",
     text_key_mask=True,
     text_len_at=r"^context_refiner\.\d+$",
-    text_shard_at=None,
+    text_shard_at="joined",
     per_token=(
         PerToken(r"^noise_refiner\.\d+$", "freqs_cis"),
         PerToken(r"^noise_refiner\.\d+$", "attn_mask"),  # an image padding mask: refused by the attention
-        PerToken(r"^layers\.\d+$", "freqs_cis", then_text=True),
-        PerToken(r"^layers\.\d+$", "attn_mask", then_text=True),
+        PerToken(r"^layers\.\d+$", "freqs_cis", then_text="rows"),
+        PerToken(r"^layers\.\d+$", "attn_mask", then_text="keys"),
     ),
     per_sample_lists=("x", "cap_feats"),
     block_lists=("layers",),

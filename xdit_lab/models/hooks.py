@@ -1,11 +1,15 @@
 """The hook machinery every strategy shares: diffusers' model runs unchanged, and xdit_lab takes
 over at the places the family adapter (xdit_lab/families/) names:
 
-  1. the forward's inputs: the batch [uncond; cond] is split over the cfg group, then over dp
+  1. the forward's inputs: the batch [uncond; cond] is split over the cfg group, then over dp (a list with
+     one tensor per sample, Z-Image's latents and captions, by its samples)
   2. the patch embedding's output: the strategy keeps this rank's tokens         strategy.shard
+     (or the input of the first module that takes them whole: Z-Image's image refiner)
   3. rotary tables (Flux): the strategy keeps the rows of its tokens             strategy.shard_rotary
   4. the joint text, where the adapter says it enters the blocks: the strategy keeps this rank's
      text tokens too (sequence shards do; a PipeFusion stage keeps the text whole)  strategy.shard_text
+     (Z-Image's first main layer takes [image; text] joined: the text's part is cut there); where the
+     forward builds its text itself, its length is read from the module that makes it
   5. the attention of every known self or joint attention module: the strategy attends, told the
      module's kind (self, joint_first, joint_last)                             strategy.attend
      (an attention module the adapter does not know is refused at parallelize time; cross and text
@@ -150,6 +154,8 @@ def install_hooks(transformer, state: ParallelState) -> None:
                 _hook_per_token(transformer, state, entry)
     if strategy.text_shard_at == "block":
         _hook_text_at_first_block(transformer, state)
+    elif strategy.text_shard_at == "joined":
+        _hook_joined_text_at_first_block(transformer, state)
     if adapter.text_len_at is not None:
         _hook_text_len(transformer, state, adapter.text_len_at)
     setattr(transformer, STATE_ATTRIBUTE, state)
@@ -215,6 +221,24 @@ def _hook_text_at_first_block(transformer, state) -> None:
         return args, kwargs
 
     state.hooks.forward_pre_hook("shard_text", first, shard_text, with_kwargs=True, prepend=True)
+
+
+def _hook_joined_text_at_first_block(transformer, state) -> None:
+    """The joint text where the model's first block takes it joined after the image, [image; text] as its first
+    argument (Z-Image's forward joins them between its refiners and its layers): the strategy keeps its share of the
+    text there, beside its image tokens; the blocks after take it from the one before."""
+    blocks = state.adapter.blocks(transformer)
+    if not blocks:
+        return
+
+    def shard_text(_module, args, kwargs):
+        if not state.in_forward:
+            return None
+        joined, image = args[0], args[0].shape[1] - state.text_len
+        text = state.strategy.shard_text(joined[:, image:])
+        return (torch.cat([joined[:, :image], text], dim=1), *args[1:]), kwargs
+
+    state.hooks.forward_pre_hook("shard_text", blocks[0], shard_text, with_kwargs=True, prepend=True)
 
 
 def _hook_per_token(transformer, state, entry) -> None:

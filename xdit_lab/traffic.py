@@ -37,7 +37,8 @@ def expected_bytes_per_step(
       ring        N-1 sends of the K/V block held [2, b, h_me, block, d], a block holding its ranks'
                   text shards in joint layers; text whole on every rank: a float32 gather of the text
                   partials with their LSE [b, h_me, T, d+1] instead
-      sp          the token gather before unpatchify, padded to the longest shard
+      sp          the token gather before unpatchify, padded to the longest shard (a model that pads the image's
+                  tokens itself, `padded_tokens`: Z-Image's to a multiple of 32, shards and gathers them too)
       pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
                   states where its blocks return them (SD3, Flux, CogVideoX); the last stage
                   broadcasts the noise prediction [b, sample] to the other stages; async, past the

@@ -114,8 +114,8 @@ class ZImageRecipe(Recipe):
     def size_multiple(self, pipe):
         return pipe.vae_scale_factor * 2, (1024, 1024)  # ZImagePipeline's default size
 
-    def default_latent_side(self, transformer_config):
-        return 128  # 1024 pixels, the pipeline's default, over the VAE's 8
+    def planned_default_size(self, configs):
+        return 1024, 1024  # ZImagePipeline's, whatever the VAE
 
     def planned_multiple(self, configs):
         return vae_scale(configs["vae"])[0] * 2

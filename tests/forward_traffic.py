@@ -51,7 +51,7 @@ def forward_shapes(model, inputs: dict) -> dict:
         first_block_self_layers=first.count("self"),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,
-        text_sharded=state.strategy.text_shard_at is not None,  # Z-Image: whole, joined to the image by its forward
+        text_sharded=state.strategy.text_shard_at is not None,  # whole under PipeFusion and the control
         handed_text=state.strategy.report().hands_text,
         proj_width=model.get_submodule(adapter.gather_at).out_features,
         dtype_bytes=next(model.parameters()).element_size(),

@@ -31,6 +31,7 @@ TWO_RANKS = {
     "cogvideox": (ParallelConfig(dp=2), ()),
     "wan": (ParallelConfig(ulysses=2), ()),
     "flux2": (ParallelConfig(dp=2), ()),
+    "zimage": (ParallelConfig(cfg=2), ()),
 }
 FOUR_RANKS = {
     "sd3": ParallelConfig(ulysses=2, ring=2),

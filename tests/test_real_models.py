@@ -262,3 +262,14 @@ def test_the_published_configurations_ship_in_the_wheel_and_read_back(tmp_path):
             assert json.loads(json.dumps(read.kwargs)) == kwargs  # tuples written as arrays
     assert REAL_MODELS["FLUX.1-dev"].components["vae"].kwargs["block_out_channels"] == (128, 256, 512, 512)
     assert REAL_MODELS["Qwen-Image"].components["text_encoder"].kwargs["rope_scaling"]["mrope_section"] == [16, 24, 24]
+
+
+def test_zimage_turbo_is_planned_from_its_folder_without_pipefusion(folders):
+    """Z-Image-Turbo's rows: its transformer (6.15B parameters) and Qwen3-4B text encoder at their stored bytes on a
+    rank that holds them whole, which fits one of two 24 GB GPUs under ulysses 2; no PipeFusion row (load_pipeline
+    refuses it for the family: its forward joins [image; caption] between its refiners and its layers)."""
+    rows = plan_model(folders["Z-Image-Turbo"], 2, 24 * GB)
+    assert rows and not [row for row in rows if row.config.pipefusion > 1]
+    whole = _row(rows, "ulysses2", False, "gpu")
+    assert whole.weights["transformer"] == 6_154_908_736 * 2 and whole.weights["text_encoder"] == 4_022_468_096 * 2
+    assert whole.fits

@@ -54,7 +54,7 @@ def _call_kwargs(family):
 def _family_kwargs(family):
     kwargs = _call_kwargs(family)
     if family not in ONE_BRANCH:
-        kwargs["negative_prompt"] = NEGATIVES
+        kwargs["negative_prompt"] = list(NEGATIVES)  # a copy: ZImagePipeline writes its template into it
     return kwargs
 
 
@@ -65,8 +65,9 @@ def _reference(folder, family):
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
+    # a copy: ZImagePipeline writes each prompt's chat template into the list it is given
     return output_latents(
-        reference(prompt=PROMPTS, generator=generator, output_type="latent", **_family_kwargs(family))
+        reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **_family_kwargs(family))
     )
 
 
@@ -367,3 +368,44 @@ def test_pipefusion_is_refused_by_name_where_the_forward_joins_the_text(folders)
         for message in refused.values():
             assert "PipeFusion" in message and "joins [image; caption]" in message, message
             assert "run ulysses, ring, cfg and dp" in message, message
+
+
+ZIMAGE_GUIDANCE = {  # ZImagePipeline's guidance options, each under the configuration that runs it
+    "cfg_normalization": (ParallelConfig(cfg=2), dict(cfg_normalization=1.0)),  # no longer than the positive's norm
+    "cfg_truncation": (ParallelConfig(cfg=2), dict(cfg_truncation=0.2)),  # the last of 3 steps unguided (t_norm 0.4)
+    "guidance 0": (ParallelConfig(ulysses=2), dict(guidance_scale=0.0)),  # Z-Image-Turbo's: one branch
+}
+
+
+def _zimage_guided(folder):
+    latents = {}
+    for name, (config, options) in ZIMAGE_GUIDANCE.items():
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        call = dict(_family_kwargs("zimage"), **options)
+        latents[name] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **call))
+    return latents
+
+
+def test_zimage_guidance_options_equal_diffusers(tmp_path):
+    """ZImagePipeline's own guidance, beside its plain CFG (test_latents_equal_diffusers_pipeline): the prediction
+    rescaled to the positive's norm (cfg_normalization), guidance dropped at the steps past cfg_truncation, and none
+    at all (guidance 0, Z-Image-Turbo's), each equal to diffusers' pipeline on the same folder and each moving the
+    result away from the plain call's (the option is not ignored)."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("zimage", tmp_path / "zimage")
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+
+    def serial(**options):
+        generator = torch.Generator().manual_seed(0)
+        call = dict(_family_kwargs("zimage"), **options)
+        # a copy: ZImagePipeline writes each prompt's chat template into the list it is given
+        return output_latents(reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **call))
+
+    plain, expected = serial(), {name: serial(**options) for name, (_, options) in ZIMAGE_GUIDANCE.items()}
+    for rank, latents in enumerate(run_on_ranks(_zimage_guided, 2, folder, timeout_s=300)):
+        for name, target in expected.items():
+            bound = 1e-4 * max(1.0, target.abs().max().item())
+            assert (latents[name] - target).abs().max().item() <= bound, f"zimage {name} rank {rank}"
+            assert (target - plain).abs().max().item() > 10 * bound, f"zimage {name}: the option changed nothing"

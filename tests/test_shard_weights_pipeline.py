@@ -110,7 +110,10 @@ def _references(folders):
         reference = DiffusionPipeline.from_pretrained(folder)
         reference.set_progress_bar_config(disable=True)
         output = reference(
-            prompt=PROMPTS, generator=torch.Generator().manual_seed(0), output_type="latent", **_kwargs(family)
+            prompt=list(PROMPTS),  # a copy: ZImagePipeline writes each prompt's chat template into the list
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+            **_kwargs(family),
         )
         found[family] = output_latents(output)
     return found

@@ -174,17 +174,21 @@ class ZImageRecipe(Recipe):
         if image is None:
             pipe.scheduler.set_begin_index(0)
             prepared.latents = pipe.prepare_latents(*arguments, torch.float32, device, generator_of(request), None)
-            return
-        # image to image: the schedule's last `strength` of the steps, from the image's latents noised to the first
-        strength = 0.6 if request.options["strength"] is None else request.options["strength"]
-        prepared.timesteps, left = pipe.get_timesteps(steps, strength, device)
-        if left < 1:
-            raise ValueError(
-                f"strength {strength} of {steps} steps leaves no step to run; raise strength or num_inference_steps"
-            )
-        start = prepared.timesteps[:1].repeat(len(request.prompts))
-        dtype = prepared.conditioning["cap_feats"].dtype  # the pipeline's: its prompt embeddings'
-        prepared.latents = pipe.prepare_latents(image, start, *arguments, dtype, device, generator_of(request), None)
+        else:  # image to image: the schedule's last `strength` of the steps, from the image's latents noised to the first
+            strength = 0.6 if request.options["strength"] is None else request.options["strength"]
+            prepared.timesteps, left = pipe.get_timesteps(steps, strength, device)
+            if left < 1:
+                raise ValueError(
+                    f"strength {strength} of {steps} steps leaves no step to run; raise strength or num_inference_steps"
+                )
+            start = prepared.timesteps[:1].repeat(len(request.prompts))
+            dtype = prepared.conditioning["cap_feats"].dtype  # the pipeline's: its prompt embeddings'
+            latents = pipe.prepare_latents(image, start, *arguments, dtype, device, generator_of(request), None)
+            prepared.latents = latents
+        # read once here, not at every step (a step waits for nothing on the host): each caption's tokens, and each
+        # step's normalized time, which cfg_truncation compares
+        prepared.extra["caption_lengths"] = prepared.conditioning["cap_lengths"].tolist()
+        prepared.extra["t_norms"] = ((1000 - prepared.timesteps.float()) / 1000).tolist()
 
     def planned_request(self, configs, call, element):
         """ZImagePipeline's text to image, as a rank keeps it between steps:
@@ -210,7 +214,7 @@ class ZImageRecipe(Recipe):
         return model_input.to(pipe.transformer.dtype)
 
     def model_kwargs(self, pipe, prepared, model_input, t):
-        lengths = prepared.conditioning["cap_lengths"].tolist()
+        lengths = prepared.extra["caption_lengths"]
         captions = [row[:n] for row, n in zip(prepared.conditioning["cap_feats"], lengths)]
         timestep = (1000 - t.expand(model_input.shape[0])) / 1000
         return dict(x=list(model_input.unsqueeze(2).unbind(0)), t=timestep, cap_feats=captions, return_dict=False)
@@ -232,9 +236,8 @@ class ZImageRecipe(Recipe):
 
     def guidance_at(self, pipe, prepared, step_index):
         """No guidance after the normalized time passes cfg_truncation (ZImagePipeline's)."""
-        t_norm = (1000 - prepared.timesteps[step_index].float()) / 1000
         truncation = prepared.extra["cfg_truncation"]
-        if truncation is not None and float(truncation) <= 1 and float(t_norm) > truncation:
+        if truncation is not None and float(truncation) <= 1 and prepared.extra["t_norms"][step_index] > truncation:
             return 0.0
         return prepared.guidance_scale
 

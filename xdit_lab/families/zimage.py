@@ -23,7 +23,10 @@ rows are gathered.
 diffusers' ZImagePipeline batches [positive; negative]; here the branches go [negative; positive], which cfg 2
 splits. Its guidance is pos + g·(pos - neg) (not neg + g·(pos - neg)), applied where guidance_scale > 0, with
 an optional rescale to the positive's norm (cfg_normalization) and no guidance after a step whose normalized
-time exceeds cfg_truncation."""
+time exceeds cfg_truncation (both branches still run there, the positive's prediction taken alone).
+ZImageImg2ImgPipeline (loaded with pipeline_class=) runs the schedule's last `strength` from the image's latents
+noised to its first step. Not run here: the Omni pipeline (SigLIP image tokens joined [caption; image; SigLIP]),
+the ControlNet and inpainting pipelines (load_pipeline names the ones it runs)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from xdit_lab.models import parallel_state
 from xdit_lab.traffic import expected_bytes_per_step
+
+
+def sample(output) -> torch.Tensor:
+    """A forward's output sample: a tensor, or one tensor per sample (Z-Image's list), stacked."""
+    return torch.stack(output.sample) if isinstance(output.sample, list) else output.sample
 
 
 def forward_shapes(model, inputs: dict) -> dict:
@@ -23,7 +30,9 @@ def forward_shapes(model, inputs: dict) -> dict:
     state = parallel_state(model)
     adapter = state.adapter
     arguments = inspect.signature(type(model).forward).bind(model, **inputs).arguments
-    rows, cols = adapter.latents.token_grid(inputs["hidden_states"], model.config, arguments)
+    latents = inputs[adapter.latents_argument]  # a tensor, or a list of one per sample (Z-Image)
+    rows, cols = adapter.latents.token_grid(latents, model.config, arguments)
+    heads, head_dim = adapter.attention_shape(model.config)
     named_kinds = [(name, adapter.attention_kind(name)) for name, _ in model.named_modules()]
     kinds = [kind for _, kind in named_kinds]
     # the first block's attention layers: what a StepCache runs at a skipped step (on the first stage)
@@ -31,16 +40,18 @@ def forward_shapes(model, inputs: dict) -> dict:
         [k for n, k in named_kinds if n.startswith(f"{adapter.block_lists[0]}.0.")] if state.mesh.is_first_stage else []
     )
     return dict(
-        batch=inputs["hidden_states"].shape[0],  # the model's batch: both CFG branches when cfg splits them
+        batch=len(latents),  # the model's batch: both CFG branches when cfg splits them
         rows=rows,
         cols=cols,
-        heads=model.config.num_attention_heads,
-        head_dim=model.config.attention_head_dim,
+        padded_tokens=adapter.latents.padded_tokens(rows * cols, model.config),  # Z-Image's, to a multiple of 32
+        heads=heads,
+        head_dim=head_dim,
         self_layers=kinds.count("self"),
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         first_block_self_layers=first.count("self"),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,
+        text_sharded=state.strategy.text_shard_at is not None,  # whole under PipeFusion and the control
         handed_text=state.strategy.report().hands_text,
         proj_width=model.get_submodule(adapter.gather_at).out_features,
         dtype_bytes=next(model.parameters()).element_size(),

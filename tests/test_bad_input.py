@@ -133,10 +133,11 @@ FAMILIES = {
     "flux2 klein": "Flux2KleinPipeline",
     "qwenimage": "QwenImagePipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
+    "zimage": "ZImagePipeline",
 }
 # the prompt sits in a template whose closing tokens count: words this many past P are past them (klein's chat
 # closes with its assistant's header and an empty thinking block, 13 tokens in the tiny tokenizer)
-TEMPLATED = {"flux2": 8, "flux2 klein": 16, "qwenimage": 8, "hunyuanvideo": 8}
+TEMPLATED = {"flux2": 8, "flux2 klein": 16, "qwenimage": 8, "hunyuanvideo": 8, "zimage": 8}
 # HunyuanVideo's pooled CLIP embedding reads up to 77 tokens whatever max_sequence_length says (Llama's bound)
 UNBOUNDED = {"hunyuanvideo": ("pooled_projections",)}
 

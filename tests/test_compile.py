@@ -12,7 +12,7 @@ from xdit_lab.models import StepCache
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage"]
 TEXT_LEN = 6
 
 
@@ -31,6 +31,8 @@ def _graphs(cases):
         model = parallelize(_model(family), config, mesh)
         if break_at_block:
             model.transformer_blocks[0].register_forward_hook(lambda *_: torch._dynamo.graph_break())
+        with torch.no_grad():  # what a model makes once on its first call, eagerly (Z-Image's rotary tables, made
+            model(**tiny_inputs(family, 2, text_len=TEXT_LEN))  # under a torch.device dynamo cannot enter)
         torch._dynamo.reset()
         with torch.no_grad():
             found = torch._dynamo.explain(model)(**tiny_inputs(family, 2, text_len=TEXT_LEN))

@@ -53,7 +53,9 @@ VARIANTS = {
     # the prompts are 31 tokens in Qwen's template: max_sequence_length at their length plans them exactly (a
     # shorter one is refused by name: the pipeline would cut the prompts, tests/test_bad_input.py)
     "qwenimage-31-tokens": ("qwenimage", {}, {"max_sequence_length": 31}),
+    "zimage": ("zimage", {}, {}),  # float32 latents whatever the dtype; each prompt's own Qwen3 tokens
 }
+BOUNDED = ("qwenimage", "zimage")  # the text as long as the prompt: the plan's conditioning an upper bound
 SIZE_KEYS = ("height", "width", "num_frames")
 
 
@@ -127,7 +129,7 @@ def test_closed_forms_equal_what_the_encode_holds(tiny_folders):
             )[0]
             where = (name, dtype, sorted(kwargs))
             assert row.latents == latents, where
-            if name == "qwenimage":  # the text is as long as the prompt: an upper bound, said so
+            if name in BOUNDED:  # the text is as long as the prompt: an upper bound, said so
                 assert row.bounds and conditioning < row.conditioning, where
             else:  # Qwen-Image with max_sequence_length at the prompts' length: exact too
                 assert row.conditioning == conditioning, where

@@ -808,3 +808,68 @@ def test_qwen_image_edit_equals_diffusers(tmp_path):
     request = Request(PROMPTS, None, 2, None, None, None, 0, options=recipe.check_options(dict(image=_picture(64))))
     with pytest.raises(ValueError, match=r"QwenImagePipeline draws from text alone and takes no image; editing is"):
         recipe.check_inputs(tiny_pipeline("qwenimage"), request)
+
+
+# ---- Z-Image image to image, loaded from a ZImagePipeline folder ------------------------------------------------
+ZIMAGE_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+
+
+def _zimage_call(**changes):
+    call = dict(tiny_pipeline_kwargs("zimage"), num_inference_steps=4, negative_prompt=["", "a photo"])
+    return call | dict(image=_picture(16)) | changes  # strength left out: the pipeline's default (0.6)
+
+
+def _zimage_parallel(folder, configs):
+    rows = []
+    for config in configs:
+        pipe = load_pipeline(
+            folder, config, mesh=RankMesh(config), progress=False, pipeline_class="ZImageImg2ImgPipeline"
+        )
+        session = pipe.session(PROMPTS, seed=0, **_zimage_call()).run()
+        latents = output_latents(session.result(output_type="latent"))
+        rows.append(
+            dict(config=config.short(), steps=session.num_steps, latents=latents, traffic=session_traffic(session))
+        )
+    # the control, deliberately wrong: the strength dropped (the whole schedule from noise)
+    control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_zimage_call(strength=1.0)))
+    text_to_image = load_pipeline(folder, ParallelConfig(dp=2), mesh=RankMesh(ParallelConfig(dp=2)), progress=False)
+    no_image = {k: v for k, v in _zimage_call().items() if k != "image"}
+    refused = dict(
+        no_image=_refused(lambda: pipe.session(PROMPTS, **no_image)),
+        no_step=_refused(lambda: pipe.session(PROMPTS, **_zimage_call(strength=0.0))),
+        an_image=_refused(lambda: text_to_image.session(PROMPTS, **_zimage_call())),
+    )
+    return rows, control, refused
+
+
+def test_zimage_image_to_image_equals_diffusers(tmp_path):
+    """ZImageImg2ImgPipeline at its default strength (0.6 of 4 steps: the last 3, from the image's latents noised to
+    the first of them) under ulysses, ring, cfg and dp, against diffusers' own pipeline loaded from the same
+    ZImagePipeline folder; its control (strength 1, the whole schedule from noise) misses it. No image, a strength
+    that leaves no step, and an image given to the text-to-image pipeline are refused by name."""
+    import diffusers
+
+    folder = save_tiny_pipeline("zimage", tmp_path / "zimage")
+    reference = diffusers.ZImageImg2ImgPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    # a copy: ZImagePipeline writes each prompt's chat template into the list it is given
+    call = dict(prompt=list(PROMPTS), generator=generator, output_type="latent", **_zimage_call())
+    expected = output_latents(reference(**call))
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    assert reference.num_timesteps == 3
+    for rank, (rows, control, refused) in enumerate(
+        run_on_ranks(_zimage_parallel, 2, folder, ZIMAGE_CONFIGS, timeout_s=300)
+    ):
+        assert [row["config"] for row in rows] == [config.short() for config in ZIMAGE_CONFIGS]
+        for row in rows:
+            where = f"zimage image to image {row['config']} rank {rank}"
+            assert row["steps"] == 3, where
+            assert (row["latents"] - expected).abs().max().item() <= bound, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+        assert (control - expected).abs().max().item() > 10 * bound
+        assert re.match(r"ValueError: ZImageImg2ImgPipeline redraws an image: give image=", refused["no_image"])
+        assert re.match(r"ValueError: strength 0.0 of 4 steps leaves no step to run", refused["no_step"])
+        assert re.match(
+            r"ValueError: ZImagePipeline draws from text alone .* ZImageImg2ImgPipeline's", refused["an_image"]
+        ), refused["an_image"]

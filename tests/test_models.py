@@ -6,13 +6,14 @@ max abs error <= 1e-4 · max(1, max |reference|) in float32."""
 
 import pytest
 import torch
+from forward_traffic import sample
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, parallelize
 from xdit_lab.families import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage"]
 # the control of families with padded text: the forward argument that masks it, and "nothing padded"
 UNMASKED = {"qwenimage": ("encoder_hidden_states_mask", None), "hunyuanvideo": ("encoder_attention_mask", "ones")}
 CASES = [  # (name, latent height, width, text length, batch)
@@ -44,11 +45,11 @@ def _compare(family, configs):
             model = _model(family, text_len)
             inputs = tiny_inputs(family, batch, height=height, width=width, text_len=text_len)
             with torch.no_grad():
-                reference = model(**inputs).sample
+                reference = sample(model(**inputs))
             pointers = [p.data_ptr() for p in model.parameters()]
             model = parallelize(model, config, mesh)
             with torch.no_grad(), comm_log() as log:
-                output = model(**inputs).sample
+                output = sample(model(**inputs))
             unmasked_error = None
             if family in UNMASKED:  # the control: padded text attended as if it were real
                 key, value = UNMASKED[family]
@@ -264,3 +265,43 @@ def test_rows_per_rank_through_the_blocks_are_at_most_diffusers_context_parallel
         assert rows["control"] > rows["diffusers"], rows
         assert rows["ours"] < 0.55 * result["serial"], (rows, result["serial"])
     print(f"\nrows per rank through the blocks' linear layers: {rows}, serial {result['serial']}")
+
+
+def _zimage_rows_per_rank():
+    """Tiny Z-Image, 2 samples (32 image tokens each with its padding; captions padded to 32 and 64 tokens) under
+    ulysses 2: rows per rank through its main layers' linear layers, ours and the control (the caption whole on
+    every rank), each output's error against serial, and the serial rows."""
+    import copy
+
+    from xdit_lab.families import adapter_for
+    from xdit_lab.models import Controls
+
+    config = ParallelConfig(ulysses=2)
+    model = tiny_transformer("zimage", seed=0)
+    adapter = adapter_for(model)
+    inputs = tiny_inputs("zimage", 2, text_len=8)
+    with torch.no_grad():
+        reference = sample(model(**inputs))
+    serial = _rows_through_block_linears(model, adapter, lambda: model(**inputs))
+    mesh = RankMesh(config)
+    rows, errors = {}, {}
+    for name, controls in (("ours", None), ("control", Controls(shards_text=False))):
+        candidate, out = parallelize(copy.deepcopy(model), config, mesh, controls=controls), {}
+
+        def run(candidate=candidate, out=out):
+            with torch.no_grad():
+                out["sample"] = sample(candidate(**inputs))
+
+        rows[name] = _rows_through_block_linears(candidate, adapter, run)
+        errors[name] = ((out["sample"] - reference).abs().max() / reference.abs().max()).item()
+    return dict(serial=serial, rows=rows, errors=errors)
+
+
+def test_zimage_splits_the_caption_its_forward_joins_to_the_image():
+    """Z-Image's forward joins [image; caption] before its main layers: each rank keeps its share of the caption
+    there beside its image shard, so its layers take about half the serial rows (the modulation's one row per sample
+    aside); the control, the caption whole on every rank, takes more. Both exact."""
+    for result in run_on_ranks(_zimage_rows_per_rank, 2, timeout_s=120):
+        rows, errors = result["rows"], result["errors"]
+        assert all(error < 1e-4 for error in errors.values()), errors
+        assert rows["ours"] < 0.55 * result["serial"] < rows["control"], (rows, result["serial"])

@@ -16,8 +16,9 @@ from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage"]
 ONE_BRANCH = ("flux2",)  # guidance-distilled, no negative prompt: cfg 2 is refused (tested below)
+NO_PIPEFUSION = ("zimage",)  # its forward joins [image; caption] between its refiners and layers: refused (below)
 CONFIGS = {
     1: [ParallelConfig()],
     2: [
@@ -53,7 +54,7 @@ def _call_kwargs(family):
 def _family_kwargs(family):
     kwargs = _call_kwargs(family)
     if family not in ONE_BRANCH:
-        kwargs["negative_prompt"] = NEGATIVES
+        kwargs["negative_prompt"] = list(NEGATIVES)  # a copy: ZImagePipeline writes its template into it
     return kwargs
 
 
@@ -64,8 +65,9 @@ def _reference(folder, family):
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
+    # a copy: ZImagePipeline writes each prompt's chat template into the list it is given
     return output_latents(
-        reference(prompt=PROMPTS, generator=generator, output_type="latent", **_family_kwargs(family))
+        reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **_family_kwargs(family))
     )
 
 
@@ -129,7 +131,11 @@ def _held_between_steps(pipe, session) -> dict[str, int]:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_latents_equal_diffusers_pipeline(folders, references, family, world_size):
-    configs = [c for c in CONFIGS[world_size] if not (family in ONE_BRANCH and c.cfg > 1)]
+    configs = [
+        c
+        for c in CONFIGS[world_size]
+        if not (family in ONE_BRANCH and c.cfg > 1) and not (family in NO_PIPEFUSION and c.pipefusion > 1)
+    ]
     expected = references[family]
     per_rank = run_on_ranks(_parallel, world_size, folders[family], family, configs, expected, timeout_s=300)
     _check_rows(per_rank, configs, family)
@@ -230,6 +236,7 @@ TEXT_AT = dict(
     hunyuanvideo="last",
     cogvideox="first",
     wan="cross",
+    zimage="last",
 )
 
 
@@ -401,3 +408,73 @@ def test_the_load_plan_counts_the_rows_the_recipe_runs():
     assert rows("Flux2KleinPipeline", one) == 2 and rows("Flux2KleinPipeline", one, {"is_distilled": False}) == 2
     assert rows("Flux2KleinPipeline", one, {"is_distilled": True}) == 1
     assert rows("Flux2KleinPipeline", one, guidance_scale=1.0) == 1
+
+
+def _pipefusion_refusals(folders):
+    """What load_pipeline says of Z-Image under PipeFusion (before a weight is read), and parallelize of its
+    transformer built by hand."""
+    from xdit_lab import ParallelConfigError, parallelize
+    from xdit_lab.tiny import tiny_transformer
+
+    refused = {}
+    for name, run in (
+        ("load", lambda: load_pipeline(folders["zimage"], ParallelConfig(pipefusion=2), progress=False)),
+        ("parallelize", lambda: parallelize(tiny_transformer("zimage"), ParallelConfig(pipefusion=2))),
+    ):
+        try:
+            run()
+        except ParallelConfigError as error:
+            refused[name] = str(error)
+    return refused
+
+
+def test_pipefusion_is_refused_by_name_where_the_forward_joins_the_text(folders):
+    """Z-Image's forward joins [image; caption] into one sequence between its refiners and its main layers, so a
+    stage's blocks would not take what the stage before hands on: PipeFusion is refused at load and at
+    parallelize, naming what runs instead."""
+    for refused in run_on_ranks(_pipefusion_refusals, 2, folders, timeout_s=120):
+        assert set(refused) == {"load", "parallelize"}, refused
+        for message in refused.values():
+            assert "PipeFusion" in message and "joins [image; caption]" in message, message
+            assert "run ulysses, ring, cfg and dp" in message, message
+
+
+ZIMAGE_GUIDANCE = {  # ZImagePipeline's guidance options, each under the configuration that runs it
+    "cfg_normalization": (ParallelConfig(cfg=2), dict(cfg_normalization=1.0)),  # no longer than the positive's norm
+    "cfg_truncation": (ParallelConfig(cfg=2), dict(cfg_truncation=0.2)),  # the last of 3 steps unguided (t_norm 0.4)
+    "guidance 0": (ParallelConfig(ulysses=2), dict(guidance_scale=0.0)),  # Z-Image-Turbo's: one branch
+}
+
+
+def _zimage_guided(folder):
+    latents = {}
+    for name, (config, options) in ZIMAGE_GUIDANCE.items():
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        call = dict(_family_kwargs("zimage"), **options)
+        latents[name] = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **call))
+    return latents
+
+
+def test_zimage_guidance_options_equal_diffusers(tmp_path):
+    """ZImagePipeline's own guidance, beside its plain CFG (test_latents_equal_diffusers_pipeline): the prediction
+    rescaled to the positive's norm (cfg_normalization), guidance dropped at the steps past cfg_truncation, and none
+    at all (guidance 0, Z-Image-Turbo's), each equal to diffusers' pipeline on the same folder and each moving the
+    result away from the plain call's (the option is not ignored)."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("zimage", tmp_path / "zimage")
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+
+    def serial(**options):
+        generator = torch.Generator().manual_seed(0)
+        call = dict(_family_kwargs("zimage"), **options)
+        # a copy: ZImagePipeline writes each prompt's chat template into the list it is given
+        return output_latents(reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **call))
+
+    plain, expected = serial(), {name: serial(**options) for name, (_, options) in ZIMAGE_GUIDANCE.items()}
+    for rank, latents in enumerate(run_on_ranks(_zimage_guided, 2, folder, timeout_s=300)):
+        for name, target in expected.items():
+            bound = 1e-4 * max(1.0, target.abs().max().item())
+            assert (latents[name] - target).abs().max().item() <= bound, f"zimage {name} rank {rank}"
+            assert (target - plain).abs().max().item() > 10 * bound, f"zimage {name}: the option changed nothing"

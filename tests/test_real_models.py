@@ -39,6 +39,7 @@ PUBLISHED = {
     "Qwen-Image": dict(transformer=40_860_802_176, text_encoder=16_584_333_312),
     # Qwen3-4B's own index total (its embedding tied to the LM head, stored once); the transformer's is not published
     "FLUX.2-klein-4B": dict(text_encoder=8_044_936_192),
+    "Z-Image-Turbo": dict(transformer=6.15e9 * 2),  # 6.15B parameters in bfloat16 (no byte total is published)
 }
 PLANNED = ["FLUX.1-dev", "SD3.5-large", "Wan2.1-T2V-14B", "CogVideoX-5b"]
 GPU_SETS = [(n, memory) for n in (2, 4, 8) for memory in (24 * GB, 80 * GB)]
@@ -306,3 +307,14 @@ def test_flux2_klein_plans_one_branch_and_its_qwen3_from_its_folder(folders):
     (base / "model_index.json").write_text(json.dumps(index | {"is_distilled": False}))
     rows = plan_model(base, 2, 80 * GB)
     assert {row.request.branches for row in rows} == {2} and any(row.config.cfg == 2 for row in rows)
+
+
+def test_zimage_turbo_is_planned_from_its_folder_without_pipefusion(folders):
+    """Z-Image-Turbo's rows: its transformer (6.15B parameters) and Qwen3-4B text encoder at their stored bytes on a
+    rank that holds them whole, which fits one of two 24 GB GPUs under ulysses 2; no PipeFusion row (load_pipeline
+    refuses it for the family: its forward joins [image; caption] between its refiners and its layers)."""
+    rows = plan_model(folders["Z-Image-Turbo"], 2, 24 * GB)
+    assert rows and not [row for row in rows if row.config.pipefusion > 1]
+    whole = _row(rows, "ulysses2", False, "gpu")
+    assert whole.weights["transformer"] == 6_154_908_736 * 2 and whole.weights["text_encoder"] == 4_022_468_096 * 2
+    assert whole.fits

@@ -31,6 +31,7 @@ TWO_RANKS = {
     "cogvideox": (ParallelConfig(dp=2), ()),
     "wan": (ParallelConfig(ulysses=2), ()),
     "flux2": (ParallelConfig(dp=2), ()),
+    "zimage": (ParallelConfig(cfg=2), ()),
 }
 FOUR_RANKS = {
     "sd3": ParallelConfig(ulysses=2, ring=2),
@@ -109,7 +110,10 @@ def _references(folders):
         reference = DiffusionPipeline.from_pretrained(folder)
         reference.set_progress_bar_config(disable=True)
         output = reference(
-            prompt=PROMPTS, generator=torch.Generator().manual_seed(0), output_type="latent", **_kwargs(family)
+            prompt=list(PROMPTS),  # a copy: ZImagePipeline writes each prompt's chat template into the list
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+            **_kwargs(family),
         )
         found[family] = output_latents(output)
     return found

@@ -21,6 +21,7 @@ EXPECTED = {
     ("wan", "WanPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
     ("qwenimage", "QwenImagePipeline"): ((2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
     ("hunyuanvideo", "HunyuanVideoPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
+    ("zimage", "ZImagePipeline"): ((2, 4, 8, 8), (2, 16, 16, 3)),  # 4 x 4 tokens of 2 x 2 latent pixels
 }
 
 
@@ -66,7 +67,9 @@ def test_tiny_pipeline_saves_reloads_and_runs(family, cls, tmp_path):
     assert images.shape == image_shape and np.isfinite(images).all()
 
 
-@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "flux2", "cogvideox", "qwenimage", "hunyuanvideo"])
+@pytest.mark.parametrize(
+    "family", ["pixart", "sd3", "flux", "flux2", "cogvideox", "qwenimage", "hunyuanvideo", "zimage"]
+)
 def test_same_seed_same_weights(family, tmp_path):
     a, b = (save_tiny_pipeline(family, tmp_path / name, seed=seed) for name, seed in [("a", 0), ("b", 0)])
     c = save_tiny_pipeline(family, tmp_path / "c", seed=1)

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from forward_traffic import traffic_mismatches, traffic_row
+from forward_traffic import sample, traffic_mismatches, traffic_row
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xdit_lab import ParallelConfig, RankMesh, comm_log, parallelize
@@ -206,7 +206,12 @@ MODEL_CONFIGS = [  # (config, heads) on 4 ranks
     (ParallelConfig(ulysses=2, ring=2), 3),
     (ParallelConfig(cfg=2, ulysses=2), 3),
 ]
-FAMILY_GROUPS = [("pixart", "sd3", "flux"), ("flux2", "qwenimage", "hunyuanvideo"), ("cogvideox", "wan", "dit")]
+FAMILY_GROUPS = [
+    ("pixart", "sd3", "flux"),
+    ("flux2", "qwenimage", "hunyuanvideo"),
+    ("cogvideox", "wan", "dit"),
+    ("zimage",),
+]
 
 
 def _families(families):
@@ -220,10 +225,10 @@ def _families(families):
             model = tiny_transformer(family, heads=heads, **extra)
             inputs = tiny_inputs(family, 4, height=6, width=6, text_len=7)
             with torch.no_grad():
-                reference = model(**inputs).sample
+                reference = sample(model(**inputs))
             model = parallelize(model, config, mesh)
             with torch.no_grad(), comm_log() as log:
-                output = model(**inputs).sample
+                output = sample(model(**inputs))
             rows.append(
                 dict(
                     where=f"{family} {config.short()} {heads} heads",

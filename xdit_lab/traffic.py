@@ -37,7 +37,8 @@ def expected_bytes_per_step(
       ring        N-1 sends of the K/V block held [2, b, h_me, block, d], a block holding its ranks'
                   text shards in joint layers; text whole on every rank: a float32 gather of the text
                   partials with their LSE [b, h_me, T, d+1] instead
-      sp          the token gather before unpatchify, padded to the longest shard
+      sp          the token gather before unpatchify, padded to the longest shard (a model that pads the image's
+                  tokens itself, `padded_tokens`: Z-Image's to a multiple of 32, shards and gathers them too)
       pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
                   states where its blocks return them (SD3, Flux, CogVideoX); the last stage
                   broadcasts the noise prediction [b, sample] to the other stages; async, past the
@@ -75,8 +76,10 @@ def expected_bytes_per_step(
     per_branch = s["batch"] // c.cfg
     dp_sizes = shard_sizes(per_branch, c.dp)
     b = max(dp_sizes[coords[DP]], 1)  # a dp group without samples computes one stand-in
-    # the image tokens: the grid's, and those after it (an edit's reference image, `appended_tokens`)
+    # the image tokens: the grid's, and those after it (an edit's reference image, `appended_tokens`); the model
+    # shards and gathers its padding with them too (`padded_tokens`, Z-Image's), which its output drops
     tokens = s["rows"] * s["cols"] + s.get("appended_tokens", 0)
+    sharded = tokens + s.get("padded_tokens", 0)
     h, d, text = s["heads"], s["head_dim"], s["text_len"]
     h_me = shard_sizes(h, u)[my_u]  # the heads this rank attends after the Ulysses all-to-all
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
@@ -93,7 +96,7 @@ def expected_bytes_per_step(
         forwards = [layout.rank_sizes(active) for active in patch_sets]
         kv_sizes = layout.rank_sizes(list(range(c.patches)))  # the buffer: every patch
     else:  # one forward over this rank's shard; Ring passes the shards themselves
-        forwards = [shard_sizes(tokens, sp)]
+        forwards = [shard_sizes(sharded, sp)]
         kv_sizes = forwards[0]
     skipped = bool(cache_skips and cache_skips[step])
     # a ControlNet's layers run beside the transformer's (no StepCache with one)

@@ -9,8 +9,9 @@ Attention kinds (matched on the module's qualified name):
     self        image tokens only: sequence-parallel
     cross       image queries, text keys/values (PixArt): local, no communication
     joint_first text tokens before image tokens in q/k/v (Flux, Flux.2, CogVideoX, Qwen-Image)
-    joint_last  text tokens after image tokens (SD3, HunyuanVideo)
-    text        text tokens alone (HunyuanVideo's token refiner): whole on every rank, runs as it is
+    joint_last  text tokens after image tokens (SD3, HunyuanVideo, Z-Image's main layers)
+    text        text tokens alone (HunyuanVideo's token refiner, Z-Image's caption refiner): whole on every
+                rank, runs as it is
 
 The first three are the image's own attention: its image tokens are sharded, so it is sequence-parallel,
 and a PipeFusion stage keeps its image K/V per patch from step to step (SEQUENCE_PARALLEL_KINDS).
@@ -72,6 +73,11 @@ class LatentLayout:
 
     def output_channels(self, channels: int, model_config) -> int:
         return channels
+
+    def padded_tokens(self, tokens: int, model_config) -> int:
+        """Tokens the model adds after an image's `tokens` before its blocks, sharded and gathered with them and
+        dropped from its output (Z-Image pads to a multiple of 32): none here."""
+        return 0
 
     def patch_grid(self, grid: tuple[int, int]) -> tuple[int, int] | None:
         """The (rows, cols) PipeFusion cuts into patches, for an image of grid[0] × grid[1] tokens;
@@ -274,6 +280,10 @@ class PerToken:
     dim       the token dimension (negative: from the end, e.g. Flux.2's img_ids [S, 3] or [B, S, 3])
     dims      only a tensor of this many dimensions is per token (Wan's timestep is per sample when 1-D)
     prefix    the argument is a count of the sequence's leading image tokens, not a tensor
+    then_text the argument holds the image's tokens, then the joint text's (Z-Image's rotary rows and padding
+              mask of the sequence [image; text] its forward joins): the image's entries are cut, and the text's
+              "rows" follow the text's share (the strategy's shard_text: rotary rows), or every one of them is kept
+              ("keys": a padded-text key mask, which attention reads whole)
     A tuple or list of tensors (CogVideoX's rotary (cos, sin); a ControlNet's residuals, one per block it
     feeds, [B, S, D] each) has each of its tensors cut."""
 
@@ -282,6 +292,7 @@ class PerToken:
     dim: int = 1
     dims: int | None = None
     prefix: bool = False
+    then_text: str | None = None
 
     def keep(self, strategy, value):
         """`value` as this rank holds it: `strategy` (the token strategy) cuts it or counts it (a RankLocal,
@@ -293,6 +304,12 @@ class PerToken:
         if isinstance(value, (tuple, list)):
             return type(value)(self.keep(strategy, t) for t in value)
         if isinstance(value, torch.Tensor) and (self.dims is None or value.dim() == self.dims):
+            if self.then_text:  # [image; text] on dim: this rank's image entries, then its text's or all of it
+                dim, image = self.dim % value.dim(), strategy.state.image_len
+                text = value.narrow(dim, image, value.shape[dim] - image)
+                if self.then_text == "rows":
+                    text = strategy.shard_text(text.movedim(dim, 1)).movedim(1, dim)
+                return torch.cat([strategy.keep_tokens(value.narrow(dim, 0, image), dim), text], dim=dim)
             return strategy.keep_tokens(value, self.dim)
         return value
 
@@ -343,17 +360,28 @@ BLOCK_COUNTS = {
 }
 
 
+def diffusers_attention_shape(model_config) -> tuple[int | None, int | None]:
+    """(heads, head_dim) of a transformer's attention, as most diffusers configs spell them."""
+    return model_config.get("num_attention_heads"), model_config.get("attention_head_dim")
+
+
 @dataclass(frozen=True)
 class FamilyAdapter:
     family: str  # the family's module name in xdit_lab/families, its one spelling
     class_name: str  # diffusers' transformer class
     shard_at: str  # submodule whose output holds the whole image tokens [B, S, C] (positions added)
+    # the whole image tokens are shard_at's input (its first argument), not its output: Z-Image pads and embeds
+    # them inside its forward, and its image refiner's first block is the first module that takes them [B, S, C]
+    shard_at_input: bool = False
     # more submodules whose output holds whole image tokens, cut as shard_at's (an SD3 ControlNet's control image,
     # patch-embedded apart and added to the tokens)
     shard_also: tuple = ()
     # submodule whose output holds this rank's tokens, before unpatchify; None: the forward's outputs stay this
     # rank's (a ControlNet's residuals, RankLocal), neither tokens nor batch gathered
     gather_at: str | None = "proj_out"
+    # gather_at's output holds this rank's image tokens, then the joint text (Z-Image's final layer reads the
+    # sequence [image; text]): the image's are gathered, the text dropped (the forward reads the image's alone)
+    text_after_image_at_gather: bool = False
     attention: dict = field(default_factory=dict)  # qualified-name regex -> kind
     latents: LatentLayout = IMAGE
     text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor
@@ -361,10 +389,20 @@ class FamilyAdapter:
     rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as `rotary`
     rotary: RotaryLayout = TEXT_THEN_IMAGE
     text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
+    # the forward's argument that holds the latents: a tensor [B, ...], or a list of one tensor per sample
+    # (Z-Image's `x`, its batch the list's length)
+    latents_argument: str = "hidden_states"
+    # a regex of the modules whose output [B, T, C] is the joint text as the blocks take it, its length the
+    # forward's text length (Z-Image pads and refines its captions inside the forward); None: the forward's
+    # encoder_hidden_states
+    text_len_at: str | None = None
+    # (heads, head_dim) of the attention, from the model's config (Z-Image: n_heads and dim / n_heads)
+    attention_shape: Callable = diffusers_attention_shape
     # where sequence shards cut the joint text: "input", the forward's encoder_hidden_states (and the
     # argument `text_rows_kwarg` with one row per text token, Flux's txt_ids), or "block", as the first
     # block takes it (where the forward needs the whole text before its blocks: rotary positions, a
-    # padding mask, one embedding of [text; image])
+    # padding mask, one embedding of [text; image]), or "joined", where the first block takes [image; text] as one
+    # tensor its forward joined (Z-Image, between its refiners and its layers)
     text_shard_at: str = "block"
     text_rows_kwarg: str | None = None
     # arguments with one entry per image token, which follow the tokens' shard or patch (PerToken)
@@ -376,6 +414,8 @@ class FamilyAdapter:
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
     step_cache_refused: str | None = None
+    # why PipeFusion is not offered, or None: it is offered
+    pipefusion_refused: str | None = None
     # lists of residuals the forward hands its blocks by their index in the whole model (a ControlNet's: a
     # PipeFusion stage rebases them to the blocks it holds), BlockResiduals
     block_residuals: tuple = ()

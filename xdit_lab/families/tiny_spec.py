@@ -46,6 +46,10 @@ class TinySpec:
     call: dict = field(default_factory=dict)  # arguments that run the pipeline at a tiny size (a Part: built)
     # another of `pipeline_classes` -> the parts where its pipeline differs from the first's (Flux.2 klein's text)
     class_parts: dict = field(default_factory=dict)
+    heads: int = HEADS  # the attention heads of the tiny transformer, unless a caller asks for others
+    # the constructor's names of the shared sizes, where the transformer spells them otherwise: each of
+    # num_attention_heads, attention_head_dim and num_layers -> the settings that take it (() for none)
+    size_names: dict = field(default_factory=dict)
 
     def parts_of(self, pipeline_class: str) -> dict:
         """The parts of `pipeline_class`'s tiny pipeline: the family's, with the class's own in place."""

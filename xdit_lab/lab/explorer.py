@@ -51,12 +51,12 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
     adapter = parallel_state(inner.transformer).adapter
-    head_dim = config.get("attention_head_dim")
+    heads, head_dim = adapter.attention_shape(config)  # as the family's config spells them (Z-Image: n_heads, dim)
     return dict(
         family=adapter.family,
-        num_heads=config["num_attention_heads"],
+        num_heads=heads,
         num_layers=adapter.num_blocks(config),  # every block list PipeFusion cuts (Flux: double and single)
-        hidden_size=config["num_attention_heads"] * head_dim if isinstance(head_dim, int) else None,
+        hidden_size=heads * head_dim if isinstance(head_dim, int) else None,
         rows=height // multiple,
         cols=width // multiple,
         # whether a call has two branches depends on its options, not its text: an empty prompt (one token)

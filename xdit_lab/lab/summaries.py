@@ -157,13 +157,15 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
     )
     gather = transformer.get_submodule(state.adapter.gather_at)
     config = transformer.config
+    heads, head_dim = state.adapter.attention_shape(config)
     return dict(
         batch=session.latents.shape[0] * (2 if session.prepared.do_cfg else 1),  # [uncond; cond] rows
         rows=rows,
         cols=cols,
         appended_tokens=session.recipe.appended_tokens(session.prepared),  # beyond the grid: Kontext's reference
-        heads=config.num_attention_heads,
-        head_dim=config.attention_head_dim,
+        padded_tokens=state.adapter.latents.padded_tokens(rows * cols, config),  # Z-Image's, to a multiple of 32
+        heads=heads,
+        head_dim=head_dim,
         self_layers=kinds.count("self"),  # this rank's sequence-parallel attention layers (a stage: its own)
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         first_block_self_layers=first.count("self"),
@@ -172,6 +174,8 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
         # same tokens, text and heads
         **_controlnet_layers(session),
         text_len=state.text_len,  # text tokens of the last forward
+        # whether sequence shards split the joint text (Z-Image's stays whole: its forward joins it to the image)
+        text_sharded=state.strategy.text_shard_at is not None,
         # where the text sits in attention: before or after the image tokens in one joint attention,
         # or apart, as the K/V of a cross-attention (None: no text)
         text_at="first"

@@ -1,11 +1,15 @@
 """The hook machinery every strategy shares: diffusers' model runs unchanged, and xdit_lab takes
 over at the places the family adapter (xdit_lab/families/) names:
 
-  1. the forward's inputs: the batch [uncond; cond] is split over the cfg group, then over dp
+  1. the forward's inputs: the batch [uncond; cond] is split over the cfg group, then over dp (a list with
+     one tensor per sample, Z-Image's latents and captions, by its samples)
   2. the patch embedding's output: the strategy keeps this rank's tokens         strategy.shard
+     (or the input of the first module that takes them whole: Z-Image's image refiner)
   3. rotary tables (Flux): the strategy keeps the rows of its tokens             strategy.shard_rotary
   4. the joint text, where the adapter says it enters the blocks: the strategy keeps this rank's
      text tokens too (sequence shards do; a PipeFusion stage keeps the text whole)  strategy.shard_text
+     (Z-Image's first main layer takes [image; text] joined: the text's part is cut there); where the
+     forward builds its text itself, its length is read from the module that makes it
   5. the attention of every known self or joint attention module: the strategy attends, told the
      module's kind (self, joint_first, joint_last)                             strategy.attend
      (an attention module the adapter does not know is refused at parallelize time; cross and text
@@ -135,7 +139,11 @@ def install_hooks(transformer, state: ParallelState) -> None:
             BACKEND_NAME,
         )
     if strategy.splits_tokens:
-        for path in (adapter.shard_at, *adapter.shard_also):
+        if adapter.shard_at_input:  # Z-Image: the image refiner's first block takes the whole image tokens
+            _hook_first_input(transformer, state, adapter.shard_at, "shard")
+        else:
+            _hook_output(transformer, state, adapter.shard_at, "shard")
+        for path in adapter.shard_also:
             _hook_output(transformer, state, path, "shard")
         if adapter.gather_at is not None:  # None: a ControlNet, whose residuals stay this rank's
             _hook_output(transformer, state, adapter.gather_at, "gather")
@@ -146,6 +154,10 @@ def install_hooks(transformer, state: ParallelState) -> None:
                 _hook_per_token(transformer, state, entry)
     if strategy.text_shard_at == "block":
         _hook_text_at_first_block(transformer, state)
+    elif strategy.text_shard_at == "joined":
+        _hook_joined_text_at_first_block(transformer, state)
+    if adapter.text_len_at is not None:
+        _hook_text_len(transformer, state, adapter.text_len_at)
     setattr(transformer, STATE_ATTRIBUTE, state)
 
 
@@ -153,6 +165,34 @@ def _hook_output(root, state, path: str, method: str):
     """The strategy's `method` on the output of module `path`, installed as "<method>[<path>]"."""
     fn = functools.partial(_when_running, state, method)
     state.hooks.forward_hook(f"{method}[{path}]", root.get_submodule(path), lambda _module, _inputs, output: fn(output))
+
+
+def _hook_first_input(root, state, path: str, method: str):
+    """The strategy's `method` on the first argument of module `path` (its hidden states), installed as
+    "<method>[<path>]"."""
+
+    def hook(_module, args, kwargs):
+        if not state.in_forward:
+            return None
+        if args:
+            return (getattr(state.strategy, method)(args[0]), *args[1:]), kwargs
+        name = next(iter(kwargs))  # the hidden states passed by name: the block's first argument
+        return args, {**kwargs, name: getattr(state.strategy, method)(kwargs[name])}
+
+    state.hooks.forward_pre_hook(f"{method}[{path}]", root.get_submodule(path), hook, with_kwargs=True)
+
+
+def _hook_text_len(root, state, pattern: str):
+    """The joint text's length, from the output [B, T, C] of the modules `pattern` matches (Z-Image's caption
+    refiner blocks): the text the blocks take is built inside the forward, after its input."""
+
+    def note(_module, _inputs, output):
+        if state.in_forward:
+            state.text_len = output.shape[1]
+
+    for name, module in root.named_modules():
+        if name and re.search(pattern, name):
+            state.hooks.forward_hook(f"text_len[{name}]", module, note)
 
 
 def _when_running(state, method: str, value):
@@ -181,6 +221,24 @@ def _hook_text_at_first_block(transformer, state) -> None:
         return args, kwargs
 
     state.hooks.forward_pre_hook("shard_text", first, shard_text, with_kwargs=True, prepend=True)
+
+
+def _hook_joined_text_at_first_block(transformer, state) -> None:
+    """The joint text where the model's first block takes it joined after the image, [image; text] as its first
+    argument (Z-Image's forward joins them between its refiners and its layers): the strategy keeps its share of the
+    text there, beside its image tokens; the blocks after take it from the one before."""
+    blocks = state.adapter.blocks(transformer)
+    if not blocks:
+        return
+
+    def shard_text(_module, args, kwargs):
+        if not state.in_forward:
+            return None
+        joined, image = args[0], args[0].shape[1] - state.text_len
+        text = state.strategy.shard_text(joined[:, image:])
+        return (torch.cat([joined[:, :image], text], dim=1), *args[1:]), kwargs
+
+    state.hooks.forward_pre_hook("shard_text", blocks[0], shard_text, with_kwargs=True, prepend=True)
 
 
 def _hook_per_token(transformer, state, entry) -> None:
@@ -509,12 +567,12 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
     row) so that every collective still lines up; gather_batch drops it. It also notes the forward's
     whole text length (state.text_len), before any strategy keeps its share of the text."""
     mesh, config = state.mesh, state.mesh.config
-    hidden = arguments.get("hidden_states")
+    hidden = arguments.get(state.adapter.latents_argument)
     if hidden is None:
-        raise ValueError("the forward needs hidden_states")
+        raise ValueError(f"the forward needs {state.adapter.latents_argument}")
     text = arguments.get("encoder_hidden_states")
     state.text_len = text.shape[1] if isinstance(text, torch.Tensor) and text.dim() >= 2 else 0
-    total = hidden.shape[0]
+    total = len(hidden) if isinstance(hidden, list) else hidden.shape[0]  # a list: one tensor per sample (Z-Image)
     dp_rank = mesh.group_rank(DP)
     start, stop, dp_sizes = batch_rows(total, config.cfg, config.dp, mesh.group_rank(CFG), dp_rank)
     state.stand_in = dp_sizes[dp_rank] == 0
@@ -547,8 +605,11 @@ def gather_batch(state: ParallelState, output, dp_sizes: list[int]):
     if output is None:
         return None
     sample = output[0] if isinstance(output, tuple) else output.sample
+    per_sample = isinstance(sample, list)  # one tensor per sample (Z-Image): gathered as their stack
+    sample = torch.stack(sample) if per_sample else sample
     sample = comm.all_gather(sample.contiguous(), mesh, DP, dim=0, sizes=dp_sizes, tag="sample")
     sample = comm.all_gather(sample, mesh, CFG, dim=0, tag="sample")
+    sample = list(sample.unbind(0)) if per_sample else sample
     if isinstance(output, tuple):
         return (sample, *output[1:])
     output.sample = sample

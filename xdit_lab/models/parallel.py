@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from ..accelerations import StepCache, compile_backend, option_problems
-from ..config import PIPEFUSION, ParallelConfig
+from ..config import PIPEFUSION, ParallelConfig, ParallelConfigError
 from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
 from ..mesh import RankMesh
@@ -82,10 +82,12 @@ def parallelize(
     unsupported = option_problems(config, adapter, cache=cache, compile=compile)
     if unsupported:
         raise unsupported[0][1]("; ".join(sentence for sentence, _ in unsupported))
+    if getattr(config, PIPEFUSION) > 1 and adapter.pipefusion_refused:
+        raise ParallelConfigError(f"PipeFusion is not offered on {adapter.family} yet: {adapter.pipefusion_refused}")
     backend = compile_backend(compile) if compile else None
     model_config = transformer.config
     config.validate(
-        num_heads=model_config.get("num_attention_heads"),
+        num_heads=adapter.attention_shape(model_config)[0],
         num_layers=adapter.num_blocks(model_config),
         seq_len=adapter.latents.default_image_tokens(model_config),
     )

@@ -13,7 +13,7 @@ in the same all-to-all or Ring block; the image tokens are gathered once, before
 Where the text is cut is the family's (FamilyAdapter.text_shard_at): at the forward's input (Flux and
 Flux.2: the text and its ids; SD3: the text), or as the first block takes it (Qwen-Image, HunyuanVideo,
 CogVideoX: the forward needs the whole text before, for its rotary positions, its padding mask, or
-its embedding of [text; image]). Every linear layer of every block then runs on 1/sp of the text rows
+its embedding of [text; image]; Z-Image: joined after the image in one tensor). Every linear layer of every block then runs on 1/sp of the text rows
 too. A padded text's key mask stays whole on every rank (it is small); each attention reads the
 columns of the text shards it attends. No family needs the whole text after its blocks: their
 forwards return the image only (Flux.2 slices its joined [text; image] by the text length the
@@ -149,6 +149,8 @@ class SequenceShards:
 
     def gather(self, tokens):
         sizes = shard_sizes(self.state.image_len, self.mesh.group_size(SP))
+        if self.state.adapter.text_after_image_at_gather:  # Z-Image's [image; text]: the image's tokens alone
+            tokens = tokens[:, : self.shard_range[1] - self.shard_range[0]]
         return comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
 
     def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None):

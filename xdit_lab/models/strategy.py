@@ -47,7 +47,7 @@ class TokenStrategy(Protocol):
     # what the hooks install (models/hooks.py): token hooks, the attention, the text where the blocks take it
     splits_tokens: bool
     takes_attention: bool
-    text_shard_at: str | None  # "input", "block" (the adapter's place), or None: the joint text stays whole
+    text_shard_at: str | None  # "input", "block", "joined" (the adapter's place), or None: the text stays whole
     # what a StepCache asks (models/cache.py): decide before the blocks run (over the whole image) or after
     decides_before_blocks: bool
 

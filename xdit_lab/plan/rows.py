@@ -192,7 +192,7 @@ def plan_model(
     blocks = model.adapter.num_blocks(t)
     configs = ParallelConfig.options(
         world_size,
-        num_heads=t["num_attention_heads"],
+        num_heads=model.adapter.attention_shape(t)[0],
         num_layers=blocks,
         seq_len=shape.image_tokens,
         use_cfg=call.branches == 2,
@@ -342,10 +342,9 @@ def plan_row(
     # on every rank and moves nothing
     if config.pipefusion == 1:
         blocks += _controlnet_blocks(model)
-    cost = config.cost(
-        blocks, num_heads=t["num_attention_heads"], batch=prompts, use_cfg=branches == 2, shard_weights=shard
-    )
-    hidden = t["num_attention_heads"] * t["attention_head_dim"]
+    heads, head_dim = model.adapter.attention_shape(t)
+    cost = config.cost(blocks, num_heads=heads, batch=prompts, use_cfg=branches == 2, shard_weights=shard)
+    hidden = heads * head_dim
     unknown = []
     decode = None
     # diffusers' 2D Decoder behind a post_quant_conv: AutoencoderKL's, and Flux.2's (measured: tests/test_vae.py)

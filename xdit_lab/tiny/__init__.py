@@ -50,13 +50,16 @@ def _spec(family: str):
     return family_module(family).TINY
 
 
-def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int = HEADS, **overrides):
-    """The family's diffusers transformer at its tiny size (TINY.transformer), with random weights from `seed`."""
+def tiny_transformer(family: str, *, seed: int = 0, layers: int = 2, heads: int | None = None, **overrides):
+    """The family's diffusers transformer at its tiny size (TINY.transformer), with random weights from `seed`,
+    `heads` attention heads (the family's TINY.heads where None)."""
     import diffusers
 
     spec = _spec(family)
+    heads = spec.heads if heads is None else heads
     torch.manual_seed(seed)
-    settings = dict(num_attention_heads=heads, attention_head_dim=HEAD_DIM, num_layers=layers)
+    shared = dict(num_attention_heads=heads, attention_head_dim=HEAD_DIM, num_layers=layers)
+    settings = {name: value for key, value in shared.items() for name in spec.size_names.get(key, (key,))}
     settings |= {key: heads * HEAD_DIM if value == INNER else value for key, value in spec.transformer.items()}
     cls = getattr(diffusers, family_module(family).ADAPTER.class_name)
     return cls(**(settings | overrides)).eval()

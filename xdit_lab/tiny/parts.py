@@ -162,6 +162,15 @@ def qwen3_causal_encoder(seed: int, vocab_size: int):
     return Qwen3ForCausalLM(Qwen3Config(**config, tie_word_embeddings=True)).eval()
 
 
+def qwen3_encoder(seed: int, vocab_size: int):
+    """Qwen3's decoder, two layers TEXT_DIM wide (ZImagePipeline reads the states before the last layer's)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(**decoder_text(vocab_size, 2, intermediate_size=TEXT_DIM, head_dim=16))
+    return Qwen3Model(config).eval()
+
+
 # the special tokens of the Llama-format tokenizers (_llama_bpe): "<unk>" pads, "<s>" begins, "</s>" ends
 LLAMA_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

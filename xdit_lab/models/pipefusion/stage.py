@@ -32,6 +32,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ... import comm
+from ...attention.linear import linear_sums
 from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
@@ -275,7 +276,9 @@ class PipeFusionStage:
             noise = latents.new_empty(adapter.latents.prediction_shape(latents, self.model_config), dtype=self.dtype)
         else:  # the last patch's output: gather() filled one buffer with every patch's tokens
             noise = output[0] if isinstance(output, tuple) else output.sample
-            noise = noise.to(self.dtype)  # the broadcast's dtype, as the other stages allocated it
+            # the broadcast's dtype and layout, as the other stages allocated it (Sana's unpatchify returns a
+            # permuted view, whose storage order a broadcast would send as it lies)
+            noise = noise.to(self.dtype).contiguous()
         comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
         self.step += 1
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
@@ -306,6 +309,14 @@ class PipeFusionStage:
         patches = len(self.layout.patches)
         if self.step < self.config.warmup_steps:
             return [list(range(patches))]
+        refused = self.state.adapter.pipefusion_patch_steps_refused
+        if refused:
+            raise NotImplementedError(
+                f"{self.state.adapter.family} runs under PipeFusion with its warm-up over every step only: {refused}. "
+                f"Step {self.step} is past warmup_steps={self.config.warmup_steps}; pass ParallelConfig(..., "
+                f"warmup_steps=N) with N at least num_inference_steps (exact: every step over the whole image), or "
+                f"use ulysses or ring"
+            )
         return [[self.schedule.cursor]] if self.pipelined else [[p] for p in range(patches)]
 
     decides_before_blocks = True  # a StepCache needs the first block over the whole image first
@@ -394,6 +405,31 @@ class PipeFusionStage:
             scale=scale,
         )
         return join_text(kind, out, joint_out)
+
+    # ---- linear attention and a convolution over rows: a warm-up step holds the whole image on this rank -----
+    def _whole_image(self, what: str) -> None:
+        """Refuse, by name, `what` where this rank does not hold every token of the image (patch steps are
+        refused before they start, and sp > 1 within a stage at parallelize: accelerations.option_problems)."""
+        if len(self.active) != len(self.layout.patches) or self.config.sp_degree > 1:
+            raise NotImplementedError(
+                f"{self.state.adapter.family}'s {what} under PipeFusion runs over the whole image only (warm-up "
+                f"steps, ulysses = ring = 1 within a stage)"
+            )
+
+    def linear_sums(self, key, value):
+        """The whole image's linear-attention sums: this rank's own, as it holds every token."""
+        self._whole_image("linear attention")
+        return linear_sums(key, value)
+
+    def token_rows(self, height: int, width: int) -> int:
+        self._whole_image("convolution over rows")
+        return height
+
+    def halo_sizes(self, reach: int) -> tuple[int, int]:
+        return 0, 0  # the whole image: the convolution's own padding at both edges
+
+    def halo(self, x, reach: int):
+        return x
 
     def _take_incoming(self, _module, args, kwargs):
         """The stage's first block takes the previous stage's image (and text) states; a block that

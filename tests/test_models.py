@@ -12,7 +12,7 @@ from xdit_lab.families import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "sana"]
 # the control of families with padded text: the forward argument that masks it, and "nothing padded"
 UNMASKED = {"qwenimage": ("encoder_hidden_states_mask", None), "hunyuanvideo": ("encoder_attention_mask", "ones")}
 CASES = [  # (name, latent height, width, text length, batch)
@@ -20,6 +20,8 @@ CASES = [  # (name, latent height, width, text length, batch)
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1
     ("uneven-text", 8, 8, 7, 4),
 ]
+# families that convolve over token rows (Sana) need whole rows per shard: their uneven image is 4 rows of 6
+WHOLE_ROWS_CASES = {"uneven-image": ("uneven-image", 4, 6, 8, 6)}
 CONFIGS = {
     2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2)],
     4: [
@@ -40,7 +42,8 @@ def _compare(family, configs):
     rows = []
     for config in configs:
         mesh = RankMesh(config)
-        for name, height, width, text_len, batch in CASES:
+        cases = [WHOLE_ROWS_CASES.get(case[0], case) for case in CASES] if family == "sana" else CASES
+        for name, height, width, text_len, batch in cases:
             model = _model(family, text_len)
             inputs = tiny_inputs(family, batch, height=height, width=width, text_len=text_len)
             with torch.no_grad():
@@ -264,3 +267,80 @@ def test_rows_per_rank_through_the_blocks_are_at_most_diffusers_context_parallel
         assert rows["control"] > rows["diffusers"], rows
         assert rows["ours"] < 0.55 * result["serial"], (rows, result["serial"])
     print(f"\nrows per rank through the blocks' linear layers: {rows}, serial {result['serial']}")
+
+
+# ---- Sana: linear attention's sums all-reduced, the feed-forward's convolution with halo rows ----------------
+
+
+def _sana_pieces():
+    """A tiny Sana (3 heads, 8 × 6 latent, 3 samples) on 4 ranks: under ulysses 2 × ring 2 and ring 4 against
+    serial, each call's bytes beside the closed form; the control, Controls(exchanges_halo=False): each band
+    convolved alone, zeros beyond its edges; PipeFusion 2 × dp 2 over its warm-up, against serial; and what is
+    refused by name: token rows that are no multiple of sp, PipeFusion with ulysses within a stage, and
+    PipeFusion's patch steps."""
+    from forward_traffic import traffic_row
+
+    from xdit_lab import ParallelConfigError
+    from xdit_lab.models import Controls
+
+    inputs = tiny_inputs("sana", 3, height=8, width=6, text_len=7)
+    references = {}
+    with torch.no_grad():
+        for layers in (2, 4):
+            references[layers] = tiny_transformer("sana", heads=3, layers=layers)(**inputs).sample
+    bound = 1e-4 * max(1.0, references[2].abs().max().item())
+    rows, refused = {}, {}
+    for config in (ParallelConfig(ulysses=2, ring=2), ParallelConfig(ring=4)):
+        mesh = RankMesh(config)
+        parallel = parallelize(tiny_transformer("sana", heads=3), config, mesh)
+        control = parallelize(tiny_transformer("sana", heads=3), config, mesh, controls=Controls(exchanges_halo=False))
+        with torch.no_grad(), comm_log() as log:
+            output = parallel(**inputs).sample
+        traffic = traffic_row(parallel, inputs, log, 0)
+        with torch.no_grad():
+            no_halo = control(**inputs).sample
+        rows[config.short()] = dict(
+            error=(output - references[2]).abs().max().item() / bound,
+            traffic=traffic,
+            no_halo_error=(no_halo - references[2]).abs().max().item() / bound,
+        )
+    config = ParallelConfig(pipefusion=2, dp=2, warmup_steps=1)
+    staged = parallelize(tiny_transformer("sana", heads=3, layers=4), config, RankMesh(config))
+    with torch.no_grad():
+        rows[config.short()] = dict(error=(staged(**inputs).sample - references[4]).abs().max().item() / bound)
+        try:
+            staged(**inputs)
+        except NotImplementedError as error:
+            refused["patch steps"] = str(error)
+    config = ParallelConfig(ring=4)
+    odd_rows = parallelize(tiny_transformer("sana"), config, RankMesh(config))
+    try:
+        with torch.no_grad():
+            odd_rows(**tiny_inputs("sana", 1, height=6, width=6))
+    except ValueError as error:
+        refused["rows"] = str(error)
+    try:
+        parallelize(tiny_transformer("sana"), ParallelConfig(pipefusion=2, ulysses=2))
+    except ParallelConfigError as error:
+        refused["pipefusion sp"] = str(error)
+    return rows, refused
+
+
+def test_sana_sums_and_halos_are_exact_counted_and_needed():
+    """Sana's linear attention (its sums all-reduced over ulysses, then ring) and its feed-forward's 3 × 3
+    convolution (one halo row from each neighbouring band) equal diffusers' serial forward under ulysses 2 ×
+    ring 2 and ring 4, with each rank's bytes equal to the closed form; the control, each band convolved alone,
+    is off by far more than the bound. PipeFusion over its warm-up is exact too. Token rows that sp does not
+    divide, PipeFusion with ulysses within a stage, and PipeFusion's patch steps past the warm-up are refused by
+    name."""
+    for rank, (rows, refused) in enumerate(run_on_ranks(_sana_pieces, 4, timeout_s=240)):
+        for name, row in rows.items():
+            assert row["error"] <= 1, (rank, name, row["error"])
+            if "traffic" in row:
+                assert row["traffic"]["moved"] == row["traffic"]["expected"], (rank, name, row["traffic"])
+                assert row["traffic"]["moved"]["sp"] > 0, (rank, name)
+                assert row["no_halo_error"] > 10, (rank, name, row["no_halo_error"])
+        assert "must hold whole token rows: 6 rows of 6 tokens" in refused["rows"], refused
+        assert "ulysses = ring = 1 within a stage" in refused["pipefusion sp"], refused
+        assert "warm-up over every step only" in refused["patch steps"], refused
+        assert "warmup_steps=N" in refused["patch steps"], refused

@@ -21,7 +21,7 @@ import torch
 
 from .adapter import FamilyAdapter, RowConvolution
 from .recipe import Recipe, RequestShape, generator_of
-from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec
+from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
     "sana",
@@ -186,25 +186,27 @@ def binned_size(sample_size: int, height: int, width: int) -> tuple[int, int]:
     return PixArtImageProcessor.classify_height_width_bin(height, width, ratios=bins[sample_size])
 
 
-TINY_WIDTH = 3 * 16  # three heads of 16: uneven over two Ulysses ranks (the sums do not split heads)
-
-
 def tiny_inputs(batch, height, width, text, timestep, randn):
     return dict(hidden_states=randn(batch, 4, height, width), encoder_hidden_states=text, timestep=timestep)
 
 
 TINY = TinySpec(
     transformer=dict(
-        in_channels=4, out_channels=4, num_attention_heads=3, num_cross_attention_heads=3, cross_attention_head_dim=16,
-        cross_attention_dim=TINY_WIDTH, caption_channels=TEXT_DIM, sample_size=8, patch_size=1,
+        in_channels=4, out_channels=4, num_cross_attention_heads=2, cross_attention_head_dim=16,
+        cross_attention_dim=INNER, caption_channels=TEXT_DIM, sample_size=8, patch_size=1,
     ),
     inputs=tiny_inputs,
     pipeline_classes=("SanaPipeline",),
-    parts=dict(
+    parts=dict(  # three heads: uneven over two ranks (the linear attention's sums split no heads)
+        transformer=Part("transformer", kwargs=dict(heads=3)),
         text_encoder=Part("gemma2_encoder", seed=1, vocab_of="tokenizer"),
         tokenizer=Part("gemma_tokenizer"),
         vae=Part("dc_vae", seed=2, kwargs=dict(latent_channels=4, scaling_factor=0.41407)),
-        scheduler=Part("FlowMatchEulerDiscreteScheduler", kwargs=dict(shift=3.0)),
+        # the real folders' scheduler: DPM-Solver++ on flow matching, its sigmas shifted by 3
+        scheduler=Part(
+            "DPMSolverMultistepScheduler",
+            kwargs=dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+        ),
     ),
     call=dict(height=32, width=32, max_sequence_length=MAX_TOKENS, use_resolution_binning=False),
 )  # fmt: skip

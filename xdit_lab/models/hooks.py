@@ -159,6 +159,19 @@ def install_hooks(transformer, state: ParallelState) -> None:
     setattr(transformer, STATE_ATTRIBUTE, state)
 
 
+def local_mixing_layers(adapter, model) -> dict[str, int]:
+    """What mixes tokens outside SDPA in `model` (the modules this rank holds), as the traffic's closed form
+    counts it: linear-attention layers (their sums all-reduced), convolutions over token rows (their halo
+    exchanged) and the rows of a halo."""
+    names = [name for name, _ in model.named_modules()]
+    rows = adapter.row_convolution
+    return dict(
+        linear_layers=sum(1 for name in names if adapter.attention_kind(name) == "linear"),
+        row_conv_layers=0 if rows is None else sum(1 for name in names if re.search(rows.module, name)),
+        halo_rows=0 if rows is None else rows.reach,
+    )
+
+
 def _hook_output(root, state, path: str, method: str):
     """The strategy's `method` on the output of module `path`, installed as "<method>[<path>]"."""
     fn = functools.partial(_when_running, state, method)

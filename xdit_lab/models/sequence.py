@@ -210,7 +210,10 @@ class SequenceShards:
         return (reach if me > 0 else 0), (reach if me < sp - 1 else 0)
 
     def halo(self, x, reach: int):
-        """x[B, C, h, W], this rank's band, with `reach` rows of each neighbouring rank's band around it."""
+        """x[B, C, h, W], this rank's band, with `reach` rows of each neighbouring rank's band around it (the
+        control, Controls(exchanges_halo=False): zeros in their place)."""
+        if not self.state.controls.exchanges_halo:
+            return torch.nn.functional.pad(x, (0, 0, *self.halo_sizes(reach)))
         return exchange_halo(x, self.mesh, SP, reach)
 
     def _text_sizes(self, text: int) -> list[int]:

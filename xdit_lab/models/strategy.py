@@ -118,6 +118,8 @@ class Controls:
                             indexes them: the mistake rebasing prevents
     cache_agrees            False: a StepCache's ranks each decide from their own tokens' sums, not the
                             whole batch's (they diverge, and a collective times out): models/cache.py
+    exchanges_halo          False: a convolution over token rows (Sana's feed-forward) convolves each rank's band
+                            alone, zeros beyond its edges: the mistake the halo rows prevent (models/row_halo.py)
     """
 
     shards_text: bool = True
@@ -125,6 +127,7 @@ class Controls:
     drops_returned_latents: bool = False
     rebases_block_residuals: bool = True
     cache_agrees: bool = True
+    exchanges_halo: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

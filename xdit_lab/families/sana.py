@@ -15,8 +15,6 @@ would need stale sums and stale halos, and are refused by name.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .adapter import FamilyAdapter, RowConvolution
@@ -60,10 +58,8 @@ class SanaRecipe(Recipe):
     )  # fmt: skip
 
     def size_multiple(self, pipe):
-        return math.lcm(SIZE_MULTIPLE, pipe.vae_scale_factor * pipe.transformer.config.patch_size), (
-            DEFAULT_SIZE,
-            DEFAULT_SIZE,
-        )
+        # pixels per token; the pipeline's own multiple of 32 is check_inputs'
+        return pipe.vae_scale_factor * pipe.transformer.config.patch_size, (DEFAULT_SIZE, DEFAULT_SIZE)
 
     def _instruction(self, pipe, request):
         """The complex human instruction the call encodes prompts with (diffusers' default where None)."""
@@ -131,7 +127,7 @@ class SanaRecipe(Recipe):
         return DEFAULT_SIZE, DEFAULT_SIZE
 
     def planned_multiple(self, configs):
-        return math.lcm(SIZE_MULTIPLE, dc_scale(configs["vae"]) * configs["transformer"]["patch_size"])
+        return dc_scale(configs["vae"]) * configs["transformer"]["patch_size"]
 
     def default_latent_side(self, transformer_config):
         return None  # AutoencoderDC: no closed form of its decode (RequestShape.decode_latent None)

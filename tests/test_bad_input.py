@@ -132,6 +132,7 @@ FAMILIES = {
     "flux2": "Flux2Pipeline",
     "qwenimage": "QwenImagePipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
+    "sana": "SanaPipeline",  # its default complex human instruction before the prompt
 }
 TEMPLATED = {"flux2", "qwenimage", "hunyuanvideo"}  # the prompt sits in a template whose closing tokens count
 # HunyuanVideo's pooled CLIP embedding reads up to 77 tokens whatever max_sequence_length says (Llama's bound)

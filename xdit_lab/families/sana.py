@@ -70,6 +70,18 @@ class SanaRecipe(Recipe):
             instruction = inspect.signature(type(pipe).__call__).parameters["complex_human_instruction"].default
         return instruction
 
+    # with the complex human instruction, diffusers tokenizes instruction + prompt to the instruction's tokens (alone)
+    # + max_sequence_length - 2: a prompt is read whole where what it adds to the instruction's tokens, plus 2, is
+    # at most max_sequence_length (one token fewer than without it, where the tokenizer merges nothing across)
+    counted_with = " (<bos> included, counted after the complex human instruction as diffusers cuts it)"
+
+    def prompt_tokens(self, pipe, request, text):
+        instruction = self._instruction(pipe, request)
+        if not instruction:
+            return super().prompt_tokens(pipe, request, text)
+        joined = "\n".join(instruction)
+        return len(pipe.tokenizer(joined + text).input_ids) - len(pipe.tokenizer.encode(joined)) + 2
+
     def encode_texts(self, pipe, request, texts, device, *, negative):
         # diffusers encodes negative prompts without the instruction, at max_sequence_length tokens
         options = request.options

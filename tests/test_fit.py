@@ -48,6 +48,8 @@ VARIANTS = {
     # the prompts are 31 tokens in Qwen's template: max_sequence_length at their length plans them exactly (a
     # shorter one is refused by name: the pipeline would cut the prompts, tests/test_bad_input.py)
     "qwenimage-31-tokens": ("qwenimage", {}, {"max_sequence_length": 31}),
+    "sana": ("sana", {}, {}),  # float32 latents whatever the dtype, Gemma 2's states and an int64 mask
+    "sana-1024-binned": ("sana", {"sample_size": 32}, {"use_resolution_binning": True, "height": 64}),
 }
 SIZE_KEYS = ("height", "width", "num_frames")
 

@@ -261,3 +261,20 @@ def test_the_published_configurations_ship_in_the_wheel_and_read_back(tmp_path):
             assert json.loads(json.dumps(read.kwargs)) == kwargs  # tuples written as arrays
     assert REAL_MODELS["FLUX.1-dev"].components["vae"].kwargs["block_out_channels"] == (128, 256, 512, 512)
     assert REAL_MODELS["Qwen-Image"].components["text_encoder"].kwargs["rope_scaling"]["mrope_section"] == [16, 24, 24]
+
+
+def test_sana_plans_its_stages_whole_and_keeps_no_stale_kv(folders):
+    """Sana 1600M at 1024 px on 4 GPUs of 24 GB: rows under ulysses, ring, PipeFusion, cfg and dp, but none with
+    PipeFusion and sequence shards together (its convolution over rows would need halos between every rank's
+    pieces of a patch: refused by name, so not planned), and no stale K/V (its self-attention is linear: its sums
+    are recomputed whole every warm-up step, nothing kept). Gemma 2's 2,614,341,888 parameters in bfloat16, as
+    stored."""
+    rows = plan_model(folders["Sana_1600M_1024px"], 4, 24 * GB)
+    configs = [row.config for row in rows]
+    assert any(c.pipefusion > 1 for c in configs) and any(c.ulysses > 1 for c in configs)
+    assert any(c.ring > 1 for c in configs) and any(c.cfg > 1 for c in configs)
+    assert not any(c.pipefusion > 1 and c.sp_degree > 1 for c in configs)
+    assert {row.stale_kv for row in rows} == {0}
+    whole = [row for row in rows if row.text_encoders == "gpu"]
+    assert whole and {row.weights["text_encoder"] for row in whole} == {2 * 2_614_341_888}
+    assert rows[0].fits

@@ -233,6 +233,29 @@ def test_pixart_sigma_through_load_pipeline(tmp_path):
             _check_traffic(row, config, where)
 
 
+def test_sana_pipefusion_patch_steps_measured_against_diffusers(folders, references):
+    """Sana's PipeFusion past its warm-up (one warm-up step of three, 2 stages, 2 patches), drained and async: its
+    patch steps attend with the other patch's kept linear-attention sums and convolve with its kept edge rows,
+    measured against diffusers' SanaPipeline run serially: off by more than the exact bound (stale) and by less
+    than 10% of the latents; the async schedule equal to the drained one (an elementwise scheduler stepped patch
+    by patch reads the same kept values), each step's bytes as the closed form says, and what a stage kept
+    between steps as planned."""
+    configs = [
+        ParallelConfig(pipefusion=2, warmup_steps=1),
+        ParallelConfig(pipefusion=2, warmup_steps=1, pipefusion_schedule="async"),
+    ]
+    expected = references["sana"]
+    per_rank = run_on_ranks(_parallel, 2, folders["sana"], "sana", configs, expected, timeout_s=300)
+    for rank, rows in enumerate(per_rank):
+        drained, pipelined = rows
+        for row, config in zip(rows, configs):
+            where = f"sana {row['config']} rank {rank}"
+            assert row["bound"] < row["error"] < 0.1 * expected.abs().max().item(), (where, row["error"])
+            _check_traffic(row, config, where)
+            assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
+        assert abs(pipelined["error"] - drained["error"]) <= drained["bound"], (drained["error"], pipelined["error"])
+
+
 def _digits_in_bfloat16(configs, steps):
     """The ten digits (seed 0 each) drawn by diffusers' PixArtAlphaPipeline run serially in float32
     and in bfloat16, then by load_pipeline in bfloat16 under each configuration (rank 0's latents)."""

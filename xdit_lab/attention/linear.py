@@ -39,6 +39,12 @@ def linear_output(sums: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return out[:, :, :-1] / (out[:, :, -1:] + 1e-15)
 
 
+def stale_sums_bytes(layers: int, rows: int, heads: int, head_dim: int, patches: int) -> int:
+    """What a PipeFusion stage keeps of `layers` linear-attention layers between steps: each patch's latest sums,
+    [rows, heads, head_dim + 1, head_dim] in float32 (models/pipefusion/stage.py)."""
+    return layers * patches * rows * heads * (head_dim + 1) * head_dim * 4
+
+
 def reduce_sums(sums: torch.Tensor, mesh, *, tag: str = "linear sums") -> torch.Tensor:
     """This rank's sums summed over every sequence-parallel rank (Ulysses' group, then Ring's), in place."""
     comm.all_reduce(sums, mesh, ULYSSES, tag=tag)

@@ -352,6 +352,11 @@ class RowConvolution:
     width: str = "width"
     reach: int = 1
 
+    def stale_halo_bytes(self, modules: int, rows: int, grid: tuple[int, int], patches: int, width: int, element: int):
+        """What a PipeFusion stage keeps of `modules` convolving modules between steps: each patch's first and
+        last `reach` rows of each module's input, [rows, width, reach, cols] each (models/pipefusion/stage.py)."""
+        return modules * patches * 2 * rows * width * self.reach * grid[1] * element
+
 
 # ---- the adapter -----------------------------------------------------------------------------------------
 
@@ -405,9 +410,6 @@ class FamilyAdapter:
     block_returns: dict = field(default_factory=dict)
     # a module that convolves over token rows (RowConvolution: Sana's feed-forward), or None
     row_convolution: RowConvolution | None = None
-    # why PipeFusion's patch steps (past the warm-up) do not run, or None: a family whose patches would need more
-    # kept between steps than stale K/V (Sana's linear-attention sums and convolution halos) warms up every step
-    pipefusion_patch_steps_refused: str | None = None
     # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
     block_lists: tuple = ("transformer_blocks",)
     block_counts: tuple = ()  # the config key holding each list's length; () for diffusers' (BLOCK_COUNTS)
@@ -474,6 +476,20 @@ class FamilyAdapter:
             if index is not None and index < len(counts) and self.attention_kind(name) in SEQUENCE_PARALLEL_KINDS:
                 counts[index] += 1
         return counts
+
+    def stale_mixing_layers(self, names, model_config) -> list[tuple[int, int]]:
+        """Per stacked block, (its linear-attention layers, its convolving modules): what a PipeFusion stage keeps
+        sums and edge rows of, per patch, from the qualified names of the model's modules (a module's named_modules,
+        or every prefix of a checkpoint's tensor names)."""
+        counts = [[0, 0] for _ in range(self.num_blocks(model_config))]
+        convolving = self.row_convolution.module if self.row_convolution else None
+        for name in names:
+            index = self.block_index(f"{name}.", model_config)
+            if index is None or index >= len(counts):
+                continue
+            counts[index][0] += self.attention_kind(name) == "linear"
+            counts[index][1] += bool(convolving and re.search(convolving, name))
+        return [tuple(count) for count in counts]
 
     def blocks(self, transformer) -> list:
         """The model's blocks, every list of them in the forward's order (a stage: those it holds)."""

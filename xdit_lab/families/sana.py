@@ -9,8 +9,9 @@ Three pieces of a Sana block, and what each does on a rank that holds a shard of
            whole rows and takes one row from each neighbour (a halo)                  row_convolution
 
 So a shard must be whole token rows: the image's token rows a multiple of ulysses × ring (refused by name
-otherwise). PipeFusion runs each stage over the whole image with warm-up over every step; its patch steps
-would need stale sums and stale halos, and are refused by name.
+otherwise). A PipeFusion stage holds whole patches (ulysses = ring = 1 within it, refused by name otherwise):
+its warm-up steps are exact, and its patch steps attend with the other patches' sums and convolve with their
+edge rows as the stage kept them (stale, as K/V are), models/pipefusion/stage.py.
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ ADAPTER = FamilyAdapter(
     attention={r"\.attn1$": "linear", r"\.attn2$": "cross"},
     block_returns={"SanaTransformerBlock": dict(return_hidden_states_index=0, return_encoder_hidden_states_index=None)},
     row_convolution=RowConvolution(blocks=r"^transformer_blocks\.\d+$", module=r"^transformer_blocks\.\d+\.ff$"),
-    pipefusion_patch_steps_refused=(
-        "a patch step would attend with the other patches' linear-attention sums and convolve with their rows "
-        "from the step before (stale sums and stale halos), which are not kept"
-    ),
     step_cache_refused="diffusers' SanaTransformer2DModel has no cache hooks (no CacheMixin): no First-Block Cache "
     "to check it against",
 )

@@ -8,7 +8,7 @@ handed to the token strategy, which turns this rank's keys and values into the w
 whole image in its warm-up sums them itself).
 
     to_q, to_k, to_v, norms, ReLU, float32   (diffusers', unchanged)
-    sums = strategy.linear_sums(key, value)   [B, H, D+1, D], the whole image's
+    sums = strategy.linear_sums(name, key, value)   [B, H, D+1, D], the whole image's
     out  = linear_output(sums, query)         (diffusers', unchanged), to_out
 
 Under torch.compile the strategy's step is one opaque operator (xdit_lab::linear_sums), as the SDPA
@@ -67,8 +67,8 @@ class LinearAttention:
         if not state.in_forward:  # a probe outside the parallel forward: the tokens it was given
             return linear_sums(key, value)
         if torch.compiler.is_compiling():
-            return torch.ops.xdit_lab.linear_sums(key, value, state.handle)
-        return state.strategy.linear_sums(key, value)
+            return torch.ops.xdit_lab.linear_sums(key, value, state.handle, self.name)
+        return state.strategy.linear_sums(self.name, key, value)
 
 
 def install_linear_attention(module, name: str, state) -> None:
@@ -97,11 +97,11 @@ class _Site:
 
 
 @torch.library.custom_op("xdit_lab::linear_sums", mutates_args=())
-def _linear_sums_op(key: torch.Tensor, value: torch.Tensor, state: int) -> torch.Tensor:
-    return comm.from_handle(state).strategy.linear_sums(key, value)
+def _linear_sums_op(key: torch.Tensor, value: torch.Tensor, state: int, name: str) -> torch.Tensor:
+    return comm.from_handle(state).strategy.linear_sums(name, key, value)
 
 
 @_linear_sums_op.register_fake
-def _(key, value, state):
+def _(key, value, state, name):
     batch, heads, _, head_dim = key.shape
     return key.new_empty((batch, heads, value.shape[2] + 1, head_dim))

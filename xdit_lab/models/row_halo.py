@@ -5,7 +5,7 @@ Sana's feed-forward, GLUMBConv, lays the tokens out [B, C, H, W] and runs a 3×3
 Every rank's shard must be whole rows (the token strategy refuses another cut by name). Then:
 
     each block of the list, told height=H:   height -> this rank's rows h        strategy.token_rows(H, W)
-    the convolving module, x[B, C, h, W]:    [B, C, t + h + u, W]                 strategy.halo(x, reach)
+    the convolving module, x[B, C, h, W]:    [B, C, t + h + u, W]           strategy.halo(name, x, reach)
         t = u = `reach` rows from the rank above and the rank below (none at the image's top and bottom,
         where the convolution's own zero padding stands, as in the whole image)
     its output [B, C, t + h + u, W]:         its rows t .. t + h, this rank's band
@@ -66,9 +66,9 @@ def _halo_forward(module, name: str, state, reach: int) -> None:
             return own(module, x)
         top, bottom = state.strategy.halo_sizes(reach)
         if torch.compiler.is_compiling():
-            extended = torch.ops.xdit_lab.halo(x, state.handle, reach)
+            extended = torch.ops.xdit_lab.halo(x, state.handle, name, reach)
         else:
-            extended = state.strategy.halo(x, reach)
+            extended = state.strategy.halo(name, x, reach)
         out = own(module, extended)
         return out[:, :, top : out.shape[2] - bottom]
 
@@ -94,11 +94,11 @@ def exchange_halo(x: torch.Tensor, mesh, group: str, reach: int) -> torch.Tensor
 
 
 @torch.library.custom_op("xdit_lab::halo", mutates_args=())
-def _halo_op(x: torch.Tensor, state: int, reach: int) -> torch.Tensor:
-    return comm.from_handle(state).strategy.halo(x, reach)
+def _halo_op(x: torch.Tensor, state: int, name: str, reach: int) -> torch.Tensor:
+    return comm.from_handle(state).strategy.halo(name, x, reach)
 
 
 @_halo_op.register_fake
-def _(x, state, reach):
+def _(x, state, name, reach):
     top, bottom = comm.from_handle(state).strategy.halo_sizes(reach)
     return x.new_empty((*x.shape[:2], x.shape[2] + top + bottom, x.shape[3]))

@@ -185,7 +185,7 @@ class SequenceShards:
             scale=scale,
         )
 
-    def linear_sums(self, key, value):
+    def linear_sums(self, name: str, key, value):
         """The whole image's linear-attention sums [B, H, D+1, D] from this rank's keys and values: its own,
         all-reduced over the sequence-parallel ranks (attention/linear.py)."""
         return reduce_sums(linear_sums(key, value), self.mesh)
@@ -209,7 +209,7 @@ class SequenceShards:
         sp, me = self.mesh.group_size(SP), self.mesh.group_rank(SP)
         return (reach if me > 0 else 0), (reach if me < sp - 1 else 0)
 
-    def halo(self, x, reach: int):
+    def halo(self, name: str, x, reach: int):
         """x[B, C, h, W], this rank's band, with `reach` rows of each neighbouring rank's band around it (the
         control, Controls(exchanges_halo=False): zeros in their place)."""
         if not self.state.controls.exchanges_halo:

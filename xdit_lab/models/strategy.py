@@ -79,8 +79,9 @@ class TokenStrategy(Protocol):
     def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence, for one attention module."""
 
-    def linear_sums(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """The whole image's linear-attention sums [B, H, D+1, D] from this rank's keys and values."""
+    def linear_sums(self, name: str, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The whole image's linear-attention sums [B, H, D+1, D] from this rank's keys and values, for the
+        linear-attention module `name`."""
 
     def token_rows(self, height: int, width: int) -> int:
         """The token rows this rank holds of a height × width grid (a convolution over rows: whole rows)."""
@@ -88,8 +89,9 @@ class TokenStrategy(Protocol):
     def halo_sizes(self, reach: int) -> tuple[int, int]:
         """Rows `halo` adds above and below this rank's rows."""
 
-    def halo(self, x: torch.Tensor, reach: int) -> torch.Tensor:
-        """x[B, C, h, W], this rank's rows, with the neighbouring rows a convolution reads around them."""
+    def halo(self, name: str, x: torch.Tensor, reach: int) -> torch.Tensor:
+        """x[B, C, h, W], this rank's rows, with the neighbouring rows the convolving module `name` reads
+        around them."""
 
     def gather(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole image's tokens, before unpatchify."""

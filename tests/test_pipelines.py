@@ -256,6 +256,21 @@ def test_sana_pipefusion_patch_steps_measured_against_diffusers(folders, referen
         assert abs(pipelined["error"] - drained["error"]) <= drained["bound"], (drained["error"], pipelined["error"])
 
 
+def _sana_rows_refused(folder):
+    """A Sana call of 9 token rows (36 pixels) on 2 sequence shards: refused at the request, before any encode."""
+    pipe = load_pipeline(folder, ParallelConfig(ulysses=2), mesh=RankMesh(ParallelConfig(ulysses=2)), progress=False)
+    try:
+        pipe.session(PROMPTS, seed=0, **dict(_call_kwargs("sana"), height=36))
+    except ValueError as error:
+        return str(error)
+
+
+def test_sana_height_that_shards_cannot_hold_as_whole_rows_is_refused_at_the_request(folders):
+    for message in run_on_ranks(_sana_rows_refused, 2, folders["sana"], timeout_s=180):
+        assert message and "9 token rows, which 2 sequence shards" in message, message
+        assert "a multiple of 8 pixels" in message, message
+
+
 def _digits_in_bfloat16(configs, steps):
     """The ten digits (seed 0 each) drawn by diffusers' PixArtAlphaPipeline run serially in float32
     and in bfloat16, then by load_pipeline in bfloat16 under each configuration (rank 0's latents)."""

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .config import ParallelConfig
 from .distributed import current_info, init_distributed
-from .families import Request, recipe_for
+from .families import Request, family, recipe_for
 from .load_options import LoadOptions
 from .loading import (
     check_weights_match_configs,
@@ -570,4 +570,12 @@ class ParallelPipeline:
             )
             raise ValueError(
                 f"image size {height}×{width} does not fit: {why}. Sizes that fit {self.config.short()}: {fits}, ..."
+            )
+        shards = self.config.sp_degree if self.config.pipefusion == 1 else 1
+        if family(self.recipe.family).ADAPTER.row_convolution is not None and rows % shards:
+            raise ValueError(
+                f"image height {height} gives {rows} token rows, which {shards} sequence shards (ulysses × ring) "
+                f"cannot hold as whole rows, and {self.recipe.family} convolves its tokens over rows (each shard takes "
+                f"one row from each neighbour); use a height of a multiple of {shards * multiple} pixels, or a "
+                f"smaller ulysses × ring"
             )

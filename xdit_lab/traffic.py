@@ -141,7 +141,7 @@ def expected_bytes_per_step(
             out[PIPEFUSION] += b * handed * h * d * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
-    if c.pipefusion == 1:  # under PipeFusion a stage holds the whole image (warm-up only): nothing moves
+    if c.pipefusion == 1:  # a PipeFusion stage holds whole patches (no sequence shards in it): these move nothing
         sums = b * h * (d + 1) * d * 4  # float32
         for group, n in ((ULYSSES, u), (RING, r)):
             if n > 1:

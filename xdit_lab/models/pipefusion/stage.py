@@ -157,7 +157,7 @@ class PipeFusionStage:
         adapter, names = self.state.adapter, [name for name, _ in transformer.named_modules()]
         linear, convolving = (sum(counts) for counts in zip(*adapter.stale_mixing_layers(names, config)))
         kv = stale_kv_bytes(
-            layers=sum(self.state.adapter.stale_kv_layers((name for name, _ in transformer.named_modules()), config)),
+            layers=sum(adapter.stale_kv_layers(names, config)),
             rows=rows,
             heads=config.num_attention_heads,
             head_dim=config.attention_head_dim,

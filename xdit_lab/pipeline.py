@@ -571,11 +571,13 @@ class ParallelPipeline:
             raise ValueError(
                 f"image size {height}×{width} does not fit: {why}. Sizes that fit {self.config.short()}: {fits}, ..."
             )
+        # a convolution over token rows (Sana's): every sequence shard whole rows of the height drawn (binned)
         shards = self.config.sp_degree if self.config.pipefusion == 1 else 1
-        if family(self.recipe.family).ADAPTER.row_convolution is not None and rows % shards:
+        drawn = self.recipe.drawn_size(self.diffusers_pipeline, request)[0]
+        if family(self.recipe.family).ADAPTER.row_convolution is not None and (drawn // multiple) % shards:
             raise ValueError(
-                f"image height {height} gives {rows} token rows, which {shards} sequence shards (ulysses × ring) "
-                f"cannot hold as whole rows, and {self.recipe.family} convolves its tokens over rows (each shard takes "
-                f"one row from each neighbour); use a height of a multiple of {shards * multiple} pixels, or a "
-                f"smaller ulysses × ring"
+                f"image height {drawn} gives {drawn // multiple} token rows, which {shards} sequence shards (ulysses "
+                f"× ring) cannot hold as whole rows, and {self.recipe.family} convolves its tokens over rows (each "
+                f"shard takes one row from each neighbour); use a height of a multiple of {shards * multiple} pixels, "
+                f"or a smaller ulysses × ring"
             )

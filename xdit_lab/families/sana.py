@@ -58,6 +58,12 @@ class SanaRecipe(Recipe):
         # pixels per token; the pipeline's own multiple of 32 is check_inputs'
         return pipe.vae_scale_factor * pipe.transformer.config.patch_size, (DEFAULT_SIZE, DEFAULT_SIZE)
 
+    def drawn_size(self, pipe, request):
+        height, width = super().drawn_size(pipe, request)
+        if request.options["use_resolution_binning"]:
+            return binned_size(pipe.transformer.config.sample_size, height, width)
+        return height, width
+
     def _instruction(self, pipe, request):
         """The complex human instruction the call encodes prompts with (diffusers' default where None)."""
         instruction = request.options["complex_human_instruction"]
@@ -95,11 +101,9 @@ class SanaRecipe(Recipe):
     def prepare(self, pipe, request, prepared, device):
         from diffusers.pipelines.sana.pipeline_sana import retrieve_timesteps
 
-        height, width = request.height or DEFAULT_SIZE, request.width or DEFAULT_SIZE
-        prepared.extra["size"] = (height, width)
+        prepared.extra["size"] = (request.height or DEFAULT_SIZE, request.width or DEFAULT_SIZE)  # what is asked
         prepared.extra["binned"] = request.options["use_resolution_binning"]
-        if prepared.extra["binned"]:
-            height, width = binned_size(pipe.transformer.config.sample_size, height, width)
+        height, width = self.drawn_size(pipe, request)
         generator = generator_of(request)
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
         if hasattr(pipe.scheduler, "set_begin_index"):
@@ -112,12 +116,12 @@ class SanaRecipe(Recipe):
         prepared.extra["step_kwargs"] = pipe.prepare_extra_step_kwargs(generator, request.options["eta"])
 
     def check_inputs(self, pipe, request):
-        for side in (request.height, request.width):
-            if side is not None and side % SIZE_MULTIPLE:
-                raise ValueError(
-                    f"SanaPipeline draws heights and widths that are multiples of {SIZE_MULTIPLE} pixels, not "
-                    f"{request.height} × {request.width}; choose multiples of {SIZE_MULTIPLE}"
-                )
+        height, width = self.drawn_size(pipe, request)  # binned sizes are multiples of 32 already
+        if height % SIZE_MULTIPLE or width % SIZE_MULTIPLE:
+            raise ValueError(
+                f"SanaPipeline draws heights and widths that are multiples of {SIZE_MULTIPLE} pixels, not "
+                f"{height} × {width}; choose multiples of {SIZE_MULTIPLE}"
+            )
 
     def planned_request(self, configs, call, element):
         t = configs["transformer"]

@@ -62,10 +62,10 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
     if adapter.row_convolution is not None and getattr(config, PIPEFUSION) > 1 and config.sp_degree > 1:
         found.append(
             (
-                f"{adapter.family} under PipeFusion runs each stage over the whole image (ulysses = ring = 1 within "
-                f"a stage): its convolution over token rows would need halo rows between the pieces that every "
-                f"sequence-parallel rank holds of each patch; use pipefusion with cfg and dp, or ulysses and ring "
-                f"without pipefusion",
+                f"{adapter.family} under PipeFusion holds whole patches on each stage's rank (ulysses = ring = 1 "
+                f"within a stage): its convolution over token rows would need halo rows between the pieces that "
+                f"every sequence-parallel rank holds of each patch; use pipefusion with cfg and dp, or ulysses and "
+                f"ring without pipefusion",
                 ParallelConfigError,
             )
         )

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from xdit_lab.models import parallel_state
+from xdit_lab.models import local_mixing_layers, parallel_state
 from xdit_lab.traffic import expected_bytes_per_step
 
 
@@ -49,6 +49,7 @@ def forward_shapes(model, inputs: dict) -> dict:
         self_layers=kinds.count("self"),
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         first_block_self_layers=first.count("self"),
+        **local_mixing_layers(adapter, model),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,
         text_sharded=state.strategy.text_shard_at is not None,  # whole under PipeFusion and the control

@@ -134,6 +134,7 @@ FAMILIES = {
     "qwenimage": "QwenImagePipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
     "zimage": "ZImagePipeline",
+    "sana": "SanaPipeline",  # its default complex human instruction before the prompt
 }
 # the prompt sits in a template whose closing tokens count: words this many past P are past them (klein's chat
 # closes with its assistant's header and an empty thinking block, 13 tokens in the tiny tokenizer)

@@ -12,7 +12,7 @@ from xdit_lab.models import StepCache
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage", "sana"]
 TEXT_LEN = 6
 
 
@@ -57,6 +57,11 @@ COMPILED = [
     ("qwenimage", ParallelConfig(ring=2), "aot_eager"),  # padded text: a key mask handed to the attention operator
     ("cogvideox", ParallelConfig(ring=2), "aot_eager"),  # text and image embedded in one tensor
     ("wan", ParallelConfig(ulysses=2), "aot_eager"),  # a grid sharded at the embedding, rotary tables hooked
+    (
+        "sana",
+        ParallelConfig(ring=2),
+        "aot_eager",
+    ),  # no SDPA: linear-attention sums and halo rows, operators of their own
 ]
 TRACED = {
     # the attention operator and the shard, rotary and gather hooks, every family's own places (those
@@ -71,7 +76,7 @@ TRACED = {
     + [(ParallelConfig(cfg=2), "pixart"), (ParallelConfig(dp=2), "pixart")],
     # USP: the attention is one operator whatever runs inside it, so one family per way of holding
     # text and positions; cfg and dp beside sp are the same hooks as above
-    4: [(ParallelConfig(ulysses=2, ring=2), family) for family in ["sd3", "flux2", "cogvideox", "wan"]],
+    4: [(ParallelConfig(ulysses=2, ring=2), family) for family in ["sd3", "flux2", "cogvideox", "wan", "sana"]],
 }
 CONTROL = (ParallelConfig(ulysses=2), "flux")  # a graph break forced in the first block, in the same spawn
 

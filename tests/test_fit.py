@@ -54,6 +54,8 @@ VARIANTS = {
     # shorter one is refused by name: the pipeline would cut the prompts, tests/test_bad_input.py)
     "qwenimage-31-tokens": ("qwenimage", {}, {"max_sequence_length": 31}),
     "zimage": ("zimage", {}, {}),  # float32 latents whatever the dtype; each prompt's own Qwen3 tokens
+    "sana": ("sana", {}, {}),  # float32 latents whatever the dtype, Gemma 2's states and an int64 mask
+    "sana-1024-binned": ("sana", {"sample_size": 32}, {"use_resolution_binning": True, "height": 64}),
 }
 BOUNDED = ("qwenimage", "zimage")  # the text as long as the prompt: the plan's conditioning an upper bound
 SIZE_KEYS = ("height", "width", "num_frames")

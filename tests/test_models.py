@@ -13,7 +13,7 @@ from xdit_lab.families import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage"]
+FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage", "sana"]
 # the control of families with padded text: the forward argument that masks it, and "nothing padded"
 UNMASKED = {"qwenimage": ("encoder_hidden_states_mask", None), "hunyuanvideo": ("encoder_attention_mask", "ones")}
 CASES = [  # (name, latent height, width, text length, batch)
@@ -21,6 +21,8 @@ CASES = [  # (name, latent height, width, text length, batch)
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1
     ("uneven-text", 8, 8, 7, 4),
 ]
+# families that convolve over token rows (Sana) need whole rows per shard: their uneven image is 4 rows of 6
+WHOLE_ROWS_CASES = {"uneven-image": ("uneven-image", 4, 6, 8, 6)}
 CONFIGS = {
     2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2)],
     4: [
@@ -41,7 +43,8 @@ def _compare(family, configs):
     rows = []
     for config in configs:
         mesh = RankMesh(config)
-        for name, height, width, text_len, batch in CASES:
+        cases = [WHOLE_ROWS_CASES.get(case[0], case) for case in CASES] if family == "sana" else CASES
+        for name, height, width, text_len, batch in cases:
             model = _model(family, text_len)
             inputs = tiny_inputs(family, batch, height=height, width=width, text_len=text_len)
             with torch.no_grad():
@@ -305,3 +308,90 @@ def test_zimage_splits_the_caption_its_forward_joins_to_the_image():
         rows, errors = result["rows"], result["errors"]
         assert all(error < 1e-4 for error in errors.values()), errors
         assert rows["ours"] < 0.55 * result["serial"] < rows["control"], (rows, result["serial"])
+
+
+# ---- Sana: linear attention's sums all-reduced, the feed-forward's convolution with halo rows ----------------
+
+
+def _sana_pieces():
+    """A tiny Sana (3 heads, 8 × 6 latent, 3 samples) on 4 ranks: under ulysses 2 × ring 2 and ring 4 against
+    serial, each call's bytes beside the closed form; the control, Controls(exchanges_halo=False): each band
+    convolved alone, zeros beyond its edges; PipeFusion 2 × dp 2 (3 patches) over its warm-up, then its patch
+    steps on the kept sums and edge rows: on the same input again (stale = fresh) and on another (stale), with
+    what it keeps beside its closed form; and what is refused by name: token rows that are no multiple of sp,
+    PipeFusion with ulysses within a stage."""
+    from forward_traffic import traffic_row
+
+    from xdit_lab import ParallelConfigError
+    from xdit_lab.models import Controls, parallel_state
+
+    inputs = tiny_inputs("sana", 3, height=8, width=6, text_len=7)
+    references = {}
+    with torch.no_grad():
+        for layers in (2, 4):
+            references[layers] = tiny_transformer("sana", heads=3, layers=layers)(**inputs).sample
+    bound = 1e-4 * max(1.0, references[2].abs().max().item())
+    rows, refused = {}, {}
+    for config in (ParallelConfig(ulysses=2, ring=2), ParallelConfig(ring=4)):
+        mesh = RankMesh(config)
+        parallel = parallelize(tiny_transformer("sana", heads=3), config, mesh)
+        control = parallelize(tiny_transformer("sana", heads=3), config, mesh, controls=Controls(exchanges_halo=False))
+        with torch.no_grad(), comm_log() as log:
+            output = parallel(**inputs).sample
+        traffic = traffic_row(parallel, inputs, log, 0)
+        with torch.no_grad():
+            no_halo = control(**inputs).sample
+        rows[config.short()] = dict(
+            error=(output - references[2]).abs().max().item() / bound,
+            traffic=traffic,
+            no_halo_error=(no_halo - references[2]).abs().max().item() / bound,
+        )
+    config = ParallelConfig(pipefusion=2, dp=2, num_patches=3, warmup_steps=1)
+    mesh = RankMesh(config)
+    staged = parallelize(tiny_transformer("sana", heads=3, layers=4), config, mesh)
+    other = tiny_inputs("sana", 3, height=8, width=6, text_len=7, seed=5)
+    with torch.no_grad():
+        other_reference = tiny_transformer("sana", heads=3, layers=4)(**other).sample
+        rows["warm-up"] = dict(error=(staged(**inputs).sample - references[4]).abs().max().item() / bound)
+        rows["patch steps, same input"] = dict(
+            error=(staged(**inputs).sample - references[4]).abs().max().item() / bound
+        )
+        stale_error = (staged(**other).sample - other_reference).abs().max().item() / bound
+    strategy = parallel_state(staged).strategy
+    kept = strategy.report().kept_bytes["stale K/V"]
+    planned = strategy.planned_kept_bytes(staged, 2 if mesh.group_rank("dp") == 0 else 1, (8, 6))["stale K/V"]
+    stale = dict(error=stale_error, kept=kept, planned=planned)
+    config = ParallelConfig(ring=4)
+    odd_rows = parallelize(tiny_transformer("sana"), config, RankMesh(config))
+    try:
+        with torch.no_grad():
+            odd_rows(**tiny_inputs("sana", 1, height=6, width=6))
+    except ValueError as error:
+        refused["rows"] = str(error)
+    try:
+        parallelize(tiny_transformer("sana"), ParallelConfig(pipefusion=2, ulysses=2))
+    except ParallelConfigError as error:
+        refused["pipefusion sp"] = str(error)
+    return rows, stale, refused
+
+
+def test_sana_sums_and_halos_are_exact_counted_and_needed():
+    """Sana's linear attention (its sums all-reduced over ulysses, then ring) and its feed-forward's 3 × 3
+    convolution (one halo row from each neighbouring band) equal diffusers' serial forward under ulysses 2 ×
+    ring 2 and ring 4, with each rank's bytes equal to the closed form; the control, each band convolved alone,
+    is off by far more than the bound. PipeFusion over its warm-up is exact too, and so are its patch steps where
+    the kept sums and edge rows equal fresh ones (the same input again: a patch, an edge row or a layer mixed up
+    would show); on another input they are stale, off by more than the bound and less than the whole output, and
+    what a stage keeps is its closed form. Token rows that sp does not divide and PipeFusion with ulysses within
+    a stage are refused by name."""
+    for rank, (rows, stale, refused) in enumerate(run_on_ranks(_sana_pieces, 4, timeout_s=240)):
+        for name, row in rows.items():
+            assert row["error"] <= 1, (rank, name, row["error"])
+            if "traffic" in row:
+                assert row["traffic"]["moved"] == row["traffic"]["expected"], (rank, name, row["traffic"])
+                assert row["traffic"]["moved"]["sp"] > 0, (rank, name)
+                assert row["no_halo_error"] > 10, (rank, name, row["no_halo_error"])
+        assert "must hold whole token rows: 6 rows of 6 tokens" in refused["rows"], refused
+        assert "ulysses = ring = 1 within a stage" in refused["pipefusion sp"], refused
+        assert 1 < stale["error"] < 1e4, stale  # in bounds of 1e-4: off, and by less than the whole output
+        assert stale["kept"] == stale["planned"] > 0, stale

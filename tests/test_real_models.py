@@ -318,3 +318,24 @@ def test_zimage_turbo_is_planned_from_its_folder_without_pipefusion(folders):
     whole = _row(rows, "ulysses2", False, "gpu")
     assert whole.weights["transformer"] == 6_154_908_736 * 2 and whole.weights["text_encoder"] == 4_022_468_096 * 2
     assert whole.fits
+
+
+def test_sana_plans_its_stages_whole_and_keeps_sums_and_edge_rows(folders):
+    """Sana 1600M at 1024 px on 4 GPUs of 24 GB: rows under ulysses, ring, PipeFusion, cfg and dp, but none with
+    PipeFusion and sequence shards together (its convolution over rows would need halos between every rank's
+    pieces of a patch: refused by name, so not planned). A stage keeps no K/V (its self-attention is linear) but
+    each patch's sums, [rows, 70, 33, 32] float32 per layer, and each patch's two edge rows of every feed-forward's
+    input, [rows, 2240, 1, 32] (bfloat16) each. Gemma 2's 2,614,341,888 parameters in bfloat16, as stored."""
+    rows = plan_model(folders["Sana_1600M_1024px"], 4, 24 * GB)
+    configs = [row.config for row in rows]
+    assert any(c.pipefusion > 1 for c in configs) and any(c.ulysses > 1 for c in configs)
+    assert any(c.ring > 1 for c in configs) and any(c.cfg > 1 for c in configs)
+    assert not any(c.pipefusion > 1 and c.sp_degree > 1 for c in configs)
+    for row in rows:  # one prompt, two branches: rows per rank 2 / cfg / dp; 20 blocks over the stages
+        c = row.config
+        rows_per_rank, layers = 2 // (c.cfg * c.dp), 20 // c.pipefusion
+        kept = layers * c.patches * rows_per_rank * (70 * 33 * 32 * 4 + 2 * 2240 * 32 * 2)
+        assert row.stale_kv == (kept if c.pipefusion > 1 else 0), (c.short(), row.stale_kv, kept)
+    whole = [row for row in rows if row.text_encoders == "gpu"]
+    assert whole and {row.weights["text_encoder"] for row in whole} == {2 * 2_614_341_888}
+    assert rows[0].fits

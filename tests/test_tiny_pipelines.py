@@ -22,6 +22,7 @@ EXPECTED = {
     ("qwenimage", "QwenImagePipeline"): ((2, 16, 16), (2, 32, 32, 3)),  # packed: 4 x 4 tokens of 2 x 2 x 4
     ("hunyuanvideo", "HunyuanVideoPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
     ("zimage", "ZImagePipeline"): ((2, 4, 8, 8), (2, 16, 16, 3)),  # 4 x 4 tokens of 2 x 2 latent pixels
+    ("sana", "SanaPipeline"): ((2, 4, 8, 8), (2, 32, 32, 3)),  # DC-AE 4x: 32 px, the pipeline's smallest multiple
 }
 
 
@@ -68,7 +69,7 @@ def test_tiny_pipeline_saves_reloads_and_runs(family, cls, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family", ["pixart", "sd3", "flux", "flux2", "cogvideox", "qwenimage", "hunyuanvideo", "zimage"]
+    "family", ["pixart", "sd3", "flux", "flux2", "cogvideox", "qwenimage", "hunyuanvideo", "zimage", "sana"]
 )
 def test_same_seed_same_weights(family, tmp_path):
     a, b = (save_tiny_pipeline(family, tmp_path / name, seed=seed) for name, seed in [("a", 0), ("b", 0)])
@@ -130,6 +131,19 @@ def test_flux2_klein_chat_reloads_with_whole_word_tokens(tmp_path):
     tokens = tokenizer.convert_ids_to_tokens(tokenizer(text).input_ids)
     assert tokens[:7] == ["<|im_start|>", "user", "Ċ", "a", "Ġred", "Ġcat", "<|im_end|>"]
     assert {"<think>", "</think>"} <= set(tokens) and len(tokens) < 32
+
+
+def test_gemma_tokenizer_reloads_with_whole_word_tokens(tmp_path):
+    """SanaPipeline's Gemma tokenizer: <bos> first, one token per known word, characters for the rest, padded on
+    the right with <pad> to max_sequence_length as the pipeline asks."""
+    from diffusers import DiffusionPipeline
+
+    tokenizer = DiffusionPipeline.from_pretrained(save_tiny_pipeline("sana", tmp_path)).tokenizer
+    assert type(tokenizer).__name__ == "GemmaTokenizer"
+    tokenizer.padding_side = "right"  # as SanaPipeline sets it
+    ids = tokenizer("a red cat", padding="max_length", max_length=MAX_TOKENS).input_ids
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<bos>", "a", "▁red", "▁cat"] + ["<pad>"] * (MAX_TOKENS - 4)
+    assert tokenizer.convert_ids_to_tokens(tokenizer("a zebra").input_ids)[-3:] == ["b", "r", "a"]
 
 
 def test_unknown_family():

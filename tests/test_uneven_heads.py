@@ -211,19 +211,22 @@ FAMILY_GROUPS = [
     ("flux2", "qwenimage", "hunyuanvideo"),
     ("cogvideox", "wan", "dit"),
     ("zimage",),
+    ("sana",),  # its linear attention splits no heads (sums all-reduced); shards of whole rows: 8 rows
 ]
+WHOLE_ROWS = ("sana",)  # families whose sequence shards must be whole token rows (8 rows of 6 here)
 
 
 def _families(families):
     """Each family's tiny transformer with 3 or 5 heads, serial against parallel on an uneven image (6 × 6
-    latent) and text (7 tokens), 4 samples; each call's traffic beside the closed form."""
+    latent; 8 × 6 where shards are whole rows) and text (7 tokens), 4 samples; each call's traffic beside the
+    closed form."""
     rows = []
     for family in families:
         for config, heads in MODEL_CONFIGS:
             mesh = RankMesh(config)
             extra = {"max_text_seq_length": 7} if family == "cogvideox" else {}
             model = tiny_transformer(family, heads=heads, **extra)
-            inputs = tiny_inputs(family, 4, height=6, width=6, text_len=7)
+            inputs = tiny_inputs(family, 4, height=8 if family in WHOLE_ROWS else 6, width=6, text_len=7)
             with torch.no_grad():
                 reference = sample(model(**inputs))
             model = parallelize(model, config, mesh)

@@ -18,6 +18,7 @@ CASES = [  # (id, family, config, StepCache threshold or None, a mesh passed in)
     ("pixart-ulysses2-own-mesh", "pixart", dict(ulysses=2), None, True),  # rebound SDPA processors
     ("pixart-pipefusion2", "pixart", dict(pipefusion=2), None, False),
     ("dit-pipefusion2", "dit", dict(pipefusion=2), None, False),  # stage 1 borrows block 0's embedding
+    ("sana-ring2", "sana", dict(ring=2), None, False),  # our linear-attention processor, row hooks, halo forwards
 ]
 # a later stage without block 0 cannot condition DiT's output layer: parallelize refuses it as a stage
 AGAIN_REFUSED = {"dit"}

@@ -1,7 +1,8 @@
 """The accelerations a user asks for, and what they refuse under a configuration, for a family: a StepCache's
 settings (its runtime, the hooks that skip blocks, is models/cache.py), torch.compile's backend, and the rules:
 compile with PipeFusion or a StepCache, a StepCache on a family that has none yet or under the async PipeFusion
-schedule, and a cache object that is no StepCache (diffusers' cache configurations are not run here yet: each is
+schedule, a convolution over token rows (Sana's) under PipeFusion with ulysses or ring within a stage, and a cache
+object that is no StepCache (diffusers' cache configurations are not run here yet: each is
 refused by name, never run as something else).
 
     option_problems(config, adapter, cache=StepCache(0.1), compile=True)   # [(sentence, exception type), ...]
@@ -58,6 +59,16 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
         except ValueError as error:
             found.append((str(error), ValueError))
         found += [(sentence, ParallelConfigError) for sentence in compile_problems(config, cache)]
+    if adapter.row_convolution is not None and getattr(config, PIPEFUSION) > 1 and config.sp_degree > 1:
+        found.append(
+            (
+                f"{adapter.family} under PipeFusion holds whole patches on each stage's rank (ulysses = ring = 1 "
+                f"within a stage): its convolution over token rows would need halo rows between the pieces that "
+                f"every sequence-parallel rank holds of each patch; use pipefusion with cfg and dp, or ulysses and "
+                f"ring without pipefusion",
+                ParallelConfigError,
+            )
+        )
     if cache is not None and adapter.step_cache_refused:
         found.append(
             (f"StepCache is not offered on {adapter.family} yet: {adapter.step_cache_refused}", ParallelConfigError)

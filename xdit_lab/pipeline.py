@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .config import ParallelConfig
 from .distributed import current_info, init_distributed
-from .families import Request, recipe_for
+from .families import Request, family, recipe_for
 from .load_options import LoadOptions
 from .loading import (
     check_weights_match_configs,
@@ -570,4 +570,14 @@ class ParallelPipeline:
             )
             raise ValueError(
                 f"image size {height}×{width} does not fit: {why}. Sizes that fit {self.config.short()}: {fits}, ..."
+            )
+        # a convolution over token rows (Sana's): every sequence shard whole rows of the height drawn (binned)
+        shards = self.config.sp_degree if self.config.pipefusion == 1 else 1
+        drawn = self.recipe.drawn_size(self.diffusers_pipeline, request)[0]
+        if family(self.recipe.family).ADAPTER.row_convolution is not None and (drawn // multiple) % shards:
+            raise ValueError(
+                f"image height {drawn} gives {drawn // multiple} token rows, which {shards} sequence shards (ulysses "
+                f"× ring) cannot hold as whole rows, and {self.recipe.family} convolves its tokens over rows (each "
+                f"shard takes one row from each neighbour); use a height of a multiple of {shards * multiple} pixels, "
+                f"or a smaller ulysses × ring"
             )

@@ -39,6 +39,11 @@ def expected_bytes_per_step(
                   partials with their LSE [b, h_me, T, d+1] instead
       sp          the token gather before unpatchify, padded to the longest shard (a model that pads the image's
                   tokens itself, `padded_tokens`: Z-Image's to a multiple of 32, shards and gathers them too)
+      linear      a linear-attention layer (Sana's, `linear_layers`) all-reduces its sums [b, h, d+1, d] in float32,
+                  over the ulysses group, then the ring group: 2·(N-1)/N of them out of a rank per group (floored
+                  per call); no token moves
+      halo        a convolution over token rows (`row_conv_layers`, `halo_rows` rows of reach) sends its band's
+                  edge rows to each sp neighbour: b·halo_rows·cols·h·d a neighbour, under "sp"
       pipefusion  per patch a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
                   states where its blocks return them (SD3, Flux, CogVideoX); the last stage
                   broadcasts the noise prediction [b, sample] to the other stages; async, past the
@@ -139,6 +144,15 @@ def expected_bytes_per_step(
             out[PIPEFUSION] += b * handed * h * d * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
+    if c.pipefusion == 1:  # a PipeFusion stage holds whole patches (no sequence shards in it): these move nothing
+        sums = b * h * (d + 1) * d * 4  # float32
+        for group, n in ((ULYSSES, u), (RING, r)):
+            if n > 1:
+                out[group] += s.get("linear_layers", 0) * (2 * sums * (n - 1) // n)
+        if sp > 1:
+            neighbours = (sp_rank > 0) + (sp_rank < sp - 1)
+            halo = b * s.get("halo_rows", 0) * s["cols"] * h * d * e
+            out[SP] += s.get("row_conv_layers", 0) * neighbours * halo
     pipelined = c.pipefusion_schedule == "async" and stage_step >= c.warmup_steps
     latents = s.get("latent_rows", 0) * s.get("latent_elements", 0) * s.get("latent_bytes", 0)
     if pipelined and last_stage:  # the latents back to stage 0, patch by patch; after the last step, to all

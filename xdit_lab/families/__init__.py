@@ -20,7 +20,7 @@ import functools
 import importlib
 import pkgutil
 
-from .adapter import FamilyAdapter, block_metadata
+from .adapter import FamilyAdapter
 from .cp_plan import with_plan
 from .recipe import Prepared, Recipe, Request
 
@@ -85,6 +85,25 @@ def block_index(transformer_config: dict, key: str) -> int | None:
     for a class xdit_lab does not parallelize): Flux's double-stream blocks, then its single ones."""
     adapter = FAMILIES.get(transformer_config.get("_class_name"))
     return adapter.block_index(key, transformer_config) if adapter else None
+
+
+def block_metadata(block):
+    """Where a block returns its image and text states: diffusers' own declaration of its blocks, else a family's
+    (FamilyAdapter.block_returns, for a block diffusers' TransformerBlockRegistry does not list)."""
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+
+    try:
+        return TransformerBlockRegistry.get(type(block))
+    except ValueError:
+        pass
+    name = type(block).__name__
+    for adapter in FAMILIES.values():
+        if name in adapter.block_returns:
+            return TransformerBlockMetadata(**adapter.block_returns[name])
+    raise TypeError(
+        f"xdit_lab does not know where {name} returns its hidden states (diffusers' TransformerBlockRegistry has "
+        f"no entry for it, nor does a family's adapter: FamilyAdapter.block_returns)"
+    )
 
 
 @functools.cache

@@ -12,6 +12,8 @@ Attention kinds (matched on the module's qualified name):
     joint_last  text tokens after image tokens (SD3, HunyuanVideo, Z-Image's main layers)
     text        text tokens alone (HunyuanVideo's token refiner, Z-Image's caption refiner): whole on every
                 rank, runs as it is
+    linear      image tokens only, linear attention (Sana): no SDPA; its sums over the tokens are the
+                strategy's (models/linear_attention.py), reduced over the sequence-parallel ranks
 
 The first three are the image's own attention: its image tokens are sharded, so it is sequence-parallel,
 and a PipeFusion stage keeps its image K/V per patch from step to step (SEQUENCE_PARALLEL_KINDS).
@@ -349,6 +351,30 @@ class BlockResiduals:
         return [residuals[self.index(g, blocks, len(residuals), arguments)] for g in held]
 
 
+@dataclass(frozen=True)
+class RowConvolution:
+    """A module that convolves the image tokens laid out [B, C, H, W] (Sana's feed-forward: a 3 × 3 depthwise
+    convolution), told the token grid by the blocks that hold it: under sequence shards every rank holds whole
+    rows, each block is told this rank's rows, and the module's input gets `reach` rows from each neighbouring
+    rank (models/row_halo.py).
+
+    blocks   regex of the blocks whose forward takes the grid's `height` and `width` (a PipeFusion stage
+             renames its blocks from 0: the regex matches them as well)
+    module   regex of the convolving modules, input [B, C, rows, W]
+    reach    rows a convolution reads beyond its own on each side (a 3 × 3 kernel: 1)"""
+
+    blocks: str
+    module: str
+    height: str = "height"
+    width: str = "width"
+    reach: int = 1
+
+    def stale_halo_bytes(self, modules: int, rows: int, grid: tuple[int, int], patches: int, width: int, element: int):
+        """What a PipeFusion stage keeps of `modules` convolving modules between steps: each patch's first and
+        last `reach` rows of each module's input, [rows, width, reach, cols] each (models/pipefusion/stage.py)."""
+        return modules * patches * 2 * rows * width * self.reach * grid[1] * element
+
+
 # ---- the adapter -----------------------------------------------------------------------------------------
 
 # the config key that counts each block list, as diffusers' transformers name them (Flux's and
@@ -419,6 +445,11 @@ class FamilyAdapter:
     # lists of residuals the forward hands its blocks by their index in the whole model (a ControlNet's: a
     # PipeFusion stage rebases them to the blocks it holds), BlockResiduals
     block_residuals: tuple = ()
+    # where blocks that diffusers' TransformerBlockRegistry does not list return their states: block class name ->
+    # diffusers' TransformerBlockMetadata fields (Sana's block returns its image states alone)
+    block_returns: dict = field(default_factory=dict)
+    # a module that convolves over token rows (RowConvolution: Sana's feed-forward), or None
+    row_convolution: RowConvolution | None = None
     # PipeFusion cuts the blocks of these lists, concatenated in the forward's order, into stages
     block_lists: tuple = ("transformer_blocks",)
     block_counts: tuple = ()  # the config key holding each list's length; () for diffusers' (BLOCK_COUNTS)
@@ -489,6 +520,20 @@ class FamilyAdapter:
                 counts[index] += 1
         return counts
 
+    def stale_mixing_layers(self, names, model_config) -> list[tuple[int, int]]:
+        """Per stacked block, (its linear-attention layers, its convolving modules): what a PipeFusion stage keeps
+        sums and edge rows of, per patch, from the qualified names of the model's modules (a module's named_modules,
+        or every prefix of a checkpoint's tensor names)."""
+        counts = [[0, 0] for _ in range(self.num_blocks(model_config))]
+        convolving = self.row_convolution.module if self.row_convolution else None
+        for name in names:
+            index = self.block_index(f"{name}.", model_config)
+            if index is None or index >= len(counts):
+                continue
+            counts[index][0] += self.attention_kind(name) == "linear"
+            counts[index][1] += bool(convolving and re.search(convolving, name))
+        return [tuple(count) for count in counts]
+
     def blocks(self, transformer) -> list:
         """The model's blocks, every list of them in the forward's order (a stage: those it holds)."""
         return [block for name in self.block_lists for block in getattr(transformer, name)]
@@ -501,16 +546,3 @@ class FamilyAdapter:
             first, last = max(start - offset, 0), max(min(stop - offset, len(blocks)), 0)
             setattr(transformer, name, torch.nn.ModuleList(blocks[first:last]))
             offset += len(blocks)
-
-
-def block_metadata(block):
-    """Where a block returns its image and text states: diffusers' own declaration of its blocks."""
-    from diffusers.hooks._helpers import TransformerBlockRegistry
-
-    try:
-        return TransformerBlockRegistry.get(type(block))
-    except ValueError:
-        raise TypeError(
-            f"xdit_lab does not know where {type(block).__name__} returns its hidden states "
-            f"(diffusers' TransformerBlockRegistry has no entry for it)"
-        ) from None

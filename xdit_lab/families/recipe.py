@@ -150,6 +150,12 @@ class Recipe:
         default = config.sample_size * pipe.vae_scale_factor
         return pipe.vae_scale_factor * config.patch_size, (default, default)
 
+    def drawn_size(self, pipe, request: Request) -> tuple[int, int]:
+        """(height, width) in pixels the transformer draws for `request`: the request's, the default where it gives
+        none (a family that bins sizes to its trained aspect ratios draws the bin: Sana)."""
+        default = self.size_multiple(pipe)[1]
+        return request.height or default[0], request.width or default[1]
+
     # ---- the planner's closed forms, from the folder's configs alone (xdit_lab.plan; checked against
     # what encode and prepare hold on tiny pipelines, tests/test_fit.py) ------------------------------------
     def planned_request(self, configs: dict[str, dict], call: Call, element: int) -> RequestShape:

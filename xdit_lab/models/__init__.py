@@ -1,6 +1,8 @@
 """diffusers DiT families under data, CFG, sequence and pipeline parallelism.
 
 hooks.py      the machinery every strategy shares (batch split, hooks, attention interception)
+linear_attention.py  linear attention (Sana's) as our processor: its sums over tokens the strategy's
+row_halo.py   a convolution over token rows under sequence shards: each rank's band with its neighbours' rows
 sequence.py   token strategy: one contiguous shard per sequence-parallel rank (ulysses × ring)
 pipefusion/   token strategy: a PipeFusion stage, patch by patch on stale K/V, and its two schedules
 step.py       one denoising step as one transformer call (every strategy's, PipeFusion's drained)
@@ -15,7 +17,7 @@ strategy.py   the token strategy's interface (TokenStrategy), what a step is han
 """
 
 from ..accelerations import StepCache
-from .hooks import ParallelState, parallel_state
+from .hooks import ParallelState, local_mixing_layers, parallel_state
 from .parallel import parallelize, unparallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
@@ -26,6 +28,7 @@ __all__ = [
     "StepCache",
     "ParallelState",
     "parallel_state",
+    "local_mixing_layers",
     "parallelize",
     "unparallelize",
     "PipeFusionStage",

@@ -12,6 +12,10 @@ over at the places the family adapter (xdit_lab/families/) names:
      forward builds its text itself, its length is read from the module that makes it
   5. the attention of every known self or joint attention module: the strategy attends, told the
      module's kind (self, joint_first, joint_last)                             strategy.attend
+     linear attention (Sana) runs our processor, whose sums over the tokens are the strategy's
+     (linear_attention.py)                                                     strategy.linear_sums
+  5b. a convolution over token rows (Sana's feed-forward): each block told this rank's rows, the
+     module's input widened by its neighbours' rows (row_halo.py)    strategy.token_rows, halo
      (an attention module the adapter does not know is refused at parallelize time; cross and text
      attention see whole text K/V on every rank and run as diffusers wrote them)
   6. arguments with one entry per image token (adapter.per_token: Wan 2.2's timestep per token,
@@ -62,6 +66,8 @@ from ..families.adapter import SEQUENCE_PARALLEL_KINDS, RankLocal
 from ..mesh import CFG, DP
 from ..sharding import batch_rows
 from .installed import Installed
+from .linear_attention import install_linear_attention
+from .row_halo import install_row_convolution
 from .strategy import Controls, TokenStrategy
 
 log = logging.getLogger("xdit_lab.models")
@@ -119,7 +125,9 @@ def install_hooks(transformer, state: ParallelState) -> None:
                 )
             continue
         known += 1
-        if kind in SEQUENCE_PARALLEL_KINDS and strategy.takes_attention:
+        if kind == "linear" and strategy.takes_attention:  # no SDPA: our processor (linear_attention.py)
+            install_linear_attention(module, name, state)
+        elif kind in SEQUENCE_PARALLEL_KINDS and strategy.takes_attention:
             before = _attend_through_site(module, AttentionSite(state, kind, name), state.hooks)
             if before is not None:
                 replaced.setdefault(before, []).append(name)
@@ -152,6 +160,8 @@ def install_hooks(transformer, state: ParallelState) -> None:
         for entry in adapter.per_token:
             if entry.module:
                 _hook_per_token(transformer, state, entry)
+        if adapter.row_convolution is not None:  # a convolution over token rows: halo rows (row_halo.py)
+            install_row_convolution(transformer, state)
     if strategy.text_shard_at == "block":
         _hook_text_at_first_block(transformer, state)
     elif strategy.text_shard_at == "joined":
@@ -159,6 +169,19 @@ def install_hooks(transformer, state: ParallelState) -> None:
     if adapter.text_len_at is not None:
         _hook_text_len(transformer, state, adapter.text_len_at)
     setattr(transformer, STATE_ATTRIBUTE, state)
+
+
+def local_mixing_layers(adapter, model) -> dict[str, int]:
+    """What mixes tokens outside SDPA in `model` (the modules this rank holds), as the traffic's closed form
+    counts it: linear-attention layers (their sums all-reduced), convolutions over token rows (their halo
+    exchanged) and the rows of a halo."""
+    names = [name for name, _ in model.named_modules()]
+    rows = adapter.row_convolution
+    return dict(
+        linear_layers=sum(1 for name in names if adapter.attention_kind(name) == "linear"),
+        row_conv_layers=0 if rows is None else sum(1 for name in names if re.search(rows.module, name)),
+        halo_rows=0 if rows is None else rows.reach,
+    )
 
 
 def _hook_output(root, state, path: str, method: str):

@@ -30,9 +30,11 @@ import torch
 
 from .. import comm
 from ..attention import sp_attention, sp_attention_sharded
+from ..attention.linear import linear_sums, reduce_sums
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
 from .hooks import join_text, keep_forward_per_token, refuse_unsplittable, split_text
+from .row_halo import exchange_halo
 from .step import whole_step
 from .strategy import StrategyReport
 
@@ -184,6 +186,37 @@ class SequenceShards:
             text_mask=text_mask,
             scale=scale,
         )
+
+    def linear_sums(self, name: str, key, value):
+        """The whole image's linear-attention sums [B, H, D+1, D] from this rank's keys and values: its own,
+        all-reduced over the sequence-parallel ranks (attention/linear.py)."""
+        return reduce_sums(linear_sums(key, value), self.mesh)
+
+    # ---- a convolution over token rows (row_halo.py): every shard whole rows, halo rows from the neighbours ----
+    def token_rows(self, height: int, width: int) -> int:
+        """The rows of this rank's shard of a height × width token grid, refused where it is not whole rows."""
+        start, stop = self.shard_range
+        if start % width or stop % width:
+            sp = self.mesh.group_size(SP)
+            raise ValueError(
+                f"{self.state.adapter.family} convolves its tokens as an image (a 3 × 3 convolution over rows), so "
+                f"each of the {sp} sequence-parallel ranks (ulysses {self.mesh.group_size(ULYSSES)} × ring "
+                f"{self.mesh.group_size(RING)}) must hold whole token rows: {height} rows of {width} tokens do not "
+                f"split so; use an image whose token rows are a multiple of {sp}, or a smaller ulysses × ring"
+            )
+        return (stop - start) // width
+
+    def halo_sizes(self, reach: int) -> tuple[int, int]:
+        """Rows a halo adds above and below this rank's band: `reach` from each neighbour, none at an edge."""
+        sp, me = self.mesh.group_size(SP), self.mesh.group_rank(SP)
+        return (reach if me > 0 else 0), (reach if me < sp - 1 else 0)
+
+    def halo(self, name: str, x, reach: int):
+        """x[B, C, h, W], this rank's band, with `reach` rows of each neighbouring rank's band around it (the
+        control, Controls(exchanges_halo=False): zeros in their place)."""
+        if not self.state.controls.exchanges_halo:
+            return torch.nn.functional.pad(x, (0, 0, *self.halo_sizes(reach)))
+        return exchange_halo(x, self.mesh, SP, reach)
 
     def _text_sizes(self, text: int) -> list[int]:
         return shard_sizes(text, self.mesh.group_size(SP))

@@ -79,6 +79,20 @@ class TokenStrategy(Protocol):
     def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None) -> torch.Tensor:
         """Attention of this rank's queries over the whole sequence, for one attention module."""
 
+    def linear_sums(self, name: str, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The whole image's linear-attention sums [B, H, D+1, D] from this rank's keys and values, for the
+        linear-attention module `name`."""
+
+    def token_rows(self, height: int, width: int) -> int:
+        """The token rows this rank holds of a height × width grid (a convolution over rows: whole rows)."""
+
+    def halo_sizes(self, reach: int) -> tuple[int, int]:
+        """Rows `halo` adds above and below this rank's rows."""
+
+    def halo(self, name: str, x: torch.Tensor, reach: int) -> torch.Tensor:
+        """x[B, C, h, W], this rank's rows, with the neighbouring rows the convolving module `name` reads
+        around them."""
+
     def gather(self, tokens: torch.Tensor) -> torch.Tensor:
         """The whole image's tokens, before unpatchify."""
 
@@ -106,6 +120,8 @@ class Controls:
                             indexes them: the mistake rebasing prevents
     cache_agrees            False: a StepCache's ranks each decide from their own tokens' sums, not the
                             whole batch's (they diverge, and a collective times out): models/cache.py
+    exchanges_halo          False: a convolution over token rows (Sana's feed-forward) convolves each rank's band
+                            alone, zeros beyond its edges: the mistake the halo rows prevent (models/row_halo.py)
     """
 
     shards_text: bool = True
@@ -113,6 +129,7 @@ class Controls:
     drops_returned_latents: bool = False
     rebases_block_residuals: bool = True
     cache_agrees: bool = True
+    exchanges_halo: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ conditioning   xdit_lab/families/<family>.py), checked against the family's own 
                tiny pipelines (tests/test_fit.py)
 stale K/V      PipeFusion's buffers on the busiest rank of the busiest stage: the layers the family
                adapter counts (FamilyAdapter.stale_kv_layers), the busiest rank's batch rows (kv_rows),
-               attention/stale.py's stale_kv_bytes
+               attention/stale.py's stale_kv_bytes; and a linear attention's sums and a convolution's
+               edge rows per patch (Sana's: stale_sums_and_halos)
 decode peak    the VAE decode's activations, whole or in row bands (decode_peak_bytes; AutoencoderKL)
 """
 
@@ -130,7 +131,27 @@ def stale_kv(folder: ModelFolder, call: Call, shape: RequestShape, config: Paral
     rank's batch rows, this rank's tokens (attention/stale.py's stale_kv_bytes)."""
     layers = sum(stale_layers(folder)[span[0] : span[1]])
     rows = kv_rows(config, call.prompts * call.branches)
-    return busiest_stale_kv_bytes(config, folder.transformer.config, layers, rows, shape.grid, folder.element)
+    kv = busiest_stale_kv_bytes(config, folder.transformer.config, layers, rows, shape.grid, folder.element)
+    return kv + stale_sums_and_halos(folder, config, span, rows, shape.grid)
+
+
+def stale_sums_and_halos(folder: ModelFolder, config: ParallelConfig, span, rows: int, grid) -> int:
+    """What a stage keeps besides K/V of its blocks [start, stop): a linear attention's sums and a convolution's
+    edge rows per patch (Sana's; the family adapter counts the layers, FamilyAdapter.stale_mixing_layers)."""
+    from ..attention.linear import stale_sums_bytes
+
+    adapter, transformer = folder.adapter, folder.transformer.config
+    if adapter.row_convolution is None and "linear" not in adapter.attention.values():
+        return 0
+    names = {key.rsplit(".", cut)[0] for key in folder.transformer.names for cut in range(1, key.count(".") + 1)}
+    counts = adapter.stale_mixing_layers(sorted(names), transformer)[span[0] : span[1]]
+    linear, convolving = (sum(c) for c in zip(*counts)) if counts else (0, 0)
+    heads, head_dim = transformer["num_attention_heads"], transformer["attention_head_dim"]
+    kept = stale_sums_bytes(linear, rows, heads, head_dim, config.patches)
+    if adapter.row_convolution is not None:
+        width = heads * head_dim
+        kept += adapter.row_convolution.stale_halo_bytes(convolving, rows, grid, config.patches, width, folder.element)
+    return kept
 
 
 def busiest_stale_kv_bytes(

@@ -481,3 +481,47 @@ def clip_image_processor():
     from transformers import CLIPImageProcessor
 
     return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+
+
+def gemma_tokenizer():
+    """Gemma's BPE over single characters, with merges that make each of WORDS after a space ("▁word") one token;
+    "<bos>" begins every text, "<pad>" = 0 pads (SanaPipeline pads on the right, to max_sequence_length)."""
+    from transformers import GemmaTokenizer
+
+    chars = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "\n", "▁"]
+    base = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *chars]
+    vocab, merges = _bpe(base, [list("▁" + w) for w in dict.fromkeys(WORDS)])
+    return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
+
+
+def gemma2_encoder(seed: int, vocab_size: int):
+    """Gemma 2 (Sana's text encoder, whose last hidden states the pipeline reads), TEXT_DIM wide, two layers,
+    two query heads sharing one key/value head, as Gemma 2's grouped heads do."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(
+        vocab_size=vocab_size, hidden_size=TEXT_DIM, intermediate_size=2 * TEXT_DIM, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    return Gemma2Model(config).eval()
+
+
+def dc_vae(seed: int, latent_channels: int, scaling_factor: float):
+    """A deep-compression autoencoder (Sana's AutoencoderDC) at its smallest: three stages, 4x spatial, the last
+    with DC-AE's linear-attention block, as the real one's deep stages."""
+    from diffusers import AutoencoderDC
+
+    torch.manual_seed(seed)
+    stages = dict(
+        encoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(8, 8, 8), decoder_block_out_channels=(8, 8, 8),
+        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
+    )  # fmt: skip
+    return AutoencoderDC(
+        in_channels=3, latent_channels=latent_channels, attention_head_dim=2, downsample_block_type="conv",
+        upsample_block_type="interpolate", scaling_factor=scaling_factor, **stages,
+    ).eval()  # fmt: skip

@@ -32,6 +32,7 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ... import comm
+from ...attention.linear import linear_sums, stale_sums_bytes
 from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
@@ -71,6 +72,8 @@ class PipeFusionStage:
         self.layout = None
         self.grid = None
         self.buffers: dict[str, StaleKV] = {}
+        self.sums: dict[str, torch.Tensor] = {}  # a linear-attention module's sums per patch [P, B, H, D+1, D]
+        self.edges: dict[str, torch.Tensor] = {}  # a convolving module's edge rows per patch [P, 2, B, C, reach, W]
         self.active: list[int] = []
         self.incoming = None  # (image, text) handed over by the previous stage for the running patch
         self.handed_residual = None  # what the forward adds after this stage's last block (a ControlNet's residual)
@@ -148,10 +151,13 @@ class PipeFusionStage:
     def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
         """{"stale K/V": bytes} of the buffers this stage keeps between steps once a step ran with `rows`
         batch rows on this rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's
-        frames stacked as rows: LatentLayout.token_grid): stale_kv_bytes, for its blocks' attention."""
+        frames stacked as rows: LatentLayout.token_grid): stale_kv_bytes, for its blocks' attention, and a
+        linear attention's sums and a convolution's edge rows per patch (Sana's)."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
+        adapter, names = self.state.adapter, [name for name, _ in transformer.named_modules()]
+        linear, convolving = (sum(counts) for counts in zip(*adapter.stale_mixing_layers(names, config)))
         kv = stale_kv_bytes(
-            layers=sum(self.state.adapter.stale_kv_layers((name for name, _ in transformer.named_modules()), config)),
+            layers=sum(adapter.stale_kv_layers(names, config)),
             rows=rows,
             heads=config.num_attention_heads,
             head_dim=config.attention_head_dim,
@@ -163,11 +169,17 @@ class PipeFusionStage:
             element_bytes=element,
             ulysses_rank=self.mesh.group_rank(ULYSSES),
         )
+        patches, width = self.config.patches, config.num_attention_heads * config.attention_head_dim
+        kv += stale_sums_bytes(linear, rows, config.num_attention_heads, config.attention_head_dim, patches)
+        if adapter.row_convolution is not None:
+            kv += adapter.row_convolution.stale_halo_bytes(convolving, rows, grid, patches, width, element)
         return {"stale K/V": kv}
 
     def _kept_bytes(self) -> dict[str, int]:
-        """{"stale K/V": bytes} of the buffers this stage holds now, counted tensor by tensor."""
+        """{"stale K/V": bytes} of the buffers this stage holds now, counted tensor by tensor (with a linear
+        attention's sums and a convolution's edge rows per patch, kept like K/V)."""
         held = [t for b in self.buffers.values() for t in (b.keys, b.values) if t is not None]
+        held += [*self.sums.values(), *self.edges.values()]
         return {"stale K/V": sum(t.numel() * t.element_size() for t in held)}
 
     def _token_pieces(self, rows: int, cols: int) -> dict:
@@ -202,7 +214,7 @@ class PipeFusionStage:
         """A new generation: warm up again with empty buffers (and the async schedule starts over)."""
         if self.schedule is not None:
             self.schedule.reset()
-        self.step, self.buffers, self.layout, self.grid = 0, {}, None, None
+        self.step, self.buffers, self.layout, self.grid, self.sums, self.edges = 0, {}, None, None, {}, {}
 
     @property
     def pipelined(self) -> bool:
@@ -275,7 +287,9 @@ class PipeFusionStage:
             noise = latents.new_empty(adapter.latents.prediction_shape(latents, self.model_config), dtype=self.dtype)
         else:  # the last patch's output: gather() filled one buffer with every patch's tokens
             noise = output[0] if isinstance(output, tuple) else output.sample
-            noise = noise.to(self.dtype)  # the broadcast's dtype, as the other stages allocated it
+            # the broadcast's dtype and layout, as the other stages allocated it (Sana's unpatchify returns a
+            # permuted view, whose storage order a broadcast would send as it lies)
+            noise = noise.to(self.dtype).contiguous()
         comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
         self.step += 1
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
@@ -301,7 +315,7 @@ class PipeFusionStage:
         if self.grid != (rows, cols):  # a new image size: new patches, new buffers
             if self.schedule is not None and self.schedule.cursor:
                 raise RuntimeError("the image size changed in the middle of a pipelined step")
-            self.grid, self.buffers, self.indices = (rows, cols), {}, {}
+            self.grid, self.buffers, self.indices, self.sums, self.edges = (rows, cols), {}, {}, {}, {}
             self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
         patches = len(self.layout.patches)
         if self.step < self.config.warmup_steps:
@@ -394,6 +408,58 @@ class PipeFusionStage:
             scale=scale,
         )
         return join_text(kind, out, joint_out)
+
+    # ---- linear attention's sums and a convolution's halo rows, kept per patch like K/V (Sana) ----------------
+    # A warm-up step holds the whole image: it keeps each patch's sums and each patch's edge rows of every
+    # convolving module's input. A patch step then attends with its own fresh sums plus the others' kept ones,
+    # and convolves with the row above from the patch before it (this step's: the patches run in order) and the
+    # row below from the patch after it (the step before's), as its attention reads stale K/V.
+    def _patch_rows(self, width: int) -> list[tuple[int, int]]:
+        """(first row, end row) of each patch, patches being bands of whole token rows."""
+        return [(start // width, stop // width) for start, stop in self.layout.patches]
+
+    def _holds_whole_image(self) -> bool:
+        return len(self.active) == len(self.layout.patches)
+
+    def linear_sums(self, name: str, key, value):
+        """The whole image's linear-attention sums: in a warm-up step this rank's own (it holds every token),
+        each patch's kept; in a patch step the patch's fresh sums and the other patches' kept ones."""
+        if self._holds_whole_image():
+            kept = torch.stack([linear_sums(key[:, :, a:b], value[..., a:b]) for a, b in self.layout.patches])
+            self.sums[name] = kept
+            return kept.sum(0)
+        (patch,), fresh = self.active, linear_sums(key, value)
+        # before any warm-up (warmup_steps=0) a patch not run yet counts as zeros, as StaleKV's buffers do
+        kept = self.sums.setdefault(name, fresh.new_zeros((len(self.layout.patches), *fresh.shape)))
+        others = [kept[q] for q in range(len(kept)) if q != patch]
+        kept[patch] = fresh
+        return fresh + torch.stack(others).sum(0)
+
+    def token_rows(self, height: int, width: int) -> int:
+        """The rows of the active patches (whole bands: sp = 1 within a stage)."""
+        rows = self._patch_rows(width)
+        return sum(rows[p][1] - rows[p][0] for p in self.active)
+
+    def halo_sizes(self, reach: int) -> tuple[int, int]:
+        if self._holds_whole_image():
+            return 0, 0  # the convolution's own zero padding at both edges, as in the whole image
+        (patch,) = self.active
+        return (reach if patch > 0 else 0), (reach if patch < len(self.layout.patches) - 1 else 0)
+
+    def halo(self, name: str, x, reach: int):
+        """x[B, C, h, W], the active patches' rows of the module's input, with the kept rows around them."""
+        rows = self._patch_rows(x.shape[3])
+        if self._holds_whole_image():
+            self.edges[name] = torch.stack(
+                [torch.stack([x[:, :, a : a + reach], x[:, :, b - reach : b]]) for a, b in rows]
+            )  # [patches, 2 (first rows, last rows), B, C, reach, W]
+            return x
+        (patch,), shape = self.active, (len(rows), 2, *x.shape[:2], reach, x.shape[3])
+        edges = self.edges.setdefault(name, x.new_zeros(shape))  # zeros for rows not computed yet, as above
+        above = [edges[patch - 1, 1]] if patch > 0 else []
+        below = [edges[patch + 1, 0]] if patch < len(rows) - 1 else []
+        edges[patch, 0], edges[patch, 1] = x[:, :, :reach], x[:, :, -reach:]
+        return torch.cat([*above, x, *below], dim=2)
 
     def _take_incoming(self, _module, args, kwargs):
         """The stage's first block takes the previous stage's image (and text) states; a block that

@@ -287,12 +287,24 @@ def test_the_published_configurations_ship_in_the_wheel_and_read_back(tmp_path):
     assert REAL_MODELS[klein].settings == {"is_distilled": True} == written["models"][klein]["settings"]
 
 
+def _variant(folder, name):
+    """A folder beside `folder` whose components are links to its own (its sparse weights are not copied, which
+    would write them out whole), model_index.json copied to be changed, and no call_defaults.json."""
+    variant = folder.with_name(name)
+    variant.mkdir()
+    for path in folder.iterdir():
+        if path.name == "model_index.json":
+            (variant / path.name).write_text(path.read_text())
+        elif path.name != "call_defaults.json":
+            (variant / path.name).symlink_to(path)
+    return variant
+
+
 def test_flux2_klein_plans_one_branch_and_its_qwen3_from_its_folder(folders):
     """FLUX.2-klein-4B's folder says is_distilled in its model_index.json: the planner plans one branch (no cfg 2
     row), and the text encoder whole at Qwen3-4B's published bytes; a request keeps Qwen3's three stacked states
     per prompt, 512 tokens × 7680 (3 × 2560) in bfloat16, beside the ids. Control: the same folder marked as the
     base model (is_distilled false) plans two branches and cfg 2 rows."""
-    import shutil
 
     folder = folders["FLUX.2-klein-4B"]
     rows = plan_model(folder, 2, 80 * GB)
@@ -301,8 +313,7 @@ def test_flux2_klein_plans_one_branch_and_its_qwen3_from_its_folder(folders):
     assert whole.weights["text_encoder"] == 8_044_936_192 and whole.fits
     ids = (512 + 64 * 64) * 4 * 8  # txt_ids and img_ids at 1024², int64 (t, h, w, l)
     assert whole.conditioning == 512 * 3 * 2560 * 2 + ids
-    base = folder.with_name("FLUX.2-klein-base-4B")
-    shutil.copytree(folder, base, symlinks=True)
+    base = _variant(folder, "FLUX.2-klein-base-4B")
     index = json.loads((base / "model_index.json").read_text())
     (base / "model_index.json").write_text(json.dumps(index | {"is_distilled": False}))
     rows = plan_model(base, 2, 80 * GB)
@@ -312,12 +323,21 @@ def test_flux2_klein_plans_one_branch_and_its_qwen3_from_its_folder(folders):
 def test_zimage_turbo_is_planned_from_its_folder_without_pipefusion(folders):
     """Z-Image-Turbo's rows: its transformer (6.15B parameters) and Qwen3-4B text encoder at their stored bytes on a
     rank that holds them whole, which fits one of two 24 GB GPUs under ulysses 2; no PipeFusion row (load_pipeline
-    refuses it for the family: its forward joins [image; caption] between its refiners and its layers)."""
-    rows = plan_model(folders["Z-Image-Turbo"], 2, 24 * GB)
+    refuses it for the family: its forward joins [image; caption] between its refiners and its layers). Its folder's
+    call_defaults.json says what its model card does, 9 steps at guidance 0: one branch, so no cfg 2 row. Control:
+    the same folder without it plans ZImagePipeline's own guidance 5, two branches, and offers cfg 2."""
+
+    folder = folders["Z-Image-Turbo"]
+    assert json.loads((folder / "call_defaults.json").read_text()) == {"num_inference_steps": 9, "guidance_scale": 0.0}
+    rows = plan_model(folder, 2, 24 * GB)
     assert rows and not [row for row in rows if row.config.pipefusion > 1]
+    assert {row.request.branches for row in rows} == {1} and {row.config.cfg for row in rows} == {1}
     whole = _row(rows, "ulysses2", False, "gpu")
     assert whole.weights["transformer"] == 6_154_908_736 * 2 and whole.weights["text_encoder"] == 4_022_468_096 * 2
     assert whole.fits
+    plain = _variant(folder, "Z-Image-without-call-defaults")
+    rows = plan_model(plain, 2, 24 * GB)
+    assert {row.request.branches for row in rows} == {2} and any(row.config.cfg == 2 for row in rows)
 
 
 def test_sana_plans_its_stages_whole_and_keeps_sums_and_edge_rows(folders):

@@ -46,6 +46,8 @@ def save_header_only(name: str, folder) -> Path:
     for component_name, component in model.components.items():
         _save_component(component, folder / component_name)
     _write_atomically(folder / "model_index.json", json.dumps(index, indent=2, sort_keys=False) + "\n")
+    if model.call_defaults:
+        _write_atomically(folder / "call_defaults.json", json.dumps(model.call_defaults, indent=2) + "\n")
     return folder
 
 

@@ -41,6 +41,9 @@ class RealModel:
     components: dict[str, Component]  # written: configs (and weights, for models)
     listed_only: dict[str, tuple[str, str]] = field(default_factory=dict)  # in model_index.json, not written
     settings: dict = field(default_factory=dict)  # the pipeline's own, in model_index.json (is_distilled)
+    # what its model card says to call it with, written as the folder's call_defaults.json (Z-Image-Turbo: 9 steps
+    # at guidance 0), which the planner and load_pipeline read as any folder's
+    call_defaults: dict = field(default_factory=dict)
 
 
 def _arguments(written: dict, configs: dict) -> dict:
@@ -73,6 +76,7 @@ def load_real_models(path: Path = PUBLISHED) -> dict[str, RealModel]:
             {part: _component(written, configs) for part, written in model["components"].items()},
             {part: tuple(where) for part, where in model.get("listed_only", {}).items()},
             model.get("settings", {}),
+            model.get("call_defaults", {}),
         )
         for name, model in published["models"].items()
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import FamilyAdapter
-from .recipe import Recipe, RequestShape, generator_of, vae_scale
+from .recipe import Recipe, RequestShape, binned_size, generator_of, vae_scale
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec, text_parts
 
 ADAPTER = FamilyAdapter(
@@ -48,7 +48,7 @@ class PixArtRecipe(Recipe):
         width = request.width or sample_size * pipe.vae_scale_factor
         prepared.extra["size"] = (height, width)
         if request.options["use_resolution_binning"]:
-            height, width = binned_size(sample_size, height, width)
+            height, width = binned_size(BINS, sample_size, height, width)
         generator = generator_of(request)
         prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, request.num_inference_steps, device)
         if hasattr(pipe.scheduler, "set_begin_index"):
@@ -69,8 +69,8 @@ class PixArtRecipe(Recipe):
         t = configs["transformer"]
         height, width = call.height, call.width
         # a sample size without bins (a tiny specimen's) at the size asked: its pipeline refuses binning when called
-        if call.options.get("use_resolution_binning", True) and t["sample_size"] in BINNED_SAMPLE_SIZES:
-            height, width = binned_size(t["sample_size"], height, width)
+        if call.options.get("use_resolution_binning", True) and t["sample_size"] in BINS:
+            height, width = binned_size(BINS, t["sample_size"], height, width)
         scale = vae_scale(configs["vae"])[0]
         rows, cols = height // scale, width // scale
         text = call.options["max_sequence_length"]
@@ -115,26 +115,12 @@ class PixArtRecipe(Recipe):
 RECIPE = PixArtRecipe()
 
 
-BINNED_SAMPLE_SIZES = (32, 64, 128)  # diffusers' aspect-ratio bins: 256, 512 and 1024 pixels
-
-
-def binned_size(sample_size: int, height: int, width: int) -> tuple[int, int]:
-    """The size PixArt's pipeline really renders with resolution binning: the nearest aspect-ratio bin of
-    the model's sample size."""
-    from diffusers.image_processor import PixArtImageProcessor
-    from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
-        ASPECT_RATIO_256_BIN,
-        ASPECT_RATIO_512_BIN,
-        ASPECT_RATIO_1024_BIN,
-    )
-
-    bins = {128: ASPECT_RATIO_1024_BIN, 64: ASPECT_RATIO_512_BIN, 32: ASPECT_RATIO_256_BIN}
-    if sample_size not in bins:
-        raise ValueError(
-            f"resolution binning needs a sample size of 32, 64 or 128, not {sample_size}; "
-            f"pass use_resolution_binning=False"
-        )
-    return PixArtImageProcessor.classify_height_width_bin(height, width, ratios=bins[sample_size])
+# the aspect-ratio bins PixArt's pipelines render a model's sample size at: 256, 512 and 1024 pixels
+BINS = {
+    32: "pixart_alpha.pipeline_pixart_alpha:ASPECT_RATIO_256_BIN",
+    64: "pixart_alpha.pipeline_pixart_alpha:ASPECT_RATIO_512_BIN",
+    128: "pixart_alpha.pipeline_pixart_alpha:ASPECT_RATIO_1024_BIN",
+}
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):

@@ -563,6 +563,24 @@ class VideoRecipe(Recipe):
         return self.default_size
 
 
+def binned_size(bins: dict[int, str], sample_size: int, height: int, width: int) -> tuple[int, int]:
+    """The size a pipeline with resolution binning really renders: the nearest aspect-ratio bin of the table
+    `bins[sample_size]` names ("module:TABLE" in diffusers.pipelines; PixArt's and Sana's pipelines each map
+    their model's sample size to one)."""
+    from importlib import import_module
+
+    from diffusers.image_processor import PixArtImageProcessor
+
+    if sample_size not in bins:
+        sizes = ", ".join(map(str, bins))
+        raise ValueError(
+            f"resolution binning needs a sample size of {sizes}, not {sample_size}; pass use_resolution_binning=False"
+        )
+    module, table = bins[sample_size].split(":")
+    ratios = getattr(import_module(f"diffusers.pipelines.{module}"), table)
+    return PixArtImageProcessor.classify_height_width_bin(height, width, ratios=ratios)
+
+
 def causal_vae_decoded(pipe, latents: torch.Tensor) -> torch.Tensor:
     """Wan's causal 3D VAE (Wan's and Qwen-Image's pipelines): the latents un-normalized by the VAE's
     per-channel means and stds, in its dtype, then decoded [B, C, F, H, W]."""

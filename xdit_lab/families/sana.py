@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import FamilyAdapter, RowConvolution
-from .recipe import Recipe, RequestShape, generator_of
+from .recipe import Recipe, RequestShape, binned_size, generator_of
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
 ADAPTER = FamilyAdapter(
@@ -33,8 +33,13 @@ ADAPTER = FamilyAdapter(
     "to check it against",
 )
 
-# the sample sizes diffusers' SanaPipeline bins: 512, 1024, 2048 and 4096 pixels
-BINNED_SAMPLE_SIZES = (16, 32, 64, 128)
+# the aspect-ratio bins SanaPipeline renders a model's sample size at: 512, 1024, 2048 and 4096 pixels
+BINS = {
+    16: "pixart_alpha.pipeline_pixart_alpha:ASPECT_RATIO_512_BIN",
+    32: "pixart_alpha.pipeline_pixart_alpha:ASPECT_RATIO_1024_BIN",
+    64: "pixart_alpha.pipeline_pixart_sigma:ASPECT_RATIO_2048_BIN",
+    128: "sana.pipeline_sana:ASPECT_RATIO_4096_BIN",
+}
 DEFAULT_SIZE = 1024  # SanaPipeline's default height and width, whatever the model's sample size
 SIZE_MULTIPLE = 32  # SanaPipeline.check_inputs: height and width divisible by 32
 
@@ -61,7 +66,7 @@ class SanaRecipe(Recipe):
     def drawn_size(self, pipe, request):
         height, width = super().drawn_size(pipe, request)
         if request.options["use_resolution_binning"]:
-            return binned_size(pipe.transformer.config.sample_size, height, width)
+            return binned_size(BINS, pipe.transformer.config.sample_size, height, width)
         return height, width
 
     def _instruction(self, pipe, request):
@@ -126,8 +131,8 @@ class SanaRecipe(Recipe):
     def planned_request(self, configs, call, element):
         t = configs["transformer"]
         height, width = call.height, call.width
-        if call.options.get("use_resolution_binning", True) and t["sample_size"] in BINNED_SAMPLE_SIZES:
-            height, width = binned_size(t["sample_size"], height, width)
+        if call.options.get("use_resolution_binning", True) and t["sample_size"] in BINS:
+            height, width = binned_size(BINS, t["sample_size"], height, width)
         scale = dc_scale(configs["vae"])
         rows, cols = height // scale, width // scale
         text = call.options["max_sequence_length"]
@@ -176,23 +181,6 @@ class SanaRecipe(Recipe):
 
 
 RECIPE = SanaRecipe()
-
-
-def binned_size(sample_size: int, height: int, width: int) -> tuple[int, int]:
-    """The size SanaPipeline really renders with resolution binning: the nearest aspect-ratio bin of the
-    model's sample size."""
-    from diffusers.image_processor import PixArtImageProcessor
-    from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_512_BIN, ASPECT_RATIO_1024_BIN
-    from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
-    from diffusers.pipelines.sana.pipeline_sana import ASPECT_RATIO_4096_BIN
-
-    bins = {128: ASPECT_RATIO_4096_BIN, 64: ASPECT_RATIO_2048_BIN, 32: ASPECT_RATIO_1024_BIN, 16: ASPECT_RATIO_512_BIN}
-    if sample_size not in bins:
-        raise ValueError(
-            f"resolution binning needs a sample size of 16, 32, 64 or 128, not {sample_size}; "
-            f"pass use_resolution_binning=False"
-        )
-    return PixArtImageProcessor.classify_height_width_bin(height, width, ratios=bins[sample_size])
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):

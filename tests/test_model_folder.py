@@ -167,3 +167,21 @@ def test_the_planner_keeps_an_image_encoder_whole_and_unquantized(wan_2_1_i2v):
     for row in rows:
         assert row.weights["image_encoder"] == whole, f"{row.config.short()} {row.text_encoders}: {row.weights}"
     assert "image_encoder" not in rows[0].request.text_encoders
+
+
+def test_the_heads_a_degree_is_checked_against_are_read_as_the_family_spells_them(tmp_path):
+    """The advice before a load (`xdit-lab run`, `Lab.load`) reads the transformer's heads from its config.json,
+    through the family's adapter: Z-Image spells them n_heads, so a ulysses degree above them is refused before
+    anything loads, naming the heads; Flux's num_attention_heads as before. Control: a config without the family's
+    class name says nothing (None), and the load itself names what is wrong."""
+    import json
+
+    from xdit_lab.model_folder import transformer_heads
+
+    zimage, flux = save_tiny_pipeline("zimage", tmp_path / "zimage"), save_tiny_pipeline("flux", tmp_path / "flux")
+    assert (transformer_heads(zimage), transformer_heads(flux)) == (3, 4)
+    with pytest.raises(ValueError, match="3 attention heads cannot give each of ulysses 4 ranks a head"):
+        RankMesh.check(ParallelConfig(ulysses=4), 4, num_heads=transformer_heads(zimage))
+    config = tmp_path / "zimage" / "transformer" / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "_class_name"}))
+    assert transformer_heads(zimage) is None

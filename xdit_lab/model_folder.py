@@ -68,7 +68,10 @@ def transformer_heads(name_or_path) -> int | None:
         config = json.loads((resolve_folder(name_or_path) / "transformer" / "config.json").read_text())
     except (OSError, ValueError):  # no folder, no config, not JSON: the load says it
         return None
-    heads = config.get("num_attention_heads") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return None
+    adapter = FAMILIES.get(config.get("_class_name"))  # a family that spells them otherwise (Z-Image: n_heads)
+    heads = adapter.attention_shape(config)[0] if adapter else config.get("num_attention_heads")
     return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
 
 

@@ -58,6 +58,11 @@ class SampleLatents(LatentLayout):
         return -tokens % SEQ_MULTI_OF
 
 
+def attention_shape(config) -> tuple[int, int]:
+    """(heads, head_dim) as Z-Image's config spells them: n_heads, and dim split over them."""
+    return config.get("n_heads"), config.get("dim") // config.get("n_heads")
+
+
 ADAPTER = FamilyAdapter(
     "zimage",
     "ZImageTransformer2DModel",
@@ -84,7 +89,7 @@ ADAPTER = FamilyAdapter(
     per_sample_lists=("x", "cap_feats"),
     block_lists=("layers",),
     block_counts=("n_layers",),
-    attention_shape=lambda config: (config.get("n_heads"), config.get("dim") // config.get("n_heads")),
+    attention_shape=attention_shape,
     step_cache_refused="ZImageTransformer2DModel has no CacheMixin: diffusers' First-Block Cache, the reference it is "
     "checked against, does not run on it",
     pipefusion_refused="its forward joins [image; caption] into one sequence between its refiners and its main "

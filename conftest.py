@@ -39,7 +39,6 @@ NBVAL_OUTPUT_TIMEOUT_S = 60
 # file follows in the order collected. A file missing here costs at most its own length at the end of the run.
 LONGEST_FIRST = [
     "tests/test_lab_hosts.py",  # 280 s (b86ccdb's CI; the others below: estimates after #59's cuts)
-    "tests/test_image_conditioned_pipelines.py",  # 242 core-s, its Qwen-Image-Edit test 151 s alone (b5c62ce's CI)
     "tests/test_run_cli.py",  # 150
     "tutorials/10_notebook_to_production.ipynb",  # 110
     "tests/test_pipelines.py",  # 97

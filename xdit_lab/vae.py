@@ -15,13 +15,25 @@ gathered at the end:
     mid attention    Ring attention over the bands (attention/ring.py; one head: no Ulysses)
     upsampling       nearest ×2 is local: the bands stay aligned, 8× taller at the end
 
-diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d,
-F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
-collective is logged with a tag starting "vae". The result equals `vae.decode` of the whole
-latent up to float rounding. Bands are on with ParallelConfig(vae_parallel=True), the default;
-the split of images over dp × cfg always is. Under PipeFusion every stage holds the whole latents
-too: the bands go over stages × sp (the mesh's "image" group). Flux.2's VAE is the same 2D decoder;
-the 3D VAEs of the video families decode each rank's images whole.
+Wan's causal 3D VAE (Wan 2.1 and 2.2, and Qwen-Image's, the same decoder) runs its decoder once per
+latent frame, each causal convolution convolving the frames it cached from the calls before:
+
+    latent frame t   the decoder runs on the band's rows of frame t (a call per frame, as diffusers does)
+    3×3×3 conv       pads its own input (F.pad) and convolves unpadded: the rows F.pad adds are the
+                     neighbours' instead, of every frame convolved, the cached ones too; each band's
+                     cache holds its own rows, so the neighbour's cache holds the halo's (exact)
+    RMS norm         over the channels of each pixel: local, nothing summed
+    mid attention    per frame over the frame's pixels: Ring attention over the bands, as above
+    upsampling       nearest ×2 and a 3×3 conv2d (a halo); the time convolution (3×1×1) is local
+
+diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d, F.pad,
+F.conv3d, F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
+collective is logged with a tag starting "vae", and each decode's halo bytes have a closed form
+(halo_bytes, causal_halo_bytes). The result equals `vae.decode` of the whole latent up to float
+rounding. Bands are on with ParallelConfig(vae_parallel=True), the default; the split of images
+over dp × cfg always is. Under PipeFusion every stage holds the whole latents too: the bands go over
+stages × sp (the mesh's "image" group). Flux.2's VAE is the same 2D decoder; the other 3D VAEs
+(CogVideoX's, HunyuanVideo's) decode each rank's images whole.
 """
 
 from __future__ import annotations
@@ -41,7 +53,9 @@ from .mesh import CFG, DP, IMAGE, PIPEFUSION, SP
 from .sharding import shard_range, shard_sizes
 
 log = logging.getLogger("xdit_lab.vae")
-BANDED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # 2D: diffusers' Decoder behind post_quant_conv
+PLANAR_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # 2D: diffusers' Decoder behind post_quant_conv
+CAUSAL_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")  # Wan's causal 3D decoder, one latent frame a call
+BANDED_VAES = PLANAR_VAES + CAUSAL_VAES
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
@@ -49,12 +63,13 @@ def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     """Make `vae.decode` do only this rank's part: its images of the batch (split over the dp × cfg
     ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
     vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing
-    changed) when one rank holds every image and there are no bands to split. Bands need a 2D VAE
-    (BANDED_VAES): the 3D VAEs of the video families decode their images whole (said in the log)."""
+    changed) when one rank holds every image and there are no bands to split. Bands need a VAE of
+    BANDED_VAES (the 2D ones and Wan's causal 3D one): the other 3D VAEs decode their images whole
+    (said in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
     if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ not in BANDED_VAES:
         log.warning(
-            "%s decodes this rank's images whole: row bands over the ranks of an image need a 2D VAE (%s)",
+            "%s decodes this rank's images whole: row bands over the ranks of an image need one of %s",
             type(vae).__name__,
             ", ".join(BANDED_VAES),
         )
@@ -122,7 +137,7 @@ def _decode_my_part(vae, whole_decode, mesh, z, bands: bool, **kwargs):
             first_image=start,
             bands=[list(shard_range(rows, parts, i)) for i in range(parts)],
             band=list(shard_range(rows, parts, sp_rank)),
-            halo_expected=halo_bytes(vae.config, tuple(mine.shape), z.element_size(), neighbours) if parts > 1 else 0,
+            halo_expected=_halo_bytes(vae, tuple(mine.shape), z.element_size(), neighbours) if parts > 1 else 0,
         ),
     )
     if parts == 1:
@@ -159,6 +174,10 @@ class Bands(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.conv2d:
             return self.conv2d(*args, **kwargs)
+        if func is F.pad:
+            return self.pad(*args, **kwargs)
+        if func is F.conv3d:
+            return self.conv3d(*args, **kwargs)
         if func is F.group_norm:
             return self.group_norm(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
@@ -177,17 +196,52 @@ class Bands(TorchFunctionMode):
             x = torch.cat([top, x, bottom], dim=2)
         return F.conv2d(x, weight, bias, 1, (0, pad_w), 1, groups)
 
+    def pad(self, x, pad, mode="constant", value=None):
+        """Wan's causal 3D convolution pads its input itself (F.pad: rows and columns by one, time causally,
+        after its cached frames), then convolves unpadded: the rows it pads above and below the band are
+        the neighbours' instead, of every frame it convolves, cached ones included. The cache holds this
+        band's own rows of earlier frames, so the neighbours' caches hold the halo's: exchanging the halo
+        of the input as the convolution sees it is exact without any halo in the cache."""
+        if len(pad) < 4 or not (pad[2] or pad[3]):
+            return F.pad(x, pad, mode=mode, value=value)
+        if mode != "constant" or value or pad[2] != pad[3]:
+            raise NotImplementedError(
+                f"patch-parallel decode pads rows with zeros, as many above as below, got {pad} ({mode}, {value})"
+            )
+        rows = pad[2]
+        top, bottom = self._halos(x, rows)
+        padded = F.pad(x, pad)  # the one tensor diffusers' own pad makes; its zero rows take the halos
+        # x's place in it, last dim first; the halos sit beside x's frames and columns (zeros beside them too)
+        place = [slice(pad[2 * d], pad[2 * d] + x.shape[-1 - d]) for d in range(len(pad) // 2)]
+        place[1] = slice(0, rows)
+        padded[(..., *reversed(place))] = top
+        place[1] = slice(padded.shape[-2] - rows, padded.shape[-2])
+        padded[(..., *reversed(place))] = bottom
+        return padded
+
+    def conv3d(self, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        """Only as Wan's causal convolution calls it: its rows padded already (pad above), none here."""
+        row_padding = padding if isinstance(padding, (int, str)) else padding[1]
+        row_stride = stride if isinstance(stride, int) else stride[1]
+        if row_padding != 0 or row_stride != 1:
+            raise NotImplementedError(
+                f"patch-parallel decode handles 3D convolutions of row stride 1 whose rows F.pad padded, got "
+                f"stride {stride}, padding {padding}"
+            )
+        return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
+
     def _halos(self, x, rows: int):
-        if x.shape[2] < rows:
-            raise ValueError(f"a band of {x.shape[2]} rows cannot give a halo of {rows}; use fewer ranks")
-        top = x.new_zeros((*x.shape[:2], rows, x.shape[3]))
+        """The `rows` rows (x's dim -2) of the neighbours above and below the band: zeros at the image's edge."""
+        if x.shape[-2] < rows:
+            raise ValueError(f"a band of {x.shape[-2]} rows cannot give a halo of {rows}; use fewer ranks")
+        top = x.new_zeros((*x.shape[:-2], rows, x.shape[-1]))
         bottom = torch.zeros_like(top)
         sends, receives = [], []
         if self.above is not None:
-            sends.append((x[:, :, :rows].contiguous(), self.above))
+            sends.append((x[..., :rows, :].contiguous(), self.above))
             receives.append((top, self.above))
         if self.below is not None:
-            sends.append((x[:, :, -rows:].contiguous(), self.below))
+            sends.append((x[..., -rows:, :].contiguous(), self.below))
             receives.append((bottom, self.below))
         comm.wait(comm.exchange(sends, receives, self.mesh, self.group, tag="vae_halo"))
         return top, bottom
@@ -242,3 +296,47 @@ def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) ->
         previous = out
     convs.append((vae_config["block_out_channels"][0], width * scale))  # conv_out
     return sum(batch * c * w for c, w in convs) * element_bytes * neighbours
+
+
+def _halo_bytes(vae, latent_shape, element_bytes: int, neighbours: int) -> int:
+    if type(vae).__name__ in CAUSAL_VAES:
+        return causal_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+    return halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+
+
+def causal_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
+    """Bytes one rank sends in halos during one decode of Wan's causal 3D VAE (AutoencoderKLWan's config
+    keys; Qwen-Image's VAE is the same decoder). The decoder runs once per latent frame; every 3×3×3
+    convolution sends one row of its input to each neighbour, of the frames it convolves: this call's,
+    after the frames its cache holds (the last two it saw, fewer at first). Each upsampling's 3×3 conv2d
+    sends one row of every frame at twice the width. A temporal upsampling doubles the frames of every
+    call after the first; its time convolution (3×1×1) pads no rows."""
+    batch, _, latent_frames, _, width = latent_shape
+    base = vae_config.get("decoder_base_dim") or vae_config["base_dim"]
+    mult, residual = vae_config["dim_mult"], vae_config.get("is_residual", False)
+    in_time = list(reversed(vae_config["temperal_downsample"]))
+    dims = [base * m for m in [mult[-1], *reversed(mult)]]
+    # (input channels, width, upsamplings in time before it) of every 3×3×3 convolution, and of every conv2d
+    convs3d = [(vae_config["z_dim"], width, 0)] + [(dims[0], width, 0)] * 4  # conv_in, the mid block's resnets
+    convs2d, scale, doublings = [], 1, 0
+    for i, (channels, out) in enumerate(zip(dims[:-1], dims[1:])):
+        channels = channels // 2 if i > 0 and not residual else channels  # Wan 2.1's upsampling halves them
+        for _ in range(vae_config["num_res_blocks"] + 1):
+            convs3d += [(channels, width * scale, doublings), (out, width * scale, doublings)]
+            channels = out
+        if i < len(mult) - 1:  # nearest ×2, then a 3×3 conv2d (after the time convolution of a 3D one)
+            doublings += bool(in_time[i])
+            scale *= 2
+            convs2d.append((out, width * scale, doublings))
+    convs3d.append((dims[-1], width * scale, doublings))  # conv_out
+
+    def frames(call, doubled):  # the first call's frame is never doubled ("Rep": the time conv is skipped)
+        return 1 if call == 0 else 2**doubled
+
+    sent = 0
+    for call in range(latent_frames):
+        for channels, cols, doubled in convs3d:
+            cached = min(2, sum(frames(earlier, doubled) for earlier in range(call)))
+            sent += channels * cols * (cached + frames(call, doubled))
+        sent += sum(channels * cols * frames(call, doubled) for channels, cols, doubled in convs2d)
+    return sent * batch * element_bytes * neighbours

@@ -78,13 +78,13 @@ def test_bands_equal_the_whole_decode(config, rows, kind):
 
 
 def _3d_vae_bands():
-    from xdit_lab.tiny.parts import video_vae
+    from xdit_lab.tiny.parts import hunyuan_vae
 
-    return apply_parallel_vae(video_vae(0), RankMesh(ParallelConfig(ulysses=2)))
+    return apply_parallel_vae(hunyuan_vae(0, 4), RankMesh(ParallelConfig(ulysses=2)))
 
 
-def test_3d_vaes_decode_whole():
-    """CogVideoX's 3D VAE has no bands (said in the log): with only sp ranks to share an image,
+def test_other_3d_vaes_decode_whole():
+    """HunyuanVideo's 3D VAE has no bands (said in the log): with only sp ranks to share an image,
     apply_parallel_vae changes nothing (its dp and cfg ranks still split the images)."""
     assert run_on_ranks(_3d_vae_bands, 2) == [False, False]
 
@@ -105,9 +105,16 @@ def _causal_decode_in_bands(config, kind, frames, rows, cols=5):
     from xdit_lab.lessons.controls import cached_frames_without_halos
     from xdit_lab.sharding import shard_range
     from xdit_lab.tiny import parts
-    from xdit_lab.vae import DECODED, band_group, causal_halo_bytes
+    from xdit_lab.vae import DECODED, band_group, causal_halo_bytes, cogvideox_halo_bytes
 
-    vae = _wan_2_2_vae() if kind == "wan 2.2" else getattr(parts, kind)(0, 4)
+    closed_form = cogvideox_halo_bytes if kind == "video_vae" else causal_halo_bytes
+    vae = (
+        _wan_2_2_vae()
+        if kind == "wan 2.2"
+        else parts.video_vae(0)
+        if kind == "video_vae"
+        else getattr(parts, kind)(0, 4)
+    )
     z = torch.randn(2, 4, frames, rows, cols, generator=torch.Generator().manual_seed(1))
     mesh = RankMesh(config)
     group = band_group(mesh)
@@ -121,24 +128,26 @@ def _causal_decode_in_bands(config, kind, frames, rows, cols=5):
         vae.decoder.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[-2]))
         with comm_log() as log:
             video = vae.decode(z).sample
-        with cached_frames_without_halos():  # the control: no halo rows for the cached frames
-            uncached = vae.decode(z).sample
+        uncached = None
+        if kind != "video_vae":  # Wan's: no halo rows for the cached frames (CogVideoX pads its rows in conv3d)
+            with cached_frames_without_halos():
+                uncached = vae.decode(z).sample
     images = getattr(vae, DECODED)["images"]
     return dict(
         error=(video - whole).abs().max().item(),
         bound=1e-4 * max(1.0, whole.abs().max().item()),
         alone=(alone - whole[..., start * scale : stop * scale, :]).abs().max().item(),
-        uncached=(uncached - whole).abs().max().item(),
+        uncached=None if uncached is None else (uncached - whole).abs().max().item(),
         shape=tuple(video.shape) == tuple(whole.shape),
         tags={(r.group, r.tag) for r in log.records},
         halo=sum(r.bytes_out for r in log.records if r.tag == "vae_halo"),
-        expected=causal_halo_bytes(
+        expected=closed_form(
             vae.config,
             (images, *z.shape[1:]),
             4,
             (mesh.group_rank(group) > 0) + (mesh.group_rank(group) < mesh.group_size(group) - 1),
         ),
-        seen=seen[: len(seen) // 2],  # the banded decode's calls (the control's after them)
+        seen=seen[: len(seen) // (1 if uncached is None else 2)],  # the banded decode's calls (the control's after)
         band=stop - start,
     )
 
@@ -150,39 +159,47 @@ def _causal_decode_in_bands(config, kind, frames, rows, cols=5):
         (ParallelConfig(ring=2), "qwen_vae", 1, 7),  # Qwen-Image's: the same decoder, one frame
         (ParallelConfig(pipefusion=2), "wan 2.2", 4, 5),  # bands over the stages
         (ParallelConfig(cfg=2, ulysses=2), "wan_vae", 2, 8),  # a video per cfg rank, each in bands
+        (ParallelConfig(ulysses=2), "video_vae", 5, 7),  # CogVideoX's: batches of 2 latent frames (2 + 1, 2)
+        (ParallelConfig(ring=3), "video_vae", 1, 7),  # its first frame alone, in 3 bands
     ],
     ids=lambda v: v.short() if isinstance(v, ParallelConfig) else None,
 )
-def test_wan_bands_equal_the_whole_decode(config, kind, frames, rows):
-    """Wan's causal 3D VAE (Wan 2.1's, Qwen-Image's, Wan 2.2's patchified one with its DupUp3D shortcuts)
-    decoded in row bands: each rank's decoder runs on its band's latent rows only, a call per latent
-    frame; the video equals diffusers' whole decode within 1e-4; the halo bytes equal
-    vae.causal_halo_bytes. Controls: a band decoded alone, and the bands with their cached frames'
-    halo rows zeros (the halo exchanged for the fresh frames only), both beyond the bound."""
+def test_video_bands_equal_the_whole_decode(config, kind, frames, rows):
+    """The video VAEs decoded in row bands: Wan's causal 3D VAE (Wan 2.1's, Qwen-Image's, Wan 2.2's
+    patchified one with its DupUp3D shortcuts) and CogVideoX's. Each rank's decoder runs on its band's
+    latent rows only (Wan's: a call per latent frame; CogVideoX's: per batch of frames); the video equals
+    diffusers' whole decode within 1e-4; the halo bytes equal vae.causal_halo_bytes' (Wan) or
+    vae.cogvideox_halo_bytes' closed form. Controls: a band decoded alone, and Wan's bands with their
+    cached frames' halo rows zeros (the halo exchanged for the fresh frames only), both beyond the bound."""
     world = config.world_size
     for rank, out in enumerate(run_on_ranks(_causal_decode_in_bands, world, config, kind, frames, rows, timeout_s=180)):
         where = f"{config.short()} {kind} rank {rank}"
         assert out["shape"], where
-        assert out["seen"] == [out["band"]] * frames and out["band"] < rows, f"{where}: {out['seen']}"
+        calls = frames if kind != "video_vae" else max(frames // 2, 1)
+        assert out["seen"] == [out["band"]] * calls and out["band"] < rows, f"{where}: {out['seen']}"
         assert out["error"] <= out["bound"], f"{where}: {out['error']:.3g} > {out['bound']:.3g}"
         assert out["alone"] > 100 * out["bound"], f"{where}: a band alone is not far off ({out['alone']:.3g})"
-        if frames > 1:  # a frame after the first convolves cached frames
+        if out["uncached"] is not None and frames > 1:  # a frame after the first convolves cached frames
             assert out["uncached"] > 100 * out["bound"], f"{where}: cached frames without halos ({out['uncached']:.3g})"
         group = "image" if config.pipefusion > 1 else "sp"
-        expected_tags = {(group, tag) for tag in ("vae_halo", "vae_kv", "vae_gather")}  # no norm spans the frame
+        # Wan's: no norm spans the frame (RMS norm per pixel); CogVideoX's: GroupNorm, no attention
+        collectives = (
+            ("vae_halo", "vae_norm", "vae_gather") if kind == "video_vae" else ("vae_halo", "vae_kv", "vae_gather")
+        )
+        expected_tags = {(group, tag) for tag in collectives}
         if config.cfg > 1:
             expected_tags.add(("cfg", "vae_gather"))
         assert out["tags"] == expected_tags, where
         assert out["halo"] == out["expected"] > 0, where
 
 
-def _wan_videos(folder, configs):
+def _videos(folder, family, configs):
     from diffusers import DiffusionPipeline
 
     from xdit_lab import load_pipeline
     from xdit_lab.tiny import tiny_pipeline_kwargs
 
-    kwargs = dict(tiny_pipeline_kwargs("wan"), num_inference_steps=2, negative_prompt=["", "a photo"])
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=2, negative_prompt=["", "a photo"])
     prompts = ["a red cat", "a blue dog"]
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
@@ -190,7 +207,7 @@ def _wan_videos(folder, configs):
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-        seen = []  # (videos, latent rows) of every call of diffusers' decoder on this rank: one per latent frame
+        seen = []  # (videos, latent rows) of every call of diffusers' decoder on this rank
         pipe.diffusers_pipeline.vae.decoder.register_forward_pre_hook(
             lambda _m, args, seen=seen: seen.append(tuple(args[0].shape[::3]))
         )
@@ -209,19 +226,24 @@ def _wan_videos(folder, configs):
     return rows
 
 
-def test_wan_videos_equal_diffusers_in_bands(tmp_path):
-    """WanPipeline's frames (output_type="np", [0, 1] pixels) under ulysses 2 and pipefusion 2 equal
+# the decoder's calls: Wan's one per latent frame (5 frames -> 2), CogVideoX's one per batch of frames (9 -> 3: one)
+DECODER_CALLS = {"wan": 2, "cogvideox": 1}
+
+
+@pytest.mark.parametrize("family", DECODER_CALLS)
+def test_videos_equal_diffusers_in_bands(tmp_path, family):
+    """The pipeline's frames (output_type="np", [0, 1] pixels) under ulysses 2 and pipefusion 2 equal
     diffusers' pipeline run serially within 1e-4, each rank's decoder running on 4 of the 8 latent
-    rows, both videos, a call per latent frame (2); cfg 2 × ulysses 2 is test_wan_bands_equal_the_whole_decode's."""
+    rows of both videos; cfg 2 × ulysses 2 is test_video_bands_equal_the_whole_decode's."""
     from xdit_lab.tiny import save_tiny_pipeline
 
-    folder = save_tiny_pipeline("wan", tmp_path / "wan")
+    folder = save_tiny_pipeline(family, tmp_path / family)
     configs = [ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2, warmup_steps=2)]
-    for rank, per_config in enumerate(run_on_ranks(_wan_videos, 2, folder, configs, timeout_s=240)):
+    for rank, per_config in enumerate(run_on_ranks(_videos, 2, folder, family, configs, timeout_s=240)):
         for row, group in zip(per_config, ("sp", "image")):
-            where = f"{row['config']} rank {rank}"
+            where = f"{family} {row['config']} rank {rank}"
             assert row["shape"] and row["error"] <= 1e-4, f"{where}: {row['error']:.3g}"
-            assert row["seen"] == [(2, 4)] * 2, f"{where}: {row['seen']}"
+            assert row["seen"] == [(2, 4)] * DECODER_CALLS[family], f"{where}: {row['seen']}"
             assert row["vae_groups"] == [group], where
 
 

@@ -26,14 +26,21 @@ latent frame, each causal convolution convolving the frames it cached from the c
     mid attention    per frame over the frame's pixels: Ring attention over the bands, as above
     upsampling       nearest ×2 and a 3×3 conv2d (a halo); the time convolution (3×1×1) is local
 
+CogVideoX's 3D VAE runs its decoder on batches of two latent frames, its causal convolutions padding
+frames themselves (the cache) and rows in F.conv3d: there the halo rows come from the neighbours as
+for a 3×3 conv2d, cached frames included; its GroupNorms span the batch's frames and rows (statistics
+summed over the bands, as above); its spatial norm's nearest resize of the latent band is local; no
+attention.
+
 diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d, F.pad,
 F.conv3d, F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
 collective is logged with a tag starting "vae", and each decode's halo bytes have a closed form
-(halo_bytes, causal_halo_bytes). The result equals `vae.decode` of the whole latent up to float
-rounding. Bands are on with ParallelConfig(vae_parallel=True), the default; the split of images
-over dp × cfg always is. Under PipeFusion every stage holds the whole latents too: the bands go over
-stages × sp (the mesh's "image" group). Flux.2's VAE is the same 2D decoder; the other 3D VAEs
-(CogVideoX's, HunyuanVideo's) decode each rank's images whole.
+(halo_bytes, causal_halo_bytes, cogvideox_halo_bytes). The result equals `vae.decode` of the whole
+latent up to float rounding. Bands are on with ParallelConfig(vae_parallel=True), the default; the
+split of images over dp × cfg always is. Under PipeFusion every stage holds the whole latents too: the bands go over
+stages × sp (the mesh's "image" group). Flux.2's VAE is the same 2D decoder; HunyuanVideo's 3D
+VAE (its mid attention causal over frames, its rows padded by replication) decodes each rank's
+images whole.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import weakref
 
 import torch
@@ -55,7 +63,8 @@ from .sharding import shard_range, shard_sizes
 log = logging.getLogger("xdit_lab.vae")
 PLANAR_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # 2D: diffusers' Decoder behind post_quant_conv
 CAUSAL_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")  # Wan's causal 3D decoder, one latent frame a call
-BANDED_VAES = PLANAR_VAES + CAUSAL_VAES
+GROUPED_VIDEO_VAES = ("AutoencoderKLCogVideoX",)  # GroupNorm over frames and rows, conv3d padding its rows
+BANDED_VAES = PLANAR_VAES + CAUSAL_VAES + GROUPED_VIDEO_VAES
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
@@ -64,7 +73,7 @@ def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
     vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing
     changed) when one rank holds every image and there are no bands to split. Bands need a VAE of
-    BANDED_VAES (the 2D ones and Wan's causal 3D one): the other 3D VAEs decode their images whole
+    BANDED_VAES (the 2D ones, Wan's and CogVideoX's 3D ones): HunyuanVideo's decodes its images whole
     (said in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
     if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ not in BANDED_VAES:
@@ -220,15 +229,21 @@ class Bands(TorchFunctionMode):
         return padded
 
     def conv3d(self, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        """Only as Wan's causal convolution calls it: its rows padded already (pad above), none here."""
-        row_padding = padding if isinstance(padding, (int, str)) else padding[1]
-        row_stride = stride if isinstance(stride, int) else stride[1]
-        if row_padding != 0 or row_stride != 1:
+        """Wan's causal convolution pads its rows itself (pad above) and calls this with none; CogVideoX's
+        pads its frames itself (its cache, or the first frame repeated) and its rows here: as conv2d's,
+        the neighbours' rows of every frame convolved. Each band caches its own rows, so the neighbours'
+        caches hold the halo's, as in pad."""
+        three = (lambda v: (v,) * 3 if isinstance(v, int) else tuple(v)) if not isinstance(padding, str) else None
+        if three is None or three(stride)[1] != 1 or three(dilation)[1] != 1:
             raise NotImplementedError(
-                f"patch-parallel decode handles 3D convolutions of row stride 1 whose rows F.pad padded, got "
-                f"stride {stride}, padding {padding}"
+                f"patch-parallel decode handles 3D convolutions of row stride and dilation 1 with numeric padding, "
+                f"got stride {stride}, padding {padding}, dilation {dilation}"
             )
-        return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
+        pad_t, pad_h, pad_w = three(padding)
+        if pad_h:
+            top, bottom = self._halos(x, pad_h)
+            x = torch.cat([top, x, bottom], dim=-2)
+        return F.conv3d(x, weight, bias, stride, (pad_t, 0, pad_w), dilation, groups)
 
     def _halos(self, x, rows: int):
         """The `rows` rows (x's dim -2) of the neighbours above and below the band: zeros at the image's edge."""
@@ -299,6 +314,8 @@ def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) ->
 
 
 def _halo_bytes(vae, latent_shape, element_bytes: int, neighbours: int) -> int:
+    if type(vae).__name__ in GROUPED_VIDEO_VAES:
+        return cogvideox_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
     if type(vae).__name__ in CAUSAL_VAES:
         return causal_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
     return halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
@@ -340,3 +357,33 @@ def causal_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: 
             sent += channels * cols * (cached + frames(call, doubled))
         sent += sum(channels * cols * frames(call, doubled) for channels, cols, doubled in convs2d)
     return sent * batch * element_bytes * neighbours
+
+
+def cogvideox_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
+    """Bytes one rank sends in halos during one decode of CogVideoX's VAE. The decoder runs on batches of
+    two latent frames (the first batch takes the odd one too); every 3×3×3 convolution sends one row of
+    its input to each neighbour, of the batch's frames after the two its cache holds (the first frame
+    twice in the first batch). Each upsampling's 3×3 conv2d sends one row of every frame at twice the
+    width; one that compresses time doubles the frames (all but the first when they are odd). Below
+    CogVideoXSafeConv3d's 2 GiB, where it splits a convolution's frames (more halo rows)."""
+    batch, _, latent_frames, _, width = latent_shape
+    channels = list(reversed(vae_config["block_out_channels"]))
+    in_time = round(math.log2(vae_config["temporal_compression_ratio"]))
+    rest = latent_frames % 2
+    frame_batches = [min(latent_frames, 2 + rest)] + [2] * (max(latent_frames // 2, 1) - 1)
+
+    def sent(frames):  # one batch of the decoder's: the channels × width × frames of each convolution's halo row
+        total = (vae_config["latent_channels"] + 4 * channels[0]) * width * (frames + 2)  # conv_in, the mid block
+        previous, cols = channels[0], width
+        for i, out in enumerate(channels):
+            for j in range(vae_config["layers_per_block"] + 1):
+                total += ((previous if j == 0 else out) + out) * cols * (frames + 2)
+            previous = out
+            if i < len(channels) - 1:  # nearest ×2 (in time too while compressing it), then a 3×3 conv2d
+                if i < in_time:
+                    frames = 2 * frames - frames % 2
+                cols *= 2
+                total += out * cols * frames
+        return total + channels[-1] * cols * (frames + 2)  # conv_out
+
+    return sum(sent(frames) for frames in frame_batches) * batch * element_bytes * neighbours

@@ -30,17 +30,21 @@ CogVideoX's 3D VAE runs its decoder on batches of two latent frames, its causal 
 frames themselves (the cache) and rows in F.conv3d: there the halo rows come from the neighbours as
 for a 3×3 conv2d, cached frames included; its GroupNorms span the batch's frames and rows (statistics
 summed over the bands, as above); its spatial norm's nearest resize of the latent band is local; no
-attention.
+attention. HunyuanVideo's runs its decoder on all frames at once (or on overlapping tiles of frames,
+its framewise decoding), padding frames, rows and columns by replication in F.pad: the halo rows join
+the band before it pads, and only the image's own edges replicate; GroupNorms as above; its mid
+attention spans every frame, causal over frames: the K/V of every band are gathered (the mid block
+is at the latent's resolution) and the band's frame-causal mask rebuilt over them.
 
 diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d, F.pad,
 F.conv3d, F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
 collective is logged with a tag starting "vae", and each decode's halo bytes have a closed form
-(halo_bytes, causal_halo_bytes, cogvideox_halo_bytes). The result equals `vae.decode` of the whole
-latent up to float rounding. Bands are on with ParallelConfig(vae_parallel=True), the default; the
-split of images over dp × cfg always is. Under PipeFusion every stage holds the whole latents too: the bands go over
-stages × sp (the mesh's "image" group). Flux.2's VAE is the same 2D decoder; HunyuanVideo's 3D
-VAE (its mid attention causal over frames, its rows padded by replication) decodes each rank's
-images whole.
+(halo_bytes, causal_halo_bytes, cogvideox_halo_bytes, hunyuan_halo_bytes). The result equals
+`vae.decode` of the whole latent up to float rounding. Bands are on with
+ParallelConfig(vae_parallel=True), the default; the split of images over dp × cfg always is. Under
+PipeFusion every stage holds the whole latents too: the bands go over stages × sp (the mesh's
+"image" group). Flux.2's VAE is the same 2D decoder; Sana's deep-compression VAE (AutoencoderDC,
+its own blocks and linear attention) decodes each rank's images whole.
 """
 
 from __future__ import annotations
@@ -63,7 +67,10 @@ from .sharding import shard_range, shard_sizes
 log = logging.getLogger("xdit_lab.vae")
 PLANAR_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # 2D: diffusers' Decoder behind post_quant_conv
 CAUSAL_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")  # Wan's causal 3D decoder, one latent frame a call
-GROUPED_VIDEO_VAES = ("AutoencoderKLCogVideoX",)  # GroupNorm over frames and rows, conv3d padding its rows
+GROUPED_VIDEO_VAES = (
+    "AutoencoderKLCogVideoX",
+    "AutoencoderKLHunyuanVideo",
+)  # GroupNorm over frames and rows, conv3d padding its rows
 BANDED_VAES = PLANAR_VAES + CAUSAL_VAES + GROUPED_VIDEO_VAES
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
@@ -73,8 +80,8 @@ def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
     vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing
     changed) when one rank holds every image and there are no bands to split. Bands need a VAE of
-    BANDED_VAES (the 2D ones, Wan's and CogVideoX's 3D ones): HunyuanVideo's decodes its images whole
-    (said in the log)."""
+    BANDED_VAES (the 2D ones, Wan's, CogVideoX's and HunyuanVideo's 3D ones): the others (Sana's
+    AutoencoderDC) decode their images whole (said in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
     if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ not in BANDED_VAES:
         log.warning(
@@ -210,15 +217,22 @@ class Bands(TorchFunctionMode):
         after its cached frames), then convolves unpadded: the rows it pads above and below the band are
         the neighbours' instead, of every frame it convolves, cached ones included. The cache holds this
         band's own rows of earlier frames, so the neighbours' caches hold the halo's: exchanging the halo
-        of the input as the convolution sees it is exact without any halo in the cache."""
+        of the input as the convolution sees it is exact without any halo in the cache.
+        HunyuanVideo's pads by replication instead (frames, rows and columns): the halo rows join the
+        band first and are replicated with it; only the image's own top and bottom rows replicate."""
         if len(pad) < 4 or not (pad[2] or pad[3]):
             return F.pad(x, pad, mode=mode, value=value)
-        if mode != "constant" or value or pad[2] != pad[3]:
+        if mode not in ("constant", "replicate") or value or pad[2] != pad[3]:
             raise NotImplementedError(
-                f"patch-parallel decode pads rows with zeros, as many above as below, got {pad} ({mode}, {value})"
+                f"patch-parallel decode pads rows with zeros or by replication, as many above as below, got "
+                f"{pad} ({mode}, {value})"
             )
         rows = pad[2]
         top, bottom = self._halos(x, rows)
+        if mode == "replicate":
+            inner = [top] * (self.above is not None) + [x] + [bottom] * (self.below is not None)
+            at_edges = [rows * (self.above is None), rows * (self.below is None)]
+            return F.pad(torch.cat(inner, dim=-2), [*pad[:2], *at_edges, *pad[4:]], mode="replicate")
         padded = F.pad(x, pad)  # the one tensor diffusers' own pad makes; its zero rows take the halos
         # x's place in it, last dim first; the halos sit beside x's frames and columns (zeros beside them too)
         place = [slice(pad[2 * d], pad[2 * d] + x.shape[-1 - d]) for d in range(len(pad) // 2)]
@@ -284,13 +298,41 @@ class Bands(TorchFunctionMode):
         """The mid-block's attention over every band's tokens: Ring attention over the band ranks,
         each band one block (one head, so Ulysses cannot split it). K/V blocks travel; no rank
         holds the whole image's scores, which at a 128² latent are 1 GiB per image in float32."""
-        if attn_mask is not None or dropout_p or is_causal:
-            raise NotImplementedError("patch-parallel decode handles attention without mask, dropout or causality")
+        if dropout_p or is_causal:
+            raise NotImplementedError("patch-parallel decode handles attention without dropout or causality")
+        if attn_mask is not None:
+            return self.frame_causal_attention(query, key, value, attn_mask, scale)
         band_rows = shard_sizes(self.total_rows, self.parts)
         per_row = key.shape[2] // band_rows[self.me]
         blocks = [rows * per_row for rows in band_rows]
         out, _ = ring_attention(query, key, value, self.mesh, blocks, scale=scale, group=self.group, tag_prefix="vae_")
         return out
+
+    def frame_causal_attention(self, query, key, value, attn_mask, scale):
+        """HunyuanVideo's mid-block attention: over every frame's pixels, tokens frame-major, a frame's
+        queries attending the keys of its own and earlier frames (its mask). The mask diffusers made is
+        the band's own; the keys of every band are gathered (the mid block's latent resolution is
+        small) and the mask rebuilt over them, after checking the band's is that frame-causal mask."""
+        band_rows = shard_sizes(self.total_rows, self.parts)
+        local = attn_mask.reshape(-1, *attn_mask.shape[-2:])[0]
+        per_frame = int((local[0] == 0).sum())  # the tokens of frame 0: what the first query attends
+        frames, per_row = key.shape[2] // per_frame, per_frame // band_rows[self.me]
+
+        def frame_of(rows):  # the frame of each token of a band of `rows` rows, frame-major
+            return torch.arange(frames, device=key.device).repeat_interleave(rows * per_row)
+
+        def causal(query_frames, key_frames):
+            return torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+                key_frames[None, :] > query_frames[:, None], float("-inf")
+            )
+
+        mine = frame_of(band_rows[self.me])
+        if per_frame * frames != key.shape[2] or not torch.equal(local, causal(mine, mine)):
+            raise NotImplementedError("patch-parallel decode handles attention masks causal over frames only")
+        sizes = [frames * rows * per_row for rows in band_rows]
+        both = comm.all_gather(torch.stack([key, value]), self.mesh, self.group, dim=3, sizes=sizes, tag="vae_kv")
+        every = torch.cat([frame_of(rows) for rows in band_rows])
+        return F.scaled_dot_product_attention(query, both[0], both[1], attn_mask=causal(mine, every), scale=scale)
 
 
 def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
@@ -314,10 +356,14 @@ def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) ->
 
 
 def _halo_bytes(vae, latent_shape, element_bytes: int, neighbours: int) -> int:
-    if type(vae).__name__ in GROUPED_VIDEO_VAES:
-        return cogvideox_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
-    if type(vae).__name__ in CAUSAL_VAES:
+    kind = type(vae).__name__
+    if kind in CAUSAL_VAES:
         return causal_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+    if kind == "AutoencoderKLCogVideoX":
+        return cogvideox_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+    if kind == "AutoencoderKLHunyuanVideo":
+        calls = hunyuan_decoder_frames(vae, latent_shape[2])
+        return hunyuan_halo_bytes(vae.config, latent_shape, element_bytes, neighbours, calls)
     return halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
 
 
@@ -387,3 +433,40 @@ def cogvideox_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbour
         return total + channels[-1] * cols * (frames + 2)  # conv_out
 
     return sum(sent(frames) for frames in frame_batches) * batch * element_bytes * neighbours
+
+
+def hunyuan_decoder_frames(vae, latent_frames: int) -> list[int]:
+    """The latent frames of each call of HunyuanVideo's decoder: all at once, or with its framewise
+    decoding (on by default) past tile_sample_min_num_frames, overlapping tiles of frames."""
+    ratio = vae.temporal_compression_ratio
+    tile, stride = vae.tile_sample_min_num_frames // ratio, vae.tile_sample_stride_num_frames // ratio
+    if not (vae.use_framewise_decoding and latent_frames > tile):
+        return [latent_frames]
+    return [min(latent_frames, start + tile + 1) - start for start in range(0, latent_frames, stride)]
+
+
+def hunyuan_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int, calls: list[int]) -> int:
+    """Bytes one rank sends in halos during one decode of HunyuanVideo's VAE, its decoder called on
+    `calls` latent frames each (hunyuan_decoder_frames). Its convolutions pad by replication after the
+    halo joins the band: every 3×3×3 one sends one row of each of its input's frames to each neighbour.
+    An upsampling (nearest, in time all frames but the first) is followed by such a convolution."""
+    batch, _, _, _, width = latent_shape
+    channels = list(reversed(vae_config["block_out_channels"]))
+    in_space = round(math.log2(vae_config["spatial_compression_ratio"]))
+    in_time = round(math.log2(vae_config["temporal_compression_ratio"]))
+
+    def sent(frames):  # one call of the decoder's
+        total = (vae_config["latent_channels"] + 4 * channels[0]) * width * frames  # conv_in, the mid block
+        previous, cols = channels[0], width
+        for i, out in enumerate(channels):
+            for j in range(vae_config["layers_per_block"] + 1):
+                total += ((previous if j == 0 else out) + out) * cols * frames
+            previous = out
+            spatial, temporal = i < in_space, len(channels) - 1 - in_time <= i < len(channels) - 1
+            if spatial or temporal:
+                cols *= 2 if spatial else 1
+                frames = 2 * frames - 1 if temporal else frames
+                total += out * cols * frames
+        return total + channels[-1] * cols * frames  # conv_out
+
+    return sum(sent(frames) for frames in calls) * batch * element_bytes * neighbours

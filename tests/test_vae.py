@@ -184,6 +184,7 @@ def _halo_closed_form(vae, latent_shape, neighbours):
         (ParallelConfig(ring=2), "qwen_vae", 1, 7),  # Qwen-Image's: the same decoder, one frame
         (ParallelConfig(pipefusion=2), "wan 2.2", 4, 5),  # bands over the stages
         (ParallelConfig(cfg=2, ulysses=2), "wan_vae", 2, 8),  # a video per cfg rank, each in bands
+        (ParallelConfig(ulysses=2, ring=2), "wan_vae", 2, 9),  # USP: 4 bands, two with both neighbours
         (ParallelConfig(ulysses=2), "video_vae", 5, 7),  # CogVideoX's: batches of 2 latent frames (2 + 1, 2)
         (ParallelConfig(ring=3), "video_vae", 1, 7),  # its first frame alone, in 3 bands
         (ParallelConfig(ulysses=2), "hunyuan_vae", 6, 7),  # HunyuanVideo's: two tiles of frames (5, 3)

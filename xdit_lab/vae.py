@@ -247,13 +247,16 @@ class Bands(TorchFunctionMode):
         pads its frames itself (its cache, or the first frame repeated) and its rows here: as conv2d's,
         the neighbours' rows of every frame convolved. Each band caches its own rows, so the neighbours'
         caches hold the halo's, as in pad."""
-        three = (lambda v: (v,) * 3 if isinstance(v, int) else tuple(v)) if not isinstance(padding, str) else None
-        if three is None or three(stride)[1] != 1 or three(dilation)[1] != 1:
+
+        def triple(v):
+            return (v,) * 3 if isinstance(v, int) else tuple(v)
+
+        if isinstance(padding, str) or triple(stride)[1] != 1 or triple(dilation)[1] != 1:
             raise NotImplementedError(
                 f"patch-parallel decode handles 3D convolutions of row stride and dilation 1 with numeric padding, "
                 f"got stride {stride}, padding {padding}, dilation {dilation}"
             )
-        pad_t, pad_h, pad_w = three(padding)
+        pad_t, pad_h, pad_w = triple(padding)
         if pad_h:
             top, bottom = self._halos(x, pad_h)
             x = torch.cat([top, x, bottom], dim=-2)
@@ -312,7 +315,8 @@ class Bands(TorchFunctionMode):
         """HunyuanVideo's mid-block attention: over every frame's pixels, tokens frame-major, a frame's
         queries attending the keys of its own and earlier frames (its mask). The mask diffusers made is
         the band's own; the keys of every band are gathered (the mid block's latent resolution is
-        small) and the mask rebuilt over them, after checking the band's is that frame-causal mask."""
+        small) and the mask rebuilt over them, after checking the band's is that frame-causal mask (two
+        host syncs, once per decoder call)."""
         band_rows = shard_sizes(self.total_rows, self.parts)
         local = attn_mask.reshape(-1, *attn_mask.shape[-2:])[0]
         per_frame = int((local[0] == 0).sum())  # the tokens of frame 0: what the first query attends

@@ -19,7 +19,7 @@ from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
 from ..quantization import SCHEMES
-from ..vae import BANDED_VAES
+from ..vae import PLANAR_VAES
 from .terms import Call, RequestShape, decode_bands, decode_peak_bytes, make_call, request_shape, stale_kv
 from .weights import held_weights
 
@@ -348,14 +348,14 @@ def plan_row(
     unknown = []
     decode = None
     # diffusers' 2D Decoder behind a post_quant_conv: AutoencoderKL's, and Flux.2's (measured: tests/test_vae.py)
-    if known and shape.decode_latent is not None and model.configs["vae"].get("_class_name") in BANDED_VAES:
+    if known and shape.decode_latent is not None and model.configs["vae"].get("_class_name") in PLANAR_VAES:
         decode = decode_peak_bytes(
             model.configs["vae"], (1, *shape.decode_latent), model.element, bands=decode_bands(config)
         )
     elif known:
         vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
         unknown.append(
-            f"decode peak: {vae} has no closed form here (only {' and '.join(BANDED_VAES)} have one); measure it"
+            f"decode peak: {vae} has no closed form here (only {' and '.join(PLANAR_VAES)} have one); measure it"
         )
     else:
         unknown.append("latents, conditioning, stale K/V, decode peak: no closed form for this request here")

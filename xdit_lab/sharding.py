@@ -107,6 +107,18 @@ class PatchLayout:
         tokens = torch.cat([torch.arange(*self.chunk(p, sp_rank)) for p in active])
         return tokens if self.order is None else self.order[tokens]
 
+    def rank_ranges(self, patch: int, sp_rank: int) -> list[tuple[int, int]]:
+        """This rank's tokens of `patch` as [start, stop) ranges of the sequence (one per image it spans)."""
+        if self.order is None:
+            return [self.chunk(patch, sp_rank)]
+        runs = []
+        for token in self.rank_tokens([patch], sp_rank).tolist():
+            if runs and runs[-1][1] == token:
+                runs[-1][1] = token + 1
+            else:
+                runs.append([token, token + 1])
+        return [tuple(run) for run in runs]
+
     def rank_sizes(self, active: list[int]) -> list[int]:
         return [sum(self.chunk_len(p, i) for p in active) for i in range(self.sp)]
 

@@ -40,7 +40,7 @@ from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
 from ...mesh import PIPEFUSION, RING, SP, ULYSSES
-from ...sharding import patch_layout
+from ...sharding import patch_layout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
 from ..strategy import StrategyReport
@@ -189,12 +189,12 @@ class PipeFusionStage:
 
     def _token_pieces(self, grid: tuple[int, int], appended: tuple) -> dict:
         """The image tokens this rank computes for a rows × cols token grid (and the appended grids): its
-        piece of every patch, in patch order (the layout of the last forward when it had these grids, else
-        computed the same way)."""
+        piece of every patch as [start, stop) ranges of the sequence, patch by patch (the layout of the last
+        forward when it had these grids, else computed the same way); `patches`: the grid's row bands."""
         sp, sp_rank = self.config.sp_degree, self.mesh.group_rank(SP)
         recorded = self.layout is not None and self.grid == (tuple(grid), appended)
         layout = self.layout if recorded else patch_layout(grid, self.config.patches, sp, appended)
-        pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
+        pieces = [list(piece) for p in range(len(layout.patches)) for piece in layout.rank_ranges(p, sp_rank)]
         return dict(
             sp_size=sp,
             sp_rank=sp_rank,
@@ -202,7 +202,7 @@ class PipeFusionStage:
             pipefusion=dict(
                 stage=self.mesh.coords[PIPEFUSION],
                 blocks=list(self.blocks),
-                patches=[list(p) for p in layout.patches],
+                patches=[list(p) for p in patch_ranges(*grid, self.config.patches)],
                 patch_tokens=pieces,
             ),
             source="PatchLayout" if recorded else "computed (no forward yet)",
@@ -529,7 +529,7 @@ class PipeFusionStage:
             stage=self.mesh.coords[PIPEFUSION],
             blocks=self.blocks,
             step=self.step,
-            patches=self.layout.patches if self.layout else None,
+            patches=patch_ranges(*self.grid[0], self.config.patches) if self.layout else None,  # the drawn image's
             written_step={whole(name): list(buffer.written_step) for name, buffer in self.buffers.items()},
             reads={
                 whole(name): [(step, list(active), list(steps)) for step, active, steps in buffer.reads]

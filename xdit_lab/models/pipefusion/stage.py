@@ -374,7 +374,10 @@ class PipeFusionStage:
         """How many of this rank's tokens of the active patches are among the sequence's first `count`
         (its tokens run in ascending order, so they are the first ones it holds)."""
         if self.layout.order is not None:  # patches of several images: a rank's tokens are not in sequence order
-            raise NotImplementedError("a per-token count of the first tokens, with images after the drawn one")
+            raise NotImplementedError(
+                "a count of the sequence's first tokens (a per-token prefix) with images after the drawn one: "
+                "PipeFusion's patches hold their tokens out of sequence order; run it under ulysses, ring, cfg or dp"
+            )
         sp_rank = self.mesh.group_rank(SP)
         return sum(
             max(min(stop, count) - start, 0) for start, stop in (self.layout.chunk(p, sp_rank) for p in self.active)

@@ -733,6 +733,8 @@ def _qwen_edit_reference(folder, task):
 
 
 def _qwen_edit_parallel(folders, configs, checks: bool):
+    from xdit_lab.lab.summaries import rank_summary
+
     rows = []
     for task, folder in folders.items():
         for config in configs:
@@ -743,6 +745,7 @@ def _qwen_edit_parallel(folders, configs, checks: bool):
             rows.append(
                 dict(
                     task=task, config=config.short(), latents=latents, traffic=session_traffic(session),
+                    tokens=rank_summary(session)["shard"]["tokens"],
                     **_qwen_edit_planned_and_held(pipe, session, planned),
                 )
             )  # fmt: skip
@@ -805,8 +808,10 @@ def test_qwen_image_edit_equals_diffusers(qwen_edit):
             run_on_ranks(_qwen_edit_parallel, 4, folders, QWEN_EDIT_USP, False, timeout_s=600)
         )],
     ]  # fmt: skip
+    held_tokens = {}
     for rank, rows, control, told in runs:
         for row in rows:
+            held_tokens.setdefault((row["task"], row["config"]), {})[rank] = row["tokens"]
             where, target = f"qwen-image {row['task']} {row['config']} rank {rank}", expected[row["task"]]
             bound = 1e-4 * max(1.0, target.abs().max().item())
             assert (row["latents"] - target).abs().max().item() <= bound, where
@@ -825,6 +830,13 @@ def test_qwen_image_edit_equals_diffusers(qwen_edit):
             assert planned == kept > 0, told["image_inputs"]
         assert re.match(r"ValueError: reference image 2 gives 1 token rows .* fewer than the 2 PipeFusion patches",
                         told["too_thin"] or ""), told["too_thin"]  # fmt: skip
+    # PipeFusion 2 × ulysses 2: each stage's two ranks hold every token of every image once, as the views read them
+    # (the drawn 2 × 2, the 4:3 image's 14 × 18, the square one's 16 × 16)
+    for task, tokens in (("edit", 4 + 14 * 18), ("plus", 4 + 14 * 18 + 16 * 16)):
+        by_rank = held_tokens[(task, "pf2·ulysses2")]
+        for stage in ((0, 1), (2, 3)):
+            held = sorted(t for rank in stage for start, stop in by_rank[rank] for t in range(start, stop))
+            assert held == list(range(tokens)), (task, stage, by_rank)
     # the text-to-image pipeline given an image: refused by the recipe's check of the request, naming the edit ones
     from xdit_lab.families import RECIPES, Request
 

@@ -511,6 +511,7 @@ class ParallelPipeline:
         self.recipe.check_negatives(request)  # cfg 2 with one branch: refused where the batch splits
         if self.diffusers_pipeline is not None:  # an idle rank has no tokenizer, and runs no request
             self.recipe.check_inputs(self.diffusers_pipeline, request)
+            self.check_appended_rows(request)
             self.recipe.check_prompt_lengths(self.diffusers_pipeline, request)
         return request
 
@@ -543,6 +544,18 @@ class ParallelPipeline:
             return self.memory_plan
         prompts = [""] * prompts if isinstance(prompts, int) else prompts
         return plan_request(self, self.request(prompts, height=height, width=width, **arguments))
+
+    def check_appended_rows(self, request: Request) -> None:
+        """PipeFusion cuts every image after the drawn one into as many row bands as the drawn one (an edit's
+        reference images, at the size its pipeline encodes them): each needs a token row per patch."""
+        grids = self.recipe.appended_grids(self.diffusers_pipeline, request) if self.config.pipefusion > 1 else ()
+        for number, (rows, _) in enumerate(grids, start=1):
+            if rows < self.config.patches:
+                raise ValueError(
+                    f"reference image {number} gives {rows} token rows at the size the pipeline encodes it, fewer "
+                    f"than the {self.config.patches} PipeFusion patches (each image's row bands); use fewer patches or a "
+                    f"less wide image"
+                )
 
     def check_size(self, request: Request) -> None:
         """Height and width must tile into whole patches, and give every rank tokens to hold."""

@@ -43,8 +43,9 @@ def rank_summary(session) -> dict:
     transformer = pipe.diffusers_pipeline.transformer
     state = parallel_state(transformer)
     rows, cols = token_grid(session)
+    appended = session.recipe.appended_grids(pipe.diffusers_pipeline, session.request)  # an edit's references
     step = session.step_index
-    report = state.strategy.report(grid=(rows, cols))
+    report = state.strategy.report(grid=(rows, cols), appended=appended)
     summary = dict(
         rank=mesh.rank,
         mesh=str(mesh),
@@ -155,7 +156,7 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
         if session.pipe.mesh.is_first_stage
         else []
     )
-    gather = transformer.get_submodule(state.adapter.gather_at)
+    gather, inner = transformer.get_submodule(state.adapter.gather_at), session.pipe.diffusers_pipeline
     config = transformer.config
     heads, head_dim = state.adapter.attention_shape(config)
     return dict(
@@ -163,6 +164,8 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
         rows=rows,
         cols=cols,
         appended_tokens=session.recipe.appended_tokens(session.prepared),  # beyond the grid: Kontext's reference
+        # the grids among them that PipeFusion cuts into bands with the drawn one (Qwen-Image-Edit's references)
+        appended_grids=[list(grid) for grid in session.recipe.appended_grids(inner, session.request)],
         padded_tokens=state.adapter.latents.padded_tokens(rows * cols, config),  # Z-Image's, to a multiple of 32
         heads=heads,
         head_dim=head_dim,

@@ -24,7 +24,7 @@ import torch
 from xdit_lab import ParallelConfig, RankMesh, load_pipeline
 from xdit_lab.lessons.families import output_latents
 from xdit_lab.model_folder import read_model_folder
-from xdit_lab.models import offload_groups
+from xdit_lab.models import offload_groups, unparallelize
 from xdit_lab.plan import plan_row
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
@@ -164,8 +164,16 @@ def _quantized(folder):
     expected = output_latents(plain(PROMPTS, **kwargs))
     pipe = load_pipeline(folder, progress=False, quantization="int8", offload_blocks=1)
     groups = offload_groups(pipe.diffusers_pipeline.transformer)
+    equal = torch.equal(output_latents(pipe(PROMPTS, **kwargs)), expected)
+    try:
+        unparallelize(pipe.diffusers_pipeline.transformer)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    unparallelize(plain.diffusers_pipeline.transformer)  # the control: without offloading it is undone
     return dict(
-        equal=torch.equal(output_latents(pipe(PROMPTS, **kwargs)), expected),
+        equal=equal,
+        refused=refused,
         on_device=groups[-1].bytes + max(g.bytes for g in groups if g.blocks),
         planned=pipe.memory_plan.per_rank_bytes["transformer"],
         whole=sum(g.bytes for g in groups),
@@ -175,9 +183,11 @@ def _quantized(folder):
 
 def test_quantized_blocks_are_offloaded_as_they_are_stored(folders):
     """torchao's int8 weights move with diffusers' hooks (its torchao path) and are planned at their stored bytes:
-    the plan's device bytes equal diffusers' root group and largest block group, counted by their inner tensors."""
+    the plan's device bytes equal diffusers' root group and largest block group, counted by their inner tensors.
+    unparallelize refuses the offloaded model by name (diffusers' hooks wrap its parallel forward)."""
     (found,) = run_on_ranks(_quantized, 1, folders["flux"], timeout_s=240)
     assert found["equal"]
+    assert "blocks were offloaded after it was parallelized (offload_blocks)" in found["refused"]
     assert found["planned"] == found["on_device"]
     assert found["whole"] < found["unquantized"] / 2  # the control: counted as stored, not at the load dtype
 
@@ -245,3 +255,45 @@ def test_wan_14b_fits_one_24_gb_gpu_with_its_blocks_offloaded(tmp_path):
         assert row.offload_traffic == transformer.whole  # once per step: one call, both branches in its batch
     assert rows["host"].fits and rows["host"].per_rank_bytes < 2 * GB
     assert not any(row.fits for row in plan_model(folder, 1, 24 * GB))
+
+
+def _two_experts(folder):
+    """Wan 2.2 A14B's two experts with and without offloaded blocks: the latents, each expert's groups, the plan,
+    and which experts' root groups came to the device in each step."""
+    call = dict(tiny_pipeline_kwargs("wan"), num_inference_steps=4, negative_prompt="a photo", guidance_scale=5.0)
+    call |= dict(guidance_scale_2=3.0, seed=0)
+    plain = load_pipeline(folder, progress=False)
+    expected = output_latents(plain.session(PROMPTS, **call).run().result(output_type="latent"))
+    pipe = load_pipeline(folder, progress=False, offload_blocks=1)
+    inner = pipe.diffusers_pipeline
+    groups = {name: offload_groups(getattr(inner, name)) for name in ("transformer", "transformer_2")}
+    ran = []
+    handles = [
+        getattr(inner, name).register_forward_pre_hook(lambda *_, name=name: ran.append(name))
+        for name in ("transformer", "transformer_2")
+    ]
+    latents = output_latents(pipe.session(PROMPTS, **call).run().result(output_type="latent"))
+    for handle in handles:
+        handle.remove()
+    return dict(
+        equal=torch.equal(latents, expected),
+        on_device={name: g[-1].bytes + max(x.bytes for x in g if x.blocks) for name, g in groups.items()},
+        planned=dict(pipe.memory_plan.per_rank_bytes),
+        ran=ran,
+    )
+
+
+def test_two_experts_are_offloaded_and_only_the_running_one_is_planned_on_the_device(tmp_path):
+    """Wan 2.2 A14B: each expert's root goes back to the host after its call, so the device holds one expert's root
+    and group at a time: planned once, as the larger of the two, and nothing for the second expert."""
+    from diffusers import WanPipeline
+
+    from xdit_lab.tiny import tiny_pipeline, tiny_transformer
+
+    parts = dict(tiny_pipeline("wan").components, transformer_2=tiny_transformer("wan", seed=7))
+    WanPipeline(**parts, boundary_ratio=0.875).save_pretrained(tmp_path, safe_serialization=True)
+    (found,) = run_on_ranks(_two_experts, 1, tmp_path, timeout_s=240)
+    assert found["equal"]
+    assert found["ran"] == ["transformer"] + ["transformer_2"] * 3  # each step one expert, both in turn
+    assert found["planned"]["transformer"] == max(found["on_device"].values())
+    assert found["planned"]["transformer_2"] == 0

@@ -297,3 +297,49 @@ def test_two_experts_are_offloaded_and_only_the_running_one_is_planned_on_the_de
     assert found["ran"] == ["transformer"] + ["transformer_2"] * 3  # each step one expert, both in turn
     assert found["planned"]["transformer"] == max(found["on_device"].values())
     assert found["planned"]["transformer_2"] == 0
+
+
+# every family's tiny pipeline under a strategy on 2 ranks (sequence shards where its heads allow, else cfg or dp)
+EVERY_FAMILY = {
+    "cogvideox": ParallelConfig(ulysses=2),
+    "flux": ParallelConfig(ring=2),
+    "flux2": ParallelConfig(ulysses=2),
+    "hunyuanvideo": ParallelConfig(ulysses=2),
+    "pixart": ParallelConfig(pipefusion=2, warmup_steps=1),
+    "qwenimage": ParallelConfig(ulysses=2),
+    "sana": ParallelConfig(ring=2),
+    "sd3": ParallelConfig(ulysses=2),
+    "wan": ParallelConfig(ring=2),
+    "zimage": ParallelConfig(ulysses=2),
+}
+
+
+def _every_family(folders):
+    found = {}
+    for family, folder in folders.items():
+        config = EVERY_FAMILY[family]
+        runs = {}
+        for offload in (None, 1):
+            pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, offload_blocks=offload)
+            call = dict(tiny_pipeline_kwargs(family), num_inference_steps=2, seed=0)
+            latents = output_latents(pipe.session(PROMPTS, **call).run().result(output_type="latent"))
+            groups = offload_groups(pipe.diffusers_pipeline.transformer)
+            on_device = groups[-1].bytes + max(g.bytes for g in groups if g.blocks) if groups else None
+            runs[offload] = (latents, on_device, pipe.memory_plan.per_rank_bytes["transformer"])
+            pipe.close()
+        found[family] = runs
+    return found
+
+
+def test_every_family_offloaded_equals_its_strategy_without_offloading(tmp_path_factory):
+    """The hooks every family's strategy installs (rotary and per-token cuts, row halos, linear attention, refiners,
+    PipeFusion's stages) compose with diffusers' group offloading: the latents are the same bit for bit, and each
+    rank's planned device bytes are at least what diffusers' groups hold (equal on the busiest rank)."""
+    folders = {family: save_tiny_pipeline(family, tmp_path_factory.mktemp(family)) for family in EVERY_FAMILY}
+    ranks = run_on_ranks(_every_family, 2, folders, timeout_s=540)
+    for family in EVERY_FAMILY:
+        for rank, found in enumerate(ranks):
+            (plain, _, _), (offloaded, on_device, planned) = found[family][None], found[family][1]
+            assert torch.equal(plain, offloaded), f"{family} rank {rank}"
+            assert on_device <= planned, f"{family} rank {rank}: holds {on_device}, planned {planned}"
+        assert max(found[family][1][1] for found in ranks) == ranks[0][family][1][2], family

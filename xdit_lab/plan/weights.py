@@ -8,8 +8,9 @@
                    ranks that hold the same blocks; text encoders over the world; plus the gather buffer
     host-placed    a text encoder kept in host memory: nothing on the device
     offloaded      offload_blocks=N: the transformer in host memory, its blocks N at a time on the device (diffusers'
-                   groups: N consecutive blocks of one list) and its root with each call; the device holds the root
-                   and the largest group, and every weight crosses to it once per call (offloaded)
+                   groups: N consecutive blocks of one list, any list among the model's children) and the rest of
+                   its root with each call; the device holds that root and the largest group, and every weight
+                   crosses to it once per call (Offloaded)
     quantized      a named scheme's linear weights (int8, float8): a byte per element and a scale per row
 
 Only the components whose role moves are moved (model_folder.component_role): the transformer and the expert
@@ -23,6 +24,7 @@ the figures the lessons and the tests read a header by).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,23 +100,39 @@ def offload_spans(weights: Weights, span: tuple[int, int], blocks_at_once: int) 
 @dataclass(frozen=True)
 class Offloaded:
     """A transformer's weights under offload_blocks, as one rank holds them for blocks `span`: on the device at
-    most (its root and the largest group), in host memory the rest, and what crosses to the device per call."""
+    most (the root's group and the largest group of blocks), in host memory the rest, and what crosses to the
+    device per call."""
 
     device: int
     host: int
-    root: int  # moved once per transformer call
-    blocks: int  # moved once per run of the blocks: per call, per patch in a PipeFusion stage
+    root: int  # the root's own group: moved once per transformer call
+    blocks: int  # every group of blocks: moved once per run of the model's forward (per patch in a PipeFusion stage)
 
     @classmethod
     def of(cls, weights: Weights, span: tuple[int, int], blocks_at_once: int, scheme: str | None = None) -> Offloaded:
-        root = sum(t.held_bytes(1, scheme) for t in weights.root)
+        """diffusers groups every list among the model's children (nn.ModuleList, nn.Sequential: a tensor name
+        `child.<i>.`), not only the adapter's block lists (Z-Image's refiners): those are groups of blocks_at_once
+        elements too, cut from their first; the rest of the root is one group."""
+        adapter = FAMILIES[weights.class_name]
+        names = [key for key in weights.names if adapter.block_index(key, weights.config) is None]  # weights.root's
+        root, lists = 0, {}
+        for key, tensor in zip(names, weights.root, strict=True):
+            held = tensor.held_bytes(1, scheme)
+            listed = re.match(r"([^.]+)\.(\d+)\.", key)
+            if listed:
+                group = (listed[1], int(listed[2]) // blocks_at_once)
+                lists[group] = lists.get(group, 0) + held
+            else:
+                root += held
         each = [sum(t.held_bytes(1, scheme) for t in block) for block in weights.blocks]
-        largest = max((sum(each[a:b]) for a, b in offload_spans(weights, span, blocks_at_once)), default=0)
-        blocks = sum(each[span[0] : span[1]])
+        groups = [sum(each[a:b]) for a, b in offload_spans(weights, span, blocks_at_once)] + list(lists.values())
+        blocks = sum(each[span[0] : span[1]]) + sum(lists.values())
+        largest = max(groups, default=0)
         return cls(device=root + largest, host=blocks - largest, root=root, blocks=blocks)
 
     def moved_per_step(self, runs: int) -> int:
-        """Bytes host to device per denoising step when the blocks run `runs` times in it (PipeFusion's patches)."""
+        """Bytes host to device per denoising step when the model's forward runs `runs` times in one transformer
+        call (PipeFusion's patches)."""
         return self.root + runs * self.blocks
 
 

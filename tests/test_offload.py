@@ -49,6 +49,8 @@ def _kwargs(family):
 def _run(folder, family, config, offload):
     """The latents, and with `offload`, diffusers' groups and the bytes their leaders brought over in the last
     step (each group's bytes times the calls of the module that onloads it)."""
+    from xdit_lab.lab.held import holding
+
     pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, offload_blocks=offload)
     if not pipe.active:
         return None
@@ -79,6 +81,7 @@ def _run(folder, family, config, offload):
         hooks=hooks,
         devices=devices,
         planned=pipe.memory_plan.per_rank_bytes["transformer"],
+        holding=holding(transformer),  # as the Lab's memory view reads it
     )
     pipe.close()
     return row
@@ -149,6 +152,9 @@ def test_offloaded_blocks_equal_the_same_strategy_and_diffusers_and_move_what_th
         # what the busiest rank holds and moves in a step past PipeFusion's warmup, against the load's plan (every
         # rank's: the busiest stage's) and the planner's row
         on_device = [runs[blocks]["groups"][-1][1] + max(s for n, s in runs[blocks]["groups"] if n) for runs in active]
+        assert [runs[blocks]["holding"]["device_bytes"] for runs in active] == on_device
+        assert {runs[blocks]["holding"]["offloaded"] for runs in active} == {blocks}
+        assert all(runs[None]["holding"]["device_bytes"] == runs[None]["holding"]["held_bytes"] for runs in active)
         assert {runs[blocks]["planned"] for runs in active} == {max(on_device)} == {planned.weights["transformer"]}
         moved = max(runs[blocks]["moved"] for runs in active)
         warm = config.pipefusion > 1 and config.warmup_steps >= STEPS  # the last step ran the image whole, once

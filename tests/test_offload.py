@@ -229,6 +229,13 @@ def test_the_plan_command_shows_the_placement_and_what_crosses_per_step(folders,
         planned = plan_row(model, config, offload=1)
         assert row["host_to_gpu_bytes_per_step"] == planned.offload_traffic > 0
         assert row["terms"]["weights: transformer"] == planned.weights["transformer"]
+    # ranked by what a step moves over the links and from the host, after fitting and work
+    keys = [
+        (not r["fits"], round(r["cost"]["work_fraction"], 9), sum(r["traffic_bytes_per_step"].values()) + moved)
+        for r in rows
+        for moved in [r["host_to_gpu_bytes_per_step"]]
+    ]
+    assert keys == sorted(keys) and len({key[2] for key in keys}) > 1
     assert main([*common, "--offload-blocks", "1"]) == 0
     out = capsys.readouterr().out
     assert "transformer blocks on the host, 1 at a time on the GPU" in out and "host/1" in out

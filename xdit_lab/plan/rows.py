@@ -287,13 +287,14 @@ def _offload_notes(offload: int | None) -> tuple[str, ...]:
 
 
 def fit_rank_key(row: FitRow) -> tuple:
-    """Fitting rows first; then least work, least traffic per step (FSDP2's gathers included), text
-    encoders on the GPU before sharded before host (the encode's speed), least memory, simplest."""
+    """Fitting rows first; then least work, least traffic per step (FSDP2's gathers included, and the weights
+    brought from the host with offload_blocks), text encoders on the GPU before sharded before host (the encode's
+    speed), least memory, simplest."""
     config = row.config
     return (
         not row.fits,
         round(row.cost.work_fraction, 9),
-        row.traffic_per_step,
+        row.traffic_per_step + row.offload_traffic,
         PLACEMENTS.index(row.text_encoders),
         row.per_rank_bytes,
         sum(getattr(config, d) > 1 for d in DEGREES),

@@ -77,8 +77,8 @@ def model_legend(rows: list[FitRow], wide: bool = False) -> str:
     """What each column of format_rows(rows, wide=wide) means, a line or a few each, within 100 columns."""
     memory = f"{rows[0].gpu_memory_bytes / GB:.3g} GB" if rows else "one GPU's memory"
     meanings = {
-        "#": "the rank, best first: fitting rows, then least work, least GB sent, text encoders gpu before "
-        "sharded before host, least GB/rank; --why says which decided each row",
+        "#": f"the rank, best first: fitting rows, then least work, least GB sent{' and GB in' * offloaded(rows)}, "
+        "text encoders gpu before sharded before host, least GB/rank; --why says which decided each row",
         "config": "the degrees above 1, joined by · (cfg2·pf2: cfg 2 × pf 2): dp data parallel, cfg guidance's "
         "two branches side by side, pf PipeFusion stages, ring and ulysses sequence parallel",
         "weights": "the transformer's weights: whole on every rank (of its PipeFusion stage), or sharded by "
@@ -142,6 +142,9 @@ def _reason(first: int, row: FitRow, below: FitRow, name: str) -> str:
     if first == 1:
         return f"less work per rank than {name} ({row.cost.work_fraction:.3g} vs {below.cost.work_fraction:.3g})"
     if first == 2:
+        if row.offload_blocks:  # the weights brought from the host count as traffic too (fit_rank_key)
+            moved = _pair(row.traffic_per_step + row.offload_traffic, below.traffic_per_step + below.offload_traffic)
+            return f"as much work, less sent and brought from the host per step than {name} ({moved} GB)"
         sent = _pair(row.traffic_per_step, below.traffic_per_step)
         return f"as much work, less sent per step than {name} ({sent} GB)"
     if first == 3:

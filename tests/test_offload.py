@@ -356,3 +356,35 @@ def test_every_family_offloaded_equals_its_strategy_without_offloading(tmp_path_
             assert torch.equal(plain, offloaded), f"{family} rank {rank}"
             assert on_device <= planned, f"{family} rank {rank}: holds {on_device}, planned {planned}"
         assert max(found[family][1][1] for found in ranks) == ranks[0][family][1][2], family
+
+
+def _cached(folder, configs):
+    """pixart with StepCache(0.3) (tests/test_step_cache.py's threshold for it), with and without offloaded blocks."""
+    from xdit_lab import StepCache
+
+    call = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=6, negative_prompt=["", "a photo"], seed=0)
+    found = []
+    for config in configs:
+        runs = {}
+        for offload in (None, 1):
+            pipe = load_pipeline(
+                folder, config, mesh=RankMesh(config), progress=False, cache=StepCache(0.3), offload_blocks=offload
+            )
+            result = pipe.session(["a red cat", "a blue dog"], **call).run().result(output_type="latent")
+            runs[offload] = (output_latents(result), result.cache_skips)
+            pipe.close()
+        found.append(runs)
+    return found
+
+
+def test_a_step_cache_skips_the_same_steps_with_offloaded_blocks(tmp_path):
+    """StepCache wraps each block's forward and diffusers' hooks wrap that: a skipped block is still brought over
+    (its group moves), and a PipeFusion stage's first pass stops inside block 0; the latents and the steps skipped
+    are the same as without offloading."""
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2, warmup_steps=1)]
+    for rank in run_on_ranks(_cached, 2, folder, configs, timeout_s=300):
+        for config, runs in zip(configs, rank):
+            (plain, skips), (offloaded, offloaded_skips) = runs[None], runs[1]
+            assert torch.equal(plain, offloaded) and skips == offloaded_skips, config
+            assert any(skips) and not all(skips), f"{config}: {skips}"  # the cache both skipped and ran

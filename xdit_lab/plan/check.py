@@ -28,6 +28,7 @@ class MemoryPlan:
     activation_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
     # the transformer as PipeFusion splits it: bytes every stage keeps, and each block's bytes
     transformer_blocks: tuple[int, list[int]] | None = None
+    offloaded: int | None = None  # offload_blocks: the transformer's blocks in host memory, this many on the device
 
     @property
     def total_per_rank(self) -> int:
@@ -73,6 +74,13 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     advice = ["load in bfloat16 (torch_dtype=torch.bfloat16) to halve float32 weights"]
     if plan.transformer_blocks is not None:
         advice.append(_pipefusion_advice(plan, limit_bytes, config.pipefusion if config is not None else 1))
+    if plan.transformer_blocks is not None and plan.offloaded is None:
+        shared, blocks = plan.transformer_blocks
+        advice.append(
+            f"keep the transformer's blocks in host memory, one at a time on the device (offload_blocks=1): "
+            f"{human_bytes(shared + max(blocks, default=0))} of it on the device per rank, all of it moved there "
+            f"each step"
+        )
     if "decode peak" in plan.activation_bytes:
         serial, per_rank = plan.activation_bytes["decode peak"]
         if per_rank == serial:

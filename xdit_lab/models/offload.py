@@ -2,29 +2,34 @@
 group offloading (diffusers.hooks.group_offloading, what `ModelMixin.enable_group_offload` applies).
 
     offload_blocks(transformer, 2, device)      # after parallelize: its hooks stay where they are
+    offload_groups(transformer)                 # diffusers' groups, read from its hook registries
 
-diffusers cuts every block list of the model (each nn.ModuleList child: Flux's double- and single-stream
-blocks, Wan's blocks) into groups of N consecutive blocks, and puts everything else (embeddings, norms, the
-output projection: the root) in one more group. Each group lives in host memory and comes to the device only
-while it runs:
+diffusers cuts every list among the model's children (nn.ModuleList, nn.Sequential: Flux's double- and
+single-stream blocks, Wan's blocks, Z-Image's refiners too) into groups of N consecutive elements, and puts
+everything else (embeddings, norms, the output projection: the root) in one more group. Each group lives in host
+memory and comes to the device only while it runs:
 
     transformer call   root onloaded ─ group 0 onloaded, runs, offloaded ─ group 1 ... ─ root offloaded
-    on the device      the root + one group of N blocks, at most
-    moved to it        every weight once per call of the model's forward (a PipeFusion stage runs its
-                       blocks once per patch: its blocks move once per patch, its root once per step)
+    on the device      the root + one group of N blocks, at most; nothing between calls
+    moved to it        every weight once per call (a PipeFusion stage runs the model's forward once per
+                       patch: its groups move once per patch, its root once per call)
 
 It comes after parallelize, and composes with what parallelize installs: our hooks on the blocks are torch's
 forward hooks, run around diffusers' (which replace the block's `forward`), and the root's group wraps the
 parallel forward, so a PipeFusion stage's patches run with the root on the device. A stage offloads only the
-blocks it holds: the other stages' blocks were dropped before. Without an accelerator the device is the CPU and
-diffusers moves each group from the CPU to the CPU, which costs nothing and runs the same hooks.
+blocks it holds: the other stages' blocks were dropped before. A StepCache's wrapper runs inside diffusers' (a
+skipped block is still brought over; a stage's first pass, which stops inside block 0, leaves that group on the
+device until it runs again). torchao's quantized weights move by diffusers' own path for them. Without an
+accelerator the device is the CPU and diffusers moves each group from the CPU to the CPU, which costs nothing
+and runs the same hooks.
 
 Not taken (LoadOptions.problems says so before a weight is read): FSDP2's shards (each rank holds 1/N of a
 block already and gathers it to the device as it runs) and torch.compile (diffusers moves the weights in
-functions compile does not trace, a graph break at every block).
+functions compile does not trace, a graph break at every group). unparallelize refuses an offloaded model.
 
 Streams (diffusers' `use_stream=True`, prefetching the next group while one runs) are not used: with them a
-rank holds two groups at once and diffusers forces one block per group, so the N asked would not be what runs.
+rank holds two groups at once and diffusers forces one block per group, so the N asked would not be what runs;
+each group's copy waits for the device (blocking copies from pageable memory).
 """
 
 from __future__ import annotations

@@ -406,3 +406,9 @@ def test_a_plan_that_does_not_fit_advises_offloaded_blocks_unless_it_has_them():
     offloaded = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, offload=1)
     assert offloaded.offloaded == 1 and offloaded.per_rank_bytes["transformer"] == shared + max(blocks)
     assert "offload_blocks=1" not in advice(offloaded)  # the control: already offloaded, not advised again
+    # on a CPU the host is the device: the offloaded rest counts there too (on a GPU, against the host's RAM)
+    assert offloaded.host_bytes == sum(blocks) - max(blocks)
+    everything = offloaded.total_per_rank + offloaded.host_bytes
+    check_plan(offloaded, torch.device("cpu"), limit_bytes=everything, config=ParallelConfig())
+    with pytest.raises(MemoryPlanError, match=r"in host memory, here the same\) per rank on cpu"):
+        check_plan(offloaded, torch.device("cpu"), limit_bytes=everything - 1, config=ParallelConfig())

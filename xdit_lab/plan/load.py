@@ -98,7 +98,7 @@ def plan_memory(
             f"weights sharded over {config.world_size // config.pipefusion} rank(s) of a stage (text encoders over "
             f"{config.world_size}); weight gathers: the largest blocks and the root a sharded forward holds whole"
         )
-    plan.offloaded = row.offload_blocks
+    plan.offloaded, plan.host_bytes = row.offload_blocks, row.host_bytes
     if row.offload_blocks:
         transformers = [name for name in model.named(TRANSFORMER, EXPERT) if name in components]
         plan.notes.append(

@@ -347,6 +347,7 @@ def load_own_components(
     sharding: bool,
     quantized=None,
     on_host=(),
+    offloaded: bool = False,
     cache=None,
     compile=False,
     controls=None,
@@ -354,13 +355,14 @@ def load_own_components(
     """{name: module} of the components this rank builds from the files itself, each reading only what it keeps
     (the headers `model` parsed); load_pipeline hands these to diffusers' from_pretrained, which loads the rest
     whole (an image encoder, a ControlNet, the VAE), by the role the folder gives each component:
-      - quantized ones (`quantized`: quantization.resolve's), block by block (load_quantized_components);
+      - quantized ones (`quantized`: quantization.resolve's), block by block (load_quantized_components); with
+        `offloaded` (offload_blocks) the transformers in host memory, never whole on the device;
       - with `sharding`, the transformer and the expert (Wan 2.2 A14B's two alike) parallelized and sharded, then
         this rank's rows read (`cache`, `compile`, `controls`: parallelize's), and every text encoder not kept
         `on_host`;
       - under PipeFusion without sharding, each transformer's stage: its own blocks and the rest."""
     folder, index, header = model.path, model.index, model.header
-    loaded = load_quantized_components(model, config, mesh, dtype, device, quantized) if quantized else {}
+    loaded = load_quantized_components(model, config, mesh, dtype, device, quantized, offloaded) if quantized else {}
     parallel = dict(cache=cache, compile=compile, controls=controls)
     for name in model.named(TRANSFORMER, EXPERT):
         if name in loaded:
@@ -378,17 +380,17 @@ def load_own_components(
     return loaded
 
 
-def load_quantized_components(model: ModelFolder, config, mesh, dtype, device, quantized) -> dict:
+def load_quantized_components(model: ModelFolder, config, mesh, dtype, device, quantized, offloaded=False) -> dict:
     """The components `quantized` names, each built empty and filled block by block, every block quantized
-    as soon as it is read (load_quantized): the transformer and the expert (a PipeFusion stage: its blocks) and
-    the text encoders. Anything else is refused by name."""
+    as soon as it is read (load_quantized): the transformer and the expert (a PipeFusion stage: its blocks; in
+    host memory when `offloaded`) and the text encoders. Anything else is refused by name."""
     loaded, roles = {}, model.roles
     for name in quantized.configs:
         class_name, sub = model.index[name][1], model.path / name
         if roles[name] in (TRANSFORMER, EXPERT):
             blocks = stage_blocks(model, config, mesh, name) if config.pipefusion > 1 else None
             loaded[name] = load_quantized_transformer(
-                sub, class_name, dtype, device, quantized, blocks, name, model.header
+                sub, class_name, dtype, "cpu" if offloaded else device, quantized, blocks, name, model.header
             )
         elif roles[name] == TEXT_ENCODER:
             loaded[name] = load_quantized_text_encoder(sub, class_name, dtype, device, quantized, name, model.header)

@@ -271,7 +271,7 @@ def _memory(pipe, session, report) -> dict:
     components = component_holdings(pipe)  # each as this rank holds it: shards, buffers, on the host or not
     gathers = max((c["gather_bytes"] for c in components.values()), default=0)  # whole during a sharded forward
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
-        on_device = sum(c["held_bytes"] for c in components.values() if not c["on_host"])
+        on_device = sum(c["device_bytes"] for c in components.values())  # an offloaded one's at most
         activations = max(0, figures["max_allocated"] - on_device - kv - gathers)
         source = "CUDA peak allocated − weights on the GPU − KV buffers" + (" − weight gathers" if gathers else "")
     else:  # no allocator peak on CPU: the tensors the session keeps between steps

@@ -732,7 +732,7 @@ def test_a_stage_loads_only_its_blocks_of_both_flux_lists(tmp_path):
     block 3 and both single-stream blocks, with the saved weights, named in its own lists."""
     model = tiny_transformer("flux", layers=LAYERS)
     model.save_pretrained(tmp_path)
-    stage = load_stage_transformer(tmp_path, "FluxTransformer2DModel", (3, 6), torch.float32)
+    stage = load_stage_transformer(tmp_path, "FluxTransformer2DModel", (3, 6), torch.float32, "cpu")
     assert (len(stage.transformer_blocks), len(stage.single_transformer_blocks)) == (1, 2)
     pairs = [("transformer_blocks.0", "transformer_blocks.3")] + [
         (f"single_transformer_blocks.{i}", f"single_transformer_blocks.{i}") for i in range(2)

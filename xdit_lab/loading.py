@@ -205,16 +205,17 @@ def stage_key_renaming(transformer_config, class_name: str, stage_blocks: tuple[
 
 
 def load_stage_transformer(
-    folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype, header=None
+    folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype, device, header=None
 ):
     """The diffusers transformer in `folder` with only its stacked blocks [start, stop) materialised
-    (Flux's stack: its double-stream blocks, then its single-stream ones). `header`, here and below: a
-    file's tensor table parsed once per load (ModelFolder.header), else read by load_weights."""
+    (Flux's stack: its double-stream blocks, then its single-stream ones), on `device`. `header`, here and
+    below: a file's tensor table parsed once per load (ModelFolder.header), else read by load_weights."""
     model = empty_model(folder, "diffusers", class_name, dtype)
     stage_name = keep_stage(model, class_name, stage_blocks)
     # plain reads of this stage's tensors only, never a mapping of the whole file (shard_loading.py)
     load_weights(materialize(model, "cpu", dtype=dtype), folder, dtype=dtype, rename=stage_name, header=header)
-    return model.eval()
+    # read in host memory, then to the device: load_pipeline's place() leaves what a rank built where it is
+    return model.to(device).eval()
 
 
 def load_sharded_transformer(
@@ -373,7 +374,9 @@ def load_own_components(
             )
         elif config.pipefusion > 1:
             blocks = stage_blocks(model, config, mesh, name)
-            loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, dtype, header)
+            loaded[name] = load_stage_transformer(
+                folder / name, index[name][1], blocks, dtype, "cpu" if offloaded else device, header
+            )
     for name in model.text_encoders if sharding else ():
         if name not in on_host and name not in loaded:
             loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, dtype, device, header)

@@ -16,7 +16,9 @@ from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage", "sana"]
+FAMILIES = [
+    "pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage", "sana", "hunyuanvideo15"
+]  # fmt: skip
 ONE_BRANCH = ("flux2",)  # guidance-distilled, no negative prompt: cfg 2 is refused (tested below)
 NO_PIPEFUSION = ("zimage",)  # its forward joins [image; caption] between its refiners and layers: refused (below)
 # a convolution over token rows: PipeFusion runs each stage over the whole image, ulysses = ring = 1 within it
@@ -243,6 +245,7 @@ TEXT_AT = dict(
     wan="cross",
     zimage="last",
     sana="cross",
+    hunyuanvideo15="last",
 )
 
 

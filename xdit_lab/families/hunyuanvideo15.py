@@ -1,0 +1,195 @@
+"""HunyuanVideo-1.5: a Qwen2.5-VL text model (states before its last two layers, padded to 1000 tokens, masked)
+and a ByT5 encoder of the prompt's quoted text (glyphs, padded to 256), video latents [B, C, F, H, W] with the
+image condition's channels beside them (zeros and a zero mask for text to video), joint attention with the text
+after the image, a token refiner over Qwen's text alone, CFG through the pipeline's guider, flow matching.
+
+The forward joins its text itself, per sample, valid tokens first: [the image's embeddings (729 of them, all
+masked for text to video); ByT5's; Qwen's], then the padding of each, zeroed. Every block takes that joint text
+and its padding mask [B, T], from which its attention builds a query-and-key mask [B, 1, L, L] over the tokens it
+holds. So the adapter reads the joint text's length from the forward's arguments (`joint_text_len`), and each
+block takes this rank's share of the mask as of the text, the parallel kernels the whole of it as the text's key
+mask (`text_mask_argument`). Padded text queries, which diffusers' mask leaves without a key, attend here; they
+feed nothing that is not masked, and the forward returns the image's tokens alone: exact.
+
+diffusers' HunyuanVideo15Pipeline runs the guider's branches as separate forwards, conditional first; here both go
+in one batch [negative; positive], which cfg 2 then splits, guided as its ClassifierFreeGuidance guides them
+(uncond + scale × (cond − uncond)) with the call's guidance_scale. Every prompt's text has the same padded
+lengths, so the branches need no padding to one length."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
+from .qwenimage import padded_text_mask
+from .recipe import VideoRecipe, generator_of
+from .tiny_spec import TEXT_DIM, Part, TinySpec, flow_scheduler
+
+# HunyuanVideo15Pipeline's fixed lengths (its __init__): Qwen's text past the crop, ByT5's, the image's embeddings
+QWEN_TOKENS, GLYPH_TOKENS, IMAGE_TOKENS = 1000, 256, 729
+JOINED = ("image_embeds", "encoder_hidden_states_2", "encoder_hidden_states")  # the forward's order
+
+
+def joint_text_len(arguments: dict) -> int:
+    """The joint text the blocks take: the image's embeddings, ByT5's tokens and Qwen's, which the forward joins."""
+    return sum(arguments[name].shape[1] for name in JOINED)
+
+
+ADAPTER = FamilyAdapter(
+    "hunyuanvideo15",
+    "HunyuanVideo15Transformer3DModel",
+    shard_at="x_embedder",
+    attention={
+        r"^transformer_blocks\.\d+\.attn$": "joint_last",
+        r"^context_embedder\.token_refiner\.refiner_blocks\.\d+\.attn$": "text",
+    },
+    latents=VIDEO,
+    rotary_at="rope",  # computed from the latents, before the tokens are sharded
+    rotary=IMAGE_ONLY,
+    text_key_mask=True,
+    joint_text_len=joint_text_len,
+    text_mask_argument="attention_mask",
+    # diffusers' TransformerBlockRegistry does not list the block: it returns (image, text)
+    block_returns={
+        "HunyuanVideo15TransformerBlock": dict(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
+    },
+)
+
+
+class HunyuanVideo15Recipe(VideoRecipe):
+    pipeline_classes = ("HunyuanVideo15Pipeline",)
+    output_class = "diffusers.pipelines.hunyuan_video1_5.pipeline_output:HunyuanVideo15PipelineOutput"
+    default_size = (480, 848)  # a 480p model's (target_size 640) at the pipeline's 16:9; drawn_size reads the model's
+    # guidance_scale: the guider's scale (ClassifierFreeGuidance), 6 in HunyuanVideo-1.5's text-to-video folders
+    defaults = dict(num_inference_steps=50, guidance_scale=6.0)
+    options = dict(num_frames=121)
+    bounded_tokenizer = None  # the pipeline cuts Qwen's text at 1000 tokens past its template, ByT5's at 256
+
+    def check_pipeline(self, pipe):
+        from diffusers import ClassifierFreeGuidance
+
+        guider = pipe.guider
+        plain = dict(guidance_rescale=0.0, use_original_formulation=False, start=0.0, stop=1.0, enabled=True)
+        changed = {key: guider.config.get(key) for key, value in plain.items() if guider.config.get(key) != value}
+        if type(guider) is not ClassifierFreeGuidance or changed:
+            raise ValueError(
+                f"{type(pipe).__name__}'s guider is {type(guider).__name__}"
+                f"{f' with {changed}' if changed else ''}; xdit_lab runs the plain ClassifierFreeGuidance (uncond + "
+                f"scale × (cond − uncond) at every step): set pipe.guider = ClassifierFreeGuidance(guidance_scale=...)"
+            )
+
+    def size_multiple(self, pipe):
+        return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size, self._default_size(pipe)
+
+    def drawn_size(self, pipe, request):
+        default = self._default_size(pipe)
+        return request.height or default[0], request.width or default[1]
+
+    @staticmethod
+    def _default_size(pipe) -> tuple[int, int]:
+        """The pipeline's size when none is given: the model's target_size at 16:9 (its image processor's bucket)."""
+        height, width = pipe.default_aspect_ratio[1], pipe.default_aspect_ratio[0]
+        return pipe.video_processor.calculate_default_height_width(height, width, pipe.target_size)
+
+    def planned_default_size(self, configs):
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+        processor = HunyuanVideo15ImageProcessor(vae_scale_factor=configs["vae"].get("spatial_compression_ratio", 16))
+        return processor.calculate_default_height_width(9, 16, configs["transformer"].get("target_size", 640))
+
+    def encode_texts(self, pipe, request, texts, device, *, negative):
+        dtype = pipe.transformer.dtype
+        embeds, mask, glyphs, glyph_mask = pipe.encode_prompt(
+            prompt=texts, device=device, dtype=dtype, batch_size=len(texts)
+        )
+        # the image's embeddings: zeros for text to video (the pipeline's), which the forward masks
+        image = embeds.new_zeros(len(texts), pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
+        return dict(
+            encoder_hidden_states=embeds,
+            encoder_attention_mask=mask,
+            encoder_hidden_states_2=glyphs,
+            encoder_attention_mask_2=glyph_mask,
+            image_embeds=image,
+        )
+
+    def prepare(self, pipe, request, prepared, device):
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
+
+        steps = request.num_inference_steps
+        sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
+        prepared.timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, sigmas=sigmas)
+        height, width = self.drawn_size(pipe, request)
+        prepared.latents = pipe.prepare_latents(  # in the transformer's dtype, as the pipeline keeps them
+            len(request.prompts), pipe.num_channels_latents, height, width, request.options["num_frames"],
+            pipe.transformer.dtype, device, generator_of(request),
+        )  # fmt: skip
+
+    def model_input(self, pipe, prepared, latents, t):
+        # the image condition's latents and mask on the channels: zeros for text to video (the pipeline's)
+        condition = latents.new_zeros(latents.shape[0], latents.shape[1] + 1, *latents.shape[2:])
+        return super().model_input(pipe, prepared, torch.cat([latents, condition], dim=1), t)
+
+    def model_kwargs(self, pipe, prepared, model_input, t):
+        return dict(
+            hidden_states=model_input,
+            timestep=t.expand(model_input.shape[0]).to(model_input.dtype),
+            return_dict=False,
+            **prepared.conditioning,
+        )
+
+    def decoded(self, pipe, prepared, latents):
+        return pipe.vae.decode(latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]
+
+    def planned_request(self, configs, call, element):
+        shape = super().planned_request(configs, call, element)
+        # the latents in the model's dtype (VideoRecipe's pipelines keep float32)
+        return dataclasses.replace(shape, latents_per_prompt=shape.latents_per_prompt // 4 * element)
+
+    def planned_text_bytes(self, transformer, call, element):
+        # Qwen's states and mask, ByT5's states and mask (the masks in the model's dtype), the image's embeddings
+        qwen = QWEN_TOKENS * (transformer["text_embed_dim"] + 1)
+        glyphs = GLYPH_TOKENS * (transformer["text_embed_2_dim"] + 1)
+        return (qwen + glyphs + IMAGE_TOKENS * transformer["image_embed_dim"]) * element
+
+
+RECIPE = HunyuanVideo15Recipe()
+
+
+def tiny_inputs(batch, height, width, text, timestep, randn):
+    """Two latent frames with the condition's channels; padded Qwen and ByT5 text, a different length per sample;
+    the image's embeddings zero (text to video: the forward masks them)."""
+    glyphs = randn(batch, 5, TEXT_DIM)
+    return dict(
+        hidden_states=randn(batch, 9, 2, height, width),
+        encoder_hidden_states=text,
+        encoder_attention_mask=padded_text_mask(batch, text.shape[1]).float(),
+        encoder_hidden_states_2=glyphs,
+        encoder_attention_mask_2=padded_text_mask(batch, glyphs.shape[1]).flip(0).float(),
+        image_embeds=torch.zeros(batch, 7, 16),
+        timestep=timestep,
+    )
+
+
+TINY = TinySpec(
+    transformer=dict(
+        in_channels=9, out_channels=4, num_refiner_layers=1, text_embed_dim=TEXT_DIM, text_embed_2_dim=TEXT_DIM,
+        image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=64,
+    ),
+    inputs=tiny_inputs,
+    heads=3,  # uneven: Ulysses 2 splits them 2 + 1
+    pipeline_classes=("HunyuanVideo15Pipeline",),
+    parts=dict(  # Qwen2.5-VL's text model and ByT5 (T5's encoder over bytes)
+        text_encoder=Part("qwen_vl_text_encoder", seed=1, vocab_of="tokenizer"),
+        tokenizer=Part("qwen_chat_tokenizer"),
+        text_encoder_2=Part("t5_encoder", seed=3, vocab_of="tokenizer_2"),
+        tokenizer_2=Part("byt5_tokenizer"),
+        vae=Part("hunyuan15_vae", seed=2, kwargs=dict(latent_channels=4)),
+        scheduler=flow_scheduler(shift=5.0),
+        guider=Part("ClassifierFreeGuidance", kwargs=dict(guidance_scale=6.0)),
+    ),
+    # 2 latent frames of 4 × 4 (16x): 32 tokens; Qwen's text padded to 1000, ByT5's to 256, the image's 729 masked
+    call=dict(height=64, width=64, num_frames=5),
+)  # fmt: skip

@@ -413,3 +413,37 @@ def test_cfg_2_on_a_step_distilled_klein_folder_is_refused_before_a_weight_is_re
         kind, message = _error(lambda folder=folder, asked=asked: load_pipeline(folder, pipeline_class=asked))
         assert kind == "ValueError" and message.startswith(f"pipeline_class={asked!r} runs other components than")
         assert message.endswith(f"(another flux2 pipeline); name one of {runs}"), message
+
+
+# ---- HunyuanVideo-1.5: its guider, and the image its two pipelines take or do not ----------------------------
+
+
+def test_hunyuanvideo15_refuses_what_its_pipelines_do_not_run():
+    """A guider other than the plain ClassifierFreeGuidance (a rescale, a step window) is refused by name with
+    the guider that runs; text to video refuses an image, image to video needs one and takes no height or width
+    (it draws at the image's bucket). Control: the plain guider and the right image pass."""
+    from diffusers import ClassifierFreeGuidance
+    from PIL import Image
+
+    text, video = (
+        tiny_pipeline("hunyuanvideo15", pipeline_class=name)
+        for name in ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
+    )
+    recipe, image = RECIPES["HunyuanVideo15Pipeline"], Image.new("RGB", (64, 64))
+
+    def request(height=None, **options):
+        return Request(["a red cat"], None, 2, 6.0, height, None, 0, options=recipe.check_options(options))
+
+    assert _error(lambda: recipe.check_pipeline(text)) is None  # the control: the tiny folder's plain guider
+    assert _error(lambda: recipe.check_inputs(text, request())) is None
+    assert _error(lambda: recipe.check_inputs(video, request(image=image))) is None
+    text.guider = ClassifierFreeGuidance(guidance_scale=6.0, guidance_rescale=0.7)
+    kind, message = _error(lambda: recipe.check_pipeline(text))
+    assert kind == "ValueError" and "guider is ClassifierFreeGuidance with {'guidance_rescale': 0.7}" in message
+    assert "set pipe.guider = ClassifierFreeGuidance(guidance_scale=...)" in message
+    kind, message = _error(lambda: recipe.check_inputs(text, request(image=image)))
+    assert message.startswith("HunyuanVideo15Pipeline draws from text alone and takes no image")
+    kind, message = _error(lambda: recipe.check_inputs(video, request()))
+    assert message == "HunyuanVideo15ImageToVideoPipeline draws a video from an image: give image= (a PIL image)"
+    kind, message = _error(lambda: recipe.check_inputs(video, request(height=64, image=image)))
+    assert "draws at the image's size bucket" in message and "takes no height or width" in message

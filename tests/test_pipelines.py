@@ -273,6 +273,85 @@ def _check_token_layout(family, summaries):
     assert not legibility_problems(fig), legibility_problems(fig)
 
 
+# HunyuanVideo-1.5's image to video: SigLIP's embeddings of the image lead the joint text, its latents and a frame-0
+# mask go on the channels; it draws at the image's size bucket
+def _hunyuan15_i2v_call():
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    return dict(
+        num_inference_steps=3, num_frames=5, negative_prompt=list(NEGATIVES), image=Image.fromarray(pixels.numpy())
+    )
+
+
+def _hunyuan15_i2v_parallel(folder, configs, expected):
+    """_parallel's rows, then the control's error: the image's latents dropped from the channels (text to video's
+    zeros in their place), under the first configuration (every rank busy)."""
+    rows = _parallel(folder, "hunyuanvideo15", configs, expected, _hunyuan15_i2v_call())
+    config = configs[0]
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    prepare = pipe.recipe.prepare
+
+    def without_the_image(pipe, request, prepared, device):
+        prepare(pipe, request, prepared, device)
+        prepared.extra.pop("image_condition")
+
+    pipe.recipe.prepare = without_the_image
+    latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_hunyuan15_i2v_call()))
+    return rows, (latents - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hunyuanvideo15_image_to_video_equals_diffusers_pipeline(tmp_path, world_size):
+    """HunyuanVideo15ImageToVideoPipeline (the tiny parts with a SigLIP vision tower) through load_pipeline under
+    every strategy, PipeFusion with every step a warm-up step among them: equal to diffusers' pipeline from the same
+    folder run serially (1e-4 relative), each step's bytes the closed form's, the plan (the image's bucket, SigLIP's
+    tokens) what a rank holds. Control: the image's latents left off the channels misses the bound."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("hunyuanvideo15", tmp_path / "i2v", pipeline_class="HunyuanVideo15ImageToVideoPipeline")
+    reference = DiffusionPipeline.from_pretrained(folder)
+    assert type(reference).__name__ == "HunyuanVideo15ImageToVideoPipeline"
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(
+        reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **_hunyuan15_i2v_call())
+    )
+    configs = CONFIGS[world_size]
+    per_rank = run_on_ranks(_hunyuan15_i2v_parallel, world_size, folder, configs, expected, timeout_s=500)
+    _check_rows([rows for rows, _ in per_rank], configs, "hunyuanvideo15 image to video")
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    for rank, (_, control) in enumerate(per_rank):
+        assert control > bound, f"rank {rank}: the video drawn without the image's latents within the bound"
+
+
+def _hunyuan15_videos(folder):
+    """The decoded frames of one prompt and of two, under dp 2 (each rank decodes its own video)."""
+    config = ParallelConfig(dp=2)
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    call = dict(tiny_pipeline_kwargs("hunyuanvideo15"), num_inference_steps=2, output_type="np", seed=0)
+    return pipe(PROMPTS[:1], **call).frames, pipe(PROMPTS, **call).frames
+
+
+def test_hunyuanvideo15_decodes_each_video_as_diffusers_decodes_one(tmp_path):
+    """diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decodes one video a call (its mid-block attention's [B, S, S]
+    mask does not broadcast over a batch of more): the recipe decodes video by video, so one prompt's frames equal
+    diffusers' pipeline's, and two prompts decode (the first prompt's frames the same), where diffusers' raises."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("hunyuanvideo15", tmp_path / "t2v")
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    call = dict(tiny_pipeline_kwargs("hunyuanvideo15"), num_inference_steps=2, output_type="np")
+    expected = reference(prompt=PROMPTS[:1], generator=torch.Generator().manual_seed(0), **call).frames
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):  # the control: diffusers' own
+        reference(prompt=PROMPTS, generator=torch.Generator().manual_seed(0), **call)
+    for one, two in run_on_ranks(_hunyuan15_videos, 2, folder, timeout_s=300):
+        assert np.abs(one - expected).max() <= 1e-4 and two.shape == (2, *expected.shape[1:])
+        assert np.abs(two[:1] - expected).max() <= 1e-4
+
+
 def test_pixart_sigma_through_load_pipeline(tmp_path):
     """A PixArtSigmaPipeline folder (tiny, saved here) through load_pipeline under the exact
     strategies on 2 ranks, PipeFusion with every step a warmup step among them: equal to diffusers'

@@ -542,6 +542,26 @@ def clip_image_processor():
     return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
 
 
+def siglip_vision_encoder(seed: int, width: int = 16):
+    """SigLIP's vision tower (HunyuanVideo-1.5 image to video's image encoder, whose last states are the image's
+    embeddings): 32 × 32 images in 8 × 8 patches, 16 tokens `width` wide."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(seed)
+    config = SiglipVisionConfig(
+        hidden_size=width, intermediate_size=width, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+        patch_size=8,
+    )  # fmt: skip
+    return SiglipVisionModel(config).eval()
+
+
+def siglip_image_processor():
+    """SigLIP's image processor at the tiny vision tower's size (the PIL one: no torchvision), 32 × 32."""
+    from transformers import SiglipImageProcessorPil
+
+    return SiglipImageProcessorPil(size={"height": 32, "width": 32})
+
+
 def gemma_tokenizer():
     """Gemma's BPE over single characters, with merges that make each of WORDS after a space ("▁word") one token;
     "<bos>" begins every text, "<pad>" = 0 pads (SanaPipeline pads on the right, to max_sequence_length)."""

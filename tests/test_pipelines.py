@@ -325,6 +325,47 @@ def test_hunyuanvideo15_image_to_video_equals_diffusers_pipeline(tmp_path, world
         assert control > bound, f"rank {rank}: the video drawn without the image's latents within the bound"
 
 
+def _hunyuan15_meanflow_parallel(folder, configs, expected):
+    """_parallel's rows, then the control's error: the MeanFlow model run without the next step's timestep."""
+    rows = _parallel(folder, "hunyuanvideo15", configs, expected, _hunyuan15_i2v_call())
+    pipe = load_pipeline(folder, configs[0], mesh=RankMesh(configs[0]), progress=False)
+    model_kwargs = pipe.recipe.model_kwargs
+
+    def without_timestep_r(*args):
+        arguments = model_kwargs(*args)
+        arguments.pop("timestep_r")
+        return arguments
+
+    pipe.recipe.model_kwargs = without_timestep_r
+    latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_hunyuan15_i2v_call()))
+    return rows, (latents - expected).abs().max().item()
+
+
+def test_hunyuanvideo15_meanflow_image_to_video_equals_diffusers_pipeline(tmp_path):
+    """A MeanFlow image-to-video model (use_meanflow: HunyuanVideo-1.5's step-distilled 480p) takes the next step's
+    timestep beside this one (timestep_r, 0 after the last): under ulysses 2 and cfg 2 equal to diffusers'
+    pipeline run serially. Control: left without timestep_r, it misses the bound."""
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab.tiny import tiny_pipeline, tiny_transformer
+
+    pipe = tiny_pipeline("hunyuanvideo15", pipeline_class="HunyuanVideo15ImageToVideoPipeline")
+    pipe.register_modules(transformer=tiny_transformer("hunyuanvideo15", use_meanflow=True))
+    pipe.save_pretrained(tmp_path / "meanflow")
+    reference = DiffusionPipeline.from_pretrained(tmp_path / "meanflow")
+    assert reference.transformer.config.use_meanflow
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(
+        reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **_hunyuan15_i2v_call())
+    )
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(cfg=2)]
+    per_rank = run_on_ranks(_hunyuan15_meanflow_parallel, 2, tmp_path / "meanflow", configs, expected, timeout_s=400)
+    _check_rows([rows for rows, _ in per_rank], configs, "hunyuanvideo15 MeanFlow image to video")
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    assert all(control > bound for _, control in per_rank), [control for _, control in per_rank]
+
+
 def _hunyuan15_videos(folder):
     """The decoded frames of one prompt and of two, under dp 2 (each rank decodes its own video)."""
     config = ParallelConfig(dp=2)

@@ -23,7 +23,8 @@ step's timestep (timestep_r):
 diffusers' pipelines run the guider's branches as separate forwards, conditional first; here both go
 in one batch [negative; positive], which cfg 2 then splits, guided as its ClassifierFreeGuidance guides them
 (uncond + scale × (cond − uncond)) with the call's guidance_scale. Every prompt's text has the same padded
-lengths, so the branches need no padding to one length.
+lengths, so the branches need no padding to one length. Videos decode one at a time: diffusers 0.42.1's
+AutoencoderKLHunyuanVideo15 cannot decode a batch of more than one (its mid-block attention's mask).
 
 torch.compile (parallelize(..., compile=True)) runs it in three graphs, not one: diffusers' forward branches on
 whether the image's embeddings are all zero (text to video), a jump on a tensor's value, and joins the text with
@@ -83,7 +84,7 @@ class HunyuanVideo15Recipe(VideoRecipe):
     defaults = dict(num_inference_steps=50, guidance_scale=6.0)
     options = dict(num_frames=121, image=None)  # image: the first frame (image to video)
     image_inputs = (*VideoRecipe.image_inputs, "image_condition")  # the image's latents and mask (image to video)
-    bounded_tokenizer = None  # the pipeline cuts Qwen's text at 1000 tokens past its template, ByT5's at 256
+    bounded_tokenizer = "tokenizer"  # Qwen's, cut at 1000 tokens past the template's opening (ByT5's glyphs at 256)
 
     def check_pipeline(self, pipe):
         from diffusers import ClassifierFreeGuidance
@@ -114,6 +115,41 @@ class HunyuanVideo15Recipe(VideoRecipe):
                 f"{name} draws at the image's size bucket (the model's target_size {pipe.target_size}), the image "
                 f"resized and cropped to it, and takes no height or width: give neither"
             )
+
+    def check_prompt_lengths(self, pipe, request):
+        """Refuse, by name, a prompt the pipeline would cut without a word: Qwen reads tokenizer_max_length (1000)
+        tokens past the chat template's opening it crops, ByT5 tokenizer_2_max_length (256) of the prompt's quoted
+        text as the pipeline renders it (Text "...". ). The pipeline takes no max_sequence_length to raise either."""
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
+
+        texts = [(f"prompt {i}", text) for i, text in enumerate(request.prompts)]
+        texts += [(f"negative_prompt {i}", text) for i, text in enumerate(request.negatives or [])]
+        for name, text in texts:
+            tokens = self.prompt_tokens(pipe, request, text)
+            if tokens > pipe.tokenizer_max_length:
+                raise ValueError(
+                    f"{name} is {tokens} tokens ({type(pipe.tokenizer).__name__}, past the chat template's opening "
+                    f"the pipeline crops), more than the {pipe.tokenizer_max_length} {type(pipe).__name__} reads: it "
+                    f"would cut the prompt and draw without the rest, without a warning. Shorten it to "
+                    f"{pipe.tokenizer_max_length} tokens"
+                )
+            glyphs = extract_glyph_texts(text)
+            glyph_tokens = 0 if glyphs is None else len(pipe.tokenizer_2(glyphs).input_ids)
+            if glyph_tokens > pipe.tokenizer_2_max_length:
+                raise ValueError(
+                    f"{name}'s quoted text is {glyph_tokens} tokens ({type(pipe.tokenizer_2).__name__}, rendered as "
+                    f'the pipeline renders it: Text "...". ), more than the {pipe.tokenizer_2_max_length} its glyph '
+                    f"encoder reads: the pipeline would draw the text cut short, without a warning. Shorten the quoted "
+                    f"text"
+                )
+
+    def prompt_tokens(self, pipe, request, text):
+        # the prompt in the chat template, less the template's opening the pipeline crops (its closing tokens count)
+        from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
+
+        chat = format_text_input([text], pipe.system_message)
+        ids = pipe.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return len(ids["input_ids"][0]) - pipe.prompt_template_encode_start_idx
 
     def size_multiple(self, pipe):
         return pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size, self._default_size(pipe)

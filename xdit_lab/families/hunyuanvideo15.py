@@ -84,6 +84,11 @@ class HunyuanVideo15Recipe(VideoRecipe):
     defaults = dict(num_inference_steps=50, guidance_scale=6.0)
     options = dict(num_frames=121, image=None)  # image: the first frame (image to video)
     image_inputs = (*VideoRecipe.image_inputs, "image_condition")  # the image's latents and mask (image to video)
+    pipefusion_async_refused = dict.fromkeys(
+        pipeline_classes,
+        "the transformer takes the image condition's channels beside the latents (65 for 32), and the async schedule "
+        "steps the scheduler patch by patch on the model input's layout; use the drained schedule (the default)",
+    )
     bounded_tokenizer = "tokenizer"  # Qwen's, cut at 1000 tokens past the template's opening (ByT5's glyphs at 256)
 
     def check_pipeline(self, pipe):

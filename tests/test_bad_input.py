@@ -413,3 +413,68 @@ def test_cfg_2_on_a_step_distilled_klein_folder_is_refused_before_a_weight_is_re
         kind, message = _error(lambda folder=folder, asked=asked: load_pipeline(folder, pipeline_class=asked))
         assert kind == "ValueError" and message.startswith(f"pipeline_class={asked!r} runs other components than")
         assert message.endswith(f"(another flux2 pipeline); name one of {runs}"), message
+
+
+# ---- HunyuanVideo-1.5: its guider, and the image its two pipelines take or do not ----------------------------
+
+
+def test_hunyuanvideo15_refuses_what_its_pipelines_do_not_run():
+    """A guider other than the plain ClassifierFreeGuidance (a rescale, a step window) is refused by name with
+    the guider that runs; text to video refuses an image, image to video needs one and takes no height or width
+    (it draws at the image's bucket). Control: the plain guider and the right image pass."""
+    from diffusers import ClassifierFreeGuidance
+    from PIL import Image
+
+    text, video = (
+        tiny_pipeline("hunyuanvideo15", pipeline_class=name)
+        for name in ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
+    )
+    recipe, image = RECIPES["HunyuanVideo15Pipeline"], Image.new("RGB", (64, 64))
+
+    def request(height=None, **options):
+        return Request(["a red cat"], None, 2, 6.0, height, None, 0, options=recipe.check_options(options))
+
+    assert _error(lambda: recipe.check_pipeline(text)) is None  # the control: the tiny folder's plain guider
+    assert _error(lambda: recipe.check_inputs(text, request())) is None
+    assert _error(lambda: recipe.check_inputs(video, request(image=image))) is None
+    text.guider = ClassifierFreeGuidance(guidance_scale=6.0, guidance_rescale=0.7)
+    kind, message = _error(lambda: recipe.check_pipeline(text))
+    assert kind == "ValueError" and "guider is ClassifierFreeGuidance with {'guidance_rescale': 0.7}" in message
+    assert "set pipe.guider = ClassifierFreeGuidance(guidance_scale=...)" in message
+    kind, message = _error(lambda: recipe.check_inputs(text, request(image=image)))
+    assert message.startswith("HunyuanVideo15Pipeline draws from text alone and takes no image")
+    kind, message = _error(lambda: recipe.check_inputs(video, request()))
+    assert message == "HunyuanVideo15ImageToVideoPipeline draws a video from an image: give image= (a PIL image)"
+    kind, message = _error(lambda: recipe.check_inputs(video, request(height=64, image=image)))
+    assert "draws at the image's size bucket" in message and "takes no height or width" in message
+
+
+def test_hunyuanvideo15_refuses_a_prompt_its_pipeline_would_cut():
+    """HunyuanVideo15Pipeline reads 1000 Qwen tokens past its chat template's opening and 256 ByT5 tokens of the quoted
+    text, and takes no max_sequence_length. P is the longest prompt of "a"s the check accepts: diffusers' encode reads
+    all of it (its last word made "an" changes the states) and cuts a longer one (a word past the template's closing
+    tokens changes nothing); P and one more "a" is refused by name, as is quoted text of more than 256 tokens.
+    Control: a short prompt with short quoted text passes."""
+    pipe, recipe = tiny_pipeline("hunyuanvideo15"), RECIPES["HunyuanVideo15Pipeline"]
+
+    def check(text):
+        return _error(lambda: recipe.check_prompt_lengths(pipe, Request([text], None, 2, 6.0, None, None, 0, {})))
+
+    assert check('a red cat and a sign that says "open"') is None
+    words = 1
+    while check(" ".join(["a"] * (words + 1))) is None:
+        words += 100 if check(" ".join(["a"] * (words + 100))) is None else 1
+    prompt = " ".join(["a"] * words)
+    kind, message = check(prompt + " a")
+    assert kind == "ValueError" and message.startswith("prompt 0 is 1001 tokens (Qwen2Tokenizer, past the chat")
+    assert "more than the 1000 HunyuanVideo15Pipeline reads" in message and "Shorten it to 1000 tokens" in message
+
+    def encoded(text):
+        with torch.no_grad():
+            return pipe.encode_prompt(prompt=[text], device="cpu")[0]
+
+    assert not torch.equal(encoded(prompt), encoded(prompt[:-1] + "an"))  # P is read whole
+    past = prompt + " a" * 8  # past the template's closing tokens: cut
+    assert torch.equal(encoded(past), encoded(past[:-1] + "an"))
+    kind, message = check('a sign that says "' + "x" * 300 + '"')
+    assert message.startswith("prompt 0's quoted text is 310 tokens (ByT5Tokenizer") and "more than the 256" in message

@@ -82,7 +82,7 @@ def test_every_family_file_is_found_and_tabled():
             for node in ast.parse(path.read_text()).body
         )
     )
-    assert declared == sorted(MODULES) and len(declared) == 11
+    assert declared == sorted(MODULES) and len(declared) == 12
     assert {adapter.family for adapter in FAMILIES.values()} == set(MODULES)
     assert {recipe.family for recipe in RECIPES.values()} == {n for n, m in MODULES.items() if m.RECIPE}
 
@@ -101,4 +101,6 @@ def test_each_pipeline_class_calls_with_its_own_defaults():
             if key in parameters:
                 assert value == parameters[key].default, (pipeline_class, key, value, parameters[key].default)
                 checked += 1
-    assert checked >= 2 * len(RECIPES)
+    # HunyuanVideo-1.5's guidance is its guider's, not a call argument: one default fewer for each of its two classes
+    guided = [name for name in RECIPES if name.startswith("HunyuanVideo15")]
+    assert checked >= 2 * len(RECIPES) - len(guided)

@@ -56,6 +56,9 @@ VARIANTS = {
     "zimage": ("zimage", {}, {}),  # float32 latents whatever the dtype; each prompt's own Qwen3 tokens
     "sana": ("sana", {}, {}),  # float32 latents whatever the dtype, Gemma 2's states and an int64 mask
     "sana-1024-binned": ("sana", {"sample_size": 32}, {"use_resolution_binning": True, "height": 64}),
+    # latents in the model's dtype; Qwen's, ByT5's and the image's tokens of fixed lengths, the masks in the model's
+    # dtype; by default the model's target_size at 16:9
+    "hunyuanvideo15": ("hunyuanvideo15", {}, {}),
 }
 BOUNDED = ("qwenimage", "zimage")  # the text as long as the prompt: the plan's conditioning an upper bound
 SIZE_KEYS = ("height", "width", "num_frames")

@@ -13,9 +13,16 @@ from xdit_lab.families import check_diffusers_version
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage", "sana"]
+FAMILIES = [
+    "pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage", "sana",
+    "hunyuanvideo15",
+]  # fmt: skip
 # the control of families with padded text: the forward argument that masks it, and "nothing padded"
-UNMASKED = {"qwenimage": ("encoder_hidden_states_mask", None), "hunyuanvideo": ("encoder_attention_mask", "ones")}
+UNMASKED = {
+    "qwenimage": ("encoder_hidden_states_mask", None),
+    "hunyuanvideo": ("encoder_attention_mask", "ones"),
+    "hunyuanvideo15": ("encoder_attention_mask", "ones"),
+}
 CASES = [  # (name, latent height, width, text length, batch)
     ("even", 8, 8, 8, 4),
     ("uneven-image", 6, 6, 8, 6),  # 9 patches (27 for CogVideoX): uneven over 2 and 4 ranks; dp gets 2 + 1

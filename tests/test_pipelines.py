@@ -16,7 +16,9 @@ from xdit_lab.lessons.families import output_latents
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
-FAMILIES = ["pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage", "sana"]
+FAMILIES = [
+    "pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage", "sana", "hunyuanvideo15"
+]  # fmt: skip
 ONE_BRANCH = ("flux2",)  # guidance-distilled, no negative prompt: cfg 2 is refused (tested below)
 NO_PIPEFUSION = ("zimage",)  # its forward joins [image; caption] between its refiners and layers: refused (below)
 # a convolution over token rows: PipeFusion runs each stage over the whole image, ulysses = ring = 1 within it
@@ -243,6 +245,7 @@ TEXT_AT = dict(
     wan="cross",
     zimage="last",
     sana="cross",
+    hunyuanvideo15="last",
 )
 
 
@@ -268,6 +271,160 @@ def _check_token_layout(family, summaries):
     else:  # cross-attention: the text is drawn apart, after the image
         assert max(starts) > image, (family, starts)
     assert not legibility_problems(fig), legibility_problems(fig)
+
+
+# HunyuanVideo-1.5's image to video: SigLIP's embeddings of the image lead the joint text, its latents and a frame-0
+# mask go on the channels; it draws at the image's size bucket
+def _hunyuan15_i2v_call():
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    return dict(
+        num_inference_steps=3, num_frames=5, negative_prompt=list(NEGATIVES), image=Image.fromarray(pixels.numpy())
+    )
+
+
+def _hunyuan15_i2v_parallel(folder, configs, expected):
+    """_parallel's rows, then the control's error: the image's latents dropped from the channels (text to video's
+    zeros in their place), under the first configuration (every rank busy)."""
+    rows = _parallel(folder, "hunyuanvideo15", configs, expected, _hunyuan15_i2v_call())
+    config = configs[0]
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    prepare = pipe.recipe.prepare
+
+    def without_the_image(pipe, request, prepared, device):
+        prepare(pipe, request, prepared, device)
+        prepared.extra.pop("image_condition")
+
+    pipe.recipe.prepare = without_the_image
+    latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_hunyuan15_i2v_call()))
+    return rows, (latents - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hunyuanvideo15_image_to_video_equals_diffusers_pipeline(tmp_path, world_size):
+    """HunyuanVideo15ImageToVideoPipeline (the tiny parts with a SigLIP vision tower) through load_pipeline under
+    every strategy, PipeFusion with every step a warm-up step among them: equal to diffusers' pipeline from the same
+    folder run serially (1e-4 relative), each step's bytes the closed form's, the plan (the image's bucket, SigLIP's
+    tokens) what a rank holds. Control: the image's latents left off the channels misses the bound."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("hunyuanvideo15", tmp_path / "i2v", pipeline_class="HunyuanVideo15ImageToVideoPipeline")
+    reference = DiffusionPipeline.from_pretrained(folder)
+    assert type(reference).__name__ == "HunyuanVideo15ImageToVideoPipeline"
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(
+        reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **_hunyuan15_i2v_call())
+    )
+    configs = CONFIGS[world_size]
+    per_rank = run_on_ranks(_hunyuan15_i2v_parallel, world_size, folder, configs, expected, timeout_s=500)
+    _check_rows([rows for rows, _ in per_rank], configs, "hunyuanvideo15 image to video")
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    for rank, (_, control) in enumerate(per_rank):
+        assert control > bound, f"rank {rank}: the video drawn without the image's latents within the bound"
+
+
+def _hunyuan15_stale(folder, configs, expected):
+    """_parallel's rows, then what load_pipeline says to the async schedule."""
+    rows = _parallel(folder, "hunyuanvideo15", configs, expected)
+    config = ParallelConfig(pipefusion=2, pipefusion_schedule="async")
+    try:
+        load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    except Exception as error:
+        return rows, f"{type(error).__name__}: {error}"
+    return rows, None
+
+
+def test_hunyuanvideo15_pipefusion_patch_steps_measured_against_diffusers(tmp_path):
+    """HunyuanVideo-1.5's PipeFusion past its warm-up (2 stages, 2 patches: stale K/V of the other patch from the step
+    before), with no warm-up step of three and with one, against diffusers' pipeline run serially: off by more than the
+    exact bound (stale; the control of the warm-up's exactness) and by less than 10% of the latents (measured 2.9e-3
+    relative without warm-up), each step's bytes the closed form's, the stale K/V a stage kept as planned. The async
+    schedule, which steps the scheduler on the model input's layout (the latents with the condition's channels), is
+    refused by name with the schedule that runs."""
+    folder = save_tiny_pipeline("hunyuanvideo15", tmp_path / "t2v")
+    expected = _reference(folder, "hunyuanvideo15")
+    configs = [ParallelConfig(pipefusion=2, warmup_steps=0), ParallelConfig(pipefusion=2, warmup_steps=1)]
+    per_rank = run_on_ranks(_hunyuan15_stale, 2, folder, configs, expected, timeout_s=300)
+    for rank, (rows, refused) in enumerate(per_rank):
+        assert refused and refused.startswith(
+            "ParallelConfigError: HunyuanVideo15Pipeline does not run under pipefusion_schedule='async': the transformer takes"
+        ), refused
+        assert "use the drained schedule (the default)" in refused
+        for row, config in zip(rows, configs):
+            where = f"hunyuanvideo15 {row['config']} warm-up {config.warmup_steps} rank {rank}"
+            assert row["bound"] < row["error"] < 0.1 * expected.abs().max().item(), (where, row["error"])
+            _check_traffic(row, config, where)
+            assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
+
+
+def _hunyuan15_meanflow_parallel(folder, configs, expected):
+    """_parallel's rows, then the control's error: the MeanFlow model run without the next step's timestep."""
+    rows = _parallel(folder, "hunyuanvideo15", configs, expected, _hunyuan15_i2v_call())
+    pipe = load_pipeline(folder, configs[0], mesh=RankMesh(configs[0]), progress=False)
+    model_kwargs = pipe.recipe.model_kwargs
+
+    def without_timestep_r(*args):
+        arguments = model_kwargs(*args)
+        arguments.pop("timestep_r")
+        return arguments
+
+    pipe.recipe.model_kwargs = without_timestep_r
+    latents = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_hunyuan15_i2v_call()))
+    return rows, (latents - expected).abs().max().item()
+
+
+def test_hunyuanvideo15_meanflow_image_to_video_equals_diffusers_pipeline(tmp_path):
+    """A MeanFlow image-to-video model (use_meanflow: HunyuanVideo-1.5's step-distilled 480p) takes the next step's
+    timestep beside this one (timestep_r, 0 after the last): under ulysses 2 and cfg 2 equal to diffusers'
+    pipeline run serially. Control: left without timestep_r, it misses the bound."""
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab.tiny import tiny_pipeline, tiny_transformer
+
+    pipe = tiny_pipeline("hunyuanvideo15", pipeline_class="HunyuanVideo15ImageToVideoPipeline")
+    pipe.register_modules(transformer=tiny_transformer("hunyuanvideo15", use_meanflow=True))
+    pipe.save_pretrained(tmp_path / "meanflow")
+    reference = DiffusionPipeline.from_pretrained(tmp_path / "meanflow")
+    assert reference.transformer.config.use_meanflow
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(
+        reference(prompt=list(PROMPTS), generator=generator, output_type="latent", **_hunyuan15_i2v_call())
+    )
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(cfg=2)]
+    per_rank = run_on_ranks(_hunyuan15_meanflow_parallel, 2, tmp_path / "meanflow", configs, expected, timeout_s=400)
+    _check_rows([rows for rows, _ in per_rank], configs, "hunyuanvideo15 MeanFlow image to video")
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    assert all(control > bound for _, control in per_rank), [control for _, control in per_rank]
+
+
+def _hunyuan15_videos(folder):
+    """The decoded frames of one prompt and of two, under dp 2 (each rank decodes its own video)."""
+    config = ParallelConfig(dp=2)
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    call = dict(tiny_pipeline_kwargs("hunyuanvideo15"), num_inference_steps=2, output_type="np", seed=0)
+    return pipe(PROMPTS[:1], **call).frames, pipe(PROMPTS, **call).frames
+
+
+def test_hunyuanvideo15_decodes_each_video_as_diffusers_decodes_one(tmp_path):
+    """diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decodes one video a call (its mid-block attention's [B, S, S]
+    mask does not broadcast over a batch of more): the recipe decodes video by video, so one prompt's frames equal
+    diffusers' pipeline's, and two prompts decode (the first prompt's frames the same), where diffusers' raises."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("hunyuanvideo15", tmp_path / "t2v")
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    call = dict(tiny_pipeline_kwargs("hunyuanvideo15"), num_inference_steps=2, output_type="np")
+    expected = reference(prompt=PROMPTS[:1], generator=torch.Generator().manual_seed(0), **call).frames
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):  # the control: diffusers' own
+        reference(prompt=PROMPTS, generator=torch.Generator().manual_seed(0), **call)
+    for one, two in run_on_ranks(_hunyuan15_videos, 2, folder, timeout_s=300):
+        assert np.abs(one - expected).max() <= 1e-4 and two.shape == (2, *expected.shape[1:])
+        assert np.abs(two[:1] - expected).max() <= 1e-4
 
 
 def test_pixart_sigma_through_load_pipeline(tmp_path):

@@ -361,3 +361,18 @@ def test_sana_plans_its_stages_whole_and_keeps_sums_and_edge_rows(folders):
     whole = [row for row in rows if row.text_encoders == "gpu"]
     assert whole and {row.weights["text_encoder"] for row in whole} == {2 * 2_614_341_888}
     assert rows[0].fits
+
+
+def test_hunyuanvideo15_plans_its_fixed_text_lengths_at_720p(folders):
+    """HunyuanVideo-1.5 720p text to video on two 80 GB GPUs: its transformer (8.33B parameters, "8.3B" as published)
+    and Qwen2.5-VL-7B's text model (7.07B) whole on a rank under ulysses 2, which fits; the guider's scale 6 gives two
+    branches, so cfg 2 is offered. At the default size (target_size 960 at 16:9: 720 × 1280, 121 frames: 31 × 45 × 80
+    latents of 32 channels) a request keeps the latents in bfloat16 and per prompt and branch the pipeline's fixed
+    lengths: Qwen's 1000 states and mask, ByT5's 256, the image's 729 embeddings (zeros for text to video)."""
+    rows = plan_model(folders["HunyuanVideo-1.5-720p_t2v"], 2, 80 * GB)
+    assert {row.request.branches for row in rows} == {2} and any(row.config.cfg == 2 for row in rows)
+    whole = _row(rows, "ulysses2", False, "gpu")
+    assert whole.weights["transformer"] == 8_326_608_160 * 2 and whole.weights["text_encoder"] == 7_070_619_136 * 2
+    assert whole.fits and (whole.request.height, whole.request.width) == (720, 1280)
+    assert whole.latents == 32 * 31 * 45 * 80 * 2
+    assert whole.conditioning == 2 * (1000 * (3584 + 1) + 256 * (1472 + 1) + 729 * 1152) * 2

@@ -512,3 +512,7 @@ def test_step_cache_without_a_reference_is_refused_by_name():
 
     with pytest.raises(ParallelConfigError, match="StepCache is not offered on flux2"):
         parallelize(tiny_transformer("flux2"), ParallelConfig(), cache=StepCache(0.1))
+    with pytest.raises(
+        ParallelConfigError, match="StepCache is not offered on hunyuanvideo15 yet: diffusers' First-Block Cache"
+    ):
+        parallelize(tiny_transformer("hunyuanvideo15"), ParallelConfig(), cache=StepCache(0.1))

@@ -23,6 +23,9 @@ EXPECTED = {
     ("hunyuanvideo", "HunyuanVideoPipeline"): ((2, 4, 2, 8, 8), (2, 5, 64, 64, 3)),  # [B, C, F, H, W]; 5 frames
     ("zimage", "ZImagePipeline"): ((2, 4, 8, 8), (2, 16, 16, 3)),  # 4 x 4 tokens of 2 x 2 latent pixels
     ("sana", "SanaPipeline"): ((2, 4, 8, 8), (2, 32, 32, 3)),  # DC-AE 4x: 32 px, the pipeline's smallest multiple
+    # [B, C, F, H, W]; 16x spatial: 4 x 4 latent pixels of 64 px, 5 frames
+    # one prompt: diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decodes one video a call (its mid-block attention mask)
+    ("hunyuanvideo15", "HunyuanVideo15Pipeline"): ((1, 4, 2, 4, 4), (1, 5, 64, 64, 3)),
 }
 
 
@@ -32,17 +35,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _call(pipe, family, output_type):
     # Flux's, Qwen-Image's and HunyuanVideo's CFG is true_cfg_scale; their guidance_scale is a distilled model's input
     extra = {"true_cfg_scale": 3.0} if family in ("flux", "qwenimage", "hunyuanvideo") else {"guidance_scale": 3.0}
+    prompts = ["a red cat", "a blue dog"]
     if family != "flux2":  # guidance-distilled, without a negative prompt (klein's base: CFG on the empty one)
         extra["negative_prompt"] = ["", "photo"]
+    if family == "hunyuanvideo15":  # its guider holds the guidance (6 in the tiny folder); one video a decode
+        extra, prompts = {"negative_prompt": [""]}, prompts[:1]
     out = pipe(
-        prompt=["a red cat", "a blue dog"],
+        prompt=prompts,
         num_inference_steps=2,
         generator=torch.Generator().manual_seed(0),
         output_type=output_type,
         **extra,
         **tiny_pipeline_kwargs(family),
     )
-    return out.frames if family in ("cogvideox", "wan", "hunyuanvideo") else out.images
+    return out.frames if family in ("cogvideox", "wan", "hunyuanvideo", "hunyuanvideo15") else out.images
 
 
 @pytest.mark.parametrize("family, cls", list(EXPECTED))
@@ -69,7 +75,8 @@ def test_tiny_pipeline_saves_reloads_and_runs(family, cls, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family", ["pixart", "sd3", "flux", "flux2", "cogvideox", "qwenimage", "hunyuanvideo", "zimage", "sana"]
+    "family",
+    ["pixart", "sd3", "flux", "flux2", "cogvideox", "qwenimage", "hunyuanvideo", "zimage", "sana", "hunyuanvideo15"],
 )
 def test_same_seed_same_weights(family, tmp_path):
     a, b = (save_tiny_pipeline(family, tmp_path / name, seed=seed) for name, seed in [("a", 0), ("b", 0)])

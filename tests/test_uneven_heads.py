@@ -211,6 +211,7 @@ FAMILY_GROUPS = [
     ("flux2", "qwenimage", "hunyuanvideo"),
     ("cogvideox", "wan", "dit"),
     ("zimage",),
+    ("hunyuanvideo15",),
     ("sana",),  # its linear attention splits no heads (sums all-reduced); shards of whole rows: 8 rows
 ]
 WHOLE_ROWS = ("sana",)  # families whose sequence shards must be whole token rows (8 rows of 6 here)

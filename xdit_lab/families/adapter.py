@@ -421,6 +421,14 @@ class FamilyAdapter:
     rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as `rotary`
     rotary: RotaryLayout = TEXT_THEN_IMAGE
     text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
+    # the joint text's length as the blocks take it, where the forward joins that text from several of its arguments
+    # (HunyuanVideo-1.5: the image's embeddings, ByT5's and Qwen's tokens): arguments -> tokens; None: the forward's
+    # encoder_hidden_states
+    joint_text_len: Callable | None = None
+    # the blocks' argument holding the joint text's padding mask [B, T], from which each block's attention builds a
+    # query-and-key mask [B, 1, L, L] over the tokens it holds (HunyuanVideo-1.5): every block takes this rank's share
+    # of it, cut as the text, and the parallel kernels read the whole of it as the text's key mask; None: none
+    text_mask_argument: str | None = None
     # the forward's argument that holds the latents: a tensor [B, ...], or a list of one tensor per sample
     # (Z-Image's `x`, its batch the list's length)
     latents_argument: str = "hidden_states"

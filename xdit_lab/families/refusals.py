@@ -38,6 +38,11 @@ def load_refusals(recipe: Recipe, pipeline_class: str, components) -> dict[str, 
         refused["cache"] = (
             f"{pipeline_class} does not run with a StepCache: {recipe.step_cache_refused[pipeline_class]}"
         )
+    if pipeline_class in recipe.pipefusion_async_refused:
+        refused["pipefusion_async"] = (
+            f"{pipeline_class} does not run under pipefusion_schedule='async': "
+            f"{recipe.pipefusion_async_refused[pipeline_class]}"
+        )
     if pipeline_class in recipe.pipefusion_refused:
         refused["pipefusion"] = (
             f"{pipeline_class} does not run under PipeFusion: {recipe.pipefusion_refused[pipeline_class]}"

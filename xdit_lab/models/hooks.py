@@ -90,6 +90,7 @@ class ParallelState:
         self.in_forward = False
         self.text_len = 0  # joint text tokens of the running forward (the whole text, however it is split)
         self.image_len = None  # whole image tokens, set where they are sharded
+        self.text_mask = None  # the joint text's whole key mask [B, T] bool, where the blocks take it (adapter)
         self.sites: list[tuple[weakref.ref, AttentionSite]] = []  # the attended modules (held weakly)
         self.hooks = Installed()  # every hook and replacement parallelize installed, by name (unparallelize)
         self.owns_mesh = False  # parallelize made the mesh: unparallelize closes it
@@ -168,6 +169,8 @@ def install_hooks(transformer, state: ParallelState) -> None:
         _hook_joined_text_at_first_block(transformer, state)
     if adapter.text_len_at is not None:
         _hook_text_len(transformer, state, adapter.text_len_at)
+    if adapter.text_mask_argument is not None and strategy.takes_attention:
+        _hook_text_mask(transformer, state)
     setattr(transformer, STATE_ATTRIBUTE, state)
 
 
@@ -264,6 +267,29 @@ def _hook_joined_text_at_first_block(transformer, state) -> None:
     state.hooks.forward_pre_hook("shard_text", blocks[0], shard_text, with_kwargs=True, prepend=True)
 
 
+def _hook_text_mask(transformer, state) -> None:
+    """Every block's joint-text padding mask [B, T] (adapter.text_mask_argument), from which its attention builds
+    the mask over the tokens it holds: the block takes this rank's share of it, cut as the text (whole where the
+    strategy keeps the text whole), and the parallel kernels read the whole one (state.text_mask). Installed
+    before the text's own cut at the first block."""
+    name = state.adapter.text_mask_argument
+    for index, block in enumerate(state.adapter.blocks(transformer)):
+        position = list(inspect.signature(type(block).forward).parameters).index(name) - 1  # without self
+
+        def cut(_module, args, kwargs, position=position):
+            if not state.in_forward:
+                return None
+            given = name in kwargs
+            mask = kwargs[name] if given else args[position]
+            state.text_mask = mask.bool()
+            mine = state.strategy.shard_text(mask)
+            if given:
+                return args, {**kwargs, name: mine}
+            return (*args[:position], mine, *args[position + 1 :]), kwargs
+
+        state.hooks.forward_pre_hook(f"text_mask[{index}]", block, cut, with_kwargs=True, prepend=True)
+
+
 def _hook_per_token(transformer, state, entry) -> None:
     """Each module `entry.module` matches keeps this rank's entries of its per-token argument (the
     forward builds it whole and hands the same one to every block: each block's copy is cut). A matching
@@ -358,6 +384,9 @@ class AttentionSite:
         strategy shards it). Any other mask would mask image keys this rank does not hold: refused."""
         text, adapter = self.state.text_len, self.state.adapter
         keys = query.shape[2]  # this rank's text (shard or whole) and image tokens
+        if adapter.text_mask_argument is not None and tuple(mask.shape) == (query.shape[0], 1, keys, keys):
+            # built by the processor from this rank's share of the blocks' text mask: the whole one is the state's
+            return self.state.text_mask
         if not (
             adapter.text_key_mask
             and self.kind in ("joint_first", "joint_last")
@@ -595,6 +624,8 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
         raise ValueError(f"the forward needs {state.adapter.latents_argument}")
     text = arguments.get("encoder_hidden_states")
     state.text_len = text.shape[1] if isinstance(text, torch.Tensor) and text.dim() >= 2 else 0
+    if state.adapter.joint_text_len is not None:  # the forward joins the text the blocks take
+        state.text_len = state.adapter.joint_text_len(arguments)
     total = len(hidden) if isinstance(hidden, list) else hidden.shape[0]  # a list: one tensor per sample (Z-Image)
     dp_rank = mesh.group_rank(DP)
     start, stop, dp_sizes = batch_rows(total, config.cfg, config.dp, mesh.group_rank(CFG), dp_rank)

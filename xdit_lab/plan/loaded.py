@@ -98,8 +98,8 @@ def plan_request(pipe, request: Request) -> MemoryPlan:
     state = parallel_state(pipe.diffusers_pipeline.transformer)
     if state is None:
         return plan
-    multiple, default = pipe.recipe.size_multiple(pipe.diffusers_pipeline)
-    height, width = request.height or default[0], request.width or default[1]
+    multiple = pipe.recipe.size_multiple(pipe.diffusers_pipeline)[0]
+    height, width = pipe.recipe.drawn_size(pipe.diffusers_pipeline, request)  # an image's bucket (HunyuanVideo-1.5)
     coords = pipe.mesh.group_rank(CFG), pipe.mesh.group_rank(DP)
     start, stop, _ = batch_rows(prompts * branches, pipe.config.cfg, pipe.config.dp, *coords)  # as the forward splits
     frames = pipe.recipe.token_frames(pipe.diffusers_pipeline, request)  # a video's frames stack as rows

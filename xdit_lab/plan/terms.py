@@ -68,8 +68,10 @@ def make_call(
     if merged.get("max_sequence_length") is None:  # the pipeline's own default (PixArt-α 120, PixArt-Σ 300)
         import diffusers
 
-        signature = inspect.signature(getattr(diffusers, folder.pipeline_class).__call__)
-        merged["max_sequence_length"] = signature.parameters["max_sequence_length"].default
+        parameter = inspect.signature(getattr(diffusers, folder.pipeline_class).__call__).parameters.get(
+            "max_sequence_length"
+        )  # None: the pipeline's lengths are its own (HunyuanVideo-1.5's)
+        merged["max_sequence_length"] = None if parameter is None else parameter.default
     default = recipe.planned_default_size(folder.configs)
     height = height or merged.get("height") or default[0]
     width = width or merged.get("width") or default[1]

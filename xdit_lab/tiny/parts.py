@@ -223,6 +223,55 @@ def qwen_vl_processor():
     return Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=qwen_vl_tokenizer())
 
 
+# Qwen2.5's chat as HunyuanVideo15Pipeline renders it (apply_chat_template with add_generation_prompt): a system
+# turn, the user's turn, then the assistant's header
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def qwen_chat_tokenizer():
+    """Qwen2.5-VL's tokenizer as HunyuanVideo15Pipeline uses it: Qwen2's byte-level BPE (qwen_tokenizer's
+    alphabet) with WORDS and the words of the pipeline's system message one token each (alone, or after a space),
+    the chat's special tokens and QWEN_CHAT_TEMPLATE. The pipeline pads to 1000 tokens past its crop, on the right."""
+    import inspect
+
+    from diffusers import HunyuanVideo15Pipeline
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    words = [list(prefix + w) for w in dict.fromkeys(WORDS + re.findall(r"[A-Za-z]+", system)) for prefix in ("Ġ", "")]
+    vocab, merges = _bpe(["<|endoftext|>", *sorted(ByteLevel.alphabet())], words)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen_vl_text_encoder(seed: int, vocab_size: int):
+    """Qwen2.5-VL's text model alone (HunyuanVideo15Pipeline's text encoder), TEXT_DIM wide and three layers deep:
+    the pipeline reads the states before the last two layers."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    torch.manual_seed(seed)
+    rope = {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}  # 8 = head_dim 16 / 2
+    config = decoder_text(
+        vocab_size, 3, intermediate_size=TEXT_DIM, rope_scaling=rope, rope_theta=1e6, bos_token_id=0, eos_token_id=0
+    )
+    return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**config)).eval()
+
+
+def byt5_tokenizer():
+    """ByT5's tokenizer: bytes, three special tokens before them; it needs no files (HunyuanVideo-1.5's glyph text)."""
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer()
+
+
 def llama_tokenizer():
     """Llama's BPE over single characters (byte fallback), with merges that make each of WORDS after a
     space ("▁word") one token, HunyuanVideo's template special tokens, and padding on the right."""
@@ -355,6 +404,16 @@ def hunyuan_vae(seed: int, latent_channels: int):
     ).eval()
 
 
+def hunyuan15_vae(seed: int, latent_channels: int):
+    """HunyuanVideo-1.5's causal 3D VAE at its smallest: 16x spatial, 4x temporal compression, as the real one's."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    torch.manual_seed(seed)
+    return AutoencoderKLHunyuanVideo15(
+        latent_channels=latent_channels, block_out_channels=(8,) * 5, layers_per_block=1
+    ).eval()
+
+
 def t5_encoder(seed: int, vocab_size: int, width: int = TEXT_DIM, *, umt5: bool = False):
     """T5's encoder, or UMT5's (Wan's text encoder: T5 with per-layer relative position biases)."""
     import transformers
@@ -481,6 +540,26 @@ def clip_image_processor():
     from transformers import CLIPImageProcessor
 
     return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+
+
+def siglip_vision_encoder(seed: int, width: int = 16):
+    """SigLIP's vision tower (HunyuanVideo-1.5 image to video's image encoder, whose last states are the image's
+    embeddings): 32 × 32 images in 8 × 8 patches, 16 tokens `width` wide."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(seed)
+    config = SiglipVisionConfig(
+        hidden_size=width, intermediate_size=width, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+        patch_size=8,
+    )  # fmt: skip
+    return SiglipVisionModel(config).eval()
+
+
+def siglip_image_processor():
+    """SigLIP's image processor at the tiny vision tower's size (the PIL one: no torchvision), 32 × 32."""
+    from transformers import SiglipImageProcessorPil
+
+    return SiglipImageProcessorPil(size={"height": 32, "width": 32})
 
 
 def gemma_tokenizer():

@@ -244,7 +244,8 @@ class PipeFusionStage:
         text = bound.arguments.get("encoder_hidden_states")
         # a stage hands over the text states its blocks changed (SD3, Flux, CogVideoX) with the patch
         carries_text = self.first_block.return_encoder_hidden_states_index is not None or self.first_joined
-        text_len = text.shape[1] if carries_text else 0
+        joint_text = adapter.joint_text_len(bound.arguments) if adapter.joint_text_len else None  # HunyuanVideo-1.5's
+        text_len = (joint_text or text.shape[1]) if carries_text else 0
         whole = dict(bound.arguments)  # the forward's per-token arguments, cut again for every patch set
 
         def run_active():  # arguments with one entry per image token keep the active patches' entries

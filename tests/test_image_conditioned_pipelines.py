@@ -932,6 +932,68 @@ def test_qwen_image_edit_stale_pipefusion_is_measured(qwen_edit):
             assert row["planned"] == row["held"] and row["held"]["stale K/V"] > 0, (where, row["planned"], row["held"])
 
 
+# Stale PipeFusion on Flux.2 klein's base model with two references (2 stages, 2 patches, 1 warm-up step of 3, two
+# branches at guidance 2): the relative L2 of the final latents from diffusers' serial pipeline, measured here (torch
+# 2.13 CPU; the runs are deterministic), bounded at STALE_MARGIN × it (1.25, as the edits'). Measured, real /
+# read before write / zeros: 1.80e-4 / 3.81e-4 / 2.65e-3.
+KLEIN_STALE = ParallelConfig(pipefusion=2, warmup_steps=1)
+KLEIN_STALE_L2 = 1.80e-4
+
+
+def _klein_stale(folder, own):
+    """Klein under stale PipeFusion, under the subtle wrong buffer (each patch reading its own K/V from the step
+    before) and zeros for the stale K/V, and under the async schedule: latents, traffic, the stale K/V planned and
+    held."""
+    from xdit_lab.lessons.controls import wrong_stale_kv
+
+    async_config = ParallelConfig(pipefusion=2, warmup_steps=1, pipefusion_schedule="async")
+    runs = [(KLEIN_STALE, None), (KLEIN_STALE, "read before write"), (KLEIN_STALE, "zeros"), (async_config, None)]
+    rows = []
+    for config, control in runs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, controls=wrong_stale_kv(control))
+        planned = pipe.memory_plan_for(PROMPTS, **_flux2_call(own)).activation_bytes
+        session = pipe.session(PROMPTS, seed=0, **_flux2_call(own)).run()
+        latents = output_latents(session.result(output_type="latent"))
+        rows.append(
+            dict(
+                config=config, control=control, latents=latents, traffic=session_traffic(session),
+                **_stale_kv(pipe, planned),
+            )
+        )  # fmt: skip
+    return rows
+
+
+def test_flux2_klein_stale_pipefusion_is_measured(tmp_path):
+    """Flux2KleinPipeline's base model with two reference images under PipeFusion past its warm-up: the steps after
+    the first read the other patch's one-step-old K/V, the references' included; the result moves from diffusers'
+    serial pipeline (by far more than the float32 noise of the exact runs) by at most STALE_MARGIN × the relative
+    L2 measured here, which both wrong buffers exceed; the async schedule gives the drained schedule's latents;
+    every step's bytes are the closed form's and each stage's stale K/V what the request's plan said."""
+    from diffusers import DiffusionPipeline
+
+    settings, own, _ = FLUX2_PIPELINES["Flux2KleinPipeline"]
+    folder = save_tiny_pipeline("flux2", tmp_path / "klein", pipeline_class="Flux2KleinPipeline", **settings)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    target = output_latents(reference(prompt=PROMPTS, generator=generator, output_type="latent", **_flux2_call(own)))
+    bound, exact = STALE_MARGIN * KLEIN_STALE_L2, 1e-4 * max(1.0, target.abs().max().item())
+    for rank, rows in enumerate(run_on_ranks(_klein_stale, 2, folder, own, timeout_s=600)):
+        drained = None
+        for row in rows:
+            where = f"klein {row['config'].short()} {row['control']} rank {rank}"
+            l2 = ((row["latents"] - target).norm() / target.norm()).item()
+            if row["control"] is not None:
+                assert l2 > bound, f"{where}: the wrong buffer within the bound, {l2:.3g} <= {bound:.3g}"
+            elif row["config"] == KLEIN_STALE:
+                assert 1e-5 < l2 <= bound, f"{where}: {l2:.3g} not in (1e-5, {bound:.3g}]"
+                drained = row["latents"]
+            else:  # async
+                assert (row["latents"] - drained).abs().max().item() <= exact, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            assert row["planned_kv"] == row["held_kv"] > 0, (where, row["planned_kv"], row["held_kv"])
+
+
 # ---- Z-Image image to image, loaded from a ZImagePipeline folder ------------------------------------------------
 ZIMAGE_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
 

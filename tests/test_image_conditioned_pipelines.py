@@ -154,6 +154,8 @@ def test_wan_text_and_image_to_video_equal_diffusers(tmp_path):
             assert (row["latents"] - target).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
+            assert row["planned_kv"] == row["held_kv"], (where, row["planned_kv"], row["held_kv"])
+            assert (row["held_kv"] > 0) == ("pf" in row["config"]), (where, row["held_kv"])
         for task, control in controls.items():
             target = expected[task]
             assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), task
@@ -170,6 +172,14 @@ def _image_inputs(pipe, call) -> tuple[int | None, int]:
     ]
     tensors = [t for entry in kept if entry is not None for t in (entry if isinstance(entry, tuple) else (entry,))]
     return (None if plan is None else plan[1]), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _stale_kv(pipe, planned) -> dict:
+    """A stage's stale K/V as the request's plan said (before the call) and as the rank holds it (after)."""
+    from xdit_lab.models import parallel_state
+
+    held = parallel_state(pipe.diffusers_pipeline.transformer).strategy.report().kept_bytes.get("stale K/V", 0)
+    return dict(planned_kv=planned.get("stale K/V", (0, 0))[1], held_kv=held)
 
 
 def _refused(call) -> str | None:
@@ -259,11 +269,12 @@ def _flux_parallel(folder, configs):
     for task, pipeline_class in FLUX_TASKS.items():
         for config in configs[task]:
             pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, pipeline_class=pipeline_class)
+            planned = pipe.memory_plan_for(PROMPTS, **_flux_call(task)).activation_bytes  # before the call
             session = pipe.session(PROMPTS, seed=0, **_flux_call(task)).run()
             latents = output_latents(session.result(output_type="latent"))
-            traffic = session_traffic(session)
+            traffic, kv = session_traffic(session), _stale_kv(pipe, planned)
             rows.append(
-                dict(task=task, config=config.short(), steps=session.num_steps, latents=latents, traffic=traffic)
+                dict(task=task, config=config.short(), steps=session.num_steps, latents=latents, traffic=traffic, **kv)
             )
     # the controls, deliberately wrong: image to image with the strength dropped (the whole schedule from noise);
     # inpainting without putting the image's latents back after each step; editing without the reference image
@@ -283,7 +294,8 @@ def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
     latents back where the mask is black after each step) and FluxKontextPipeline (the reference image's tokens
     after the drawn ones; under PipeFusion patch i is row band i of both images, their ids following the patches)
     under ulysses, ring, cfg and PipeFusion, against diffusers' own pipelines loaded from the same FluxPipeline
-    folder."""
+    folder; every step moves its closed form, and a stage holds the stale K/V (Kontext's: of both images) the
+    request's plan said."""
     import diffusers
 
     folder = save_tiny_pipeline("flux", tmp_path / "flux")
@@ -305,6 +317,8 @@ def test_flux_image_to_image_and_inpainting_equal_diffusers(tmp_path):
             assert (row["latents"] - target).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
+            assert row["planned_kv"] == row["held_kv"], (where, row["planned_kv"], row["held_kv"])
+            assert (row["held_kv"] > 0) == ("pf" in row["config"]), (where, row["held_kv"])
         for task, control in controls.items():
             target = expected[task]
             assert (control - target).abs().max().item() > 10 * 1e-4 * max(1.0, target.abs().max().item()), task
@@ -392,15 +406,21 @@ def _flux2_call(own, **changes):
 
 
 def _flux2_parallel(folder, configs, own, checks: bool = True):
+    from xdit_lab.lab.summaries import rank_summary
+
     rows = []
     for config in configs:
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
         planned = pipe.memory_plan_for(PROMPTS, **_flux2_call(own)).activation_bytes  # before the call
         session = pipe.session(PROMPTS, seed=0, **_flux2_call(own)).run()
         latents = output_latents(session.result(output_type="latent"))
+        tokens = rank_summary(session)["shard"]["tokens"]  # as the views read them
         rows.append(
-            dict(config=config.short(), latents=latents, traffic=session_traffic(session), **_stale_kv(pipe, planned))
-        )
+            dict(
+                config=config.short(), latents=latents, traffic=session_traffic(session), tokens=tokens,
+                **_stale_kv(pipe, planned),
+            )
+        )  # fmt: skip
     if not checks:
         return rows, None, None
     control = output_latents(pipe(PROMPTS, seed=0, output_type="latent", **_flux2_call(own, image=None)))  # none
@@ -411,22 +431,15 @@ def _flux2_parallel(folder, configs, own, checks: bool = True):
     return rows, control, thin
 
 
-def _stale_kv(pipe, planned) -> dict:
-    """A stage's stale K/V as the request's plan said (before the call) and as the rank holds it (after)."""
-    from xdit_lab.models import parallel_state
-
-    held = parallel_state(pipe.diffusers_pipeline.transformer).strategy.report().kept_bytes.get("stale K/V", 0)
-    return dict(planned_kv=planned.get("stale K/V", (0, 0))[1], held_kv=held)
-
-
 @pytest.mark.parametrize("pipeline_class", FLUX2_PIPELINES)
 def test_flux2_reference_images_equal_diffusers(tmp_path, pipeline_class):
     """Flux2Pipeline and Flux2KleinPipeline with two reference images (their latents after the drawn ones, each
     with its own first id) under ulysses, ring, dp and PipeFusion 2 (every step a warm-up step; patch i is row band i
-    of every image, the ids following the patches) (klein's base model: cfg 2 too, and cfg 2 × PipeFusion 2 on 4
-    ranks) against diffusers' own pipeline, every step moving its closed form and a stage holding the stale K/V the
-    request's plan said; the control draws without them; under PipeFusion a reference of fewer token rows than
-    patches (17 of them) is refused by name."""
+    of every image, the ids following the patches), and PipeFusion 2 × ulysses 2 on 4 ranks (klein's base model: cfg
+    2 and cfg 2 × PipeFusion 2 too) against diffusers' own pipeline, every step moving its closed form and a stage
+    holding the stale K/V the request's plan said, each stage's ranks holding every token once as the views read
+    them; the control draws without them; under PipeFusion a reference of fewer token rows than patches (17 of them)
+    is refused by name."""
     from diffusers import DiffusionPipeline
 
     settings, own, configs = FLUX2_PIPELINES[pipeline_class]
@@ -437,25 +450,38 @@ def test_flux2_reference_images_equal_diffusers(tmp_path, pipeline_class):
     called = reference(prompt=PROMPTS, generator=generator, output_type="latent", **_flux2_call(own))
     expected = output_latents(called)
     bound = 1e-4 * max(1.0, expected.abs().max().item())
-    runs = list(run_on_ranks(_flux2_parallel, 2, folder, configs, own, timeout_s=600))
-    four = [ParallelConfig(cfg=2, pipefusion=2, warmup_steps=3)] if own else []  # klein's base: two branches
-    if four:
-        runs += list(run_on_ranks(_flux2_parallel, 4, folder, four, own, False, timeout_s=600))
-    for rank, (rows, control, thin) in enumerate(runs):
+    four = [ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=3)]  # each patch sharded over ulysses in a stage
+    four += [ParallelConfig(cfg=2, pipefusion=2, warmup_steps=3)] if own else []  # klein's base: two branches
+    runs = [
+        (2, rank, *result)
+        for rank, result in enumerate(run_on_ranks(_flux2_parallel, 2, folder, configs, own, timeout_s=600))
+    ]
+    runs += [
+        (4, rank, *result)
+        for rank, result in enumerate(run_on_ranks(_flux2_parallel, 4, folder, four, own, False, timeout_s=600))
+    ]
+    held_tokens = {}
+    for world, rank, rows, control, thin in runs:
+        assert [row["config"] for row in rows] == [config.short() for config in (configs if world == 2 else four)]
         for row in rows:
-            where = f"{pipeline_class} reference images {row['config']} run {rank}"
+            held_tokens.setdefault(row["config"], {})[rank] = row["tokens"]
+            where = f"{pipeline_class} reference images {row['config']} rank {rank}"
             assert (row["latents"] - expected).abs().max().item() <= bound, where
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
             assert all(step["moved"] for step in row["traffic"]), where
             assert row["planned_kv"] == row["held_kv"], (where, row["planned_kv"], row["held_kv"])
             assert (row["held_kv"] > 0) == ("pf" in row["config"]), (where, row["held_kv"])
         if control is None:
-            assert [row["config"] for row in rows] == [config.short() for config in four]
             continue
-        assert [row["config"] for row in rows] == [config.short() for config in configs]
         assert (control - expected).abs().max().item() > 10 * bound
         assert re.match(r"ValueError: reference image 1 gives 16 token rows .* fewer than the 17 PipeFusion patches",
                         thin or ""), thin  # fmt: skip
+    # PipeFusion 2 × ulysses 2: each stage's two ranks hold every token of every image once, as the views read them
+    # (the drawn 4 × 4, the two references' 16 × 16 each)
+    by_rank = held_tokens["pf2·ulysses2"]
+    for stage in ((0, 1), (2, 3)):
+        held = sorted(t for rank in stage for start, stop in by_rank[rank] for t in range(start, stop))
+        assert held == list(range(16 + 2 * 16 * 16)), (stage, by_rank)
 
 
 # ---- Flux.1 Fill: the masked image and the mask beside the latents, on the channels ----------------------------

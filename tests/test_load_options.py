@@ -146,11 +146,13 @@ def test_the_refusal_table_gives_one_sentence_per_reason(flux, flux_controlnet):
     # one reason covering several arguments is one sentence that names them all
     (said,) = _said(LoadOptions(compile=True, quantization="int8"), flux_controlnet)
     assert said[1].endswith("not yet with quantization, compile: leave them out")
-    # the pipeline class the folder runs as is the one asked: Kontext's reference image refuses PipeFusion
-    (said,) = _said(LoadOptions(pipeline_class="FluxKontextPipeline"), flux, ParallelConfig(pipefusion=2))
-    assert said == ("ParallelConfigError", said[1]) and "FluxKontextPipeline does not run under PipeFusion" in said[1]
-    # the controls: the same folders with what they run with
+    # the pipeline class the folder runs as is the one asked: asked as FluxControlNetPipeline, it refuses a StepCache
+    (said,) = _said(LoadOptions(pipeline_class="FluxControlNetPipeline", cache=StepCache(0.1)), flux)
+    assert said == ("ParallelConfigError", said[1]) and said[1].startswith("FluxControlNetPipeline does not run with")
+    # the controls: the same folders with what they run with (Kontext's reference image under PipeFusion too)
+    assert _said(LoadOptions(cache=StepCache(0.1)), flux) == []
     assert _said(LoadOptions(), flux_controlnet, ParallelConfig(pipefusion=2)) == []
+    assert _said(LoadOptions(pipeline_class="FluxKontextPipeline"), flux, ParallelConfig(pipefusion=2)) == []
     assert _said(LoadOptions(pipeline_class="FluxKontextPipeline", cache=StepCache(0.1)), flux, TWO) == []
 
 
@@ -221,8 +223,8 @@ def test_load_pipeline_raises_every_sentence_at_once_as_the_first_ones_kind(flux
     said = str(raised.value)
     assert said == "; ".join(LoadOptions(on_host="text_encoder_9", quantization="int4").problems(*_read(folder)))
     assert "on_host names 'text_encoder_9'" in said and "no quantization scheme 'int4'" in said
-    with pytest.raises(ParallelConfigError, match=r"FluxKontextPipeline does not run under PipeFusion"):
-        load_pipeline(folder, ParallelConfig(pipefusion=2), LoadOptions(pipeline_class="FluxKontextPipeline"))
+    with pytest.raises(ParallelConfigError, match=r"FluxControlNetPipeline does not run with a StepCache"):
+        load_pipeline(folder, None, LoadOptions(pipeline_class="FluxControlNetPipeline", cache=StepCache(0.1)))
     with pytest.raises(QuantizationError, match="quantization with shard_weights"):
         load_pipeline(folder, TWO, LoadOptions(quantization="int8"), shard_weights=True)  # a keyword wins
     with pytest.raises(ValueError, match="offload_blocks with shard_weights"):

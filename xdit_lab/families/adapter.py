@@ -116,26 +116,21 @@ class PackedTokens(LatentLayout):
     channel_dim = 2
 
     def token_grid(self, latents, model_config, arguments):
-        if "img_shapes" in arguments:  # Qwen-Image: [(frames, rows, cols)] per sample, the drawn image first
-            return self._image_grids(arguments)[0]
-        ids = arguments["img_ids"].reshape(-1, arguments["img_ids"].shape[-1])  # Flux: (image, row, column)
-        images = len(torch.unique(ids[:, 0]))  # a host sync, once per size: reference images (Kontext, Flux.2)
-        if images != 1:  # have their own value on the first axis
-            raise NotImplementedError(
-                f"{images} images per sample (reference images beside the one drawn: Kontext, Flux.2) do not form "
-                f"one grid of rows; PipeFusion cuts one image into row bands: run it without PipeFusion"
-            )
-        cols = int(ids[:, 2].max()) + 1
-        return latents.shape[1] // cols, cols
+        return self._image_grids(arguments)[0]  # the drawn image's tokens come first
 
     def appended_grids(self, arguments):
-        """Qwen-Image-Edit's reference images, img_shapes' entries after the drawn one."""
-        return self._image_grids(arguments)[1:] if "img_shapes" in arguments else ()
+        """The reference images after the drawn one: Qwen-Image-Edit's, img_shapes' entries after the first;
+        Kontext's and Flux.2's, the ids' images after the first."""
+        return self._image_grids(arguments)[1:]
 
     @staticmethod
     def _image_grids(arguments) -> tuple[tuple[int, int], ...]:
-        images = arguments["img_shapes"][0]  # diffusers' rotary reads the first sample's
-        return tuple((frames * rows, cols) for frames, rows, cols in (images if isinstance(images, list) else [images]))
+        """(rows, cols) of each image of the sequence, in its order."""
+        if "img_shapes" in arguments:  # Qwen-Image: [(frames, rows, cols)] per sample, the drawn image first
+            images = arguments["img_shapes"][0]  # diffusers' rotary reads the first sample's
+            images = images if isinstance(images, list) else [images]
+            return tuple((frames * rows, cols) for frames, rows, cols in images)
+        return _id_grids(arguments["img_ids"])
 
     def latent_positions(self, latents, model_config):
         return torch.arange(latents.shape[1:].numel(), device=latents.device).view(latents.shape[1:])
@@ -148,6 +143,26 @@ class PackedTokens(LatentLayout):
 
     def planned_grid(self, latent, model_config):
         return tuple(side // 2 for side in latent)  # the pipelines pack 2 × 2 latent pixels
+
+
+def _id_grids(ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """(rows, cols) of each image in Flux's ids, (image, row, column[, ...]) a token: an image is a run of
+    tokens with one value on the first axis (Kontext's reference 1, Flux.2's references 10, 20, ...), its
+    rows row-major. Read on the host, once per size (PipeFusion keeps it): one copy of the ids."""
+    ids = (ids[0] if ids.dim() == 3 else ids).cpu()  # one sample's: every sample has the same
+    first = ids[:, 0]
+    bounds = [0, *(torch.nonzero(first[1:] != first[:-1]).flatten() + 1).tolist(), len(first)]
+    grids = []
+    for number, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        columns = ids[start:stop, 2]
+        cols = int(columns.max() - columns.min()) + 1
+        if (stop - start) % cols:
+            raise NotImplementedError(
+                f"image {number} of the sequence has {stop - start} tokens over {cols} columns of ids: not a grid "
+                f"of whole rows, which PipeFusion cuts into bands; run it under ulysses, ring, cfg or dp"
+            )
+        grids.append(((stop - start) // cols, cols))
+    return tuple(grids)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,10 @@ say which image a token is of (0: drawn, 1: the reference); the prediction keeps
 
     [latents; image latents] ids [(0, r, c); (1, r, c)] --transformer--> noise[:, :drawn tokens]
 
-Sequence parallelism splits that sequence as any other; PipeFusion, which cuts one image into row bands,
-refuses it (adapter.PackedTokens.token_grid). The transformer's call is otherwise FluxPipeline's.
+Sequence parallelism splits that sequence as any other; PipeFusion cuts both images into as many row bands,
+patch i being band i of each (sharding.patch_layout: the grids read from the ids, adapter.PackedTokens), so the
+reference's tokens are computed once, with stale K/V as the drawn ones; their ids follow the patches. The
+transformer's call is otherwise FluxPipeline's.
 
 FluxControlNetPipeline runs a ControlNet (FluxControlNetModel: Flux's blocks, fewer of them, and the control
 image's packed latents added after x_embedder) before the transformer at every step, on the positive prompt;
@@ -128,10 +130,6 @@ class FluxRecipe(ControlNetRecipe, PackedLatentsRecipe, TrueCFGRecipe):
         FluxFillPipeline="inpainting",
         FluxKontextPipeline="editing",
         FluxControlNetPipeline="ControlNet",
-    )
-    pipefusion_refused = dict(
-        FluxKontextPipeline="its reference image's tokens follow the drawn ones, two images per sample that do not "
-        "form one grid of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp",
     )
     step_cache_refused = dict(FluxControlNetPipeline=CONTROLNET_NOT_CACHED)
     controlnet_model = "FluxControlNetModel"
@@ -283,13 +281,7 @@ class FluxRecipe(ControlNetRecipe, PackedLatentsRecipe, TrueCFGRecipe):
         """FluxKontextPipeline's: the size fit to max_area (its aspect ratio kept, multiples of the packed
         latent's pixels), the image resized (to the nearest preferred Kontext resolution, with _auto_resize) and
         its latents appended after the drawn ones, with ids whose first axis is 1."""
-        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
-
-        defaults = inspect.signature(type(pipe).__call__).parameters
-        options = {
-            key: defaults[key].default if request.options[key] is None else request.options[key]
-            for key in ("max_area", "_auto_resize")
-        }
+        options = _kontext_options(pipe, request)
         default_height, default_width = self.size_multiple(pipe)[1]
         height, width = request.height or default_height, request.width or default_width
         multiple, aspect = pipe.vae_scale_factor * 2, width / height
@@ -298,14 +290,7 @@ class FluxRecipe(ControlNetRecipe, PackedLatentsRecipe, TrueCFGRecipe):
         prepared.extra["size"] = (height, width)
         image = request.options["image"]
         if image is not None:
-            image_height, image_width = pipe.image_processor.get_default_height_width(
-                image[0] if isinstance(image, list) else image
-            )
-            if options["_auto_resize"]:
-                _, image_width, image_height = min(
-                    (abs(image_width / image_height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS
-                )
-            image_width, image_height = image_width // multiple * multiple, image_height // multiple * multiple
+            image_height, image_width = _kontext_image_size(pipe, request)
             image = pipe.image_processor.resize(image, image_height, image_width)
             image = pipe.image_processor.preprocess(image, image_height, image_width)
         prepared.latents, reference, ids, reference_ids = self.image_latents(
@@ -315,6 +300,13 @@ class FluxRecipe(ControlNetRecipe, PackedLatentsRecipe, TrueCFGRecipe):
         if reference is not None:
             prepared.extra["reference"] = reference
         self.set_timesteps(pipe, request, prepared, device, self.image_tokens_shift(pipe, prepared.latents.shape[1]))
+
+    def appended_grids(self, pipe, request):
+        """Kontext's reference image, a grid of packed tokens after the drawn ones."""
+        if not _kontext(pipe) or request.options["image"] is None:
+            return ()
+        multiple = pipe.vae_scale_factor * 2
+        return (tuple(side // multiple for side in _kontext_image_size(pipe, request)),)
 
     def controlnet_kwargs(self, pipe, prepared, model_input, kwargs, control, scale):
         # the ControlNet on the positive prompt, in every row the transformer runs (both branches take its
@@ -395,6 +387,27 @@ def _fill(pipe) -> bool:
 
 def _kontext(pipe) -> bool:
     return type(pipe).__name__ == "FluxKontextPipeline"
+
+
+def _kontext_options(pipe, request) -> dict:
+    """max_area and _auto_resize as the request gives them, or FluxKontextPipeline's defaults."""
+    defaults = inspect.signature(type(pipe).__call__).parameters
+    return {
+        key: defaults[key].default if request.options[key] is None else request.options[key]
+        for key in ("max_area", "_auto_resize")
+    }
+
+
+def _kontext_image_size(pipe, request) -> tuple[int, int]:
+    """(height, width) FluxKontextPipeline resizes its image to: its own (or, with _auto_resize, the preferred
+    Kontext resolution nearest its aspect ratio), cut to multiples of the packed latent's pixels."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    image, multiple = request.options["image"], pipe.vae_scale_factor * 2
+    height, width = pipe.image_processor.get_default_height_width(image[0] if isinstance(image, list) else image)
+    if _kontext_options(pipe, request)["_auto_resize"]:
+        _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+    return height // multiple * multiple, width // multiple * multiple
 
 
 def _inpaint(pipe) -> bool:

@@ -9,7 +9,9 @@ diffusers' does, so the ranks' rows stack as they are.
 
 Reference images (image=, one or several): their latents follow the drawn ones in one sequence, each
 image with its own value on the ids' first axis, and the prediction keeps the drawn tokens (as Kontext's,
-recipe.PackedLatentsRecipe); sequence parallelism splits that sequence, PipeFusion refuses it.
+recipe.PackedLatentsRecipe); sequence parallelism splits that sequence, and PipeFusion cuts every image of it into
+as many row bands, patch i being band i of each (sharding.patch_layout, the grids read from the ids), the ids
+following the patches.
 
 Flux.2 [klein] (Flux2KleinPipeline) is the same transformer, smaller and without the guidance embedding,
 reading a Qwen3 text encoder (Qwen3ForCausalLM: its states after layers 9, 18 and 27 stacked, the prompt in
@@ -96,22 +98,33 @@ class Flux2Recipe(PackedLatentsRecipe):
     def _reference_images(self, pipe, request):
         """Flux2Pipeline's condition images: each at most 1024² pixels, cut to multiples of the packed latent's
         pixels; and the first one's size, the drawn image's where the request gives none."""
-        images, first_size = request.options["image"], None
-        images = [] if images is None else images if isinstance(images, list) else [images]
-        prepared_images = []
-        for image in images:
-            pipe.image_processor.check_image_input(image)
-            width, height = image.size
-            if width * height > 1024 * 1024:
+        first_size, prepared_images = None, []
+        for image, (height, width) in zip(_images(request), self._reference_sizes(pipe, request)):
+            if image.size[0] * image.size[1] > 1024 * 1024:
                 image = pipe.image_processor._resize_to_target_area(image, 1024 * 1024)
-                width, height = image.size
-            multiple = pipe.vae_scale_factor * 2
-            width, height = width // multiple * multiple, height // multiple * multiple
             prepared_images.append(
                 pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop")
             )
             first_size = first_size or (height, width)
         return prepared_images, first_size
+
+    @staticmethod
+    def _reference_sizes(pipe, request) -> list[tuple[int, int]]:
+        """(height, width) the pipeline encodes each condition image at: at most 1024² pixels (its aspect ratio
+        kept), cut to multiples of the packed latent's pixels."""
+        sizes, multiple = [], pipe.vae_scale_factor * 2
+        for image in _images(request):
+            pipe.image_processor.check_image_input(image)
+            width, height = image.size
+            if width * height > 1024 * 1024:
+                width, height = pipe.image_processor._resize_to_target_area(image, 1024 * 1024).size
+            sizes.append((height // multiple * multiple, width // multiple * multiple))
+        return sizes
+
+    def appended_grids(self, pipe, request):
+        """The reference images, a grid of packed tokens each after the drawn ones, in the order given."""
+        multiple = pipe.vae_scale_factor * 2
+        return tuple((height // multiple, width // multiple) for height, width in self._reference_sizes(pipe, request))
 
     def planned_request(self, configs, call, element):
         """Flux2Pipeline's text to image (no image=), as a rank keeps it between steps:
@@ -130,7 +143,7 @@ class Flux2Recipe(PackedLatentsRecipe):
         Reference images (image=) would add, per prompt, each image's packed latents [its tokens, in_channels]
         in the VAE's dtype (counted as "image inputs" by pipe.memory_plan_for) and their int64 ids [tokens, 4]
         joined to img_ids, every image at most 1024² pixels; their tokens also lengthen the transformer's
-        sequence, which the traffic and PipeFusion (that refuses them) count on the drawn grid alone."""
+        sequence, and a PipeFusion stage's stale K/V: pipe.memory_plan_for counts them once the images are given."""
         rows, cols, latents = self.packed_grid(configs, call, element)
         text = call.options["max_sequence_length"]
         per_row = text * configs["transformer"]["joint_attention_dim"] * element
@@ -206,6 +219,12 @@ class Flux2KleinRecipe(Flux2Recipe):
 
 RECIPE = Flux2Recipe()
 KLEIN, KLEIN_DISTILLED = Flux2KleinRecipe(distilled=False), Flux2KleinRecipe(distilled=True)
+
+
+def _images(request) -> list:
+    """The request's condition images (image=: one, several, or none)."""
+    images = request.options["image"]
+    return [] if images is None else images if isinstance(images, list) else [images]
 
 
 def tiny_inputs(batch, height, width, text, timestep, randn):

@@ -356,7 +356,7 @@ class Recipe:
 
     def appended_grids(self, pipe, request: Request) -> tuple[tuple[int, int], ...]:
         """(rows, cols) of the token grids of the images the transformer sees after the drawn one, each a grid of
-        rows that PipeFusion cuts into bands with it (Qwen-Image-Edit's reference images): none."""
+        rows that PipeFusion cuts into bands with it (an edit's reference images): none."""
         return ()
 
     def model_input(self, pipe, prepared: Prepared, latents: torch.Tensor, t) -> torch.Tensor:

@@ -212,7 +212,7 @@ def plan_model(
         batch=batch,
     )
     configs = [c for c in configs if c.pipefusion == 1 or shape.grid[0] >= c.patches]
-    # what load_pipeline refuses with this pipeline (two experts, a ControlNet, Kontext's references) is not planned
+    # what load_pipeline refuses with this pipeline (two experts, a ControlNet) is not planned
     refused = load_refusals(model.recipe, model.pipeline_class, model.weights)
     if quantize and "quantization" in refused:
         raise ValueError(refusal_message(refused, ["quantization"]))

@@ -484,6 +484,33 @@ def test_flux2_reference_images_equal_diffusers(tmp_path, pipeline_class):
         assert held == list(range(16 + 2 * 16 * 16)), (stage, by_rank)
 
 
+def _second_generation(folder, first, second):
+    """Under stale PipeFusion (one warm-up step of three, where the patches' bands decide what each reads): the
+    latents of `second` drawn after `first` on one pipeline, and drawn alone on a fresh one."""
+    config = ParallelConfig(pipefusion=2, warmup_steps=1)
+    latents = []
+    for images in ([first, second], [second]):
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        for image in images:
+            session = pipe.session(PROMPTS, seed=0, **_flux2_call({}, image=image)).run()
+        latents.append(output_latents(session.result("latent")))
+        pipe.close()
+    return latents
+
+
+def test_a_stage_reads_each_generations_reference_grids(tmp_path):
+    """A PipeFusion stage keeps the image grids it read from the ids per latent size within a generation only: a
+    second generation of the same size and the same reference tokens in all, split otherwise between its references
+    (256 + 768 tokens, then 512 + 512), cuts its patches from its own grids, so under stale PipeFusion it equals
+    the same generation on a fresh pipeline; the first's grids would cut other bands."""
+    folder = save_tiny_pipeline("flux2", tmp_path / "flux2", pipeline_class="Flux2Pipeline")
+    picture = _picture(192)
+    first = [picture.crop((0, 0, 64, 64)), picture.crop((0, 0, 192, 64))]
+    second = [picture.crop((0, 0, 128, 64)), picture.crop((64, 0, 192, 64))]
+    for rank, (after, fresh) in enumerate(run_on_ranks(_second_generation, 2, folder, first, second)):
+        assert (after - fresh).abs().max().item() <= 1e-6 * max(1.0, fresh.abs().max().item()), f"rank {rank}"
+
+
 # ---- Flux.1 Fill: the masked image and the mask beside the latents, on the channels ----------------------------
 FILL_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2), CONFIGS[3]]  # one branch
 

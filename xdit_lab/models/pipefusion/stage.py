@@ -221,6 +221,8 @@ class PipeFusionStage:
         if self.schedule is not None:
             self.schedule.reset()
         self.step, self.buffers, self.layout, self.grid, self.sums, self.edges = 0, {}, None, None, {}, {}
+        # the grids too: another generation of the same size may split its reference tokens otherwise
+        self.token_grids = {}
 
     @property
     def pipelined(self) -> bool:

@@ -64,6 +64,7 @@ from .rows import (
 )
 from .table import fit_ranking_reasons, format_rows, model_legend
 from .terms import Call, RequestShape, decode_peak_bytes, make_call, request_shape
+from .video_decode import wan_decode_peak_bytes
 from .weights import block_bytes, component_tensor_bytes, held_weights, tensor_bytes
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "check_plan",
     "component_tensor_bytes",
     "decode_peak_bytes",
+    "wan_decode_peak_bytes",
     "fit_rank_key",
     "fit_ranking_reasons",
     "format_rows",

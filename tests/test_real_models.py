@@ -271,6 +271,30 @@ def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
     assert float(rows[0][4].rstrip(" |")) > 24  # replicated FLUX on 2 GPUs does not fit
 
 
+def test_the_video_benchmark_prints_the_best_fit_with_its_decode_peak(tmp_path):
+    """benchmarks/fit_video_models.py for Wan2.1-T2V-14B on 1 and 8 GPUs of 24 GB: nothing fits one (its
+    transformer alone is 28.6 GB), the smallest row said instead; on 8 the best fit is within 24 GB per rank with
+    the decode's peak among its terms, larger at 720p than at 480p."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fit_video_models.py", "--models", "Wan2.1-T2V-14B", "--gpus", "1", "8"]
+        + ["--memory", "24GB", "--folders", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| Wan2.1")]
+    assert [row[1:3] for row in rows] == [[s, g] for s in ("480p", "720p") for g in ("1 × 24 GB", "8 × 24 GB")]
+    for _, size, gpus, best, *terms in rows:
+        weights, gather, request, stale, decode, total = map(float, terms)
+        assert abs(weights + gather + request + stale + decode - total) < 0.03, (size, gpus, terms)
+        assert (total <= 24) == (gpus == "8 × 24 GB") and decode > 0, (size, gpus, best)
+        assert best.startswith("nothing fits") == (gpus == "1 × 24 GB"), best
+    assert float(rows[3][8]) > float(rows[1][8])  # 720p's decode peak on 8 GPUs above 480p's
+
+
 def test_the_published_configurations_ship_in_the_wheel_and_read_back(tmp_path):
     """published.json is package data: the wheel built from this tree (a copy, so no build folder is left
     here) holds it, and what it holds reads back as REAL_MODELS, every argument as published.json writes

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import RING, ULYSSES
-from ..sharding import PatchLayout, patch_ranges
+from ..sharding import PatchLayout, patch_layout
 from .local import joint_local_attention
 from .ring import ring_attention
 from .ulysses import head_counts, head_slice, heads_to_seq, seq_to_heads
@@ -107,12 +107,25 @@ def stale_attention(
 
 
 def stale_kv_bytes(
-    *, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes, ulysses_rank=None
+    *,
+    layers,
+    rows,
+    heads,
+    head_dim,
+    grid,
+    patches,
+    ulysses,
+    ring,
+    ring_rank,
+    element_bytes,
+    ulysses_rank=None,
+    appended=(),
 ) -> int:
     """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
     of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
-    every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends)."""
-    layout = PatchLayout(patch_ranges(*grid, patches), ulysses * ring)
+    every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends).
+    `appended`: the grids of images whose tokens follow the `grid`'s (sharding.patch_layout)."""
+    layout = patch_layout(grid, patches, ulysses * ring, appended)
     length = sum(
         layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
     )

@@ -15,6 +15,9 @@ stage hands over the patch's image tokens and the text states its blocks produce
 (whole, on every sp rank). Their attention keeps image K/V per patch and recomputes text K/V (and
 its padding mask) with each patch. The blocks are the adapter's stack (Flux: double-stream, then
 single-stream), cut into stages as one list; rotary rows and per-token arguments follow the patches.
+Where other images' tokens follow the drawn one's (Qwen-Image-Edit's reference images), patch i is row
+band i of every image (sharding.patch_layout), and the output buffer holds every image's tokens, as the
+model's own output does.
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
 patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
 step the scheduler alike). Within a stage, tokens may also be split over ulysses × ring: every
@@ -37,7 +40,7 @@ from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
 from ...mesh import PIPEFUSION, RING, SP, ULYSSES
-from ...sharding import PatchLayout, patch_ranges
+from ...sharding import patch_layout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
 from ..strategy import StrategyReport
@@ -70,7 +73,7 @@ class PipeFusionStage:
         self.hidden_size = model_config.num_attention_heads * model_config.attention_head_dim
         self.step = 0  # transformer calls since reset: the diffusion step
         self.layout = None
-        self.grid = None
+        self.grid = None  # (the drawn image's (rows, cols), the appended images' grids) of the layout
         self.buffers: dict[str, StaleKV] = {}
         self.sums: dict[str, torch.Tensor] = {}  # a linear-attention module's sums per patch [P, B, H, D+1, D]
         self.edges: dict[str, torch.Tensor] = {}  # a convolving module's edge rows per patch [P, 2, B, C, reach, W]
@@ -83,7 +86,7 @@ class PipeFusionStage:
         self.hands_text = False  # this stage sends text states on with each patch (when it is not the last)
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
-        self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens
+        self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens, appended grids
         # the async schedule (ParallelConfig.pipefusion_schedule), past its warmup: one call runs one patch
         self.schedule = AsyncSchedule(self) if config.pipefusion_schedule == "async" else None
         self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
@@ -133,10 +136,11 @@ class PipeFusionStage:
         return stage
 
     # ---- what the views and the planner ask -----------------------------------------------------------
-    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None, appended=()) -> StrategyReport:
         """This stage now (its step, its stale K/V held and their record, its seconds in its blocks), its
-        pieces of every patch of a `grid` of tokens, and the stale K/V it keeps for `rows` batch rows there."""
-        planned = {} if grid is None or rows is None else self.planned_kept_bytes(self.module(), rows, grid)
+        pieces of every patch of a `grid` of tokens (and the `appended` grids of images after it: an edit's
+        reference images), and the stale K/V it keeps for `rows` batch rows there."""
+        planned = {} if grid is None or rows is None else self.planned_kept_bytes(self.module(), rows, grid, appended)
         return StrategyReport(
             kind="pipefusion stage",
             step=self.step,
@@ -144,15 +148,15 @@ class PipeFusionStage:
             kept_bytes=self._kept_bytes(),
             busy_s=self.busy_s,
             staleness=self._staleness(),
-            tokens=None if grid is None else self._token_pieces(*grid),
+            tokens=None if grid is None else self._token_pieces(grid, tuple(appended)),
             planned_kept_bytes=planned,
         )
 
-    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
+    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int], appended=()) -> dict[str, int]:
         """{"stale K/V": bytes} of the buffers this stage keeps between steps once a step ran with `rows`
         batch rows on this rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's
-        frames stacked as rows: LatentLayout.token_grid): stale_kv_bytes, for its blocks' attention, and a
-        linear attention's sums and a convolution's edge rows per patch (Sana's)."""
+        frames stacked as rows: LatentLayout.token_grid), with the `appended` grids after it: stale_kv_bytes,
+        for its blocks' attention, and a linear attention's sums and a convolution's edge rows per patch (Sana's)."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
         adapter, names = self.state.adapter, [name for name, _ in transformer.named_modules()]
         linear, convolving = (sum(counts) for counts in zip(*adapter.stale_mixing_layers(names, config)))
@@ -168,6 +172,7 @@ class PipeFusionStage:
             ring_rank=self.mesh.group_rank(RING),
             element_bytes=element,
             ulysses_rank=self.mesh.group_rank(ULYSSES),
+            appended=appended,
         )
         patches, width = self.config.patches, config.num_attention_heads * config.attention_head_dim
         kv += stale_sums_bytes(linear, rows, config.num_attention_heads, config.attention_head_dim, patches)
@@ -182,13 +187,14 @@ class PipeFusionStage:
         held += [*self.sums.values(), *self.edges.values()]
         return {"stale K/V": sum(t.numel() * t.element_size() for t in held)}
 
-    def _token_pieces(self, rows: int, cols: int) -> dict:
-        """The image tokens this rank computes for a rows × cols token grid: its piece of every patch
-        (the layout of the last forward when it had this grid, else computed the same way)."""
+    def _token_pieces(self, grid: tuple[int, int], appended: tuple) -> dict:
+        """The image tokens this rank computes for a rows × cols token grid (and the appended grids): its
+        piece of every patch as [start, stop) ranges of the sequence, patch by patch (the layout of the last
+        forward when it had these grids, else computed the same way); `patches`: the grid's row bands."""
         sp, sp_rank = self.config.sp_degree, self.mesh.group_rank(SP)
-        recorded = self.layout is not None and self.grid == (rows, cols)
-        layout = self.layout if recorded else PatchLayout(patch_ranges(rows, cols, self.config.patches), sp)
-        pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
+        recorded = self.layout is not None and self.grid == (tuple(grid), appended)
+        layout = self.layout if recorded else patch_layout(grid, self.config.patches, sp, appended)
+        pieces = [list(piece) for p in range(len(layout.patches)) for piece in layout.rank_ranges(p, sp_rank)]
         return dict(
             sp_size=sp,
             sp_rank=sp_rank,
@@ -196,7 +202,7 @@ class PipeFusionStage:
             pipefusion=dict(
                 stage=self.mesh.coords[PIPEFUSION],
                 blocks=list(self.blocks),
-                patches=[list(p) for p in layout.patches],
+                patches=[list(p) for p in patch_ranges(*grid, self.config.patches)],
                 patch_tokens=pieces,
             ),
             source="PatchLayout" if recorded else "computed (no forward yet)",
@@ -231,7 +237,8 @@ class PipeFusionStage:
         refuse_per_block(bound.arguments, adapter)
         size = tuple(latents.shape[1:])  # one sample's: the batch does not change the grid
         if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
-            self.token_grids[size] = adapter.latents.token_grid(latents, self.model_config, bound.arguments)
+            grid = adapter.latents.token_grid(latents, self.model_config, bound.arguments)
+            self.token_grids[size] = (grid, adapter.latents.appended_grids(bound.arguments))
         patch_sets = self._begin_step(*self.token_grids[size])
         sp_rank, batch = mesh.group_rank(SP), latents.shape[0]
         text = bound.arguments.get("encoder_hidden_states")
@@ -311,12 +318,12 @@ class PipeFusionStage:
             blocks = self.model_config.get(counts[entry.block_list]) or 0
             arguments[entry.argument] = entry.for_stage(residuals, held, blocks, arguments)
 
-    def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
-        if self.grid != (rows, cols):  # a new image size: new patches, new buffers
+    def _begin_step(self, grid: tuple[int, int], appended: tuple) -> list[list[int]]:
+        if self.grid != (grid, appended):  # a new image size: new patches, new buffers
             if self.schedule is not None and self.schedule.cursor:
                 raise RuntimeError("the image size changed in the middle of a pipelined step")
-            self.grid, self.buffers, self.indices, self.sums, self.edges = (rows, cols), {}, {}, {}, {}
-            self.layout = PatchLayout(patch_ranges(rows, cols, self.config.patches), self.config.sp_degree)
+            self.grid, self.buffers, self.indices, self.sums, self.edges = (grid, appended), {}, {}, {}, {}
+            self.layout = patch_layout(grid, self.config.patches, self.config.sp_degree, appended)
         patches = len(self.layout.patches)
         if self.step < self.config.warmup_steps:
             return [list(range(patches))]
@@ -366,6 +373,11 @@ class PipeFusionStage:
     def keep_prefix(self, count: int) -> int:
         """How many of this rank's tokens of the active patches are among the sequence's first `count`
         (its tokens run in ascending order, so they are the first ones it holds)."""
+        if self.layout.order is not None:  # patches of several images: a rank's tokens are not in sequence order
+            raise NotImplementedError(
+                "a count of the sequence's first tokens (a per-token prefix) with images after the drawn one: "
+                "PipeFusion's patches hold their tokens out of sequence order; run it under ulysses, ring, cfg or dp"
+            )
         sp_rank = self.mesh.group_rank(SP)
         return sum(
             max(min(stop, count) - start, 0) for start, stop in (self.layout.chunk(p, sp_rank) for p in self.active)
@@ -520,7 +532,7 @@ class PipeFusionStage:
             stage=self.mesh.coords[PIPEFUSION],
             blocks=self.blocks,
             step=self.step,
-            patches=self.layout.patches if self.layout else None,
+            patches=patch_ranges(*self.grid[0], self.config.patches) if self.layout else None,  # the drawn image's
             written_step={whole(name): list(buffer.written_step) for name, buffer in self.buffers.items()},
             reads={
                 whole(name): [(step, list(active), list(steps)) for step, active, steps in buffer.reads]

@@ -164,7 +164,42 @@ def test_flux_fits_two_24_gb_gpus_and_wan_fits_four_under_ulysses(plans):
     assert flux[0].fits and all(not row.fits for row in flux if not row.shard_weights and row.config.pipefusion == 1)
     wan = [r for r in plans[("Wan2.1-T2V-14B", 4, 24 * GB)] if r.config.short() == "ulysses4"]
     assert any(r.fits for r in wan) and not _row(wan, "ulysses4", False, "gpu").fits
-    assert all(r.unknown for r in wan)  # its VAE's decode peak has no closed form: said, not guessed
+    assert all(r.decode_peak and not r.unknown for r in wan)  # its VAE's decode peak is planned (below)
+
+
+def test_wan_plans_its_video_decode_peak_whole_and_in_bands(folders, plans):
+    """Wan2.1-T2V-14B's rows count the decode of its video (81 frames at 832 × 480, its call defaults: 21 latent
+    frames of 60 × 104) from its VAE's config: the closed form of plan.wan_decode_peak_bytes (measured on tiny
+    specimens in tests/test_vae.py), the largest of 4 bands under ulysses 4, a quarter of the whole decode's give
+    or take the band's halos and the gathered video; `xdit-lab plan --wide` prints it."""
+    from xdit_lab.plan import format_rows, wan_decode_peak_bytes
+    from xdit_lab.real_models import REAL_MODELS
+
+    vae = {"z_dim": 16, **REAL_MODELS["Wan2.1-T2V-14B"].components["vae"].kwargs}  # AutoencoderKLWan's defaults
+    row = _row(plans[("Wan2.1-T2V-14B", 4, 24 * GB)], "ulysses4", True, "sharded")
+    assert (row.request.frames, row.request.height, row.request.width) == (21, 480, 832)
+    whole = wan_decode_peak_bytes(vae, (1, 16, 21, 60, 104), 2)
+    assert row.decode_peak == wan_decode_peak_bytes(vae, (1, 16, 21, 60, 104), 2, bands=4)
+    assert 0.24 * whole < row.decode_peak < 0.3 * whole and 4e9 < whole < 5e9, (row.decode_peak, whole)
+    line = next(line for line in format_rows([row], wide=True).splitlines() if "ulysses4" in line)
+    assert f"{row.decode_peak / GB:.2f}" in line.split() and "?" not in line.split()
+    one = plan_model(folders["Wan2.1-T2V-14B"], 1, 80 * GB, height=720, width=1280)
+    assert {r.decode_peak for r in one} == {wan_decode_peak_bytes(vae, (1, 16, 21, 90, 160), 2)}
+
+
+def test_wan_2_2_a14b_plans_both_experts_and_its_decode(folders):
+    """Wan2.2-T2V-A14B: two experts of Wan 2.1 14B's shape (transformer, transformer_2; model_index.json's
+    boundary_ratio 0.875), each whole on a rank or sharded like the transformer, and Wan 2.1's VAE: its decode
+    peak is Wan2.1-T2V-14B's."""
+    folder = folders["Wan2.2-T2V-A14B"]
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["boundary_ratio"] == 0.875 and index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
+    rows = plan_model(folder, 8, 80 * GB)
+    whole = _row(rows, "ulysses8", False, "gpu")
+    assert whole.weights["transformer"] == whole.weights["transformer_2"] == 28_576_983_168
+    assert _row(rows, "ulysses8", True, "sharded").weights["transformer_2"] <= 1.001 * 28_576_983_168 / 8
+    wan = _row(plan_model(folders["Wan2.1-T2V-14B"], 8, 80 * GB), "ulysses8", False, "gpu")
+    assert whole.decode_peak == wan.decode_peak and not whole.unknown and rows[0].fits
 
 
 @pytest.mark.parametrize("name", PLANNED)
@@ -236,6 +271,30 @@ def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
         best, exact = float(row[2].rsplit(", ", 1)[1]), float(row[3].rsplit(", ", 1)[1])
         assert best <= 24 and exact <= 24 and "sharded" in row[3]
     assert float(rows[0][4].rstrip(" |")) > 24  # replicated FLUX on 2 GPUs does not fit
+
+
+def test_the_video_benchmark_prints_the_best_fit_with_its_decode_peak(tmp_path):
+    """benchmarks/fit_video_models.py for Wan2.1-T2V-14B on 1 and 8 GPUs of 24 GB: nothing fits one (its
+    transformer alone is 28.6 GB), the smallest row said instead; on 8 the best fit is within 24 GB per rank with
+    the decode's peak among its terms, larger at 720p than at 480p."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fit_video_models.py", "--models", "Wan2.1-T2V-14B", "--gpus", "1", "8"]
+        + ["--memory", "24GB", "--folders", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| Wan2.1")]
+    assert [row[1:3] for row in rows] == [[s, g] for s in ("480p", "720p") for g in ("1 × 24 GB", "8 × 24 GB")]
+    for _, size, gpus, best, *terms in rows:
+        weights, gather, request, stale, decode, total = map(float, terms)
+        assert abs(weights + gather + request + stale + decode - total) < 0.03, (size, gpus, terms)
+        assert (total <= 24) == (gpus == "8 × 24 GB") and decode > 0, (size, gpus, best)
+        assert best.startswith("nothing fits") == (gpus == "1 × 24 GB"), best
+    assert float(rows[3][8]) > float(rows[1][8])  # 720p's decode peak on 8 GPUs above 480p's
 
 
 def test_the_published_configurations_ship_in_the_wheel_and_read_back(tmp_path):

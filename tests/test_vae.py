@@ -612,3 +612,74 @@ def test_bands_in_bfloat16_stay_as_close_to_float32_as_the_whole_decode():
         assert out["bands"] <= bound, out
         assert out["bfloat16_statistics"] > bound, f"control within the bound {bound:.4g}: {out}"
         assert out["alone"] > 2 * bound, f"control within the bound {bound:.4g}: {out}"
+
+
+def _wan_wide_vae():
+    """Wan 2.1's VAE as published but a sixth as wide (base 16, not 96): its blocks, caches and upsamplings, with
+    channels outweighing the 3-channel video as at the real size."""
+    import diffusers
+
+    torch.manual_seed(0)
+    zero_one = dict(latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    return diffusers.AutoencoderKLWan(z_dim=4, base_dim=16, **zero_one).eval()
+
+
+def _wan_peak_specimen(kind):
+    """Wan's causal 3D VAEs the decode peak is measured on: the tiny Wan 2.1 and Qwen-Image ones (xdit_lab.tiny),
+    the patchified Wan 2.2 one and the wide one."""
+    from xdit_lab.tiny import parts
+
+    special = {"wan 2.2": _wan_2_2_vae, "wan wide": _wan_wide_vae}
+    return special[kind]() if kind in special else getattr(parts, kind)(0, 4)
+
+
+def _wan_measured_and_planned_peaks(ranks, cases):
+    from xdit_lab.lab.measure import PeakTensorBytes
+    from xdit_lab.plan import wan_decode_peak_bytes
+
+    peaks = []
+    for kind, frames, rows, cols, *dtype in cases:  # float32 unless a dtype is named
+        dtype = getattr(torch, dtype[0]) if dtype else torch.float32
+        vae = _wan_peak_specimen(kind).to(dtype)
+        z = torch.randn(1, 4, frames, rows, cols, generator=torch.Generator().manual_seed(0)).to(dtype)
+        if ranks > 1:
+            apply_parallel_vae(vae, RankMesh(ParallelConfig(ring=ranks)))
+        with torch.no_grad(), PeakTensorBytes() as meter:
+            vae.decode(z)
+        peaks.append((meter.peak, wan_decode_peak_bytes(vae.config, tuple(z.shape), z.element_size(), bands=ranks)))
+    return peaks
+
+
+# (specimen, latent frames, rows, cols): one frame (no temporal upsampling yet), a few (the peak in the last up
+# block's padded input), nine (Wan 2.1's tiny: the video and its clamped copy at the end), Wan 2.2's patchified
+# residual decoder, and the wide one, whose peak is the real sizes' (a later call's last up block)
+WAN_WHOLE = [
+    ("qwen_vae", 1, 6, 5),
+    ("wan_vae", 1, 4, 5),
+    ("wan_vae", 3, 8, 8),
+    ("wan_vae", 9, 4, 5),
+    ("wan 2.2", 6, 6, 5),
+    ("wan wide", 3, 4, 4),
+    ("wan wide", 3, 4, 4, "bfloat16"),  # the RMS norm and the upsampling in float32 beside bfloat16 activations
+    ("wan_vae", 9, 4, 5, "bfloat16"),
+]
+WAN_BANDS = {
+    2: [("wan_vae", 3, 7, 5), ("wan_vae", 9, 4, 5), ("wan 2.2", 3, 5, 5), ("wan wide", 3, 5, 4)],
+    3: [("wan_vae", 5, 7, 5)],
+}
+
+
+def test_the_wan_decode_peak_closed_form_matches_the_measured_peak():
+    """plan.wan_decode_peak_bytes, the memory plan's decode row for Wan's causal 3D VAE, against the tensors the
+    decode really made (PeakTensorBytes), within 10% whole (float32 and bfloat16) and in 2 and 3 bands of an odd
+    number of rows (the largest band's, its gathered video included)."""
+    table = []
+    whole = run_on_ranks(_wan_measured_and_planned_peaks, 1, 1, WAN_WHOLE, timeout_s=300)[0]
+    table += [(case, 1, *peak) for case, peak in zip(WAN_WHOLE, whole)]
+    for ranks, cases in WAN_BANDS.items():
+        per_rank = run_on_ranks(_wan_measured_and_planned_peaks, ranks, ranks, cases, timeout_s=300)
+        for i, case in enumerate(cases):
+            table.append((case, ranks, max(peaks[i][0] for peaks in per_rank), per_rank[0][i][1]))
+    for case, ranks, measured, planned in table:
+        assert 0.9 * measured <= planned <= 1.1 * measured, f"{case} in {ranks}: planned {planned}, measured {measured}"
+    print("\n".join(f"{case} bands {ranks}: measured {m}, planned {p} ({p / m:.3f})" for case, ranks, m, p in table))

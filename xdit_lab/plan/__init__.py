@@ -31,17 +31,18 @@ A row says what one rank holds, by term, and whether the sum fits:
     latents       every prompt's latents, whole on every rank
     conditioning  every row's text conditioning (both branches under CFG), whole on every rank
     stale K/V     PipeFusion's buffers on the busiest stage (attention/stale.py)
-    decode peak   the VAE decode's activations in row bands (terms.decode_peak_bytes; AutoencoderKL)
+    decode peak   the VAE decode's activations in row bands (terms.planned_decode_peak: AutoencoderKL's 2D
+                  decoder, Wan's causal 3D one in video_decode.py)
 
     e.g. FLUX.1-dev, ulysses 4, shard_weights, text encoders sharded, 4 GPUs:
         rank r:  transformer ¼ of each parameter (5.95 GB) | T5 + CLIP ¼ (2.4 GB) | VAE whole (0.17 GB)
                  + during a block: 3 × the largest block whole (3 × 680 MB) + the root whole (128 MB)
 
 Latents and conditioning come from each family recipe's closed form (Recipe.planned_request), checked against
-what the family's own encode and prepare hold on tiny pipelines (tests/test_fit.py). Where a term
-cannot be known from the configs (a video VAE's decode peak; Qwen-Image's text length, which depends
-on the prompt), the row says so (`unknown`, `bounds`) instead of guessing. Transient activations of
-a forward (attention, MLP intermediates) are not planned: they are measured.
+what the family's own encode and prepare hold on tiny pipelines (tests/test_fit.py). Where a term has no
+closed form here (CogVideoX's and HunyuanVideo's decode peaks) or cannot be known from the configs (Qwen-Image's
+text length, which depends on the prompt), the row says so (`unknown`, `bounds`) instead of guessing. Transient
+activations of a forward (attention, MLP intermediates) are not planned: they are measured.
 
 Rows are ranked: fitting rows first, then by the cost model (ParallelConfig.cost), whose traffic now
 includes FSDP2's gathers, turned into bytes per step and into seconds on NVLink and on PCIe.
@@ -64,6 +65,7 @@ from .rows import (
 )
 from .table import fit_ranking_reasons, format_rows, model_legend
 from .terms import Call, RequestShape, decode_peak_bytes, make_call, request_shape
+from .video_decode import wan_decode_peak_bytes
 from .weights import block_bytes, component_tensor_bytes, held_weights, tensor_bytes
 
 __all__ = [
@@ -83,6 +85,7 @@ __all__ = [
     "check_plan",
     "component_tensor_bytes",
     "decode_peak_bytes",
+    "wan_decode_peak_bytes",
     "fit_rank_key",
     "fit_ranking_reasons",
     "format_rows",

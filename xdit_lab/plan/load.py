@@ -21,7 +21,7 @@ from ..config import ParallelConfig
 from ..model_folder import EXPERT, TRANSFORMER, ModelFolder, ModelFolderError, read_call_defaults, read_model_folder
 from .check import MemoryPlan, human_bytes
 from .rows import offloaded_words, plan_row
-from .terms import decode_peak_bytes, kv_rows, load_call, request_shape
+from .terms import decoded_latent, kv_rows, load_call, planned_decode_peak, request_shape
 
 
 def plan_memory(
@@ -86,12 +86,10 @@ def plan_memory(
             f"{kv_rows(config, call.prompts * call.branches)} row(s)"
         )
     if row.decode_peak is not None and "vae" in components:
-        latent = (1, *shape.decode_latent)
-        plan.activation_bytes["decode peak"] = (
-            decode_peak_bytes(model.configs["vae"], latent, model.element),
-            row.decode_peak,
-        )
-        plan.notes.append(f"decode peak: one image of a {latent[2]}×{latent[3]} latent")
+        latent = decoded_latent(model, call, shape)
+        plan.activation_bytes["decode peak"] = (planned_decode_peak(model, call, shape), row.decode_peak)
+        what = f"video of {latent[2]} latent frames of" if len(latent) == 5 else "image of"
+        plan.notes.append(f"decode peak: one {what} a {latent[-2]}×{latent[-1]} latent")
     if row.gather:
         plan.activation_bytes["weight gathers"] = (0, row.gather)  # a single rank gathers nothing
         plan.notes.append(

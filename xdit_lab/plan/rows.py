@@ -19,8 +19,8 @@ from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
 from ..quantization import SCHEMES
-from ..vae import PLANAR_VAES
-from .terms import Call, RequestShape, decode_bands, decode_peak_bytes, make_call, request_shape, stale_kv
+from ..vae import CAUSAL_VAES, PLANAR_VAES
+from .terms import Call, RequestShape, decode_bands, make_call, planned_decode_peak, request_shape, stale_kv
 from .weights import held_weights
 
 # Link bandwidths the planner turns traffic into seconds with (one direction, per GPU, peak; NCCL
@@ -392,16 +392,13 @@ def plan_row(
     hidden = heads * head_dim
     unknown = []
     decode = None
-    # diffusers' 2D Decoder behind a post_quant_conv: AutoencoderKL's, and Flux.2's (measured: tests/test_vae.py)
-    if known and shape.decode_latent is not None and model.configs["vae"].get("_class_name") in PLANAR_VAES:
-        decode = decode_peak_bytes(
-            model.configs["vae"], (1, *shape.decode_latent), model.element, bands=decode_bands(config)
-        )
-    elif known:
-        vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
-        unknown.append(
-            f"decode peak: {vae} has no closed form here (only {' and '.join(PLANAR_VAES)} have one); measure it"
-        )
+    # the 2D decoder's (AutoencoderKL's, Flux.2's) and Wan's causal 3D one's (measured: tests/test_vae.py)
+    if known:
+        decode = planned_decode_peak(model, call, shape, decode_bands(config))
+        if decode is None:
+            vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
+            planned = " and ".join((*PLANAR_VAES, *CAUSAL_VAES))
+            unknown.append(f"decode peak: {vae} has no closed form here (only {planned} have one); measure it")
     else:
         unknown.append("latents, conditioning, stale K/V, decode peak: no closed form for this request here")
     if isinstance(placement, dict):  # a load's: each text encoder's own (one word where they agree)

@@ -9,7 +9,8 @@ stale K/V      PipeFusion's buffers on the busiest rank of the busiest stage: th
                adapter counts (FamilyAdapter.stale_kv_layers), the busiest rank's batch rows (kv_rows),
                attention/stale.py's stale_kv_bytes; and a linear attention's sums and a convolution's
                edge rows per patch (Sana's: stale_sums_and_halos)
-decode peak    the VAE decode's activations, whole or in row bands (decode_peak_bytes; AutoencoderKL)
+decode peak    the VAE decode's activations, whole or in row bands (planned_decode_peak): the 2D decoder's
+               (decode_peak_bytes; AutoencoderKL, Flux.2's), Wan's causal 3D one's (video_decode.py)
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import inspect
 
 from ..config import ParallelConfig
 from ..families import RECIPES, Recipe, Request
-from ..families.recipe import Call, RequestShape
+from ..families.recipe import Call, RequestShape, vae_scale
 from ..model_folder import ModelFolder, ModelFolderError, read_json
 from ..sharding import batch_rows
+from ..vae import CAUSAL_VAES, PLANAR_VAES
+from .video_decode import wan_decode_peak_bytes
 
 __all__ = ["Call", "RequestShape", "make_call", "request_shape"]
 
@@ -185,6 +188,33 @@ def busiest_stale_kv_bytes(
 def decode_bands(config: ParallelConfig) -> int:
     """Row bands the VAE decodes one image in: over the ranks that share it (vae.py), or whole."""
     return config.sp_degree * config.pipefusion if config.vae_parallel else 1
+
+
+def planned_decode_peak(folder: ModelFolder, call: Call, shape: RequestShape, bands: int = 1) -> int | None:
+    """The decode peak of one image or video of `call` on a rank holding the largest of `bands` row bands: the 2D
+    decoder's (decode_peak_bytes) or Wan's causal 3D one's (video_decode.wan_decode_peak_bytes); None for a VAE
+    with no closed form here (decoded_latent says which)."""
+    latent = decoded_latent(folder, call, shape)
+    if latent is None:
+        return None
+    vae = folder.configs["vae"]
+    if len(latent) == 5:
+        return wan_decode_peak_bytes(vae, latent, folder.element, bands=bands)
+    return decode_peak_bytes(vae, latent, folder.element, bands=bands)
+
+
+def decoded_latent(folder: ModelFolder, call: Call, shape: RequestShape) -> tuple[int, ...] | None:
+    """The latent one decode takes, (1, channels, rows, cols) for the 2D decoder (PLANAR_VAES, the recipe's
+    decode_latent), (1, channels, frames, rows, cols) for Wan's causal 3D one (CAUSAL_VAES); None for the others
+    (Sana's AutoencoderDC, CogVideoX's and HunyuanVideo's 3D VAEs: no closed form yet)."""
+    vae = folder.configs.get("vae", {})
+    kind = vae.get("_class_name")
+    if kind in PLANAR_VAES and shape.decode_latent is not None:
+        return (1, *shape.decode_latent)
+    if kind in CAUSAL_VAES:
+        scale = vae_scale(vae)[0]
+        return (1, vae.get("z_dim", 16), shape.frames, call.height // scale, call.width // scale)
+    return None
 
 
 def decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *, bands: int = 1) -> int:

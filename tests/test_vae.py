@@ -101,17 +101,28 @@ def _wan_2_2_vae():
     ).eval()
 
 
+def _widening_vae():
+    """HunyuanVideo-1.5's VAE with channels that widen towards the latent, as the real one's (128 to 1024): each
+    upsampling's convolution then packs the next block's channels into pixels."""
+    import diffusers
+
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKLHunyuanVideo15(
+        latent_channels=4, block_out_channels=(4, 8, 8, 16, 16), layers_per_block=1
+    ).eval()
+
+
 def _causal_decode_in_bands(config, kind, frames, rows, cols=5):
     from xdit_lab.lessons.controls import cached_frames_without_halos
     from xdit_lab.sharding import shard_range
     from xdit_lab.tiny import parts
     from xdit_lab.vae import DECODED, band_group
 
-    vae = {"wan 2.2": _wan_2_2_vae, "video_vae": lambda: parts.video_vae(0)}.get(
-        kind, lambda: getattr(parts, kind)(0, 4)
-    )()
+    special = {"wan 2.2": _wan_2_2_vae, "video_vae": lambda: parts.video_vae(0), "hunyuan15 widening": _widening_vae}
+    vae = special.get(kind, lambda: getattr(parts, kind)(0, 4))()
 
-    z = torch.randn(2, 4, frames, rows, cols, generator=torch.Generator().manual_seed(1))
+    videos = 1 if kind in ONE_VIDEO_A_DECODE else 2
+    z = torch.randn(videos, 4, frames, rows, cols, generator=torch.Generator().manual_seed(1))
     mesh = RankMesh(config)
     group = band_group(mesh)
     start, stop = shard_range(rows, mesh.group_size(group), mesh.group_rank(group))
@@ -149,30 +160,45 @@ def _causal_decode_in_bands(config, kind, frames, rows, cols=5):
 
 
 WAN_KINDS = ("wan_vae", "qwen_vae", "wan 2.2")
+# diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decodes one video a call: its mid attention's mask [B, S, S]
+# does not broadcast against the weights [B, 1, S, S] for B > 1
+ONE_VIDEO_A_DECODE = ("hunyuan15_vae", "hunyuan15 widening")
 COLLECTIVES = {  # by the VAE's norms and attention
     "wan": ("vae_halo", "vae_kv", "vae_gather"),  # RMS norm per pixel: nothing summed; attention per frame
     "video_vae": ("vae_halo", "vae_norm", "vae_gather"),  # CogVideoX's: GroupNorm, no attention
     "hunyuan_vae": ("vae_halo", "vae_norm", "vae_kv", "vae_gather"),  # GroupNorm, attention over the frames
+    "hunyuan15_vae": ("vae_halo", "vae_kv", "vae_gather"),  # RMS norm per pixel, attention over the frames
+    "hunyuan15 widening": ("vae_halo", "vae_kv", "vae_gather"),
 }
 
 
 def _decoder_calls(vae, frames):
     """How often diffusers' decoder runs in one decode: Wan's per latent frame, CogVideoX's per batch of two
-    frames (the first takes an odd one), HunyuanVideo's once or per tile of frames."""
+    frames (the first takes an odd one), HunyuanVideo's once or per tile of frames, HunyuanVideo-1.5's once."""
     from xdit_lab.vae import hunyuan_decoder_frames
 
     kind = type(vae).__name__
     if kind == "AutoencoderKLHunyuanVideo":
         return len(hunyuan_decoder_frames(vae, frames))
+    if kind == "AutoencoderKLHunyuanVideo15":
+        return 1
     return max(frames // 2, 1) if kind == "AutoencoderKLCogVideoX" else frames
 
 
 def _halo_closed_form(vae, latent_shape, neighbours):
-    from xdit_lab.vae import causal_halo_bytes, cogvideox_halo_bytes, hunyuan_decoder_frames, hunyuan_halo_bytes
+    from xdit_lab.vae import (
+        causal_halo_bytes,
+        cogvideox_halo_bytes,
+        hunyuan15_halo_bytes,
+        hunyuan_decoder_frames,
+        hunyuan_halo_bytes,
+    )
 
     kind = type(vae).__name__
     if kind == "AutoencoderKLHunyuanVideo":
         return hunyuan_halo_bytes(vae.config, latent_shape, 4, neighbours, hunyuan_decoder_frames(vae, latent_shape[2]))
+    if kind == "AutoencoderKLHunyuanVideo15":
+        return hunyuan15_halo_bytes(vae.config, latent_shape, 4, neighbours)
     form = cogvideox_halo_bytes if kind == "AutoencoderKLCogVideoX" else causal_halo_bytes
     return form(vae.config, latent_shape, 4, neighbours)
 
@@ -189,16 +215,21 @@ def _halo_closed_form(vae, latent_shape, neighbours):
         (ParallelConfig(ring=3), "video_vae", 1, 7),  # its first frame alone, in 3 bands
         (ParallelConfig(ulysses=2), "hunyuan_vae", 6, 7),  # HunyuanVideo's: two tiles of frames (5, 3)
         (ParallelConfig(ring=2), "hunyuan_vae", 2, 6),  # one call, its mid attention causal over 2 frames
+        (ParallelConfig(ulysses=2), "hunyuan15_vae", 3, 5),  # HunyuanVideo-1.5's: 16× rows, channels into pixels
+        (ParallelConfig(ring=2), "hunyuan15_vae", 1, 4),  # one frame: its temporal upsamplings keep it one
+        (ParallelConfig(ulysses=2), "hunyuan15 widening", 2, 4),  # 16 channels at the latent to 4 at the pixels
     ],
     ids=lambda v: v.short() if isinstance(v, ParallelConfig) else None,
 )
 def test_video_bands_equal_the_whole_decode(config, kind, frames, rows):
     """The video VAEs decoded in row bands: Wan's causal 3D VAE (Wan 2.1's, Qwen-Image's, Wan 2.2's
-    patchified one with its DupUp3D shortcuts), CogVideoX's and HunyuanVideo's. Each rank's decoder runs
-    on its band's latent rows only, as often as diffusers runs it (_decoder_calls); the video equals
-    diffusers' whole decode within 1e-4; the halo bytes equal the VAE's closed form (vae.causal_halo_bytes,
-    cogvideox_halo_bytes, hunyuan_halo_bytes). Controls: a band decoded alone, and Wan's bands with their
-    cached frames' halo rows zeros (the halo exchanged for the fresh frames only), both beyond the bound."""
+    patchified one with its DupUp3D shortcuts), CogVideoX's, HunyuanVideo's and HunyuanVideo-1.5's (one
+    video a decode, diffusers' limit; the tiny one and one whose channels widen towards the latent).
+    Each rank's decoder runs on its band's latent rows only, as often as diffusers runs it
+    (_decoder_calls); the video equals diffusers' whole decode within 1e-4; the halo bytes equal the
+    VAE's closed form (vae.causal_halo_bytes, cogvideox_halo_bytes, hunyuan_halo_bytes,
+    hunyuan15_halo_bytes). Controls: a band decoded alone, and Wan's bands with their cached frames'
+    halo rows zeros (the halo exchanged for the fresh frames only), both beyond the bound."""
     world = config.world_size
     for rank, out in enumerate(run_on_ranks(_causal_decode_in_bands, world, config, kind, frames, rows, timeout_s=180)):
         where = f"{config.short()} {kind} rank {rank}"
@@ -222,8 +253,9 @@ def _videos(folder, family, configs):
     from xdit_lab import load_pipeline
     from xdit_lab.tiny import tiny_pipeline_kwargs
 
-    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=2, negative_prompt=["", "a photo"])
-    prompts = ["a red cat", "a blue dog"]
+    videos = DECODES[family][0]
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=2, negative_prompt=["", "a photo"][-videos:])
+    prompts = ["a red cat", "a blue dog"][:videos]
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     expected = reference(prompt=prompts, generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).frames
@@ -249,16 +281,17 @@ def _videos(folder, family, configs):
     return rows
 
 
-# the decoder's calls: Wan's one per latent frame (5 frames -> 2), CogVideoX's one per batch of frames (9 -> 3: one),
-# HunyuanVideo's one for all (5 -> 2, under its framewise decoding's 4)
-DECODER_CALLS = {"wan": 2, "cogvideox": 1, "hunyuanvideo": 1}
+# (videos, the decoder's calls, a band's latent rows): Wan's one call per latent frame (5 frames -> 2), CogVideoX's
+# one per batch of frames (9 -> 3: one), HunyuanVideo's one for all (5 -> 2, under its framewise decoding's 4), each
+# band 4 of the 8 latent rows; HunyuanVideo-1.5's one video (diffusers decodes no more at once), 2 of 4 rows (16×)
+DECODES = {"wan": (2, 2, 4), "cogvideox": (2, 1, 4), "hunyuanvideo": (2, 1, 4), "hunyuanvideo15": (1, 1, 2)}
 
 
-@pytest.mark.parametrize("family", DECODER_CALLS)
+@pytest.mark.parametrize("family", DECODES)
 def test_videos_equal_diffusers_in_bands(tmp_path, family):
     """The pipeline's frames (output_type="np", [0, 1] pixels) under ulysses 2 and pipefusion 2 equal
-    diffusers' pipeline run serially within 1e-4, each rank's decoder running on 4 of the 8 latent
-    rows of both videos; cfg 2 × ulysses 2 is test_video_bands_equal_the_whole_decode's."""
+    diffusers' pipeline run serially within 1e-4, each rank's decoder running on half the latent rows
+    of every video; cfg 2 × ulysses 2 is test_video_bands_equal_the_whole_decode's."""
     from xdit_lab.tiny import save_tiny_pipeline
 
     folder = save_tiny_pipeline(family, tmp_path / family)
@@ -267,7 +300,8 @@ def test_videos_equal_diffusers_in_bands(tmp_path, family):
         for row, group in zip(per_config, ("sp", "image")):
             where = f"{family} {row['config']} rank {rank}"
             assert row["shape"] and row["error"] <= 1e-4, f"{where}: {row['error']:.3g}"
-            assert row["seen"] == [(2, 4)] * DECODER_CALLS[family], f"{where}: {row['seen']}"
+            videos, calls, band = DECODES[family]
+            assert row["seen"] == [(videos, band)] * calls, f"{where}: {row['seen']}"
             assert row["vae_groups"] == [group], where
 
 

@@ -36,11 +36,17 @@ the band before it pads, and only the image's own edges replicate; GroupNorms as
 attention spans every frame, causal over frames: the K/V of every band are gathered (the mid block
 is at the latent's resolution) and the band's frame-causal mask rebuilt over them.
 
+HunyuanVideo-1.5's runs its decoder on all frames at once (its tiling, off by default, is refused): its
+causal convolutions pad by replication in F.pad, as HunyuanVideo's; its RMS norm is over each pixel's
+channels (local); its mid attention is HunyuanVideo's frame-causal one; each upsampling convolves at
+the lower resolution and then rearranges channels into 2 × 2 pixels (and into two frames, all but the
+first), so latent row r becomes rows 2r and 2r + 1 of the band: local, the bands stay aligned.
+
 diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d, F.pad,
 F.conv3d, F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
 collective is logged with a tag starting "vae", and each decode's halo bytes have a closed form
-(halo_bytes, causal_halo_bytes, cogvideox_halo_bytes, hunyuan_halo_bytes). The result equals
-`vae.decode` of the whole latent up to float rounding. Bands are on with
+(halo_bytes, causal_halo_bytes, cogvideox_halo_bytes, hunyuan_halo_bytes, hunyuan15_halo_bytes). The
+result equals `vae.decode` of the whole latent up to float rounding. Bands are on with
 ParallelConfig(vae_parallel=True), the default; the split of images over dp × cfg always is. Under
 PipeFusion every stage holds the whole latents too: the bands go over stages × sp (the mesh's
 "image" group). Flux.2's VAE is the same 2D decoder; Sana's deep-compression VAE (AutoencoderDC,
@@ -71,7 +77,8 @@ GROUPED_VIDEO_VAES = (
     "AutoencoderKLCogVideoX",
     "AutoencoderKLHunyuanVideo",
 )  # GroupNorm over frames and rows, conv3d padding its rows
-BANDED_VAES = PLANAR_VAES + CAUSAL_VAES + GROUPED_VIDEO_VAES
+PACKED_VIDEO_VAES = ("AutoencoderKLHunyuanVideo15",)  # RMS norm per pixel, upsampling channels into pixels
+BANDED_VAES = PLANAR_VAES + CAUSAL_VAES + GROUPED_VIDEO_VAES + PACKED_VIDEO_VAES
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
@@ -80,7 +87,7 @@ def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
     vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing
     changed) when one rank holds every image and there are no bands to split. Bands need a VAE of
-    BANDED_VAES (the 2D ones, Wan's, CogVideoX's and HunyuanVideo's 3D ones): the others (Sana's
+    BANDED_VAES (the 2D ones, Wan's, CogVideoX's and both HunyuanVideos' 3D ones): the others (Sana's
     AutoencoderDC) decode their images whole (said in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
     if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ not in BANDED_VAES:
@@ -312,11 +319,11 @@ class Bands(TorchFunctionMode):
         return out
 
     def frame_causal_attention(self, query, key, value, attn_mask, scale):
-        """HunyuanVideo's mid-block attention: over every frame's pixels, tokens frame-major, a frame's
-        queries attending the keys of its own and earlier frames (its mask). The mask diffusers made is
-        the band's own; the keys of every band are gathered (the mid block's latent resolution is
-        small) and the mask rebuilt over them, after checking the band's is that frame-causal mask (two
-        host syncs, once per decoder call)."""
+        """HunyuanVideo's mid-block attention (HunyuanVideo-1.5's is the same): over every frame's pixels,
+        tokens frame-major, a frame's queries attending the keys of its own and earlier frames (its mask).
+        The mask diffusers made is the band's own; the keys of every band are gathered (the mid block's
+        latent resolution is small) and the mask rebuilt over them, after checking the band's is that
+        frame-causal mask (two host syncs, once per decoder call)."""
         band_rows = shard_sizes(self.total_rows, self.parts)
         local = attn_mask.reshape(-1, *attn_mask.shape[-2:])[0]
         per_frame = int((local[0] == 0).sum())  # the tokens of frame 0: what the first query attends
@@ -368,6 +375,8 @@ def _halo_bytes(vae, latent_shape, element_bytes: int, neighbours: int) -> int:
     if kind == "AutoencoderKLHunyuanVideo":
         calls = hunyuan_decoder_frames(vae, latent_shape[2])
         return hunyuan_halo_bytes(vae.config, latent_shape, element_bytes, neighbours, calls)
+    if kind in PACKED_VIDEO_VAES:
+        return hunyuan15_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
     return halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
 
 
@@ -474,3 +483,26 @@ def hunyuan_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours:
         return total + channels[-1] * cols * frames  # conv_out
 
     return sum(sent(frames) for frames in calls) * batch * element_bytes * neighbours
+
+
+def hunyuan15_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
+    """Bytes one rank sends in halos during one decode of HunyuanVideo-1.5's VAE, its decoder called once on
+    every frame. Its convolutions pad by replication after the halo joins the band: every 3×3×3 one sends one
+    row of each of its input's frames to each neighbour. An upsampling convolves before it rearranges channels
+    into pixels (at the lower resolution), then doubles the columns, and in time all frames but the first."""
+    batch, _, frames, _, width = latent_shape
+    channels = list(reversed(vae_config["block_out_channels"]))
+    in_space = round(math.log2(vae_config["spatial_compression_ratio"]))
+    in_time = round(math.log2(vae_config["temporal_compression_ratio"]))
+    total = (vae_config["latent_channels"] + 4 * channels[0]) * width * frames  # conv_in, the mid block's resnets
+    previous, cols = channels[0], width
+    for i, out in enumerate(channels):
+        for j in range(vae_config["layers_per_block"] + 1):
+            total += ((previous if j == 0 else out) + out) * cols * frames
+        previous = out
+        if i < in_space or i < in_time:  # the upsampling's convolution, then 2 × 2 pixels (and 2 frames) a channel
+            total += out * cols * frames
+            cols, frames = 2 * cols, 2 * frames - 1 if i < in_time else frames
+            previous = channels[i + 1] if vae_config["upsample_match_channel"] else out
+    total += channels[-1] * cols * frames  # conv_out
+    return total * batch * element_bytes * neighbours

@@ -47,6 +47,10 @@ from dataclasses import dataclass
 # The five degrees, slowest-varying rank first; this order is used everywhere (fields, mesh, tables).
 DP, CFG, PIPEFUSION, RING, ULYSSES = "dp", "cfg", "pipefusion", "ring", "ulysses"
 SCHEDULES = ("drained", "async")  # PipeFusion's schedules (ParallelConfig.pipefusion_schedule)
+# What sequence parallelism's exchanges may carry instead of the model's dtype (ParallelConfig.comm_dtype,
+# attention/wire.py): torch's dtype names. A row of head_dim elements travels as head_dim bytes and a scale.
+COMM_DTYPES = ("float8_e4m3fn",)
+SCALE_BYTES = 4  # the float32 scale beside each row (token × head) of float8 on the wire
 DEGREES = (DP, CFG, PIPEFUSION, RING, ULYSSES)
 # The one short form of each degree, for compact names, tables and mesh coordinates: 'cfg2·pf2'.
 SHORT = {DP: "dp", CFG: "cfg", PIPEFUSION: "pf", RING: "ring", ULYSSES: "ulysses"}
@@ -83,6 +87,10 @@ class ParallelConfig:
     # PipeFusion's blocks per stage, e.g. (10, 9, 9); None: balanced (sharding.stage_ranges). Every module
     # that needs a stage's blocks asks stage_ranges() below, so the split is decided in one place.
     stage_split: tuple[int, ...] | None = None
+    # None: Ulysses' all-to-alls and Ring's K/V blocks carry the model's dtype (exact). "float8_e4m3fn":
+    # they carry float8 with a float32 scale per token and head (attention/wire.py): about half of
+    # bfloat16's bytes, an approximation measured per family (tests/test_fp8_comm.py)
+    comm_dtype: str | None = None
 
     def __repr__(self) -> str:
         return f"ParallelConfig({self._fields()})"
@@ -134,6 +142,8 @@ class ParallelConfig:
         used = [f"{SHORT[name]}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
         if self.pipefusion_schedule != "drained":
             used.append(self.pipefusion_schedule)
+        if self.comm_dtype is not None:
+            used.append("fp8")
         return "·".join(used) or "serial"
 
     def replace(self, **changes) -> ParallelConfig:
@@ -171,6 +181,17 @@ class ParallelConfig:
             found.append(
                 f"stage_split {list(self.stage_split)} must give each of the {self.pipefusion} PipeFusion stages "
                 f"at least one block: {self.pipefusion} counts of 1 or more"
+            )
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
+            found.append(
+                f"comm_dtype {self.comm_dtype!r} is not a format the exchanges can carry; use "
+                f"{' or '.join(map(repr, COMM_DTYPES))}, or None (the model's dtype, exact)"
+            )
+        elif self.comm_dtype is not None and self.pipefusion > 1 and self.sp_degree > 1:
+            found.append(
+                f"comm_dtype {self.comm_dtype!r} quantizes the exchanges of sequence shards, not of PipeFusion's "
+                f"stale attention (pipefusion {self.pipefusion} with ulysses {self.ulysses} × ring {self.ring}); "
+                f"use pipefusion 1, ulysses 1 and ring 1, or comm_dtype None"
             )
         if self.pipefusion_schedule == "async" and self.pipefusion < 2:
             found.append(
@@ -218,9 +239,9 @@ class ParallelConfig:
         return self
 
     def _fields(self) -> str:
-        """The fields as keyword arguments; vae_parallel, pipefusion_schedule and stage_split only when not
-        their default."""
-        quiet = {"vae_parallel", "pipefusion_schedule", "stage_split"}
+        """The fields as keyword arguments; vae_parallel, pipefusion_schedule, stage_split and comm_dtype only
+        when not their default."""
+        quiet = {"vae_parallel", "pipefusion_schedule", "stage_split", "comm_dtype"}
         fields = [f for f in dataclasses.fields(self) if f.name not in quiet or getattr(self, f.name) != f.default]
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
 

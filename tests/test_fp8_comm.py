@@ -1,0 +1,89 @@
+"""FP8 on the wire (ParallelConfig.comm_dtype): Ulysses' all-to-alls and Ring's K/V blocks carry float8
+with a float32 scale per token and head (xdit_lab/attention/wire.py).
+
+An approximation, measured: each family's tiny transformer (float32) runs serially in diffusers and in
+parallel with float8 exchanges, under ulysses 2, ring 2 and ulysses 2 × ring 2, on an uneven image and
+text. The error relative to the reference's largest value stays under the family's bound (set from the
+measurement, about 1.5× the largest seen); the control, each row unpacked with its neighbour's scale
+(Controls.wrong_comm_scales), exceeds it. Every rank's bytes per group equal the closed form
+(xdit_lab/traffic.py: a row of head_dim elements is head_dim + 4 bytes), below the float32 run's.
+With comm_dtype None nothing changes (tests/test_models.py, tests/test_uneven_heads.py stay exact).
+"""
+
+import pytest
+import torch
+from forward_traffic import sample, traffic_mismatches, traffic_row
+
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, parallelize
+from xdit_lab.models import Controls
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import tiny_inputs, tiny_transformer
+
+FP8 = "float8_e4m3fn"
+# The largest error relative to max |reference| each family's forward may show with float8 exchanges: 1.5× the
+# largest measured over the three configurations (measured: flux 1.31e-3, qwenimage 1.16e-3, pixart 1.70e-3,
+# sd3 5.6e-4, wan 2.06e-3). The control's smallest: 7.7e-3, 9.7e-3, 8.2e-3, 3.6e-3, 3.4e-2.
+BOUNDS = {"flux": 2e-3, "qwenimage": 1.75e-3, "pixart": 2.5e-3, "sd3": 8.5e-4, "wan": 3.1e-3}
+CONFIGS = {
+    2: [ParallelConfig(ulysses=2, comm_dtype=FP8), ParallelConfig(ring=2, comm_dtype=FP8)],
+    4: [ParallelConfig(ulysses=2, ring=2, comm_dtype=FP8)],
+}
+
+
+def _relative(out, reference) -> float:
+    return ((out - reference).abs().max() / reference.abs().max()).item()
+
+
+def _measure(families, configs):
+    """Per family and config: the float8 run's error, the control's, its traffic beside the closed form,
+    and the bytes the same run moves in float32."""
+    rows = []
+    for family in families:
+        for config in configs:
+            mesh = RankMesh(config)
+            inputs = tiny_inputs(family, 2, height=6, width=6, text_len=7)
+            runs = {}
+            for name, run_config, controls in (
+                ("fp8", config, Controls()),
+                ("control", config, Controls(wrong_comm_scales=True)),
+                ("exact", config.replace(comm_dtype=None), Controls()),
+            ):
+                model = tiny_transformer(family)
+                with torch.no_grad():
+                    reference = sample(model(**inputs))
+                model = parallelize(
+                    model, run_config, RankMesh(run_config) if run_config != config else mesh, controls=controls
+                )
+                with torch.no_grad(), comm_log() as log:
+                    output = sample(model(**inputs))
+                runs[name] = dict(error=_relative(output, reference), **traffic_row(model, inputs, log, 0))
+            rows.append(dict(where=f"{family} {config.short()}", **runs))
+    return rows
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp8_exchanges_are_bounded_counted_and_the_wrong_scale_is_caught(world_size):
+    families = sorted(BOUNDS)
+    for rank, rows in enumerate(run_on_ranks(_measure, world_size, families, CONFIGS[world_size], timeout_s=300)):
+        for row in rows:
+            where, bound = f"{row['where']} rank {rank}", BOUNDS[row["where"].split()[0]]
+            assert 0 < row["fp8"]["error"] <= bound, (where, row["fp8"]["error"])
+            assert row["control"]["error"] > bound, (where, row["control"]["error"])
+            assert row["exact"]["error"] < 1e-4, (where, row["exact"]["error"])
+            for name in ("fp8", "control", "exact"):
+                assert not traffic_mismatches([row[name]], f"{where} {name}")
+            for group, sent in row["fp8"]["moved"].items():  # float8: fewer bytes than float32 on sp's links
+                if group in ("ulysses", "ring"):
+                    assert sent < row["exact"]["moved"][group] / 2, (where, group)
+
+
+def test_comm_dtype_is_validated_by_name():
+    with pytest.raises(ParallelConfigError, match="comm_dtype 'float8' is not a format"):
+        ParallelConfig(ulysses=2, comm_dtype="float8").validate()
+    with pytest.raises(ParallelConfigError, match="not of PipeFusion's stale attention"):
+        ParallelConfig(pipefusion=2, ulysses=2, comm_dtype=FP8).validate()
+    assert ParallelConfig(ulysses=2, comm_dtype=FP8).short() == "ulysses2·fp8"
+    assert (
+        repr(ParallelConfig(ulysses=2))
+        == "ParallelConfig(dp=1, cfg=1, pipefusion=1, ring=1, ulysses=2, num_patches=None, warmup_steps=1)"
+    )

@@ -10,6 +10,8 @@ measurement, about 1.5× the largest seen); the control, each row unpacked with 
 With comm_dtype None nothing changes (tests/test_models.py, tests/test_uneven_heads.py stay exact).
 """
 
+import re
+
 import pytest
 import torch
 from forward_traffic import sample, traffic_mismatches, traffic_row
@@ -87,3 +89,28 @@ def test_comm_dtype_is_validated_by_name():
         repr(ParallelConfig(ulysses=2))
         == "ParallelConfig(dp=1, cfg=1, pipefusion=1, ring=1, ulysses=2, num_patches=None, warmup_steps=1)"
     )
+
+
+def test_cost_model_counts_float8_on_the_sp_links_only():
+    """Ulysses' and Ring's terms weigh (1 + 4/d)/e of their elements, PipeFusion's stay whole; the planner
+    gives float8 to the configurations whose sp links carry it."""
+    wire = (1 + 4 / 128) / 2  # head_dim 128, bfloat16
+    for config in (ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(ulysses=2, ring=2)):
+        exact, fp8 = config.cost(57, num_heads=24), config.replace(comm_dtype=FP8).cost(57, num_heads=24)
+        assert fp8.comm_p_hs == pytest.approx(exact.comm_p_hs * wire), config
+        assert fp8.work_fraction == exact.work_fraction
+    pf = ParallelConfig(pipefusion=2)
+    assert pf.replace(comm_dtype=FP8).cost(57).comm_p_hs == pf.cost(57).comm_p_hs  # no sp link: nothing changes
+    ranked = {c.short(): c for c in ParallelConfig.options(4, num_heads=24, num_layers=57, comm_dtype=FP8)}
+    assert ranked["ulysses4·fp8"].comm_dtype == FP8 and ranked["ring2·ulysses2·fp8"].comm_dtype == FP8
+    assert ranked["pf2·ulysses2"].comm_dtype is None and ranked["cfg2·pf2"].comm_dtype is None
+
+
+def test_plan_flag_ranks_with_float8(capsys):
+    from xdit_lab.cli import main
+
+    assert main(["plan", "--world-size", "2", "--heads", "24", "--layers", "57", "--no-cfg", "--comm-dtype", FP8]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"ulysses2·fp8 .* 29\.4 ", printed), printed  # 57 · (1 + 4/128) / 2
+    assert main(["plan", "--world-size", "2", "--heads", "24", "--layers", "57", "--no-cfg"]) == 0
+    assert re.search(r"ulysses2 .* 57 ", capsys.readouterr().out)

@@ -25,6 +25,10 @@ layers, P = parameter bytes, N = the method's degree):
                                    same stage): every forward all-gathers the stage's weights again;
                                    F forwards per step (a PipeFusion stage runs one per patch past the
                                    warmup), in units of P (CostEstimate.gather_weights)
+With comm_dtype (float8 on the wire) the Ulysses and Ring terms count (1 + 4/d)/e of their elements: a row
+of d = head_dim elements travels as d float8 bytes and a float32 scale instead of d·e bytes (e = the model's
+bytes per element, 2 for bfloat16), so comm_p_hs stays in elements of the model's dtype and comm_bytes stays
+elements × e: with d = 128 and bfloat16, 0.516 of the elements. PipeFusion's, CFG's and DP's stay whole.
 An uneven split of the heads leaves work_fraction (tokens per rank) as it is; the busiest Ulysses
 rank attends ceil(H/N) of the H heads (8 of 30 under ulysses 4, not 7.5), which it does not count.
 In a hybrid, Ring passes K/V that Ulysses has already split by heads (so ÷ulysses), Ulysses
@@ -284,6 +288,8 @@ class ParallelConfig:
         use_cfg: bool = True,
         shard_weights: bool = False,
         forwards_per_step: int | None = None,
+        head_dim: int = 128,
+        dtype_bytes: int = 2,
     ) -> CostEstimate:
         """Per-rank work, communication and parameter share of one denoising step (table above).
 
@@ -293,7 +299,8 @@ class ParallelConfig:
         over the world / pipefusion ranks that hold the same blocks), `gather_weights` counts the
         weights a rank all-gathers per step: (S-1)/S of its stage's share for each of
         `forwards_per_step` forwards (default: one, or one per patch under PipeFusion). `num_heads`: the
-        model's attention heads, for Ulysses degrees that do not divide them (None: as if they did)."""
+        model's attention heads, for Ulysses degrees that do not divide them (None: as if they did). `head_dim`
+        and `dtype_bytes` (the model's) weigh float8 on the wire against the model's dtype, with comm_dtype."""
         layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
         branches = 2 if (use_cfg or self.cfg == 2) else 1
         images_per_rank = max(1, -(-(batch * branches) // (self.cfg * self.dp)))
@@ -305,6 +312,8 @@ class ParallelConfig:
             if num_heads is None or num_heads % u == 0
             else [num_heads // u / num_heads, (num_heads // u + 1) / num_heads]
         )
+        # the Ulysses and Ring exchanges' bytes per element of the model's dtype: float8 and its scales
+        wire = 1.0 if self.comm_dtype is None else (1 + SCALE_BYTES / head_dim) / dtype_bytes
         per_image = 0.0
         by_share = []
         for share in shares:
@@ -313,7 +322,7 @@ class ParallelConfig:
                 sent += (3 * (1 - share) / u + share * (u - 1) / u) * (1 / r) * (layers / n)
             if r > 1:
                 sent += 2 * ((r - 1) / r) * share * (layers / n)
-            by_share.append(sent)
+            by_share.append(sent * wire)
         per_image += max(by_share)
         if n > 1:
             per_image += 2 / (u * r)
@@ -340,8 +349,12 @@ class ParallelConfig:
         batch=1,
         num_patches=None,
         warmup_steps=1,
+        comm_dtype=None,
     ) -> list[ParallelConfig]:
         """Every valid configuration for `world_size` ranks, best first.
+
+        `comm_dtype` (float8 on the wire) is given to every configuration whose Ulysses or Ring links can
+        carry it; the others (no sequence parallelism, or PipeFusion with it) are listed without it.
 
         Ranked by the cost model for `batch` prompts: least compute per rank (the speed-up), then
         least communication per rank per step, then least parameter memory per rank, then fewest
@@ -365,6 +378,8 @@ class ParallelConfig:
                 num_patches=patches,
                 warmup_steps=warmup_steps,
             )
+            if comm_dtype is not None and config.sp_degree > 1 and not config.replace(comm_dtype=comm_dtype).problems():
+                config = config.replace(comm_dtype=comm_dtype)
             if not config.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len):
                 found.append(config)
 

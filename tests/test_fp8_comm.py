@@ -114,3 +114,31 @@ def test_plan_flag_ranks_with_float8(capsys):
     assert re.search(r"ulysses2·fp8 .* 29\.4 ", printed), printed  # 57 · (1 + 4/128) / 2
     assert main(["plan", "--world-size", "2", "--heads", "24", "--layers", "57", "--no-cfg"]) == 0
     assert re.search(r"ulysses2 .* 57 ", capsys.readouterr().out)
+
+
+def test_run_command_carries_float8(tmp_path):
+    """`xdit-lab run --ulysses 2 --comm-dtype float8_e4m3fn` on 2 ranks: each step's Ulysses bytes are the
+    exact run's × (d + 4)/(d·e) (tiny pixart: head_dim 16, float32), and the image is the exact run's, nearly."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from xdit_lab.lessons import production
+    from xdit_lab.testing import run_cli
+    from xdit_lab.tiny import HEAD_DIM, save_tiny_pipeline, tiny_pipeline_kwargs
+
+    folder = save_tiny_pipeline("pixart", tmp_path / "pixart")
+    kwargs = dict(tiny_pipeline_kwargs("pixart"), num_inference_steps=2, guidance_scale=3.0)
+    reports, images = {}, {}
+    for name, config in (("exact", ParallelConfig(ulysses=2)), ("fp8", ParallelConfig(ulysses=2, comm_dtype=FP8))):
+        output = tmp_path / name
+        job = run_cli(production.run_argv(folder, ["a red cat"], config, output, seed=7, **kwargs), 2, timeout_s=240)
+        assert job.codes == [0, 0], job
+        reports[name] = json.loads((output / "report.json").read_text())
+        images[name] = np.asarray(Image.open(output / "000.png")).astype(float)
+    assert reports["fp8"]["config_short"] == "ulysses2·fp8"
+    for exact, fp8 in zip(reports["exact"]["ranks"], reports["fp8"]["ranks"]):
+        for step_exact, step_fp8 in zip(exact["bytes_out_by_phase"]["per_step"], fp8["bytes_out_by_phase"]["per_step"]):
+            assert step_fp8["ulysses"] * 4 * HEAD_DIM == step_exact["ulysses"] * (HEAD_DIM + 4)
+    assert np.abs(images["fp8"] - images["exact"]).max() <= 8  # of 255: the approximation, seen in pixels

@@ -227,6 +227,7 @@ def cmd_run(args) -> int:
         num_patches=args.num_patches,
         warmup_steps=args.warmup_steps,
         pipefusion_schedule=args.pipefusion_schedule,
+        comm_dtype=args.comm_dtype,
     )
     try:  # before diffusers is imported: a wrong degree is said at once, with advice that fits the model's heads
         RankMesh.check(config, env_world_size(), num_heads=transformer_heads(args.model))
@@ -440,6 +441,12 @@ def _build_parser() -> argparse.ArgumentParser:
         default="drained",
         help="drained: every step empties the pipeline; async: the next step's patches start while the last "
         "stage finishes (README: PipeFusion's schedules)",
+    )
+    run.add_argument(
+        "--comm-dtype",
+        choices=COMM_DTYPES,
+        help="float8 on Ulysses' and Ring's links, a float32 scale per token and head: about half of bfloat16's "
+        "bytes, an approximation (not with PipeFusion and ulysses or ring; default: the model's dtype, exact)",
     )
     _add_sampling_arguments(run, steps_default="the family's")
     run.add_argument("--guidance", type=float, help="guidance scale (default: the family's)")

@@ -79,6 +79,27 @@ def test_fp8_exchanges_are_bounded_counted_and_the_wrong_scale_is_caught(world_s
                     assert sent < row["exact"]["moved"][group] / 2, (where, group)
 
 
+def _whole_text():
+    """Flux under ulysses 2 × ring 2 in float8 with its text whole on every rank (Controls(shards_text=False)): the
+    text output rides in o's all-to-all in float8, Ring's text partials are gathered in float32."""
+    config = ParallelConfig(ulysses=2, ring=2, comm_dtype=FP8)
+    model = tiny_transformer("flux")
+    inputs = tiny_inputs("flux", 2, height=6, width=6, text_len=7)
+    with torch.no_grad():
+        reference = sample(model(**inputs))
+    model = parallelize(model, config, RankMesh(config), controls=Controls(shards_text=False))
+    with torch.no_grad(), comm_log() as log:
+        output = sample(model(**inputs))
+    return dict(error=_relative(output, reference), **traffic_row(model, inputs, log, 0))
+
+
+def test_whole_text_in_float8_is_bounded_and_counted():
+    for rank, row in enumerate(run_on_ranks(_whole_text, 4, timeout_s=180)):
+        assert 0 < row["error"] <= BOUNDS["flux"], (rank, row["error"])
+        assert not traffic_mismatches([row], f"rank {rank}")
+        assert {"ulysses", "ring"} <= set(row["moved"]), row
+
+
 def test_comm_dtype_is_validated_by_name():
     with pytest.raises(ParallelConfigError, match="comm_dtype 'float8' is not a format"):
         ParallelConfig(ulysses=2, comm_dtype="float8").validate()

@@ -79,6 +79,26 @@ def test_fp8_exchanges_are_bounded_counted_and_the_wrong_scale_is_caught(world_s
                     assert sent < row["exact"]["moved"][group] / 2, (where, group)
 
 
+def test_a_packed_row_is_off_by_half_a_float8_ulp_at_most():
+    """Per element: |x' - x| <= 2^-4·|x| (normal), or 2^-10 of the row's scale (subnormal), rows with an
+    outlier token among them; the neighbour's scale (the control) breaks the bound; zeros stay zeros."""
+    from xdit_lab.attention.wire import Wire
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 16) * torch.logspace(-3, 3, 64).unsqueeze(1)  # rows six decades apart
+    x[5, 3], x[7] = 1e4, 0.0  # an outlier, an all-zero row
+    wire = Wire.of(FP8)
+    packed = wire.pack(x, 16)
+    assert packed.dtype == torch.uint8 and packed.numel() == wire.packed_size(x.numel(), 16) == 64 * 20
+    back = wire.unpack(packed, 16, torch.float32).view(64, 16)
+    scale = x.abs().amax(dim=1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
+    allowed = torch.maximum(x.abs() / 16, scale / 1024)
+    assert ((back - x).abs() <= allowed).all()
+    assert (back[7] == 0).all()
+    wrong = Wire.of(FP8, wrong_scales=True).unpack(packed, 16, torch.float32).view(64, 16)
+    assert ((wrong - x).abs() > allowed).float().mean() > 0.75  # 0.84: rows whose amax is near their neighbour's pass
+
+
 def _whole_text():
     """Flux under ulysses 2 × ring 2 in float8 with its text whole on every rank (Controls(shards_text=False)): the
     text output rides in o's all-to-all in float8, Ring's text partials are gathered in float32."""

@@ -10,9 +10,9 @@ uint8 buffer, one collective as before:
 Why a scale per row (token × head): activations have outlier tokens, and a token's heads differ in
 range; a scale per (peer, head) block over all its tokens would let one outlier token flatten the
 others into float8's subnormals. The price is 4/D of the float8 bytes (3% at D = 128; the tiny test
-models' D is small, so the scales weigh more there). A row keeps e4m3's 3 mantissa bits, a relative
-error of at most 2^-4 per element (half an ulp; 2^-4 of the row's amax for values that fall among the
-subnormals). The bytes: D + 4 per row instead of D·e (xdit_lab/traffic.py counts them).
+models' D is 16, so the scales weigh more there). A row keeps e4m3's 3 mantissa bits: an element is off by
+at most half an ulp, 2^-4 of itself, or 2^-10 of the scale where it falls among the subnormals (below 2^-6
+of the scale). The bytes: D + 4 per row instead of D·e (xdit_lab/traffic.py counts them).
 
 The buffers travel as uint8 (gloo has no float8; NCCL moves the bytes as they are), so the receive
 buffer is uint8 whatever the model's dtype, and unpacking writes the model's dtype. What a rank keeps

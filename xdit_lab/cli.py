@@ -24,7 +24,7 @@ import contextlib
 import os
 import sys
 
-from .config import DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
+from .config import COMM_DTYPES, DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
 from .distributed import env_world_size, usable_cpu_cores
 from .launch import LAUNCHED, launch_ranks, say_once, under_torchrun
 from .mesh import RankMesh
@@ -99,6 +99,11 @@ def cmd_plan_model(args) -> int:
     given = [f"--{name.replace('_', '-')}" for name in MODEL_SHAPE_ARGUMENTS if getattr(args, name)]
     if given:
         raise ParallelConfigError(f"{', '.join(given)} cannot be given with --model: the folder's configs say them")
+    if args.comm_dtype is not None:  # a memory plan: what travels on the links changes no rank's memory
+        raise ParallelConfigError(
+            "--comm-dtype weighs the links' bytes in the cost model's ranking (plan without --model); --model plans "
+            "what each rank holds, which float8 on the links does not change: leave out one of them"
+        )
     if args.gpu_memory is None:
         raise ParallelConfigError("--model needs --gpu-memory: the memory of one GPU, e.g. --gpu-memory 24GB")
     world_size = args.world_size if args.world_size is not None else local_world_size()[0]
@@ -135,12 +140,18 @@ def cmd_plan(args) -> int:
     layers = args.layers if args.layers is not None else "28 (cost-model default)"
     shape = (
         f"heads {args.heads or 'any'}, layers {layers}, seq_len {args.seq_len or 'any'}, batch {args.batch}, "
-        f"CFG {'off' if args.no_cfg else 'on'}"
+        f"CFG {'off' if args.no_cfg else 'on'}" + (f", {args.comm_dtype} on sp links" if args.comm_dtype else "")
     )
     print(wrapped(f"Parallel configurations for {world_size} ranks ({source}); {shape}"))
     shape_arguments = {name: getattr(args, name) for name in MODEL_SHAPE_ARGUMENTS}
     rows, configs = plan_table(
-        world_size, **shape_arguments, batch=args.batch, use_cfg=not args.no_cfg, top=args.top, reasons=args.why
+        world_size,
+        **shape_arguments,
+        batch=args.batch,
+        use_cfg=not args.no_cfg,
+        top=args.top,
+        reasons=args.why,
+        comm_dtype=args.comm_dtype,
     )
     # the reasons go under the table, a line each, which keeps it within WIDTH columns
     reasons = [row.pop() for row in rows] if args.why else []
@@ -216,6 +227,7 @@ def cmd_run(args) -> int:
         num_patches=args.num_patches,
         warmup_steps=args.warmup_steps,
         pipefusion_schedule=args.pipefusion_schedule,
+        comm_dtype=args.comm_dtype,
     )
     try:  # before diffusers is imported: a wrong degree is said at once, with advice that fits the model's heads
         RankMesh.check(config, env_world_size(), num_heads=transformer_heads(args.model))
@@ -363,6 +375,13 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
     plan.add_argument("--why", action="store_true", help="say why each configuration ranks above the next")
     plan.add_argument(
+        "--comm-dtype",
+        choices=COMM_DTYPES,
+        help="float8 on Ulysses' and Ring's links (a float32 scale per token and head): about half of bfloat16's "
+        "bytes, an approximation; configurations that cannot carry it (PipeFusion with ulysses or ring) keep "
+        "the model's dtype (default: the model's dtype, exact)",
+    )
+    plan.add_argument(
         "--wide",
         action="store_true",
         help="with --model: every term a rank holds, a column each (the default table keeps to 100 columns)",
@@ -422,6 +441,12 @@ def _build_parser() -> argparse.ArgumentParser:
         default="drained",
         help="drained: every step empties the pipeline; async: the next step's patches start while the last "
         "stage finishes (README: PipeFusion's schedules)",
+    )
+    run.add_argument(
+        "--comm-dtype",
+        choices=COMM_DTYPES,
+        help="float8 on Ulysses' and Ring's links, a float32 scale per token and head: about half of bfloat16's "
+        "bytes, an approximation (not with PipeFusion and ulysses or ring; default: the model's dtype, exact)",
     )
     _add_sampling_arguments(run, steps_default="the family's")
     run.add_argument("--guidance", type=float, help="guidance scale (default: the family's)")

@@ -25,6 +25,10 @@ layers, P = parameter bytes, N = the method's degree):
                                    same stage): every forward all-gathers the stage's weights again;
                                    F forwards per step (a PipeFusion stage runs one per patch past the
                                    warmup), in units of P (CostEstimate.gather_weights)
+With comm_dtype (float8 on the wire) the Ulysses and Ring terms count (1 + 4/d)/e of their elements: a row
+of d = head_dim elements travels as d float8 bytes and a float32 scale instead of d·e bytes (e = the model's
+bytes per element, 2 for bfloat16), so comm_p_hs stays in elements of the model's dtype and comm_bytes stays
+elements × e: with d = 128 and bfloat16, 0.516 of the elements. PipeFusion's, CFG's and DP's stay whole.
 An uneven split of the heads leaves work_fraction (tokens per rank) as it is; the busiest Ulysses
 rank attends ceil(H/N) of the H heads (8 of 30 under ulysses 4, not 7.5), which it does not count.
 In a hybrid, Ring passes K/V that Ulysses has already split by heads (so ÷ulysses), Ulysses
@@ -47,6 +51,10 @@ from dataclasses import dataclass
 # The five degrees, slowest-varying rank first; this order is used everywhere (fields, mesh, tables).
 DP, CFG, PIPEFUSION, RING, ULYSSES = "dp", "cfg", "pipefusion", "ring", "ulysses"
 SCHEDULES = ("drained", "async")  # PipeFusion's schedules (ParallelConfig.pipefusion_schedule)
+# What sequence parallelism's exchanges may carry instead of the model's dtype (ParallelConfig.comm_dtype,
+# attention/wire.py): torch's dtype names. A row of head_dim elements travels as head_dim bytes and a scale.
+COMM_DTYPES = ("float8_e4m3fn",)
+SCALE_BYTES = 4  # the float32 scale beside each row (token × head) of float8 on the wire
 DEGREES = (DP, CFG, PIPEFUSION, RING, ULYSSES)
 # The one short form of each degree, for compact names, tables and mesh coordinates: 'cfg2·pf2'.
 SHORT = {DP: "dp", CFG: "cfg", PIPEFUSION: "pf", RING: "ring", ULYSSES: "ulysses"}
@@ -83,6 +91,10 @@ class ParallelConfig:
     # PipeFusion's blocks per stage, e.g. (10, 9, 9); None: balanced (sharding.stage_ranges). Every module
     # that needs a stage's blocks asks stage_ranges() below, so the split is decided in one place.
     stage_split: tuple[int, ...] | None = None
+    # None: Ulysses' all-to-alls and Ring's K/V blocks carry the model's dtype (exact). "float8_e4m3fn":
+    # they carry float8 with a float32 scale per token and head (attention/wire.py): about half of
+    # bfloat16's bytes, an approximation measured per family (tests/test_fp8_comm.py)
+    comm_dtype: str | None = None
 
     def __repr__(self) -> str:
         return f"ParallelConfig({self._fields()})"
@@ -134,6 +146,8 @@ class ParallelConfig:
         used = [f"{SHORT[name]}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
         if self.pipefusion_schedule != "drained":
             used.append(self.pipefusion_schedule)
+        if self.comm_dtype is not None:
+            used.append("fp8")
         return "·".join(used) or "serial"
 
     def replace(self, **changes) -> ParallelConfig:
@@ -171,6 +185,17 @@ class ParallelConfig:
             found.append(
                 f"stage_split {list(self.stage_split)} must give each of the {self.pipefusion} PipeFusion stages "
                 f"at least one block: {self.pipefusion} counts of 1 or more"
+            )
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
+            found.append(
+                f"comm_dtype {self.comm_dtype!r} is not a format the exchanges can carry; use "
+                f"{' or '.join(map(repr, COMM_DTYPES))}, or None (the model's dtype, exact)"
+            )
+        elif self.comm_dtype is not None and self.pipefusion > 1 and self.sp_degree > 1:
+            found.append(
+                f"comm_dtype {self.comm_dtype!r} quantizes the exchanges of sequence shards, not of PipeFusion's "
+                f"stale attention (pipefusion {self.pipefusion} with ulysses {self.ulysses} × ring {self.ring}); "
+                f"use pipefusion 1, ulysses 1 and ring 1, or comm_dtype None"
             )
         if self.pipefusion_schedule == "async" and self.pipefusion < 2:
             found.append(
@@ -218,9 +243,9 @@ class ParallelConfig:
         return self
 
     def _fields(self) -> str:
-        """The fields as keyword arguments; vae_parallel, pipefusion_schedule and stage_split only when not
-        their default."""
-        quiet = {"vae_parallel", "pipefusion_schedule", "stage_split"}
+        """The fields as keyword arguments; vae_parallel, pipefusion_schedule, stage_split and comm_dtype only
+        when not their default."""
+        quiet = {"vae_parallel", "pipefusion_schedule", "stage_split", "comm_dtype"}
         fields = [f for f in dataclasses.fields(self) if f.name not in quiet or getattr(self, f.name) != f.default]
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
 
@@ -263,6 +288,8 @@ class ParallelConfig:
         use_cfg: bool = True,
         shard_weights: bool = False,
         forwards_per_step: int | None = None,
+        head_dim: int = 128,
+        dtype_bytes: int = 2,
     ) -> CostEstimate:
         """Per-rank work, communication and parameter share of one denoising step (table above).
 
@@ -272,7 +299,8 @@ class ParallelConfig:
         over the world / pipefusion ranks that hold the same blocks), `gather_weights` counts the
         weights a rank all-gathers per step: (S-1)/S of its stage's share for each of
         `forwards_per_step` forwards (default: one, or one per patch under PipeFusion). `num_heads`: the
-        model's attention heads, for Ulysses degrees that do not divide them (None: as if they did)."""
+        model's attention heads, for Ulysses degrees that do not divide them (None: as if they did). `head_dim`
+        and `dtype_bytes` (the model's) weigh float8 on the wire against the model's dtype, with comm_dtype."""
         layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
         branches = 2 if (use_cfg or self.cfg == 2) else 1
         images_per_rank = max(1, -(-(batch * branches) // (self.cfg * self.dp)))
@@ -284,6 +312,8 @@ class ParallelConfig:
             if num_heads is None or num_heads % u == 0
             else [num_heads // u / num_heads, (num_heads // u + 1) / num_heads]
         )
+        # the Ulysses and Ring exchanges' bytes per element of the model's dtype: float8 and its scales
+        wire = 1.0 if self.comm_dtype is None else (1 + SCALE_BYTES / head_dim) / dtype_bytes
         per_image = 0.0
         by_share = []
         for share in shares:
@@ -292,7 +322,7 @@ class ParallelConfig:
                 sent += (3 * (1 - share) / u + share * (u - 1) / u) * (1 / r) * (layers / n)
             if r > 1:
                 sent += 2 * ((r - 1) / r) * share * (layers / n)
-            by_share.append(sent)
+            by_share.append(sent * wire)
         per_image += max(by_share)
         if n > 1:
             per_image += 2 / (u * r)
@@ -319,8 +349,12 @@ class ParallelConfig:
         batch=1,
         num_patches=None,
         warmup_steps=1,
+        comm_dtype=None,
     ) -> list[ParallelConfig]:
         """Every valid configuration for `world_size` ranks, best first.
+
+        `comm_dtype` (float8 on the wire) is given to every configuration whose Ulysses or Ring links can
+        carry it; the others (no sequence parallelism, or PipeFusion with it) are listed without it.
 
         Ranked by the cost model for `batch` prompts: least compute per rank (the speed-up), then
         least communication per rank per step, then least parameter memory per rank, then fewest
@@ -344,6 +378,8 @@ class ParallelConfig:
                 num_patches=patches,
                 warmup_steps=warmup_steps,
             )
+            if comm_dtype is not None and config.sp_degree > 1 and not config.replace(comm_dtype=comm_dtype).problems():
+                config = config.replace(comm_dtype=comm_dtype)
             if not config.problems(world_size, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len):
                 found.append(config)
 

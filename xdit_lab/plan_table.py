@@ -38,12 +38,20 @@ def plan_table(
     use_cfg=True,
     top=10,
     reasons=False,
+    comm_dtype=None,
 ) -> tuple[list[list[str]], list[ParallelConfig]]:
     """The ranking as rows of strings, header first (the best `top`), and every configuration that
     fits, best first (kept apart from printing: the explorer's planning mode shows the same rows,
-    with `reasons`: why each one ranks above the next)."""
+    with `reasons`: why each one ranks above the next). `comm_dtype`: float8 on sequence parallelism's
+    links where a configuration can carry it (ParallelConfig.options)."""
     configs = ParallelConfig.options(
-        world_size, num_heads=heads, num_layers=layers, seq_len=seq_len, use_cfg=use_cfg, batch=batch
+        world_size,
+        num_heads=heads,
+        num_layers=layers,
+        seq_len=seq_len,
+        use_cfg=use_cfg,
+        batch=batch,
+        comm_dtype=comm_dtype,
     )
     show_bytes = seq_len is not None and hidden_size is not None
     header = ["#", "config", *(SHORT[d] for d in DEGREES), "work", "comm (p·hs)"]

@@ -8,7 +8,7 @@ test can put the formula beside what comm_log() measured, rank by rank and step 
 
 from __future__ import annotations
 
-from .config import ParallelConfig
+from .config import SCALE_BYTES, ParallelConfig
 from .mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
 from .sharding import patch_layout, shard_sizes
 
@@ -37,6 +37,9 @@ def expected_bytes_per_step(
       ring        N-1 sends of the K/V block held [2, b, h_me, block, d], a block holding its ranks'
                   text shards in joint layers; text whole on every rank: a float32 gather of the text
                   partials with their LSE [b, h_me, T, d+1] instead
+      comm_dtype  float8 on the ulysses and ring exchanges above (config.comm_dtype): every row of d elements
+                  travels as d + 4 bytes (its float8 bytes and a float32 scale) instead of d·e; the text
+                  partials stay float32
       sp          the token gather before unpatchify, padded to the longest shard (a model that pads the image's
                   tokens itself, `padded_tokens`: Z-Image's to a multiple of 32, shards and gathers them too)
       linear      a linear-attention layer (Sana's, `linear_layers`) all-reduces its sums [b, h, d+1, d] in float32,
@@ -115,6 +118,8 @@ def expected_bytes_per_step(
     text_sharded = bool(text >= sp and joint and s.get("text_sharded", c.pipefusion == 1))
     text_sizes = shard_sizes(text, sp) if text_sharded else [0] * sp
 
+    # bytes of a run of elements on the attention exchanges: whole rows of d, each d + 4 bytes under float8
+    row_bytes = d * e if c.comm_dtype is None else d + SCALE_BYTES
     out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
     if cache_skips is not None and experts[step] in experts[:step] and c.world_size > 1:
         out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
@@ -124,14 +129,14 @@ def expected_bytes_per_step(
         if u > 1:
 
             def all_to_alls(group, me):  # q, k, v: this rank's tokens, other heads; o: the others' tokens, own heads
-                return 3 * b * (h - h_me) * me * d + b * h_me * (sum(group) - me) * d
+                return 3 * b * (h - h_me) * me + b * h_me * (sum(group) - me)  # rows of d
 
             out[ULYSSES] += (
                 self_layers * all_to_alls(sizes[mine], sizes[mine][my_u])
                 + joint_layers * all_to_alls(with_text[mine], with_text[mine][my_u])
-            ) * e
+            ) * row_bytes
             if not text_sharded:  # the text output, whole, in o's all-to-all to every peer
-                out[ULYSSES] += joint * b * h_me * text * d * (u - 1) * e
+                out[ULYSSES] += joint * b * h_me * text * (u - 1) * row_bytes
         if r > 1:
 
             def held(tokens):  # the blocks held at each of the N-1 sends
@@ -139,7 +144,7 @@ def expected_bytes_per_step(
                 return sum(blocks[(my_r - k) % r] for k in range(r - 1))
 
             kv_with_text = [n + t for n, t in zip(kv_sizes, text_sizes)]
-            out[RING] += 2 * b * h_me * d * e * (self_layers * held(kv_sizes) + joint_layers * held(kv_with_text))
+            out[RING] += 2 * b * h_me * row_bytes * (self_layers * held(kv_sizes) + joint_layers * held(kv_with_text))
             if not text_sharded:  # the text partials with their LSE, gathered in float32
                 out[RING] += joint * (r - 1) * b * h_me * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:

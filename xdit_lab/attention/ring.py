@@ -18,6 +18,11 @@ Text whole on every rank (`joint=`, PipeFusion's stale attention keeps it so) is
 once, locally, not passed around; text queries are computed against the local block only, the
 ranks then all-gather these small partial results with their LSE and merge them in block order, so
 every rank ends with bit-identical text outputs.
+
+With `wire` (ParallelConfig.comm_dtype) a block travels in float8 with a scale per token and head
+(wire.py): a rank packs its own block once and forwards the packed blocks it receives as they came (a
+block is rounded once, whatever its hops), unpacking each into the model's dtype to attend it. Its own
+block it attends unrounded. The text partials stay float32: their LSE must merge exactly.
 """
 
 from __future__ import annotations
@@ -46,13 +51,14 @@ def ring_attention(
     scale=None,
     group: str = RING,
     tag_prefix: str = "",
+    wire=None,
 ):
     """q, k, v [B, H, S_me, D]: this ring rank's block (any strides). block_sizes: every ring rank's
     block length, in ring order. text_sizes: how many of each block's tokens are joint text, before
     its image tokens when text_first, else after them; text_mask: optional [B, sum(text_sizes)] bool
     over that text, in ring order. joint: optional (q, k, v) of text tokens whole on every rank;
     joint_mask: optional [B, T] bool over their keys. group: the mesh group that forms the ring (the sp
-    group when Ulysses cannot split the heads).
+    group when Ulysses cannot split the heads). wire: float8 on the wire (wire.py), None: k's dtype.
     Returns (out [B, H, S_me, D] as a view of [B, S_me, H, D] memory, joint_out or None)."""
     n = len(block_sizes)
     me = mesh.group_rank(group)
@@ -68,17 +74,28 @@ def ring_attention(
 
     # Two flat buffers, each big enough for the largest block, take turns: one is sent and
     # computed on while the next block arrives in the other (no allocation per step).
+    # With a wire the two buffers hold packed bytes (uint8, pinned) and one more holds the block attended.
     largest = 2 * batch * heads * max(block_sizes) * head_dim
-    buffers = [k.new_empty(largest, dtype=k.dtype), k.new_empty(largest, dtype=k.dtype)]
-    kv = buffers[0][: 2 * k.numel()].view(2, *k.shape)
+    carried = k.dtype if wire is None else torch.uint8
+    wide = largest if wire is None else wire.packed_size(largest, head_dim)
+    buffers = [k.new_empty(wide, dtype=carried), k.new_empty(wide, dtype=carried)]
+    attended = buffers[0] if wire is None else k.new_empty(largest, dtype=k.dtype)
+    kv = attended[: 2 * k.numel()].view(2, *k.shape)
     torch.stack([k, v], out=kv)  # one message per step instead of two
+    travelling = (
+        kv if wire is None else wire.pack(kv, head_dim, out=buffers[0][: wire.packed_size(kv.numel(), head_dim)])
+    )
     for step in range(n):
         source = (me - step) % n  # the ring rank whose block we hold now
         requests = []
         if step + 1 < n:  # start moving the next block before computing on this one
             shape = (2, batch, heads, block_sizes[(source - 1) % n], head_dim)
-            incoming = buffers[(step + 1) % 2][: math.prod(shape)].view(shape)
-            requests = comm.exchange([(kv, send_to)], [(incoming, recv_from)], mesh, group, tag=tag_prefix + "kv")
+            size = math.prod(shape) if wire is None else wire.packed_size(math.prod(shape), head_dim)
+            incoming = buffers[(step + 1) % 2][:size]
+            incoming = incoming.view(shape) if wire is None else incoming
+            requests = comm.exchange(
+                [(travelling, send_to)], [(incoming, recv_from)], mesh, group, tag=tag_prefix + "kv"
+            )
         if kv.shape[3] and q.shape[2]:
             text = text_sizes[source] if text_sizes else 0
             if masked and text:  # image keys unmasked, the block's text keys under their mask
@@ -92,7 +109,11 @@ def ring_attention(
                 parts.append(local_attention(q, kv[0], kv[1], scale=scale))
         comm.wait(requests)
         if requests:
-            kv = incoming
+            travelling = incoming
+            if wire is None:
+                kv = incoming
+            else:  # kv was attended above: its buffer takes the next block
+                kv = wire.unpack(incoming, head_dim, k.dtype, out=attended[: math.prod(shape)]).view(shape)
 
     if parts:
         out = merge_stacked(parts, q.dtype, token_major=True)

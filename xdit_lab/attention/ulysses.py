@@ -48,6 +48,9 @@ the model joined them). The gathered sequence is then laid out one of two ways:
                   fastest kernel) and the text keys another, in the text's own order.
 Text that is whole on every rank (PipeFusion keeps it so: `joint=`) is not exchanged on the way in
 (a rank slices its heads); its output rides in the second all-to-all, which gathers it over heads.
+
+With `wire` (ParallelConfig.comm_dtype) both all-to-alls carry float8 with a scale per token and head
+(wire.py): the same layout, each row of head_dim elements packed to head_dim + 4 bytes.
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ import itertools
 
 import torch
 
-from .. import comm
 from ..mesh import ULYSSES
 from ..sharding import shard_sizes
+from . import wire as wire_
 
 
 def head_counts(heads: int, n: int) -> list[int]:
@@ -100,13 +103,13 @@ def gathered_pieces(sizes: list[int], text_sizes: list[int] | None = None, *, te
     return [(0, image_piece), (sum(image), text_piece)]
 
 
-def seq_to_heads(xs, mesh, sizes: list[int], *, pieces=None, tag: str = "") -> list[torch.Tensor]:
+def seq_to_heads(xs, mesh, sizes: list[int], *, pieces=None, tag: str = "", wire=None) -> list[torch.Tensor]:
     """Each x[B, H, S_me, D] of `xs` (one shape, any strides) -> x[B, H_me, S, D]: scatter heads (H_me:
     this rank's `head_counts`), gather the sequence. All of `xs` (q, k and v) travel in one all-to-all;
     each is copied into the send buffer once per run of peers with one head count (`_runs`), and the
     received buffer is copied out once per piece (even shards) or once per piece and peer (uneven).
     sizes: every group rank's chunk length; pieces: the gathered layout (`gathered_pieces`; rank-major
-    when None)."""
+    when None); wire: float8 on the wire (wire.py), None: the tensors' own dtype."""
     batch, heads, local, head_dim = xs[0].shape
     n, m = len(sizes), len(xs)
     counts = head_counts(heads, n)
@@ -121,7 +124,9 @@ def seq_to_heads(xs, mesh, sizes: list[int], *, pieces=None, tag: str = "") -> l
             block[:, i].copy_(x[:, head : head + peers * each].unflatten(1, (peers, each)).permute(1, 0, 3, 2, 4))
         offset += peers * each * row
     token = m * batch * per_rank * head_dim  # elements per token of what one peer sends here
-    received = comm.all_to_all(send, [c * row for c in counts], [s * token for s in sizes], mesh, ULYSSES, tag=tag)
+    received = wire_.all_to_all(
+        send, [c * row for c in counts], [s * token for s in sizes], mesh, ULYSSES, row=head_dim, wire=wire, tag=tag
+    )
     out = send.new_empty((m, batch, per_rank, sum(sizes), head_dim))
     even = len(set(sizes)) == 1
     chunks = (
@@ -145,12 +150,14 @@ def seq_to_heads(xs, mesh, sizes: list[int], *, pieces=None, tag: str = "") -> l
     return list(out.unbind(0))
 
 
-def heads_to_seq(x: torch.Tensor, mesh, sizes: list[int], *, heads: int, pieces=None, joint=None, tag: str = ""):
+def heads_to_seq(
+    x: torch.Tensor, mesh, sizes: list[int], *, heads: int, pieces=None, joint=None, tag: str = "", wire=None
+):
     """x[B, H_me, S, D] (this rank's heads of all `heads`; the gathered layout `pieces` describes,
     rank-major when None) -> this rank's chunk [B, H, S_me, D] in its own token order: scatter the
     sequence, gather heads. The result is a view of [B, S_me, H, D] memory. `joint`, the text output
     [B, H_me, T, D] whole on every rank, rides in the same all-to-all (in every peer's chunk) and comes
-    back with all heads. Returns (out, joint_out or None)."""
+    back with all heads. wire: float8 on the wire (wire.py), None: x's dtype. Returns (out, joint_out or None)."""
     batch, per_rank, _, head_dim = x.shape
     n, me = len(sizes), mesh.group_rank(ULYSSES)
     counts = head_counts(heads, n)
@@ -188,8 +195,15 @@ def heads_to_seq(x: torch.Tensor, mesh, sizes: list[int], *, heads: int, pieces=
                 chunk[:, size:].copy_(joint.transpose(1, 2))
     mine = sizes[me]
     row = batch * (mine + text) * head_dim  # elements of one head of what each peer sends here
-    received = comm.all_to_all(
-        send, [s * token for s in chunk_sizes], [c * row for c in counts], mesh, ULYSSES, tag=tag
+    received = wire_.all_to_all(
+        send,
+        [s * token for s in chunk_sizes],
+        [c * row for c in counts],
+        mesh,
+        ULYSSES,
+        row=head_dim,
+        wire=wire,
+        tag=tag,
     )
     out = x.new_empty((batch, mine, heads, head_dim))  # [B, S_me, H, D]: heads in source order
     joint_out = None if not text else joint.new_empty((batch, text, heads, head_dim))
@@ -212,18 +226,21 @@ def _starts(sizes: list[int]) -> list[int]:
     return [0, *itertools.accumulate(sizes)][:-1]
 
 
-def ulysses_attention(q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None, joint_mask=None, scale=None):
+def ulysses_attention(
+    q, k, v, mesh, seq_sizes: list[int], inner, *, joint=None, joint_mask=None, scale=None, wire=None
+):
     """Attention over the Ulysses group's whole sequence, computed on this rank's share of the heads
     (`head_counts`), with the joint text (if any) whole on every rank.
 
     seq_sizes: every group rank's local sequence length, in group order. `inner(q, k, v,
     joint=..., joint_mask=..., scale=...)` computes attention on the gathered tensors and returns
     (out, joint_out); it is local attention, or Ring attention when Ulysses runs inside Ring. A
-    text key mask is per sample, the same for every head: it goes to `inner` as it is."""
+    text key mask is per sample, the same for every head: it goes to `inner` as it is. wire: float8 on
+    the wire for both all-to-alls (wire.py)."""
     heads = q.shape[1]
     mine = head_slice(heads, len(seq_sizes), mesh.group_rank(ULYSSES))
-    q, k, v = seq_to_heads((q, k, v), mesh, seq_sizes, tag="qkv")
+    q, k, v = seq_to_heads((q, k, v), mesh, seq_sizes, tag="qkv", wire=wire)
     if joint is not None:  # replicated text: every rank already has every head
         joint = tuple(t[:, mine] for t in joint)
     out, joint_out = inner(q, k, v, joint=joint, joint_mask=joint_mask, scale=scale)
-    return heads_to_seq(out, mesh, seq_sizes, heads=heads, joint=joint_out, tag="out")
+    return heads_to_seq(out, mesh, seq_sizes, heads=heads, joint=joint_out, tag="out", wire=wire)

@@ -44,6 +44,7 @@ def sp_attention_sharded(
     text_first: bool = True,
     text_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    wire=None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence (every rank's image and text tokens), computed from
     this rank's shard of both.
@@ -52,7 +53,8 @@ def sp_attention_sharded(
     its image shard when text_first, else after it. image_sizes, text_sizes: every sp rank's shard
     lengths (text_sizes None: no text, self-attention). text_mask: optional [B, T] bool over the whole
     text (True: attend), every rank holding all of it. Returns out [B, H, L_me, D] in q's token order,
-    a view of [B, L_me, H, D] memory (what the model's output projection reads).
+    a view of [B, L_me, H, D] memory (what the model's output projection reads). wire: float8 on the
+    wire for the all-to-alls and the Ring blocks (wire.py; ParallelConfig.comm_dtype), None: q's dtype.
 
         rank r: [t_r; i_r] --ulysses all-to-all--> the group's tokens, H_r heads --ring over the groups'
         blocks (or one local call)--> --all-to-all back--> [t_r; i_r], every head"""
@@ -66,7 +68,7 @@ def sp_attention_sharded(
     pieces, heads = None, q.shape[1]
     if ulysses > 1:  # a mask wants the gathered image keys apart from the text keys: image first
         pieces = gathered_pieces(sizes[mine], text_sizes[mine] if masked else None, text_first=text_first)
-        q, k, v = seq_to_heads((q, k, v), mesh, sizes[mine], pieces=pieces, tag="qkv")
+        q, k, v = seq_to_heads((q, k, v), mesh, sizes[mine], pieces=pieces, tag="qkv", wire=wire)
         text_first = text_first and not masked  # image first now, where it matters
     if ring > 1:
         blocks = [slice(r * ulysses, (r + 1) * ulysses) for r in range(ring)]
@@ -80,6 +82,7 @@ def sp_attention_sharded(
             text_first=text_first,
             text_mask=text_mask if masked else None,
             scale=scale,
+            wire=wire,
         )
     elif masked:  # ulysses alone, the group's whole sequence here: [image | text] keys, the text's masked
         image = sum(image_sizes)
@@ -88,7 +91,7 @@ def sp_attention_sharded(
     else:
         out = attention(q, k, v, scale=scale)
     if ulysses > 1:
-        out, _ = heads_to_seq(out, mesh, sizes[mine], heads=heads, pieces=pieces, tag="out")
+        out, _ = heads_to_seq(out, mesh, sizes[mine], heads=heads, pieces=pieces, tag="out", wire=wire)
     return out
 
 
@@ -139,12 +142,14 @@ def sp_attention(
     seq_len: int | None = None,
     scale: float | None = None,
     kv_sharded: bool = True,
+    wire=None,
 ):
     """Exact attention over the whole sequence, computed from this rank's shard.
 
     q, k, v: [batch, heads, local_seq, head_dim], this rank's shard. seq_len: the whole image
     sequence length (pass it: without it the shard lengths are gathered, a small extra
-    collective). Returns this rank's output shard, and with joint_q the text output as well:
+    collective). wire: float8 on the wire (wire.py), None: q's dtype; the text partials Ring gathers
+    stay float32. Returns this rank's output shard, and with joint_q the text output as well:
     `(out, joint_out)`."""
     joint = _check_inputs(q, k, v, mesh, joint_q, joint_k, joint_v, kv_sharded)
     if joint_mask is not None and (joint is None or joint_mask.shape != (q.shape[0], joint_k.shape[2])):
@@ -166,13 +171,13 @@ def sp_attention(
         if ring == 1
         else (
             lambda q_, k_, v_, *, joint, joint_mask, scale: ring_attention(
-                q_, k_, v_, mesh, block_sizes, joint=joint, joint_mask=joint_mask, scale=scale
+                q_, k_, v_, mesh, block_sizes, joint=joint, joint_mask=joint_mask, scale=scale, wire=wire
             )
         )
     )
     if ulysses > 1:
         out, joint_out = ulysses_attention(
-            q, k, v, mesh, ulysses_sizes, inner, joint=joint, joint_mask=joint_mask, scale=scale
+            q, k, v, mesh, ulysses_sizes, inner, joint=joint, joint_mask=joint_mask, scale=scale, wire=wire
         )
     else:
         out, joint_out = inner(q, k, v, joint=joint, joint_mask=joint_mask, scale=scale)

@@ -38,6 +38,8 @@ def run_argv(model, prompts, config, output, *, seed: int = 0, negative_prompt=N
             argv += ["--num-patches", str(config.num_patches)]
         if config.pipefusion_schedule != "drained":
             argv += ["--pipefusion-schedule", config.pipefusion_schedule]
+    if config.comm_dtype is not None:
+        argv += ["--comm-dtype", config.comm_dtype]
     for key, value in call_kwargs.items():
         if key in _FLAGS:
             argv += [_FLAGS[key], str(value)]

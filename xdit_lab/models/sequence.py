@@ -31,6 +31,7 @@ import torch
 from .. import comm
 from ..attention import sp_attention, sp_attention_sharded
 from ..attention.linear import linear_sums, reduce_sums
+from ..attention.wire import Wire
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_range, shard_sizes
 from .hooks import join_text, keep_forward_per_token, refuse_unsplittable, split_text
@@ -54,6 +55,8 @@ class SequenceShards:
         # where this rank keeps its share of the joint text: "input", "block" (the adapter's), or None
         shards_text = state.controls.shards_text  # the control (False): joint text whole on every rank
         self.text_shard_at = state.adapter.text_shard_at if (shards_text and joint and sp > 1) else None
+        # float8 on the attention exchanges (ParallelConfig.comm_dtype), None: the model's dtype
+        self.wire = Wire.of(self.mesh.config.comm_dtype, state.controls.wrong_comm_scales)
 
     def forward(self, run, bound):
         """One pass of the model's forward. Its arguments with one entry per image token (adapter.per_token:
@@ -174,6 +177,7 @@ class SequenceShards:
                 joint_mask=text_mask,
                 seq_len=image_len,
                 scale=scale,
+                wire=self.wire,
             )
             return join_text(kind, out, joint_out)
         return sp_attention_sharded(
@@ -186,6 +190,7 @@ class SequenceShards:
             text_first=kind == "joint_first",
             text_mask=text_mask,
             scale=scale,
+            wire=self.wire,
         )
 
     def linear_sums(self, name: str, key, value):

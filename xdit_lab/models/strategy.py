@@ -123,6 +123,9 @@ class Controls:
                             whole batch's (they diverge, and a collective times out): models/cache.py
     exchanges_halo          False: a convolution over token rows (Sana's feed-forward) convolves each rank's band
                             alone, zeros beyond its edges: the mistake the halo rows prevent (models/row_halo.py)
+    wrong_comm_scales       True: with ParallelConfig.comm_dtype, each row of float8 on the wire is unpacked
+                            with the scale of the row before it (attention/wire.py): the mistake a scale per
+                            block must not make (tests/test_fp8_comm.py's bound catches it)
     """
 
     shards_text: bool = True
@@ -131,6 +134,7 @@ class Controls:
     rebases_block_residuals: bool = True
     cache_agrees: bool = True
     exchanges_halo: bool = True
+    wrong_comm_scales: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

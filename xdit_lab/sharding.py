@@ -71,8 +71,9 @@ def stage_ranges(num_blocks: int, stages: int, split: list[int] | None = None) -
     return [(start, start + count) for start, count in zip(starts, counts)]
 
 
-def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int) -> list[tuple[int, int]]:
-    """Token ranges of `num_patches` row bands of a grid_rows × grid_cols token grid."""
+def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int, padded: int = 0) -> list[tuple[int, int]]:
+    """Token ranges of `num_patches` row bands of a grid_rows × grid_cols token grid; `padded` tokens the model
+    adds after the grid (Z-Image's, to a multiple of 32) go with the last band."""
     if num_patches > grid_rows:
         raise ValueError(
             f"{num_patches} patches are more than the {grid_rows} token rows of the image; "
@@ -80,7 +81,9 @@ def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int) -> list[tuple
         )
     rows = shard_sizes(grid_rows, num_patches)
     starts = [sum(rows[:i]) for i in range(num_patches)]
-    return [(start * grid_cols, (start + count) * grid_cols) for start, count in zip(starts, rows)]
+    ranges = [(start * grid_cols, (start + count) * grid_cols) for start, count in zip(starts, rows)]
+    ranges[-1] = (ranges[-1][0], ranges[-1][1] + padded)
+    return ranges
 
 
 class PatchLayout:

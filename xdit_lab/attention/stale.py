@@ -107,12 +107,25 @@ def stale_attention(
 
 
 def stale_kv_bytes(
-    *, layers, rows, heads, head_dim, grid, patches, ulysses, ring, ring_rank, element_bytes, ulysses_rank=None
+    *,
+    layers,
+    rows,
+    heads,
+    head_dim,
+    grid,
+    patches,
+    ulysses,
+    ring,
+    ring_rank,
+    element_bytes,
+    ulysses_rank=None,
+    padded=0,
 ) -> int:
     """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
     of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
-    every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends)."""
-    layout = PatchLayout(patch_ranges(*grid, patches), ulysses * ring)
+    every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends). The whole
+    sequence is the grid's tokens and the `padded` ones the model adds after them (Z-Image's)."""
+    layout = PatchLayout(patch_ranges(*grid, patches, padded=padded), ulysses * ring)
     length = sum(
         layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
     )

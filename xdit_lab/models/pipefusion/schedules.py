@@ -86,8 +86,9 @@ class AsyncSchedule:
             output = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))
             if not mesh.is_last_stage:
                 continue
-            # a copy: the output is a reused buffer
-            noise = recipe.guide(inner, prepared, output[0].clone(), context.step_index)
+            # a copy: the output is a reused buffer (a tensor, or one per sample: Z-Image's list)
+            noise = torch.utils._pytree.tree_map(torch.clone, output[0])
+            noise = recipe.guide(inner, prepared, noise, context.step_index)
             whole = (inner.scheduler, prepared.extra)
             inner.scheduler, prepared.extra = self.patch_states[p]
             try:  # a copy: the scheduler may keep the sample it was given, and these latents change in place
@@ -124,8 +125,8 @@ class AsyncSchedule:
         """Flat positions in one sample of `latents` that make up `patch` (on the latents' device)."""
         stage = self.stage
         key = (size := tuple(latents.shape[1:]), patch)
-        if key not in self.latent_elements:  # the grid is known once a forward ran on this size
-            start, stop = patch_ranges(*stage.token_grids[size], stage.config.patches)[patch]
+        if key not in self.latent_elements:  # the grid is known once a forward ran on this size: the latest's
+            start, stop = patch_ranges(*stage.grid, stage.config.patches)[patch]
             positions = stage.state.adapter.latents.latent_positions(latents, stage.model_config)
             self.latent_elements[key] = positions[start:stop].flatten()
         return self.latent_elements[key]

@@ -477,6 +477,7 @@ def test_zimage_pipefusion_patch_steps_measured_against_diffusers(folders):
     and async, measured against diffusers' ZImagePipeline run serially: off by more than the exact bound (stale)
     and within ZIMAGE_STALE_BOUND, the async schedule equal to the drained one, each step's bytes as the closed
     form says, and what a stage kept between steps as planned. Control: zeros for the stale K/V exceed the bound."""
+
     def call():  # fresh lists: ZImagePipeline writes its chat template into those it is given
         return dict(_family_kwargs("zimage"), num_inference_steps=8)
 

@@ -124,7 +124,7 @@ class AsyncSchedule:
     def patch_latents(self, latents: torch.Tensor, patch: int) -> torch.Tensor:
         """Flat positions in one sample of `latents` that make up `patch` (on the latents' device)."""
         stage = self.stage
-        key = (size := tuple(latents.shape[1:]), patch)
+        key = (tuple(latents.shape[1:]), patch)
         if key not in self.latent_elements:  # the grid is known once a forward ran on this size: the latest's
             start, stop = patch_ranges(*stage.grid, stage.config.patches)[patch]
             positions = stage.state.adapter.latents.latent_positions(latents, stage.model_config)

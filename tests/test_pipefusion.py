@@ -706,6 +706,28 @@ def test_flux2_stages_hand_over_its_joined_single_stream_tokens():
             assert not traffic_mismatches(run["rows"], f"split {split} rank {rank}")
 
 
+def _zimage_splits():
+    return [
+        _steps(ParallelConfig(pipefusion=2, warmup_steps=STEPS, stage_split=split), "zimage")
+        for split in ([1, 4], [2, 3])
+    ]
+
+
+def test_zimage_stages_join_the_caption_where_its_forward_joins_it():
+    """Z-Image's stack is its image refiner's block, then its 4 main layers over [image; caption]. A stage boundary
+    at the switch (1 | 4) hands on the patch's image states alone, and the receiving stage joins its own caption (its
+    caption refiner runs whole, reading no image token); one inside the layers (2 | 3) hands on the caption states
+    with each patch. Both equal diffusers' serial forward within 1e-4 at every step, the bytes as the closed form
+    says: one message per patch run at the switch, two inside the layers."""
+    for rank, runs in enumerate(run_on_ranks(_zimage_splits, 2, timeout_s=300)):
+        for split, run in zip(("1 | 4", "2 | 3"), runs):
+            for step, row in enumerate(run["rows"]):
+                assert row["error"] <= row["bound"], f"split {split} rank {rank} step {step}: {row['error']:.3g}"
+                sends = [r for r in row["records"] if r["group"] == "pipefusion" and r["op"] == "send"]
+                assert len(sends) == ({"1 | 4": 1, "2 | 3": 2}[split] if rank == 0 else 0), (split, rank, sends)
+            assert not traffic_mismatches(run["rows"], f"split {split} rank {rank}")
+
+
 def _skip_layers():
     model = parallelize(tiny_transformer("sd3", layers=LAYERS), ParallelConfig(pipefusion=2))
     try:

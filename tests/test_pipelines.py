@@ -496,6 +496,21 @@ def test_zimage_pipefusion_patch_steps_measured_against_diffusers(folders):
         assert control["error"] > ZIMAGE_STALE_BOUND * scale, (rank, control["error"] / scale)
 
 
+ZIMAGE_BESIDE = [  # every step a warm-up step: exact
+    ParallelConfig(pipefusion=2, cfg=2, warmup_steps=3),
+    ParallelConfig(pipefusion=2, dp=2, warmup_steps=3),
+]
+
+
+def test_zimage_pipefusion_beside_cfg_and_dp_on_four_ranks(folders, references):
+    """ZImagePipeline with its stages beside cfg 2 (each branch's two stages) and dp 2 (each prompt's): equal to
+    diffusers' own pipeline run serially, each step's bytes the closed form's, the plan what a rank holds."""
+    per_rank = run_on_ranks(
+        _parallel, 4, folders["zimage"], "zimage", ZIMAGE_BESIDE, references["zimage"], timeout_s=300
+    )
+    _check_rows(per_rank, ZIMAGE_BESIDE, "zimage")
+
+
 ZIMAGE_GUIDANCE = {  # ZImagePipeline's guidance options, each under the configuration that runs it
     "cfg_normalization": (ParallelConfig(cfg=2), dict(cfg_normalization=1.0)),  # no longer than the positive's norm
     "cfg_truncation": (ParallelConfig(cfg=2), dict(cfg_truncation=0.2)),  # the last of 3 steps unguided (t_norm 0.4)

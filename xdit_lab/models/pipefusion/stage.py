@@ -241,7 +241,7 @@ class PipeFusionStage:
         mesh, adapter = self.mesh, self.state.adapter
         latents = bound.arguments[adapter.latents_argument]  # [B, ...], or one tensor per sample (Z-Image's list)
         per_sample = isinstance(latents, list)
-        first = latents[0]  # one sample (of a list) or the batch: what receive buffers are made like
+        first = latents[0]  # a sample: the device the receive buffers are made on
         refuse_unsplittable(bound.arguments)
         self._rebase_block_residuals(bound.arguments)
         refuse_per_block(bound.arguments, adapter)

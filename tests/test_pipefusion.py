@@ -210,6 +210,7 @@ def test_stage_and_patch_splits():
     with pytest.raises(ValueError, match="at least one of the 5 blocks"):
         stage_ranges(5, 2, split=[5, 0])
     assert patch_ranges(4, 4, 2) == [(0, 8), (8, 16)]
+    assert patch_ranges(4, 4, 2, padded=16) == [(0, 8), (8, 32)]  # Z-Image's padding to 32 follows the last row
     with pytest.raises(ValueError, match="5 patches are more than the 4 token rows"):
         patch_ranges(4, 4, 5)
 

@@ -32,6 +32,7 @@ def forward_shapes(model, inputs: dict) -> dict:
     arguments = inspect.signature(type(model).forward).bind(model, **inputs).arguments
     latents = inputs[adapter.latents_argument]  # a tensor, or a list of one per sample (Z-Image)
     rows, cols = adapter.latents.token_grid(latents, model.config, arguments)
+    appended = adapter.latents.appended_grids(arguments)  # an edit's reference images, after the drawn one
     heads, head_dim = adapter.attention_shape(model.config)
     named_kinds = [(name, adapter.attention_kind(name)) for name, _ in model.named_modules()]
     kinds = [kind for _, kind in named_kinds]
@@ -43,6 +44,8 @@ def forward_shapes(model, inputs: dict) -> dict:
         batch=len(latents),  # the model's batch: both CFG branches when cfg splits them
         rows=rows,
         cols=cols,
+        appended_tokens=sum(r * c for r, c in appended),
+        appended_grids=[list(grid) for grid in appended],
         padded_tokens=adapter.latents.padded_tokens(rows * cols, model.config),  # Z-Image's, to a multiple of 32
         heads=heads,
         head_dim=head_dim,

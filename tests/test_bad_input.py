@@ -312,7 +312,7 @@ def _corrupt_loads(tmp, config):
         if config.pipefusion > 1:
             out[f"stage loader, {how}"] = _error(
                 lambda copy=copy: load_stage_transformer(
-                    copy / "transformer", "PixArtTransformer2DModel", (0, 1), torch.float32
+                    copy / "transformer", "PixArtTransformer2DModel", (0, 1), torch.float32, "cpu"
                 )
             )
         elif shard:

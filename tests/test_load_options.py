@@ -161,6 +161,26 @@ def test_on_host_names_only_text_encoders(flux):
     assert _said(LoadOptions(on_host="text_encoder_2"), flux) == []
 
 
+def test_offload_blocks_takes_a_whole_number_and_refuses_sharded_weights_and_compile(flux):
+    for wrong in (-1, 1.5, "2", True):
+        (said,) = _said(LoadOptions(offload_blocks=wrong), flux)
+        assert (
+            said[0] == "ValueError"
+            and f"a whole number >= 1, or 0 or None for none offloaded; got {wrong!r}" in said[1]
+        )
+    said = _said(LoadOptions(offload_blocks=2, shard_weights=True, compile=True), flux, TWO)
+    assert [kind for kind, _ in said] == ["ValueError"] * 2
+    assert said[0][1].startswith("offload_blocks with shard_weights: FSDP2 keeps 1/N of every block")
+    assert said[1][1].startswith("offload_blocks with compile: diffusers' group offloading moves")
+    # the controls: on one rank nothing is sharded; with quantized weights, host-placed text encoders, PipeFusion and
+    # a StepCache it composes; 0 and None are off
+    assert _said(LoadOptions(offload_blocks=2, shard_weights=True), flux) == []
+    composed = LoadOptions(offload_blocks=1, quantization="int8", on_host="text_encoder", cache=StepCache(0.1))
+    assert _said(composed, flux, ParallelConfig(pipefusion=2)) == []
+    assert _said(LoadOptions(offload_blocks=0, compile=True), flux, TWO) == []
+    assert LoadOptions(offload_blocks=0).offloaded is None and LoadOptions(offload_blocks=3).offloaded == 3
+
+
 def test_quantization_refuses_unknown_schemes_and_sharded_weights(flux):
     (said,) = _said(LoadOptions(quantization="int4"), flux)
     assert said[0] == "QuantizationError" and "no quantization scheme 'int4'" in said[1]
@@ -205,5 +225,7 @@ def test_load_pipeline_raises_every_sentence_at_once_as_the_first_ones_kind(flux
         load_pipeline(folder, ParallelConfig(pipefusion=2), LoadOptions(pipeline_class="FluxKontextPipeline"))
     with pytest.raises(QuantizationError, match="quantization with shard_weights"):
         load_pipeline(folder, TWO, LoadOptions(quantization="int8"), shard_weights=True)  # a keyword wins
+    with pytest.raises(ValueError, match="offload_blocks with shard_weights"):
+        load_pipeline(folder, TWO, offload_blocks=1, shard_weights=True)  # before torch.distributed is joined
     with pytest.raises(LoraError, match="fuse_lora=False"):
         load_pipeline(folder, None, LoadOptions(lora=[({}, 1.0)]), fuse_lora=False)

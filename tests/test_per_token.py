@@ -2,7 +2,7 @@
 diffusers' serial forward:
 
     Wan 2.2 TI2V     timestep [B, S], one per token, at the forward       ulysses, ring, usp, pipefusion, cfg
-    Qwen-Image-Edit  modulate_index [B, S] (zero_cond_t), at every block   ulysses, ring, usp, cfg (img_shapes split)
+    Qwen-Image-Edit  modulate_index [B, S] (zero_cond_t), at every block   ulysses, ring, usp, pipefusion, cfg
     HunyuanVideo I2V num_tokens (token_replace), the frame-0 count         ulysses, ring, usp, pipefusion, cfg
     Flux ControlNet  controlnet_block_samples, controlnet_single_block_samples: [B, S, D] per block fed
     SD3 ControlNet   block_controlnet_hidden_states: [B, S, D] per block fed     (both: ulysses, ring, usp, cfg, dp)
@@ -30,10 +30,10 @@ CASES = {  # family -> the configs it runs under, on 2 and on 4 ranks
         2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(pipefusion=2), ParallelConfig(cfg=2)],
         4: [ParallelConfig(ulysses=2, ring=2), ParallelConfig(pipefusion=2, ulysses=2)],
     },
-    # several images per sample are refused under PipeFusion (tests/test_models.py): sp, cfg and dp
+    # several images per sample: PipeFusion's patch i is band i of each (the reference's 2 rows, 1 a patch)
     "qwenimage": {
-        2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2)],
-        4: [ParallelConfig(ulysses=2, ring=2), ParallelConfig(dp=2, ulysses=2)],
+        2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(pipefusion=2), ParallelConfig(cfg=2)],
+        4: [ParallelConfig(ulysses=2, ring=2), ParallelConfig(dp=2, ulysses=2), ParallelConfig(pipefusion=2, ring=2)],
     },
     "hunyuanvideo": {
         2: [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(pipefusion=2), ParallelConfig(dp=2)],
@@ -84,14 +84,6 @@ def _case(family):
     )
 
 
-def _traffic_inputs(family, inputs):
-    """The inputs the closed form reads its token count from: an edit's two images as one row of tokens
-    (the closed form counts tokens; token_grid refuses several images, which only PipeFusion would cut)."""
-    if family != "qwenimage":
-        return inputs
-    return inputs | {"img_shapes": [[(1, 1, sum(TOKENS["qwenimage"]))]] * 2}
-
-
 def _wrong(strategy):
     """The control: the strategy keeps other tokens' entries (mirrored) and leaves a frame-0 count uncut."""
     keep_tokens = strategy.keep_tokens
@@ -109,7 +101,7 @@ def _compare(cases):
         model = parallelize(model, config, mesh)
         with torch.no_grad(), comm_log() as log:
             output = model(**inputs).sample
-        traffic = traffic_row(model, _traffic_inputs(family, inputs), log, step=0)
+        traffic = traffic_row(model, inputs, log, step=0)
         control = None
         if config.sp_degree > 1 or (config.pipefusion > 1 and family != "hunyuanvideo"):
             wrong = parallelize(_case(family)[0], config, mesh)

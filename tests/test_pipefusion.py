@@ -16,7 +16,7 @@ from xdit_lab.lab.measure import compare_to_serial
 from xdit_lab.lessons.controls import wrong_stale_kv
 from xdit_lab.loading import load_stage_transformer
 from xdit_lab.models import parallel_state
-from xdit_lab.sharding import patch_ranges, stage_ranges
+from xdit_lab.sharding import patch_layout, patch_ranges, stage_ranges
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
@@ -213,6 +213,23 @@ def test_stage_and_patch_splits():
     assert patch_ranges(4, 4, 2, padded=16) == [(0, 8), (8, 32)]  # Z-Image's padding to 32 follows the last row
     with pytest.raises(ValueError, match="5 patches are more than the 4 token rows"):
         patch_ranges(4, 4, 5)
+
+
+def test_patches_of_several_images_are_bands_of_each():
+    """A 2 × 2 drawn grid (tokens 0-3), then reference images of 3 × 2 (4-9) and 4 × 1 (10-13): 2 patches, each a
+    band of every image (patch 0: 0-1, 4-7, 10-11; patch 1: 2-3, 8-9, 12-13), each cut over 2 sp ranks in that
+    order; every token held once, and the gather puts each back at its place."""
+    layout = patch_layout((2, 2), 2, 2, appended=((3, 2), (4, 1)))
+    assert layout.patches == [(0, 8), (8, 14)]
+    pieces = {(p, rank): layout.rank_tokens([p], rank).tolist() for p in (0, 1) for rank in (0, 1)}
+    assert pieces == {(0, 0): [0, 1, 4, 5], (0, 1): [6, 7, 10, 11], (1, 0): [2, 3, 8], (1, 1): [9, 12, 13]}
+    assert sorted(layout.gather_order([0, 1]).tolist()) == list(range(14))
+    assert layout.rank_sizes([0, 1]) == [7, 7]
+    assert layout.rank_ranges(0, 1) == [(6, 8), (10, 12)] and layout.rank_ranges(1, 0) == [(2, 4), (8, 9)]
+    one = patch_layout((4, 4), 2, 2)  # one image: the bands as patch_ranges cuts them, in the sequence's order
+    assert (one.patches, one.order) == (patch_ranges(4, 4, 2), None)
+    with pytest.raises(ValueError, match="3 patches are more than the 2 token rows"):
+        patch_layout((4, 4), 3, 1, appended=((2, 8),))
 
 
 def test_more_stages_than_blocks_is_refused():
@@ -750,7 +767,7 @@ def test_a_stage_loads_only_its_blocks_of_both_flux_lists(tmp_path):
     block 3 and both single-stream blocks, with the saved weights, named in its own lists."""
     model = tiny_transformer("flux", layers=LAYERS)
     model.save_pretrained(tmp_path)
-    stage = load_stage_transformer(tmp_path, "FluxTransformer2DModel", (3, 6), torch.float32)
+    stage = load_stage_transformer(tmp_path, "FluxTransformer2DModel", (3, 6), torch.float32, "cpu")
     assert (len(stage.transformer_blocks), len(stage.single_transformer_blocks)) == (1, 2)
     pairs = [("transformer_blocks.0", "transformer_blocks.3")] + [
         (f"single_transformer_blocks.{i}", f"single_transformer_blocks.{i}") for i in range(2)

@@ -508,7 +508,7 @@ def test_a_pipefusion_stage_reads_only_its_blocks_without_mmap(tiny_folders):
     saved = load_file(folder / "diffusion_pytorch_model.safetensors")
     before = _io()["rchar"]
     with mmap_refused() as refusals:  # Flux's stacked blocks 1, 2: double-stream block 1, single-stream block 0
-        stage = load_stage_transformer(folder, "FluxTransformer2DModel", (1, 3), torch.float32)
+        stage = load_stage_transformer(folder, "FluxTransformer2DModel", (1, 3), torch.float32, "cpu")
     rchar = _io()["rchar"] - before
     assert refusals == {"safe_open": 0, "load_file": 0}
     assert len(stage.transformer_blocks) == 1 and len(stage.single_transformer_blocks) == 1

@@ -77,16 +77,198 @@ def test_bands_equal_the_whole_decode(config, rows, kind):
         assert out["halo"] == halo_bytes(VAE_CONFIG, (2, 4, rows, cols), 4, out["neighbours"]), where
 
 
-def _3d_vae_bands():
-    from xdit_lab.tiny.parts import video_vae
+def _unbanded_vae_bands():
+    from xdit_lab.tiny.parts import dc_vae
 
-    return apply_parallel_vae(video_vae(0), RankMesh(ParallelConfig(ulysses=2)))
+    return apply_parallel_vae(dc_vae(0, 4, 0.41407), RankMesh(ParallelConfig(ulysses=2)))
 
 
-def test_3d_vaes_decode_whole():
-    """CogVideoX's 3D VAE has no bands (said in the log): with only sp ranks to share an image,
-    apply_parallel_vae changes nothing (its dp and cfg ranks still split the images)."""
-    assert run_on_ranks(_3d_vae_bands, 2) == [False, False]
+def test_vaes_without_bands_decode_whole():
+    """Sana's deep-compression VAE (AutoencoderDC) has no bands (said in the log): with only sp ranks
+    to share an image, apply_parallel_vae changes nothing (its dp and cfg ranks still split the images)."""
+    assert run_on_ranks(_unbanded_vae_bands, 2) == [False, False]
+
+
+def _wan_2_2_vae():
+    """Wan 2.2 TI2V's VAE at tiny size: residual up blocks (their DupUp3D shortcuts), 2 × 2 patches."""
+    import diffusers
+
+    torch.manual_seed(0)
+    shape = dict(base_dim=4, dim_mult=[1, 2, 2], temperal_downsample=[False, True], num_res_blocks=1)
+    zero_one = dict(latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    return diffusers.AutoencoderKLWan(
+        z_dim=4, is_residual=True, patch_size=2, in_channels=12, out_channels=12, **shape, **zero_one
+    ).eval()
+
+
+def _causal_decode_in_bands(config, kind, frames, rows, cols=5):
+    from xdit_lab.lessons.controls import cached_frames_without_halos
+    from xdit_lab.sharding import shard_range
+    from xdit_lab.tiny import parts
+    from xdit_lab.vae import DECODED, band_group
+
+    vae = {"wan 2.2": _wan_2_2_vae, "video_vae": lambda: parts.video_vae(0)}.get(
+        kind, lambda: getattr(parts, kind)(0, 4)
+    )()
+
+    z = torch.randn(2, 4, frames, rows, cols, generator=torch.Generator().manual_seed(1))
+    mesh = RankMesh(config)
+    group = band_group(mesh)
+    start, stop = shard_range(rows, mesh.group_size(group), mesh.group_rank(group))
+    with torch.no_grad():
+        whole = vae.decode(z).sample
+        scale = whole.shape[-2] // rows
+        alone = vae.decode(z[..., start:stop, :]).sample  # the control: a band decoded by itself
+        assert apply_parallel_vae(vae, mesh)
+        seen = []  # the latent rows diffusers' decoder ran on, a call per latent frame
+        vae.decoder.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[-2]))
+        with comm_log() as log:
+            video = vae.decode(z).sample
+        uncached = None
+        if kind in WAN_KINDS:  # no halo rows for the cached frames (the others pad their rows elsewhere)
+            with cached_frames_without_halos():
+                uncached = vae.decode(z).sample
+    images = getattr(vae, DECODED)["images"]
+    return dict(
+        error=(video - whole).abs().max().item(),
+        bound=1e-4 * max(1.0, whole.abs().max().item()),
+        alone=(alone - whole[..., start * scale : stop * scale, :]).abs().max().item(),
+        uncached=None if uncached is None else (uncached - whole).abs().max().item(),
+        shape=tuple(video.shape) == tuple(whole.shape),
+        tags={(r.group, r.tag) for r in log.records},
+        halo=sum(r.bytes_out for r in log.records if r.tag == "vae_halo"),
+        expected=_halo_closed_form(
+            vae,
+            (images, *z.shape[1:]),
+            (mesh.group_rank(group) > 0) + (mesh.group_rank(group) < mesh.group_size(group) - 1),
+        ),
+        seen=seen[: len(seen) // (1 if uncached is None else 2)],  # the banded decode's calls (the control's after)
+        calls=_decoder_calls(vae, frames),
+        band=stop - start,
+    )
+
+
+WAN_KINDS = ("wan_vae", "qwen_vae", "wan 2.2")
+COLLECTIVES = {  # by the VAE's norms and attention
+    "wan": ("vae_halo", "vae_kv", "vae_gather"),  # RMS norm per pixel: nothing summed; attention per frame
+    "video_vae": ("vae_halo", "vae_norm", "vae_gather"),  # CogVideoX's: GroupNorm, no attention
+    "hunyuan_vae": ("vae_halo", "vae_norm", "vae_kv", "vae_gather"),  # GroupNorm, attention over the frames
+}
+
+
+def _decoder_calls(vae, frames):
+    """How often diffusers' decoder runs in one decode: Wan's per latent frame, CogVideoX's per batch of two
+    frames (the first takes an odd one), HunyuanVideo's once or per tile of frames."""
+    from xdit_lab.vae import hunyuan_decoder_frames
+
+    kind = type(vae).__name__
+    if kind == "AutoencoderKLHunyuanVideo":
+        return len(hunyuan_decoder_frames(vae, frames))
+    return max(frames // 2, 1) if kind == "AutoencoderKLCogVideoX" else frames
+
+
+def _halo_closed_form(vae, latent_shape, neighbours):
+    from xdit_lab.vae import causal_halo_bytes, cogvideox_halo_bytes, hunyuan_decoder_frames, hunyuan_halo_bytes
+
+    kind = type(vae).__name__
+    if kind == "AutoencoderKLHunyuanVideo":
+        return hunyuan_halo_bytes(vae.config, latent_shape, 4, neighbours, hunyuan_decoder_frames(vae, latent_shape[2]))
+    form = cogvideox_halo_bytes if kind == "AutoencoderKLCogVideoX" else causal_halo_bytes
+    return form(vae.config, latent_shape, 4, neighbours)
+
+
+@pytest.mark.parametrize(
+    "config, kind, frames, rows",
+    [
+        (ParallelConfig(ulysses=2), "wan_vae", 3, 7),  # Wan 2.1's: 8× rows, two temporal ×2 upsamplings
+        (ParallelConfig(ring=2), "qwen_vae", 1, 7),  # Qwen-Image's: the same decoder, one frame
+        (ParallelConfig(pipefusion=2), "wan 2.2", 4, 5),  # bands over the stages
+        (ParallelConfig(cfg=2, ulysses=2), "wan_vae", 2, 8),  # a video per cfg rank, each in bands
+        (ParallelConfig(ulysses=2, ring=2), "wan_vae", 2, 9),  # USP: 4 bands, two with both neighbours
+        (ParallelConfig(ulysses=2), "video_vae", 5, 7),  # CogVideoX's: batches of 2 latent frames (2 + 1, 2)
+        (ParallelConfig(ring=3), "video_vae", 1, 7),  # its first frame alone, in 3 bands
+        (ParallelConfig(ulysses=2), "hunyuan_vae", 6, 7),  # HunyuanVideo's: two tiles of frames (5, 3)
+        (ParallelConfig(ring=2), "hunyuan_vae", 2, 6),  # one call, its mid attention causal over 2 frames
+    ],
+    ids=lambda v: v.short() if isinstance(v, ParallelConfig) else None,
+)
+def test_video_bands_equal_the_whole_decode(config, kind, frames, rows):
+    """The video VAEs decoded in row bands: Wan's causal 3D VAE (Wan 2.1's, Qwen-Image's, Wan 2.2's
+    patchified one with its DupUp3D shortcuts), CogVideoX's and HunyuanVideo's. Each rank's decoder runs
+    on its band's latent rows only, as often as diffusers runs it (_decoder_calls); the video equals
+    diffusers' whole decode within 1e-4; the halo bytes equal the VAE's closed form (vae.causal_halo_bytes,
+    cogvideox_halo_bytes, hunyuan_halo_bytes). Controls: a band decoded alone, and Wan's bands with their
+    cached frames' halo rows zeros (the halo exchanged for the fresh frames only), both beyond the bound."""
+    world = config.world_size
+    for rank, out in enumerate(run_on_ranks(_causal_decode_in_bands, world, config, kind, frames, rows, timeout_s=180)):
+        where = f"{config.short()} {kind} rank {rank}"
+        assert out["shape"], where
+        assert out["seen"] == [out["band"]] * out["calls"] and out["band"] < rows, f"{where}: {out['seen']}"
+        assert out["error"] <= out["bound"], f"{where}: {out['error']:.3g} > {out['bound']:.3g}"
+        assert out["alone"] > 100 * out["bound"], f"{where}: a band alone is not far off ({out['alone']:.3g})"
+        if out["uncached"] is not None and frames > 1:  # a frame after the first convolves cached frames
+            assert out["uncached"] > 100 * out["bound"], f"{where}: cached frames without halos ({out['uncached']:.3g})"
+        group = "image" if config.pipefusion > 1 else "sp"
+        expected_tags = {(group, tag) for tag in COLLECTIVES.get(kind, COLLECTIVES["wan"])}
+        if config.cfg > 1:
+            expected_tags.add(("cfg", "vae_gather"))
+        assert out["tags"] == expected_tags, where
+        assert out["halo"] == out["expected"] > 0, where
+
+
+def _videos(folder, family, configs):
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab import load_pipeline
+    from xdit_lab.tiny import tiny_pipeline_kwargs
+
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=2, negative_prompt=["", "a photo"])
+    prompts = ["a red cat", "a blue dog"]
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    expected = reference(prompt=prompts, generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).frames
+    rows = []
+    for config in configs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        seen = []  # (videos, latent rows) of every call of diffusers' decoder on this rank
+        pipe.diffusers_pipeline.vae.decoder.register_forward_pre_hook(
+            lambda _m, args, seen=seen: seen.append(tuple(args[0].shape[::3]))
+        )
+        with comm_log() as log:
+            frames = pipe(prompts, seed=0, output_type="np", **kwargs).frames
+        vae_records = [r for r in log.records if r.tag.startswith("vae")]
+        rows.append(
+            dict(
+                config=config.short(),
+                error=float(abs(frames - expected).max()),
+                shape=frames.shape == expected.shape,
+                seen=seen,
+                vae_groups=sorted({r.group for r in vae_records}),
+            )
+        )
+    return rows
+
+
+# the decoder's calls: Wan's one per latent frame (5 frames -> 2), CogVideoX's one per batch of frames (9 -> 3: one),
+# HunyuanVideo's one for all (5 -> 2, under its framewise decoding's 4)
+DECODER_CALLS = {"wan": 2, "cogvideox": 1, "hunyuanvideo": 1}
+
+
+@pytest.mark.parametrize("family", DECODER_CALLS)
+def test_videos_equal_diffusers_in_bands(tmp_path, family):
+    """The pipeline's frames (output_type="np", [0, 1] pixels) under ulysses 2 and pipefusion 2 equal
+    diffusers' pipeline run serially within 1e-4, each rank's decoder running on 4 of the 8 latent
+    rows of both videos; cfg 2 × ulysses 2 is test_video_bands_equal_the_whole_decode's."""
+    from xdit_lab.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline(family, tmp_path / family)
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(pipefusion=2, warmup_steps=2)]
+    for rank, per_config in enumerate(run_on_ranks(_videos, 2, folder, family, configs, timeout_s=240)):
+        for row, group in zip(per_config, ("sp", "image")):
+            where = f"{family} {row['config']} rank {rank}"
+            assert row["shape"] and row["error"] <= 1e-4, f"{where}: {row['error']:.3g}"
+            assert row["seen"] == [(2, 4)] * DECODER_CALLS[family], f"{where}: {row['seen']}"
+            assert row["vae_groups"] == [group], where
 
 
 def _pipeline_images(folder, configs, prompts=("a red cat", "a blue dog"), family="pixart"):

@@ -104,6 +104,7 @@ def cmd_plan_model(args) -> int:
     world_size = args.world_size if args.world_size is not None else local_world_size()[0]
     options = dict(height=args.height, width=args.width, batch=args.batch, use_cfg=False if args.no_cfg else None)
     options["quantize"] = args.quantize
+    options["offload_blocks"] = args.offload_blocks
     return print_plan(
         args.model,
         world_size,
@@ -120,9 +121,11 @@ def cmd_plan_model(args) -> int:
 def cmd_plan(args) -> int:
     if args.model is not None:
         return cmd_plan_model(args)
-    if args.gpu_memory is not None or args.json or args.height or args.width or args.quantize or args.wide:
+    modelled = (args.gpu_memory is not None, args.json, args.height, args.width, args.quantize, args.offload_blocks)
+    if any(modelled) or args.wide:
         raise ParallelConfigError(
-            "--gpu-memory, --json, --height, --width, --quantize and --wide plan a model: give --model FOLDER too"
+            "--gpu-memory, --json, --height, --width, --quantize, --offload-blocks and --wide plan a model: give "
+            "--model FOLDER too"
         )
     if args.world_size is None:
         world_size, why = local_world_size()
@@ -193,6 +196,7 @@ def load_options_of(args):
         compile=args.compile,
         shard_weights=args.shard_weights,
         on_host=tuple(args.on_host),
+        offload_blocks=args.offload_blocks,
         quantization=args.quantization,
         lora=args.lora,
         pipeline_class=args.pipeline_class,
@@ -373,6 +377,13 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=list(SCHEMES),
         help="with --model: the transformer's and text encoders' linear weights in this torchao weight-only scheme",
     )
+    plan.add_argument(
+        "--offload-blocks",
+        type=_count(1),
+        metavar="N",
+        help="with --model: the transformer's blocks in host memory, N at a time on the GPU (run's --offload-blocks): "
+        "each row counts N blocks and the root, and the bytes moved from the host per step",
+    )
     plan.add_argument("--height", type=_count(1), help="with --model: the image height (default: the model's)")
     plan.add_argument("--width", type=_count(1), help="with --model: the image width (default: the model's)")
     plan.add_argument("--json", action="store_true", help="with --model: print the rows as a JSON list")
@@ -462,6 +473,15 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="COMPONENT",
         help="keep this text encoder (e.g. text_encoder_2) in host memory and run it there; repeat for more",
+    )
+    run.add_argument(
+        "--offload-blocks",
+        type=_count(1),
+        metavar="N",
+        help="keep the transformer's weights in host memory and bring its blocks to the GPU N at a time as they run "
+        "(diffusers' group offloading; a PipeFusion stage offloads its own blocks): a GPU holds N blocks and the "
+        "rest of the model, and every weight crosses from the host each step; not with --shard-weights or "
+        "--compile; see xdit-lab plan --model --offload-blocks N",
     )
     run.add_argument(
         "--quantize",

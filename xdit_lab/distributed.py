@@ -183,6 +183,27 @@ def route_source(address: str) -> str | None:
         return None
 
 
+# The ranks of one job join a store one process serves, as torchrun's workers join their agent's: bound to a port
+# the kernel picks (0), where a port picked free and bound later by rank 0 can be taken in between by another
+# process (EADDRINUSE). The ranks join with AGENT_STORE in their environment and MASTER_PORT its port.
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def serve_store(world_size: int, timeout_s: float = 60):
+    """A rendezvous store for one job of `world_size` ranks, served by this process on every interface, on a port
+    of the kernel's choosing (`.port`); it lives as long as the returned object."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def free_port() -> int:
     """A TCP port on localhost that is free now (the OS picks it)."""
     import socket

@@ -1,6 +1,7 @@
 """LoadOptions: everything load_pipeline takes besides the folder, the ParallelConfig and the mesh, and what it refuses.
 
     options = LoadOptions(shard_weights=True, on_host=("text_encoder_2",))
+    options = LoadOptions(offload_blocks=2)    # the transformer in host memory, 2 blocks at a time on the device
     options.problems(recipe, folder, config)   # [] when load_pipeline takes them; else every refusal, a sentence each
     pipe = load_pipeline("path/to/flux", ParallelConfig(ulysses=2), options)
 
@@ -15,6 +16,7 @@ class of the family) and says the same way what the model in `folder` refuses, b
     the refusal table       what a pipeline's components or class do not run with (families/refusals.py, which the
                             planner reads to leave out the rows load_pipeline would refuse)
     on_host                 names that are not the folder's text encoders (by their role)
+    offload_blocks          not a whole number; with sharded weights on several ranks, or with compile
     quantization            no such scheme or mapping (quantization.resolve); with shard_weights on several ranks
     lora                    an entry of the wrong form, a file that is not there, a pipeline with no LoRA loader,
                             adapters kept unfused, adapters on sharded or quantized weights
@@ -70,6 +72,7 @@ class LoadOptions:
     compile: bool | str = False
     shard_weights: bool = False
     on_host: tuple[str, ...] = ()
+    offload_blocks: int | None = None  # N: the transformer's blocks in host memory, N at a time on the device
     quantization: object = None  # "int8", "float8", or diffusers' PipelineQuantizationConfig / TorchAoConfig
     lora: object = None  # [(path_or_state_dict, scale[, "transformer_2"]), ...]
     fuse_lora: bool = True
@@ -110,6 +113,7 @@ class LoadOptions:
         found += wrong_class
         found += self._refused(recipe, pipeline_class, folder, config)
         found += self._on_host_problems(folder)
+        found += self._offload_problems(config)
         found += self._quantization_problems(folder, config)
         found += self._lora_problems(pipeline_class, folder, config)
         return found
@@ -127,6 +131,11 @@ class LoadOptions:
     def sharding(self, config: ParallelConfig) -> bool:
         """Whether weights are sharded: asked, and on more than one rank (on one there is nothing to shard)."""
         return bool(self.shard_weights) and config.world_size > 1
+
+    @property
+    def offloaded(self) -> int | None:
+        """The blocks held on the device at once when the transformer is offloaded (offload_blocks), else None."""
+        return self.offload_blocks or None
 
     def quantized(self, folder: ModelFolder) -> Quantization | None:
         """The quantization as quantization.resolve reads it for `folder` (None: none asked)."""
@@ -155,6 +164,7 @@ class LoadOptions:
             compile=self.compile,
             shard_weights=self.shard_weights,
             on_host=list(self.on_host),
+            offload_blocks=self.offload_blocks,
             quantization=self.quantization
             if self.quantization is None or isinstance(self.quantization, str)
             else repr(self.quantization),  # fmt: skip
@@ -213,6 +223,38 @@ class LoadOptions:
                 ValueError,
             )
         ]
+
+    def _offload_problems(self, config) -> list[Refusal]:
+        """The transformer offloaded with diffusers' group offloading (models/offload.py): a whole number of blocks,
+        with what keeps its weights where diffusers' hooks can move them. (Every family with a pipeline takes
+        diffusers' group offloading; offload_blocks refuses a transformer that does not, DiT's, by name.)"""
+        n = self.offload_blocks
+        if n is None:
+            return []
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            return [
+                Refusal(
+                    f"offload_blocks is the number of the transformer's blocks on the device at once (the rest in "
+                    f"host memory), a whole number >= 1, or 0 or None for none offloaded; got {n!r}",
+                    ValueError,
+                )
+            ]
+        if n == 0:
+            return []
+        found = []
+        if self.sharding(config):
+            found.append(
+                "offload_blocks with shard_weights: FSDP2 keeps 1/N of every block on a rank and gathers it whole to "
+                "the device as it runs; offloading those shards as well would move each block twice (host to "
+                "device, then the all-gather); use one of the two (xdit-lab plan --model says which fits)"
+            )
+        if self.compile:
+            found.append(
+                "offload_blocks with compile: diffusers' group offloading moves each group's weights in functions "
+                "torch.compile does not trace (torch.compiler.disable), so the one compiled graph would break at "
+                "every group; use one of the two"
+            )
+        return [Refusal(sentence, ValueError) for sentence in found]
 
     def _quantization_problems(self, folder: ModelFolder, config) -> list[Refusal]:
         if self.quantization is None:

@@ -205,16 +205,17 @@ def stage_key_renaming(transformer_config, class_name: str, stage_blocks: tuple[
 
 
 def load_stage_transformer(
-    folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype, header=None
+    folder: Path, class_name: str, stage_blocks: tuple[int, int], dtype: torch.dtype, device, header=None
 ):
     """The diffusers transformer in `folder` with only its stacked blocks [start, stop) materialised
-    (Flux's stack: its double-stream blocks, then its single-stream ones). `header`, here and below: a
-    file's tensor table parsed once per load (ModelFolder.header), else read by load_weights."""
+    (Flux's stack: its double-stream blocks, then its single-stream ones), on `device`. `header`, here and
+    below: a file's tensor table parsed once per load (ModelFolder.header), else read by load_weights."""
     model = empty_model(folder, "diffusers", class_name, dtype)
     stage_name = keep_stage(model, class_name, stage_blocks)
     # plain reads of this stage's tensors only, never a mapping of the whole file (shard_loading.py)
     load_weights(materialize(model, "cpu", dtype=dtype), folder, dtype=dtype, rename=stage_name, header=header)
-    return model.eval()
+    # read in host memory, then to the device: load_pipeline's place() leaves what a rank built where it is
+    return model.to(device).eval()
 
 
 def load_sharded_transformer(
@@ -347,6 +348,7 @@ def load_own_components(
     sharding: bool,
     quantized=None,
     on_host=(),
+    offloaded: bool = False,
     cache=None,
     compile=False,
     controls=None,
@@ -354,13 +356,14 @@ def load_own_components(
     """{name: module} of the components this rank builds from the files itself, each reading only what it keeps
     (the headers `model` parsed); load_pipeline hands these to diffusers' from_pretrained, which loads the rest
     whole (an image encoder, a ControlNet, the VAE), by the role the folder gives each component:
-      - quantized ones (`quantized`: quantization.resolve's), block by block (load_quantized_components);
+      - quantized ones (`quantized`: quantization.resolve's), block by block (load_quantized_components); with
+        `offloaded` (offload_blocks) the transformers in host memory, never whole on the device;
       - with `sharding`, the transformer and the expert (Wan 2.2 A14B's two alike) parallelized and sharded, then
         this rank's rows read (`cache`, `compile`, `controls`: parallelize's), and every text encoder not kept
         `on_host`;
       - under PipeFusion without sharding, each transformer's stage: its own blocks and the rest."""
     folder, index, header = model.path, model.index, model.header
-    loaded = load_quantized_components(model, config, mesh, dtype, device, quantized) if quantized else {}
+    loaded = load_quantized_components(model, config, mesh, dtype, device, quantized, offloaded) if quantized else {}
     parallel = dict(cache=cache, compile=compile, controls=controls)
     for name in model.named(TRANSFORMER, EXPERT):
         if name in loaded:
@@ -371,24 +374,26 @@ def load_own_components(
             )
         elif config.pipefusion > 1:
             blocks = stage_blocks(model, config, mesh, name)
-            loaded[name] = load_stage_transformer(folder / name, index[name][1], blocks, dtype, header)
+            loaded[name] = load_stage_transformer(
+                folder / name, index[name][1], blocks, dtype, "cpu" if offloaded else device, header
+            )
     for name in model.text_encoders if sharding else ():
         if name not in on_host and name not in loaded:
             loaded[name] = load_sharded_text_encoder(folder / name, index[name][1], mesh, dtype, device, header)
     return loaded
 
 
-def load_quantized_components(model: ModelFolder, config, mesh, dtype, device, quantized) -> dict:
+def load_quantized_components(model: ModelFolder, config, mesh, dtype, device, quantized, offloaded=False) -> dict:
     """The components `quantized` names, each built empty and filled block by block, every block quantized
-    as soon as it is read (load_quantized): the transformer and the expert (a PipeFusion stage: its blocks) and
-    the text encoders. Anything else is refused by name."""
+    as soon as it is read (load_quantized): the transformer and the expert (a PipeFusion stage: its blocks; in
+    host memory when `offloaded`) and the text encoders. Anything else is refused by name."""
     loaded, roles = {}, model.roles
     for name in quantized.configs:
         class_name, sub = model.index[name][1], model.path / name
         if roles[name] in (TRANSFORMER, EXPERT):
             blocks = stage_blocks(model, config, mesh, name) if config.pipefusion > 1 else None
             loaded[name] = load_quantized_transformer(
-                sub, class_name, dtype, device, quantized, blocks, name, model.header
+                sub, class_name, dtype, "cpu" if offloaded else device, quantized, blocks, name, model.header
             )
         elif roles[name] == TEXT_ENCODER:
             loaded[name] = load_quantized_text_encoder(sub, class_name, dtype, device, quantized, name, model.header)

@@ -3,7 +3,7 @@
     pipe = load_pipeline("path/to/pixart", ParallelConfig(cfg=2, ulysses=2))
     images = pipe(["a red cat", "a blue dog"], seed=0).images
 
-load_pipeline runs eight stages, in this order, each a function below of what it is given:
+load_pipeline runs nine stages, in this order, each a function below of what it is given:
 
     1. read and check     read_and_check: the folder read once (ModelFolder: index, configs, headers, roles),
                           each file against its config, and every refusal of the LoadOptions said at once,
@@ -11,10 +11,12 @@ load_pipeline runs eight stages, in this order, each a function below of what it
     2. plan               plan_load: what this rank will hold, from the headers, against the memory it has
     3. own components     build_own_components: what this rank reads itself (a stage, a shard, quantized blocks)
     4. assemble           assemble: diffusers' from_pretrained with those in place
-    5. place              place: on the device, or in host memory (on_host)
+    5. place              place: on the device, or in host memory (on_host, and an offloaded transformer)
     6. adapt weights      adapt_weights: LoRA adapters fused into the weights
     7. parallelize        parallelize_named: the transformer(s) and the ControlNet the recipe names
-    8. the VAE            parallel_vae: each rank decodes its own images, in row bands
+    8. offload            offload_named: the transformer(s) in host memory, offload_blocks at a time on the
+                          device (diffusers' group offloading, over the blocks this rank holds)
+    9. the VAE            parallel_vae: each rank decodes its own images, in row bands
 
 Between 1 and 2 the world is joined and the dtype resolved; a rank left idle by a configuration smaller than
 the world stops after 2 and loads nothing.
@@ -62,9 +64,10 @@ from .model_folder import (
     read_model_index,
     resolve_folder,
 )
-from .models import parallelize
+from .models import offload_blocks, parallelize
 from .plan import MemoryPlan, check_plan, plan_memory
 from .plan.loaded import plan_request
+from .quantization import TRANSFORMERS
 from .session import DenoiseSession
 from .vae import apply_parallel_vae
 
@@ -142,6 +145,11 @@ def load_pipeline(
     from the files only the rows it keeps (loading.py). On one rank there is nothing to shard: it says so.
     `on_host=("text_encoder_2",)` keeps those text encoders in host memory and runs them there (their
     outputs come to this rank's device): nothing of them on the GPU, a slower encode.
+    `offload_blocks=N` keeps the transformer (and Wan 2.2 A14B's second expert) in host memory and brings its
+    blocks to the device N at a time as they run, everything outside the blocks with each call (diffusers' group
+    offloading, after parallelize: a PipeFusion stage offloads the blocks it holds; models/offload.py): the
+    device holds the root and N blocks, and every weight crosses to it once per transformer call (per patch for
+    a stage's blocks). Not with shard_weights on several ranks, nor with compile.
     `quantization="int8"` (or "float8", or diffusers' PipelineQuantizationConfig with torchao configs)
     quantizes the linear weights of the transformer and the text encoders with torchao, block by block as
     they are read (quantization.py): the plan counts the quantized bytes before loading.
@@ -177,9 +185,10 @@ def load_pipeline(
         loaded = build_own_components(model, config, mesh, dtype, info.device, options)
         inner = assemble(model, dtype, loaded, plan)
         recipe.check_pipeline(inner)
-        place(inner, loaded, options.on_host, info.device)
+        place(inner, loaded, options.on_host, info.device, offloaded=options.offloaded is not None)
         adapt_weights(inner, model, config, mesh, options.adapters)
         parallelize_named(inner, config, mesh, options)
+        offload_named(inner, options.offloaded, info.device)
         parallel_vae(inner, config, mesh)
         return ParallelPipeline(
             inner, recipe, config, mesh, info.device, plan, model.path, progress=options.progress,
@@ -223,13 +232,14 @@ def read_and_check(name_or_path, config: ParallelConfig, options: LoadOptions) -
 
 def plan_load(model: ModelFolder, recipe, config, options: LoadOptions, call_defaults: dict, dtype, info) -> MemoryPlan:
     """Stage 2: what this rank will hold (bytes per component, from the headers, as it holds them: a stage, a
-    shard, on the host, quantized; the adapters while they are fused), checked against the memory it has."""
+    shard, on the host, offloaded, quantized; the adapters while they are fused), checked against the memory it
+    has."""
     sharding, quantized, adapters = options.sharding(config), options.quantized(model), options.adapters
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     plan = plan_memory(  # the row `xdit-lab plan --model` prints for this configuration and placement
         model, component_folders(model.path, model.index), dtype=dtype, config=config,
         ranks_per_host=min(local_ranks, config.world_size), shard_weights=sharding, on_host=options.on_host,
-        quantized=quantized, call_defaults=call_defaults, request=True,
+        quantized=quantized, offload=options.offloaded, call_defaults=call_defaults, request=True,
     )  # fmt: skip
     if adapters:  # held while they are fused into the weights, then freed
         plan.activation_bytes["LoRA adapters"] = (lora_bytes(adapters),) * 2
@@ -242,7 +252,8 @@ def build_own_components(model: ModelFolder, config, mesh, dtype, device, option
     blocks, a shard's rows, quantized blocks); diffusers loads the rest (loading.load_own_components)."""
     return load_own_components(
         model, config, mesh, dtype, device, sharding=options.sharding(config), quantized=options.quantized(model),
-        on_host=options.on_host, cache=options.cache, compile=options.compile, controls=options.controls,
+        on_host=options.on_host, offloaded=options.offloaded is not None, cache=options.cache,
+        compile=options.compile, controls=options.controls,
     )  # fmt: skip
 
 
@@ -266,12 +277,14 @@ def assemble(model: ModelFolder, dtype, loaded: dict, plan: MemoryPlan):
     return inner
 
 
-def place(inner, loaded: dict, on_host: tuple[str, ...], device) -> None:
+def place(inner, loaded: dict, on_host: tuple[str, ...], device, *, offloaded: bool = False) -> None:
     """Stage 5: what diffusers loaded goes to this rank's device, the text encoders named `on_host` to host memory,
-    where they run (run_on_host); what this rank built itself is where it was built."""
+    where they run (run_on_host), and with `offloaded` the transformers to host memory, which offload_named's hooks
+    bring to the device a group at a time (never whole there); what this rank built itself is where it was built."""
+    host = set(on_host) | ({name for name in TRANSFORMERS if name in inner.components} if offloaded else set())
     for name, component in inner.components.items():
-        if isinstance(component, torch.nn.Module) and (name not in loaded or name in on_host):
-            component.to("cpu" if name in on_host else device)
+        if isinstance(component, torch.nn.Module) and (name not in loaded or name in host):
+            component.to("cpu" if name in host else device)
     for name in on_host:
         run_on_host(getattr(inner, name), device)
 
@@ -305,8 +318,19 @@ def parallelize_named(inner, config, mesh, options: LoadOptions) -> None:
         parallelize(inner.controlnet, config, mesh, controls=options.controls)
 
 
+def offload_named(inner, blocks_at_once: int | None, device) -> None:
+    """Stage 8: with `blocks_at_once` (offload_blocks), the transformer and Wan 2.2 A14B's second expert offloaded
+    with diffusers' group offloading over the blocks this rank holds, after parallelize (models/offload.py)."""
+    if blocks_at_once is None:
+        return
+    for name in TRANSFORMERS:
+        transformer = getattr(inner, name, None)
+        if transformer is not None:
+            offload_blocks(transformer, blocks_at_once, device)
+
+
 def parallel_vae(inner, config, mesh) -> None:
-    """Stage 8: the VAE decodes only this rank's images, in row bands over the sequence ranks with vae_parallel."""
+    """Stage 9: the VAE decodes only this rank's images, in row bands over the sequence ranks with vae_parallel."""
     if getattr(inner, "vae", None) is not None:
         apply_parallel_vae(inner.vae, mesh, bands=config.vae_parallel)
 
@@ -511,6 +535,7 @@ class ParallelPipeline:
         self.recipe.check_negatives(request)  # cfg 2 with one branch: refused where the batch splits
         if self.diffusers_pipeline is not None:  # an idle rank has no tokenizer, and runs no request
             self.recipe.check_inputs(self.diffusers_pipeline, request)
+            self.check_appended_rows(request)
             self.recipe.check_prompt_lengths(self.diffusers_pipeline, request)
         return request
 
@@ -543,6 +568,18 @@ class ParallelPipeline:
             return self.memory_plan
         prompts = [""] * prompts if isinstance(prompts, int) else prompts
         return plan_request(self, self.request(prompts, height=height, width=width, **arguments))
+
+    def check_appended_rows(self, request: Request) -> None:
+        """PipeFusion cuts every image after the drawn one into as many row bands as the drawn one (an edit's
+        reference images, at the size its pipeline encodes them): each needs a token row per patch."""
+        grids = self.recipe.appended_grids(self.diffusers_pipeline, request) if self.config.pipefusion > 1 else ()
+        for number, (rows, _) in enumerate(grids, start=1):
+            if rows < self.config.patches:
+                raise ValueError(
+                    f"reference image {number} gives {rows} token rows at the size the pipeline encodes it, fewer "
+                    f"than the {self.config.patches} PipeFusion patches (each image's row bands); use fewer patches or a "
+                    f"less wide image"
+                )
 
     def check_size(self, request: Request) -> None:
         """Height and width must tile into whole patches, and give every rank tokens to hold."""

@@ -9,7 +9,10 @@ patches and 2 sp ranks:
     token rows 0-1: patch 0   sp rank 0 holds tokens 0-3,  sp rank 1 tokens 4-7
     token rows 2-3: patch 1   sp rank 0 holds tokens 8-11, sp rank 1 tokens 12-15
 
-so a rank owns the same part of every patch, side by side. The batch is cut too: batch_rows.
+so a rank owns the same part of every patch, side by side. Where other images' tokens follow the
+drawn one's (an edit's reference images), patch i is row band i of every image (patch_layout): the
+patches are contiguous in patch order, and the layout maps that order back to the sequence's.
+The batch is cut too: batch_rows.
 """
 
 from __future__ import annotations
@@ -87,10 +90,12 @@ def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int, padded: int =
 
 
 class PatchLayout:
-    """Which tokens each sequence-parallel rank holds when some patches are processed."""
+    """Which tokens each sequence-parallel rank holds when some patches are processed. `patches`:
+    [start, stop) of each patch in patch order; `order`: the sequence's position of each token in
+    that order (None: the sequence's own order, every patch one band of one grid)."""
 
-    def __init__(self, patches: list[tuple[int, int]], sp: int):
-        self.patches, self.sp = patches, sp
+    def __init__(self, patches: list[tuple[int, int]], sp: int, order: torch.Tensor | None = None):
+        self.patches, self.sp, self.order = patches, sp, order
 
     def chunk(self, patch: int, sp_rank: int) -> tuple[int, int]:
         start, stop = self.patches[patch]
@@ -101,7 +106,21 @@ class PatchLayout:
         return stop - start
 
     def rank_tokens(self, active: list[int], sp_rank: int) -> torch.Tensor:
-        return torch.cat([torch.arange(*self.chunk(p, sp_rank)) for p in active])
+        """The sequence positions of this rank's tokens of the active patches, patch by patch."""
+        tokens = torch.cat([torch.arange(*self.chunk(p, sp_rank)) for p in active])
+        return tokens if self.order is None else self.order[tokens]
+
+    def rank_ranges(self, patch: int, sp_rank: int) -> list[tuple[int, int]]:
+        """This rank's tokens of `patch` as [start, stop) ranges of the sequence (one per image it spans)."""
+        if self.order is None:
+            return [self.chunk(patch, sp_rank)]
+        runs = []
+        for token in self.rank_tokens([patch], sp_rank).tolist():
+            if runs and runs[-1][1] == token:
+                runs[-1][1] = token + 1
+            else:
+                runs.append([token, token + 1])
+        return [tuple(run) for run in runs]
 
     def rank_sizes(self, active: list[int]) -> list[int]:
         return [sum(self.chunk_len(p, i) for p in active) for i in range(self.sp)]
@@ -109,6 +128,30 @@ class PatchLayout:
     def gather_order(self, active: list[int]) -> torch.Tensor:
         """Token positions of an all-gather over sp ranks of their rank_tokens (in rank order)."""
         return torch.cat([self.rank_tokens(active, i) for i in range(self.sp)])
+
+
+def patch_layout(
+    grid: tuple[int, int], num_patches: int, sp: int, appended: tuple[tuple[int, int], ...] = (), padded: int = 0
+) -> PatchLayout:
+    """The patches of a rows × cols token `grid`, each sharded over `sp` ranks. `appended`: (rows, cols) of
+    the images whose tokens follow the grid's in the sequence, one after another (an edit's reference
+    images): patch i is then row band i of every image, so each patch holds its share of every image and
+    no token runs twice. `padded`: tokens the model adds after the grid (Z-Image's), with the last patch."""
+    if padded and appended:
+        raise NotImplementedError(
+            "padding tokens between the drawn image and the images after it are not cut into patches"
+        )
+    if not appended:
+        return PatchLayout(patch_ranges(*grid, num_patches, padded=padded), sp)
+    bands, offset = [], 0  # per image, its bands' [start, stop) in the sequence
+    for rows, cols in (grid, *appended):
+        bands.append([(offset + start, offset + stop) for start, stop in patch_ranges(rows, cols, num_patches)])
+        offset += rows * cols
+    in_patch_order = [band for p in range(num_patches) for band in (image[p] for image in bands)]
+    order = torch.cat([torch.arange(start, stop) for start, stop in in_patch_order])
+    sizes = [sum(image[p][1] - image[p][0] for image in bands) for p in range(num_patches)]
+    starts = [sum(sizes[:p]) for p in range(num_patches)]
+    return PatchLayout([(start, start + size) for start, size in zip(starts, sizes)], sp, order)
 
 
 def gather_buffer_bytes(largest_block: int, root: int) -> int:

@@ -2,7 +2,7 @@
 
     results = run_on_ranks(check_all_reduce, 4, ParallelConfig(ulysses=2, ring=2))
 
-Each child joins a fresh process group through a store this process serves (job_store), calls
+Each child joins a fresh process group through a store this process serves (distributed.serve_store), calls
 `fn(*args, **kwargs)` and sends back its return value (anything picklable; tensors are fine).
 The parent waits at most `timeout_s`; a child that raises has its traceback re-raised in the
 parent as `RankFailure`, and a child that hangs or dies is killed and reported the same way.
@@ -43,6 +43,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .distributed import AGENT_STORE, serve_store
+
 _CONTEXT = None
 # diffusers imports its models and pipelines lazily, on a class's first use: about 2 s of CPU that
 # every rank of every run would pay again (4 ranks share 2 cores here). The forkserver pays it once.
@@ -72,24 +74,6 @@ def _context():
             _CONTEXT = mp.get_context("forkserver")
             _CONTEXT.set_forkserver_preload(PRELOAD)
     return _CONTEXT
-
-
-# The ranks of one job are clients of a store this process serves, as torchrun's workers are of their agent's:
-# bound to a port the kernel picks (0), where a port picked free and bound later by rank 0 can be taken in between
-# by another test's process (EADDRINUSE)
-AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
-
-
-def job_store(world_size: int):
-    """A rendezvous store for one job of `world_size` ranks, served by this process on a port of the kernel's
-    choosing (`.port`); the ranks join it with AGENT_STORE in their environment and MASTER_PORT its port."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    return TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
-    )
 
 
 def _child(fn, rank, world_size, port, backend, timeout_s, env, args, kwargs, results):
@@ -135,7 +119,7 @@ def run_on_ranks(
     for a lost peer fails with torch's own message rather than being killed silently."""
     ctx = _context()
     results = ctx.Queue()
-    store = job_store(world_size)  # kept alive here until every rank is done
+    store = serve_store(world_size)  # kept alive here until every rank is done
     port = store.port
     collective_timeout_s = collective_timeout_s or max(5.0, timeout_s * 0.8)
     env = {"OMP_NUM_THREADS": "1", **(env or {}), **AGENT_STORE}
@@ -267,7 +251,7 @@ def run_cli(
     base = {**os.environ, **(env or {})}
     if torchrun and ranks > 1 and "OMP_NUM_THREADS" not in base:
         base["OMP_NUM_THREADS"] = "1"
-    store = job_store(ranks) if torchrun else None  # one job: one store and one run id for all its ranks
+    store = serve_store(ranks) if torchrun else None  # one job: one store and one run id for all its ranks
     if torchrun:
         run_id = uuid.uuid4().hex
         envs = [{**base, **_torchrun_worker_env(rank, ranks, store.port, run_id)} for rank in range(ranks)]

@@ -15,13 +15,36 @@ gathered at the end:
     mid attention    Ring attention over the bands (attention/ring.py; one head: no Ulysses)
     upsampling       nearest ×2 is local: the bands stay aligned, 8× taller at the end
 
-diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d,
-F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
-collective is logged with a tag starting "vae". The result equals `vae.decode` of the whole
-latent up to float rounding. Bands are on with ParallelConfig(vae_parallel=True), the default;
-the split of images over dp × cfg always is. Under PipeFusion every stage holds the whole latents
-too: the bands go over stages × sp (the mesh's "image" group). Flux.2's VAE is the same 2D decoder;
-the 3D VAEs of the video families decode each rank's images whole.
+Wan's causal 3D VAE (Wan 2.1 and 2.2, and Qwen-Image's, the same decoder) runs its decoder once per
+latent frame, each causal convolution convolving the frames it cached from the calls before:
+
+    latent frame t   the decoder runs on the band's rows of frame t (a call per frame, as diffusers does)
+    3×3×3 conv       pads its own input (F.pad) and convolves unpadded: the rows F.pad adds are the
+                     neighbours' instead, of every frame convolved, the cached ones too; each band's
+                     cache holds its own rows, so the neighbour's cache holds the halo's (exact)
+    RMS norm         over the channels of each pixel: local, nothing summed
+    mid attention    per frame over the frame's pixels: Ring attention over the bands, as above
+    upsampling       nearest ×2 and a 3×3 conv2d (a halo); the time convolution (3×1×1) is local
+
+CogVideoX's 3D VAE runs its decoder on batches of two latent frames, its causal convolutions padding
+frames themselves (the cache) and rows in F.conv3d: there the halo rows come from the neighbours as
+for a 3×3 conv2d, cached frames included; its GroupNorms span the batch's frames and rows (statistics
+summed over the bands, as above); its spatial norm's nearest resize of the latent band is local; no
+attention. HunyuanVideo's runs its decoder on all frames at once (or on overlapping tiles of frames,
+its framewise decoding), padding frames, rows and columns by replication in F.pad: the halo rows join
+the band before it pads, and only the image's own edges replicate; GroupNorms as above; its mid
+attention spans every frame, causal over frames: the K/V of every band are gathered (the mid block
+is at the latent's resolution) and the band's frame-causal mask rebuilt over them.
+
+diffusers' decoder runs unchanged: inside the decode, a TorchFunctionMode hands F.conv2d, F.pad,
+F.conv3d, F.group_norm and F.scaled_dot_product_attention to the band-aware versions below. Every
+collective is logged with a tag starting "vae", and each decode's halo bytes have a closed form
+(halo_bytes, causal_halo_bytes, cogvideox_halo_bytes, hunyuan_halo_bytes). The result equals
+`vae.decode` of the whole latent up to float rounding. Bands are on with
+ParallelConfig(vae_parallel=True), the default; the split of images over dp × cfg always is. Under
+PipeFusion every stage holds the whole latents too: the bands go over stages × sp (the mesh's
+"image" group). Flux.2's VAE is the same 2D decoder; Sana's deep-compression VAE (AutoencoderDC,
+its own blocks and linear attention) decodes each rank's images whole.
 """
 
 from __future__ import annotations
@@ -29,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import weakref
 
 import torch
@@ -41,7 +65,13 @@ from .mesh import CFG, DP, IMAGE, PIPEFUSION, SP
 from .sharding import shard_range, shard_sizes
 
 log = logging.getLogger("xdit_lab.vae")
-BANDED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # 2D: diffusers' Decoder behind post_quant_conv
+PLANAR_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")  # 2D: diffusers' Decoder behind post_quant_conv
+CAUSAL_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")  # Wan's causal 3D decoder, one latent frame a call
+GROUPED_VIDEO_VAES = (
+    "AutoencoderKLCogVideoX",
+    "AutoencoderKLHunyuanVideo",
+)  # GroupNorm over frames and rows, conv3d padding its rows
+BANDED_VAES = PLANAR_VAES + CAUSAL_VAES + GROUPED_VIDEO_VAES
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
@@ -49,12 +79,13 @@ def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     """Make `vae.decode` do only this rank's part: its images of the batch (split over the dp × cfg
     ranks, which hold the same latents after each step) and, with `bands` (ParallelConfig's
     vae_parallel), its band of rows over the ranks that share an image (band_group). False (nothing
-    changed) when one rank holds every image and there are no bands to split. Bands need a 2D VAE
-    (BANDED_VAES): the 3D VAEs of the video families decode their images whole (said in the log)."""
+    changed) when one rank holds every image and there are no bands to split. Bands need a VAE of
+    BANDED_VAES (the 2D ones, Wan's, CogVideoX's and HunyuanVideo's 3D ones): the others (Sana's
+    AutoencoderDC) decode their images whole (said in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
     if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ not in BANDED_VAES:
         log.warning(
-            "%s decodes this rank's images whole: row bands over the ranks of an image need a 2D VAE (%s)",
+            "%s decodes this rank's images whole: row bands over the ranks of an image need one of %s",
             type(vae).__name__,
             ", ".join(BANDED_VAES),
         )
@@ -122,7 +153,7 @@ def _decode_my_part(vae, whole_decode, mesh, z, bands: bool, **kwargs):
             first_image=start,
             bands=[list(shard_range(rows, parts, i)) for i in range(parts)],
             band=list(shard_range(rows, parts, sp_rank)),
-            halo_expected=halo_bytes(vae.config, tuple(mine.shape), z.element_size(), neighbours) if parts > 1 else 0,
+            halo_expected=_halo_bytes(vae, tuple(mine.shape), z.element_size(), neighbours) if parts > 1 else 0,
         ),
     )
     if parts == 1:
@@ -159,6 +190,10 @@ class Bands(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.conv2d:
             return self.conv2d(*args, **kwargs)
+        if func is F.pad:
+            return self.pad(*args, **kwargs)
+        if func is F.conv3d:
+            return self.conv3d(*args, **kwargs)
         if func is F.group_norm:
             return self.group_norm(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
@@ -177,17 +212,68 @@ class Bands(TorchFunctionMode):
             x = torch.cat([top, x, bottom], dim=2)
         return F.conv2d(x, weight, bias, 1, (0, pad_w), 1, groups)
 
+    def pad(self, x, pad, mode="constant", value=None):
+        """Wan's causal 3D convolution pads its input itself (F.pad: rows and columns by one, time causally,
+        after its cached frames), then convolves unpadded: the rows it pads above and below the band are
+        the neighbours' instead, of every frame it convolves, cached ones included. The cache holds this
+        band's own rows of earlier frames, so the neighbours' caches hold the halo's: exchanging the halo
+        of the input as the convolution sees it is exact without any halo in the cache.
+        HunyuanVideo's pads by replication instead (frames, rows and columns): the halo rows join the
+        band first and are replicated with it; only the image's own top and bottom rows replicate."""
+        if len(pad) < 4 or not (pad[2] or pad[3]):
+            return F.pad(x, pad, mode=mode, value=value)
+        if mode not in ("constant", "replicate") or value or pad[2] != pad[3]:
+            raise NotImplementedError(
+                f"patch-parallel decode pads rows with zeros or by replication, as many above as below, got "
+                f"{pad} ({mode}, {value})"
+            )
+        rows = pad[2]
+        top, bottom = self._halos(x, rows)
+        if mode == "replicate":
+            inner = [top] * (self.above is not None) + [x] + [bottom] * (self.below is not None)
+            at_edges = [rows * (self.above is None), rows * (self.below is None)]
+            return F.pad(torch.cat(inner, dim=-2), [*pad[:2], *at_edges, *pad[4:]], mode="replicate")
+        padded = F.pad(x, pad)  # the one tensor diffusers' own pad makes; its zero rows take the halos
+        # x's place in it, last dim first; the halos sit beside x's frames and columns (zeros beside them too)
+        place = [slice(pad[2 * d], pad[2 * d] + x.shape[-1 - d]) for d in range(len(pad) // 2)]
+        place[1] = slice(0, rows)
+        padded[(..., *reversed(place))] = top
+        place[1] = slice(padded.shape[-2] - rows, padded.shape[-2])
+        padded[(..., *reversed(place))] = bottom
+        return padded
+
+    def conv3d(self, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        """Wan's causal convolution pads its rows itself (pad above) and calls this with none; CogVideoX's
+        pads its frames itself (its cache, or the first frame repeated) and its rows here: as conv2d's,
+        the neighbours' rows of every frame convolved. Each band caches its own rows, so the neighbours'
+        caches hold the halo's, as in pad."""
+
+        def triple(v):
+            return (v,) * 3 if isinstance(v, int) else tuple(v)
+
+        if isinstance(padding, str) or triple(stride)[1] != 1 or triple(dilation)[1] != 1:
+            raise NotImplementedError(
+                f"patch-parallel decode handles 3D convolutions of row stride and dilation 1 with numeric padding, "
+                f"got stride {stride}, padding {padding}, dilation {dilation}"
+            )
+        pad_t, pad_h, pad_w = triple(padding)
+        if pad_h:
+            top, bottom = self._halos(x, pad_h)
+            x = torch.cat([top, x, bottom], dim=-2)
+        return F.conv3d(x, weight, bias, stride, (pad_t, 0, pad_w), dilation, groups)
+
     def _halos(self, x, rows: int):
-        if x.shape[2] < rows:
-            raise ValueError(f"a band of {x.shape[2]} rows cannot give a halo of {rows}; use fewer ranks")
-        top = x.new_zeros((*x.shape[:2], rows, x.shape[3]))
+        """The `rows` rows (x's dim -2) of the neighbours above and below the band: zeros at the image's edge."""
+        if x.shape[-2] < rows:
+            raise ValueError(f"a band of {x.shape[-2]} rows cannot give a halo of {rows}; use fewer ranks")
+        top = x.new_zeros((*x.shape[:-2], rows, x.shape[-1]))
         bottom = torch.zeros_like(top)
         sends, receives = [], []
         if self.above is not None:
-            sends.append((x[:, :, :rows].contiguous(), self.above))
+            sends.append((x[..., :rows, :].contiguous(), self.above))
             receives.append((top, self.above))
         if self.below is not None:
-            sends.append((x[:, :, -rows:].contiguous(), self.below))
+            sends.append((x[..., -rows:, :].contiguous(), self.below))
             receives.append((bottom, self.below))
         comm.wait(comm.exchange(sends, receives, self.mesh, self.group, tag="vae_halo"))
         return top, bottom
@@ -215,13 +301,42 @@ class Bands(TorchFunctionMode):
         """The mid-block's attention over every band's tokens: Ring attention over the band ranks,
         each band one block (one head, so Ulysses cannot split it). K/V blocks travel; no rank
         holds the whole image's scores, which at a 128² latent are 1 GiB per image in float32."""
-        if attn_mask is not None or dropout_p or is_causal:
-            raise NotImplementedError("patch-parallel decode handles attention without mask, dropout or causality")
+        if dropout_p or is_causal:
+            raise NotImplementedError("patch-parallel decode handles attention without dropout or causality")
+        if attn_mask is not None:
+            return self.frame_causal_attention(query, key, value, attn_mask, scale)
         band_rows = shard_sizes(self.total_rows, self.parts)
         per_row = key.shape[2] // band_rows[self.me]
         blocks = [rows * per_row for rows in band_rows]
         out, _ = ring_attention(query, key, value, self.mesh, blocks, scale=scale, group=self.group, tag_prefix="vae_")
         return out
+
+    def frame_causal_attention(self, query, key, value, attn_mask, scale):
+        """HunyuanVideo's mid-block attention: over every frame's pixels, tokens frame-major, a frame's
+        queries attending the keys of its own and earlier frames (its mask). The mask diffusers made is
+        the band's own; the keys of every band are gathered (the mid block's latent resolution is
+        small) and the mask rebuilt over them, after checking the band's is that frame-causal mask (two
+        host syncs, once per decoder call)."""
+        band_rows = shard_sizes(self.total_rows, self.parts)
+        local = attn_mask.reshape(-1, *attn_mask.shape[-2:])[0]
+        per_frame = int((local[0] == 0).sum())  # the tokens of frame 0: what the first query attends
+        frames, per_row = key.shape[2] // per_frame, per_frame // band_rows[self.me]
+
+        def frame_of(rows):  # the frame of each token of a band of `rows` rows, frame-major
+            return torch.arange(frames, device=key.device).repeat_interleave(rows * per_row)
+
+        def causal(query_frames, key_frames):
+            return torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+                key_frames[None, :] > query_frames[:, None], float("-inf")
+            )
+
+        mine = frame_of(band_rows[self.me])
+        if per_frame * frames != key.shape[2] or not torch.equal(local, causal(mine, mine)):
+            raise NotImplementedError("patch-parallel decode handles attention masks causal over frames only")
+        sizes = [frames * rows * per_row for rows in band_rows]
+        both = comm.all_gather(torch.stack([key, value]), self.mesh, self.group, dim=3, sizes=sizes, tag="vae_kv")
+        every = torch.cat([frame_of(rows) for rows in band_rows])
+        return F.scaled_dot_product_attention(query, both[0], both[1], attn_mask=causal(mine, every), scale=scale)
 
 
 def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
@@ -242,3 +357,120 @@ def halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) ->
         previous = out
     convs.append((vae_config["block_out_channels"][0], width * scale))  # conv_out
     return sum(batch * c * w for c, w in convs) * element_bytes * neighbours
+
+
+def _halo_bytes(vae, latent_shape, element_bytes: int, neighbours: int) -> int:
+    kind = type(vae).__name__
+    if kind in CAUSAL_VAES:
+        return causal_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+    if kind == "AutoencoderKLCogVideoX":
+        return cogvideox_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+    if kind == "AutoencoderKLHunyuanVideo":
+        calls = hunyuan_decoder_frames(vae, latent_shape[2])
+        return hunyuan_halo_bytes(vae.config, latent_shape, element_bytes, neighbours, calls)
+    return halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+
+
+def causal_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
+    """Bytes one rank sends in halos during one decode of Wan's causal 3D VAE (AutoencoderKLWan's config
+    keys; Qwen-Image's VAE is the same decoder). The decoder runs once per latent frame; every 3×3×3
+    convolution sends one row of its input to each neighbour, of the frames it convolves: this call's,
+    after the frames its cache holds (the last two it saw, fewer at first). Each upsampling's 3×3 conv2d
+    sends one row of every frame at twice the width. A temporal upsampling doubles the frames of every
+    call after the first; its time convolution (3×1×1) pads no rows."""
+    batch, _, latent_frames, _, width = latent_shape
+    base = vae_config.get("decoder_base_dim") or vae_config["base_dim"]
+    mult, residual = vae_config["dim_mult"], vae_config.get("is_residual", False)
+    in_time = list(reversed(vae_config["temperal_downsample"]))
+    dims = [base * m for m in [mult[-1], *reversed(mult)]]
+    # (input channels, width, upsamplings in time before it) of every 3×3×3 convolution, and of every conv2d
+    convs3d = [(vae_config["z_dim"], width, 0)] + [(dims[0], width, 0)] * 4  # conv_in, the mid block's resnets
+    convs2d, scale, doublings = [], 1, 0
+    for i, (channels, out) in enumerate(zip(dims[:-1], dims[1:])):
+        channels = channels // 2 if i > 0 and not residual else channels  # Wan 2.1's upsampling halves them
+        for _ in range(vae_config["num_res_blocks"] + 1):
+            convs3d += [(channels, width * scale, doublings), (out, width * scale, doublings)]
+            channels = out
+        if i < len(mult) - 1:  # nearest ×2, then a 3×3 conv2d (after the time convolution of a 3D one)
+            doublings += bool(in_time[i])
+            scale *= 2
+            convs2d.append((out, width * scale, doublings))
+    convs3d.append((dims[-1], width * scale, doublings))  # conv_out
+
+    def frames(call, doubled):  # the first call's frame is never doubled ("Rep": the time conv is skipped)
+        return 1 if call == 0 else 2**doubled
+
+    sent = 0
+    for call in range(latent_frames):
+        for channels, cols, doubled in convs3d:
+            cached = min(2, sum(frames(earlier, doubled) for earlier in range(call)))
+            sent += channels * cols * (cached + frames(call, doubled))
+        sent += sum(channels * cols * frames(call, doubled) for channels, cols, doubled in convs2d)
+    return sent * batch * element_bytes * neighbours
+
+
+def cogvideox_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
+    """Bytes one rank sends in halos during one decode of CogVideoX's VAE. The decoder runs on batches of
+    two latent frames (the first batch takes the odd one too); every 3×3×3 convolution sends one row of
+    its input to each neighbour, of the batch's frames after the two its cache holds (the first frame
+    twice in the first batch). Each upsampling's 3×3 conv2d sends one row of every frame at twice the
+    width; one that compresses time doubles the frames (all but the first when they are odd). Below
+    CogVideoXSafeConv3d's 2 GiB, where it splits a convolution's frames (more halo rows)."""
+    batch, _, latent_frames, _, width = latent_shape
+    channels = list(reversed(vae_config["block_out_channels"]))
+    in_time = round(math.log2(vae_config["temporal_compression_ratio"]))
+    rest = latent_frames % 2
+    frame_batches = [min(latent_frames, 2 + rest)] + [2] * (max(latent_frames // 2, 1) - 1)
+
+    def sent(frames):  # one batch of the decoder's: the channels × width × frames of each convolution's halo row
+        total = (vae_config["latent_channels"] + 4 * channels[0]) * width * (frames + 2)  # conv_in, the mid block
+        previous, cols = channels[0], width
+        for i, out in enumerate(channels):
+            for j in range(vae_config["layers_per_block"] + 1):
+                total += ((previous if j == 0 else out) + out) * cols * (frames + 2)
+            previous = out
+            if i < len(channels) - 1:  # nearest ×2 (in time too while compressing it), then a 3×3 conv2d
+                if i < in_time:
+                    frames = 2 * frames - frames % 2
+                cols *= 2
+                total += out * cols * frames
+        return total + channels[-1] * cols * (frames + 2)  # conv_out
+
+    return sum(sent(frames) for frames in frame_batches) * batch * element_bytes * neighbours
+
+
+def hunyuan_decoder_frames(vae, latent_frames: int) -> list[int]:
+    """The latent frames of each call of HunyuanVideo's decoder: all at once, or with its framewise
+    decoding (on by default) past tile_sample_min_num_frames, overlapping tiles of frames."""
+    ratio = vae.temporal_compression_ratio
+    tile, stride = vae.tile_sample_min_num_frames // ratio, vae.tile_sample_stride_num_frames // ratio
+    if not (vae.use_framewise_decoding and latent_frames > tile):
+        return [latent_frames]
+    return [min(latent_frames, start + tile + 1) - start for start in range(0, latent_frames, stride)]
+
+
+def hunyuan_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int, calls: list[int]) -> int:
+    """Bytes one rank sends in halos during one decode of HunyuanVideo's VAE, its decoder called on
+    `calls` latent frames each (hunyuan_decoder_frames). Its convolutions pad by replication after the
+    halo joins the band: every 3×3×3 one sends one row of each of its input's frames to each neighbour.
+    An upsampling (nearest, in time all frames but the first) is followed by such a convolution."""
+    batch, _, _, _, width = latent_shape
+    channels = list(reversed(vae_config["block_out_channels"]))
+    in_space = round(math.log2(vae_config["spatial_compression_ratio"]))
+    in_time = round(math.log2(vae_config["temporal_compression_ratio"]))
+
+    def sent(frames):  # one call of the decoder's
+        total = (vae_config["latent_channels"] + 4 * channels[0]) * width * frames  # conv_in, the mid block
+        previous, cols = channels[0], width
+        for i, out in enumerate(channels):
+            for j in range(vae_config["layers_per_block"] + 1):
+                total += ((previous if j == 0 else out) + out) * cols * frames
+            previous = out
+            spatial, temporal = i < in_space, len(channels) - 1 - in_time <= i < len(channels) - 1
+            if spatial or temporal:
+                cols *= 2 if spatial else 1
+                frames = 2 * frames - 1 if temporal else frames
+                total += out * cols * frames
+        return total + channels[-1] * cols * frames  # conv_out
+
+    return sum(sent(frames) for frames in calls) * batch * element_bytes * neighbours

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh import RING, ULYSSES
-from ..sharding import PatchLayout, patch_ranges
+from ..sharding import PatchLayout, patch_layout
 from .local import joint_local_attention
 from .ring import ring_attention
 from .ulysses import head_counts, head_slice, heads_to_seq, seq_to_heads
@@ -119,13 +119,15 @@ def stale_kv_bytes(
     ring_rank,
     element_bytes,
     ulysses_rank=None,
+    appended=(),
     padded=0,
 ) -> int:
     """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
     of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
-    every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends). The whole
-    sequence is the grid's tokens and the `padded` ones the model adds after them (Z-Image's)."""
-    layout = PatchLayout(patch_ranges(*grid, patches, padded=padded), ulysses * ring)
+    every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends).
+    `appended`: the grids of images whose tokens follow the `grid`'s (sharding.patch_layout); `padded`: the
+    tokens the model adds after the grid (Z-Image's)."""
+    layout = patch_layout(grid, patches, ulysses * ring, appended, padded=padded)
     length = sum(
         layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
     )

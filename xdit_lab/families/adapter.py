@@ -58,6 +58,11 @@ class LatentLayout:
         patch = self.patch_size(model_config)
         return latents.shape[-2] // patch, latents.shape[-1] // patch
 
+    def appended_grids(self, arguments) -> tuple[tuple[int, int], ...]:
+        """(rows, cols) of the images whose tokens follow the drawn one's in the forward's sequence (an
+        edit's reference images), which PipeFusion cuts into row bands with it: none here."""
+        return ()
+
     def latent_positions(self, latents, model_config) -> torch.Tensor:
         """[S, X]: for each image token, in the model's order, the flat positions in one sample of
         `latents` it is made of. PipeFusion's async schedule steps the scheduler patch by patch and
@@ -111,16 +116,8 @@ class PackedTokens(LatentLayout):
     channel_dim = 2
 
     def token_grid(self, latents, model_config, arguments):
-        if "img_shapes" in arguments:  # Qwen-Image: [(frames, rows, cols)] per sample
-            images = arguments["img_shapes"][0]  # diffusers' rotary reads the first
-            images = images if isinstance(images, list) else [images]
-            if len(images) != 1:
-                raise NotImplementedError(
-                    f"{len(images)} images per sample (an edit's reference images) do not form one grid of rows; "
-                    f"PipeFusion cuts one image into row bands: run it without PipeFusion"
-                )
-            frames, rows, cols = images[0]
-            return frames * rows, cols
+        if "img_shapes" in arguments:  # Qwen-Image: [(frames, rows, cols)] per sample, the drawn image first
+            return self._image_grids(arguments)[0]
         ids = arguments["img_ids"].reshape(-1, arguments["img_ids"].shape[-1])  # Flux: (image, row, column)
         images = len(torch.unique(ids[:, 0]))  # a host sync, once per size: reference images (Kontext, Flux.2)
         if images != 1:  # have their own value on the first axis
@@ -130,6 +127,15 @@ class PackedTokens(LatentLayout):
             )
         cols = int(ids[:, 2].max()) + 1
         return latents.shape[1] // cols, cols
+
+    def appended_grids(self, arguments):
+        """Qwen-Image-Edit's reference images, img_shapes' entries after the drawn one."""
+        return self._image_grids(arguments)[1:] if "img_shapes" in arguments else ()
+
+    @staticmethod
+    def _image_grids(arguments) -> tuple[tuple[int, int], ...]:
+        images = arguments["img_shapes"][0]  # diffusers' rotary reads the first sample's
+        return tuple((frames * rows, cols) for frames, rows, cols in (images if isinstance(images, list) else [images]))
 
     def latent_positions(self, latents, model_config):
         return torch.arange(latents.shape[1:].numel(), device=latents.device).view(latents.shape[1:])

@@ -17,10 +17,16 @@ img_shapes lists one (frames, rows, cols) per image, and the prediction keeps th
     [latents; image 1 tokens; image 2 tokens ...]  img_shapes [(1, h, w), (1, h1, w1), ...]  -> noise[:, :h·w]
 
 Sequence parallelism splits that sequence as any other, and 2511's zero_cond_t (the references' tokens
-modulated at t = 0, modulate_index) follows the tokens' shard, as the transformer's _cp_plan says. PipeFusion,
-which cuts one image into row bands, refuses it at load. Every prompt of a call edits the same image(s), each
-prompt encoded with them apart (diffusers' Plus pipeline takes one prompt a call), padded to the longest and
-masked as the branches are."""
+modulated at t = 0, modulate_index) follows the tokens' shard, as the transformer's _cp_plan says. PipeFusion
+cuts every image of the sequence into as many row bands (sharding.patch_layout: `appended_grids`), patch i
+being band i of each, so the references' tokens are computed once, with stale K/V as the drawn ones, and every
+patch's share of each is balanced; their rotary rows and modulate_index follow the patches, and the output
+holds every image's tokens, as the transformer returns them (guide keeps the drawn ones):
+
+    patch 0: drawn rows 0..h/2, image 1 rows 0..h1/2, ...   patch 1: the other halves
+
+Every prompt of a call edits the same image(s), each prompt encoded with them apart (diffusers' Plus pipeline
+takes one prompt a call), padded to the longest and masked as the branches are."""
 
 from __future__ import annotations
 
@@ -58,11 +64,6 @@ EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
     pipeline_classes = ("QwenImagePipeline", *EDIT_PIPELINES)
     tasks = dict.fromkeys(EDIT_PIPELINES, "editing")
-    pipefusion_refused = dict.fromkeys(
-        EDIT_PIPELINES,
-        "its reference images' tokens follow the drawn ones, several images per sample that do not form one grid "
-        "of rows, and PipeFusion cuts one image into row bands; run it under ulysses, ring, cfg or dp",
-    )
     output_class = "diffusers.pipelines.qwenimage.pipeline_output:QwenImagePipelineOutput"
     defaults = dict(num_inference_steps=50, guidance_scale=None)  # guidance_scale: a distilled model's input
     options = dict(true_cfg_scale=4.0, max_sequence_length=512, image=None)  # image: the edit pipelines'
@@ -124,7 +125,7 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             prepared.latents, prepared.extra["reference"] = self.packed_latents(
                 pipe, request, prepared, device, sizes[-1], images=_encoded_images(pipe, request)
             )
-            references = [(1, height // factor, width // factor) for height, width in sizes]
+            references = [(1, *grid) for grid in self.appended_grids(pipe, request)]
         else:
             prepared.latents, references = self.packed_latents(pipe, request, prepared, device), []
         height, width = prepared.extra["size"]
@@ -133,6 +134,13 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
             raise ValueError("this Qwen-Image model is guidance-distilled: give guidance_scale")
         mu = self.image_tokens_shift(pipe, prepared.latents.shape[1])
         self.set_timesteps(pipe, request, prepared, device, mu, flow_sigmas=False)
+
+    def appended_grids(self, pipe, request):
+        """The edit pipelines' reference images, a grid of packed tokens each, as img_shapes lists them."""
+        if not _edits(pipe):
+            return ()
+        factor = pipe.vae_scale_factor * 2
+        return tuple((height // factor, width // factor) for height, width in _vae_sizes(request))
 
     def packed_latents(self, pipe, request, prepared, device, default_size=None, generator=None, images=None):
         """As PackedLatentsRecipe's, the edit pipelines' size cut to multiples of the packed latent's pixels as
@@ -155,8 +163,9 @@ class QwenImageRecipe(PackedLatentsRecipe, TrueCFGRecipe):
         if "processor" in configs:  # an edit folder: Qwen2.5-VL reads the image(s) with the prompt
             why = (
                 f"conditioning: {text} text tokens a row (max_sequence_length; the edit pipelines cut no prompt), "
-                f"and the image's vision tokens beside them, and the reference images' latents (image inputs), "
-                f"known once the images are given: pipe.memory_plan_for counts them"
+                f"and the image's vision tokens beside them, and the reference images' latents (image inputs) and "
+                f"PipeFusion's stale K/V of their tokens, known once the images are given: pipe.memory_plan_for "
+                f"counts them"
             )
         return RequestShape(latents, per_row, 0, (rows, cols), None, bounds=(why,))
 

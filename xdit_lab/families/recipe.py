@@ -353,6 +353,11 @@ class Recipe:
         """Tokens the transformer sees after the drawn image's (Kontext's reference image): none."""
         return 0
 
+    def appended_grids(self, pipe, request: Request) -> tuple[tuple[int, int], ...]:
+        """(rows, cols) of the token grids of the images the transformer sees after the drawn one, each a grid of
+        rows that PipeFusion cuts into bands with it (Qwen-Image-Edit's reference images): none."""
+        return ()
+
     def model_input(self, pipe, prepared: Prepared, latents: torch.Tensor, t) -> torch.Tensor:
         """The transformer's input for the current latents: one copy per branch, scaled for the step."""
         return self.scale_model_input(pipe, torch.cat([latents, latents]) if prepared.do_cfg else latents, t)

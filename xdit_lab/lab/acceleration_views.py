@@ -92,7 +92,9 @@ def draw_decode(summaries) -> Figure:
     if summaries[0]["decode"] is None:
         raise ValueError("no decode yet: call session.result() first")
     if not summaries[0]["decode"]["parallel"]:
-        raise ValueError("every rank decoded the whole batch (one rank per image, vae_parallel=False, or a 3D VAE)")
+        raise ValueError(
+            "every rank decoded the whole batch (one rank per image, vae_parallel=False, or a VAE without bands: Sana's)"
+        )
     world, first = max(s["rank"] for s in summaries) + 1, summaries[0]
     peers = [s for s in summaries if all(s["coords"][d] == first["coords"][d] for d in (DP, CFG))]
     rows, cols = first["decode"]["latent_shape"][-2:]

@@ -260,8 +260,8 @@ class Lab:
         # several hosts: the rank-0 engine's address on its route to the controller, which every engine reaches
         # (its host name may resolve to nothing elsewhere), else that host name
         master = self.master_addr or ("127.0.0.1" if single_host else self.ranks[0]["address"] or self.ranks[0]["host"])
-        # A port free on the rank-0 host (checked on its loopback; the store listens on every interface).
-        port = self.call(engine.pick_port, ranks=[0], state=False, what="pick a port")[0]
+        # The rank-0 engine serves the store (on every interface, a port the kernel picks), the others join it
+        port = self.call(engine.serve_store, ranks=[0], what="serve the rendezvous store")[0]
         joined = self.call(engine.init, master, port, self.collective_timeout_s, self.backend, what="init_distributed")
         for row in self.ranks:
             row.update(joined[row["rank"]], master=f"{master}:{port}")

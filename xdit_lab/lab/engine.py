@@ -35,21 +35,25 @@ def describe() -> dict:
     return dict(host=socket.gethostname(), pid=os.getpid(), address=address)
 
 
-def pick_port() -> int:
-    from xdit_lab.distributed import free_port
+def serve_store(state: dict) -> int:
+    """Serve the world's rendezvous store from this engine (rank 0's) on a port the kernel picks, kept in the
+    state until shutdown, and return the port: a port picked free and bound later could be taken in between."""
+    from xdit_lab.distributed import serve_store
 
-    return free_port()
+    state["store"] = serve_store(state["world_size"])
+    return state["store"].port
 
 
 def init(state: dict, master_addr: str, master_port: int, timeout_s: float, backend: str | None) -> dict:
     """Join the torch.distributed world (every engine enters this in the same non-blocking apply)."""
     import torch
 
-    from xdit_lab.distributed import init_distributed, interface_variable
+    from xdit_lab.distributed import AGENT_STORE, init_distributed, interface_variable
 
     # What torchrun would have set: load_pipeline's memory plan reads LOCAL_WORLD_SIZE.
     for name in ("rank", "world_size", "local_rank", "local_world_size"):
         os.environ[name.upper()] = str(state[name])
+    os.environ.update(AGENT_STORE)  # every engine joins the store rank 0 serves (serve_store), as a client
     info = init_distributed(
         backend,
         timeout_s,
@@ -75,6 +79,7 @@ def shutdown(state: dict) -> None:
 
     state.update(pipe=None, session=None, serial_reference=None)
     shutdown_distributed()
+    state["store"] = None  # rank 0's: after every rank has left the group
 
 
 def load(state: dict, name_or_path, config, options) -> dict:

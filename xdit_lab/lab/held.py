@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.offload import OFFLOADED, offload_groups
 from ..models.sharded_weights import gather_buffer_bytes, local_parameter_bytes, whole_parameter_bytes
 from ..pipeline import ON_HOST
 from ..quantization import quantized_form
@@ -64,8 +65,10 @@ def holding(component) -> dict:
     """What this rank holds of one component (an nn.Module): bytes held (local parameter shards and
     persistent buffers), the whole's bytes, whether FSDP2 shards it and over which mesh group and how
     many ranks, the share held, whether it is kept in host memory (pipeline.run_on_host), the device
-    of its parameters, the gather buffer its sharded forward holds (0 when whole), and the schemes its
-    quantized weights are stored in (load_pipeline(quantization=...): torchao's, by their inner tensors)."""
+    of its parameters, the gather buffer its sharded forward holds (0 when whole), the schemes its
+    quantized weights are stored in (load_pipeline(quantization=...): torchao's, by their inner tensors),
+    and with offloaded blocks (load_pipeline(offload_blocks=N)) its N and the most it has on the device at once:
+    device_bytes, diffusers' root group and largest group of blocks (0 on the host, else held_bytes)."""
     params = list(component.parameters())
     buffers = persistent_buffers(component)
     local, whole = local_parameter_bytes(component), whole_parameter_bytes(component)
@@ -76,6 +79,11 @@ def holding(component) -> dict:
     blocks = [size for name, size in units.items() if name != ""]
     gather = gather_buffer_bytes(max(blocks, default=0), units.get("", 0)) if sharded else 0
     first = next(iter(params), None)
+    on_host = bool(getattr(component, ON_HOST, False))
+    groups = offload_groups(component)
+    device = 0 if on_host else local + buffered
+    if groups:  # in host memory, a group of blocks at a time on the device with the root's group
+        device = groups[-1].bytes + max((g.bytes for g in groups if g.blocks), default=0)
     return dict(
         held_bytes=local + buffered,
         whole_bytes=whole + buffered,
@@ -84,7 +92,9 @@ def holding(component) -> dict:
         group=mesh.mesh_dim_names[0] if mesh is not None and mesh.mesh_dim_names else None,
         shards=mesh.size() if mesh is not None else 1,
         fraction=(local + buffered) / (whole + buffered) if whole + buffered else 1.0,
-        on_host=bool(getattr(component, ON_HOST, False)),
+        on_host=on_host,
+        offloaded=getattr(component, OFFLOADED, None),
+        device_bytes=device,
         device=str((first.to_local() if _is_sharded(first) else first).device) if first is not None else None,
         gather_bytes=gather,
         quantized=sorted({form for p in params if (form := quantized_form(p)) is not None}),

@@ -43,8 +43,9 @@ def rank_summary(session) -> dict:
     transformer = pipe.diffusers_pipeline.transformer
     state = parallel_state(transformer)
     rows, cols = token_grid(session)
+    appended = session.recipe.appended_grids(pipe.diffusers_pipeline, session.request)  # an edit's references
     step = session.step_index
-    report = state.strategy.report(grid=(rows, cols))
+    report = state.strategy.report(grid=(rows, cols), appended=appended)
     summary = dict(
         rank=mesh.rank,
         mesh=str(mesh),
@@ -155,7 +156,7 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
         if session.pipe.mesh.is_first_stage
         else []
     )
-    gather = transformer.get_submodule(state.adapter.gather_at)
+    gather, inner = transformer.get_submodule(state.adapter.gather_at), session.pipe.diffusers_pipeline
     config = transformer.config
     heads, head_dim = state.adapter.attention_shape(config)
     return dict(
@@ -163,6 +164,8 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
         rows=rows,
         cols=cols,
         appended_tokens=session.recipe.appended_tokens(session.prepared),  # beyond the grid: Kontext's reference
+        # the grids among them that PipeFusion cuts into bands with the drawn one (Qwen-Image-Edit's references)
+        appended_grids=[list(grid) for grid in session.recipe.appended_grids(inner, session.request)],
         padded_tokens=state.adapter.latents.padded_tokens(rows * cols, config),  # Z-Image's, to a multiple of 32
         heads=heads,
         head_dim=head_dim,
@@ -268,7 +271,7 @@ def _memory(pipe, session, report) -> dict:
     components = component_holdings(pipe)  # each as this rank holds it: shards, buffers, on the host or not
     gathers = max((c["gather_bytes"] for c in components.values()), default=0)  # whole during a sharded forward
     if pipe.device.type == "cuda":  # the allocator's peak holds weights and buffers too: report what is above
-        on_device = sum(c["held_bytes"] for c in components.values() if not c["on_host"])
+        on_device = sum(c["device_bytes"] for c in components.values())  # an offloaded one's at most
         activations = max(0, figures["max_allocated"] - on_device - kv - gathers)
         source = "CUDA peak allocated − weights on the GPU − KV buffers" + (" − weight gathers" if gathers else "")
     else:  # no allocator peak on CPU: the tensors the session keeps between steps

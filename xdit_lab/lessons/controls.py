@@ -9,6 +9,7 @@ exceeds it. These are those variants:
                                                   a patch attends to its own K/V of the step before
     generate_with_control(config, n, kind)        (rank) the digits, optionally under one of them
     with band_statistics_in_activation_dtype(): ... the VAE band's GroupNorm sums in bfloat16 (the old bug)
+    with cached_frames_without_halos(): ...       Wan's banded decode: no halo rows for its cached frames
     coarser_quantization(bits=4, group_size=32)   int4 weights: what a bound on int8 weight-only must catch
 """
 
@@ -118,6 +119,33 @@ class ActivationDtypeStatisticsBands(vae.Bands):
         if bias is not None:
             out = out + bias.reshape(shape)
         return out
+
+
+class CachedFramesWithoutHalosBands(vae.Bands):
+    """CONTROL, deliberately wrong: Wan's causal convolutions get their halo rows for the frames of this
+    call only, zeros for the frames their cache holds, as a banded decode that exchanged halos before
+    the cache saw the input and cached the band alone would. Wan's 3×3×3 convolutions pad 2 frames in
+    front, less one per cached frame (WanCausalConv3d): that tells which frames came from the cache."""
+
+    def pad(self, x, pad, mode="constant", value=None):
+        out = super().pad(x, pad, mode, value)
+        if len(pad) == 6 and pad[2] and pad[4] < 2:
+            cached = slice(pad[4], 2)  # after the zero frames in front: the cache's
+            out[:, :, cached, : pad[2]] = 0
+            out[:, :, cached, -pad[3] :] = 0
+        return out
+
+
+@contextlib.contextmanager
+def cached_frames_without_halos():
+    """Inside, every banded decode of this process pads as CachedFramesWithoutHalosBands: the control
+    the exact Wan banded decode must beat. Restored on the way out."""
+    before = vae.Bands
+    vae.Bands = CachedFramesWithoutHalosBands
+    try:
+        yield
+    finally:
+        vae.Bands = before
 
 
 @contextlib.contextmanager

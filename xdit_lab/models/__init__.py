@@ -9,6 +9,8 @@ step.py       one denoising step as one transformer call (every strategy's, Pipe
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
 sharded_weights.py  torch's FSDP2 over the ranks that hold the same weights (shard_weights=True),
               and the closed form of its gathered bytes
+offload.py    offload_blocks: the weights in host memory, N blocks at a time on the device (diffusers' group
+              offloading, after parallelize)
 parallel.py   parallelize(transformer, config, compile=False): the entry, and what compile cannot take;
               unparallelize undoes it
 installed.py  Installed: every hook and replacement parallelize installs, by name, and their removal
@@ -18,6 +20,7 @@ strategy.py   the token strategy's interface (TokenStrategy), what a step is han
 
 from ..accelerations import StepCache
 from .hooks import ParallelState, local_mixing_layers, parallel_state
+from .offload import offload_blocks, offload_groups
 from .parallel import parallelize, unparallelize
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
@@ -31,6 +34,8 @@ __all__ = [
     "local_mixing_layers",
     "parallelize",
     "unparallelize",
+    "offload_blocks",
+    "offload_groups",
     "PipeFusionStage",
     "SequenceShards",
     "Controls",

@@ -32,6 +32,7 @@ from .hooks import (
     run_forward,
     split_batch,
 )
+from .offload import OFFLOADED
 from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import shard_transformer
@@ -129,7 +130,8 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
     A PipeFusion stage stays a stage: parallelize dropped the other stages' blocks to free their memory,
     and they do not come back; the module runs its own blocks serially, and parallelize takes it again
     as the same stage. Weights sharded with shard_weights=True are refused: FSDP2 changed the modules'
-    classes, which cannot be undone; load the model again."""
+    classes, which cannot be undone; load the model again. So is a model offloaded after parallelize
+    (offload_blocks: diffusers' hooks wrap the parallel forward)."""
     state = parallel_state(transformer)
     if state is None:
         raise ValueError(f"this {type(transformer).__name__} is not parallelized")
@@ -137,6 +139,11 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(
             f"this {type(transformer).__name__}'s weights were sharded (shard_weights=True), which cannot be "
             f"undone; build or load a fresh one"
+        )
+    if getattr(transformer, OFFLOADED, None):  # diffusers' hooks wrap the parallel forward: removing it drops theirs
+        raise ValueError(
+            f"this {type(transformer).__name__}'s blocks were offloaded after it was parallelized (offload_blocks), "
+            f"whose hooks wrap the parallel forward; load it again without offload_blocks to run it serially"
         )
     state.hooks.remove_all()
     delattr(transformer, STATE_ATTRIBUTE)

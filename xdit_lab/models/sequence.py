@@ -79,17 +79,18 @@ class SequenceShards:
         whole_step(context, t)
 
     # ---- what the views and the planner ask -----------------------------------------------------------
-    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
-        """This rank's shard of a `grid` of tokens; nothing is kept between steps, nothing handed on."""
-        tokens = None if grid is None else self._token_pieces(*grid)
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None, appended=()) -> StrategyReport:
+        """This rank's shard of a `grid` of tokens (and the `appended` grids of images after it: an edit's
+        reference images); nothing is kept between steps, nothing handed on."""
+        tokens = None if grid is None else self._token_pieces(grid[0] * grid[1] + sum(r * c for r, c in appended))
         return StrategyReport(kind="sequence shards", step=None, hands_text=False, kept_bytes={}, tokens=tokens)
 
-    def _token_pieces(self, rows: int, cols: int) -> dict:
-        """The image tokens this rank computes for a rows × cols token grid: one contiguous shard (the
-        last forward's, when it had this many tokens, else computed the same way)."""
+    def _token_pieces(self, tokens: int) -> dict:
+        """The image tokens this rank computes of a sequence of `tokens`: one contiguous shard (the last
+        forward's, when it had this many tokens, else computed the same way)."""
         sp, sp_rank = self.mesh.group_size(SP), self.mesh.group_rank(SP)
-        recorded = self.shard_range is not None and self.state.image_len == rows * cols
-        start, stop = self.shard_range if recorded else shard_range(rows * cols, sp, sp_rank)
+        recorded = self.shard_range is not None and self.state.image_len == tokens
+        start, stop = self.shard_range if recorded else shard_range(tokens, sp, sp_rank)
         if recorded:
             source = "SequenceShards.shard_range"
         elif sp == 1:  # no hook runs without sequence parallelism: every rank holds every token

@@ -100,8 +100,9 @@ class TokenStrategy(Protocol):
         """(patch, tokens) of this rank's tokens in the running forward."""
 
     # ---- what the views and the planner ask, in one record ---------------------------------------------
-    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
-        """This strategy now, its tokens for a `grid` of tokens, and what it would keep for `rows` batch rows."""
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None, appended=()) -> StrategyReport:
+        """This strategy now, its tokens for a `grid` of tokens (with the `appended` grids of images after it),
+        and what it would keep for `rows` batch rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,8 @@ class StrategyReport:
     kept_bytes          what the strategy holds between steps now, counted tensor by tensor ({"stale K/V": n})
     busy_s              host seconds a stage spent in its blocks, all calls (its bubble is the rest); None
     staleness           a stage's stale K/V record per layer (StaleKV's written steps and reads); None
-    tokens              the image tokens this rank computes for `grid` (rows, cols) of tokens; None: none asked
+    tokens              the image tokens this rank computes for `grid` (rows, cols) of tokens, with `appended` grids
+                        of images after it (an edit's reference images); None: none asked
     planned_kept_bytes  what it would keep between steps for `rows` batch rows at `grid` ({}: nothing, or
                         none asked)
     """

@@ -28,6 +28,8 @@ class MemoryPlan:
     activation_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
     # the transformer as PipeFusion splits it: bytes every stage keeps, and each block's bytes
     transformer_blocks: tuple[int, list[int]] | None = None
+    offloaded: int | None = None  # offload_blocks: the transformer's blocks in host memory, this many on the device
+    host_bytes: int = 0  # what one rank keeps in host memory, not on its device (on_host, an offloaded transformer)
 
     @property
     def total_per_rank(self) -> int:
@@ -63,16 +65,28 @@ def available_bytes(device: torch.device) -> int:
 
 
 def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | None = None, config=None) -> None:
-    """Fail before loading when one rank's share does not fit, with the numbers and what to change."""
+    """Fail before loading when one rank's share does not fit, with the numbers and what to change: on its device,
+    and on a GPU what it keeps in host memory (plan.host_bytes) beside the other ranks of its host. On a CPU the
+    host is the device: what is kept "in host memory" counts there too."""
     if limit_bytes is None:
         limit_bytes = available_bytes(device)
         if device.type == "cpu":
             limit_bytes //= max(1, plan.ranks_per_host)  # CPU ranks on one host share its RAM
-    if plan.total_per_rank <= limit_bytes:
+    needed = plan.total_per_rank + (plan.host_bytes if device.type == "cpu" else 0)
+    if needed <= limit_bytes:
+        if device.type != "cpu" and plan.host_bytes:
+            _check_host(plan)
         return
     advice = ["load in bfloat16 (torch_dtype=torch.bfloat16) to halve float32 weights"]
     if plan.transformer_blocks is not None:
         advice.append(_pipefusion_advice(plan, limit_bytes, config.pipefusion if config is not None else 1))
+    if plan.transformer_blocks is not None and plan.offloaded is None:
+        shared, blocks = plan.transformer_blocks
+        advice.append(
+            f"keep the transformer's blocks in host memory, one at a time on the device (offload_blocks=1): "
+            f"{human_bytes(shared + max(blocks, default=0))} of it on the device per rank, all of it moved there "
+            f"each step"
+        )
     if "decode peak" in plan.activation_bytes:
         serial, per_rank = plan.activation_bytes["decode peak"]
         if per_rank == serial:
@@ -83,10 +97,27 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     if device.type == "cpu" and plan.ranks_per_host > 1:
         advice.append(f"run fewer ranks per host ({plan.ranks_per_host} share this host's memory now)")
     where = f"{device}" + (f" under {config.short()}" if config is not None else "")
-    raise MemoryPlanError(
-        f"the pipeline needs {human_bytes(plan.total_per_rank)} per rank on {where}, but only {human_bytes(limit_bytes)} is "
-        f"available per rank:\n{plan.table()}\nTo fit: " + "; or ".join(advice) + "."
+    host = (
+        f" (and {human_bytes(plan.host_bytes)} in host memory, here the same)" if needed > plan.total_per_rank else ""
     )
+    raise MemoryPlanError(
+        f"the pipeline needs {human_bytes(plan.total_per_rank)}{host} per rank on {where}, but only "
+        f"{human_bytes(limit_bytes)} is available per rank:\n{plan.table()}\nTo fit: " + "; or ".join(advice) + "."
+    )
+
+
+def _check_host(plan: MemoryPlan) -> None:
+    """What the ranks of a GPU host keep in its memory (text encoders on_host, offloaded transformers) against the
+    RAM it has, shared by those ranks."""
+    ranks = max(1, plan.ranks_per_host)
+    free = available_bytes(torch.device("cpu")) // ranks
+    if plan.host_bytes > free:
+        raise MemoryPlanError(
+            f"the pipeline keeps {human_bytes(plan.host_bytes)} per rank in host memory (text encoders on_host, an "
+            f"offloaded transformer), but this host has {human_bytes(free)} available per rank ({ranks} rank(s) share "
+            f"it):\n{plan.table()}\nTo fit: run fewer ranks per host, keep fewer text encoders on the host, or "
+            f"shard the weights instead of offloading them (xdit-lab plan --model says what fits)."
+        )
 
 
 def _pipefusion_advice(plan: MemoryPlan, limit_bytes: int, current: int) -> str:

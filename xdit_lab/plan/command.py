@@ -11,7 +11,7 @@ import sys
 from ..model_folder import ModelFolderError
 from ..plan_table import why_lines, wrapped
 from .rows import GB, plan_model, smallest_fit
-from .table import fit_ranking_reasons, format_rows, model_legend
+from .table import fit_ranking_reasons, format_rows, model_legend, weights_word
 
 MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 MEMORY_UNITS.update(KIB=2**10, MIB=2**20, GIB=2**30, TIB=2**40)
@@ -77,7 +77,7 @@ def print_plan(
             wrapped(
                 f"nothing fits {world_size} × {gpu_memory / GB:.3g} GB: the smallest GPU that would is "
                 f"{best.per_rank_bytes / GB:.2f} GB, under {best.config.short()} with "
-                f"{'sharded' if best.shard_weights else 'whole'} weights and text encoders {best.text_encoders}"
+                f"{weights_word(best)} weights and text encoders {best.text_encoders}"
             ),
             file=sys.stderr if as_json else sys.stdout,
         )

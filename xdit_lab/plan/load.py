@@ -6,6 +6,8 @@
       stale K/V                  ->   activation_bytes["stale K/V"]       (0 on one rank, the row's per rank)
       decode peak                ->   activation_bytes["decode peak"]     (whole, the row's in row bands)
       gather buffer              ->   activation_bytes["weight gathers"]  (0 on one rank, the row's per rank)
+      offloaded transformer      ->   per_rank_bytes: its root and largest group of blocks; a note with the
+                                      bytes in host memory and moved to the device per step
 
 The request terms are planned for one prompt at the folder's call defaults (terms.load_call); the latents and
 conditioning of a real request are added by pipe.memory_plan_for (loaded.plan_request).
@@ -16,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..config import ParallelConfig
-from ..model_folder import ModelFolder, ModelFolderError, read_call_defaults, read_model_folder
+from ..model_folder import EXPERT, TRANSFORMER, ModelFolder, ModelFolderError, read_call_defaults, read_model_folder
 from .check import MemoryPlan, human_bytes
-from .rows import plan_row
+from .rows import offloaded_words, plan_row
 from .terms import decode_peak_bytes, kv_rows, load_call, request_shape
 
 
@@ -32,6 +34,7 @@ def plan_memory(
     shard_weights: bool = False,
     on_host: tuple[str, ...] = (),
     quantized=None,
+    offload: int | None = None,
     call_defaults: dict | None = None,
     request: bool = False,
 ) -> MemoryPlan:
@@ -40,7 +43,8 @@ def plan_memory(
     `components` (default: every component the index lists). `shard_weights`: FSDP2 over the ranks that hold
     the same blocks (text encoders over the world); `on_host`: text encoders kept in host memory; `quantized`:
     load_pipeline's resolved quantization (a named scheme is planned quantized; another config at the load
-    dtype, said so). With `request` (load_pipeline's), the stale K/V and the decode peak of one prompt at
+    dtype, said so); `offload` (offload_blocks' N): the transformer's blocks in host memory, N at a time on the
+    device. With `request` (load_pipeline's), the stale K/V and the decode peak of one prompt at
     `call_defaults` (default: the family's and the folder's)."""
     config = ParallelConfig() if config is None else config
     model = folder if isinstance(folder, ModelFolder) else read_model_folder(folder, dtype)
@@ -64,8 +68,9 @@ def plan_memory(
             notes.append(f"stale K/V and decode peak not planned: {error}")
             call = None
     row = plan_row(
-        model, config, shard=sharding, placement=placement, quantize=scheme, quantized=covered, call=call, shape=shape
-    )
+        model, config, shard=sharding, placement=placement, quantize=scheme, quantized=covered, call=call, shape=shape,
+        offload=offload,
+    )  # fmt: skip
     whole = {name: model.weights[name].whole if name in model.weights else 0 for name in components}
     plan = MemoryPlan(whole, {name: row.weights.get(name, 0) for name in components}, ranks_per_host)
     if "transformer" in components and model.transformer.blocks:  # what PipeFusion's advice splits
@@ -93,8 +98,18 @@ def plan_memory(
             f"weights sharded over {config.world_size // config.pipefusion} rank(s) of a stage (text encoders over "
             f"{config.world_size}); weight gathers: the largest blocks and the root a sharded forward holds whole"
         )
-    if on_host:
-        plan.notes.append(f"in host memory, not on the device: {', '.join(on_host)} ({human_bytes(row.host_bytes)})")
+    plan.offloaded, plan.host_bytes = row.offload_blocks, row.host_bytes
+    if row.offload_blocks:
+        transformers = [name for name in model.named(TRANSFORMER, EXPERT) if name in components]
+        plan.notes.append(
+            f"{offloaded_words(row.offload_blocks).replace('GPU', 'device')}: {', '.join(transformers)} in host "
+            f"memory but for the root and the largest group of {row.offload_blocks} block(s) "
+            f"({human_bytes(row.weights['transformer'])} on the device), {human_bytes(row.offload_traffic)} moved "
+            f"host to device per step (diffusers' group offloading)"
+        )
+    if on_host or row.offload_blocks:
+        host = ", ".join([*on_host, *(["the offloaded transformer"] if row.offload_blocks else [])])
+        plan.notes.append(f"in host memory, not on the device: {host} ({human_bytes(row.host_bytes)})")
     if scheme is not None:
         plan.notes.append(f"{scheme} weight-only (torchao): the linear weights of {', '.join(covered)}")
     elif quantized is not None:

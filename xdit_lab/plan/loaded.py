@@ -104,7 +104,8 @@ def plan_request(pipe, request: Request) -> MemoryPlan:
     start, stop, _ = batch_rows(prompts * branches, pipe.config.cfg, pipe.config.dp, *coords)  # as the forward splits
     frames = pipe.recipe.token_frames(pipe.diffusers_pipeline, request)  # a video's frames stack as rows
     grid = (height // multiple * frames, width // multiple)
-    kept = state.strategy.report(grid=grid, rows=stop - start).planned_kept_bytes
+    appended = pipe.recipe.appended_grids(pipe.diffusers_pipeline, request)  # an edit's reference images
+    kept = state.strategy.report(grid=grid, rows=stop - start, appended=appended).planned_kept_bytes
     for name, n in kept.items():  # what the token strategy keeps between steps (PipeFusion: its stale K/V)
         plan.activation_bytes[name] = (0, n)  # a single rank keeps none of it
         plan.notes.append(

@@ -1,5 +1,5 @@
-"""The rows of a plan: what one rank holds under one configuration, with whole or sharded weights, the text
-encoders on the GPU, sharded or on the host, quantized or not (plan_row: a FitRow, from the weight planner and
+"""The rows of a plan: what one rank holds under one configuration, with whole, sharded or offloaded weights, the
+text encoders on the GPU, sharded or on the host, quantized or not (plan_row: a FitRow, from the weight planner and
 the request terms), and every such row for N GPUs that load_pipeline takes, ranked (plan_model). A row is a load:
 its configuration and `row.load_options()`, which LoadOptions.problems() accepts (the rows it refuses are left
 out, by the same rules). A load asks plan_row for its own configuration and placement (load.plan_memory): the row
@@ -19,7 +19,7 @@ from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
 from ..quantization import SCHEMES
-from ..vae import BANDED_VAES
+from ..vae import PLANAR_VAES
 from .terms import Call, RequestShape, decode_bands, decode_peak_bytes, make_call, request_shape, stale_kv
 from .weights import held_weights
 
@@ -55,13 +55,15 @@ class PlannedRequest:
     notes: tuple[str, ...]
     quantize: str | None = None  # a named scheme (quantization.SCHEMES) on the transformer and text encoders
     text_encoders: tuple[str, ...] = ()  # the components the rows' text_encoders placement moves
+    offload_blocks: int | None = None  # the transformer's blocks on the host, this many at a time on the GPU
 
     def describe(self) -> str:
         frames = f", {self.frames} latent frames" if self.frames > 1 else ""
         quantized = f", its linear weights {self.quantize}" if self.quantize else ""
+        offloaded = f", {offloaded_words(self.offload_blocks)}" if self.offload_blocks else ""
         return (
             f"{self.pipeline_class} ({self.transformer_class}, {self.transformer_bytes / GB:.1f} GB in {self.dtype}"
-            f"{quantized}) "
+            f"{quantized}{offloaded}) "
             f"at {self.height}×{self.width}{frames}: {self.image_tokens:,} image tokens, {self.prompts} prompt(s) × "
             f"{self.branches} branch(es)"
         )
@@ -85,8 +87,10 @@ class FitRow:
     activation_traffic: int  # bytes a rank sends per step (sequence parallelism, PipeFusion)
     gather_traffic: int  # bytes a rank all-gathers per step (sharded weights)
     encode_gather_traffic: int  # bytes a rank all-gathers per request (sharded text encoders)
-    host_bytes: int  # text encoders kept in host memory by this rank's process
+    host_bytes: int  # text encoders (and an offloaded transformer) kept in host memory by this rank's process
     quantize: str | None = None  # the transformer's and text encoders' linear weights in this scheme
+    offload_blocks: int | None = None  # the transformer's blocks in host memory, this many at a time on the GPU
+    offload_traffic: int = 0  # bytes host to GPU per step with offload_blocks (every weight once per call)
     unknown: tuple[str, ...] = ()
     bounds: tuple[str, ...] = ()
     request: PlannedRequest | None = field(default=None, repr=False, compare=False)
@@ -124,12 +128,15 @@ class FitRow:
             self.config.short()
             + ("·sharded" if self.shard_weights else "")
             + (f"·{self.quantize}" * bool(self.quantize))
+            + (f"·offload{self.offload_blocks}" if self.offload_blocks else "")
         )
 
     def load_options(self) -> LoadOptions:
         """What to load this row with: `load_pipeline(folder, row.config, row.load_options())`."""
         text_encoders = self.request.text_encoders if self.request is not None else ()
-        return load_options_of(self.shard_weights, self.text_encoders, self.quantize, text_encoders)
+        return load_options_of(
+            self.shard_weights, self.text_encoders, self.quantize, text_encoders, self.offload_blocks
+        )
 
     def to_json(self) -> dict:
         return dict(
@@ -146,6 +153,8 @@ class FitRow:
             unknown_terms=list(self.unknown),
             bounds=list(self.bounds),
             host_bytes_per_rank=self.host_bytes,
+            offload_blocks=self.offload_blocks,
+            host_to_gpu_bytes_per_step=self.offload_traffic,
             cost=dataclasses.asdict(self.cost),
             traffic_bytes_per_step=dict(activations=self.activation_traffic, weight_gathers=self.gather_traffic),
             encode_gather_bytes_per_request=self.encode_gather_traffic,
@@ -165,6 +174,7 @@ def plan_model(
     use_cfg: bool | None = None,
     options: dict | None = None,
     quantize: str | None = None,
+    offload_blocks: int | None = None,
 ) -> list[FitRow]:
     """Every way to run the pipeline in `folder` on `world_size` GPUs of `gpu_memory_bytes` each, what
     one rank holds under each (FitRow), ranked: fitting rows first, then by the cost model with
@@ -176,7 +186,10 @@ def plan_model(
     `options`: the family's call options (max_sequence_length, num_frames, ...).
     `quantize`: a named scheme ("int8", "float8": quantization.SCHEMES) for the linear weights of the transformer
     and the text encoders, as load_pipeline(quantization=...) loads them; its rows shard nothing (torchao's
-    quantized tensors have no FSDP2 all-gather: load_pipeline refuses the two together)."""
+    quantized tensors have no FSDP2 all-gather: load_pipeline refuses the two together).
+    `offload_blocks`: N, the transformer's blocks in host memory and N at a time on the GPU, as
+    load_pipeline(offload_blocks=N) loads them; its rows shard nothing (load_pipeline refuses the two together)
+    and say the bytes moved from the host per step."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
     if not isinstance(batch, int) or batch < 1:
@@ -203,6 +216,10 @@ def plan_model(
     refused = load_refusals(model.recipe, model.pipeline_class, model.weights)
     if quantize and "quantization" in refused:
         raise ValueError(refusal_message(refused, ["quantization"]))
+    if offload_blocks:  # a number that is none, or a transformer diffusers does not offload: as load_pipeline says
+        taken = LoadOptions(offload_blocks=offload_blocks).problems(model.recipe, model)
+        if taken:
+            raise ValueError("; ".join(taken))
     planned = PlannedRequest(
         model.path,
         model.pipeline_class,
@@ -215,10 +232,14 @@ def plan_model(
         call.branches,
         shape.image_tokens,
         model.transformer.whole,
-        (*model.notes, *shape.bounds, *_quantize_notes(quantize), *_refused_notes(model, refused)),
+        (
+            *model.notes, *shape.bounds, *_quantize_notes(quantize), *_offload_notes(offload_blocks),
+            *_refused_notes(model, refused),
+        ),
         quantize,
         tuple(model.text_encoders),
-    )
+        offload_blocks or None,
+    )  # fmt: skip
     recipe = model.recipe
     rows = []
     for config in configs:
@@ -227,32 +248,53 @@ def plan_model(
                 continue  # no text encoder to place: the whole and sharded rows say it all
             if shard and world_size // config.pipefusion == 1:
                 continue  # nothing to shard: every rank of a stage is alone with its blocks
-            options = load_options_of(shard, placement, quantize, model.text_encoders)
+            options = load_options_of(shard, placement, quantize, model.text_encoders, offload_blocks)
             if options.problems(recipe, model, config):
                 continue  # refused by load_pipeline (LoadOptions.problems): see _quantize_notes, _refused_notes
             rows.append(
                 plan_row(
                     model, config, shard=shard, placement=placement, quantize=quantize, call=call, shape=shape,
-                    gpu_memory_bytes=gpu_memory_bytes, planned=planned,
+                    gpu_memory_bytes=gpu_memory_bytes, planned=planned, offload=offload_blocks,
                 )
             )  # fmt: skip
     return sorted(rows, key=fit_rank_key)
 
 
-def load_options_of(shard: bool, placement: str, quantize: str | None, text_encoders) -> LoadOptions:
+def load_options_of(
+    shard: bool, placement: str, quantize: str | None, text_encoders, offload: int | None = None
+) -> LoadOptions:
     """The LoadOptions that hold the weights as a row says: load_pipeline(folder, row.config, these)."""
     on_host = tuple(text_encoders) if placement == "host" else ()
-    return LoadOptions(shard_weights=shard, on_host=on_host, quantization=quantize)
+    return LoadOptions(shard_weights=shard, on_host=on_host, quantization=quantize, offload_blocks=offload or None)
+
+
+def offloaded_words(blocks_at_once: int) -> str:
+    """How a plan names offload_blocks=N."""
+    return f"transformer blocks on the host, {blocks_at_once} at a time on the GPU"
+
+
+def _offload_notes(offload: int | None) -> tuple[str, ...]:
+    if not offload:
+        return ()
+    return (
+        f"offload_blocks {offload}: {offloaded_words(offload)} (diffusers' group offloading); GB/rank counts the "
+        f"transformer's root and its largest group of {offload} block(s), and every weight crosses from the host "
+        f"once per transformer call (a PipeFusion stage's blocks once per patch): the column GB in (--json: "
+        f"host_to_gpu_bytes_per_step)",
+        "no sharded rows with offload_blocks: FSDP2's shards would move twice (host to GPU, then the all-gather), "
+        "so load_pipeline refuses the two together; plan without --offload-blocks to see them",
+    )
 
 
 def fit_rank_key(row: FitRow) -> tuple:
-    """Fitting rows first; then least work, least traffic per step (FSDP2's gathers included), text
-    encoders on the GPU before sharded before host (the encode's speed), least memory, simplest."""
+    """Fitting rows first; then least work, least traffic per step (FSDP2's gathers included, and the weights
+    brought from the host with offload_blocks), text encoders on the GPU before sharded before host (the encode's
+    speed), least memory, simplest."""
     config = row.config
     return (
         not row.fits,
         round(row.cost.work_fraction, 9),
-        row.traffic_per_step,
+        row.traffic_per_step + row.offload_traffic,
         PLACEMENTS.index(row.text_encoders),
         row.per_rank_bytes,
         sum(getattr(config, d) > 1 for d in DEGREES),
@@ -317,16 +359,18 @@ def plan_row(
     shape: RequestShape | None = None,
     gpu_memory_bytes: int = 0,
     planned: PlannedRequest | None = None,
+    offload: int | None = None,
 ) -> FitRow:
     """What one rank holds under `config` with the transformer's weights sharded (`shard`) or not, the text
     encoders placed (`placement`: "gpu", "sharded", "host", or a dict of them by text encoder) and the linear
     weights of `quantized` (default: every component a named scheme covers) in the scheme `quantize`: one row of
     plan_model's, and the one a load asks for (plan_memory). Its request terms are those of `call`, whose
-    closed form is `shape`; without them (a family with no closed form yet) they are unknown, said so."""
+    closed form is `shape`; without them (a family with no closed form yet) they are unknown, said so. With
+    `offload` (N), the transformer's blocks are in host memory, N at a time on the GPU (weights.Offloaded)."""
     transformer, t = model.transformer, model.transformer.config
     covered = (tuple(model.quantizable) if quantized is None else quantized) if quantize else ()
     known = call is not None and shape is not None
-    weights, gather, stale, encode_gather, host = held_weights(
+    weights, gather, stale, encode_gather, host, offloaded = held_weights(
         model,
         config,
         shard,
@@ -334,6 +378,7 @@ def plan_row(
         (lambda span: stale_kv(model, call, shape, config, span)) if known else None,
         scheme=quantize,
         quantized=covered,
+        offload=offload or None,
     )
     prompts, branches = (call.prompts, call.branches) if known else (1, 1)
     blocks = len(transformer.blocks)
@@ -348,14 +393,14 @@ def plan_row(
     unknown = []
     decode = None
     # diffusers' 2D Decoder behind a post_quant_conv: AutoencoderKL's, and Flux.2's (measured: tests/test_vae.py)
-    if known and shape.decode_latent is not None and model.configs["vae"].get("_class_name") in BANDED_VAES:
+    if known and shape.decode_latent is not None and model.configs["vae"].get("_class_name") in PLANAR_VAES:
         decode = decode_peak_bytes(
             model.configs["vae"], (1, *shape.decode_latent), model.element, bands=decode_bands(config)
         )
     elif known:
         vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
         unknown.append(
-            f"decode peak: {vae} has no closed form here (only {' and '.join(BANDED_VAES)} have one); measure it"
+            f"decode peak: {vae} has no closed form here (only {' and '.join(PLANAR_VAES)} have one); measure it"
         )
     else:
         unknown.append("latents, conditioning, stale K/V, decode peak: no closed form for this request here")
@@ -378,6 +423,9 @@ def plan_row(
         encode_gather_traffic=encode_gather,
         host_bytes=host,
         quantize=quantize,
+        offload_blocks=offload or None,
+        # past PipeFusion's warmup a stage runs its blocks once per patch, each run bringing them over again
+        offload_traffic=offloaded.moved_per_step(config.patches if config.pipefusion > 1 else 1) if offloaded else 0,
         unknown=tuple(unknown),
         bounds=shape.bounds if known else (),
         request=planned,

@@ -32,7 +32,7 @@ def format_rows(rows: list[FitRow], top: int = 10, wide: bool = False) -> str:
             [
                 str(i),
                 row.config.short(),
-                "sharded" if row.shard_weights else "whole",
+                weights_word(row),
                 row.text_encoders,
                 gigabytes(row.per_rank_bytes),
                 "yes" if row.fits else "no",
@@ -40,10 +40,23 @@ def format_rows(rows: list[FitRow], top: int = 10, wide: bool = False) -> str:
                 f"{row.cost.work_fraction:.3g}",
                 gigabytes(row.traffic_per_step),
                 *(f"{row.seconds_per_step(bandwidth):.3f}" for bandwidth in LINKS.values()),
+                *([gigabytes(row.offload_traffic)] if offloaded(shown) else []),
             ]
         )
     return aligned(table, left={1, 2, 3})  # config, weights, text encoders
 
+
+def weights_word(row: FitRow) -> str:
+    """The weights column: whole, sharded, or offloaded with the blocks on the GPU at once (host/N)."""
+    return f"host/{row.offload_blocks}" if row.offload_blocks else "sharded" if row.shard_weights else "whole"
+
+
+def offloaded(rows: list[FitRow]) -> bool:
+    """Whether the rows were planned with offload_blocks (every row or none): the table says the bytes moved."""
+    return any(row.offload_blocks for row in rows)
+
+
+OFFLOAD_COLUMN = "GB in"  # with offload_blocks: the bytes moved from the host to the GPU per step
 
 TERM_COLUMNS = ("gather", "latents+cond", "stale K/V", "decode")  # with --wide, after each component's weights
 LINK_COLUMNS = {name: f"{name} s" for name in LINKS}  # a link's seconds per step, a column each
@@ -53,19 +66,24 @@ def table_header(rows: list[FitRow], wide: bool = False) -> list[str]:
     """format_rows' column names: the terms of GB/rank (each component's weights, then TERM_COLUMNS) only
     when `wide`."""
     terms = [*(rows[0].weights if rows else ()), *TERM_COLUMNS] if wide else []
-    return ["#", "config", "weights", "text enc", "GB/rank", "fits", *terms, "work", "GB sent", *LINK_COLUMNS.values()]
+    moved = [OFFLOAD_COLUMN] if offloaded(rows) else []
+    return [
+        "#", "config", "weights", "text enc", "GB/rank", "fits", *terms, "work", "GB sent", *LINK_COLUMNS.values(),
+        *moved,
+    ]  # fmt: skip
 
 
 def model_legend(rows: list[FitRow], wide: bool = False) -> str:
     """What each column of format_rows(rows, wide=wide) means, a line or a few each, within 100 columns."""
     memory = f"{rows[0].gpu_memory_bytes / GB:.3g} GB" if rows else "one GPU's memory"
     meanings = {
-        "#": "the rank, best first: fitting rows, then least work, least GB sent, text encoders gpu before "
-        "sharded before host, least GB/rank; --why says which decided each row",
+        "#": f"the rank, best first: fitting rows, then least work, least GB sent{' and GB in' * offloaded(rows)}, "
+        "text encoders gpu before sharded before host, least GB/rank; --why says which decided each row",
         "config": "the degrees above 1, joined by · (cfg2·pf2: cfg 2 × pf 2): dp data parallel, cfg guidance's "
         "two branches side by side, pf PipeFusion stages, ring and ulysses sequence parallel",
         "weights": "the transformer's weights: whole on every rank (of its PipeFusion stage), or sharded by "
-        "FSDP2 over the ranks that hold the same blocks, each block gathered whole as it runs",
+        "FSDP2 over the ranks that hold the same blocks, each block gathered whole as it runs; host/N: in host "
+        "memory, N blocks at a time on the GPU with the rest of the model (offload_blocks)",
         "text enc": "the text encoders: gpu = whole on every GPU; sharded = FSDP2 over all ranks, gathered "
         "once per request; host = in host memory and run there (a slower encode; not in GB/rank)",
         "GB/rank": "what one rank's GPU holds: weights, FSDP2's gather buffer, latents, conditioning, "
@@ -80,6 +98,9 @@ def model_legend(rows: list[FitRow], wide: bool = False) -> str:
         "work": "single-image transformer forwards per rank per step (lower is faster)",
         "GB sent": "what one rank sends per denoising step: the strategy's activations, plus FSDP2's "
         "weight gathers when sharded",
+        OFFLOAD_COLUMN: "what crosses from host memory to one GPU per denoising step with offload_blocks: every "
+        "weight of the transformer once per call (a PipeFusion stage's blocks once per patch), over PCIe "
+        f"({LINKS['PCIe'] / GB:.0f} GB/s: GB in / {LINKS['PCIe'] / GB:.0f} seconds at best)",
         **{
             column: f"seconds per step to send GB sent at {name}'s {LINKS[name] / GB:.0f} GB/s (one direction, "
             "peak: xdit_lab.plan.LINKS)"
@@ -121,6 +142,9 @@ def _reason(first: int, row: FitRow, below: FitRow, name: str) -> str:
     if first == 1:
         return f"less work per rank than {name} ({row.cost.work_fraction:.3g} vs {below.cost.work_fraction:.3g})"
     if first == 2:
+        if row.offload_blocks:  # the weights brought from the host count as traffic too (fit_rank_key)
+            moved = _pair(row.traffic_per_step + row.offload_traffic, below.traffic_per_step + below.offload_traffic)
+            return f"as much work, less sent and brought from the host per step than {name} ({moved} GB)"
         sent = _pair(row.traffic_per_step, below.traffic_per_step)
         return f"as much work, less sent per step than {name} ({sent} GB)"
     if first == 3:

@@ -7,6 +7,10 @@
     an FSDP2 shard shard_weights: torch.chunk's largest piece of every parameter (buffers whole) over the
                    ranks that hold the same blocks; text encoders over the world; plus the gather buffer
     host-placed    a text encoder kept in host memory: nothing on the device
+    offloaded      offload_blocks=N: the transformer in host memory, its blocks N at a time on the device (diffusers'
+                   groups: N consecutive blocks of one list, any list among the model's children) and the rest of
+                   its root with each call; the device holds that root and the largest group, and every weight
+                   crosses to it once per call (Offloaded)
     quantized      a named scheme's linear weights (int8, float8): a byte per element and a scale per row
 
 Only the components whose role moves are moved (model_folder.component_role): the transformer and the expert
@@ -20,12 +24,14 @@ the figures the lessons and the tests read a header by).
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..families import block_index
-from ..model_folder import EXPERT, TRANSFORMER, ModelFolder
+from ..families import FAMILIES, block_index
+from ..model_folder import EXPERT, TRANSFORMER, ModelFolder, Weights
 from ..safetensors_io import read_safetensors_header
 
 DTYPE_BYTES = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
@@ -76,29 +82,100 @@ def stage_spans(config, blocks: int) -> list[tuple[int, int]]:
         return [(0, blocks)]
 
 
+def offload_spans(weights: Weights, span: tuple[int, int], blocks_at_once: int) -> list[tuple[int, int]]:
+    """The stacked blocks [start, stop) of each group diffusers' group offloading makes of blocks `span` (a
+    PipeFusion stage's, or all): `blocks_at_once` consecutive blocks of one list at a time, each list cut from
+    its first held block (Flux: its double-stream blocks, then its single-stream ones, apart)."""
+    names = FAMILIES[weights.class_name].block_names(weights.config)
+    spans, start = [], span[0]
+    for index in range(span[0], span[1] + 1):
+        ends_list = index == span[1] or names[index].rsplit(".", 1)[0] != names[start].rsplit(".", 1)[0]
+        if ends_list or index - start == blocks_at_once:
+            if index > start:
+                spans.append((start, index))
+            start = index
+    return spans
+
+
+@dataclass(frozen=True)
+class Offloaded:
+    """A transformer's weights under offload_blocks, as one rank holds them for blocks `span`: on the device at
+    most (the root's group and the largest group of blocks), in host memory the rest, and what crosses to the
+    device per call."""
+
+    device: int
+    host: int
+    root: int  # the root's own group: moved once per transformer call
+    blocks: int  # every group of blocks: moved once per run of the model's forward (per patch in a PipeFusion stage)
+
+    @classmethod
+    def of(cls, weights: Weights, span: tuple[int, int], blocks_at_once: int, scheme: str | None = None) -> Offloaded:
+        """diffusers groups every list among the model's children (nn.ModuleList, nn.Sequential: a tensor name
+        `child.<i>.`), not only the adapter's block lists (Z-Image's refiners): those are groups of blocks_at_once
+        elements too, cut from their first; the rest of the root is one group."""
+        adapter = FAMILIES[weights.class_name]
+        names = [key for key in weights.names if adapter.block_index(key, weights.config) is None]  # weights.root's
+        root, lists = 0, {}
+        for key, tensor in zip(names, weights.root, strict=True):
+            held = tensor.held_bytes(1, scheme)
+            listed = re.match(r"([^.]+)\.(\d+)\.", key)
+            if listed:
+                group = (listed[1], int(listed[2]) // blocks_at_once)
+                lists[group] = lists.get(group, 0) + held
+            else:
+                root += held
+        each = [sum(t.held_bytes(1, scheme) for t in block) for block in weights.blocks]
+        groups = [sum(each[a:b]) for a, b in offload_spans(weights, span, blocks_at_once)] + list(lists.values())
+        blocks = sum(each[span[0] : span[1]]) + sum(lists.values())
+        largest = max(groups, default=0)
+        return cls(device=root + largest, host=blocks - largest, root=root, blocks=blocks)
+
+    def moved_per_step(self, runs: int) -> int:
+        """Bytes host to device per denoising step when the model's forward runs `runs` times in one transformer
+        call (PipeFusion's patches)."""
+        return self.root + runs * self.blocks
+
+
 def held_weights(
-    model: ModelFolder, config, shard: bool, placement, stale=None, scheme: str | None = None, quantized=()
-) -> tuple[dict, int, int, int, int]:
+    model: ModelFolder,
+    config,
+    shard: bool,
+    placement,
+    stale=None,
+    scheme: str | None = None,
+    quantized=(),
+    offload: int | None = None,
+) -> tuple[dict, int, int, int, int, Offloaded | None]:
     """What one rank holds of each component's weights under `config`: ({component: bytes on this rank's
     device}, the gather buffer, the busiest stage's stale K/V (from `stale(span)`, if given), bytes all-gathered
-    per request for sharded text encoders, bytes of text encoders kept in host memory). The transformer
+    per request for sharded text encoders, bytes kept in host memory (text encoders, an offloaded transformer's),
+    the busiest expert's Offloaded figures or None). The transformer
     sharded over the ranks of a stage (world / pipefusion) when `shard`; text encoders whole ("gpu"),
     sharded over the world ("sharded") or in host memory ("host"): one placement for all, or a dict of
     them by component (missing ones: "gpu"); the rest whole on every rank. With `scheme`, the components in
-    `quantized` hold their linear weights quantized (quantization.py; never with `shard`)."""
+    `quantized` hold their linear weights quantized (quantization.py; never with `shard`). With `offload` (N,
+    never with `shard`), the transformer's blocks are in host memory, N at a time on the device (Offloaded): only
+    the running expert is on the device, so Wan 2.2 A14B's second expert adds nothing there."""
     world = config.world_size
     shards = world // config.pipefusion if shard else 1
     # Wan 2.2 A14B's second expert is held as the first: the same stage of its blocks, sharded or quantized alike
     experts = [(name, model.weights[name]) for name in model.named(TRANSFORMER, EXPERT)]
-    per_stage = []  # ({expert: weights}, gather, stale K/V) of each stage: the busiest is planned
+    per_stage = []  # ({expert: weights}, gather, stale K/V, host, offloaded) of each stage: the busiest is planned
     for span in stage_spans(config, len(model.transformer.blocks)):
         kept = stale(span) if stale is not None and config.pipefusion > 1 else 0  # one expert's: the other freed
-        held = {name: w.held(shards, span, scheme if name in quantized else None) for name, w in experts}
+        host, offloaded = 0, None
+        if offload:
+            each = {name: Offloaded.of(w, span, offload, scheme if name in quantized else None) for name, w in experts}
+            offloaded = max(each.values(), key=lambda o: o.device)
+            held = {name: offloaded.device if name == experts[0][0] else 0 for name, _ in experts}
+            host = sum(o.device + o.host for o in each.values()) - offloaded.device
+        else:
+            held = {name: w.held(shards, span, scheme if name in quantized else None) for name, w in experts}
         gather = max(w.gather(shards, span) for _, w in experts)  # one expert runs at a time: one gather buffer
-        per_stage.append((held, gather, kept))
-    held, gather, kept = max(per_stage, key=lambda stage: sum(stage[0].values()) + stage[1] + stage[2])
+        per_stage.append((held, gather, kept, host, offloaded))
+    held, gather, kept, host, offloaded = max(per_stage, key=lambda stage: sum(stage[0].values()) + stage[1] + stage[2])
     weights = dict(held)
-    encode_gather, host, encoder_gathers = 0, 0, [0]
+    encode_gather, encoder_gathers = 0, [0]
     for name in model.text_encoders:
         encoder = model.weights[name]
         where = placement.get(name, "gpu") if isinstance(placement, dict) else placement
@@ -114,4 +191,4 @@ def held_weights(
             host += held
     for name, component in model.weights.items():
         weights.setdefault(name, component.whole)  # the VAE and anything else: whole on every rank
-    return weights, max(gather, *encoder_gathers), kept, encode_gather, host
+    return weights, max(gather, *encoder_gathers), kept, encode_gather, host, offloaded

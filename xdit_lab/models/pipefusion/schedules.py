@@ -122,11 +122,12 @@ class AsyncSchedule:
         return output
 
     def patch_latents(self, latents: torch.Tensor, patch: int) -> torch.Tensor:
-        """Flat positions in one sample of `latents` that make up `patch` (on the latents' device)."""
+        """Flat positions in one sample of `latents` that make up `patch` (on the latents' device): its band of
+        the drawn image (the latents hold no reference image's tokens)."""
         stage = self.stage
         key = (tuple(latents.shape[1:]), patch)
         if key not in self.latent_elements:  # the grid is known once a forward ran on this size: the latest's
-            start, stop = patch_ranges(*stage.grid, stage.config.patches)[patch]
+            start, stop = patch_ranges(*stage.grid[0], stage.config.patches)[patch]
             positions = stage.state.adapter.latents.latent_positions(latents, stage.model_config)
             self.latent_elements[key] = positions[start:stop].flatten()
         return self.latent_elements[key]

@@ -18,7 +18,9 @@ single-stream), cut into stages as one list; rotary rows and per-token arguments
 Z-Image's stack starts with blocks over the image alone, and its forward joins the caption to the image
 before its first main layer: a stage starting there takes the image states alone and joins its own
 caption (FamilyAdapter.text_joined_at); the padding tokens that model adds after the image go with the
-last patch.
+last patch. Where other images' tokens follow the drawn one's (Qwen-Image-Edit's reference images),
+patch i is row band i of every image (sharding.patch_layout), and the output buffer holds every image's
+tokens, as the model's own output does.
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
 patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
 step the scheduler alike). Within a stage, tokens may also be split over ulysses × ring: every
@@ -41,7 +43,7 @@ from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
 from ...mesh import PIPEFUSION, RING, SP, ULYSSES
-from ...sharding import PatchLayout, patch_ranges
+from ...sharding import PatchLayout, patch_layout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
 from ..strategy import StrategyReport
@@ -80,7 +82,7 @@ class PipeFusionStage:
         self.hidden_size = heads * head_dim
         self.step = 0  # transformer calls since reset: the diffusion step
         self.layout = None
-        self.grid = None
+        self.grid = None  # (the drawn image's (rows, cols), the appended images' grids) of the layout
         self.buffers: dict[str, StaleKV] = {}
         self.sums: dict[str, torch.Tensor] = {}  # a linear-attention module's sums per patch [P, B, H, D+1, D]
         self.edges: dict[str, torch.Tensor] = {}  # a convolving module's edge rows per patch [P, 2, B, C, reach, W]
@@ -94,7 +96,7 @@ class PipeFusionStage:
         self.takes_text = False  # ... and the stage before sends them to this one
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
-        self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens
+        self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens, appended grids
         # the async schedule (ParallelConfig.pipefusion_schedule), past its warmup: one call runs one patch
         self.schedule = AsyncSchedule(self) if config.pipefusion_schedule == "async" else None
         self.busy_s = 0.0  # seconds in this stage's blocks, all calls (the bubble is the rest of a step)
@@ -148,10 +150,11 @@ class PipeFusionStage:
         return stage
 
     # ---- what the views and the planner ask -----------------------------------------------------------
-    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None) -> StrategyReport:
+    def report(self, grid: tuple[int, int] | None = None, rows: int | None = None, appended=()) -> StrategyReport:
         """This stage now (its step, its stale K/V held and their record, its seconds in its blocks), its
-        pieces of every patch of a `grid` of tokens, and the stale K/V it keeps for `rows` batch rows there."""
-        planned = {} if grid is None or rows is None else self.planned_kept_bytes(self.module(), rows, grid)
+        pieces of every patch of a `grid` of tokens (and the `appended` grids of images after it: an edit's
+        reference images), and the stale K/V it keeps for `rows` batch rows there."""
+        planned = {} if grid is None or rows is None else self.planned_kept_bytes(self.module(), rows, grid, appended)
         return StrategyReport(
             kind="pipefusion stage",
             step=self.step,
@@ -159,15 +162,15 @@ class PipeFusionStage:
             kept_bytes=self._kept_bytes(),
             busy_s=self.busy_s,
             staleness=self._staleness(),
-            tokens=None if grid is None else self._token_pieces(*grid),
+            tokens=None if grid is None else self._token_pieces(grid, tuple(appended)),
             planned_kept_bytes=planned,
         )
 
-    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int]) -> dict[str, int]:
+    def planned_kept_bytes(self, transformer, rows: int, grid: tuple[int, int], appended=()) -> dict[str, int]:
         """{"stale K/V": bytes} of the buffers this stage keeps between steps once a step ran with `rows`
         batch rows on this rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's
-        frames stacked as rows: LatentLayout.token_grid): stale_kv_bytes, for its blocks' attention, and a
-        linear attention's sums and a convolution's edge rows per patch (Sana's)."""
+        frames stacked as rows: LatentLayout.token_grid), with the `appended` grids after it: stale_kv_bytes,
+        for its blocks' attention, and a linear attention's sums and a convolution's edge rows per patch (Sana's)."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
         adapter, names = self.state.adapter, [name for name, _ in transformer.named_modules()]
         linear, convolving = (sum(counts) for counts in zip(*adapter.stale_mixing_layers(names, config)))
@@ -185,6 +188,7 @@ class PipeFusionStage:
             ring_rank=self.mesh.group_rank(RING),
             element_bytes=element,
             ulysses_rank=self.mesh.group_rank(ULYSSES),
+            appended=appended,
         )
         patches, width = self.config.patches, heads * head_dim
         kv += stale_sums_bytes(linear, rows, heads, head_dim, patches)
@@ -199,13 +203,14 @@ class PipeFusionStage:
         held += [*self.sums.values(), *self.edges.values()]
         return {"stale K/V": sum(t.numel() * t.element_size() for t in held)}
 
-    def _token_pieces(self, rows: int, cols: int) -> dict:
-        """The image tokens this rank computes for a rows × cols token grid: its piece of every patch
-        (the layout of the last forward when it had this grid, else computed the same way)."""
+    def _token_pieces(self, grid: tuple[int, int], appended: tuple) -> dict:
+        """The image tokens this rank computes for a rows × cols token grid (and the appended grids): its
+        piece of every patch as [start, stop) ranges of the sequence, patch by patch (the layout of the last
+        forward when it had these grids, else computed the same way); `patches`: the grid's row bands."""
         sp, sp_rank = self.config.sp_degree, self.mesh.group_rank(SP)
-        recorded = self.layout is not None and self.grid == (rows, cols)
-        layout = self.layout if recorded else self._patch_layout(rows, cols)
-        pieces = [list(layout.chunk(p, sp_rank)) for p in range(len(layout.patches))]
+        recorded = self.layout is not None and self.grid == (tuple(grid), appended)
+        layout = self.layout if recorded else self._patch_layout(tuple(grid), appended)
+        pieces = [list(piece) for p in range(len(layout.patches)) for piece in layout.rank_ranges(p, sp_rank)]
         return dict(
             sp_size=sp,
             sp_rank=sp_rank,
@@ -213,7 +218,7 @@ class PipeFusionStage:
             pipefusion=dict(
                 stage=self.mesh.coords[PIPEFUSION],
                 blocks=list(self.blocks),
-                patches=[list(p) for p in layout.patches],
+                patches=[list(p) for p in patch_ranges(*grid, self.config.patches)],
                 patch_tokens=pieces,
             ),
             source="PatchLayout" if recorded else "computed (no forward yet)",
@@ -251,7 +256,8 @@ class PipeFusionStage:
         refuse_per_block(bound.arguments, adapter)
         size = tuple(first.shape if per_sample else latents.shape[1:])  # one sample's: the batch keeps the grid
         if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
-            self.token_grids[size] = adapter.latents.token_grid(latents, self.model_config, bound.arguments)
+            grid = adapter.latents.token_grid(latents, self.model_config, bound.arguments)
+            self.token_grids[size] = (grid, adapter.latents.appended_grids(bound.arguments))
         patch_sets = self._begin_step(*self.token_grids[size])
         # the whole image's tokens, padding included (a stage that holds no block the tokens are cut at reads it here)
         self.state.image_len = self.layout.patches[-1][1]
@@ -335,22 +341,23 @@ class PipeFusionStage:
             blocks = self.model_config.get(counts[entry.block_list]) or 0
             arguments[entry.argument] = entry.for_stage(residuals, held, blocks, arguments)
 
-    def _begin_step(self, rows: int, cols: int) -> list[list[int]]:
-        if self.grid != (rows, cols):  # a new image size: new patches, new buffers
+    def _begin_step(self, grid: tuple[int, int], appended: tuple) -> list[list[int]]:
+        if self.grid != (grid, appended):  # a new image size: new patches, new buffers
             if self.schedule is not None and self.schedule.cursor:
                 raise RuntimeError("the image size changed in the middle of a pipelined step")
-            self.grid, self.buffers, self.indices, self.sums, self.edges = (rows, cols), {}, {}, {}, {}
-            self.layout = self._patch_layout(rows, cols)
+            self.grid, self.buffers, self.indices, self.sums, self.edges = (grid, appended), {}, {}, {}, {}
+            self.layout = self._patch_layout(grid, appended)
         patches = len(self.layout.patches)
         if self.step < self.config.warmup_steps:
             return [list(range(patches))]
         return [[self.schedule.cursor]] if self.pipelined else [[p] for p in range(patches)]
 
-    def _patch_layout(self, rows: int, cols: int) -> PatchLayout:
-        """The patches of a rows × cols token grid, each over the sp ranks; the tokens the model pads the image
-        with (Z-Image's, to a multiple of 32) go with the last patch, as they follow the last row."""
-        padded = self.state.adapter.latents.padded_tokens(rows * cols, self.model_config)
-        return PatchLayout(patch_ranges(rows, cols, self.config.patches, padded=padded), self.config.sp_degree)
+    def _patch_layout(self, grid: tuple[int, int], appended: tuple) -> PatchLayout:
+        """The patches of a rows × cols token grid (and the appended grids), each over the sp ranks; the tokens
+        the model pads the image with (Z-Image's, to a multiple of 32) go with the last patch, as they follow the
+        last row."""
+        padded = self.state.adapter.latents.padded_tokens(grid[0] * grid[1], self.model_config)
+        return patch_layout(grid, self.config.patches, self.config.sp_degree, appended, padded=padded)
 
     decides_before_blocks = True  # a StepCache needs the first block over the whole image first
 
@@ -396,6 +403,11 @@ class PipeFusionStage:
     def keep_prefix(self, count: int) -> int:
         """How many of this rank's tokens of the active patches are among the sequence's first `count`
         (its tokens run in ascending order, so they are the first ones it holds)."""
+        if self.layout.order is not None:  # patches of several images: a rank's tokens are not in sequence order
+            raise NotImplementedError(
+                "a count of the sequence's first tokens (a per-token prefix) with images after the drawn one: "
+                "PipeFusion's patches hold their tokens out of sequence order; run it under ulysses, ring, cfg or dp"
+            )
         sp_rank = self.mesh.group_rank(SP)
         return sum(
             max(min(stop, count) - start, 0) for start, stop in (self.layout.chunk(p, sp_rank) for p in self.active)
@@ -559,7 +571,7 @@ class PipeFusionStage:
             stage=self.mesh.coords[PIPEFUSION],
             blocks=self.blocks,
             step=self.step,
-            patches=self.layout.patches if self.layout else None,
+            patches=patch_ranges(*self.grid[0], self.config.patches) if self.layout else None,  # the drawn image's
             written_step={whole(name): list(buffer.written_step) for name, buffer in self.buffers.items()},
             reads={
                 whole(name): [(step, list(active), list(steps)) for step, active, steps in buffer.reads]

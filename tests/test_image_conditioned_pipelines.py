@@ -1048,7 +1048,13 @@ def test_flux2_klein_stale_pipefusion_is_measured(tmp_path):
 
 
 # ---- Z-Image image to image, loaded from a ZImagePipeline folder ------------------------------------------------
-ZIMAGE_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+ZIMAGE_CONFIGS = [
+    ParallelConfig(ulysses=2),
+    ParallelConfig(ring=2),
+    ParallelConfig(cfg=2),
+    ParallelConfig(dp=2),
+    ParallelConfig(pipefusion=2, warmup_steps=4),  # every step a warm-up step: exact
+]
 
 
 def _zimage_call(**changes):
@@ -1081,9 +1087,10 @@ def _zimage_parallel(folder, configs):
 
 def test_zimage_image_to_image_equals_diffusers(tmp_path):
     """ZImageImg2ImgPipeline at its default strength (0.6 of 4 steps: the last 3, from the image's latents noised to
-    the first of them) under ulysses, ring, cfg and dp, against diffusers' own pipeline loaded from the same
-    ZImagePipeline folder; its control (strength 1, the whole schedule from noise) misses it. No image, a strength
-    that leaves no step, and an image given to the text-to-image pipeline are refused by name."""
+    the first of them) under ulysses, ring, cfg, dp and PipeFusion (every step a warm-up step), against diffusers'
+    own pipeline loaded from the same ZImagePipeline folder; its control (strength 1, the whole schedule from noise)
+    misses it. No image, a strength that leaves no step, and an image given to the text-to-image pipeline are
+    refused by name."""
     import diffusers
 
     folder = save_tiny_pipeline("zimage", tmp_path / "zimage")

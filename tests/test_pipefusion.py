@@ -8,10 +8,10 @@ import functools
 
 import pytest
 import torch
-from forward_traffic import session_traffic, traffic_mismatches, traffic_row
+from forward_traffic import sample, session_traffic, traffic_mismatches, traffic_row
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, parallelize
-from xdit_lab.families import adapter_for
+from xdit_lab.families import MODULES, adapter_for
 from xdit_lab.lab.measure import compare_to_serial
 from xdit_lab.lessons.controls import wrong_stale_kv
 from xdit_lab.loading import load_stage_transformer
@@ -28,8 +28,13 @@ def _inputs(family):
     """STEPS transformer calls on latents that drift a little from step to step, as a diffusion's do:
     stale K/V (one step old) are then close to fresh ones, and a bound on staleness means something."""
     base = tiny_inputs(family, 4, height=8, width=8, seed=0, text_len=8 if family == "cogvideox" else 6)
-    noise = torch.randn(base["hidden_states"].shape, generator=torch.Generator().manual_seed(3))
-    return [dict(base, hidden_states=base["hidden_states"] + DRIFT * i * noise) for i in range(STEPS)]
+    name, generator = MODULES[family].ADAPTER.latents_argument, torch.Generator().manual_seed(3)
+    latents = base[name]
+    if isinstance(latents, list):  # one tensor per sample (Z-Image's x)
+        noise = [torch.randn(x.shape, generator=generator) for x in latents]
+        return [dict(base, x=[x + DRIFT * i * n for x, n in zip(latents, noise)]) for i in range(STEPS)]
+    noise = torch.randn(latents.shape, generator=generator)
+    return [dict(base, **{name: latents + DRIFT * i * noise}) for i in range(STEPS)]
 
 
 def _steps(config, family="pixart", control=None):
@@ -40,13 +45,13 @@ def _steps(config, family="pixart", control=None):
     per_block = [sum(p.numel() for p in block.parameters()) for block in adapter_for(model).blocks(model)]
     inputs = _inputs(family)
     with torch.no_grad():
-        reference = [model(**x).sample for x in inputs]
+        reference = [sample(model(**x)) for x in inputs]
     rows = []
     with torch.no_grad():
         model = parallelize(model, config, controls=wrong_stale_kv(control))
         for step, (x, ref) in enumerate(zip(inputs, reference)):
             with comm_log() as log:
-                out = model(**x).sample
+                out = sample(model(**x))
             rows.append(
                 dict(
                     error=(out - ref).abs().max().item(),
@@ -109,7 +114,8 @@ def test_stale_steps_deviate_and_are_recorded():
 # ("read before write", 1.6 to 2.1 times the real figure, so 1.25 separates them). Measured, real / read
 # before write / zeros: dit 1.33e-3 / 2.81e-3 / 9.0e-2; sd3 3.4e-4 / 6.0e-4 / 1.6e-2; flux 7.5e-4 / 1.3e-3 /
 # 1.8e-2; flux2 2.8e-4 / 4.8e-4 / 5.6e-3; qwenimage 8.3e-4 / 1.6e-3 / 1.4e-2; hunyuanvideo 1.15e-3 / 1.84e-3 /
-# 1.8e-2; cogvideox 3.5e-4 / 5.9e-4 / 1.6e-2; wan 1.5e-3 / 2.5e-3 / 2.5e-2.
+# 1.8e-2; cogvideox 3.5e-4 / 5.9e-4 / 1.6e-2; wan 1.5e-3 / 2.5e-3 / 2.5e-2; zimage 1.10e-2 / 2.5e-2 / 1.7e-1 (its
+# 16 padding tokens, alike, sit in the last patch: 3/4 of the image's K/V are stale when patch 0 runs).
 STALE_L2 = dict(
     dit=1.33e-3,
     sd3=3.4e-4,
@@ -119,6 +125,7 @@ STALE_L2 = dict(
     hunyuanvideo=1.15e-3,
     cogvideox=3.5e-4,
     wan=1.5e-3,
+    zimage=1.10e-2,
 )
 STALE_MARGIN = 1.25
 CONTROLS = ("zeros", "read before write")
@@ -203,6 +210,7 @@ def test_stage_and_patch_splits():
     with pytest.raises(ValueError, match="at least one of the 5 blocks"):
         stage_ranges(5, 2, split=[5, 0])
     assert patch_ranges(4, 4, 2) == [(0, 8), (8, 16)]
+    assert patch_ranges(4, 4, 2, padded=16) == [(0, 8), (8, 32)]  # Z-Image's padding to 32 follows the last row
     with pytest.raises(ValueError, match="5 patches are more than the 4 token rows"):
         patch_ranges(4, 4, 5)
 
@@ -598,7 +606,8 @@ def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
 # states its blocks produced with each patch; rotary rows follow the patches. Each world size is one spawned
 # run over every family and configuration (CI time).
 
-JOINT = ("sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan")  # Wan: image-only rotary
+# Wan: image-only rotary; Z-Image: its image refiner's blocks, then its main layers over [image; caption]
+JOINT = ("sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage")
 JOINT_STAGES = {
     "sd3": [(0, 2), (2, 4)],
     "qwenimage": [(0, 2), (2, 4)],
@@ -607,6 +616,7 @@ JOINT_STAGES = {
     "flux2": [(0, 3), (3, 6)],
     "cogvideox": [(0, 2), (2, 4)],
     "wan": [(0, 2), (2, 4)],
+    "zimage": [(0, 3), (3, 5)],  # 1 refiner block and 4 layers: stage 0 hands on the patch and the caption
 }
 JOINT_CONFIGS = {
     2: [ParallelConfig(pipefusion=2), ParallelConfig(pipefusion=2, num_patches=4)],
@@ -647,7 +657,7 @@ def test_joint_families_equal_serial_when_every_step_warms_up(world_size):
     ones, so "half" is of the stack, by block)."""
     for rank, runs in enumerate(_joint_ranks(world_size)):
         exact = [r for r in runs if r["config"].warmup_steps == STEPS]
-        assert len(exact) == {2: 14, 4: 18}[world_size]  # families × configurations (some without cfg)
+        assert len(exact) == {2: 16, 4: 21}[world_size]  # families × configurations (some without cfg)
         for run in exact:
             config = run["config"]
             where = f"{run['family']} {config.short()} patches {config.patches} rank {rank}"
@@ -667,15 +677,17 @@ def test_joint_stale_steps_deviate_and_hand_text_with_every_patch():
     (STALE_L2), which both wrong buffers exceed. Stage 0 sends, per patch run, the patch's image tokens
     and the whole text: B × (S + runs × T) × hidden × 4 bytes per step, in 2 messages per run (Wan,
     whose blocks return the image only: 1 message, no text); every rank's bytes per step equal the
-    package's closed form too."""
-    batch, hidden = 4, 4 * 16
+    package's closed form too. Z-Image's 16 image tokens are padded to 32 (the padding goes with the last patch)
+    and its captions (6, 37, 4 and 38 tokens) each to a multiple of 32, the batch to the longest: 64."""
+    batch = 4
     # 8 × 8 latent pixels: Flux's are not patchified, Qwen-Image packs 2 × 2
     image = {"sd3": 16, "flux": 64, "flux2": 64, "qwenimage": 16, "hunyuanvideo": 2 * 16, "cogvideox": 3 * 16}
-    image["wan"] = 2 * 16
+    image |= {"wan": 2 * 16, "zimage": 32}
     text = {"sd3": 6, "flux": 6, "flux2": 6, "qwenimage": 6, "hunyuanvideo": 6, "cogvideox": 8, "wan": 0}  # Wan's: none
+    text["zimage"] = 64
     for rank, runs in enumerate(_joint_ranks(2)):
         stale = [r for r in runs if r["config"].warmup_steps == 1]
-        assert len(stale) == 14
+        assert len(stale) == 16
         for run in stale:
             family, config, rows = run["family"], run["config"], run["rows"]
             where = f"{family} patches {config.patches} rank {rank}"
@@ -684,6 +696,7 @@ def test_joint_stale_steps_deviate_and_hand_text_with_every_patch():
             assert not traffic_mismatches(rows, where), traffic_mismatches(rows, where)
             if config.patches == 2:
                 _check_stale_bound(family, run, run["controls"], where)
+            hidden = MODULES[family].TINY.heads * 16  # the tiny models' heads of 16
             for step, row in enumerate(rows):
                 sends = [r for r in row["records"] if r["group"] == "pipefusion" and r["op"] == "send"]
                 runs_per_step = 1 if step == 0 else config.patches
@@ -708,6 +721,28 @@ def test_flux2_stages_hand_over_its_joined_single_stream_tokens():
         for split, run in zip(("4 | 2", "5 | 1"), runs):
             for step, row in enumerate(run["rows"]):
                 assert row["error"] <= row["bound"], f"split {split} rank {rank} step {step}: {row['error']:.3g}"
+            assert not traffic_mismatches(run["rows"], f"split {split} rank {rank}")
+
+
+def _zimage_splits():
+    return [
+        _steps(ParallelConfig(pipefusion=2, warmup_steps=STEPS, stage_split=split), "zimage")
+        for split in ([1, 4], [2, 3])
+    ]
+
+
+def test_zimage_stages_join_the_caption_where_its_forward_joins_it():
+    """Z-Image's stack is its image refiner's block, then its 4 main layers over [image; caption]. A stage boundary
+    at the switch (1 | 4) hands on the patch's image states alone, and the receiving stage joins its own caption (its
+    caption refiner runs whole, reading no image token); one inside the layers (2 | 3) hands on the caption states
+    with each patch. Both equal diffusers' serial forward within 1e-4 at every step, the bytes as the closed form
+    says: one message per patch run at the switch, two inside the layers."""
+    for rank, runs in enumerate(run_on_ranks(_zimage_splits, 2, timeout_s=300)):
+        for split, run in zip(("1 | 4", "2 | 3"), runs):
+            for step, row in enumerate(run["rows"]):
+                assert row["error"] <= row["bound"], f"split {split} rank {rank} step {step}: {row['error']:.3g}"
+                sends = [r for r in row["records"] if r["group"] == "pipefusion" and r["op"] == "send"]
+                assert len(sends) == ({"1 | 4": 1, "2 | 3": 2}[split] if rank == 0 else 0), (split, rank, sends)
             assert not traffic_mismatches(run["rows"], f"split {split} rank {rank}")
 
 

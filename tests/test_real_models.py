@@ -381,17 +381,20 @@ def test_flux2_klein_plans_one_branch_and_its_qwen3_from_its_folder(folders):
     assert {row.request.branches for row in rows} == {2} and any(row.config.cfg == 2 for row in rows)
 
 
-def test_zimage_turbo_is_planned_from_its_folder_without_pipefusion(folders):
+def test_zimage_turbo_is_planned_from_its_folder(folders):
     """Z-Image-Turbo's rows: its transformer (6.15B parameters) and Qwen3-4B text encoder at their stored bytes on a
-    rank that holds them whole, which fits one of two 24 GB GPUs under ulysses 2; no PipeFusion row (load_pipeline
-    refuses it for the family: its forward joins [image; caption] between its refiners and its layers). Its folder's
-    call_defaults.json says what its model card does, 9 steps at guidance 0: one branch, so no cfg 2 row. Control:
-    the same folder without it plans ZImagePipeline's own guidance 5, two branches, and offers cfg 2."""
+    rank that holds them whole, which fits one of two 24 GB GPUs under ulysses 2. PipeFusion 2 cuts its 32 stacked
+    blocks (the image refiner's 2, then the 30 main layers) 16 and 16: a stage keeps the stale K/V of its 16
+    attention layers for the 4096 image tokens at 1024² (a multiple of 32: no padding), 30 heads of 128, bfloat16.
+    Its folder's call_defaults.json says what its model card does, 9 steps at guidance 0: one branch, so no cfg 2
+    row. Control: the same folder without it plans ZImagePipeline's own guidance 5, two branches, and offers cfg 2."""
 
     folder = folders["Z-Image-Turbo"]
     assert json.loads((folder / "call_defaults.json").read_text()) == {"num_inference_steps": 9, "guidance_scale": 0.0}
     rows = plan_model(folder, 2, 24 * GB)
-    assert rows and not [row for row in rows if row.config.pipefusion > 1]
+    staged = [row for row in rows if row.config.pipefusion > 1]
+    assert staged and {row.stale_kv for row in staged} == {16 * 2 * 1 * 30 * 4096 * 128 * 2}
+    assert all(row.weights["transformer"] < 0.55 * 6_154_908_736 * 2 for row in staged)  # about half the blocks
     assert {row.request.branches for row in rows} == {1} and {row.config.cfg for row in rows} == {1}
     whole = _row(rows, "ulysses2", False, "gpu")
     assert whole.weights["transformer"] == 6_154_908_736 * 2 and whole.weights["text_encoder"] == 4_022_468_096 * 2

@@ -74,8 +74,9 @@ def stage_ranges(num_blocks: int, stages: int, split: list[int] | None = None) -
     return [(start, start + count) for start, count in zip(starts, counts)]
 
 
-def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int) -> list[tuple[int, int]]:
-    """Token ranges of `num_patches` row bands of a grid_rows × grid_cols token grid."""
+def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int, padded: int = 0) -> list[tuple[int, int]]:
+    """Token ranges of `num_patches` row bands of a grid_rows × grid_cols token grid; `padded` tokens the model
+    adds after the grid (Z-Image's, to a multiple of 32) go with the last band."""
     if num_patches > grid_rows:
         raise ValueError(
             f"{num_patches} patches are more than the {grid_rows} token rows of the image; "
@@ -83,7 +84,9 @@ def patch_ranges(grid_rows: int, grid_cols: int, num_patches: int) -> list[tuple
         )
     rows = shard_sizes(grid_rows, num_patches)
     starts = [sum(rows[:i]) for i in range(num_patches)]
-    return [(start * grid_cols, (start + count) * grid_cols) for start, count in zip(starts, rows)]
+    ranges = [(start * grid_cols, (start + count) * grid_cols) for start, count in zip(starts, rows)]
+    ranges[-1] = (ranges[-1][0], ranges[-1][1] + padded)
+    return ranges
 
 
 class PatchLayout:
@@ -128,14 +131,18 @@ class PatchLayout:
 
 
 def patch_layout(
-    grid: tuple[int, int], num_patches: int, sp: int, appended: tuple[tuple[int, int], ...] = ()
+    grid: tuple[int, int], num_patches: int, sp: int, appended: tuple[tuple[int, int], ...] = (), padded: int = 0
 ) -> PatchLayout:
     """The patches of a rows × cols token `grid`, each sharded over `sp` ranks. `appended`: (rows, cols) of
     the images whose tokens follow the grid's in the sequence, one after another (an edit's reference
     images): patch i is then row band i of every image, so each patch holds its share of every image and
-    no token runs twice."""
+    no token runs twice. `padded`: tokens the model adds after the grid (Z-Image's), with the last patch."""
+    if padded and appended:
+        raise NotImplementedError(
+            "padding tokens between the drawn image and the images after it are not cut into patches"
+        )
     if not appended:
-        return PatchLayout(patch_ranges(*grid, num_patches), sp)
+        return PatchLayout(patch_ranges(*grid, num_patches, padded=padded), sp)
     bands, offset = [], 0  # per image, its bands' [start, stop) in the sequence
     for rows, cols in (grid, *appended):
         bands.append([(offset + start, offset + stop) for start, stop in patch_ranges(rows, cols, num_patches)])

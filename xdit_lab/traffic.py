@@ -48,8 +48,9 @@ def expected_bytes_per_step(
       halo        a convolution over token rows (`row_conv_layers`, `halo_rows` rows of reach) sends its band's
                   edge rows to each sp neighbour: b·halo_rows·cols·h·d a neighbour, under "sp"
       pipefusion  per patch (its row band of the grid and of each image after it, `appended_grids`: an edit's
-                  reference images) a non-last stage sends [b, tokens, hidden], and [b, T, hidden] of text
-                  states where its blocks return them (SD3, Flux, CogVideoX); the last stage
+                  reference images; the last with the model's padding, Z-Image's) a non-last stage sends
+                  [b, tokens, hidden], and [b, T, hidden] of text states where its blocks return them (SD3,
+                  Flux, CogVideoX, Z-Image's main layers); the last stage
                   broadcasts the noise prediction [b, sample] to the other stages; async, past the
                   warmup, it sends the whole latents back to stage 0 instead (a patch at a time), and
                   after the last step broadcasts them, and the dp and cfg gathers run once per patch
@@ -101,7 +102,7 @@ def expected_bytes_per_step(
     if c.pipefusion > 1:
         # patch i: row band i of the drawn grid and of each image after it (an edit's references, `appended_grids`)
         appended = tuple(tuple(grid) for grid in s.get("appended_grids", ()))
-        layout = patch_layout((s["rows"], s["cols"]), c.patches, sp, appended)
+        layout = patch_layout((s["rows"], s["cols"]), c.patches, sp, appended, padded=s.get("padded_tokens", 0))
         warm = stage_step < c.warmup_steps
         patch_sets = [list(range(c.patches))] if warm else [[p] for p in range(c.patches)]
         forwards = [layout.rank_sizes(active) for active in patch_sets]

@@ -120,12 +120,14 @@ def stale_kv_bytes(
     element_bytes,
     ulysses_rank=None,
     appended=(),
+    padded=0,
 ) -> int:
     """Bytes of a stage's stale K/V buffers: for each of its `layers` self-attention layers, K and V
     of the whole sequence for every batch row, this rank's part of it (its ring rank's tokens of
     every patch, for its Ulysses rank's heads: ulysses_rank None, the most heads a rank attends).
-    `appended`: the grids of images whose tokens follow the `grid`'s (sharding.patch_layout)."""
-    layout = patch_layout(grid, patches, ulysses * ring, appended)
+    `appended`: the grids of images whose tokens follow the `grid`'s (sharding.patch_layout); `padded`: the
+    tokens the model adds after the grid (Z-Image's)."""
+    layout = patch_layout(grid, patches, ulysses * ring, appended, padded=padded)
     length = sum(
         layout.chunk_len(p, ring_rank * ulysses + j) for j in range(ulysses) for p in range(len(layout.patches))
     )

@@ -436,9 +436,10 @@ class FamilyAdapter:
     rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as `rotary`
     rotary: RotaryLayout = TEXT_THEN_IMAGE
     text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
-    # the joint text's length as the blocks take it, where the forward joins that text from several of its arguments
-    # (HunyuanVideo-1.5: the image's embeddings, ByT5's and Qwen's tokens): arguments -> tokens; None: the forward's
-    # encoder_hidden_states
+    # (forward arguments) -> the joint text's length as the blocks take it, where the forward builds that text itself
+    # (HunyuanVideo-1.5 joins the image's embeddings, ByT5's and Qwen's tokens; Z-Image pads each caption to a multiple
+    # of 32, then the batch to the longest): the batch split notes it, and a PipeFusion stage sizes the text it
+    # receives with each patch before the forward runs; None: encoder_hidden_states' length
     joint_text_len: Callable | None = None
     # the blocks' argument holding the joint text's padding mask [B, T], from which each block's attention builds a
     # query-and-key mask [B, 1, L, L] over the tokens it holds (HunyuanVideo-1.5): every block takes this rank's share
@@ -483,6 +484,11 @@ class FamilyAdapter:
     block_lists: tuple = ("transformer_blocks",)
     block_counts: tuple = ()  # the config key holding each list's length; () for diffusers' (BLOCK_COUNTS)
     joined_block_lists: tuple = ()  # lists whose blocks take [text; image] as one tensor (Flux.2's single-stream)
+    joined_text_last: bool = False  # ... or [image; text] (Z-Image's main layers)
+    # the stacked block before which the forward joins its own joint text to the image tokens (Z-Image's first main
+    # layer, "layers.0"; no block before it hands text on): a PipeFusion stage starting there takes the image states
+    # of the stage before and its own forward's text; None: the text enters at the first block
+    text_joined_at: str | None = None
     # (transformer, block 0, hooks) -> None: what a PipeFusion stage without the model's block 0 installs so that its
     # output layer still gets block 0's conditioning (DiT), or None where the output layer needs nothing of it
     output_conditioning: Callable | None = None

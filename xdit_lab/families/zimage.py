@@ -20,6 +20,15 @@ block, and its caption rows (the rotary's) or every caption column (the mask, a 
 the caption refiner runs whole on every rank (its attention is the text's alone), and the final layer's image
 rows are gathered.
 
+PipeFusion cuts one stack, the image refiner's blocks then the main layers (as Flux's two lists), into stages, and
+the image tokens into row bands; the padding tokens follow the last row, so they go with the last patch (its K/V
+kept with it). A patch runs the refiner on its image tokens and the layers on [patch; caption], its image K/V
+stale per patch and the caption's recomputed with every patch, its padding mask's caption columns whole. A stage
+hands on the patch's image states, and the caption's too once its blocks reach the layers; a stage starting at
+the first layer takes the image states alone and joins its own caption (the caption refiner runs whole on every
+stage, it reads no image token). The last stage's final layer keeps the image rows; its prediction, one
+[C, 1, H, W] per sample, is broadcast stacked.
+
 diffusers' ZImagePipeline batches [positive; negative]; here the branches go [negative; positive], which cfg 2
 splits. Its guidance is pos + g·(pos - neg) (not neg + g·(pos - neg)), applied where guidance_scale > 0, with
 an optional rescale to the positive's norm (cfg_normalization) and no guidance after a step whose normalized
@@ -57,6 +66,16 @@ class SampleLatents(LatentLayout):
     def padded_tokens(self, tokens, model_config):
         return -tokens % SEQ_MULTI_OF
 
+    def prediction_shape(self, latents, model_config):
+        """The predictions stacked, [B, C, F, H, W]: one per sample, each its sample's shape (out = in channels)."""
+        return (len(latents), *latents[0].shape)
+
+
+def caption_tokens(arguments) -> int:
+    """The captions' tokens as the main layers take them (cap_feats: one [L_i, D] per sample): each padded to a
+    multiple of 32, the batch to the longest."""
+    return max(len(caption) + -len(caption) % SEQ_MULTI_OF for caption in arguments["cap_feats"])
+
 
 def attention_shape(config) -> tuple[int, int]:
     """(heads, head_dim) as Z-Image's config spells them: n_heads, and dim split over them."""
@@ -87,13 +106,16 @@ ADAPTER = FamilyAdapter(
         PerToken(r"^layers\.\d+$", "attn_mask", then_text="keys"),
     ),
     per_sample_lists=("x", "cap_feats"),
-    block_lists=("layers",),
-    block_counts=("n_layers",),
+    # PipeFusion's stack: the image refiner's blocks, then the main layers, which take [image; caption] joined
+    block_lists=("noise_refiner", "layers"),
+    block_counts=("n_refiner_layers", "n_layers"),
+    joined_block_lists=("layers",),
+    joined_text_last=True,
+    text_joined_at="layers.0",
+    joint_text_len=caption_tokens,
     attention_shape=attention_shape,
     step_cache_refused="ZImageTransformer2DModel has no CacheMixin: diffusers' First-Block Cache, the reference it is "
     "checked against, does not run on it",
-    pipefusion_refused="its forward joins [image; caption] into one sequence between its refiners and its main "
-    "layers, so a stage's blocks do not take what the one before hands on; run ulysses, ring, cfg and dp",
 )
 
 
@@ -101,7 +123,6 @@ class ZImageRecipe(Recipe):
     pipeline_classes = ("ZImagePipeline", "ZImageImg2ImgPipeline")
     tasks = dict(ZImageImg2ImgPipeline="image to image")
     output_class = "diffusers.pipelines.z_image.pipeline_output:ZImagePipelineOutput"
-    pipefusion_refused = dict.fromkeys(pipeline_classes, ADAPTER.pipefusion_refused)
     defaults = dict(num_inference_steps=50, guidance_scale=5.0)  # Z-Image-Turbo's folder: 8 to 9 steps, guidance 0
     # image and strength: image to image's (strength None: ZImageImg2ImgPipeline's default, 0.6)
     options = dict(max_sequence_length=512, cfg_normalization=False, cfg_truncation=1.0, image=None, strength=None)

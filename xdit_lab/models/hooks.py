@@ -149,7 +149,7 @@ def install_hooks(transformer, state: ParallelState) -> None:
         )
     if strategy.splits_tokens:
         if adapter.shard_at_input:  # Z-Image: the image refiner's first block takes the whole image tokens
-            _hook_first_input(transformer, state, adapter.shard_at, "shard")
+            _hook_first_input(transformer, state, adapter.shard_at, "shard")  # (a PipeFusion stage may hold none)
         else:
             _hook_output(transformer, state, adapter.shard_at, "shard")
         for path in adapter.shard_also:
@@ -195,7 +195,15 @@ def _hook_output(root, state, path: str, method: str):
 
 def _hook_first_input(root, state, path: str, method: str):
     """The strategy's `method` on the first argument of module `path` (its hidden states), installed as
-    "<method>[<path>]"."""
+    "<method>[<path>]", before any other hook of that module (a PipeFusion stage's first block then takes the
+    previous stage's tokens in place of what this one cut). A block a PipeFusion stage does not hold gets none:
+    that stage takes its tokens from the stage before."""
+    try:
+        module = root.get_submodule(path)
+    except AttributeError:
+        if state.mesh.config.pipefusion == 1:
+            raise
+        return
 
     def hook(_module, args, kwargs):
         if not state.in_forward:
@@ -205,7 +213,7 @@ def _hook_first_input(root, state, path: str, method: str):
         name = next(iter(kwargs))  # the hidden states passed by name: the block's first argument
         return args, {**kwargs, name: getattr(state.strategy, method)(kwargs[name])}
 
-    state.hooks.forward_pre_hook(f"{method}[{path}]", root.get_submodule(path), hook, with_kwargs=True)
+    state.hooks.forward_pre_hook(f"{method}[{path}]", module, hook, with_kwargs=True, prepend=True)
 
 
 def _hook_text_len(root, state, pattern: str):
@@ -250,10 +258,10 @@ def _hook_text_at_first_block(transformer, state) -> None:
 
 
 def _hook_joined_text_at_first_block(transformer, state) -> None:
-    """The joint text where the model's first block takes it joined after the image, [image; text] as its first
-    argument (Z-Image's forward joins them between its refiners and its layers): the strategy keeps its share of the
-    text there, beside its image tokens; the blocks after take it from the one before."""
-    blocks = state.adapter.blocks(transformer)
+    """The joint text where the first block of the adapter's joined lists takes it joined after the image, [image;
+    text] as its first argument (Z-Image's forward joins them between its refiners and its layers): the strategy
+    keeps its share of the text there, beside its image tokens; the blocks after take it from the one before."""
+    blocks = [block for name in state.adapter.joined_block_lists[:1] for block in getattr(transformer, name)]
     if not blocks:
         return
 

@@ -136,7 +136,9 @@ def stale_kv(folder: ModelFolder, call: Call, shape: RequestShape, config: Paral
     rank's batch rows, this rank's tokens (attention/stale.py's stale_kv_bytes)."""
     layers = sum(stale_layers(folder)[span[0] : span[1]])
     rows = kv_rows(config, call.prompts * call.branches)
-    kv = busiest_stale_kv_bytes(config, folder.transformer.config, layers, rows, shape.grid, folder.element)
+    kv = busiest_stale_kv_bytes(
+        config, folder.adapter, folder.transformer.config, layers, rows, shape.grid, folder.element
+    )
     return kv + stale_sums_and_halos(folder, config, span, rows, shape.grid)
 
 
@@ -151,7 +153,7 @@ def stale_sums_and_halos(folder: ModelFolder, config: ParallelConfig, span, rows
     names = {key.rsplit(".", cut)[0] for key in folder.transformer.names for cut in range(1, key.count(".") + 1)}
     counts = adapter.stale_mixing_layers(sorted(names), transformer)[span[0] : span[1]]
     linear, convolving = (sum(c) for c in zip(*counts)) if counts else (0, 0)
-    heads, head_dim = transformer["num_attention_heads"], transformer["attention_head_dim"]
+    heads, head_dim = adapter.attention_shape(transformer)
     kept = stale_sums_bytes(linear, rows, heads, head_dim, config.patches)
     if adapter.row_convolution is not None:
         width = heads * head_dim
@@ -160,21 +162,24 @@ def stale_sums_and_halos(folder: ModelFolder, config: ParallelConfig, span, rows
 
 
 def busiest_stale_kv_bytes(
-    config: ParallelConfig, transformer: dict, layers: int, rows: int, grid, element: int
+    config: ParallelConfig, adapter, transformer: dict, layers: int, rows: int, grid, element: int
 ) -> int:
     """The stale K/V buffers of a PipeFusion stage's busiest rank under `config` (the ring rank that keeps
     the most: stale_kv_bytes), for `layers` attention layers whose K/V it keeps, `rows` batch rows, a
-    `grid` (rows, cols) of tokens and the heads of the transformer's config.json (`transformer`), with
-    `element` bytes per float."""
+    `grid` (rows, cols) of tokens (and the tokens the model pads it with) and the heads of the transformer's
+    config.json (`transformer`, read through the family's `adapter`), with `element` bytes per float."""
     from ..attention.stale import stale_kv_bytes
+
+    heads, head_dim = adapter.attention_shape(transformer)
 
     return max(
         stale_kv_bytes(
             layers=layers,
             rows=rows,
-            heads=transformer["num_attention_heads"],
-            head_dim=transformer["attention_head_dim"],
+            heads=heads,
+            head_dim=head_dim,
             grid=grid,
+            padded=adapter.latents.padded_tokens(grid[0] * grid[1], transformer),
             patches=config.patches,
             ulysses=config.ulysses,
             ring=config.ring,

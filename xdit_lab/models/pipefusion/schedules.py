@@ -86,8 +86,9 @@ class AsyncSchedule:
             output = inner.transformer(**recipe.model_kwargs(inner, prepared, model_input, t))
             if not mesh.is_last_stage:
                 continue
-            # a copy: the output is a reused buffer
-            noise = recipe.guide(inner, prepared, output[0].clone(), context.step_index)
+            # a copy: the output is a reused buffer (a tensor, or one per sample: Z-Image's list)
+            noise = torch.utils._pytree.tree_map(torch.clone, output[0])
+            noise = recipe.guide(inner, prepared, noise, context.step_index)
             whole = (inner.scheduler, prepared.extra)
             inner.scheduler, prepared.extra = self.patch_states[p]
             try:  # a copy: the scheduler may keep the sample it was given, and these latents change in place
@@ -125,7 +126,7 @@ class AsyncSchedule:
         the drawn image (the latents hold no reference image's tokens)."""
         stage = self.stage
         key = (tuple(latents.shape[1:]), patch)
-        if key not in self.latent_elements:  # the grid is known once a forward ran on this size
+        if key not in self.latent_elements:  # the grid is known once a forward ran on this size: the latest's
             start, stop = patch_ranges(*stage.grid[0], stage.config.patches)[patch]
             positions = stage.state.adapter.latents.latent_positions(latents, stage.model_config)
             self.latent_elements[key] = positions[start:stop].flatten()

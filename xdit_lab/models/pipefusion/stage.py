@@ -15,9 +15,18 @@ stage hands over the patch's image tokens and the text states its blocks produce
 (whole, on every sp rank). Their attention keeps image K/V per patch and recomputes text K/V (and
 its padding mask) with each patch. The blocks are the adapter's stack (Flux: double-stream, then
 single-stream), cut into stages as one list; rotary rows and per-token arguments follow the patches.
+<<<<<<< HEAD
 Where other images' tokens follow the drawn one's (an edit's reference images: Qwen-Image-Edit, Kontext,
 Flux.2), patch i is row band i of every image (sharding.patch_layout), and the output buffer holds every
 image's tokens, as the model's own output does.
+=======
+Z-Image's stack starts with blocks over the image alone, and its forward joins the caption to the image
+before its first main layer: a stage starting there takes the image states alone and joins its own
+caption (FamilyAdapter.text_joined_at); the padding tokens that model adds after the image go with the
+last patch. Where other images' tokens follow the drawn one's (Qwen-Image-Edit's reference images),
+patch i is row band i of every image (sharding.patch_layout), and the output buffer holds every image's
+tokens, as the model's own output does.
+>>>>>>> zpf
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
 patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
 step the scheduler alike). Within a stage, tokens may also be split over ulysses × ring: every
@@ -40,13 +49,18 @@ from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
 from ...mesh import PIPEFUSION, RING, SP, ULYSSES
-from ...sharding import patch_layout, patch_ranges
+from ...sharding import PatchLayout, patch_layout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
 from ..strategy import StrategyReport
 from .schedules import AsyncSchedule
 
 STALE_KINDS = SEQUENCE_PARALLEL_KINDS  # attention whose image K/V a stage keeps per patch
+
+
+def _encoder_text_len(arguments: dict) -> int:
+    """The joint text's length as the forward takes it: encoder_hidden_states [B, T, C]."""
+    return arguments["encoder_hidden_states"].shape[1]
 
 
 class _StageDone(Exception):
@@ -70,7 +84,8 @@ class PipeFusionStage:
         self.blocks = blocks  # [start, stop) of the model's blocks held here
         self.dtype = dtype  # of the activations a stage hands over (the model's)
         self.model_config = model_config
-        self.hidden_size = model_config.num_attention_heads * model_config.attention_head_dim
+        heads, head_dim = state.adapter.attention_shape(model_config)
+        self.hidden_size = heads * head_dim
         self.step = 0  # transformer calls since reset: the diffusion step
         self.layout = None
         self.grid = None  # (the drawn image's (rows, cols), the appended images' grids) of the layout
@@ -84,6 +99,7 @@ class PipeFusionStage:
         self.first_block = self.last_block = None  # diffusers' metadata of the blocks held here
         self.first_joined = self.last_joined = False  # a held end block takes / returns [text; image] as one
         self.hands_text = False  # this stage sends text states on with each patch (when it is not the last)
+        self.takes_text = False  # ... and the stage before sends them to this one
         self.block_names: dict[str, str] = {}  # a held block's name here -> its name in the whole model
         self.indices: dict = {}  # token index tensors on the device, per layout: no host copy per patch
         self.token_grids: dict = {}  # one sample's latent shape -> (rows, cols) of its image tokens, appended grids
@@ -129,6 +145,10 @@ class PipeFusionStage:
         stage.first_joined = held[0] in adapter.joined_block_lists  # Flux.2's single-stream: [text; image]
         stage.last_joined = held[-1] in adapter.joined_block_lists
         stage.hands_text = stage.last_joined or stage.last_block.return_encoder_hidden_states_index is not None
+        # a stage whose first block takes text takes it from the stage before, but where the forward joins its own
+        # text to the image (Z-Image's first main layer: no block before it hands text on)
+        takes_text = stage.first_joined or stage.first_block.return_encoder_hidden_states_index is not None
+        stage.takes_text = takes_text and next(iter(stage.block_names.values())) != adapter.text_joined_at
         if not mesh.is_first_stage:
             state.hooks.forward_pre_hook("pipefusion.take_incoming", blocks[0], stage._take_incoming, with_kwargs=True)
         if not mesh.is_last_stage:
@@ -160,12 +180,14 @@ class PipeFusionStage:
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
         adapter, names = self.state.adapter, [name for name, _ in transformer.named_modules()]
         linear, convolving = (sum(counts) for counts in zip(*adapter.stale_mixing_layers(names, config)))
+        heads, head_dim = adapter.attention_shape(config)
         kv = stale_kv_bytes(
             layers=sum(adapter.stale_kv_layers(names, config)),
             rows=rows,
-            heads=config.num_attention_heads,
-            head_dim=config.attention_head_dim,
+            heads=heads,
+            head_dim=head_dim,
             grid=grid,
+            padded=adapter.latents.padded_tokens(grid[0] * grid[1], config),
             patches=self.config.patches,
             ulysses=self.mesh.group_size(ULYSSES),
             ring=self.mesh.group_size(RING),
@@ -174,8 +196,8 @@ class PipeFusionStage:
             ulysses_rank=self.mesh.group_rank(ULYSSES),
             appended=appended,
         )
-        patches, width = self.config.patches, config.num_attention_heads * config.attention_head_dim
-        kv += stale_sums_bytes(linear, rows, config.num_attention_heads, config.attention_head_dim, patches)
+        patches, width = self.config.patches, heads * head_dim
+        kv += stale_sums_bytes(linear, rows, heads, head_dim, patches)
         if adapter.row_convolution is not None:
             kv += adapter.row_convolution.stale_halo_bytes(convolving, rows, grid, patches, width, element)
         return {"stale K/V": kv}
@@ -193,7 +215,7 @@ class PipeFusionStage:
         forward when it had these grids, else computed the same way); `patches`: the grid's row bands."""
         sp, sp_rank = self.config.sp_degree, self.mesh.group_rank(SP)
         recorded = self.layout is not None and self.grid == (tuple(grid), appended)
-        layout = self.layout if recorded else patch_layout(grid, self.config.patches, sp, appended)
+        layout = self.layout if recorded else self._patch_layout(tuple(grid), appended)
         pieces = [list(piece) for p in range(len(layout.patches)) for piece in layout.rank_ranges(p, sp_rank)]
         return dict(
             sp_size=sp,
@@ -233,21 +255,25 @@ class PipeFusionStage:
     # ---- one diffusion step ----------------------------------------------------------------------------
     def forward(self, run, bound):
         """Every patch set through this stage's blocks; the last stage's prediction, broadcast."""
-        mesh, latents, adapter = self.mesh, bound.arguments["hidden_states"], self.state.adapter
+        mesh, adapter = self.mesh, self.state.adapter
+        latents = bound.arguments[adapter.latents_argument]  # [B, ...], or one tensor per sample (Z-Image's list)
+        per_sample = isinstance(latents, list)
+        first = latents[0]  # a sample: the device the receive buffers are made on
         refuse_unsplittable(bound.arguments)
         self._rebase_block_residuals(bound.arguments)
         refuse_per_block(bound.arguments, adapter)
-        size = tuple(latents.shape[1:])  # one sample's: the batch does not change the grid
+        size = tuple(first.shape if per_sample else latents.shape[1:])  # one sample's: the batch keeps the grid
         if size not in self.token_grids:  # Flux reads its grid from img_ids: once per size, not per step
             grid = adapter.latents.token_grid(latents, self.model_config, bound.arguments)
             self.token_grids[size] = (grid, adapter.latents.appended_grids(bound.arguments))
         patch_sets = self._begin_step(*self.token_grids[size])
-        sp_rank, batch = mesh.group_rank(SP), latents.shape[0]
-        text = bound.arguments.get("encoder_hidden_states")
+        # the whole image's tokens, padding included (a stage that holds no block the tokens are cut at reads it here)
+        self.state.image_len = self.layout.patches[-1][1]
+        sp_rank, batch = mesh.group_rank(SP), len(latents)
         # a stage hands over the text states its blocks changed (SD3, Flux, CogVideoX) with the patch
-        carries_text = self.first_block.return_encoder_hidden_states_index is not None or self.first_joined
-        joint_text = adapter.joint_text_len(bound.arguments) if adapter.joint_text_len else None  # HunyuanVideo-1.5's
-        text_len = (joint_text or text.shape[1]) if carries_text else 0
+        text_len = 0
+        if self.takes_text:  # its length as the blocks take it (where the forward joins it: Z-Image, HunyuanVideo-1.5)
+            text_len = (adapter.joint_text_len or _encoder_text_len)(bound.arguments)
         whole = dict(bound.arguments)  # the forward's per-token arguments, cut again for every patch set
 
         def run_active():  # arguments with one entry per image token keep the active patches' entries
@@ -257,8 +283,8 @@ class PipeFusionStage:
 
         def receive(active):  # the previous stage's activations, into buffers of the model's dtype
             tokens = sum(self.layout.chunk_len(p, sp_rank) for p in active)
-            image = latents.new_empty((batch, tokens, self.hidden_size), dtype=self.dtype)
-            text = latents.new_empty((batch, text_len, self.hidden_size), dtype=self.dtype) if text_len else None
+            image = first.new_empty((batch, tokens, self.hidden_size), dtype=self.dtype)
+            text = first.new_empty((batch, text_len, self.hidden_size), dtype=self.dtype) if text_len else None
             buffers = [(t, mesh.pipeline_prev) for t in (image, text) if t is not None]
             return (image, text), comm.exchange([], buffers, mesh, PIPEFUSION)
 
@@ -294,13 +320,15 @@ class PipeFusionStage:
         if cache is not None:
             cache.end()
         if output is None:  # not the last stage: the prediction comes from there
-            noise = latents.new_empty(adapter.latents.prediction_shape(latents, self.model_config), dtype=self.dtype)
+            noise = first.new_empty(adapter.latents.prediction_shape(latents, self.model_config), dtype=self.dtype)
         else:  # the last patch's output: gather() filled one buffer with every patch's tokens
             noise = output[0] if isinstance(output, tuple) else output.sample
+            noise = torch.stack(noise) if per_sample else noise  # one prediction per sample: sent stacked
             # the broadcast's dtype and layout, as the other stages allocated it (Sana's unpatchify returns a
             # permuted view, whose storage order a broadcast would send as it lies)
             noise = noise.to(self.dtype).contiguous()
         comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
+        noise = list(noise.unbind(0)) if per_sample else noise
         self.step += 1
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
 
@@ -326,11 +354,18 @@ class PipeFusionStage:
             if self.schedule is not None and self.schedule.cursor:
                 raise RuntimeError("the image size changed in the middle of a pipelined step")
             self.grid, self.buffers, self.indices, self.sums, self.edges = (grid, appended), {}, {}, {}, {}
-            self.layout = patch_layout(grid, self.config.patches, self.config.sp_degree, appended)
+            self.layout = self._patch_layout(grid, appended)
         patches = len(self.layout.patches)
         if self.step < self.config.warmup_steps:
             return [list(range(patches))]
         return [[self.schedule.cursor]] if self.pipelined else [[p] for p in range(patches)]
+
+    def _patch_layout(self, grid: tuple[int, int], appended: tuple) -> PatchLayout:
+        """The patches of a rows × cols token grid (and the appended grids), each over the sp ranks; the tokens
+        the model pads the image with (Z-Image's, to a multiple of 32) go with the last patch, as they follow the
+        last row."""
+        padded = self.state.adapter.latents.padded_tokens(grid[0] * grid[1], self.model_config)
+        return patch_layout(grid, self.config.patches, self.config.sp_degree, appended, padded=padded)
 
     decides_before_blocks = True  # a StepCache needs the first block over the whole image first
 
@@ -396,6 +431,8 @@ class PipeFusionStage:
         """The active patches' tokens, gathered over sp into this step's output buffer: after the last
         patch it holds the whole image, and the model's own unpatchify turns it into the prediction."""
         sizes = self.layout.rank_sizes(self.active)
+        if self.state.adapter.text_after_image_at_gather:  # Z-Image's [image; text]: the image's tokens alone
+            tokens = tokens[:, : sizes[self.mesh.group_rank(SP)]]
         gathered = comm.all_gather(tokens.contiguous(), self.mesh, SP, dim=1, sizes=sizes, tag="tokens")
         if self.output is None or self.output.shape[0] != tokens.shape[0]:
             self.output = tokens.new_empty(tokens.shape[0], self.state.image_len, tokens.shape[2])
@@ -478,12 +515,17 @@ class PipeFusionStage:
 
     def _take_incoming(self, _module, args, kwargs):
         """The stage's first block takes the previous stage's image (and text) states; a block that
-        takes them joined (Flux.2's single-stream blocks) takes [text; image] as its hidden states."""
+        takes them joined takes [text; image] (Flux.2's single-stream blocks) or [image; text] (Z-Image's main
+        layers) as its hidden states."""
         meta, args, kwargs = self.first_block, list(args), dict(kwargs)
         if self.first_joined:
             image, text = self.incoming
-            kwargs.pop(meta.hidden_states_argument_name, None)
-            return (torch.cat([text, image], dim=1), *args[1:]), kwargs
+            hidden = kwargs.pop(meta.hidden_states_argument_name, None)
+            last = self.state.adapter.joined_text_last
+            if text is None:  # the forward joined its own text here (FamilyAdapter.text_joined_at): it stays
+                hidden, n = args[0] if hidden is None else hidden, self.state.text_len
+                text = hidden[:, hidden.shape[1] - n :] if last else hidden[:, :n]
+            return (torch.cat([image, text] if last else [text, image], dim=1), *args[1:]), kwargs
         names = (meta.hidden_states_argument_name, meta.encoder_hidden_states_argument_name)
         for position, (name, value) in enumerate(zip(names, self.incoming)):
             if value is None:
@@ -496,8 +538,10 @@ class PipeFusionStage:
 
     def _hand_over(self, _module, _args, output):
         meta = self.last_block
-        if self.last_joined:  # [text; image] in one tensor: handed on as the two, like every other stage's
+        if self.last_joined:  # [text; image] or [image; text] in one tensor: handed on as the two, like any stage's
             text = self.state.text_len
+            if self.state.adapter.joined_text_last:
+                raise _StageDone(output[:, : output.shape[1] - text], output[:, output.shape[1] - text :])
             raise _StageDone(output[:, text:], output[:, :text])
         if not isinstance(output, tuple):
             raise _StageDone(self._with_residual(output), None)

@@ -397,8 +397,8 @@ def plan_row(
         decode = planned_decode_peak(model, call, shape, decode_bands(config))
         if decode is None:
             vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
-            planned = " and ".join((*PLANAR_VAES, *CAUSAL_VAES))
-            unknown.append(f"decode peak: {vae} has no closed form here (only {planned} have one); measure it")
+            formed = " and ".join((*PLANAR_VAES, *CAUSAL_VAES))
+            unknown.append(f"decode peak: {vae} has no closed form here (only {formed} have one); measure it")
     else:
         unknown.append("latents, conditioning, stale K/V, decode peak: no closed form for this request here")
     if isinstance(placement, dict):  # a load's: each text encoder's own (one word where they agree)

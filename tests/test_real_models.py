@@ -254,16 +254,20 @@ def test_the_command_as_a_newcomer_calls_it(folders):
     assert "| " not in small.stdout and "GB/rank" in small.stdout
 
 
-def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "benchmarks/fit_real_models.py", "--models", "FLUX.1-dev", "--gpus", "2", "4"]
-        + ["--memory", "24GB", "--folders", str(tmp_path)],
+def _benchmark(script: str, arguments: list[str], folders) -> subprocess.CompletedProcess:
+    """benchmarks/`script` run as a user runs it, on 24 GB GPUs, its header-only folders in `folders`."""
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *arguments, "--memory", "24GB", "--folders", str(folders)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         timeout=300,
     )
+
+
+def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
+    done = _benchmark("fit_real_models.py", ["--models", "FLUX.1-dev", "--gpus", "2", "4"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| FLUX.1-dev")]
     assert [row[1] for row in rows] == ["2 × 24 GB", "4 × 24 GB"]
@@ -277,15 +281,7 @@ def test_the_video_benchmark_prints_the_best_fit_with_its_decode_peak(tmp_path):
     """benchmarks/fit_video_models.py for Wan2.1-T2V-14B on 1 and 8 GPUs of 24 GB: nothing fits one (its
     transformer alone is 28.6 GB), the smallest row said instead; on 8 the best fit is within 24 GB per rank with
     the decode's peak among its terms, larger at 720p than at 480p."""
-    done = subprocess.run(
-        [sys.executable, "benchmarks/fit_video_models.py", "--models", "Wan2.1-T2V-14B", "--gpus", "1", "8"]
-        + ["--memory", "24GB", "--folders", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        timeout=300,
-    )
+    done = _benchmark("fit_video_models.py", ["--models", "Wan2.1-T2V-14B", "--gpus", "1", "8"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines() if line.startswith("| Wan2.1")]
     assert [row[1:3] for row in rows] == [[s, g] for s in ("480p", "720p") for g in ("1 × 24 GB", "8 × 24 GB")]

@@ -101,6 +101,24 @@ def _wan_2_2_vae():
     ).eval()
 
 
+@pytest.mark.parametrize("which", ["wan", "wan 2.2", "qwen"])
+def test_the_planners_vae_scale_is_the_decodes(which):
+    """recipe.vae_scale, which the planner sizes latents and decodes by, equals what the VAE's decode does: the
+    pixels per latent row and the frames per latent frame after the first (Wan 2.2 TI2V's 2 × 2 patches too, where
+    its blocks alone give half)."""
+    from xdit_lab.families.recipe import vae_scale
+    from xdit_lab.tiny.parts import qwen_vae, wan_vae
+
+    vae = {"wan": lambda: wan_vae(0, 4), "wan 2.2": _wan_2_2_vae, "qwen": lambda: qwen_vae(0, 4)}[which]()
+    frames = 1 if which == "qwen" else 2  # Qwen-Image's pipelines decode one frame
+    with torch.no_grad():
+        video = vae.decode(torch.randn(1, vae.config.z_dim, frames, 2, 3)).sample
+    measured = (video.shape[-2] // 2, video.shape[-1] // 3), video.shape[2] - 1 if frames > 1 else None
+    spatial, temporal = vae_scale(dict(vae.config))
+    assert measured[0] == (spatial, spatial), (which, measured, spatial)
+    assert measured[1] in (None, temporal), (which, measured, temporal)
+
+
 def _widening_vae():
     """HunyuanVideo-1.5's VAE with channels that widen towards the latent, as the real one's (128 to 1024): each
     upsampling's convolution then packs the next block's channels into pixels."""

@@ -66,8 +66,9 @@ class RequestShape:
 
 def vae_scale(vae: dict) -> tuple[int, int]:
     """(spatial, temporal) downsampling of a VAE, from its config as each pipeline computes it."""
-    if "temperal_downsample" in vae:  # Wan's and Qwen-Image's VAE
-        return 2 ** len(vae["temperal_downsample"]), 2 ** sum(vae["temperal_downsample"])
+    if "temperal_downsample" in vae:  # Wan's and Qwen-Image's VAE; Wan 2.2 TI2V's also packs 2 × 2 pixels a latent
+        patch = vae.get("patch_size") or 1
+        return 2 ** len(vae["temperal_downsample"]) * patch, 2 ** sum(vae["temperal_downsample"])
     if "spatial_compression_ratio" in vae:  # HunyuanVideo's
         return vae["spatial_compression_ratio"], vae.get("temporal_compression_ratio", 1)
     return 2 ** (len(vae["block_out_channels"]) - 1), vae.get("temporal_compression_ratio", 1)

@@ -146,3 +146,38 @@ def test_lab_session_with_only_a_prompt(tmp_path, monkeypatch):
     assert image.size == (16, 16) and len(output.timings["steps"]) == 20
     assert classify([image])[0] == 3
     assert output.comm_per_step[0].get("cfg", 0) > 0
+
+
+def _guided_by_the_folder(folder, call):
+    """On one rank: the folder's call with its defaults, and with HunyuanVideo-1.5's published scale given."""
+    from xdit_lab.lessons.families import output_latents
+
+    pipe = load_pipeline(folder, ParallelConfig(), progress=False)
+    runs = [
+        pipe(["a red kite"], seed=0, output_type="latent", **call, **given) for given in ({}, {"guidance_scale": 6.0})
+    ]
+    return [output_latents(run) for run in runs]
+
+
+def test_hunyuanvideo15_guides_with_its_folders_guider(tmp_path):
+    """HunyuanVideo15Pipeline guides with the guider its folder saves (its __call__ takes no guidance_scale), so a
+    folder whose guider_config.json says 3.0 is guided at 3.0 by diffusers, and by load_pipeline's call without a
+    guidance_scale (recipe.folder_defaults); the control, the family's published 6.0 given, is far off."""
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab.lessons.families import output_latents
+    from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
+
+    folder = save_tiny_pipeline("hunyuanvideo15", tmp_path / "hv15")
+    config_path = folder / "guider" / "guider_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "guidance_scale": 3.0}))
+    call = dict(tiny_pipeline_kwargs("hunyuanvideo15"), num_inference_steps=2)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    expected = output_latents(
+        reference(prompt=["a red kite"], generator=torch.Generator().manual_seed(0), output_type="latent", **call)
+    )
+    bound = 1e-4 * max(1.0, expected.abs().max().item())
+    ((folders_scale, published),) = run_on_ranks(_guided_by_the_folder, 1, folder, call)
+    assert (folders_scale - expected).abs().max().item() <= bound
+    assert (published - expected).abs().max().item() > 10 * bound

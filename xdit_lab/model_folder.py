@@ -122,11 +122,13 @@ def component_folders(folder: Path, index: dict) -> list[str]:
 
 
 def read_call_defaults(folder: Path, recipe) -> dict:
-    """The folder's own call defaults (`call_defaults.json`), checked against what its pipeline takes;
-    {} when the folder has none."""
+    """The folder's own call defaults: what its components' configs set where the pipeline reads them there
+    (recipe.folder_defaults), then `call_defaults.json`, checked against what its pipeline takes; {} when the
+    folder says none."""
+    own = recipe.folder_defaults(Path(folder))
     path = folder / CALL_DEFAULTS
     if not path.is_file():
-        return {}
+        return own
     try:
         defaults = json.loads(path.read_text())
     except json.JSONDecodeError as error:
@@ -138,7 +140,7 @@ def read_call_defaults(folder: Path, recipe) -> dict:
             f"{path} must be a JSON object of {recipe.family} call arguments ({', '.join(allowed)}); "
             f"it has {unknown if unknown is not None else type(defaults).__name__}"
         )
-    return defaults
+    return {**own, **defaults}
 
 
 # ---- the folder as the planner and the loaders read it ------------------------------------------------------

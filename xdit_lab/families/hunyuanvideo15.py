@@ -33,6 +33,7 @@ boolean masks of data-dependent length; tests/test_compile.py's one-graph check 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import torch
@@ -80,7 +81,8 @@ class HunyuanVideo15Recipe(VideoRecipe):
     tasks = dict(HunyuanVideo15ImageToVideoPipeline="image to video")
     output_class = "diffusers.pipelines.hunyuan_video1_5.pipeline_output:HunyuanVideo15PipelineOutput"
     default_size = (480, 848)  # a 480p model's (target_size 640) at the pipeline's 16:9; drawn_size reads the model's
-    # guidance_scale: the guider's scale (ClassifierFreeGuidance), 6 in HunyuanVideo-1.5's text-to-video folders
+    # guidance_scale: the guider's scale (ClassifierFreeGuidance), 6 in HunyuanVideo-1.5's text-to-video folders;
+    # a folder's own guider_config.json says it (folder_defaults)
     defaults = dict(num_inference_steps=50, guidance_scale=6.0)
     options = dict(num_frames=121, image=None)  # image: the first frame (image to video)
     image_inputs = (*VideoRecipe.image_inputs, "image_condition")  # the image's latents and mask (image to video)
@@ -90,6 +92,12 @@ class HunyuanVideo15Recipe(VideoRecipe):
         "steps the scheduler patch by patch on the model input's layout; use the drained schedule (the default)",
     )
     bounded_tokenizer = "tokenizer"  # Qwen's, cut at 1000 tokens past the template's opening (ByT5's glyphs at 256)
+
+    def folder_defaults(self, folder):
+        """The folder's guider scale: diffusers' pipeline guides with it (its __call__ takes no guidance_scale), so a
+        call without one here guides as diffusers would on that folder."""
+        path = folder / "guider" / "guider_config.json"
+        return {"guidance_scale": json.loads(path.read_text())["guidance_scale"]} if path.is_file() else {}
 
     def check_pipeline(self, pipe):
         from diffusers import ClassifierFreeGuidance

@@ -121,6 +121,11 @@ class Recipe:
         """What `pipeline_class` draws from what: "text to image", "image to video", ..."""
         return self.tasks.get(pipeline_class, "text to video" if self.output_field == "frames" else "text to image")
 
+    def folder_defaults(self, folder) -> dict:
+        """Call defaults a folder's own component configs set, where the pipeline reads them there rather than from
+        its call's arguments (HunyuanVideo-1.5's guider scale): none by default. A call_defaults.json wins."""
+        return {}
+
     def call_defaults(self, pipeline_class: str) -> dict:
         """The call's defaults as `pipeline_class` itself sets them in its __call__ (FluxImg2ImgPipeline's guidance
         is 7.0 where FluxPipeline's is 3.5): `defaults`, and the class's own in `pipeline_defaults`. Written here,

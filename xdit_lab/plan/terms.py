@@ -20,7 +20,7 @@ import inspect
 from ..config import ParallelConfig
 from ..families import RECIPES, Recipe, Request
 from ..families.recipe import Call, RequestShape, vae_scale
-from ..model_folder import ModelFolder, ModelFolderError, read_json
+from ..model_folder import ModelFolder, ModelFolderError, read_call_defaults
 from ..sharding import batch_rows
 from ..vae import CAUSAL_VAES, PLANAR_VAES
 from .video_decode import wan_decode_peak_bytes
@@ -64,8 +64,7 @@ def make_call(
             f"copy the whole pipeline folder"
         )
     if call_defaults is None:
-        defaults_file = folder.path / "call_defaults.json"
-        call_defaults = read_json(defaults_file, "call defaults") if defaults_file.is_file() else {}
+        call_defaults = read_call_defaults(folder.path, recipe)
     merged = {**recipe.call_defaults(folder.pipeline_class), **recipe.options, **call_defaults, **(options or {})}
     merged.update({k: v for k, v in recipe.planned_option_defaults(folder.configs).items() if merged.get(k) is None})
     if merged.get("max_sequence_length") is None:  # the pipeline's own default (PixArt-α 120, PixArt-Σ 300)

@@ -82,8 +82,12 @@ def model_legend(rows: list[FitRow], wide: bool = False) -> str:
         "config": "the degrees above 1, joined by · (cfg2·pf2: cfg 2 × pf 2): dp data parallel, cfg guidance's "
         "two branches side by side, pf PipeFusion stages, ring and ulysses sequence parallel",
         "weights": "the transformer's weights: whole on every rank (of its PipeFusion stage), or sharded by "
-        "FSDP2 over the ranks that hold the same blocks, each block gathered whole as it runs; host/N: in host "
-        "memory, N blocks at a time on the GPU with the rest of the model (offload_blocks)",
+        "FSDP2 over the ranks that hold the same blocks, each block gathered whole as it runs"
+        + (
+            "; host/N: in host memory, N blocks at a time on the GPU with the rest of the model (offload_blocks)"
+            if offloaded(rows)
+            else ""
+        ),
         "text enc": "the text encoders: gpu = whole on every GPU; sharded = FSDP2 over all ranks, gathered "
         "once per request; host = in host memory and run there (a slower encode; not in GB/rank)",
         "GB/rank": "what one rank's GPU holds: weights, FSDP2's gather buffer, latents, conditioning, "

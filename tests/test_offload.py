@@ -394,15 +394,16 @@ def test_a_plan_that_does_not_fit_advises_offloaded_blocks_unless_it_has_them():
     from xdit_lab.digits import DIGITS_DIR
     from xdit_lab.plan import MemoryPlanError, check_plan, human_bytes, plan_memory
 
-    def advice(plan):
+    def advice(plan, device="cuda"):  # a GPU's limit given: nothing asks CUDA
         with pytest.raises(MemoryPlanError) as refused:
-            check_plan(plan, torch.device("cpu"), limit_bytes=1, config=ParallelConfig())
+            check_plan(plan, torch.device(device), limit_bytes=1, config=ParallelConfig())
         return str(refused.value)
 
     whole = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32)
     shared, blocks = whole.transformer_blocks
     said = advice(whole)
     assert f"(offload_blocks=1): {human_bytes(shared + max(blocks))} of it on the device per rank" in said, said
+    assert "offload_blocks" not in advice(whole, "cpu")  # on a CPU the host is the device: it would not help
     offloaded = plan_memory(DIGITS_DIR, ["transformer"], dtype=torch.float32, offload=1)
     assert offloaded.offloaded == 1 and offloaded.per_rank_bytes["transformer"] == shared + max(blocks)
     assert "offload_blocks=1" not in advice(offloaded)  # the control: already offloaded, not advised again

@@ -80,7 +80,8 @@ def check_plan(plan: MemoryPlan, device: torch.device, *, limit_bytes: int | Non
     advice = ["load in bfloat16 (torch_dtype=torch.bfloat16) to halve float32 weights"]
     if plan.transformer_blocks is not None:
         advice.append(_pipefusion_advice(plan, limit_bytes, config.pipefusion if config is not None else 1))
-    if plan.transformer_blocks is not None and plan.offloaded is None:
+    # on a CPU the host is the device: blocks kept "in host memory" would count there all the same
+    if plan.transformer_blocks is not None and plan.offloaded is None and device.type != "cpu":
         shared, blocks = plan.transformer_blocks
         advice.append(
             f"keep the transformer's blocks in host memory, one at a time on the device (offload_blocks=1): "

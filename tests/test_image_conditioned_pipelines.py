@@ -100,9 +100,15 @@ def _wan_parallel(folders, configs):
     for task, folder in folders.items():
         for config in configs:
             pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+            planned = pipe.memory_plan_for(PROMPTS, **_wan_call(task)).activation_bytes  # before the call
             session = pipe.session(PROMPTS, seed=0, **_wan_call(task)).run()
             latents = output_latents(session.result(output_type="latent"))
-            rows.append(dict(task=task, config=config.short(), latents=latents, traffic=session_traffic(session)))
+            rows.append(
+                dict(
+                    task=task, config=config.short(), latents=latents, traffic=session_traffic(session),
+                    **_stale_kv(pipe, planned),
+                )
+            )  # fmt: skip
     controls = {}
     for task, wrong in (("image to video", _uniform_timestep), ("image to video 2.1", _no_image_embeds)):
         pipe = load_pipeline(folders[task], configs[0], mesh=RankMesh(configs[0]), progress=False)
@@ -175,10 +181,13 @@ def _image_inputs(pipe, call) -> tuple[int | None, int]:
 
 
 def _stale_kv(pipe, planned) -> dict:
-    """A stage's stale K/V as the request's plan said (before the call) and as the rank holds it (after)."""
+    """A stage's stale K/V as the request's plan said (before the call) and as the rank holds it (after): Wan 2.2
+    A14B's two experts' together, of which the session frees the first's at the switch."""
     from xdit_lab.models import parallel_state
 
-    held = parallel_state(pipe.diffusers_pipeline.transformer).strategy.report().kept_bytes.get("stale K/V", 0)
+    inner = pipe.diffusers_pipeline
+    experts = [t for t in (inner.transformer, getattr(inner, "transformer_2", None)) if t is not None]
+    held = sum(parallel_state(t).strategy.report().kept_bytes.get("stale K/V", 0) for t in experts)
     return dict(planned_kv=planned.get("stale K/V", (0, 0))[1], held_kv=held)
 
 

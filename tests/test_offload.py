@@ -253,8 +253,9 @@ def test_the_plan_command_shows_the_placement_and_what_crosses_per_step(folders,
 
 def test_wan_14b_fits_one_24_gb_gpu_with_its_blocks_offloaded(tmp_path):
     """Wan2.1-T2V-14B at its published size (a header-only folder): with one block at a time on the GPU and the
-    text encoder in host memory it fits one 24 GB GPU, and every weight crosses from the host each step; the
-    control: without offloading, no serial row fits."""
+    text encoder in host memory it fits one 24 GB GPU, with room for the VAE's decode peak (4.39 GB at 480p × 81
+    frames, whole), and every weight crosses from the host each step; the control: without offloading, no serial
+    row fits."""
     from xdit_lab.plan import GB, plan_model
     from xdit_lab.real_models import save_header_only
 
@@ -266,7 +267,8 @@ def test_wan_14b_fits_one_24_gb_gpu_with_its_blocks_offloaded(tmp_path):
     for row in rows.values():
         assert row.weights["transformer"] == root + largest
         assert row.offload_traffic == transformer.whole  # once per step: one call, both branches in its batch
-    assert rows["host"].fits and rows["host"].per_rank_bytes < 2 * GB
+    host = rows["host"]
+    assert host.fits and host.decode_peak > 4 * GB and host.per_rank_bytes - host.decode_peak < 2 * GB
     assert not any(row.fits for row in plan_model(folder, 1, 24 * GB))
 
 

@@ -148,7 +148,7 @@ class PackedTokens(LatentLayout):
 def _id_grids(ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
     """(rows, cols) of each image in Flux's ids, (image, row, column[, ...]) a token: an image is a run of
     tokens with one value on the first axis (Kontext's reference 1, Flux.2's references 10, 20, ...), its
-    rows row-major. Read on the host, once per size (PipeFusion keeps it): one copy of the ids."""
+    rows row-major. Read on the host once per generation (a PipeFusion stage keeps it until reset): one copy of the ids."""
     ids = (ids[0] if ids.dim() == 3 else ids).cpu()  # one sample's: every sample has the same
     first = ids[:, 0]
     bounds = [0, *(torch.nonzero(first[1:] != first[:-1]).flatten() + 1).tolist(), len(first)]

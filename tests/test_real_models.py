@@ -94,6 +94,8 @@ def test_the_published_traps_are_kept(folders):
 
 def test_folders_are_sparse_and_load_as_diffusers_folders(folders):
     """du counts only the headers: the holes hold no disk; configs are what the classes read back."""
+    from importlib import import_module
+
     import diffusers
     import transformers
 
@@ -108,12 +110,38 @@ def test_folders_are_sparse_and_load_as_diffusers_folders(folders):
             assert index[component] == [spec.library, spec.class_name]
             if spec.dtype is None:
                 continue
-            if spec.library == "diffusers":
-                config = getattr(diffusers, spec.class_name).load_config(folder / component)
+            if spec.library != "transformers":  # diffusers', or a diffusers pipeline's own module (LTX-2's "ltx2")
+                library = (
+                    diffusers if spec.library == "diffusers" else import_module(f"diffusers.pipelines.{spec.library}")
+                )
+                config = getattr(library, spec.class_name).load_config(folder / component)
                 assert config["_class_name"] == spec.class_name
             else:
                 config = transformers.AutoConfig.from_pretrained(folder / component)
                 assert config.architectures == [spec.class_name]
+
+
+def test_ltx2_holds_its_published_shapes(folders):
+    """LTX-2 (LTX2Pipeline) as diffusers' scripts/convert_ltx2_to_diffusers.py builds it at version 2.0: the
+    audio-video transformer of 48 layers holds 18.9B parameters (the "19B" of ltx-2-19b-dev.safetensors, which
+    holds it with the VAEs and the vocoder), its text connectors 1.43B (a component of their own, listed as
+    ["ltx2", "LTX2TextConnectors"]: diffusers saves a pipeline's own modules under the pipeline's name), Gemma 3
+    12B's text model 11.77B beside its SigLIP tower (0.42B), every component in bfloat16 as the script's dtype
+    defaults say."""
+
+    def parameters(component):
+        return sum(math.prod(shape) for _, shape in stored(folders["LTX-2"] / component).values())
+
+    index = json.loads((folders["LTX-2"] / "model_index.json").read_text())
+    assert index["connectors"] == ["ltx2", "LTX2TextConnectors"] and index["vocoder"] == ["ltx2", "LTX2Vocoder"]
+    assert parameters("transformer") == 18_876_174_592 and parameters("connectors") == 1_431_475_200
+    encoder = stored(folders["LTX-2"] / "text_encoder")
+    language = sum(math.prod(shape) for key, (_, shape) in encoder.items() if "language_model" in key)
+    vision = sum(math.prod(shape) for key, (_, shape) in encoder.items() if "vision_tower" in key)
+    assert (language, vision) == (11_766_034_176, 416_866_032)
+    assert {
+        dtype for part in ("transformer", "vae", "vocoder") for dtype, _ in stored(folders["LTX-2"] / part).values()
+    } == {"BF16"}
 
 
 def test_qwen_image_edit_2511_is_qwen_image_with_its_references_at_t_0(folders):

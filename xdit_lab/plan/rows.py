@@ -21,6 +21,7 @@ from ..model_folder import ModelFolder, read_model_folder
 from ..quantization import SCHEMES
 from ..vae import PLANAR_VAES
 from .terms import (
+    UNPLANNED_DECODES,
     VIDEO_DECODE_PEAKS,
     Call,
     RequestShape,
@@ -407,7 +408,8 @@ def plan_row(
         if decode is None:
             vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
             formed = ", ".join((*PLANAR_VAES, *VIDEO_DECODE_PEAKS))
-            unknown.append(f"decode peak: {vae} has no closed form here (only {formed} have one); measure it")
+            why = UNPLANNED_DECODES.get(vae, f"only {formed} have one")
+            unknown.append(f"decode peak: {vae} has no closed form here ({why}); measure it")
     else:
         unknown.append("latents, conditioning, stale K/V, decode peak: no closed form for this request here")
     if isinstance(placement, dict):  # a load's: each text encoder's own (one word where they agree)

@@ -221,7 +221,8 @@ def test_cogvideox_and_hunyuanvideo_plan_their_video_decode_peak(folders, plans)
     tests/test_vae.py): CogVideoX-5b at its call defaults (49 frames at 720 × 480: 13 latent frames of 60 × 90) in
     4 bands under ulysses 4; HunyuanVideo at 720 × 1280 × 129 frames (33 latent frames of 90 × 160, decoded in
     tiles of 5 latent frames), where the mid attention's frame-causal mask of 72,000 tokens (a float32 `where`
-    of 5.2e9 entries and its bool comparison, 26 GB) is most of the whole decode, and in 8 bands each rank's rows of it."""
+    of 5.2e9 entries and its bool comparison, 26 GB) is counted below the last up block's activations (37 GB
+    whole), and in 8 bands each rank holds its rows of both."""
     from xdit_lab.plan import cogvideox_decode_peak_bytes, format_rows, hunyuan_decode_peak_bytes
 
     cog = json.loads((folders["CogVideoX-5b"] / "vae" / "config.json").read_text())

@@ -23,8 +23,8 @@ their resolution, each of which caches a clone of its whole input (its kernel's 
 In bands (vae.py) every activation and cache is the band's, each 3×3 convolution also holds the halo rows and the
 band joined with them, the GroupNorm a float32 centred copy and its square (vae.Bands.group_norm), and the end the
 gather of the bands' videos. There is no attention. At CogVideoX-5b's 480 × 720 × 49 frames (13 latent frames of
-60 × 90: batches of 3, then 2) the peak is the last up block's spatial norm in the first batch: 128 channels × 9
-frames at full resolution. Checked against the tensors the decode really makes (lab.measure.PeakTensorBytes,
+60 × 90: batches of 3, then 2) the peak, 15.8 GB in bfloat16, is inside a resnet's spatial norm, beside both
+batches' caches. Checked against the tensors the decode really makes (lab.measure.PeakTensorBytes,
 tests/test_vae.py) within 10%, whole and in bands, float32 and bfloat16.
 """
 

@@ -24,13 +24,14 @@ the mid block its first resnet's output through the attention), and the videos o
                       channels, rearranged into 2 × 2 pixels (and 2 frames, all but the first), plus the input
                       rearranged and repeated the same way (its shortcut): both halves live until the sum
 
-At the real sizes the mask is the term to watch. HunyuanVideo at 720p decodes tiles of 5 latent frames of
-90 × 160: 72,000 tokens, a mask of 5.2e9 entries, 26 GB while its float32 `where` and the bool beside it live
-(more than the last up block's activations, 128 channels × 17 frames × 720 × 1280); in 8 bands each rank's rows
-of it, 3.2 GB. HunyuanVideo-1.5 at 720p × 81 frames decodes all 21 latent frames of 45 × 80 at once: 75,600
-tokens, a mask of 11.4 GB in bfloat16, while its last up block's activations are 19 GB each (128 channels × 81
-frames × 720 × 1280): the whole decode needs over 100 GB, which is why its pipeline tiles it (refused with bands,
-vae.py), and 8 bands need an eighth of the activations and an eighth of the mask (plus the band's own).
+At the real sizes the mask is the term to watch, though the last up block's activations stay larger.
+HunyuanVideo at 720p decodes tiles of 5 latent frames of 90 × 160: 72,000 tokens, a mask of 5.2e9 entries,
+26 GB while its float32 `where` and the bool beside it live; the last up block (128 channels × 17 frames ×
+720 × 1280, 4 GB a tensor in bfloat16) peaks at 37 GB, and 8 bands hold 5.5 GB per rank (each rank's rows of
+the mask over every key: 1.9 GB). HunyuanVideo-1.5 at 720p × 81 frames decodes all 21 latent frames of 45 × 80
+at once: 75,600 tokens, a mask of 11.4 GB in bfloat16, while its last up block's activations are 19 GB each
+(128 channels × 81 frames × 720 × 1280): 134 GB whole, which is why its pipeline's examples tile it (tiling is
+refused with bands, vae.py), and 18 GB per rank in 8 bands.
 Checked against the tensors the decode really makes (lab.measure.PeakTensorBytes, tests/test_vae.py) within 10%,
 whole and in bands, float32 and bfloat16, on tiny specimens and on ones whose peak is the mask.
 """

@@ -34,6 +34,10 @@ def load_refusals(recipe: Recipe, pipeline_class: str, components) -> dict[str, 
     if "controlnet" in components:
         # the async schedule would run the ControlNet once per patch, each stage a patch apart
         refused |= dict.fromkeys(("shard_weights", "quantization", "compile", "pipefusion_async"), CONTROLNET_REFUSED)
+    if pipeline_class in recipe.step_cache_refused:
+        refused["cache"] = (
+            f"{pipeline_class} does not run with a StepCache: {recipe.step_cache_refused[pipeline_class]}"
+        )
     if pipeline_class in recipe.pipefusion_async_refused:
         refused["pipefusion_async"] = (
             f"{pipeline_class} does not run under pipefusion_schedule='async': "

@@ -10,7 +10,7 @@ Flux.2   diffusers' First-Block Cache raises on it (its tail ends in a single-st
          and equal its outputs; at threshold 0 nothing skips and the outputs equal the model without a cache.
          Past its warmup, PipeFusion's stages skip together and stay within a bound of the rule (measured).
 ControlNet  diffusers' FluxControlNetPipeline opens no cache context, so diffusers applies no First-Block
-         Cache to it: the reference is our own pipeline. At threshold 0 every strategy equals the same
+         Cache to it (and its hooks raise on SD3): the reference is our own pipeline, for Flux and SD3. At threshold 0 every strategy equals the same
          pipeline without a cache; at a threshold that skips, every strategy takes the serial run's
          decisions and equals its latents (1e-4), and the serial run is within a bound of the uncached one
          that the control, a cache that keeps the ControlNet's residuals in what it caches
@@ -171,44 +171,54 @@ def test_flux2_under_stale_pipefusion_takes_one_decision_on_every_stage():
 
 # ---- a ControlNet -----------------------------------------------------------------------------------------------
 
-CONTROLNET_CONFIGS = [
-    ParallelConfig(ulysses=2),
-    ParallelConfig(ring=2),
-    ParallelConfig(dp=2),
-    ParallelConfig(cfg=2),
-    ParallelConfig(pipefusion=2, warmup_steps=STEPS, stage_split=(3, 1)),  # the second stage in the single blocks
-]
-# the changes measured (from the second step): 0.471, 0.432, 0.526, 0.588, 0.491 (the control's differ from the
-# fourth on: 0.619); 0.55 skips steps 1, 2 (the ControlNet guiding) and 3, 5 (scale 0), each change 4% or more away
-CONTROLNET_THRESHOLD = 0.55
-# what the cached latents may differ from the uncached ones, relative to their largest value: measured 0.0107, the
-# control 0.133 at the same skips
-CONTROLNET_BOUND = 0.03
+CONTROLNET_CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2), ParallelConfig(cfg=2)]
+# PipeFusion, every step a warmup step (exact), the second stage starting in a block list whose residuals differ
+# block by block (as tests/test_controlnet_pipelines.py splits them): Flux's in its single-stream blocks, SD3's at
+# joint block 1 of 3
+CONTROLNET_PIPEFUSION = {
+    "flux": ParallelConfig(pipefusion=2, warmup_steps=STEPS, stage_split=(3, 1)),
+    "sd3": ParallelConfig(pipefusion=2, warmup_steps=STEPS, stage_split=(1, 2)),
+}
+# per family: the threshold, the steps it skips, and what the cached latents may differ from the uncached ones
+# (relative to their largest value). Flux's changes from the second step: 0.471, 0.432, 0.526, 0.588, 0.491 (the
+# control's 0.619 at the fourth): 0.55 skips steps 1, 2 (the ControlNet guiding) and 3, 5 (scale 0), each change
+# 4% or more away; measured 0.0107 from the uncached latents, the control 0.133 at the same skips. SD3's: 0.444,
+# 0.586, 0.420, 0.509, 0.456: 0.5 skips steps 1 (guiding), 3 and 5 (scale 0), each change 1.8% or more away;
+# measured 0.0136, the control 0.700.
+CONTROLNET_CASES = {
+    "flux": (0.55, [False, True, True, True, False, True], 0.03),
+    "sd3": (0.5, [False, True, False, True, False, True], 0.03),
+}
 
 
 @pytest.fixture(scope="module")
-def flux_controlnet(tmp_path_factory):
-    """Flux's tiny pipeline with a ControlNet of random (non-zero) output layers, saved as FluxControlNetPipeline."""
+def controlnet_folders(tmp_path_factory):
+    """Flux's and SD3's tiny pipelines with a ControlNet of random (non-zero) output layers, saved as their
+    ControlNet pipelines (tests/test_controlnet_pipelines.py's, SD3's with three joint blocks)."""
     import diffusers
-    from test_controlnet_pipelines import _controlnet
+    from test_controlnet_pipelines import PIPELINES, _controlnet
 
     from xdit_lab.tiny import tiny_pipeline
 
-    parts = tiny_pipeline("flux").components
-    pipe = diffusers.FluxControlNetPipeline(**parts, controlnet=_controlnet("flux", parts["transformer"]))
-    folder = tmp_path_factory.mktemp("flux_controlnet")
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return folder
+    folders = {}
+    for family, pipeline_class in PIPELINES.items():
+        parts = tiny_pipeline(family).components
+        if family == "sd3":
+            parts["transformer"] = tiny_transformer("sd3", layers=3)
+        pipe = getattr(diffusers, pipeline_class)(**parts, controlnet=_controlnet(family, parts["transformer"]))
+        folders[family] = tmp_path_factory.mktemp(f"{family}_controlnet")
+        pipe.save_pretrained(folders[family], safe_serialization=True)
+    return folders
 
 
-def _controlnet_call():
-    """Six steps of true CFG, the ControlNet guiding the first three (scale 0.7) and none after (scale 0)."""
+def _controlnet_call(family):
+    """Six steps of CFG, the ControlNet guiding the first three (scale 0.7) and none after (scale 0)."""
     from test_controlnet_pipelines import _call
 
-    return _call("flux", num_inference_steps=STEPS)
+    return _call(family, num_inference_steps=STEPS)
 
 
-def _controlnet_runs(folder, configs, cases):
+def _controlnet_runs(folder, family, configs, cases):
     """On every rank: each configuration run with each case (threshold, controls or None), as rows."""
     from xdit_lab.lessons.families import output_latents
 
@@ -217,7 +227,7 @@ def _controlnet_runs(folder, configs, cases):
         for threshold, controls in cases:
             cache = None if threshold is None else StepCache(threshold)
             pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=cache, controls=controls)
-            session = pipe.session(["a red cat", "a blue dog"], seed=0, **_controlnet_call()).run()
+            session = pipe.session(["a red cat", "a blue dog"], seed=0, **_controlnet_call(family)).run()
             result = session.result(output_type="latent")
             rows.append(
                 dict(
@@ -233,32 +243,33 @@ def _controlnet_runs(folder, configs, cases):
     return rows
 
 
-def test_a_controlnet_takes_a_step_cache_exact_at_0_and_bounded_above(flux_controlnet):
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_a_controlnet_takes_a_step_cache_exact_at_0_and_bounded_above(controlnet_folders, family):
     """Serially: StepCache(0) equals the uncached pipeline; at the threshold, steps skip in the ControlNet's window
-    and after it, and the latents stay within CONTROLNET_BOUND of the uncached ones while the control (the
+    and after it, and the latents stay within the family's bound of the uncached ones while the control (the
     residuals kept in the cache) skips the same steps and exceeds it. On 2 ranks, every strategy equals the
     serial run at 0 and at the threshold (its decisions too), each step's bytes the closed form told the skips
     (the ControlNet's layers run at a skipped step as well: its residuals are fresh)."""
-    keeps = Controls(cache_keeps_block_residuals=True)
-    cases = [(0.0, None), (CONTROLNET_THRESHOLD, None)]
-    serial = run_on_ranks(
-        _controlnet_runs, 1, flux_controlnet, [ParallelConfig()], [(None, None), *cases, (CONTROLNET_THRESHOLD, keeps)]
-    )[0]
-    uncached, at_zero, cached, control = serial
+    threshold, skips, bound = CONTROLNET_CASES[family]
+    folder, keeps = controlnet_folders[family], Controls(cache_keeps_block_residuals=True)
+    cases = [(0.0, None), (threshold, None)]
+    serial = [(None, None), *cases, (threshold, keeps)]
+    uncached, at_zero, cached, control = run_on_ranks(_controlnet_runs, 1, folder, family, [ParallelConfig()], serial)[
+        0
+    ]
     largest = uncached["latents"].abs().max().item()
     assert (at_zero["latents"] - uncached["latents"]).abs().max().item() <= 1e-4 * max(1.0, largest)
     assert not any(at_zero["skips"])
-    assert cached["skips"] == control["skips"] == [False, True, True, True, False, True], (cached, control)
+    assert cached["skips"] == control["skips"] == skips, (cached["changes"], control["changes"])
     error, control_error = (
         (run["latents"] - uncached["latents"]).abs().max().item() / largest for run in (cached, control)
     )
-    assert error <= CONTROLNET_BOUND < control_error, (error, control_error)
-    for rank, rows in enumerate(
-        run_on_ranks(_controlnet_runs, 2, flux_controlnet, CONTROLNET_CONFIGS, cases, timeout_s=400)
-    ):
-        assert len(rows) == len(CONTROLNET_CONFIGS) * len(cases)
+    assert error <= bound < control_error, (error, control_error)
+    configs = [*CONTROLNET_CONFIGS, CONTROLNET_PIPEFUSION[family]]
+    for rank, rows in enumerate(run_on_ranks(_controlnet_runs, 2, folder, family, configs, cases, timeout_s=400)):
+        assert len(rows) == len(configs) * len(cases)
         for row in rows:
-            where = f"flux controlnet {row['config']} threshold {row['threshold']} rank {rank}"
+            where = f"{family} controlnet {row['config']} threshold {row['threshold']} rank {rank}"
             target = at_zero if row["threshold"] == 0 else cached
             assert row["skips"] == target["skips"], (where, row["changes"])
             assert (row["latents"] - target["latents"]).abs().max().item() <= 1e-4 * max(1.0, largest), where

@@ -103,7 +103,8 @@ class Recipe:
     tasks: dict = {}
     pipefusion_refused: dict = {}
     pipefusion_async_refused: dict = {}  # pipeline class -> why PipeFusion's async schedule does not run with it
-    step_cache_refused: dict = {}  # pipeline class -> why a StepCache does not run with it (beside the adapter's)
+    # pipeline class -> why a StepCache does not run with it (beside the adapter's); none today: a ControlNet's runs
+    step_cache_refused: dict = {}
     pipeline_defaults: dict = {}  # pipeline class -> its call defaults where they differ from `defaults`
     # prepared.extra's entries that hold a request's images, encoded, kept beside the latents over the steps: an
     # edit's reference tokens, inpainting's image latents, mask and first noise, Fill's masked image, an image to

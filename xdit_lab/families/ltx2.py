@@ -78,6 +78,15 @@ class BatchedRotary(RotaryLayout):
         return tuple(keep(t, t.dim() - 2) for t in tables)
 
 
+STEP_CACHE_REFUSED = (
+    "diffusers' First-Block Cache, the reference it is checked against, reads one stream of states from each block, "
+    "and LTX-2's blocks return two (the video's and the audio's)"
+)
+PIPEFUSION_REFUSED = (
+    "a PipeFusion stage hands on one stream of image states a patch at a time, and LTX-2's blocks carry the audio "
+    "beside the video, which every video patch's audio attention would change; run it under ulysses, ring, cfg and dp"
+)
+
 ADAPTER = FamilyAdapter(
     "ltx2",
     "LTX2VideoTransformer3DModel",
@@ -93,11 +102,8 @@ ADAPTER = FamilyAdapter(
     rotary=BatchedRotary(),
     rotary_also=("cross_attn_rope",),
     whole_query_len=lambda arguments: arguments["audio_hidden_states"].shape[1],
-    step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, reads one stream of "
-    "states from each block, and LTX-2's blocks return two (the video's and the audio's)",
-    pipefusion_refused="a PipeFusion stage hands on one stream of image states a patch at a time, and LTX-2's blocks "
-    "carry the audio beside the video, which every video patch's audio attention would change; run it under "
-    "ulysses, ring, cfg and dp",
+    step_cache_refused=STEP_CACHE_REFUSED,
+    pipefusion_refused=PIPEFUSION_REFUSED,
     # from its _cp_plan (cp_plan.py): gathered at proj_out, the rotary tables at rope
     from_cp_plan=True,
 )
@@ -111,6 +117,9 @@ class LTX2Recipe(VideoRecipe):
     output_class = "diffusers.pipelines.ltx2.pipeline_output:LTX2PipelineOutput"
     default_size = (512, 768)  # LTX2Pipeline's
     defaults = dict(num_inference_steps=30, guidance_scale=3.0)
+    pipefusion_refused = dict.fromkeys(pipeline_classes, PIPEFUSION_REFUSED)  # said before the folder is read
+    step_cache_refused = dict.fromkeys(pipeline_classes, STEP_CACHE_REFUSED)
+    latents_beside = ("audio_latents",)  # the audio's, stepped with the video's
     # the pipeline's own defaults (its STG and modality guidance on: refused until given as GUIDANCE_OFF)
     options = dict(
         num_frames=121, frame_rate=24.0, motion_speed=1.0, max_sequence_length=1024, guidance_rescale=0.7,
@@ -328,12 +337,12 @@ class LTX2Recipe(VideoRecipe):
 
     def planned_text_bytes(self, transformer, call, element):
         # the connectors' video and audio texts (caption_channels wide each, LTX-2.0's; LTX-2.3's as wide as each
-        # stream's cross-attention) and their mask, max_sequence_length tokens each
+        # stream's cross-attention) and their int64 mask, max_sequence_length tokens each
         if transformer.get("use_prompt_embeddings", True):
             widths = 2 * transformer.get("caption_channels", 3840)
         else:
             widths = transformer.get("cross_attention_dim", 4096) + transformer.get("audio_cross_attention_dim", 2048)
-        return call.options["max_sequence_length"] * (widths + 1) * element
+        return call.options["max_sequence_length"] * (widths * element + 8)
 
 
 RECIPE = LTX2Recipe()

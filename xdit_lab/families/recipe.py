@@ -113,6 +113,8 @@ class Recipe:
     # edit's reference tokens, inpainting's image latents, mask and first noise, Fill's masked image, an image to
     # video's first frame (the memory plan counts them, plan.loaded.plan_request)
     image_inputs = ("reference", "inpaint", "fill", "first_frame")
+    # prepared.extra's entries that are latents stepped beside prepared.latents (LTX-2's audio): counted with them
+    latents_beside: tuple = ()
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
 

@@ -164,6 +164,8 @@ class SequenceShards:
         as the module holds them (its text shard before or after its image shard); "whole_queries": queries whole
         on every rank against this rank's image keys (LTX-2's audio asking the video)."""
         if kind == "whole_queries":
+            if not self.state.controls.merges_whole_queries:  # the control: this rank's keys alone
+                return sp_attention(query, key, value, self.mesh, scale=scale, kv_sharded=False)
             return whole_query_attention(query, key, value, self.mesh, scale=scale)
         image_sizes = shard_sizes(image_len, self.mesh.group_size(SP))
         joint = kind in JOINT_KINDS and text > 0

@@ -78,6 +78,11 @@ class BatchedRotary(RotaryLayout):
         return tuple(keep(t, t.dim() - 2) for t in tables)
 
 
+def audio_tokens(arguments: dict) -> int:
+    """The audio's tokens, whole on every rank: the queries of the video-to-audio attention."""
+    return arguments["audio_hidden_states"].shape[1]
+
+
 STEP_CACHE_REFUSED = (
     "diffusers' First-Block Cache, the reference it is checked against, reads one stream of states from each block, "
     "and LTX-2's blocks return two (the video's and the audio's)"
@@ -101,7 +106,7 @@ ADAPTER = FamilyAdapter(
     latents=PackedVideo(),
     rotary=BatchedRotary(),
     rotary_also=("cross_attn_rope",),
-    whole_query_len=lambda arguments: arguments["audio_hidden_states"].shape[1],
+    whole_query_len=audio_tokens,
     step_cache_refused=STEP_CACHE_REFUSED,
     pipefusion_refused=PIPEFUSION_REFUSED,
     # from its _cp_plan (cp_plan.py): gathered at proj_out, the rotary tables at rope
@@ -160,6 +165,9 @@ class LTX2Recipe(VideoRecipe):
 
     def token_budget(self, pipe, request):
         return request.options["max_sequence_length"]
+
+    def prompt_tokens(self, pipe, request, text):
+        return super().prompt_tokens(pipe, request, text.strip())  # the pipeline strips each prompt
 
     def encode_texts(self, pipe, request, texts, device, *, negative):
         # Gemma's stacked layers, then the connectors (the pipeline runs them on [negative; positive] together:

@@ -37,10 +37,10 @@ modality-isolation guidance (modality_scale, audio_modality_scale above 1), whic
 and which run extra forwards of their own (a perturbed one, one without the audio-video attention): give
 stg_scale=0, audio_stg_scale=0, modality_scale=1, audio_modality_scale=1. PipeFusion and StepCache: below.
 
-Decoding: the video VAE decodes each rank's videos whole (AutoencoderKLLTX2Video is not among vae.py's banded
-VAEs: its causal convolutions reflect-pad their rows inside nn.Conv3d, which the bands do not take over yet; the
-parallel decode says so in the log); the audio VAE and the vocoder decode each video's audio once, whole, on every
-rank (a few hundred latent frames)."""
+Decoding: the video VAE decodes in row bands over the ranks that share a video, as the other video VAEs do
+(vae.py: its convolutions reflect their rows, the halo rows joining the band first; vae.ltx2_halo_bytes counts
+them), each dp and cfg rank its own videos; the audio VAE and the vocoder decode each video's audio once, whole,
+on every rank (a few hundred latent frames: no bands to cut)."""
 
 from __future__ import annotations
 

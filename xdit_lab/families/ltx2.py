@@ -143,14 +143,16 @@ class LTX2Recipe(VideoRecipe):
                 f"{type(pipe).__name__} with {', '.join(f'{k}={v}' for k, v in on.items())} runs spatio-temporal or "
                 f"modality-isolation guidance, each an extra forward of its own (a perturbed one, one without the "
                 f"audio-video attention), which xdit_lab does not run; classifier-free guidance runs: give "
-                f"{', '.join(f'{k}={v}' for k, v in GUIDANCE_OFF.items())}"
+                f"{', '.join(f'{k}={v}' for k, v in GUIDANCE_OFF.items())} (in the call, or in the folder's "
+                f"call_defaults.json)"
             )
 
     def check_pipeline(self, pipe):
         if getattr(pipe, "duration_head", None) is not None or pipe.transformer.config.use_keyframes_abs_pos_embedding:
             raise NotImplementedError(
                 f"{type(pipe).__name__} of an LTX-2.5 folder (a duration head, keyframe embeddings) is not run by "
-                f"xdit_lab; LTX-2.0's and LTX-2.3's folders run"
+                f"xdit_lab: its duration head picks num_frames, which xdit_lab's calls give (121 by default); "
+                f"folders without either run"
             )
 
     def do_cfg(self, request: Request) -> bool:  # the pipeline's: either stream guided

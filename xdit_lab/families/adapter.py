@@ -402,6 +402,19 @@ class RowConvolution:
         return modules * patches * 2 * rows * width * self.reach * grid[1] * element
 
 
+@dataclass(frozen=True)
+class BesideStream:
+    """A stream of states the blocks carry beside the image's, whole on every rank (LTX-2's audio): where a block
+    returns it as its second output, a PipeFusion stage hands it on with each patch as other families' blocks hand
+    their joint text, and the last stage broadcasts its prediction (the forward's second output) with the image's.
+
+    argument  the forward's argument of its latents [B, L, C], shaped as its prediction
+    width     (model config) -> the features of its states between blocks (the receive buffer's)"""
+
+    argument: str
+    width: Callable
+
+
 # ---- the adapter -----------------------------------------------------------------------------------------
 
 # the config key that counts each block list, as diffusers' transformers name them (Flux's and
@@ -487,6 +500,8 @@ class FamilyAdapter:
     # lists of residuals the forward hands its blocks by their index in the whole model (a ControlNet's: a
     # PipeFusion stage rebases them to the blocks it holds), BlockResiduals
     block_residuals: tuple = ()
+    # a stream the blocks carry beside the image's, whole on every rank (LTX-2's audio: BesideStream), or None
+    beside: BesideStream | None = None
     # where blocks that diffusers' TransformerBlockRegistry does not list return their states: block class name ->
     # diffusers' TransformerBlockMetadata fields (Sana's block returns its image states alone)
     block_returns: dict = field(default_factory=dict)

@@ -35,7 +35,26 @@ scheduler's step and the guidance are elementwise (the rescale's std over every 
 pipeline's arithmetic. Refused by name: spatio-temporal guidance (stg_scale, audio_stg_scale above 0) and
 modality-isolation guidance (modality_scale, audio_modality_scale above 1), which the pipeline's defaults turn on
 and which run extra forwards of their own (a perturbed one, one without the audio-video attention): give
-stg_scale=0, audio_stg_scale=0, modality_scale=1, audio_modality_scale=1. PipeFusion and StepCache: below.
+stg_scale=0, audio_stg_scale=0, modality_scale=1, audio_modality_scale=1. StepCache: below.
+
+PipeFusion. A stage runs its blocks once per video patch (a band of token rows, the frames stacked as rows), the
+audio whole in every run, diffusers' blocks unchanged; the audio rides with each patch as other families' joint
+text does (adapter.BesideStream, in the text's place), and the last stage's last patch gives both predictions:
+
+    stage 0 ── patch p: video [B, S_p, C] + audio [B, L, C_audio] ──▶ stage 1       (every patch of every step)
+    block b, patch p (P patches):
+      attn1                video_p ↔ video of every patch: kept K/V (patches < p this step's, > p the step before's)
+      audio_to_video_attn  video_p → the audio of this run (local: it came with the patch)
+      video_to_audio_attn  audio → video of every patch: kept K/V as attn1's, each sp rank its own tokens, the
+                           partials merged as under sequence shards ("whole_queries")
+      audio_attn1/2        the audio alone, whole
+
+A warm-up step holds every patch in one run: diffusers' forward, exact. After it the audio of run p has read
+patches < p as they were computed this step (from their own runs' audio) and patches > p from the step before;
+the audio of the last patch's run is the prediction. Handing the audio with every patch, rather than running it
+once a step after the last patch, costs its L tokens' blocks P times (126 audio tokens beside 6,144 video ones at
+the defaults) and L × C_audio per patch on the link, and keeps diffusers' block whole (its two streams interleave
+inside every block). The async schedule, which steps the video's latents patch by patch, is refused.
 
 Decoding: the video VAE decodes in row bands over the ranks that share a video, as the other video VAEs do
 (vae.py: its convolutions reflect their rows, the halo rows joining the band first; vae.ltx2_halo_bytes counts
@@ -52,7 +71,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .adapter import FamilyAdapter, RotaryLayout, VideoLatents
+from .adapter import BesideStream, FamilyAdapter, RotaryLayout, VideoLatents
 from .recipe import Request, VideoRecipe, generator_of
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec
 
@@ -67,6 +86,11 @@ class PackedVideo(VideoLatents):
             pt, ph, pw = self.video_patch(model_config)
             return arguments["num_frames"] // pt * (arguments["height"] // ph), arguments["width"] // pw
         return super().token_grid(latents, model_config, arguments)
+
+    def prediction_shape(self, latents, model_config):
+        if latents.dim() == 3:  # packed: the channels last (a PipeFusion stage's receive buffer)
+            return (*latents.shape[:2], model_config.get("out_channels") or model_config["in_channels"])
+        return super().prediction_shape(latents, model_config)
 
 
 @dataclass(frozen=True)
@@ -87,10 +111,12 @@ STEP_CACHE_REFUSED = (
     "diffusers' First-Block Cache, the reference it is checked against, reads one stream of states from each block, "
     "and LTX-2's blocks return two (the video's and the audio's)"
 )
-PIPEFUSION_REFUSED = (
-    "a PipeFusion stage hands on one stream of image states a patch at a time, and LTX-2's blocks carry the audio "
-    "beside the video, which every video patch's audio attention would change; run it under ulysses, ring, cfg and dp"
-)
+
+
+def audio_width(model_config) -> int:
+    """The audio's features between blocks (its attention's heads × head_dim)."""
+    return model_config["audio_num_attention_heads"] * model_config["audio_attention_head_dim"]
+
 
 ADAPTER = FamilyAdapter(
     "ltx2",
@@ -108,7 +134,16 @@ ADAPTER = FamilyAdapter(
     rotary_also=("cross_attn_rope",),
     whole_query_len=audio_tokens,
     step_cache_refused=STEP_CACHE_REFUSED,
-    pipefusion_refused=PIPEFUSION_REFUSED,
+    # PipeFusion: a block returns (video, audio), and a stage hands the audio on with each video patch
+    block_returns={
+        "LTX2VideoTransformerBlock": dict(
+            return_hidden_states_index=0,
+            return_encoder_hidden_states_index=1,
+            hidden_states_argument_name="hidden_states",
+            encoder_hidden_states_argument_name="audio_hidden_states",
+        )
+    },
+    beside=BesideStream("audio_hidden_states", audio_width),
     # from its _cp_plan (cp_plan.py): gathered at proj_out, the rotary tables at rope
     from_cp_plan=True,
 )
@@ -122,7 +157,6 @@ class LTX2Recipe(VideoRecipe):
     output_class = "diffusers.pipelines.ltx2.pipeline_output:LTX2PipelineOutput"
     default_size = (512, 768)  # LTX2Pipeline's
     defaults = dict(num_inference_steps=30, guidance_scale=3.0)
-    pipefusion_refused = dict.fromkeys(pipeline_classes, PIPEFUSION_REFUSED)  # said before the folder is read
     step_cache_refused = dict.fromkeys(pipeline_classes, STEP_CACHE_REFUSED)
     latents_beside = ("audio_latents",)  # the audio's, stepped with the video's
     # the pipeline's own defaults (its STG and modality guidance on: refused until given as GUIDANCE_OFF)

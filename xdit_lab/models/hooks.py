@@ -93,6 +93,7 @@ class ParallelState:
         self.text_mask = None  # the joint text's whole key mask [B, T] bool, where the blocks take it (adapter)
         self.whole_query_len = 0  # queries whole on every rank in "whole_queries" attention (LTX-2's audio tokens)
         self.also_gathered = 0  # elements a sample of the outputs gathered beside the sample (LTX-2's audio)
+        self.handed_beside = 0  # elements a batch row of the beside stream a PipeFusion stage hands on (LTX-2's audio)
         self.sites: list[tuple[weakref.ref, AttentionSite]] = []  # the attended modules (held weakly)
         self.hooks = Installed()  # every hook and replacement parallelize installed, by name (unparallelize)
         self.owns_mesh = False  # parallelize made the mesh: unparallelize closes it
@@ -192,13 +193,15 @@ def local_mixing_layers(adapter, model) -> dict[str, int]:
 def other_traffic_sizes(adapter, model) -> dict:
     """What the traffic's closed form counts beside the image's tokens, for the last forward of `model` (the
     modules this rank holds): the float32 elements per batch row that its "whole_queries" layers gather (each
-    layer's heads × (head_dim + 1) × the whole queries), and the elements per sample of the outputs gathered over
-    dp and cfg beside the sample (LTX-2's audio)."""
+    layer's heads × (head_dim + 1) × the whole queries), the elements per sample of the outputs gathered over
+    dp and cfg beside the sample (LTX-2's audio), and the elements per batch row of the stream a PipeFusion stage
+    hands on beside the image's (LTX-2's audio states: adapter.BesideStream)."""
     state = parallel_state(model)
     layers = [m for name, m in model.named_modules() if adapter.attention_kind(name) == "whole_queries"]
     return dict(
         whole_query_rows=sum(m.heads * (m.head_dim + 1) for m in layers) * state.whole_query_len,
         also_gathered=state.also_gathered,
+        handed_beside=state.handed_beside,
     )
 
 

@@ -1,8 +1,8 @@
 """LTX-2 (LTX2Pipeline: a video with its audio) against diffusers' own pipeline, run serially from the same folder.
 
 The video's tokens follow their shard and the audio stays whole on every rank (families/ltx2.py says why): under
-ulysses 2, ring 2, cfg 2, dp 2, PipeFusion 2 warming up over every step and, on 4 ranks, ulysses 2 × ring 2 and
-cfg 2 × ulysses 2, the video's and the audio's latents equal diffusers' within 1e-4 · max(1, max |reference|) in
+ulysses 2, ring 2, cfg 2, dp 2, PipeFusion 2 warming up over every step and, on 4 ranks, ulysses 2 × ring 2,
+cfg 2 × ulysses 2 and PipeFusion 2 × ulysses 2, the video's and the audio's latents equal diffusers' within 1e-4 · max(1, max |reference|) in
 float32, and each step's bytes per group equal the closed form (xdit_lab.traffic), its video-to-audio attention's
 merge, the audio's gather and the audio PipeFusion's stages hand on with each patch included. Control: the
 video-to-audio attention on each rank's own video alone (Controls(merges_whole_queries=False)) misses the bound.
@@ -133,8 +133,11 @@ def test_ltx2_equals_diffusers_pipeline_on_two_ranks(folder, reference):
 
 
 def test_ltx2_equals_diffusers_pipeline_on_four_ranks(folder, reference):
-    """ulysses 2 × ring 2 and cfg 2 × ulysses 2, as on two ranks (the control under ring 2 × ulysses 2)."""
+    """ulysses 2 × ring 2, cfg 2 × ulysses 2 and PipeFusion 2 × ulysses 2 warming up over every step (a stage's two
+    ranks each keep their half of every patch's video K/V for the audio, merged as under ulysses), as on two ranks
+    (the control under ring 2 × ulysses 2)."""
     configs = [ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg=2, ulysses=2)]
+    configs.append(ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=STEPS))
     per_rank = run_on_ranks(_runs, 4, folder, configs, reference, None, configs[0], timeout_s=500)
     _check(per_rank, configs)
 

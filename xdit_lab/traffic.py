@@ -50,12 +50,19 @@ def expected_bytes_per_step(
       pipefusion  per patch (its row band of the grid and of each image after it, `appended_grids`: an edit's
                   reference images; the last with the model's padding, Z-Image's) a non-last stage sends
                   [b, tokens, hidden], and [b, T, hidden] of text states where its blocks return them (SD3,
-                  Flux, CogVideoX, Z-Image's main layers); the last stage
-                  broadcasts the noise prediction [b, sample] to the other stages; async, past the
+                  Flux, CogVideoX, Z-Image's main layers), or in their place the `handed_beside` elements a
+                  row of the stream its blocks carry beside the image's (LTX-2's audio); the last stage
+                  broadcasts the noise prediction [b, sample] (and the outputs beside it, `also_gathered`)
+                  to the other stages; async, past the
                   warmup, it sends the whole latents back to stage 0 instead (a patch at a time), and
                   after the last step broadcasts them, and the dp and cfg gathers run once per patch
                   on the last stage only
-      dp, cfg     the output gather (dp pads to the largest share)
+      whole q     a layer whose queries are whole on every rank against the image's keys (`whole_query_rows`: LTX-2's
+                  audio asking the video) all-gathers each rank's partial output with its LSE in float32:
+                  b·whole_query_rows·4 bytes to each of the sp-1 others, under "sp", in every forward (every
+                  patch set's under PipeFusion)
+      dp, cfg     the output gather (dp pads to the largest share), with the outputs gathered beside the sample
+                  (`also_gathered` elements a sample: LTX-2's audio)
       controlnet  a ControlNet's layers (`controlnet_self_layers`, `controlnet_joint_layers`) move what the
                   transformer's do: the same tokens, text and heads; its residuals stay on their rank
       world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
@@ -151,10 +158,13 @@ def expected_bytes_per_step(
             if not text_sharded:  # the text partials with their LSE, gathered in float32
                 out[RING] += joint * (r - 1) * b * h_me * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:
-            handed = sizes[sp_rank] + (text if s.get("handed_text") else 0)  # this patch's tokens (and text)
-            out[PIPEFUSION] += b * handed * h * d * e
+            # this patch's tokens, and the text (or the stream beside the image's, LTX-2's audio, in its place)
+            beside = s.get("handed_beside", 0) or (text * h * d if s.get("handed_text") else 0)
+            out[PIPEFUSION] += b * (sizes[sp_rank] * h * d + beside) * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
+        if sp > 1:  # whole queries' partials, gathered in every forward (PipeFusion: every patch set's)
+            out[SP] += b * s.get("whole_query_rows", 0) * 4 * (sp - 1)
     if c.pipefusion == 1:  # a PipeFusion stage holds whole patches (no sequence shards in it): these move nothing
         sums = b * h * (d + 1) * d * 4  # float32
         for group, n in ((ULYSSES, u), (RING, r)):
@@ -168,7 +178,8 @@ def expected_bytes_per_step(
     latents = s.get("latent_rows", 0) * s.get("latent_elements", 0) * s.get("latent_bytes", 0)
     if pipelined and last_stage:  # the latents back to stage 0, patch by patch; after the last step, to all
         out[PIPEFUSION] += latents * (c.pipefusion - 1 if step == s["steps"] - 1 else 1)
-    elif c.pipefusion > 1 and last_stage:
+    sample += s.get("also_gathered", 0)  # the outputs beside the sample (LTX-2's audio), broadcast and gathered
+    if c.pipefusion > 1 and last_stage and not pipelined:
         out[PIPEFUSION] += b * sample * e * (c.pipefusion - 1)
     # the batch gathers: once a step; pipelined, once per patch and only where the prediction is
     gathers = (c.patches if last_stage else 0) if pipelined else 1

@@ -156,7 +156,34 @@ def stale_kv(folder: ModelFolder, call: Call, shape: RequestShape, config: Paral
     kv = busiest_stale_kv_bytes(
         config, folder.adapter, folder.transformer.config, layers, rows, shape.grid, folder.element
     )
-    return kv + stale_sums_and_halos(folder, config, span, rows, shape.grid)
+    return (
+        kv
+        + stale_sums_and_halos(folder, config, span, rows, shape.grid)
+        + whole_query_kv(folder, config, span, rows, shape.grid)
+    )
+
+
+def whole_query_kv(folder: ModelFolder, config: ParallelConfig, span, rows: int, grid) -> int:
+    """The K/V a stage keeps of its "whole_queries" layers (LTX-2's video-to-audio attention): every patch's image
+    tokens of the busiest sp rank, every head, as wide as the stream beside the image that queries them
+    (FamilyAdapter.beside: LTX-2's audio, whose heads that attention has)."""
+    from ..sharding import patch_layout
+
+    adapter, transformer = folder.adapter, folder.transformer.config
+    if adapter.beside is None:
+        return 0
+    names = [key.removesuffix(".to_k.weight") for key in folder.transformer.names if key.endswith(".to_k.weight")]
+    blocks = [
+        adapter.block_index(f"{name}.", transformer)
+        for name in names
+        if adapter.attention_kind(name) == "whole_queries"
+    ]
+    layers = sum(1 for block in blocks if block is not None and span[0] <= block < span[1])
+    layout = patch_layout(
+        grid, config.patches, config.sp_degree, padded=adapter.latents.padded_tokens(grid[0] * grid[1], transformer)
+    )
+    own = max(sum(layout.chunk_len(p, r) for p in range(len(layout.patches))) for r in range(config.sp_degree))
+    return layers * 2 * rows * adapter.beside.width(transformer) * own * folder.element
 
 
 def stale_sums_and_halos(folder: ModelFolder, config: ParallelConfig, span, rows: int, grid) -> int:

@@ -26,7 +26,10 @@ patch's forward unpatchifies the whole image; that prediction is broadcast to ev
 step the scheduler alike). Within a stage, tokens may also be split over ulysses × ring: every
 patch is sharded over them the same way (sharding.PatchLayout). A ControlNet's residuals, one list for the whole
 model's blocks, are rebased to the blocks a stage holds (adapter.BlockResiduals) and cut with the patches like the
-tokens; the ControlNet itself runs whole on every rank.
+tokens; the ControlNet itself runs whole on every rank. Where the blocks carry a stream beside the image, whole on
+every rank (LTX-2's audio: adapter.BesideStream), it travels in the text's place with every patch, its queries
+attend to every patch's image K/V kept like self-attention's ("whole_queries"), and its prediction is broadcast with
+the image's (families/ltx2.py draws it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from ... import comm
 from ...attention.linear import linear_sums, stale_sums_bytes
 from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
+from ...attention.usp import whole_query_attention
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
 from ...mesh import PIPEFUSION, RING, SP, ULYSSES
@@ -123,6 +127,11 @@ class PipeFusionStage:
                 f"this transformer holds blocks {loaded[:2]}, but stage {stage_index} of {config.pipefusion} runs "
                 f"blocks {(start, stop)}"
             )
+        if adapter.beside is not None and config.pipefusion_schedule == "async":
+            raise NotImplementedError(
+                f"pipefusion_schedule='async' steps the image's latents patch by patch, and {adapter.family}'s blocks "
+                f"carry a second stream (its {adapter.beside.argument}) stepped whole; run the drained schedule"
+            )
         stage = cls(state, config, (start, stop), transformer.config, next(transformer.parameters()).dtype)
         stage.module = weakref.ref(transformer)
         if adapter.output_conditioning is not None and mesh.is_last_stage and start > 0:
@@ -192,6 +201,13 @@ class PipeFusionStage:
         )
         patches, width = self.config.patches, heads * head_dim
         kv += stale_sums_bytes(linear, rows, heads, head_dim, patches)
+        # a "whole_queries" layer's (LTX-2's video-to-audio) keeps this rank's tokens of every patch, every head
+        whole_queries = [m for n, m in transformer.named_modules() if adapter.attention_kind(n) == "whole_queries"]
+        if whole_queries:
+            padded = adapter.latents.padded_tokens(grid[0] * grid[1], config)
+            layout = patch_layout(grid, patches, self.config.sp_degree, appended, padded=padded)
+            own = sum(layout.chunk_len(p, self.mesh.group_rank(SP)) for p in range(len(layout.patches)))
+            kv += sum(2 * rows * m.heads * m.head_dim * own * element for m in whole_queries)
         if adapter.row_convolution is not None:
             kv += adapter.row_convolution.stale_halo_bytes(convolving, rows, grid, patches, width, element)
         return {"stale K/V": kv}
@@ -264,10 +280,19 @@ class PipeFusionStage:
         # the whole image's tokens, padding included (a stage that holds no block the tokens are cut at reads it here)
         self.state.image_len = self.layout.patches[-1][1]
         sp_rank, batch = mesh.group_rank(SP), len(latents)
+        if adapter.beside is not None and bound.arguments.get("return_dict", True):
+            raise NotImplementedError(
+                f"a {adapter.family} PipeFusion stage returns its two predictions as a tuple: call it with "
+                "return_dict=False, as its pipeline does"
+            )
         # a stage hands over the text states its blocks changed (SD3, Flux, CogVideoX) with the patch
-        text_len = 0
-        if self.takes_text:  # its length as the blocks take it (where the forward joins it: Z-Image, HunyuanVideo-1.5)
+        text_len, text_width, beside = 0, self.hidden_size, adapter.beside
+        if beside is not None:  # the stream the blocks carry beside the image (LTX-2's audio) goes in the text's place
+            text_len, text_width = bound.arguments[beside.argument].shape[1], beside.width(self.model_config)
+            self.state.handed_beside = text_len * text_width
+        elif self.takes_text:  # its length as the blocks take it (the forward joins it: Z-Image, HunyuanVideo-1.5)
             text_len = (adapter.joint_text_len or _encoder_text_len)(bound.arguments)
+        text_len = text_len if self.takes_text else 0
         whole = dict(bound.arguments)  # the forward's per-token arguments, cut again for every patch set
 
         def run_active():  # arguments with one entry per image token keep the active patches' entries
@@ -278,7 +303,7 @@ class PipeFusionStage:
         def receive(active):  # the previous stage's activations, into buffers of the model's dtype
             tokens = sum(self.layout.chunk_len(p, sp_rank) for p in active)
             image = first.new_empty((batch, tokens, self.hidden_size), dtype=self.dtype)
-            text = first.new_empty((batch, text_len, self.hidden_size), dtype=self.dtype) if text_len else None
+            text = first.new_empty((batch, text_len, text_width), dtype=self.dtype) if text_len else None
             buffers = [(t, mesh.pipeline_prev) for t in (image, text) if t is not None]
             return (image, text), comm.exchange([], buffers, mesh, PIPEFUSION)
 
@@ -324,7 +349,20 @@ class PipeFusionStage:
         comm.broadcast(noise, mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
         noise = list(noise.unbind(0)) if per_sample else noise
         self.step += 1
+        if beside is not None:  # its prediction (LTX-2's audio's), the forward's second output, broadcast alike
+            return self._beside_prediction(noise, output, bound.arguments)
         return (noise,) if not bound.arguments.get("return_dict", True) else Transformer2DModelOutput(sample=noise)
+
+    def _beside_prediction(self, noise, output, arguments: dict):
+        """The forward's outputs where the blocks carry a stream beside the image (adapter.BesideStream): the
+        image's prediction, then the stream's, from the last stage's last patch (shaped as the stream's latents)."""
+        if output is None:
+            latents = arguments[self.state.adapter.beside.argument]
+            prediction = latents.new_empty(latents.shape, dtype=self.dtype)
+        else:
+            prediction = output[1].to(self.dtype).contiguous()
+        comm.broadcast(prediction, self.mesh, PIPEFUSION, src_group_rank=self.config.pipefusion - 1, tag="noise")
+        return noise, prediction
 
     def _rebase_block_residuals(self, arguments: dict) -> None:
         """Each residual list the adapter declares (a ControlNet's), as this stage's blocks take them: the one
@@ -434,6 +472,8 @@ class PipeFusionStage:
         return self.output
 
     def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None):
+        if kind == "whole_queries":
+            return self._attend_whole_queries(name, query, key, value, scale)
         if kind not in STALE_KINDS:
             raise NotImplementedError(f"PipeFusion handles self and joint attention, not {kind}")
         if name not in self.buffers:
@@ -454,6 +494,17 @@ class PipeFusionStage:
             scale=scale,
         )
         return join_text(kind, out, joint_out)
+
+    def _attend_whole_queries(self, name, query, key, value, scale):
+        """Queries whole on every rank of the stage (LTX-2's audio, handed on with each patch) over every patch's
+        image K/V: the active patches' fresh, the others' as the buffer keeps them (this step's for the patches
+        before, the step before's for those after), each sp rank holding its own tokens of every patch (no
+        all-to-all: the queries are whole), the partial outputs merged over sp as under sequence shards."""
+        if name not in self.buffers:  # one source (this rank's tokens), as a ring rank's buffer of one
+            self.buffers[name] = self.state.controls.buffer_type(self.layout, 1, self.mesh.group_rank(SP))
+        self.buffers[name].write(key, value, self.active, self.step)
+        keys, values = self.buffers[name].read(self.active, self.step)
+        return whole_query_attention(query, keys, values, self.mesh, scale=scale)
 
     # ---- linear attention's sums and a convolution's halo rows, kept per patch like K/V (Sana) ----------------
     # A warm-up step holds the whole image: it keeps each patch's sums and each patch's edge rows of every

@@ -40,6 +40,13 @@ ADAPTER = FamilyAdapter(
     from_cp_plan=True,  # the text and its ids cut at the input, the image's ids with its tokens: cp_plan.py
     joined_block_lists=("single_transformer_blocks",),
     step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
+    # tensor parallelism: diffusers' _tp_plan, and the modulations it leaves whole (computed once a forward)
+    tp_gathered=(
+        "double_stream_modulation_img.linear",
+        "double_stream_modulation_txt.linear",
+        "single_stream_modulation.linear",
+        "norm_out.linear",
+    ),
     **FLUX_LAYOUT,
 )
 

@@ -4,20 +4,16 @@ Each rank builds the same tiny model, runs it serially for the reference, then p
 the full output: max abs error <= 1e-4 · max(1, max |reference|) in float32. Beside it: the parameter bytes a rank
 holds equal the plan's (at most 0.6 of the model under tp 2), every collective that ran is one of comm's records
 (torch's dispatcher sees no other: DTensor sends nothing of its own), and the tp group's bytes equal
-traffic.tp_bytes_per_forward's closed form."""
+the closed form (traffic.expected_bytes_per_step, its tp term tp_bytes_per_forward)."""
 
 import pytest
 import torch
-from forward_traffic import sample
+from forward_traffic import sample, session_traffic, traffic_mismatches, traffic_row
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, load_pipeline, parallelize
-from xdit_lab.families import adapter_for
 from xdit_lab.models import parallel_state
-from xdit_lab.models.tensor_parallel import collective_sizes
-from xdit_lab.sharding import shard_sizes
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
-from xdit_lab.traffic import tp_bytes_per_forward
 
 BATCH, TEXT = 2, 8
 
@@ -28,17 +24,12 @@ def _held_bytes(model) -> int:
 
 
 def _serial(family):
-    """The tiny model, its inputs, its serial output and the whole image's tokens (as its last projection takes them)."""
+    """The tiny model, its inputs and its serial output."""
     model = tiny_transformer(family, seed=0)
     inputs = tiny_inputs(family, BATCH, height=8, width=8, text_len=TEXT)
-    seen = []
-    hook = model.get_submodule(adapter_for(model).gather_at).register_forward_pre_hook(
-        lambda _m, args: seen.append(args[0].shape[1])
-    )
     with torch.no_grad():
         reference = sample(model(**inputs))
-    hook.remove()
-    return model, inputs, reference, seen[0]
+    return model, inputs, reference
 
 
 def _collectives():
@@ -54,7 +45,8 @@ def _collectives():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(t is DTensor for t in types):
                 return NotImplemented
-            if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+            # a receive is its peer's send, which comm records; a wait completes what was counted
+            if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "recv")):
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
@@ -65,17 +57,13 @@ def _forward(family, configs):
     rows = []
     for config in configs:
         mesh = RankMesh(config)
-        model, inputs, reference, image_tokens = _serial(family)
-        adapter = adapter_for(model)
+        model, inputs, reference = _serial(family)
         whole = _held_bytes(model)
         model = parallelize(model, config, mesh)
         with torch.no_grad(), comm_log() as log, _collectives() as seen_by_torch:
             output = sample(model(**inputs))
         tensor = parallel_state(model).tensor
-        sp, me = config.sp_degree, mesh.ulysses_rank + config.ulysses * mesh.ring_rank
-        tokens = shard_sizes(image_tokens, sp)[me]
-        text = shard_sizes(TEXT, sp)[me] if TEXT >= sp else TEXT  # sequence shards cut the joint text too
-        sizes = collective_sizes(model, tensor, adapter, BATCH // config.cfg, tokens, text)
+        traffic = traffic_row(model, inputs, log, step=0)  # every group's bytes beside the closed form
         rows.append(
             dict(
                 config=config.short(),
@@ -85,8 +73,7 @@ def _forward(family, configs):
                 held=_held_bytes(model),
                 planned=tensor.planned_bytes,
                 planned_whole=tensor.whole_bytes,
-                tp_bytes=log.bytes_by_group().get("tp", 0),
-                closed_form=tp_bytes_per_forward(config.tp, 4, **sizes),
+                traffic=traffic,
                 ops=sorted({(r.op, r.group) for r in log}),
                 recorded=len(log.records),
                 collectives=seen_by_torch.count,
@@ -102,7 +89,8 @@ def _check(per_rank, family):
             assert row["error"] <= row["bound"], f"{where}: error {row['error']:.3g} > {row['bound']:.3g}"
             assert row["held"] == row["planned"] and row["planned_whole"] == row["whole"], where
             assert row["held"] <= 0.6 * row["whole"], f"{where}: holds {row['held'] / row['whole']:.3f} of the model"
-            assert row["tp_bytes"] == row["closed_form"] > 0, where
+            assert row["traffic"]["moved"] == row["traffic"]["expected"], where
+            assert row["traffic"]["moved"]["tp"] > 0, where
             assert ("all_reduce", "tp") in row["ops"] and ("all_gather", "tp") in row["ops"], where
             assert row["collectives"] == row["recorded"], f"{where}: a collective ran that comm did not record"
 
@@ -134,23 +122,24 @@ def test_tp2_forward_equals_serial_diffusers(family):
     _check(run_on_ranks(_forward, 2, family, [ParallelConfig(tp=2)], timeout_s=240), family)
 
 
-def test_tp2_composes_with_ulysses_and_cfg_on_4_ranks():
-    configs = [ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=2, cfg=2)]
+def test_tp2_composes_with_ulysses_cfg_and_ring_on_4_ranks():
+    configs = [ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=2, cfg=2), ParallelConfig(tp=2, ring=2)]
     per_rank = run_on_ranks(_forward, 4, "flux", configs, timeout_s=240)
     _check(per_rank, "flux")
     for rows in per_rank:
         assert {"ulysses", "tp"} <= {group for _, group in rows[0]["ops"]}
         assert {"cfg", "tp"} <= {group for _, group in rows[1]["ops"]}
+        assert {"ring", "tp"} <= {group for _, group in rows[2]["ops"]}
 
 
 def _pipeline(folder, config, kwargs, expected):
     from xdit_lab.lessons.families import output_latents
 
     pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-    latents = output_latents(
-        pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run().result(output_type="latent")
-    )
-    return (latents - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
+    session = pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run()
+    latents = output_latents(session.result(output_type="latent"))
+    error, bound = (latents - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
+    return error, bound, traffic_mismatches(session_traffic(session), config.short())
 
 
 def test_flux_pipeline_under_tp_equals_diffusers_pipeline(tmp_path):
@@ -167,8 +156,9 @@ def test_flux_pipeline_under_tp_equals_diffusers_pipeline(tmp_path):
         reference(["a red cat", "a blue dog"], generator=generator, output_type="latent", **kwargs)
     )
     for world, config in [(2, ParallelConfig(tp=2)), (4, ParallelConfig(tp=2, cfg=2))]:
-        for error, bound in run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300):
+        for error, bound, mismatches in run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300):
             assert error <= bound, f"{config.short()}: error {error:.3g} > {bound:.3g}"
+            assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
 
 
 # ---- refusals: each before a process group is made or a layer split ----------------------------------------------

@@ -9,7 +9,7 @@ test can put the formula beside what comm_log() measured, rank by rank and step 
 from __future__ import annotations
 
 from .config import SCALE_BYTES, ParallelConfig
-from .mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
+from .mesh import CFG, DP, PIPEFUSION, RING, SP, TP, ULYSSES, WORLD
 from .sharding import patch_layout, shard_sizes
 
 
@@ -55,6 +55,10 @@ def expected_bytes_per_step(
                   warmup, it sends the whole latents back to stage 0 instead (a patch at a time), and
                   after the last step broadcasts them, and the dp and cfg gathers run once per patch
                   on the last stage only
+      tp          a model split over tp ranks (`shapes["tp"]`: models/tensor_parallel.tp_shapes): each forward's
+                  all-reduces and gathers, tp_bytes_per_forward below, over this rank's tokens (its sequence
+                  shard's, the text's shard where it is cut); the attention exchanges above then move the
+                  h/tp heads of this rank
       dp, cfg     the output gather (dp pads to the largest share)
       controlnet  a ControlNet's layers (`controlnet_self_layers`, `controlnet_joint_layers`) move what the
                   transformer's do: the same tokens, text and heads; its residuals stay on their rank
@@ -90,7 +94,7 @@ def expected_bytes_per_step(
     # shards and gathers its padding with them too (`padded_tokens`, Z-Image's), which its output drops
     tokens = s["rows"] * s["cols"] + s.get("appended_tokens", 0)
     sharded = tokens + s.get("padded_tokens", 0)
-    h, d, text = s["heads"], s["head_dim"], s["text_len"]
+    h, d, text = s["heads"] // c.tp, s["head_dim"], s["text_len"]  # the heads of this rank's tp share
     h_me = shard_sizes(h, u)[my_u]  # the heads this rank attends after the Ulysses all-to-all
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
     last_stage = coords[PIPEFUSION] == c.pipefusion - 1
@@ -121,11 +125,23 @@ def expected_bytes_per_step(
 
     # bytes of a run of elements on the attention exchanges: whole rows of d, each d + 4 bytes under float8
     row_bytes = d * e if c.comm_dtype is None else d + SCALE_BYTES
-    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
+    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD, TP), 0)
     if cache_skips is not None and experts[step] in experts[:step] and c.world_size > 1:
         out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
         mine = slice(my_r * u, (my_r + 1) * u)
+        if c.tp > 1:
+            my_text = text_sizes[sp_rank] if text_sharded else text
+            tokens_of = dict(image=sizes[sp_rank], text=my_text, joint=sizes[sp_rank] + my_text)
+            tokens_of["cross_text"] = s.get("cross_text_len", 0)
+            split = s["tp"]
+            out[TP] += tp_bytes_per_forward(
+                c.tp,
+                e,
+                reduced=[b * tokens_of[kind] * width for kind, width in split["rowwise"]],
+                gathered=[b * width for width in split["gathered"]],
+                norm_rows=[b * tokens_of[kind] for kind in split["norms"]],
+            )
         with_text = [n + t for n, t in zip(sizes, text_sizes)]  # a joint layer's tokens per sp rank
         if u > 1:
 
@@ -150,11 +166,11 @@ def expected_bytes_per_step(
                 out[RING] += joint * (r - 1) * b * h_me * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:
             handed = sizes[sp_rank] + (text if s.get("handed_text") else 0)  # this patch's tokens (and text)
-            out[PIPEFUSION] += b * handed * h * d * e
+            out[PIPEFUSION] += b * handed * s["heads"] * d * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
     if c.pipefusion == 1:  # a PipeFusion stage holds whole patches (no sequence shards in it): these move nothing
-        sums = b * h * (d + 1) * d * 4  # float32
+        sums = b * s["heads"] * (d + 1) * d * 4  # float32
         for group, n in ((ULYSSES, u), (RING, r)):
             if n > 1:
                 out[group] += s.get("linear_layers", 0) * (2 * sums * (n - 1) // n)

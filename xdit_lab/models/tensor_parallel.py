@@ -302,18 +302,26 @@ def module_tokens(name: str, adapter) -> str:
     return "image"
 
 
-def collective_sizes(transformer, record: TensorParallel, adapter, batch: int, image_tokens: int, text_tokens: int):
-    """The elements of each TP collective of one forward on this rank (traffic.tp_bytes_per_forward's arguments):
-    `batch` rows, and this rank's image and text tokens (its shards under sequence parallelism)."""
-    tokens = {"image": image_tokens, "text": text_tokens, "joint": image_tokens + text_tokens}
-    reduced = [
-        batch * tokens[module_tokens(name, adapter)] * transformer.get_submodule(name).out_features
-        for name in record.names(ROWWISE, "packed-rowwise")
-    ]
-    gathered = [batch * transformer.get_submodule(name).out_features for name in record.names(GATHERED)]
-    norm_rows = []
-    for name in record.head_norms:  # a cross attention's keys are the text's
+def tp_shapes(transformer, adapter) -> dict:
+    """What traffic.expected_bytes_per_step needs of a model split over tp (its `shapes["tp"]`): each rowwise
+    layer's [tokens it runs on, width] (module_tokens), each gathered modulation's width, and the tokens each
+    norm over every head runs on ('cross_text': a cross attention's keys, the text)."""
+    record = parallel_state_tensor(transformer)
+    norms = []
+    for name in record.head_norms:
         attention, norm = name.rsplit(".", 1)
-        cross_keys = adapter.attention_kind(attention) == "cross" and norm in ("norm_k",)
-        norm_rows.append(batch * (text_tokens if cross_keys else image_tokens))
-    return dict(reduced=reduced, gathered=gathered, norm_rows=norm_rows)
+        norms.append("cross_text" if adapter.attention_kind(attention) == "cross" and norm == "norm_k" else "image")
+    return dict(
+        rowwise=[
+            [module_tokens(name, adapter), transformer.get_submodule(name).out_features]
+            for name in record.names(ROWWISE, "packed-rowwise")
+        ],
+        gathered=[transformer.get_submodule(name).out_features for name in record.names(GATHERED)],
+        norms=norms,
+    )
+
+
+def parallel_state_tensor(transformer) -> TensorParallel:
+    from .hooks import parallel_state
+
+    return parallel_state(transformer).tensor

@@ -6,11 +6,13 @@ holds equal the plan's (at most 0.6 of the model under tp 2), every collective t
 (torch's dispatcher sees no other: DTensor sends nothing of its own), and the tp group's bytes equal
 the closed form (traffic.expected_bytes_per_step, its tp term tp_bytes_per_forward)."""
 
+import dataclasses
+
 import pytest
 import torch
 from forward_traffic import sample, session_traffic, traffic_mismatches, traffic_row
 
-from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, load_pipeline, parallelize
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, load_pipeline, parallelize, unparallelize
 from xdit_lab.models import parallel_state
 from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
@@ -64,6 +66,8 @@ def _forward(family, configs):
             output = sample(model(**inputs))
         tensor = parallel_state(model).tensor
         traffic = traffic_row(model, inputs, log, step=0)  # every group's bytes beside the closed form
+        with pytest.raises(ValueError, match=r"split over tp \d ranks \(DTensor\), which is not undone"):
+            unparallelize(model)
         rows.append(
             dict(
                 config=config.short(),
@@ -122,14 +126,20 @@ def test_tp2_forward_equals_serial_diffusers(family):
     _check(run_on_ranks(_forward, 2, family, [ParallelConfig(tp=2)], timeout_s=240), family)
 
 
-def test_tp2_composes_with_ulysses_cfg_and_ring_on_4_ranks():
-    configs = [ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=2, cfg=2), ParallelConfig(tp=2, ring=2)]
+def test_tp2_composes_with_ulysses_cfg_ring_and_dp_on_4_ranks():
+    configs = [
+        ParallelConfig(tp=2, ulysses=2),
+        ParallelConfig(tp=2, cfg=2),
+        ParallelConfig(tp=2, ring=2),
+        ParallelConfig(tp=2, dp=2),
+    ]
     per_rank = run_on_ranks(_forward, 4, "flux", configs, timeout_s=240)
     _check(per_rank, "flux")
     for rows in per_rank:
         assert {"ulysses", "tp"} <= {group for _, group in rows[0]["ops"]}
         assert {"cfg", "tp"} <= {group for _, group in rows[1]["ops"]}
         assert {"ring", "tp"} <= {group for _, group in rows[2]["ops"]}
+        assert {"dp", "tp"} <= {group for _, group in rows[3]["ops"]}
 
 
 def _pipeline(folder, config, kwargs, expected):
@@ -159,6 +169,50 @@ def test_flux_pipeline_under_tp_equals_diffusers_pipeline(tmp_path):
         for error, bound, mismatches in run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300):
             assert error <= bound, f"{config.short()}: error {error:.3g} > {bound:.3g}"
             assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
+
+
+@pytest.mark.parametrize(
+    "class_name, settings",
+    [
+        ("FluxTransformer2DModel", {}),  # diffusers' defaults: FLUX.1-dev's shape
+        ("Flux2Transformer2DModel", {}),  # FLUX.2-dev's
+        ("QwenImageTransformer2DModel", {}),  # Qwen-Image's
+        ("WanTransformer3DModel", dict(num_attention_heads=40, ffn_dim=13824, num_layers=40)),  # Wan2.1-14B's
+    ],
+)
+def test_a_real_model_s_tp_rank_holds_half_of_it(class_name, settings):
+    """The plan on the real shapes (built on the meta device: no weight is made): diffusers' plan with the
+    modulations split too leaves a tp 2 rank about half of the transformer (FLUX.1-dev: 0.501; diffusers' plan alone
+    would leave 0.64), a tp 4 rank about a quarter."""
+    import diffusers
+
+    from xdit_lab.families import adapter_for
+    from xdit_lab.models.tensor_parallel import planned_bytes
+
+    with torch.device("meta"):
+        model = getattr(diffusers, class_name)(**settings)
+    adapter = adapter_for(model)
+    for tp, most in ((2, 0.505), (4, 0.255)):
+        whole, held = planned_bytes(model, adapter, tp)
+        assert held <= most * whole, f"{class_name} tp {tp}: {held / whole:.3f} of the model"
+    # the control: diffusers' plan alone keeps the modulations whole (FLUX.1-dev's rank then holds 0.64 of it)
+    _, with_them = planned_bytes(model, adapter, 2)
+    _, without = planned_bytes(model, dataclasses.replace(adapter, tp_gathered=()), 2)
+    assert without > with_them and (class_name != "FluxTransformer2DModel" or without > 0.6 * whole)
+
+
+def test_tp_in_the_config_its_cost_and_its_names():
+    config = ParallelConfig(cfg=2, ulysses=2, tp=2)
+    assert (config.world_size, config.short(), config.spelled()) == (
+        8,
+        "cfg2·ulysses2·tp2",
+        "cfg 2 × ulysses 2 × tp 2 = 8",
+    )
+    assert "tp=2" in repr(config) and "tp" not in repr(ParallelConfig(ulysses=2))  # tp 1 is said as before
+    alone, split = ParallelConfig(ulysses=2).cost(28, use_cfg=False), config.replace(cfg=1).cost(28, use_cfg=False)
+    assert split.work_fraction == alone.work_fraction / 2 and split.params_fraction == 0.5
+    # Ulysses moves half the heads; tp all-reduces [p/2, hs] twice a layer: 2 · 2(2-1)/2 / 2 · 28
+    assert split.comm_p_hs == pytest.approx(alone.comm_p_hs / 2 + 28)
 
 
 # ---- refusals: each before a process group is made or a layer split ----------------------------------------------

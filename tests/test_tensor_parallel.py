@@ -152,22 +152,35 @@ def _pipeline(folder, config, kwargs, expected):
     return error, bound, traffic_mismatches(session_traffic(session), config.short())
 
 
-def test_flux_pipeline_under_tp_equals_diffusers_pipeline(tmp_path):
+PIPELINES = {  # family: the configurations its pipeline runs under (Flux.2 is guidance-distilled: no cfg 2)
+    "flux": [(2, ParallelConfig(tp=2)), (4, ParallelConfig(tp=2, cfg=2))],
+    "flux2": [(2, ParallelConfig(tp=2))],
+    "qwenimage": [(2, ParallelConfig(tp=2))],
+    "wan": [(2, ParallelConfig(tp=2))],  # the adapter's plan
+}
+
+
+@pytest.mark.parametrize("family", PIPELINES)
+def test_pipeline_under_tp_equals_diffusers_pipeline(family, tmp_path):
     from diffusers import DiffusionPipeline
 
     from xdit_lab.lessons.families import output_latents
 
-    folder = save_tiny_pipeline("flux", tmp_path / "flux")
-    kwargs = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=3, true_cfg_scale=2.0, negative_prompt=["", "x"])
+    folder = save_tiny_pipeline(family, tmp_path / family)
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=3)
+    if family != "flux2":  # real guidance: two branches, for cfg 2 to split
+        kwargs["negative_prompt"] = ["", "a photo"]
+    if family in ("flux", "qwenimage"):
+        kwargs["true_cfg_scale"] = 2.0
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
     expected = output_latents(
-        reference(["a red cat", "a blue dog"], generator=generator, output_type="latent", **kwargs)
+        reference(prompt=["a red cat", "a blue dog"], generator=generator, output_type="latent", **kwargs)
     )
-    for world, config in [(2, ParallelConfig(tp=2)), (4, ParallelConfig(tp=2, cfg=2))]:
+    for world, config in PIPELINES[family]:
         for error, bound, mismatches in run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300):
-            assert error <= bound, f"{config.short()}: error {error:.3g} > {bound:.3g}"
+            assert error <= bound, f"{family} {config.short()}: error {error:.3g} > {bound:.3g}"
             assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
 
 

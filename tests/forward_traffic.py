@@ -66,10 +66,11 @@ def forward_shapes(model, inputs: dict) -> dict:
 
 def _tensor_parallel(model, adapter, inputs: dict) -> dict:
     """A model split over tp ranks: its split layers (tensor_parallel.tp_shapes), and a cross attention's text."""
-    if parallel_state(model).tensor is None:
+    record = parallel_state(model).tensor
+    if record is None:
         return {}
     text = inputs.get("encoder_hidden_states")
-    return dict(tp=tp_shapes(model, adapter), cross_text_len=0 if text is None else text.shape[1])
+    return dict(tp=tp_shapes(model, record, adapter), cross_text_len=0 if text is None else text.shape[1])
 
 
 def moved(log) -> dict[str, int]:

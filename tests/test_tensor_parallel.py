@@ -142,6 +142,25 @@ def test_tp2_composes_with_ulysses_cfg_ring_and_dp_on_4_ranks():
         assert {"dp", "tp"} <= {group for _, group in rows[3]["ops"]}
 
 
+def _uneven(config):
+    """6 heads: 3 a tp rank, which Ulysses 2 splits 2 and 1; 7 text tokens, cut 4 and 3."""
+    model = tiny_transformer("flux", seed=0, heads=6)
+    inputs = tiny_inputs("flux", BATCH, height=8, width=8, text_len=7)
+    with torch.no_grad():
+        reference = sample(model(**inputs))
+    model = parallelize(model, config)
+    with torch.no_grad(), comm_log() as log:
+        output = sample(model(**inputs))
+    error, bound = (output - reference).abs().max().item(), 1e-4 * max(1.0, reference.abs().max().item())
+    return error, bound, traffic_row(model, inputs, log, step=0)
+
+
+def test_tp2_ulysses2_with_heads_and_text_that_do_not_split_evenly():
+    for error, bound, traffic in run_on_ranks(_uneven, 4, ParallelConfig(tp=2, ulysses=2), timeout_s=240):
+        assert error <= bound, f"error {error:.3g} > {bound:.3g}"
+        assert traffic["moved"] == traffic["expected"] and {"tp", "ulysses"} <= set(traffic["moved"])
+
+
 def _pipeline(folder, config, kwargs, expected):
     from xdit_lab.lessons.families import output_latents
 

@@ -152,7 +152,8 @@ def _tensor_parallel(session, transformer, state) -> dict:
     if state.tensor is None:
         return {}
     text = session.prepared.conditioning.get("encoder_hidden_states")
-    return dict(tp=tp_shapes(transformer, state.adapter), cross_text_len=0 if text is None else text.shape[1])
+    shapes = tp_shapes(transformer, state.tensor, state.adapter)
+    return dict(tp=shapes, cross_text_len=0 if text is None else text.shape[1])
 
 
 def _shapes(session, transformer, state, report, rows, cols) -> dict:

@@ -119,7 +119,7 @@ def problems(transformer, adapter, tp: int) -> list[str]:
     planned = expand(transformer, model_plan(transformer, adapter))
     whole = [  # a projection beside split heads left whole (Wan 2.1 I2V's image keys): its heads would not match
         f"{attention}.{name}"
-        for attention in {n.rsplit(".", 1)[0] for n in planned if n.endswith(".to_q")}
+        for attention in sorted({n.rsplit(".", 1)[0] for n in planned if n.endswith(".to_q")})
         for name, module in transformer.get_submodule(attention).named_modules()
         if isinstance(module, torch.nn.Linear) and f"{attention}.{name}" not in planned
     ]
@@ -170,7 +170,7 @@ def apply_tensor_parallel(transformer, state) -> TensorParallel:
     """Split `transformer`'s planned layers over this rank's tp group (state.mesh), in place; every hook it installs
     is one of state.hooks (named 'tp.*'). Call it before the token strategy's hooks: the layers are split before
     anything reads a shape from them."""
-    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor import Partial
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     adapter, mesh = state.adapter, state.mesh
@@ -192,7 +192,7 @@ def apply_tensor_parallel(transformer, state) -> TensorParallel:
         elif kind == ROWWISE:
             torch_style = RowwiseParallel(output_layouts=Partial())  # the sum is ours: comm.all_reduce below
         else:
-            torch_style = _packed(kind, _blocks(style, module), rank, tp, Shard)
+            torch_style = _packed(kind, _blocks(style, module), rank, tp)
         torch_style.src_data_rank = None  # every rank holds the same weights: each slices its own, nothing is sent
         parallelize_module(module, device_mesh, torch_style)
         record.styles[name] = kind
@@ -201,15 +201,15 @@ def apply_tensor_parallel(transformer, state) -> TensorParallel:
         elif kind == GATHERED:
             state.hooks.forward_hook(f"tp.all_gather[{name}]", module, _all_gather(mesh, name))
     _local_heads(transformer, record, state, tp)
-    record.head_norms = tuple(_head_norms(transformer, adapter, state, tp, rank))
+    record.head_norms = _head_norms(transformer, adapter, state, tp, rank)
     return record
 
 
-def _packed(kind: str, blocks: list[int], rank: int, tp: int, Shard):
+def _packed(kind: str, blocks: list[int], rank: int, tp: int):
     """A ColwiseParallel / RowwiseParallel whose weight is cut block by block (diffusers' packed layers: Flux's
     single-block proj_out takes [attention; MLP] columns, Flux.2's to_qkv_mlp_proj gives q, k, v and the MLP's
     two halves): this rank's slice of each block, concatenated, as the local shard."""
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     dim = 0 if kind == "packed-colwise" else 1
@@ -225,8 +225,6 @@ def _packed(kind: str, blocks: list[int], rank: int, tp: int, Shard):
     def partition(self, name, module, device_mesh):
         for param_name, param in list(module.named_parameters()):
             if dim == 1 and param_name == "bias":  # added once, after the sum: whole on every rank
-                from torch.distributed.tensor import Replicate
-
                 placed = DTensor.from_local(param.detach(), device_mesh, [Replicate()], run_check=False)
             else:
                 placed = DTensor.from_local(local(param.detach()), device_mesh, [Shard(dim)], run_check=False)
@@ -267,10 +265,11 @@ def _local_heads(transformer, record: TensorParallel, state, tp: int) -> None:
             state.hooks.replace(f"tp.heads[{name}]", attention, **local)
 
 
-def _head_norms(transformer, adapter, state, tp: int, rank: int):
+def _head_norms(transformer, adapter, state, tp: int, rank: int) -> tuple[str, ...]:
     """The adapter's norms over every head at once (tp_head_norms: RMSNorm over heads·head_dim), computed on this
-    rank's columns exactly: its weight's slice, and the sum of squares all-reduced over the tp group."""
-    mesh = state.mesh
+    rank's columns exactly: its weight's slice, and the sum of squares all-reduced over the tp group. Returns
+    their names."""
+    mesh, names = state.mesh, []
     for pattern in adapter.tp_head_norms:
         for name, module in list(transformer.named_modules()):
             if not re.fullmatch(pattern, name):
@@ -287,10 +286,11 @@ def _head_norms(transformer, adapter, state, tp: int, rank: int):
                 return (x.float() * torch.rsqrt(squares / width + eps)).to(x.dtype) * module.weight
 
             state.hooks.replace(f"tp.head_norm[{name}]", module, weight=weight, forward=forward)
-            yield name
+            names.append(name)
+    return tuple(names)
 
 
-def module_tokens(name: str, adapter) -> str:
+def module_tokens(name: str) -> str:
     """Which tokens a planned layer of a diffusers DiT runs on, by diffusers' names: 'text' (a joint block's text
     stream: add_*, *_context, txt_*), 'joint' (a single-stream block's [text; image]: the adapter's second block
     list in Flux and Flux.2, single_transformer_blocks), or 'image'. Cross attention's output (Wan's attn2) runs on
@@ -302,26 +302,19 @@ def module_tokens(name: str, adapter) -> str:
     return "image"
 
 
-def tp_shapes(transformer, adapter) -> dict:
-    """What traffic.expected_bytes_per_step needs of a model split over tp (its `shapes["tp"]`): each rowwise
-    layer's [tokens it runs on, width] (module_tokens), each gathered modulation's width, and the tokens each
-    norm over every head runs on ('cross_text': a cross attention's keys, the text)."""
-    record = parallel_state_tensor(transformer)
+def tp_shapes(transformer, record: TensorParallel, adapter) -> dict:
+    """What traffic.expected_bytes_per_step needs of a model split over tp (its `shapes["tp"]`), from the record
+    apply_tensor_parallel made: each rowwise layer's [tokens it runs on (module_tokens), width], each gathered
+    modulation's width, and the tokens each norm over every head runs on ('cross_text': a cross attention's keys)."""
     norms = []
     for name in record.head_norms:
         attention, norm = name.rsplit(".", 1)
         norms.append("cross_text" if adapter.attention_kind(attention) == "cross" and norm == "norm_k" else "image")
     return dict(
         rowwise=[
-            [module_tokens(name, adapter), transformer.get_submodule(name).out_features]
+            [module_tokens(name), transformer.get_submodule(name).out_features]
             for name in record.names(ROWWISE, "packed-rowwise")
         ],
         gathered=[transformer.get_submodule(name).out_features for name in record.names(GATHERED)],
         norms=norms,
     )
-
-
-def parallel_state_tensor(transformer) -> TensorParallel:
-    from .hooks import parallel_state
-
-    return parallel_state(transformer).tensor

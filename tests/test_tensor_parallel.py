@@ -261,6 +261,8 @@ def test_a_tp_degree_that_does_not_divide_the_heads_names_those_that_do():
 def test_tp_refuses_what_it_is_not_composed_with_by_name():
     said = " ".join(ParallelConfig(tp=2, pipefusion=2).problems())
     assert "not composed with PipeFusion" in said and "ulysses, ring, cfg or dp" in said
+    said = " ".join(ParallelConfig(tp=2, ulysses=2, comm_dtype="float8_e4m3fn").problems())
+    assert "comm_dtype 'float8_e4m3fn' is not composed with tp 2 yet" in said
     model = tiny_transformer("flux")
     for option, name in [(dict(shard_weights=True), "shard_weights"), (dict(compile=True), "compile")]:
         with pytest.raises(ValueError, match=rf"{name} .*is not composed with tp 2 yet; use tp 2 without it"):
@@ -275,6 +277,9 @@ def test_tp_refuses_a_family_without_a_plan_and_a_width_it_does_not_divide():
         ParallelConfigError, match=r"tp 2 does not divide .*blocks\.0\.ffn\.net\.0\.proj.*use tp in \[1\]"
     ):
         parallelize(tiny_transformer("wan", ffn_dim=33), ParallelConfig(tp=2))
+    # Wan 2.1 I2V's image keys and values, which its plan does not split beside the heads it splits
+    with pytest.raises(ParallelConfigError, match=r"does not split beside the heads .*attn2\.add_k_proj.*use tp 1"):
+        parallelize(tiny_transformer("wan", image_dim=16, added_kv_proj_dim=64), ParallelConfig(tp=2))
 
 
 def test_tp_refuses_quantized_weights_by_name():

@@ -1,12 +1,13 @@
-"""parallelize: run a diffusers DiT under data, CFG, sequence and pipeline parallelism, unchanged.
+"""parallelize: run a diffusers DiT under data, CFG, sequence, pipeline and tensor parallelism, unchanged.
 
     transformer = parallelize(transformer, ParallelConfig(cfg=2, ulysses=2))
     transformer(**inputs)          # every rank returns the same, full output
 
 The family adapter (xdit_lab/families/<family>.py) says where to take over; hooks.py installs the hooks; the token
 strategy decides what each rank holds: sequence shards (sequence.py) or, with pipefusion > 1, a
-PipeFusion stage (pipefusion/). Weights are not copied; the module keeps its forward signature.
-Every hook and replaced forward is kept by name (`parallel_state(t).hooks`): `unparallelize(t)` removes them.
+PipeFusion stage (pipefusion/); with tp > 1 the linear layers are split first (tensor_parallel.py). Weights are
+not copied (a tp rank keeps its slices of them); the module keeps its forward signature. Every hook and replaced
+forward is kept by name (`parallel_state(t).hooks`): `unparallelize(t)` removes them (a tp split is refused).
 """
 
 from __future__ import annotations

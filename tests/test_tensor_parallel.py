@@ -290,3 +290,24 @@ def test_tp_refuses_quantized_weights_by_name():
     quantize_(model, Int8WeightOnlyConfig())
     with pytest.raises(ValueError, match=r"weights are quantized .*load it unquantized for tp"):
         parallelize(model, ParallelConfig(tp=2))
+
+
+def test_xdit_lab_run_takes_tp(tmp_path):
+    """`xdit-lab run --tp 2` on two ranks draws the images one rank draws alone (8-bit PNGs: within one level)."""
+    import numpy as np
+    from PIL import Image
+
+    from xdit_lab.lessons import production
+    from xdit_lab.testing import run_cli
+
+    folder = save_tiny_pipeline("flux", tmp_path / "flux")
+    kwargs = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=2)
+    images = {}
+    for ranks, config in ((1, ParallelConfig()), (2, ParallelConfig(tp=2))):
+        output = tmp_path / config.short()
+        argv = production.run_argv(folder, ["a red cat"], config, output, **kwargs)
+        assert ("--tp" in argv) == (config.tp > 1)
+        job = run_cli(argv, ranks)
+        assert job.codes == [0] * ranks, job
+        images[config.tp] = np.asarray(Image.open(output / "000.png")).astype(int)
+    assert np.abs(images[2] - images[1]).max() <= 1

@@ -55,13 +55,13 @@ class TensorParallel:
         return [name for name, style in self.styles.items() if style in styles]
 
 
-def model_plan(transformer, adapter) -> dict:
-    """The plan of `transformer` as diffusers writes it, with the adapter's gathered modulations: diffusers'
+def model_plan(model_class, adapter) -> dict:
+    """The plan of a transformer class as diffusers writes it, with the adapter's gathered modulations: diffusers'
     `_tp_plan` where the class declares one, else the adapter's `tp_plan`; refused by name where neither does."""
-    plan = getattr(type(transformer), "_tp_plan", None) or adapter.tp_plan
+    plan = getattr(model_class, "_tp_plan", None) or adapter.tp_plan
     if not plan:
         raise ParallelConfigError(
-            f"tensor parallelism has no plan for {adapter.family} ({type(transformer).__name__}): its diffusers class "
+            f"tensor parallelism has no plan for {adapter.family} ({model_class.__name__}): its diffusers class "
             f"declares no _tp_plan and its adapter no tp_plan; use tp 1 (ulysses, ring, cfg or dp instead), or write "
             f"the adapter's tp_plan (xdit_lab/families/{adapter.family}.py)"
         )
@@ -116,7 +116,7 @@ def problems(transformer, adapter, tp: int) -> list[str]:
     """Every planned layer whose split dim (each block of a packed one) tp does not divide, and every norm over all
     heads whose width it does not divide, as sentences naming the degrees that fit."""
     found, sizes = [], set()
-    planned = expand(transformer, model_plan(transformer, adapter))
+    planned = expand(transformer, model_plan(type(transformer), adapter))
     whole = [  # a projection beside split heads left whole (Wan 2.1 I2V's image keys): its heads would not match
         f"{attention}.{name}"
         for attention in sorted({n.rsplit(".", 1)[0] for n in planned if n.endswith(".to_q")})
@@ -148,21 +148,28 @@ def problems(transformer, adapter, tp: int) -> list[str]:
     ]
 
 
+def split_parameters(model_class, adapter):
+    """Whether a parameter, by its qualified name (as a checkpoint's header names it), is split over the tp ranks:
+    a planned layer's weight, its bias unless rowwise (added once, after the sum: whole on every rank), a norm
+    over every head's weight. From the names alone, so that a planner can read it off safetensors headers."""
+    patterns = [
+        re.escape(glob).replace(r"\*", r"\d+")
+        + (r"\.weight" if _style_name(style) in (ROWWISE, "packed-rowwise") else r"\.(weight|bias)")
+        for glob, style in model_plan(model_class, adapter).items()
+    ]
+    patterns += [rf"(?:{pattern})\.weight" for pattern in adapter.tp_head_norms]
+    split = re.compile("|".join(f"(?:{p})" for p in patterns))
+    return lambda name: split.fullmatch(name) is not None
+
+
 def planned_bytes(transformer, adapter, tp: int) -> tuple[int, int]:
-    """(the model's parameter bytes, what one tp rank holds): 1/tp of each planned layer's weight, of its bias where
-    colwise (a rowwise layer's bias is added once, after the sum: whole on every rank), of each norm over all
-    heads; every other parameter whole."""
-    whole = sum(p.numel() * p.element_size() for p in transformer.parameters())
-    split = 0
-    for name, style in expand(transformer, model_plan(transformer, adapter)).items():
-        module = transformer.get_submodule(name)
-        split += module.weight.numel() * module.weight.element_size()
-        if module.bias is not None and _style_name(style) != ROWWISE and _style_name(style) != "packed-rowwise":
-            split += module.bias.numel() * module.bias.element_size()
-    for pattern in adapter.tp_head_norms:
-        for name, module in transformer.named_modules():
-            if re.fullmatch(pattern, name):
-                split += module.weight.numel() * module.weight.element_size()
+    """(the model's parameter bytes, what one tp rank holds): 1/tp of each split parameter (split_parameters),
+    every other parameter whole."""
+    is_split = split_parameters(type(transformer), adapter)
+    whole = split = 0
+    for name, p in transformer.named_parameters():
+        whole += p.numel() * p.element_size()
+        split += p.numel() * p.element_size() if is_split(name) else 0
     return whole, whole - split + split // tp
 
 
@@ -184,7 +191,7 @@ def apply_tensor_parallel(transformer, state) -> TensorParallel:
     device_mesh = mesh.device_mesh(TP, first.device.type)
     rank = mesh.group_rank(TP)
 
-    for name, style in expand(transformer, model_plan(transformer, adapter)).items():
+    for name, style in expand(transformer, model_plan(type(transformer), adapter)).items():
         module = transformer.get_submodule(name)
         kind = _style_name(style)
         if kind in (COLWISE, GATHERED):

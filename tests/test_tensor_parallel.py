@@ -163,12 +163,15 @@ def test_tp2_ulysses2_with_heads_and_text_that_do_not_split_evenly():
 
 def _pipeline(folder, config, kwargs, expected):
     from xdit_lab.lessons.families import output_latents
+    from xdit_lab.models.sharded_weights import held_checkpoint_bytes
 
     pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
     session = pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run()
     latents = output_latents(session.result(output_type="latent"))
     error, bound = (latents - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
-    return error, bound, traffic_mismatches(session_traffic(session), config.short())
+    # the transformer's bytes on this rank, planned from the headers before a weight was read, and held
+    held = (pipe.memory_plan.per_rank_bytes["transformer"], held_checkpoint_bytes(pipe.diffusers_pipeline.transformer))
+    return error, bound, traffic_mismatches(session_traffic(session), config.short()), held
 
 
 PIPELINES = {  # family: the configurations its pipeline runs under (Flux.2 is guidance-distilled: no cfg 2)
@@ -198,8 +201,12 @@ def test_pipeline_under_tp_equals_diffusers_pipeline(family, tmp_path):
         reference(prompt=["a red cat", "a blue dog"], generator=generator, output_type="latent", **kwargs)
     )
     for world, config in PIPELINES[family]:
-        for error, bound, mismatches in run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300):
+        per_rank = run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300)
+        for error, bound, mismatches, (planned, held) in per_rank:
             assert error <= bound, f"{family} {config.short()}: error {error:.3g} > {bound:.3g}"
+            assert planned == held, (
+                f"{family} {config.short()}: planned {planned} bytes of the transformer, held {held}"
+            )
             assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
 
 

@@ -318,3 +318,18 @@ def test_xdit_lab_run_takes_tp(tmp_path):
         assert job.codes == [0] * ranks, job
         images[config.tp] = np.asarray(Image.open(output / "000.png")).astype(int)
     assert np.abs(images[2] - images[1]).max() <= 1
+
+
+def test_the_planner_gives_a_flux_dev_tp_rank_half_the_transformer(tmp_path):
+    """FLUX.1-dev's headers (a header-only folder, no weights): under tp2·ulysses2 a rank holds 0.502 of the
+    transformer's 23.8 GB in bfloat16, the rest of the pipeline whole, as load_pipeline will check it."""
+    from xdit_lab.model_folder import read_model_folder
+    from xdit_lab.plan.rows import plan_row
+    from xdit_lab.real_models.header_only import save_header_only
+
+    model = read_model_folder(save_header_only("FLUX.1-dev", tmp_path / "FLUX.1-dev"), torch.bfloat16)
+    whole, split = plan_row(model, ParallelConfig(ulysses=4)), plan_row(model, ParallelConfig(tp=2, ulysses=2))
+    assert 0.5 * whole.weights["transformer"] < split.weights["transformer"] <= 0.505 * whole.weights["transformer"]
+    assert {k: v for k, v in split.weights.items() if k != "transformer"} == {
+        k: v for k, v in whole.weights.items() if k != "transformer"
+    }

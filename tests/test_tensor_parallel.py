@@ -333,3 +333,16 @@ def test_the_planner_gives_a_flux_dev_tp_rank_half_the_transformer(tmp_path):
     assert {k: v for k, v in split.weights.items() if k != "transformer"} == {
         k: v for k, v in whole.weights.items() if k != "transformer"
     }
+
+
+def test_a_step_cache_under_tp_equals_diffusers_first_block_cache(tmp_path):
+    """tp ranks hold the same tokens: the decision's all-reduced sums count each twice, their ratio the same; a
+    skipped step's tp traffic is the first block's and the output modulation's (the closed form, told the skips)."""
+    from test_step_cache import THRESHOLDS, _against_diffusers, _check, _reference
+
+    folder = save_tiny_pipeline("flux", tmp_path / "flux")
+    configs = [ParallelConfig(tp=2)]
+    reference = _reference(folder, "flux", THRESHOLDS["flux"])
+    runs = run_on_ranks(_against_diffusers, 2, folder, "flux", configs, THRESHOLDS["flux"], reference, timeout_s=300)
+    _check(runs, configs, "flux", skipping=True)
+    assert all("tp" in step["moved"] for rows in runs for step in rows[0]["traffic"])

@@ -138,9 +138,11 @@ def expected_bytes_per_step(
             out[TP] += tp_bytes_per_forward(
                 c.tp,
                 e,
-                reduced=[b * tokens_of[kind] * width for kind, width in split["rowwise"]],
-                gathered=[b * width for width in split["gathered"]],
-                norm_rows=[b * tokens_of[kind] for kind in split["norms"]],
+                reduced=[
+                    b * tokens_of[kind] * width for kind, width, always in split["rowwise"] if always or not skipped
+                ],
+                gathered=[b * width for width, always in split["gathered"] if always or not skipped],
+                norm_rows=[b * tokens_of[kind] for kind, always in split["norms"] if always or not skipped],
             )
         with_text = [n + t for n, t in zip(sizes, text_sizes)]  # a joint layer's tokens per sp rank
         if u > 1:

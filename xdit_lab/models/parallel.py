@@ -73,7 +73,7 @@ def parallelize(
     Under `config.tp` > 1 the planned linear layers are split over the tp group first (tensor_parallel.py), before
     the token strategy's hooks and the batch's: every later step sees the layers as each rank holds them, and the
     sequence shards' attention attends this rank's heads. Not composed with tp yet, and refused by name:
-    PipeFusion, shard_weights, quantized weights, compile and a StepCache."""
+    PipeFusion, shard_weights, quantized weights and compile."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
@@ -94,7 +94,7 @@ def parallelize(
     if getattr(config, PIPEFUSION) > 1 and adapter.pipefusion_refused:
         raise ParallelConfigError(f"PipeFusion is not offered on {adapter.family} yet: {adapter.pipefusion_refused}")
     if getattr(config, TP) > 1:
-        _refuse_with_tp(transformer, adapter, config, cache=cache, compile=compile, shard_weights=shard_weights)
+        _refuse_with_tp(transformer, adapter, config, compile=compile, shard_weights=shard_weights)
     backend = compile_backend(compile) if compile else None
     model_config = transformer.config
     config.validate(
@@ -169,7 +169,7 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
     return transformer
 
 
-def _refuse_with_tp(transformer, adapter, config, *, cache, compile, shard_weights) -> None:
+def _refuse_with_tp(transformer, adapter, config, *, compile, shard_weights) -> None:
     """What tensor parallelism is not composed with yet, refused by name before anything is split (and a family
     without a plan: model_plan names it)."""
     widths = tp_problems(transformer, adapter, config.tp)  # the plan, and the widths tp must divide
@@ -181,8 +181,6 @@ def _refuse_with_tp(transformer, adapter, config, *, cache, compile, shard_weigh
         raise ValueError(f"shard_weights (FSDP2) is not composed with tp {config.tp} yet; {instead}")
     if compile:
         raise ValueError(f"compile is not composed with tp {config.tp} yet; {instead}")
-    if cache is not None:
-        raise ValueError(f"a StepCache is not composed with tp {config.tp} yet; {instead}")
     from ..quantization import quantized_form
 
     quantized = next((n for n, p in transformer.named_parameters() if quantized_form(p) is not None), None)

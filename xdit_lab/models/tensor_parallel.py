@@ -311,17 +311,25 @@ def module_tokens(name: str) -> str:
 
 def tp_shapes(transformer, record: TensorParallel, adapter) -> dict:
     """What traffic.expected_bytes_per_step needs of a model split over tp (its `shapes["tp"]`), from the record
-    apply_tensor_parallel made: each rowwise layer's [tokens it runs on (module_tokens), width], each gathered
-    modulation's width, and the tokens each norm over every head runs on ('cross_text': a cross attention's keys)."""
+    apply_tensor_parallel made: each rowwise layer's [tokens it runs on (module_tokens), width, whether it runs at
+    a step a StepCache skips], each gathered modulation's [width, the same], and the tokens each norm over every
+    head runs on ('cross_text': a cross attention's keys) and the same. A skipped step runs the first block and what is outside
+    the blocks (the output's modulation)."""
+
+    def always(name: str) -> bool:
+        in_blocks = any(name.startswith(f"{blocks}.") for blocks in adapter.block_lists)
+        return not in_blocks or name.startswith(f"{adapter.block_lists[0]}.0.")
+
     norms = []
     for name in record.head_norms:
         attention, norm = name.rsplit(".", 1)
-        norms.append("cross_text" if adapter.attention_kind(attention) == "cross" and norm == "norm_k" else "image")
+        cross_keys = adapter.attention_kind(attention) == "cross" and norm == "norm_k"
+        norms.append(["cross_text" if cross_keys else "image", always(name)])
     return dict(
         rowwise=[
-            [module_tokens(name), transformer.get_submodule(name).out_features]
+            [module_tokens(name), transformer.get_submodule(name).out_features, always(name)]
             for name in record.names(ROWWISE, "packed-rowwise")
         ],
-        gathered=[transformer.get_submodule(name).out_features for name in record.names(GATHERED)],
+        gathered=[[transformer.get_submodule(name).out_features, always(name)] for name in record.names(GATHERED)],
         norms=norms,
     )

@@ -16,6 +16,7 @@ import inspect
 import torch
 
 from xdit_lab.models import local_mixing_layers, other_traffic_sizes, parallel_state
+from xdit_lab.models.tensor_parallel import tp_shapes
 from xdit_lab.traffic import expected_bytes_per_step
 
 
@@ -60,7 +61,17 @@ def forward_shapes(model, inputs: dict) -> dict:
         handed_text=state.strategy.report().hands_text,
         proj_width=model.get_submodule(adapter.gather_at).out_features,
         dtype_bytes=next(model.parameters()).element_size(),
+        **_tensor_parallel(model, adapter, inputs),
     )
+
+
+def _tensor_parallel(model, adapter, inputs: dict) -> dict:
+    """A model split over tp ranks: its split layers (tensor_parallel.tp_shapes), and a cross attention's text."""
+    record = parallel_state(model).tensor
+    if record is None:
+        return {}
+    text = inputs.get("encoder_hidden_states")
+    return dict(tp=tp_shapes(model, record, adapter), cross_text_len=0 if text is None else text.shape[1])
 
 
 def moved(log) -> dict[str, int]:

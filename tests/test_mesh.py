@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm, comm_log
-from xdit_lab.config import DEGREES
+from xdit_lab.config import GRID
 from xdit_lab.mesh import GROUP_NAMES
 from xdit_lab.testing import RankFailure, run_on_ranks
 
@@ -26,19 +26,19 @@ def _expected_members(config, rank, name):
     varying = {
         "sp": ("ring", "ulysses"),
         "image": ("pipefusion", "ring", "ulysses"),
-        "world": DEGREES,
+        "world": GRID,
         "weights": ("dp", "cfg", "ring", "ulysses"),  # the ranks that hold the same weights: one stage's
     }.get(name, (name,))
-    sizes = [getattr(config, d) for d in DEGREES]
+    sizes = [getattr(config, d) for d in GRID]
 
     def coords(r):
         c = {}
-        for d, size in zip(reversed(DEGREES), reversed(sizes)):
+        for d, size in zip(reversed(GRID), reversed(sizes)):
             r, c[d] = divmod(r, size)
         return c
 
     mine = coords(rank)
-    return [r for r in range(config.world_size) if all(coords(r)[d] == mine[d] for d in DEGREES if d not in varying)]
+    return [r for r in range(config.world_size) if all(coords(r)[d] == mine[d] for d in GRID if d not in varying)]
 
 
 @pytest.mark.parametrize(
@@ -49,6 +49,8 @@ def _expected_members(config, rank, name):
         ParallelConfig(dp=2, pipefusion=2),
         ParallelConfig(pipefusion=2, ulysses=2),
         ParallelConfig(ulysses=2, ring=2, cfg=2),
+        ParallelConfig(ulysses=2, tp=2),  # tp varies fastest: its pairs are neighbours
+        ParallelConfig(cfg=2, tp=2),
     ],
     ids=lambda c: c.short(),
 )
@@ -67,11 +69,20 @@ def test_groups_sum_rank_ids(config):
 def test_rank_order_and_str():
     config = ParallelConfig(dp=1, cfg=2, ulysses=2, ring=2)  # 8 ranks; mesh math needs no processes
     mesh = RankMesh(config, rank=5, world_size=8)
-    assert mesh.coords == {"dp": 0, "cfg": 1, "pipefusion": 0, "ring": 0, "ulysses": 1}
+    assert mesh.coords == {"dp": 0, "cfg": 1, "pipefusion": 0, "ring": 0, "ulysses": 1, "tp": 0}
     assert str(mesh) == "dp0 cfg1 pf0 ring0 ulysses1 (rank 5 of 8)"
     assert [RankMesh(config, rank=r, world_size=8).coords["ulysses"] for r in range(8)] == [0, 1] * 4
     assert [RankMesh(config, rank=r, world_size=8).coords["ring"] for r in range(8)] == [0, 0, 1, 1] * 2
     assert [RankMesh(config, rank=r, world_size=8).coords["cfg"] for r in range(8)] == [0] * 4 + [1] * 4
+    # tp varies fastest, and a grid with tp 1 keeps every rank where it was before tp
+    with_tp = config.replace(tp=2)
+    assert [RankMesh(with_tp, rank=r, world_size=16).coords["tp"] for r in range(16)] == [0, 1] * 8
+    assert str(RankMesh(with_tp, rank=11, world_size=16)) == "dp0 cfg1 pf0 ring0 ulysses1 tp1 (rank 11 of 16)"
+    for r in range(16):  # a tp 2 grid is the tp 1 grid with each rank doubled: rank r holds r // 2's coordinates
+        coords = RankMesh(with_tp, rank=r, world_size=16).coords
+        assert {k: v for k, v in coords.items() if k != "tp"} == {
+            k: v for k, v in RankMesh(config, rank=r // 2, world_size=8).coords.items() if k != "tp"
+        }
 
 
 def test_pipeline_neighbours():

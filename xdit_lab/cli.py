@@ -24,7 +24,7 @@ import contextlib
 import os
 import sys
 
-from .config import COMM_DTYPES, DEGREES, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
+from .config import COMM_DTYPES, GRID, SCHEDULES, ParallelConfig, ParallelConfigError, _visible_gpus
 from .distributed import env_world_size, usable_cpu_cores
 from .launch import LAUNCHED, launch_ranks, say_once, under_torchrun
 from .mesh import RankMesh
@@ -59,7 +59,7 @@ def _count(minimum: int):
 def _add_strategy_arguments(parser: argparse.ArgumentParser, *, degree_default: int | None) -> None:
     """The parallel strategy's arguments, the same for `run` and `demo`: each degree (named as
     ParallelConfig's fields), PipeFusion's patches and its synchronous warm-up steps."""
-    for degree in DEGREES:
+    for degree in GRID:
         default = "" if degree_default is None else f" (default {degree_default})"
         parser.add_argument(f"--{degree}", type=_count(1), default=degree_default, help=f"{degree} degree{default}")
     parser.add_argument("--num-patches", type=_count(1), help="PipeFusion patches (default: one per stage)")
@@ -221,7 +221,7 @@ def cmd_run(args) -> int:
         if under_torchrun():
             raise ParallelConfigError("--ranks starts the ranks itself: under torchrun, leave it out")
         return launch_ranks(args.ranks, args.argv)
-    degrees = {degree: getattr(args, degree) for degree in DEGREES}
+    degrees = {degree: getattr(args, degree) for degree in GRID}
     config = ParallelConfig(
         **degrees,
         num_patches=args.num_patches,

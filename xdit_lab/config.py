@@ -1,7 +1,11 @@
-"""ParallelConfig: the five parallel degrees, the rules they obey, and a cost model to rank them.
+"""ParallelConfig: the six parallel degrees, the rules they obey, and a cost model to rank them.
 
 A hybrid-parallel run splits `world_size` ranks into a grid of
-    dp × cfg × pipefusion × ring × ulysses
+    dp × cfg × pipefusion × ring × ulysses × tp
+tp (tensor parallelism, models/tensor_parallel.py) varies fastest: its ranks each hold 1/tp of every split linear
+layer and all-reduce a block's activations twice per block, the most frequent and largest collectives of the grid,
+so they get the nearest ranks (one NVLink island); Ulysses' all-to-alls, once per attention layer, come next.
+A grid without tp (tp=1) lays its ranks out exactly as before tp existed.
 The most common mistake is arithmetic: the degrees do not multiply to the number of
 processes. `validate()` names every broken rule at once and, on a world-size mismatch,
 lists the configurations that do fit. `options()` enumerates every valid configuration and
@@ -19,6 +23,10 @@ layers, P = parameter bytes, N = the method's degree):
     Ring         2(N-1)/N·p·hs·L   K and V shards (1/N each) travel N-1 hops of the ring (of H_r/H
                                    of the heads under Ulysses)
     PipeFusion   2·p·hs            one patch activation handed to the next stage, and back
+    TP           4(N-1)/N·p·hs·L   two all-reduces of [p, hs] per layer (after attention's output projection and
+                                   after the MLP's), each 2(N-1)/N of it out of a rank; Ulysses and Ring then
+                                   move 1/N of the heads. Work and parameters are 1/N (the layers outside the
+                                   blocks stay whole: the exact bytes are models/tensor_parallel.py's plan)
     CFG, DP      ~0                only the final noise prediction is gathered
     parameters   P per rank under sequence/CFG/data parallelism, P/N under PipeFusion, P/world sharded
     gathers      F·(S-1)/S·P/N     with shard_weights (FSDP2 over the S = world/N ranks that hold the
@@ -48,16 +56,19 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-# The five degrees, slowest-varying rank first; this order is used everywhere (fields, mesh, tables).
-DP, CFG, PIPEFUSION, RING, ULYSSES = "dp", "cfg", "pipefusion", "ring", "ulysses"
+# The degrees, slowest-varying rank first; this order is used everywhere (fields, mesh, tables).
+DP, CFG, PIPEFUSION, RING, ULYSSES, TP = "dp", "cfg", "pipefusion", "ring", "ulysses", "tp"
 SCHEDULES = ("drained", "async")  # PipeFusion's schedules (ParallelConfig.pipefusion_schedule)
 # What sequence parallelism's exchanges may carry instead of the model's dtype (ParallelConfig.comm_dtype,
 # attention/wire.py): torch's dtype names. A row of head_dim elements travels as head_dim bytes and a scale.
 COMM_DTYPES = ("float8_e4m3fn",)
 SCALE_BYTES = 4  # the float32 scale beside each row (token × head) of float8 on the wire
+# The degrees the planner enumerates and the CLI, the tables and the explorer offer; tp is not among them yet
+# (options() does not rank it), but is a degree of the rank grid: GRID is every degree, slowest first.
 DEGREES = (DP, CFG, PIPEFUSION, RING, ULYSSES)
+GRID = (*DEGREES, TP)
 # The one short form of each degree, for compact names, tables and mesh coordinates: 'cfg2·pf2'.
-SHORT = {DP: "dp", CFG: "cfg", PIPEFUSION: "pf", RING: "ring", ULYSSES: "ulysses"}
+SHORT = {DP: "dp", CFG: "cfg", PIPEFUSION: "pf", RING: "ring", ULYSSES: "ulysses", TP: "tp"}
 
 
 class ParallelConfigError(ValueError):
@@ -82,6 +93,7 @@ class ParallelConfig:
     pipefusion: int = 1
     ring: int = 1
     ulysses: int = 1
+    tp: int = 1  # tensor parallelism: the transformer's linear layers split over this many ranks
     num_patches: int | None = None  # PipeFusion patches; None means one per stage
     warmup_steps: int = 1  # synchronous full-image steps before PipeFusion runs on stale K/V
     # "drained": every step empties the pipeline; "async": the next step's patches enter stage 0 while
@@ -102,7 +114,7 @@ class ParallelConfig:
     def __post_init__(self):
         if not isinstance(self.vae_parallel, bool):
             raise ParallelConfigError(f"vae_parallel must be True or False, got {self.vae_parallel!r}")
-        for name in (*DEGREES, "warmup_steps"):
+        for name in (*GRID, "warmup_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ParallelConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -125,7 +137,7 @@ class ParallelConfig:
     # ---- derived sizes ---------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.cfg * self.pipefusion * self.ring * self.ulysses
+        return self.dp * self.cfg * self.pipefusion * self.ring * self.ulysses * self.tp
 
     @property
     def sp_degree(self) -> int:
@@ -138,12 +150,12 @@ class ParallelConfig:
 
     def spelled(self) -> str:
         """The product written out, e.g. 'cfg 2 × ulysses 2 = 4' (degrees of 1 left out)."""
-        used = [f"{name} {getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
+        used = [f"{name} {getattr(self, name)}" for name in GRID if getattr(self, name) != 1]
         return f"{' × '.join(used) or 'serial'} = {self.world_size}"
 
     def short(self) -> str:
         """Compact form for tables: 'cfg2·pf2·ulysses2', 'pf2·async', or 'serial' (SHORT names each degree)."""
-        used = [f"{SHORT[name]}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
+        used = [f"{SHORT[name]}{getattr(self, name)}" for name in GRID if getattr(self, name) != 1]
         if self.pipefusion_schedule != "drained":
             used.append(self.pipefusion_schedule)
         if self.comm_dtype is not None:
@@ -169,7 +181,7 @@ class ParallelConfig:
         `available_devices` (default: the visible GPUs) only shapes the advice on a world-size
         mismatch, e.g. "or run on 2 of your 4 GPUs"."""
         found = []
-        below_one = [f"{name}={getattr(self, name)}" for name in DEGREES if getattr(self, name) < 1]
+        below_one = [f"{name}={getattr(self, name)}" for name in GRID if getattr(self, name) < 1]
         if below_one:
             found.append(f"every degree must be at least 1, got {', '.join(below_one)}")
         if self.cfg not in (1, 2):
@@ -202,8 +214,30 @@ class ParallelConfig:
                 f"pipefusion_schedule='async' overlaps PipeFusion stages across steps, but pipefusion is "
                 f"{self.pipefusion}; use pipefusion >= 2 or the default schedule"
             )
+        if self.tp > 1 and self.pipefusion > 1:
+            found.append(
+                f"tp {self.tp} is not composed with PipeFusion (pipefusion {self.pipefusion}) yet: a stage's layers "
+                f"are not split over tp ranks; use tp with ulysses, ring, cfg or dp, or pipefusion {self.pipefusion} "
+                f"with tp 1"
+            )
+        if self.tp > 1 and self.comm_dtype is not None:
+            found.append(
+                f"comm_dtype {self.comm_dtype!r} is not composed with tp {self.tp} yet; use comm_dtype None (tp's "
+                f"all-reduces and the sequence exchanges in the model's dtype) or tp 1"
+            )
         if below_one:  # the size rules below need positive degrees
             return found
+        if num_heads is not None and self.tp > 1 and num_heads % self.tp:
+            fits = [n for n in range(2, num_heads + 1) if num_heads % n == 0]
+            found.append(
+                f"{num_heads} attention heads do not split over tp {self.tp} (each tp rank attends whole heads of its "
+                f"own); use tp in {fits or [1]}"
+            )
+        elif num_heads is not None and self.tp > 1 and num_heads // self.tp < self.ulysses:
+            found.append(
+                f"the {num_heads // self.tp} heads of each tp {self.tp} rank cannot give each of ulysses "
+                f"{self.ulysses} ranks a head; use ulysses <= {num_heads // self.tp} (ring for the rest)"
+            )
         if num_heads is not None and num_heads < self.ulysses:  # any count splits, one head per rank at least
             found.append(
                 f"{num_heads} attention heads cannot give each of ulysses {self.ulysses} ranks a head; "
@@ -243,9 +277,9 @@ class ParallelConfig:
         return self
 
     def _fields(self) -> str:
-        """The fields as keyword arguments; vae_parallel, pipefusion_schedule, stage_split and comm_dtype only
+        """The fields as keyword arguments; tp, vae_parallel, pipefusion_schedule, stage_split and comm_dtype only
         when not their default."""
-        quiet = {"vae_parallel", "pipefusion_schedule", "stage_split", "comm_dtype"}
+        quiet = {"tp", "vae_parallel", "pipefusion_schedule", "stage_split", "comm_dtype"}
         fields = [f for f in dataclasses.fields(self) if f.name not in quiet or getattr(self, f.name) != f.default]
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
 
@@ -304,7 +338,7 @@ class ParallelConfig:
         layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
         branches = 2 if (use_cfg or self.cfg == 2) else 1
         images_per_rank = max(1, -(-(batch * branches) // (self.cfg * self.dp)))
-        u, r, n = self.ulysses, self.ring, self.pipefusion
+        u, r, n, t = self.ulysses, self.ring, self.pipefusion, self.tp
         # each Ulysses rank's share of the heads (H_r / H); the busiest rank's traffic counts
         # (floor and ceil of H/u: sharding.shard_sizes's split, spelled here without importing torch)
         shares = (
@@ -323,18 +357,20 @@ class ParallelConfig:
             if r > 1:
                 sent += 2 * ((r - 1) / r) * share * (layers / n)
             by_share.append(sent * wire)
-        per_image += max(by_share)
+        per_image += max(by_share) / t  # a tp rank's Ulysses and Ring move its 1/t of the heads
+        if t > 1:  # two all-reduces of [p/(u·r), hs] per layer
+            per_image += 2 * 2 * (t - 1) / t / (u * r) * (layers / n)
         if n > 1:
             per_image += 2 / (u * r)
-        shards = self.world_size // n  # ranks that hold the same stage's weights
+        shards = self.world_size // (n * t)  # ranks that hold the same stage's weights
         gather = 0.0
         if shard_weights and shards > 1:
             forwards = forwards_per_step if forwards_per_step is not None else (self.patches if n > 1 else 1)
             gather = forwards * (shards - 1) / shards / n
         return CostEstimate(
-            work_fraction=images_per_rank / (u * r * n),
+            work_fraction=images_per_rank / (u * r * n * t),
             comm_p_hs=images_per_rank * per_image,
-            params_fraction=1 / (n * shards) if shard_weights else 1 / n,
+            params_fraction=1 / (n * t * shards) if shard_weights else 1 / (n * t),
             gather_weights=gather,
         )
 

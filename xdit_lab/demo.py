@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import DEGREES, ParallelConfig
+from .config import GRID, ParallelConfig
 
 
 def default_config(ranks: int) -> ParallelConfig:
@@ -128,7 +128,7 @@ def print_report(report: dict) -> None:
 
 
 def config_from_args(args) -> ParallelConfig | None:
-    degrees = {d: getattr(args, d) for d in DEGREES if getattr(args, d) is not None}
+    degrees = {d: getattr(args, d) for d in GRID if getattr(args, d) is not None}
     if not degrees:
         return None
     return ParallelConfig(**degrees, num_patches=args.num_patches, warmup_steps=args.warmup_steps)

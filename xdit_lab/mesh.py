@@ -1,9 +1,10 @@
 """RankMesh: the one object that owns the process groups of a ParallelConfig.
 
-Ranks are laid out as a grid dp × cfg × pipefusion × ring × ulysses with ulysses varying
-fastest (xDiT's tp-sp-pp-cfg-dp order): Ulysses' all-to-alls stay on neighbouring ranks, the
-fast links of a GPU box, while Ring and PipeFusion, which pass point-to-point messages, go
-further. For 8 ranks with ulysses 2, ring 2, cfg 2:
+Ranks are laid out as a grid dp × cfg × pipefusion × ring × ulysses × tp with tp varying fastest,
+then ulysses (xDiT's tp-sp-pp-cfg-dp order): tp's all-reduces (two per block) and Ulysses' all-to-alls
+stay on neighbouring ranks, the fast links of a GPU box, while Ring and PipeFusion, which pass
+point-to-point messages, go further. A grid with tp 1 is the grid without tp, rank for rank.
+For 8 ranks with ulysses 2, ring 2, cfg 2:
 
     rank:     0 1 2 3 4 5 6 7
     ulysses:  0 1 0 1 0 1 0 1
@@ -29,24 +30,27 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import CFG, DEGREES, DP, PIPEFUSION, RING, SHORT, ULYSSES, ParallelConfig, ParallelConfigError
+from .config import CFG, DP, GRID, PIPEFUSION, RING, SHORT, TP, ULYSSES, ParallelConfig, ParallelConfigError
 from .distributed import current_info
 
-# Named groups: the five degrees, SP (the ring × ulysses ranks that share one image's tokens),
-# IMAGE (every rank that computes part of one image: PipeFusion stages × sp, the VAE decode's bands),
-# WORLD (every rank of the configuration, which may be a subset of the processes) and WEIGHTS (the
-# ranks that hold the same weights: every degree but pipefusion, so one PipeFusion stage's ranks; FSDP2
-# shards the transformer over it, models/sharded_weights.py). Code names a group by these constants;
-# the strings are what comm records and views show.
+# Named groups: the six degrees, SP (the ring × ulysses ranks that share one image's tokens, of one tp
+# coordinate: they hold the same columns of the weights), IMAGE (every rank that computes part of one
+# image's tokens: PipeFusion stages × sp, the VAE decode's bands; each tp coordinate decodes its own copy),
+# WORLD (every rank of the configuration, which may be a subset of the processes) and WEIGHTS (the ranks
+# that hold the same weights: every degree but pipefusion and tp, so one PipeFusion stage's ranks of one tp
+# coordinate; FSDP2 shards the transformer over it, models/sharded_weights.py). Code names a group by these
+# constants; the strings are what comm records and views show.
 SP, IMAGE, WORLD, WEIGHTS = "sp", "image", "world", "weights"
-GROUP_NAMES = (*DEGREES, SP, IMAGE, WORLD, WEIGHTS)
-_GROUP_DIMS = {name: (name,) for name in DEGREES} | {
+GROUP_NAMES = (*GRID, SP, IMAGE, WORLD, WEIGHTS)
+_GROUP_DIMS = {name: (name,) for name in GRID} | {
     SP: (RING, ULYSSES),
     IMAGE: (PIPEFUSION, RING, ULYSSES),
-    WORLD: DEGREES,
+    WORLD: GRID,
     WEIGHTS: (DP, CFG, RING, ULYSSES),
 }
-__all__ = ["RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSES", "SP", "IMAGE", "WORLD", "WEIGHTS"]
+__all__ = [
+    "RankMesh", "GROUP_NAMES", "DP", "CFG", "PIPEFUSION", "RING", "ULYSSES", "TP", "SP", "IMAGE", "WORLD", "WEIGHTS"
+]  # fmt: skip
 
 
 class RankMesh:
@@ -68,7 +72,7 @@ class RankMesh:
         self.rank = rank
         self.world_size = world_size
         self.active = rank < config.world_size
-        self.shape = {name: getattr(config, name) for name in DEGREES}
+        self.shape = {name: getattr(config, name) for name in GRID}
         self.coords = self.coords_of(rank) if self.active else None
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._group_ranks: dict[str, list[int]] = {}
@@ -95,25 +99,25 @@ class RankMesh:
 
     # ---- coordinates -------------------------------------------------------------------
     def coords_of(self, rank: int) -> dict[str, int]:
-        """Grid coordinates of a rank, e.g. {'dp': 0, 'cfg': 1, 'pipefusion': 0, 'ring': 0, 'ulysses': 1}."""
+        """Grid coordinates of a rank, e.g. {'dp': 0, 'cfg': 1, 'pipefusion': 0, 'ring': 0, 'ulysses': 1, 'tp': 0}."""
         if not 0 <= rank < self.config.world_size:
             raise ValueError(f"rank {rank} is not in this mesh of {self.config.world_size} ranks")
         coords = {}
-        for name in reversed(DEGREES):  # ulysses first: it varies fastest
+        for name in reversed(GRID):  # tp first: it varies fastest
             rank, coords[name] = divmod(rank, self.shape[name])
-        return {name: coords[name] for name in DEGREES}
+        return {name: coords[name] for name in GRID}
 
     def rank_of(self, **coords: int) -> int:
         """The global rank at the given coordinates (missing ones taken from this rank's)."""
         where = {**(self.coords or {}), **coords}
         rank = 0
-        for name in DEGREES:
+        for name in GRID:
             rank = rank * self.shape[name] + where[name]
         return rank
 
     def __getattr__(self, name):
         # mesh.ulysses_rank, mesh.ring_rank, ... : this rank's coordinate in each dimension
-        if name.endswith("_rank") and name[: -len("_rank")] in DEGREES:
+        if name.endswith("_rank") and name[: -len("_rank")] in GRID:
             return self.coords[name[: -len("_rank")]] if self.coords else None
         raise AttributeError(name)
 
@@ -122,7 +126,7 @@ class RankMesh:
         """All groups of one name, each a list of global ranks, in a fixed order (from the
         coordinates alone: no process group is needed)."""
         varying = _GROUP_DIMS[name]
-        fixed = [d for d in DEGREES if d not in varying]
+        fixed = [d for d in GRID if d not in varying]
         groups = []
         for fixed_coords in itertools.product(*(range(self.shape[d]) for d in fixed)):
             base = dict(zip(fixed, fixed_coords))
@@ -259,7 +263,7 @@ class RankMesh:
         if name == WORLD:
             return self.config.world_size
         if name == WEIGHTS:
-            return self.config.world_size // self.shape[PIPEFUSION]
+            return self.config.world_size // (self.shape[PIPEFUSION] * self.shape[TP])
         return self.shape[name]
 
     def group_rank(self, name: str) -> int:
@@ -295,7 +299,8 @@ class RankMesh:
     def __str__(self) -> str:
         if not self.active:
             return f"idle (rank {self.rank} of {self.world_size}; the configuration uses {self.config.world_size})"
-        coords = " ".join(f"{SHORT[name]}{self.coords[name]}" for name in DEGREES)
+        shown = [name for name in GRID if name != TP or self.shape[TP] > 1]  # tp where the grid has it
+        coords = " ".join(f"{SHORT[name]}{self.coords[name]}" for name in shown)
         return f"{coords} (rank {self.rank} of {self.config.world_size})"
 
     __repr__ = __str__

@@ -162,6 +162,7 @@ class Tensor:
     element: int
     parameter: bool = True
     linear: bool = False  # a weight a quantization scheme replaces (quantization.quantized_linears)
+    name: str = ""  # as the header names it (tensor parallelism splits by name: models/tensor_parallel.py)
 
     @property
     def nbytes(self) -> int:
@@ -456,7 +457,9 @@ def _read_weights(
         stored_element = _SAFETENSORS_BYTES.get(dtype, 4)
         stored += math.prod(shape) * stored_element
         mine = rename(key) or key  # the module's name for it (transformers renames some checkpoints' keys)
-        tensor = Tensor(shape, element if dtype in _FLOATS else stored_element, mine not in buffers, mine in linears)
+        tensor = Tensor(
+            shape, element if dtype in _FLOATS else stored_element, mine not in buffers, mine in linears, key
+        )
         block = adapter.block_index(key, config) if adapter is not None else _encoder_block(key)
         (root if block is None else blocks.setdefault(block, [])).append(tensor)
     if adapter is not None:  # stacked order, every block the config names (an empty one holds nothing)

@@ -252,7 +252,8 @@ def run_identity(
                 negative_prompt=negative_prompt,
                 output_type=output_type,
                 load_options={name: record[name] for name in DRAWN_BY},
-                config={k: v for k, v in config.__dict__.items() if k != "dp"},
+                # tp 1 left out: a folder started before tp existed is the same run
+                config={k: v for k, v in config.__dict__.items() if k != "dp" and (k, v) != ("tp", 1)},
             ),
             default=str,
         )

@@ -9,7 +9,7 @@ test can put the formula beside what comm_log() measured, rank by rank and step 
 from __future__ import annotations
 
 from .config import SCALE_BYTES, ParallelConfig
-from .mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
+from .mesh import CFG, DP, PIPEFUSION, RING, SP, TP, ULYSSES, WORLD
 from .sharding import patch_layout, shard_sizes
 
 
@@ -61,6 +61,10 @@ def expected_bytes_per_step(
                   audio asking the video) all-gathers each rank's partial output with its LSE in float32:
                   b·whole_query_rows·4 bytes to each of the sp-1 others, under "sp", in every forward (every
                   patch set's under PipeFusion)
+      tp          a model split over tp ranks (`shapes["tp"]`: models/tensor_parallel.tp_shapes): each forward's
+                  all-reduces and gathers, tp_bytes_per_forward below, over this rank's tokens (its sequence
+                  shard's, the text's shard where it is cut); the attention exchanges above then move the
+                  h/tp heads of this rank
       dp, cfg     the output gather (dp pads to the largest share), with the outputs gathered beside the sample
                   (`also_gathered` elements a sample: LTX-2's audio)
       controlnet  a ControlNet's layers (`controlnet_self_layers`, `controlnet_joint_layers`) move what the
@@ -97,7 +101,7 @@ def expected_bytes_per_step(
     # shards and gathers its padding with them too (`padded_tokens`, Z-Image's), which its output drops
     tokens = s["rows"] * s["cols"] + s.get("appended_tokens", 0)
     sharded = tokens + s.get("padded_tokens", 0)
-    h, d, text = s["heads"], s["head_dim"], s["text_len"]
+    h, d, text = s["heads"] // c.tp, s["head_dim"], s["text_len"]  # the heads of this rank's tp share
     h_me = shard_sizes(h, u)[my_u]  # the heads this rank attends after the Ulysses all-to-all
     sample = tokens * s["proj_width"]  # elements of one sample of the output (unpatchify keeps the count)
     last_stage = coords[PIPEFUSION] == c.pipefusion - 1
@@ -130,11 +134,25 @@ def expected_bytes_per_step(
 
     # bytes of a run of elements on the attention exchanges: whole rows of d, each d + 4 bytes under float8
     row_bytes = d * e if c.comm_dtype is None else d + SCALE_BYTES
-    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD), 0)
+    out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD, TP), 0)
     if cache_skips is not None and experts[step] in experts[:step] and c.world_size > 1:
         out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
         mine = slice(my_r * u, (my_r + 1) * u)
+        if c.tp > 1:
+            my_text = text_sizes[sp_rank] if text_sharded else text
+            tokens_of = dict(image=sizes[sp_rank], text=my_text, joint=sizes[sp_rank] + my_text)
+            tokens_of["cross_text"] = s.get("cross_text_len", 0)
+            split = s["tp"]
+            out[TP] += tp_bytes_per_forward(
+                c.tp,
+                e,
+                reduced=[
+                    b * tokens_of[kind] * width for kind, width, always in split["rowwise"] if always or not skipped
+                ],
+                gathered=[b * width for width, always in split["gathered"] if always or not skipped],
+                norm_rows=[b * tokens_of[kind] for kind, always in split["norms"] if always or not skipped],
+            )
         with_text = [n + t for n, t in zip(sizes, text_sizes)]  # a joint layer's tokens per sp rank
         if u > 1:
 
@@ -159,14 +177,14 @@ def expected_bytes_per_step(
                 out[RING] += joint * (r - 1) * b * h_me * text * (d + 1) * 4
         if c.pipefusion > 1 and not last_stage:
             # this patch's tokens, and the text (or the stream beside the image's, LTX-2's audio, in its place)
-            beside = s.get("handed_beside", 0) or (text * h * d if s.get("handed_text") else 0)
-            out[PIPEFUSION] += b * (sizes[sp_rank] * h * d + beside) * e
+            beside = s.get("handed_beside", 0) or (text * s["heads"] * d if s.get("handed_text") else 0)
+            out[PIPEFUSION] += b * (sizes[sp_rank] * s["heads"] * d + beside) * e
         elif sp > 1:
             out[SP] += b * max(sizes) * s["proj_width"] * e * (sp - 1)
         if sp > 1:  # whole queries' partials, gathered in every forward (PipeFusion: every patch set's)
             out[SP] += b * s.get("whole_query_rows", 0) * 4 * (sp - 1)
     if c.pipefusion == 1:  # a PipeFusion stage holds whole patches (no sequence shards in it): these move nothing
-        sums = b * h * (d + 1) * d * 4  # float32
+        sums = b * s["heads"] * (d + 1) * d * 4  # float32
         for group, n in ((ULYSSES, u), (RING, r)):
             if n > 1:
                 out[group] += s.get("linear_layers", 0) * (2 * sums * (n - 1) // n)
@@ -188,3 +206,23 @@ def expected_bytes_per_step(
     if c.cfg > 1:
         out[CFG] += gathers * per_branch * sample * e * (c.cfg - 1)
     return {group: n for group, n in out.items() if n}
+
+
+def tp_bytes_per_forward(tp: int, dtype_bytes: int, *, reduced, gathered=(), norm_rows=()) -> int:
+    """Bytes out of one rank of a tp group of N = `tp` in one forward of the transformer (models/tensor_parallel.py),
+    per collective as comm counts it (its direct model, floored per call):
+      reduced    each rowwise layer's output [b, tokens, width] (its elements here), all-reduced: 2·(N-1)/N of its
+                 bytes, twice a block (attention's output projection, the MLP's last layer; a joint block's text
+                 stream twice more)
+      gathered   each split modulation's whole output [b, width] (elements): this rank's columns, 1/N of them, to
+                 N-1 peers
+      norm_rows  each norm over every head (Wan's): its float32 sums of squares [b, tokens] (elements) all-reduced
+    A rank's tokens are its sequence shard's under ulysses or ring (and the text's shard where it is cut)."""
+    n, e = tp, dtype_bytes
+    if n == 1:
+        return 0
+    return (
+        sum(2 * elements * e * (n - 1) // n for elements in reduced)
+        + sum(elements // n * e * (n - 1) for elements in gathered)
+        + sum(2 * elements * 4 * (n - 1) // n for elements in norm_rows)
+    )

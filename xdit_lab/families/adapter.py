@@ -497,6 +497,13 @@ class FamilyAdapter:
     step_cache_refused: str | None = None
     # why PipeFusion is not offered, or None: it is offered
     pipefusion_refused: str | None = None
+    # tensor parallelism (models/tensor_parallel.py): the plan as diffusers writes a `_tp_plan` (module-name globs ->
+    # "colwise", "rowwise", PackedColwiseParallel, PackedRowwiseParallel), for a transformer whose class declares
+    # none; the per-sample modulation linears split by columns beside it and gathered ([B, k·dim] a block); the
+    # RMSNorms over every head at once (qualified-name regexes), computed exactly
+    tp_plan: dict | None = None
+    tp_gathered: tuple = ()
+    tp_head_norms: tuple = ()
     # lists of residuals the forward hands its blocks by their index in the whole model (a ControlNet's: a
     # PipeFusion stage rebases them to the blocks it holds), BlockResiduals
     block_residuals: tuple = ()

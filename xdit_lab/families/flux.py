@@ -98,6 +98,13 @@ ADAPTER = FamilyAdapter(
         BlockResiduals("controlnet_block_samples", "transformer_blocks", _double_stream_residual),
         BlockResiduals("controlnet_single_block_samples", "single_transformer_blocks", _every_few_blocks),
     ),
+    # tensor parallelism: diffusers' _tp_plan, and the AdaLN modulations it leaves whole (27% of FLUX.1-dev)
+    tp_gathered=(
+        "transformer_blocks.*.norm1.linear",
+        "transformer_blocks.*.norm1_context.linear",
+        "single_transformer_blocks.*.norm.linear",
+        "norm_out.linear",
+    ),
     **FLUX_LAYOUT,
 )
 

@@ -39,6 +39,13 @@ ADAPTER = FamilyAdapter(
     "Flux2Transformer2DModel",
     from_cp_plan=True,  # the text and its ids cut at the input, the image's ids with its tokens: cp_plan.py
     joined_block_lists=("single_transformer_blocks",),
+    # tensor parallelism: diffusers' _tp_plan, and the modulations it leaves whole (computed once a forward)
+    tp_gathered=(
+        "double_stream_modulation_img.linear",
+        "double_stream_modulation_txt.linear",
+        "single_stream_modulation.linear",
+        "norm_out.linear",
+    ),
     **FLUX_LAYOUT,
 )
 

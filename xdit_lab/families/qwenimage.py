@@ -55,6 +55,8 @@ ADAPTER = FamilyAdapter(
     # built whole by the forward and handed to every block, cut with the tokens
     from_cp_plan=True,
     per_sample_lists=("img_shapes",),
+    # tensor parallelism: diffusers' _tp_plan, and the modulations it leaves whole
+    tp_gathered=("transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear"),
 )
 
 

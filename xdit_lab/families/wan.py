@@ -43,6 +43,18 @@ ADAPTER = FamilyAdapter(
     block_lists=("blocks",),
     # from its _cp_plan (cp_plan.py): the rotary tables at rope, and Wan 2.2 TI2V's timestep per token [B, S]
     from_cp_plan=True,
+    # tensor parallelism (diffusers declares no _tp_plan for Wan): self and cross attention split by heads, the MLP
+    # by its width; the time projection's six modulations [B, 6·dim] split and gathered; the qk RMSNorms span every
+    # head (rms_norm_across_heads): computed exactly over the tp ranks
+    tp_plan={
+        **{f"blocks.*.{attn}.{proj}": "colwise" for attn in ("attn1", "attn2") for proj in ("to_q", "to_k", "to_v")},
+        "blocks.*.attn1.to_out.0": "rowwise",
+        "blocks.*.attn2.to_out.0": "rowwise",
+        "blocks.*.ffn.net.0.proj": "colwise",
+        "blocks.*.ffn.net.2": "rowwise",
+    },
+    tp_gathered=("condition_embedder.time_proj",),
+    tp_head_norms=(r"blocks\.\d+\.attn[12]\.norm_[qk]",),
 )
 
 

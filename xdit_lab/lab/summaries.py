@@ -20,6 +20,7 @@ import dataclasses
 from ..mesh import CFG, DP
 from ..models import local_mixing_layers, other_traffic_sizes, parallel_state
 from ..models.sharded_weights import local_parameter_bytes
+from ..models.tensor_parallel import tp_shapes
 from ..plan.loaded import held_bytes, rank_memory
 from ..sharding import batch_rows
 from ..traffic import expected_bytes_per_step
@@ -146,6 +147,15 @@ def _controlnet_layers(session) -> dict:
     )
 
 
+def _tensor_parallel(session, transformer, state) -> dict:
+    """A model split over tp ranks: its split layers (tensor_parallel.tp_shapes), and a cross attention's text."""
+    if state.tensor is None:
+        return {}
+    text = session.prepared.conditioning.get("encoder_hidden_states")
+    shapes = tp_shapes(transformer, state.tensor, state.adapter)
+    return dict(tp=shapes, cross_text_len=0 if text is None else text.shape[1])
+
+
 def _shapes(session, transformer, state, report, rows, cols) -> dict:
     """Sizes the communication formulas need, read from the model this rank holds."""
     named_kinds = [(name, state.adapter.attention_kind(name)) for name, _ in transformer.named_modules()]
@@ -199,6 +209,7 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
         latent_elements=session.latents[0].numel(),
         latent_bytes=session.latents.element_size(),
         steps=session.num_steps,
+        **_tensor_parallel(session, transformer, state),
     )
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import DEGREES
+from ..config import GRID
 
 _FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--height", "width": "--width"}
 
@@ -29,7 +29,7 @@ def run_argv(model, prompts, config, output, *, seed: int = 0, negative_prompt=N
     if negative_prompt is not None:
         for negative in [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt:
             argv += ["--negative-prompt", negative]
-    for name in DEGREES:
+    for name in GRID:
         if getattr(config, name) > 1:
             argv += [f"--{name}", str(getattr(config, name))]
     if config.pipefusion > 1:

@@ -86,6 +86,7 @@ class ParallelState:
         self.strategy: TokenStrategy | None = None  # SequenceShards or PipeFusionStage, set by parallelize
         self.cache = None  # a FirstBlockCache when parallelize was given a StepCache
         self.weights = None  # a ShardedWeights when parallelize was asked to shard them (sharded_weights.py)
+        self.tensor = None  # a TensorParallel under tp > 1: which layers are split (tensor_parallel.py)
         self.stand_in = False  # this rank computes a dp stand-in row (it has no rows of its own)
         self.in_forward = False
         self.text_len = 0  # joint text tokens of the running forward (the whole text, however it is split)

@@ -1,12 +1,13 @@
-"""parallelize: run a diffusers DiT under data, CFG, sequence and pipeline parallelism, unchanged.
+"""parallelize: run a diffusers DiT under data, CFG, sequence, pipeline and tensor parallelism, unchanged.
 
     transformer = parallelize(transformer, ParallelConfig(cfg=2, ulysses=2))
     transformer(**inputs)          # every rank returns the same, full output
 
 The family adapter (xdit_lab/families/<family>.py) says where to take over; hooks.py installs the hooks; the token
 strategy decides what each rank holds: sequence shards (sequence.py) or, with pipefusion > 1, a
-PipeFusion stage (pipefusion/). Weights are not copied; the module keeps its forward signature.
-Every hook and replaced forward is kept by name (`parallel_state(t).hooks`): `unparallelize(t)` removes them.
+PipeFusion stage (pipefusion/); with tp > 1 the linear layers are split first (tensor_parallel.py). Weights are
+not copied (a tp rank keeps its slices of them); the module keeps its forward signature. Every hook and replaced
+forward is kept by name (`parallel_state(t).hooks`): `unparallelize(t)` removes them (a tp split is refused).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import weakref
 import torch
 
 from ..accelerations import StepCache, compile_backend, option_problems
-from ..config import PIPEFUSION, ParallelConfig, ParallelConfigError
+from ..config import PIPEFUSION, TP, ParallelConfig, ParallelConfigError
 from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
 from ..mesh import RankMesh
@@ -37,6 +38,8 @@ from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import shard_transformer
 from .strategy import Controls
+from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import problems as tp_problems
 
 
 def parallelize(
@@ -65,7 +68,12 @@ def parallelize(
     With compile=True too, FSDP2's gathers run eagerly between compiled pieces (torch marks its hooks
     as not traceable): exact and recorded alike, but in several graphs (a break at every block) rather than one.
     `controls` (models/strategy.py) are deliberately wrong variants for this model alone, which tests and
-    lessons give to show that a bound catches them; by default none."""
+    lessons give to show that a bound catches them; by default none.
+
+    Under `config.tp` > 1 the planned linear layers are split over the tp group first (tensor_parallel.py), before
+    the token strategy's hooks and the batch's: every later step sees the layers as each rank holds them, and the
+    sequence shards' attention attends this rank's heads. Not composed with tp yet, and refused by name:
+    PipeFusion, shard_weights, quantized weights and compile."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
@@ -85,6 +93,8 @@ def parallelize(
         raise unsupported[0][1]("; ".join(sentence for sentence, _ in unsupported))
     if getattr(config, PIPEFUSION) > 1 and adapter.pipefusion_refused:
         raise ParallelConfigError(f"PipeFusion is not offered on {adapter.family} yet: {adapter.pipefusion_refused}")
+    if getattr(config, TP) > 1:
+        _refuse_with_tp(transformer, adapter, config, compile=compile, shard_weights=shard_weights)
     backend = compile_backend(compile) if compile else None
     model_config = transformer.config
     config.validate(
@@ -104,6 +114,8 @@ def parallelize(
 
     state = ParallelState(adapter, mesh, controls or Controls())
     state.owns_mesh = owns_mesh
+    if getattr(config, TP) > 1:  # first: every hook after it sees the layers as this rank holds them
+        state.tensor = apply_tensor_parallel(transformer, state)
     if getattr(config, PIPEFUSION) > 1:
         state.strategy = PipeFusionStage.apply(transformer, state, config)
     else:
@@ -135,6 +147,11 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
     state = parallel_state(transformer)
     if state is None:
         raise ValueError(f"this {type(transformer).__name__} is not parallelized")
+    if state.tensor is not None:
+        raise ValueError(
+            f"this {type(transformer).__name__}'s layers were split over tp {state.tensor.degree} ranks (DTensor), "
+            f"which is not undone; build or load a fresh one"
+        )
     if state.weights is not None and state.weights.sharded:
         raise ValueError(
             f"this {type(transformer).__name__}'s weights were sharded (shard_weights=True), which cannot be "
@@ -150,6 +167,28 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
     if state.owns_mesh:
         state.mesh.close()
     return transformer
+
+
+def _refuse_with_tp(transformer, adapter, config, *, compile, shard_weights) -> None:
+    """What tensor parallelism is not composed with yet, refused by name before anything is split (and a family
+    without a plan: model_plan names it)."""
+    widths = tp_problems(transformer, adapter, config.tp)  # the plan, and the widths tp must divide
+    if widths:
+        raise ParallelConfigError("; ".join(widths))
+    name = type(transformer).__name__
+    instead = f"use tp {config.tp} without it, or tp 1 ({config.replace(tp=1).short()} with it)"
+    if shard_weights:
+        raise ValueError(f"shard_weights (FSDP2) is not composed with tp {config.tp} yet; {instead}")
+    if compile:
+        raise ValueError(f"compile is not composed with tp {config.tp} yet; {instead}")
+    from ..quantization import quantized_form
+
+    quantized = next((n for n, p in transformer.named_parameters() if quantized_form(p) is not None), None)
+    if quantized is not None:
+        raise ValueError(
+            f"{name}'s weights are quantized ({quantized}: {quantized_form(transformer.get_parameter(quantized))}), "
+            f"which tp {config.tp} does not split yet; load it unquantized for tp, or quantized with tp 1"
+        )
 
 
 def _compiled(forward, backend: str):

@@ -73,6 +73,18 @@ def block_bytes(tensors: dict[str, int], transformer_config: dict) -> tuple[dict
     return blocks, shared
 
 
+def tp_held(weights: Weights, tp: int) -> int:
+    """What a tp rank holds of a transformer: 1/tp of each tensor its plan splits (by the header's names:
+    models/tensor_parallel.split_parameters), every other whole."""
+    import diffusers
+
+    from ..models.tensor_parallel import split_parameters
+
+    is_split = split_parameters(getattr(diffusers, weights.class_name), FAMILIES[weights.class_name])
+    tensors = [*weights.root, *(t for block in weights.blocks for t in block)]
+    return sum(t.nbytes // tp if is_split(t.name) else t.nbytes for t in tensors)
+
+
 def stage_spans(config, blocks: int) -> list[tuple[int, int]]:
     """The blocks [start, stop) of each PipeFusion stage (one span of all of them without PipeFusion, or for a
     split PipeFusion cannot make, which load_pipeline refuses later with its reason)."""
@@ -169,6 +181,8 @@ def held_weights(
             offloaded = max(each.values(), key=lambda o: o.device)
             held = {name: offloaded.device if name == experts[0][0] else 0 for name, _ in experts}
             host = sum(o.device + o.host for o in each.values()) - offloaded.device
+        elif config.tp > 1:  # never with a stage, shards or quantized weights: parallelize refuses them with tp
+            held = {name: tp_held(w, config.tp) for name, w in experts}
         else:
             held = {name: w.held(shards, span, scheme if name in quantized else None) for name, w in experts}
         gather = max(w.gather(shards, span) for _, w in experts)  # one expert runs at a time: one gather buffer

@@ -1,0 +1,348 @@
+"""Tensor parallelism (models/tensor_parallel.py) against diffusers' serial forward and pipeline.
+
+Each rank builds the same tiny model, runs it serially for the reference, then parallelizes it under tp and compares
+the full output: max abs error <= 1e-4 · max(1, max |reference|) in float32. Beside it: the parameter bytes a rank
+holds equal the plan's (at most 0.6 of the model under tp 2), every collective that ran is one of comm's records
+(torch's dispatcher sees no other: DTensor sends nothing of its own), and the tp group's bytes equal
+the closed form (traffic.expected_bytes_per_step, its tp term tp_bytes_per_forward)."""
+
+import dataclasses
+
+import pytest
+import torch
+from forward_traffic import sample, session_traffic, traffic_mismatches, traffic_row
+
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, load_pipeline, parallelize, unparallelize
+from xdit_lab.models import parallel_state
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import save_tiny_pipeline, tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
+
+BATCH, TEXT = 2, 8
+
+
+def _held_bytes(model) -> int:
+    """Parameter bytes this rank holds: a DTensor's local shard, any other parameter whole."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
+
+
+def _serial(family):
+    """The tiny model, its inputs and its serial output."""
+    model = tiny_transformer(family, seed=0)
+    inputs = tiny_inputs(family, BATCH, height=8, width=8, text_len=TEXT)
+    with torch.no_grad():
+        reference = sample(model(**inputs))
+    return model, inputs, reference
+
+
+def _collectives():
+    """A dispatch mode counting every collective torch runs, DTensor's own included: it lets DTensor take its ops
+    first (NotImplemented), so the collectives DTensor issues inside them pass through it too (as torch's
+    CommDebugMode counts them, without its module tracker)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Collectives(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):
+                return NotImplemented
+            # a receive is its peer's send, which comm records; a wait completes what was counted
+            if func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "recv")):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    return Collectives()
+
+
+def _forward(family, configs):
+    rows = []
+    for config in configs:
+        mesh = RankMesh(config)
+        model, inputs, reference = _serial(family)
+        whole = _held_bytes(model)
+        model = parallelize(model, config, mesh)
+        with torch.no_grad(), comm_log() as log, _collectives() as seen_by_torch:
+            output = sample(model(**inputs))
+        tensor = parallel_state(model).tensor
+        traffic = traffic_row(model, inputs, log, step=0)  # every group's bytes beside the closed form
+        with pytest.raises(ValueError, match=r"split over tp \d ranks \(DTensor\), which is not undone"):
+            unparallelize(model)
+        rows.append(
+            dict(
+                config=config.short(),
+                error=(output - reference).abs().max().item(),
+                bound=1e-4 * max(1.0, reference.abs().max().item()),
+                whole=whole,
+                held=_held_bytes(model),
+                planned=tensor.planned_bytes,
+                planned_whole=tensor.whole_bytes,
+                traffic=traffic,
+                ops=sorted({(r.op, r.group) for r in log}),
+                recorded=len(log.records),
+                collectives=seen_by_torch.count,
+            )
+        )
+    return rows
+
+
+def _check(per_rank, family):
+    for rank, rows in enumerate(per_rank):
+        for row in rows:
+            where = f"{family} {row['config']} rank {rank}"
+            assert row["error"] <= row["bound"], f"{where}: error {row['error']:.3g} > {row['bound']:.3g}"
+            assert row["held"] == row["planned"] and row["planned_whole"] == row["whole"], where
+            assert row["held"] <= 0.6 * row["whole"], f"{where}: holds {row['held'] / row['whole']:.3f} of the model"
+            assert row["traffic"]["moved"] == row["traffic"]["expected"], where
+            assert row["traffic"]["moved"]["tp"] > 0, where
+            assert ("all_reduce", "tp") in row["ops"] and ("all_gather", "tp") in row["ops"], where
+            assert row["collectives"] == row["recorded"], f"{where}: a collective ran that comm did not record"
+
+
+def _dtensor_all_reduce():
+    """The control of the count: torch's own RowwiseParallel (output replicated: DTensor all-reduces it) on two
+    Linear layers, which comm does not see."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    parallelize_module(
+        model, DeviceMesh.from_group(dist.group.WORLD, "cpu"), {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    )
+    with torch.no_grad(), comm_log() as log, _collectives() as seen_by_torch:
+        model(torch.randn(2, 8))
+    return len(log.records), seen_by_torch.count
+
+
+def test_the_count_sees_dtensor_s_own_collectives():
+    for recorded, seen in run_on_ranks(_dtensor_all_reduce, 2):
+        assert recorded == 0 and seen >= 1  # DTensor's all-reduce (a functional op and the c10d op it runs)
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
+def test_tp2_forward_equals_serial_diffusers(family):
+    """diffusers' _tp_plan (Flux, Flux.2, Qwen-Image) or the adapter's (Wan, with its RMSNorm over every head)."""
+    _check(run_on_ranks(_forward, 2, family, [ParallelConfig(tp=2)], timeout_s=240), family)
+
+
+def test_tp2_composes_with_ulysses_cfg_ring_and_dp_on_4_ranks():
+    configs = [
+        ParallelConfig(tp=2, ulysses=2),
+        ParallelConfig(tp=2, cfg=2),
+        ParallelConfig(tp=2, ring=2),
+        ParallelConfig(tp=2, dp=2),
+    ]
+    per_rank = run_on_ranks(_forward, 4, "flux", configs, timeout_s=240)
+    _check(per_rank, "flux")
+    for rows in per_rank:
+        assert {"ulysses", "tp"} <= {group for _, group in rows[0]["ops"]}
+        assert {"cfg", "tp"} <= {group for _, group in rows[1]["ops"]}
+        assert {"ring", "tp"} <= {group for _, group in rows[2]["ops"]}
+        assert {"dp", "tp"} <= {group for _, group in rows[3]["ops"]}
+
+
+def _uneven(config):
+    """6 heads: 3 a tp rank, which Ulysses 2 splits 2 and 1; 7 text tokens, cut 4 and 3."""
+    model = tiny_transformer("flux", seed=0, heads=6)
+    inputs = tiny_inputs("flux", BATCH, height=8, width=8, text_len=7)
+    with torch.no_grad():
+        reference = sample(model(**inputs))
+    model = parallelize(model, config)
+    with torch.no_grad(), comm_log() as log:
+        output = sample(model(**inputs))
+    error, bound = (output - reference).abs().max().item(), 1e-4 * max(1.0, reference.abs().max().item())
+    return error, bound, traffic_row(model, inputs, log, step=0)
+
+
+def test_tp2_ulysses2_with_heads_and_text_that_do_not_split_evenly():
+    for error, bound, traffic in run_on_ranks(_uneven, 4, ParallelConfig(tp=2, ulysses=2), timeout_s=240):
+        assert error <= bound, f"error {error:.3g} > {bound:.3g}"
+        assert traffic["moved"] == traffic["expected"] and {"tp", "ulysses"} <= set(traffic["moved"])
+
+
+def _pipeline(folder, config, kwargs, expected):
+    from xdit_lab.lessons.families import output_latents
+    from xdit_lab.models.sharded_weights import held_checkpoint_bytes
+
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    session = pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run()
+    latents = output_latents(session.result(output_type="latent"))
+    error, bound = (latents - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
+    # the transformer's bytes on this rank, planned from the headers before a weight was read, and held
+    held = (pipe.memory_plan.per_rank_bytes["transformer"], held_checkpoint_bytes(pipe.diffusers_pipeline.transformer))
+    return error, bound, traffic_mismatches(session_traffic(session), config.short()), held
+
+
+PIPELINES = {  # family: the configurations its pipeline runs under (Flux.2 is guidance-distilled: no cfg 2)
+    "flux": [(2, ParallelConfig(tp=2)), (4, ParallelConfig(tp=2, cfg=2))],
+    "flux2": [(2, ParallelConfig(tp=2))],
+    "qwenimage": [(2, ParallelConfig(tp=2))],
+    "wan": [(2, ParallelConfig(tp=2))],  # the adapter's plan
+}
+
+
+@pytest.mark.parametrize("family", PIPELINES)
+def test_pipeline_under_tp_equals_diffusers_pipeline(family, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from xdit_lab.lessons.families import output_latents
+
+    folder = save_tiny_pipeline(family, tmp_path / family)
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=3)
+    if family != "flux2":  # real guidance: two branches, for cfg 2 to split
+        kwargs["negative_prompt"] = ["", "a photo"]
+    if family in ("flux", "qwenimage"):
+        kwargs["true_cfg_scale"] = 2.0
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    expected = output_latents(
+        reference(prompt=["a red cat", "a blue dog"], generator=generator, output_type="latent", **kwargs)
+    )
+    for world, config in PIPELINES[family]:
+        per_rank = run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300)
+        for error, bound, mismatches, (planned, held) in per_rank:
+            assert error <= bound, f"{family} {config.short()}: error {error:.3g} > {bound:.3g}"
+            assert planned == held, (
+                f"{family} {config.short()}: planned {planned} bytes of the transformer, held {held}"
+            )
+            assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
+
+
+@pytest.mark.parametrize(
+    "class_name, settings",
+    [
+        ("FluxTransformer2DModel", {}),  # diffusers' defaults: FLUX.1-dev's shape
+        ("Flux2Transformer2DModel", {}),  # FLUX.2-dev's
+        ("QwenImageTransformer2DModel", {}),  # Qwen-Image's
+        ("WanTransformer3DModel", dict(num_attention_heads=40, ffn_dim=13824, num_layers=40)),  # Wan2.1-14B's
+    ],
+)
+def test_a_real_model_s_tp_rank_holds_half_of_it(class_name, settings):
+    """The plan on the real shapes (built on the meta device: no weight is made): diffusers' plan with the
+    modulations split too leaves a tp 2 rank about half of the transformer (FLUX.1-dev: 0.501; diffusers' plan alone
+    would leave 0.64), a tp 4 rank about a quarter."""
+    import diffusers
+
+    from xdit_lab.families import adapter_for
+    from xdit_lab.models.tensor_parallel import planned_bytes
+
+    with torch.device("meta"):
+        model = getattr(diffusers, class_name)(**settings)
+    adapter = adapter_for(model)
+    for tp, most in ((2, 0.505), (4, 0.255)):
+        whole, held = planned_bytes(model, adapter, tp)
+        assert held <= most * whole, f"{class_name} tp {tp}: {held / whole:.3f} of the model"
+    # the control: diffusers' plan alone keeps the modulations whole (FLUX.1-dev's rank then holds 0.64 of it)
+    _, with_them = planned_bytes(model, adapter, 2)
+    _, without = planned_bytes(model, dataclasses.replace(adapter, tp_gathered=()), 2)
+    assert without > with_them and (class_name != "FluxTransformer2DModel" or without > 0.6 * whole)
+
+
+def test_tp_in_the_config_its_cost_and_its_names():
+    config = ParallelConfig(cfg=2, ulysses=2, tp=2)
+    assert (config.world_size, config.short(), config.spelled()) == (
+        8,
+        "cfg2·ulysses2·tp2",
+        "cfg 2 × ulysses 2 × tp 2 = 8",
+    )
+    assert "tp=2" in repr(config) and "tp" not in repr(ParallelConfig(ulysses=2))  # tp 1 is said as before
+    alone, split = ParallelConfig(ulysses=2).cost(28, use_cfg=False), config.replace(cfg=1).cost(28, use_cfg=False)
+    assert split.work_fraction == alone.work_fraction / 2 and split.params_fraction == 0.5
+    # Ulysses moves half the heads; tp all-reduces [p/2, hs] twice a layer: 2 · 2(2-1)/2 / 2 · 28
+    assert split.comm_p_hs == pytest.approx(alone.comm_p_hs / 2 + 28)
+
+
+# ---- refusals: each before a process group is made or a layer split ----------------------------------------------
+
+
+def test_a_tp_degree_that_does_not_divide_the_heads_names_those_that_do():
+    said = ParallelConfig(tp=3).problems(num_heads=4)
+    assert said and "4 attention heads do not split over tp 3" in said[0] and "[2, 4]" in said[0]
+    said = ParallelConfig(tp=2, ulysses=4).problems(num_heads=4)
+    assert said and "heads of each tp 2 rank cannot give each of ulysses 4 ranks a head" in said[0]
+    assert ParallelConfig(tp=2, ulysses=2).problems(num_heads=4) == []
+
+
+def test_tp_refuses_what_it_is_not_composed_with_by_name():
+    said = " ".join(ParallelConfig(tp=2, pipefusion=2).problems())
+    assert "not composed with PipeFusion" in said and "ulysses, ring, cfg or dp" in said
+    said = " ".join(ParallelConfig(tp=2, ulysses=2, comm_dtype="float8_e4m3fn").problems())
+    assert "comm_dtype 'float8_e4m3fn' is not composed with tp 2 yet" in said
+    model = tiny_transformer("flux")
+    for option, name in [(dict(shard_weights=True), "shard_weights"), (dict(compile=True), "compile")]:
+        with pytest.raises(ValueError, match=rf"{name} .*is not composed with tp 2 yet; use tp 2 without it"):
+            parallelize(model, ParallelConfig(tp=2), **option)
+
+
+def test_tp_refuses_a_family_without_a_plan_and_a_width_it_does_not_divide():
+    with pytest.raises(ParallelConfigError, match=r"no plan for pixart .*declares no _tp_plan.*use tp 1"):
+        parallelize(tiny_transformer("pixart"), ParallelConfig(tp=2))
+    # Wan's MLP 33 wide: tp 2 divides the heads, not the MLP; the layers and the degrees that fit are named
+    with pytest.raises(
+        ParallelConfigError, match=r"tp 2 does not divide .*blocks\.0\.ffn\.net\.0\.proj.*use tp in \[1\]"
+    ):
+        parallelize(tiny_transformer("wan", ffn_dim=33), ParallelConfig(tp=2))
+    # Wan 2.1 I2V's image keys and values, which its plan does not split beside the heads it splits
+    with pytest.raises(ParallelConfigError, match=r"does not split beside the heads .*attn2\.add_k_proj.*use tp 1"):
+        parallelize(tiny_transformer("wan", image_dim=16, added_kv_proj_dim=64), ParallelConfig(tp=2))
+
+
+def test_tp_refuses_quantized_weights_by_name():
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = tiny_transformer("flux")
+    quantize_(model, Int8WeightOnlyConfig())
+    with pytest.raises(ValueError, match=r"weights are quantized .*load it unquantized for tp"):
+        parallelize(model, ParallelConfig(tp=2))
+
+
+def test_xdit_lab_run_takes_tp(tmp_path):
+    """`xdit-lab run --tp 2` on two ranks draws the images one rank draws alone (8-bit PNGs: within one level)."""
+    import numpy as np
+    from PIL import Image
+
+    from xdit_lab.lessons import production
+    from xdit_lab.testing import run_cli
+
+    folder = save_tiny_pipeline("flux", tmp_path / "flux")
+    kwargs = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=2)
+    images = {}
+    for ranks, config in ((1, ParallelConfig()), (2, ParallelConfig(tp=2))):
+        output = tmp_path / config.short()
+        argv = production.run_argv(folder, ["a red cat"], config, output, **kwargs)
+        assert ("--tp" in argv) == (config.tp > 1)
+        job = run_cli(argv, ranks)
+        assert job.codes == [0] * ranks, job
+        images[config.tp] = np.asarray(Image.open(output / "000.png")).astype(int)
+    assert np.abs(images[2] - images[1]).max() <= 1
+
+
+def test_the_planner_gives_a_flux_dev_tp_rank_half_the_transformer(tmp_path):
+    """FLUX.1-dev's headers (a header-only folder, no weights): under tp2·ulysses2 a rank holds 0.502 of the
+    transformer's 23.8 GB in bfloat16, the rest of the pipeline whole, as load_pipeline will check it."""
+    from xdit_lab.model_folder import read_model_folder
+    from xdit_lab.plan.rows import plan_row
+    from xdit_lab.real_models.header_only import save_header_only
+
+    model = read_model_folder(save_header_only("FLUX.1-dev", tmp_path / "FLUX.1-dev"), torch.bfloat16)
+    whole, split = plan_row(model, ParallelConfig(ulysses=4)), plan_row(model, ParallelConfig(tp=2, ulysses=2))
+    assert 0.5 * whole.weights["transformer"] < split.weights["transformer"] <= 0.505 * whole.weights["transformer"]
+    assert {k: v for k, v in split.weights.items() if k != "transformer"} == {
+        k: v for k, v in whole.weights.items() if k != "transformer"
+    }
+
+
+def test_a_step_cache_under_tp_equals_diffusers_first_block_cache(tmp_path):
+    """tp ranks hold the same tokens: the decision's all-reduced sums count each twice, their ratio the same; a
+    skipped step's tp traffic is the first block's and the output modulation's (the closed form, told the skips)."""
+    from test_step_cache import THRESHOLDS, _against_diffusers, _check, _reference
+
+    folder = save_tiny_pipeline("flux", tmp_path / "flux")
+    configs = [ParallelConfig(tp=2)]
+    reference = _reference(folder, "flux", THRESHOLDS["flux"])
+    runs = run_on_ranks(_against_diffusers, 2, folder, "flux", configs, THRESHOLDS["flux"], reference, timeout_s=300)
+    _check(runs, configs, "flux", skipping=True)
+    assert all("tp" in step["moved"] for rows in runs for step in rows[0]["traffic"])

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from xdit_lab.models import local_mixing_layers, parallel_state
+from xdit_lab.models import local_mixing_layers, other_traffic_sizes, parallel_state
 from xdit_lab.traffic import expected_bytes_per_step
 
 
@@ -53,6 +53,7 @@ def forward_shapes(model, inputs: dict) -> dict:
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         first_block_self_layers=first.count("self"),
         **local_mixing_layers(adapter, model),
+        **other_traffic_sizes(adapter, model),
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         text_len=state.text_len,
         text_sharded=state.strategy.text_shard_at is not None,  # whole under PipeFusion and the control

@@ -135,6 +135,7 @@ FAMILIES = {
     "hunyuanvideo": "HunyuanVideoPipeline",
     "zimage": "ZImagePipeline",
     "sana": "SanaPipeline",  # its default complex human instruction before the prompt
+    "ltx2": "LTX2Pipeline",  # Gemma 3's every layer, through the connectors
 }
 # the prompt sits in a template whose closing tokens count: words this many past P are past them (klein's chat
 # closes with its assistant's header and an empty thinking block, 13 tokens in the tiny tokenizer)

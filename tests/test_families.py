@@ -82,7 +82,7 @@ def test_every_family_file_is_found_and_tabled():
             for node in ast.parse(path.read_text()).body
         )
     )
-    assert declared == sorted(MODULES) and len(declared) == 12
+    assert declared == sorted(MODULES) and len(declared) == 13
     assert {adapter.family for adapter in FAMILIES.values()} == set(MODULES)
     assert {recipe.family for recipe in RECIPES.values()} == {n for n, m in MODULES.items() if m.RECIPE}
 

@@ -59,6 +59,8 @@ VARIANTS = {
     # latents in the model's dtype; Qwen's, ByT5's and the image's tokens of fixed lengths, the masks in the model's
     # dtype; by default the model's target_size at 16:9
     "hunyuanvideo15": ("hunyuanvideo15", {}, {}),
+    # the video's latents and the audio's (float32 whatever the dtype); the connectors' two texts and an int64 mask
+    "ltx2": ("ltx2", {}, {}),
 }
 BOUNDED = ("qwenimage", "zimage")  # the text as long as the prompt: the plan's conditioning an upper bound
 SIZE_KEYS = ("height", "width", "num_frames")

@@ -15,7 +15,7 @@ from xdit_lab.tiny import tiny_inputs, tiny_transformer
 
 FAMILIES = [
     "pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "dit", "zimage", "sana",
-    "hunyuanvideo15",
+    "hunyuanvideo15", "ltx2",  # LTX-2: the video compared here; its audio too in tests/test_ltx2.py
 ]  # fmt: skip
 # the control of families with padded text: the forward argument that masks it, and "nothing padded"
 UNMASKED = {

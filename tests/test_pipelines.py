@@ -19,6 +19,8 @@ from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 FAMILIES = [
     "pixart", "sd3", "flux", "flux2", "qwenimage", "hunyuanvideo", "cogvideox", "wan", "zimage", "sana", "hunyuanvideo15"
 ]  # fmt: skip
+# LTX-2 is checked against LTX2Pipeline in tests/test_ltx2.py: its output is two latents (the video's and the
+# audio's) where these compare one, and PipeFusion, among the configurations here, is refused for it
 ONE_BRANCH = ("flux2",)  # guidance-distilled, no negative prompt: cfg 2 is refused (tested below)
 # a convolution over token rows: PipeFusion runs each stage over the whole image, ulysses = ring = 1 within it
 # (refused by name: tests/test_models.py)

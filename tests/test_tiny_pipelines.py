@@ -26,6 +26,8 @@ EXPECTED = {
     # [B, C, F, H, W]; 16x spatial: 4 x 4 latent pixels of 64 px, 5 frames
     # one prompt: diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decodes one video a call (its mid-block attention mask)
     ("hunyuanvideo15", "HunyuanVideo15Pipeline"): ((1, 4, 2, 4, 4), (1, 5, 64, 64, 3)),
+    # [B, C, F, H, W]; 4x spatial and temporal: 2 latent frames of 8 x 8, 5 frames of 32 px (its audio beside them)
+    ("ltx2", "LTX2Pipeline"): ((2, 4, 2, 8, 8), (2, 5, 32, 32, 3)),
 }
 
 
@@ -48,7 +50,7 @@ def _call(pipe, family, output_type):
         **extra,
         **tiny_pipeline_kwargs(family),
     )
-    return out.frames if family in ("cogvideox", "wan", "hunyuanvideo", "hunyuanvideo15") else out.images
+    return out.frames if family in ("cogvideox", "wan", "hunyuanvideo", "hunyuanvideo15", "ltx2") else out.images
 
 
 @pytest.mark.parametrize("family, cls", list(EXPECTED))

@@ -401,11 +401,22 @@ def read_json(path: Path, what: str):
         raise ModelFolderError(f"{path} is not valid JSON ({error}): save or copy it again") from None
 
 
+def component_class(library: str, class_name: str):
+    """The class model_index.json names for a component: in a library ("diffusers", "transformers"), or in a
+    diffusers pipeline's own module (LTX-2's connectors and vocoder: "ltx2", diffusers.pipelines.ltx2), as
+    diffusers' loader finds it."""
+    try:
+        module = importlib.import_module(library)
+    except ModuleNotFoundError:
+        module = importlib.import_module(f"diffusers.pipelines.{library}")
+    return getattr(module, class_name)
+
+
 def _has_weights(library: str, class_name: str, sub: Path) -> bool:
     """Whether a component holds weights: its class is a torch module (a model, not a tokenizer or a
     scheduler); for a class that cannot be imported here, whether its folder has safetensors."""
     try:
-        cls = getattr(importlib.import_module(library), class_name)
+        cls = component_class(library, class_name)
     except (ImportError, AttributeError):
         return any(sub.glob("*.safetensors"))
     return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
@@ -488,7 +499,7 @@ def _facts_of(library: str, class_name: str, config_json: str):
 
     config = json.loads(config_json)
     try:
-        cls = getattr(importlib.import_module(library), class_name)
+        cls = component_class(library, class_name)
         with torch.device("meta"):
             model = cls(cls.config_class.from_dict(config)) if library == "transformers" else cls.from_config(config)
         rename = (transformers_key_renaming(model) if library == "transformers" else None) or (lambda key: key)

@@ -55,7 +55,11 @@ def expected_bytes_per_step(
                   warmup, it sends the whole latents back to stage 0 instead (a patch at a time), and
                   after the last step broadcasts them, and the dp and cfg gathers run once per patch
                   on the last stage only
-      dp, cfg     the output gather (dp pads to the largest share)
+      whole q     a layer whose queries are whole on every rank against the image's keys (`whole_query_rows`: LTX-2's
+                  audio asking the video) all-gathers each rank's partial output with its LSE in float32:
+                  b·whole_query_rows·4 bytes to each of the sp-1 others, under "sp"
+      dp, cfg     the output gather (dp pads to the largest share), with the outputs gathered beside the sample
+                  (`also_gathered` elements a sample: LTX-2's audio)
       controlnet  a ControlNet's layers (`controlnet_self_layers`, `controlnet_joint_layers`) move what the
                   transformer's do: the same tokens, text and heads; its residuals stay on their rank
       world       with a StepCache (`cache_skips`: one bool per step), from the second step on the
@@ -159,6 +163,7 @@ def expected_bytes_per_step(
             if n > 1:
                 out[group] += s.get("linear_layers", 0) * (2 * sums * (n - 1) // n)
         if sp > 1:
+            out[SP] += b * s.get("whole_query_rows", 0) * 4 * (sp - 1)
             neighbours = (sp_rank > 0) + (sp_rank < sp - 1)
             halo = b * s.get("halo_rows", 0) * s["cols"] * h * d * e
             out[SP] += s.get("row_conv_layers", 0) * neighbours * halo
@@ -170,6 +175,7 @@ def expected_bytes_per_step(
         out[PIPEFUSION] += b * sample * e * (c.pipefusion - 1)
     # the batch gathers: once a step; pipelined, once per patch and only where the prediction is
     gathers = (c.patches if last_stage else 0) if pipelined else 1
+    sample += s.get("also_gathered", 0)
     if c.dp > 1:
         out[DP] += gathers * max(dp_sizes) * sample * e * (c.dp - 1)
     if c.cfg > 1:

@@ -36,6 +36,11 @@ the band before it pads, and only the image's own edges replicate; GroupNorms as
 attention spans every frame, causal over frames: the K/V of every band are gathered (the mid block
 is at the latent's resolution) and the band's frame-causal mask rebuilt over them.
 
+LTX-2's runs its decoder on all frames at once (as HunyuanVideo-1.5's, below: RMS norm per pixel, upsampling
+channels into frames and pixels, no attention), its convolutions padding their frames by repeating the first (and
+last) and their rows by reflection inside nn.Conv3d (F.pad): the halo rows join the band before it reflects, and
+only the image's own edges reflect; a decoder that injects noise (drawn at the band's size) decodes whole.
+
 HunyuanVideo-1.5's runs its decoder on all frames at once (its tiling, off by default, is refused): its
 causal convolutions pad by replication in F.pad, as HunyuanVideo's; its RMS norm is over each pixel's
 channels (local); its mid attention is HunyuanVideo's frame-causal one; each upsampling convolves at
@@ -78,7 +83,8 @@ GROUPED_VIDEO_VAES = (
     "AutoencoderKLHunyuanVideo",
 )  # GroupNorm over frames and rows, conv3d padding its rows
 PACKED_VIDEO_VAES = ("AutoencoderKLHunyuanVideo15",)  # RMS norm per pixel, upsampling channels into pixels
-BANDED_VAES = PLANAR_VAES + CAUSAL_VAES + GROUPED_VIDEO_VAES + PACKED_VIDEO_VAES
+REFLECTED_VIDEO_VAES = ("AutoencoderKLLTX2Video",)  # as those, its rows padded by reflection inside nn.Conv3d
+BANDED_VAES = PLANAR_VAES + CAUSAL_VAES + GROUPED_VIDEO_VAES + PACKED_VIDEO_VAES + REFLECTED_VIDEO_VAES
 DECODED = "_xdit_lab_decoded"  # the VAE's attribute: what the last parallel decode did on this rank
 
 
@@ -90,6 +96,12 @@ def apply_parallel_vae(vae, mesh, *, bands: bool = True) -> bool:
     BANDED_VAES (the 2D ones, Wan's, CogVideoX's and both HunyuanVideos' 3D ones): the others (Sana's
     AutoencoderDC) decode their images whole (said in the log)."""
     sharing_images = mesh.group_size(DP) * mesh.group_size(CFG)
+    noise = vae.config.get("decoder_inject_noise") or ()
+    if bands and mesh.group_size(IMAGE) > 1 and (any(noise) if isinstance(noise, (list, tuple)) else noise):
+        log.warning(  # LTX-2's noise is drawn per image of the band's size: a band's would not be the image's
+            "%s injects noise in its decoder: it decodes this rank's images whole", type(vae).__name__
+        )
+        bands = False
     if bands and mesh.group_size(IMAGE) > 1 and type(vae).__name__ not in BANDED_VAES:
         log.warning(
             "%s decodes this rank's images whole: row bands over the ranks of an image need one of %s",
@@ -146,6 +158,12 @@ def _decode_my_part(vae, whole_decode, mesh, z, bands: bool, **kwargs):
     shares, me = image_shares(z.shape[0], mesh)
     start = sum(shares[:me])
     mine = z[start : start + shares[me]] if shares[me] else z[-1:]  # no image of its own: a stand-in, dropped
+    kwargs = {  # an argument with one row per image (LTX-2's decode timestep) keeps this rank's rows
+        key: (value[start : start + shares[me]] if shares[me] else value[-1:])
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == z.shape[0]
+        else value
+        for key, value in kwargs.items()
+    }
     group = band_group(mesh)
     rows, parts = z.shape[-2], mesh.group_size(group) if bands else 1
     sp_rank = mesh.group_rank(group) if bands else 0
@@ -229,17 +247,17 @@ class Bands(TorchFunctionMode):
         band first and are replicated with it; only the image's own top and bottom rows replicate."""
         if len(pad) < 4 or not (pad[2] or pad[3]):
             return F.pad(x, pad, mode=mode, value=value)
-        if mode not in ("constant", "replicate") or value or pad[2] != pad[3]:
+        if mode not in ("constant", "replicate", "reflect") or value or pad[2] != pad[3]:
             raise NotImplementedError(
                 f"patch-parallel decode pads rows with zeros or by replication, as many above as below, got "
                 f"{pad} ({mode}, {value})"
             )
         rows = pad[2]
         top, bottom = self._halos(x, rows)
-        if mode == "replicate":
+        if mode in ("replicate", "reflect"):
             inner = [top] * (self.above is not None) + [x] + [bottom] * (self.below is not None)
             at_edges = [rows * (self.above is None), rows * (self.below is None)]
-            return F.pad(torch.cat(inner, dim=-2), [*pad[:2], *at_edges, *pad[4:]], mode="replicate")
+            return F.pad(torch.cat(inner, dim=-2), [*pad[:2], *at_edges, *pad[4:]], mode=mode)
         padded = F.pad(x, pad)  # the one tensor diffusers' own pad makes; its zero rows take the halos
         # x's place in it, last dim first; the halos sit beside x's frames and columns (zeros beside them too)
         place = [slice(pad[2 * d], pad[2 * d] + x.shape[-1 - d]) for d in range(len(pad) // 2)]
@@ -377,6 +395,8 @@ def _halo_bytes(vae, latent_shape, element_bytes: int, neighbours: int) -> int:
         return hunyuan_halo_bytes(vae.config, latent_shape, element_bytes, neighbours, calls)
     if kind in PACKED_VIDEO_VAES:
         return hunyuan15_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
+    if kind in REFLECTED_VIDEO_VAES:
+        return ltx2_halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
     return halo_bytes(vae.config, latent_shape, element_bytes, neighbours)
 
 
@@ -505,4 +525,38 @@ def hunyuan15_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbour
             cols, frames = 2 * cols, 2 * frames - 1 if i < in_time else frames
             previous = channels[i + 1] if vae_config["upsample_match_channel"] else out
     total += channels[-1] * cols * frames  # conv_out
+    return total * batch * element_bytes * neighbours
+
+
+def ltx2_halo_bytes(vae_config, latent_shape, element_bytes: int, neighbours: int) -> int:
+    """Bytes one rank sends in halos during one decode of LTX-2's video VAE, its decoder called once on every
+    frame. Each 3×3×3 convolution pads its frames itself (the first, or the first and last, repeated: two frames
+    more) and then its rows by reflection after the halo joins the band: one row of each of its input's padded
+    frames to each neighbour. Each up block's upsampling convolves before it rearranges channels into frames and
+    pixels (all but the first frame doubled, in time); 1×1×1 shortcuts pad nothing."""
+    batch, _, frames, _, cols = latent_shape
+    c = vae_config
+    blocks = len(c["decoder_layers_per_block"])
+    layers = list(reversed(c["decoder_layers_per_block"]))
+    widths = list(reversed(c["decoder_block_out_channels"]))
+    scaling = c["decoder_spatio_temporal_scaling"]
+    scaling = list(reversed(scaling if isinstance(scaling, list) else [scaling] * (blocks - 1)))
+    factors = list(reversed(c["upsample_factor"]))
+    strides = dict(spatial=(1, 2), temporal=(2, 1), spatiotemporal=(2, 2))
+
+    def conv(channels):  # one 3×3×3 convolution's halo rows, per neighbour, at the running size
+        return channels * (frames + 2) * cols
+
+    out = widths[0]
+    total = conv(c["latent_channels"]) + layers[0] * 2 * conv(out)  # conv_in, the mid block's resnets
+    for i, width in enumerate(widths):
+        first, out = out // factors[i], width // factors[i]
+        if first != out:  # the block's first resnet changes the channels
+            total += conv(first) + conv(out)
+        if scaling[i]:
+            total += conv(out * factors[i])
+            time, space = strides[c["upsample_type"][i]]
+            frames, cols = frames * time - (time - 1), cols * space
+        total += layers[i + 1] * 2 * conv(out)
+    total += conv(out)  # conv_out
     return total * batch * element_bytes * neighbours

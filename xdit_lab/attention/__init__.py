@@ -11,7 +11,7 @@ from .local import (
     merge_stacked,
     set_attention_backend,
 )
-from .usp import sp_attention, sp_attention_sharded
+from .usp import sp_attention, sp_attention_sharded, whole_query_attention
 
 __all__ = [
     "BACKENDS",
@@ -24,4 +24,5 @@ __all__ = [
     "set_attention_backend",
     "sp_attention",
     "sp_attention_sharded",
+    "whole_query_attention",
 ]

@@ -19,6 +19,8 @@ Three kinds of attention, as diffusers' DiT families use them:
                   PipeFusion stage does)
          joint_mask / text_mask [B, T] bool masks padded text keys (Qwen-Image, HunyuanVideo)
   cross  kv_sharded=False: queries sharded, text K/V whole and local (PixArt); no communication
+  whole queries  `whole_query_attention`: queries whole on every rank against the image's sharded K/V (LTX-2's
+         audio asking the video): each rank attends to its keys, and the partials are merged by their LSE
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from .. import comm
 from ..mesh import RING, SP, ULYSSES
 from ..sharding import shard_sizes
-from .local import attention, joint_local_attention
+from .local import attention, joint_local_attention, local_attention, merge_stacked
 from .ring import ring_attention
 from .ulysses import gathered_pieces, heads_to_seq, seq_to_heads, ulysses_attention
 
@@ -241,3 +243,18 @@ def _check_inputs(q, k, v, mesh, joint_q, joint_k, joint_v, kv_sharded):
     if kv_sharded:
         _check_heads(q.shape[1], mesh.group_size(ULYSSES))
     return joint
+
+
+def whole_query_attention(q, k, v, mesh, *, scale: float | None = None):
+    """Attention of queries held whole on every sp rank (q [B, H, Sq, D], the same everywhere) over keys and
+    values each rank holds a shard of (k, v [B, H, S_me, D]): each rank attends to its own keys, and every rank's
+    partial output and log-sum-exp, packed as one float32 [B, H, Sq, D + 1], is all-gathered over the sp group and
+    merged in sp-rank order (the same sums on every rank: every rank returns the same output). Cheaper than
+    gathering the keys where the queries are the shorter sequence (LTX-2's audio against its video)."""
+    if k.shape[2]:
+        out, lse = local_attention(q, k, v, scale=scale)
+    else:  # a rank without keys contributes nothing: weight exp(-inf) = 0
+        out, lse = torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+    packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
+    gathered = comm.all_gather(packed.unsqueeze(0), mesh, SP, dim=0, tag="whole_query_partial")
+    return merge_stacked([(part[..., :-1], part[..., -1]) for part in gathered], q.dtype)

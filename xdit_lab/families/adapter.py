@@ -14,6 +14,9 @@ Attention kinds (matched on the module's qualified name):
                 rank, runs as it is
     linear      image tokens only, linear attention (Sana): no SDPA; its sums over the tokens are the
                 strategy's (models/linear_attention.py), reduced over the sequence-parallel ranks
+    whole_queries  queries whole on every rank, keys/values the image tokens (LTX-2's video-to-audio attention,
+                the audio asking the video): each rank attends to the keys it holds, and the partial outputs
+                are merged by their log-sum-exp over the sequence-parallel ranks
 
 The first three are the image's own attention: its image tokens are sharded, so it is sequence-parallel,
 and a PipeFusion stage keeps its image K/V per patch from step to step (SEQUENCE_PARALLEL_KINDS).
@@ -38,6 +41,9 @@ from dataclasses import dataclass, field
 import torch
 
 SEQUENCE_PARALLEL_KINDS = ("self", "joint_first", "joint_last")
+# the kinds whose attention the token strategy computes (the sequence-parallel ones, and queries whole on every rank
+# against the image's keys); a PipeFusion stage keeps stale K/V of the first only
+STRATEGY_KINDS = (*SEQUENCE_PARALLEL_KINDS, "whole_queries")
 
 # ---- latent layouts --------------------------------------------------------------------------------------
 
@@ -434,6 +440,9 @@ class FamilyAdapter:
     text_before_image_at_shard: bool = False  # CogVideoX embeds [text; image] in one tensor
     grid_at_shard: bool = False  # Wan: shard_at gives [B, C, F, H, W]; its tokens are the flattened grid
     rotary_at: str | None = None  # the submodule whose output holds rotary tables, laid out as `rotary`
+    # more submodules whose outputs are rotary tables of the image tokens, laid out as `rotary` and cut as
+    # rotary_at's (LTX-2's rotary of the video for its audio-video attention)
+    rotary_also: tuple = ()
     rotary: RotaryLayout = TEXT_THEN_IMAGE
     text_key_mask: bool = False  # joint attention masks padded text keys, [B, 1, 1, T + S] bool (Qwen-Image)
     # (forward arguments) -> the joint text's length as the blocks take it, where the forward builds that text itself
@@ -445,6 +454,9 @@ class FamilyAdapter:
     # query-and-key mask [B, 1, L, L] over the tokens it holds (HunyuanVideo-1.5): every block takes this rank's share
     # of it, cut as the text, and the parallel kernels read the whole of it as the text's key mask; None: none
     text_mask_argument: str | None = None
+    # (forward arguments) -> the length of the queries a "whole_queries" attention holds whole on every rank (LTX-2's
+    # audio tokens), which the traffic's closed form counts; None: the family has none
+    whole_query_len: Callable | None = None
     # the forward's argument that holds the latents: a tensor [B, ...], or a list of one tensor per sample
     # (Z-Image's `x`, its batch the list's length)
     latents_argument: str = "hidden_states"

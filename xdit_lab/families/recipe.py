@@ -69,6 +69,10 @@ def vae_scale(vae: dict) -> tuple[int, int]:
     if "temperal_downsample" in vae:  # Wan's and Qwen-Image's VAE; Wan 2.2 TI2V's also packs 2 × 2 pixels a latent
         patch = vae.get("patch_size") or 1
         return 2 ** len(vae["temperal_downsample"]) * patch, 2 ** sum(vae["temperal_downsample"])
+    if "spatio_temporal_scaling" in vae and vae.get("spatial_compression_ratio") is None:  # LTX-2's, from its blocks
+        scaling = vae["spatio_temporal_scaling"]
+        twice = sum(scaling) if isinstance(scaling, list) else scaling * (len(vae["layers_per_block"]) - 1)
+        return vae.get("patch_size", 1) * 2**twice, vae.get("patch_size_t", 1) * 2**twice
     if "spatial_compression_ratio" in vae:  # HunyuanVideo's
         return vae["spatial_compression_ratio"], vae.get("temporal_compression_ratio", 1)
     return 2 ** (len(vae["block_out_channels"]) - 1), vae.get("temporal_compression_ratio", 1)
@@ -109,6 +113,8 @@ class Recipe:
     # edit's reference tokens, inpainting's image latents, mask and first noise, Fill's masked image, an image to
     # video's first frame (the memory plan counts them, plan.loaded.plan_request)
     image_inputs = ("reference", "inpaint", "fill", "first_frame")
+    # prepared.extra's entries that are latents stepped beside prepared.latents (LTX-2's audio): counted with them
+    latents_beside: tuple = ()
     defaults = dict(num_inference_steps=20, guidance_scale=4.5)
     options: dict = {}  # supported pipeline-specific arguments and their defaults
 
@@ -368,6 +374,10 @@ class Recipe:
     def model_input(self, pipe, prepared: Prepared, latents: torch.Tensor, t) -> torch.Tensor:
         """The transformer's input for the current latents: one copy per branch, scaled for the step."""
         return self.scale_model_input(pipe, torch.cat([latents, latents]) if prepared.do_cfg else latents, t)
+
+    def prediction(self, pipe, prepared: Prepared, output) -> torch.Tensor:
+        """The noise prediction in the transformer's output (return_dict=False): its first tensor."""
+        return output[0]
 
     def guide(self, pipe, prepared: Prepared, noise: torch.Tensor, step_index: int) -> torch.Tensor:
         if prepared.do_cfg:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..mesh import CFG, DP
-from ..models import local_mixing_layers, parallel_state
+from ..models import local_mixing_layers, other_traffic_sizes, parallel_state
 from ..models.sharded_weights import local_parameter_bytes
 from ..plan.loaded import held_bytes, rank_memory
 from ..sharding import batch_rows
@@ -173,6 +173,7 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
         joint_layers=sum(1 for k in kinds if k and k.startswith("joint")),
         first_block_self_layers=first.count("self"),
         **local_mixing_layers(state.adapter, transformer),
+        **other_traffic_sizes(state.adapter, transformer),  # LTX-2's audio: its whole queries, its output
         first_block_joint_layers=sum(1 for k in first if k and k.startswith("joint")),
         # a ControlNet's (FluxControlNetPipeline): its joint layers run each step beside the transformer's, over the
         # same tokens, text and heads

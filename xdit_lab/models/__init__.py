@@ -19,7 +19,7 @@ strategy.py   the token strategy's interface (TokenStrategy), what a step is han
 """
 
 from ..accelerations import StepCache
-from .hooks import ParallelState, local_mixing_layers, parallel_state
+from .hooks import ParallelState, local_mixing_layers, other_traffic_sizes, parallel_state
 from .offload import offload_blocks, offload_groups
 from .parallel import parallelize, unparallelize
 from .pipefusion import PipeFusionStage
@@ -32,6 +32,7 @@ __all__ = [
     "ParallelState",
     "parallel_state",
     "local_mixing_layers",
+    "other_traffic_sizes",
     "parallelize",
     "unparallelize",
     "offload_blocks",

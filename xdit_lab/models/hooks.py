@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..families import block_metadata
-from ..families.adapter import SEQUENCE_PARALLEL_KINDS, RankLocal
+from ..families.adapter import STRATEGY_KINDS, RankLocal
 from ..mesh import CFG, DP
 from ..sharding import batch_rows
 from .installed import Installed
@@ -91,6 +91,8 @@ class ParallelState:
         self.text_len = 0  # joint text tokens of the running forward (the whole text, however it is split)
         self.image_len = None  # whole image tokens, set where they are sharded
         self.text_mask = None  # the joint text's whole key mask [B, T] bool, where the blocks take it (adapter)
+        self.whole_query_len = 0  # queries whole on every rank in "whole_queries" attention (LTX-2's audio tokens)
+        self.also_gathered = 0  # elements a sample of the outputs gathered beside the sample (LTX-2's audio)
         self.sites: list[tuple[weakref.ref, AttentionSite]] = []  # the attended modules (held weakly)
         self.hooks = Installed()  # every hook and replacement parallelize installed, by name (unparallelize)
         self.owns_mesh = False  # parallelize made the mesh: unparallelize closes it
@@ -128,7 +130,7 @@ def install_hooks(transformer, state: ParallelState) -> None:
         known += 1
         if kind == "linear" and strategy.takes_attention:  # no SDPA: our processor (linear_attention.py)
             install_linear_attention(module, name, state)
-        elif kind in SEQUENCE_PARALLEL_KINDS and strategy.takes_attention:
+        elif kind in STRATEGY_KINDS and strategy.takes_attention:
             before = _attend_through_site(module, AttentionSite(state, kind, name), state.hooks)
             if before is not None:
                 replaced.setdefault(before, []).append(name)
@@ -156,8 +158,8 @@ def install_hooks(transformer, state: ParallelState) -> None:
             _hook_output(transformer, state, path, "shard")
         if adapter.gather_at is not None:  # None: a ControlNet, whose residuals stay this rank's
             _hook_output(transformer, state, adapter.gather_at, "gather")
-        if adapter.rotary_at:
-            _hook_output(transformer, state, adapter.rotary_at, "shard_rotary")
+        for path in (adapter.rotary_at, *adapter.rotary_also) if adapter.rotary_at else ():
+            _hook_output(transformer, state, path, "shard_rotary")
         for entry in adapter.per_token:
             if entry.module:
                 _hook_per_token(transformer, state, entry)
@@ -184,6 +186,19 @@ def local_mixing_layers(adapter, model) -> dict[str, int]:
         linear_layers=sum(1 for name in names if adapter.attention_kind(name) == "linear"),
         row_conv_layers=0 if rows is None else sum(1 for name in names if re.search(rows.module, name)),
         halo_rows=0 if rows is None else rows.reach,
+    )
+
+
+def other_traffic_sizes(adapter, model) -> dict:
+    """What the traffic's closed form counts beside the image's tokens, for the last forward of `model` (the
+    modules this rank holds): the float32 elements per batch row that its "whole_queries" layers gather (each
+    layer's heads × (head_dim + 1) × the whole queries), and the elements per sample of the outputs gathered over
+    dp and cfg beside the sample (LTX-2's audio)."""
+    state = parallel_state(model)
+    layers = [m for name, m in model.named_modules() if adapter.attention_kind(name) == "whole_queries"]
+    return dict(
+        whole_query_rows=sum(m.heads * (m.head_dim + 1) for m in layers) * state.whole_query_len,
+        also_gathered=state.also_gathered,
     )
 
 
@@ -634,6 +649,8 @@ def split_batch(state: ParallelState, arguments: dict) -> list[int]:
     state.text_len = text.shape[1] if isinstance(text, torch.Tensor) and text.dim() >= 2 else 0
     if state.adapter.joint_text_len is not None:  # the forward joins the text the blocks take
         state.text_len = state.adapter.joint_text_len(arguments)
+    if state.adapter.whole_query_len is not None:
+        state.whole_query_len = state.adapter.whole_query_len(arguments)
     total = len(hidden) if isinstance(hidden, list) else hidden.shape[0]  # a list: one tensor per sample (Z-Image)
     dp_rank = mesh.group_rank(DP)
     start, stop, dp_sizes = batch_rows(total, config.cfg, config.dp, mesh.group_rank(CFG), dp_rank)
@@ -661,18 +678,23 @@ def _take_batch(value, total, local):
 
 
 def gather_batch(state: ParallelState, output, dp_sizes: list[int]):
-    """Every rank's rows of the forward's output, gathered over dp (dropping stand-ins), then cfg.
-    None (a PipeFusion stage before the last, under the async schedule) stays None."""
+    """Every rank's rows of the forward's output, gathered over dp (dropping stand-ins), then cfg; a tuple's
+    other tensors too (LTX-2's audio prediction beside the video's). None (a PipeFusion stage before the last,
+    under the async schedule) stays None."""
     mesh = state.mesh
     if output is None:
         return None
-    sample = output[0] if isinstance(output, tuple) else output.sample
-    per_sample = isinstance(sample, list)  # one tensor per sample (Z-Image): gathered as their stack
-    sample = torch.stack(sample) if per_sample else sample
-    sample = comm.all_gather(sample.contiguous(), mesh, DP, dim=0, sizes=dp_sizes, tag="sample")
-    sample = comm.all_gather(sample, mesh, CFG, dim=0, tag="sample")
-    sample = list(sample.unbind(0)) if per_sample else sample
+
+    def gathered(sample):
+        per_sample = isinstance(sample, list)  # one tensor per sample (Z-Image): gathered as their stack
+        sample = torch.stack(sample) if per_sample else sample
+        sample = comm.all_gather(sample.contiguous(), mesh, DP, dim=0, sizes=dp_sizes, tag="sample")
+        sample = comm.all_gather(sample, mesh, CFG, dim=0, tag="sample")
+        return list(sample.unbind(0)) if per_sample else sample
+
     if isinstance(output, tuple):
-        return (sample, *output[1:])
-    output.sample = sample
+        state.also_gathered = sum(t[0].numel() for t in output[1:] if isinstance(t, torch.Tensor))
+        rest = [gathered(t) if isinstance(t, torch.Tensor) else t for t in output[1:]]
+        return (gathered(output[0]), *rest)
+    output.sample = gathered(output.sample)
     return output

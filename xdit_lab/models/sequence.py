@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..attention import sp_attention, sp_attention_sharded
+from ..attention import sp_attention, sp_attention_sharded, whole_query_attention
 from ..attention.linear import linear_sums, reduce_sums
 from ..attention.wire import Wire
 from ..mesh import RING, SP, ULYSSES
@@ -161,7 +161,12 @@ class SequenceShards:
 
     def attend(self, kind, name, query, key, value, scale, text, image_len, text_mask=None):
         """Exact attention of this rank's tokens over every rank's, image and text: q, k, v [B, H, n, D]
-        as the module holds them (its text shard before or after its image shard)."""
+        as the module holds them (its text shard before or after its image shard); "whole_queries": queries whole
+        on every rank against this rank's image keys (LTX-2's audio asking the video)."""
+        if kind == "whole_queries":
+            if not self.state.controls.merges_whole_queries:  # the control: this rank's keys alone
+                return sp_attention(query, key, value, self.mesh, scale=scale, kv_sharded=False)
+            return whole_query_attention(query, key, value, self.mesh, scale=scale)
         image_sizes = shard_sizes(image_len, self.mesh.group_size(SP))
         joint = kind in JOINT_KINDS and text > 0
         if joint and not self.splits_text(text):  # the text whole on every rank (the control; a short text)

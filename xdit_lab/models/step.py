@@ -1,7 +1,8 @@
 """One denoising step as one transformer call: the step of every token strategy, and PipeFusion's drained
 schedule (and its warmup steps under the async one).
 
-    latents ──recipe.model_input: [latents; latents] with guidance──> transformer (parallel) ──> noise [uncond; cond]
+    latents ──recipe.model_input: [latents; latents] with guidance──> transformer (parallel)
+            ──recipe.prediction──> noise [uncond; cond]
             ──recipe.guide──> noise ──recipe.scheduler_step──> the next latents (every rank, whole)
 
 What differs between families (the model's input, its keyword arguments, the guidance, the scheduler's
@@ -18,6 +19,6 @@ def whole_step(context, t) -> None:
     latents = prepared.latents
     model_input = recipe.model_input(inner, prepared, latents, t)
     transformer = recipe.transformer_for(inner, prepared, t)  # Wan 2.2 A14B: its expert for this timestep
-    noise = transformer(**recipe.model_kwargs(inner, prepared, model_input, t))[0]
+    noise = recipe.prediction(inner, prepared, transformer(**recipe.model_kwargs(inner, prepared, model_input, t)))
     noise = recipe.guide(inner, prepared, noise, context.step_index)
     prepared.latents = recipe.scheduler_step(inner, prepared, noise, t, latents, context.step_index)

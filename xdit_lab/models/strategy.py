@@ -123,6 +123,8 @@ class Controls:
                             whole batch's (they diverge, and a collective times out): models/cache.py
     exchanges_halo          False: a convolution over token rows (Sana's feed-forward) convolves each rank's band
                             alone, zeros beyond its edges: the mistake the halo rows prevent (models/row_halo.py)
+    merges_whole_queries    False: a "whole_queries" attention (LTX-2's audio asking the video) attends to this
+                            rank's image keys alone, its partial output unmerged: the mistake the LSE merge prevents
     wrong_comm_scales       True: with ParallelConfig.comm_dtype, each row of float8 on the wire is unpacked
                             with the scale of the row before it (attention/wire.py): the mistake a scale per
                             block must not make (tests/test_fp8_comm.py's bound catches it)
@@ -134,6 +136,7 @@ class Controls:
     rebases_block_residuals: bool = True
     cache_agrees: bool = True
     exchanges_halo: bool = True
+    merges_whole_queries: bool = True
     wrong_comm_scales: bool = False
 
 

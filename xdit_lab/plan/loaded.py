@@ -77,7 +77,8 @@ def one_prompt_bytes(pipe, request: Request) -> tuple[int, int, int, tuple | int
     conditioning = prepared.conditioning.items()
     per_prompt = held_bytes([value for key, value in conditioning if key not in unbatched]) // len(one.prompts)
     shared = held_bytes([value for key, value in conditioning if key in unbatched])
-    return held_bytes(prepared.latents) // len(one.prompts), per_prompt, shared, images
+    latents = held_bytes([prepared.latents, *(prepared.extra.get(key) for key in recipe.latents_beside)])
+    return latents // len(one.prompts), per_prompt, shared, images
 
 
 def plan_request(pipe, request: Request) -> MemoryPlan:

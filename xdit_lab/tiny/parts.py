@@ -604,3 +604,75 @@ def dc_vae(seed: int, latent_channels: int, scaling_factor: float):
         in_channels=3, latent_channels=latent_channels, attention_head_dim=2, downsample_block_type="conv",
         upsample_block_type="interpolate", scaling_factor=scaling_factor, **stages,
     ).eval()  # fmt: skip
+
+
+def gemma3_encoder(seed: int, vocab_size: int):
+    """Gemma 3 (LTX-2's text encoder, every layer's hidden states of which its pipeline stacks), TEXT_DIM wide, two
+    layers, two query heads sharing one key/value head; the vision tower it carries, at its smallest (unused)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    text = Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=TEXT_DIM, intermediate_size=2 * TEXT_DIM, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512, sliding_window=64,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    return Gemma3ForConditionalGeneration(config).eval()
+
+
+def ltx2_connectors(seed: int):
+    """LTX-2's text connectors: Gemma 3's stacked layers (two and the embeddings) projected, then one connector
+    block each for the video's text and the audio's, without learnable registers."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    torch.manual_seed(seed)
+    connector = dict(num_attention_heads=4, attention_head_dim=8, num_layers=1, num_learnable_registers=None)
+    return LTX2TextConnectors(
+        caption_channels=TEXT_DIM, text_proj_in_factor=3, connector_rope_base_seq_len=32, rope_type="split",
+        **{f"{stream}_connector_{key}": value for stream in ("video", "audio") for key, value in connector.items()},
+    ).eval()  # fmt: skip
+
+
+def ltx2_vae(seed: int, latent_channels: int):
+    """LTX-2's video VAE at its smallest: two spatio-temporal blocks, 4x spatial and 4x temporal compression (5
+    frames of 32 × 32 pixels: 2 latent frames of 8 × 8), a decoder that is not causal, as LTX-2's."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    torch.manual_seed(seed)
+    twice = ("spatiotemporal", "spatiotemporal")
+    return AutoencoderKLLTX2Video(
+        latent_channels=latent_channels, block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+        down_block_types=("LTX2VideoDownBlock3D",) * 2, layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True), decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False), downsample_type=twice, upsample_type=twice,
+        upsample_residual=(False, False), upsample_factor=(1, 1), patch_size=1, patch_size_t=1, decoder_causal=False,
+    ).eval()  # fmt: skip
+
+
+def ltx2_audio_vae(seed: int):
+    """LTX-2's audio VAE at its smallest: 2 latent channels over 8 mel bins (2 latent bins: 4 features an audio
+    token), 4x in time, 16 kHz with a hop of 160 (25 latent frames a second)."""
+    from diffusers import AutoencoderKLLTX2Audio
+
+    torch.manual_seed(seed)
+    return AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
+    ).eval()  # fmt: skip
+
+
+def ltx2_vocoder(seed: int):
+    """LTX-2's vocoder (mel spectrogram to waveform), two stereo channels of 2 × 8 mel bins in, 4x upsampling."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    torch.manual_seed(seed)
+    return LTX2Vocoder(
+        in_channels=16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000,
+    ).eval()  # fmt: skip

@@ -1,0 +1,209 @@
+"""LTX-2 (LTX2Pipeline: a video with its audio) against diffusers' own pipeline, run serially from the same folder.
+
+The video's tokens follow their shard and the audio stays whole on every rank (families/ltx2.py says why): under
+ulysses 2, ring 2, cfg 2, dp 2 and, on 4 ranks, ulysses 2 × ring 2 and cfg 2 × ulysses 2, the video's and the
+audio's latents equal diffusers' within 1e-4 · max(1, max |reference|) in float32, and each step's bytes per group
+equal the closed form (xdit_lab.traffic), its video-to-audio attention's merge and the audio's gather included.
+Control: the video-to-audio attention on each rank's own video alone (Controls(merges_whole_queries=False)) misses
+the bound. What LTX-2 does not run is refused by name: PipeFusion, a StepCache, the pipeline's default
+spatio-temporal and modality guidance."""
+
+import pytest
+import torch
+from forward_traffic import session_traffic, traffic_mismatches, traffic_row
+
+from xdit_lab import ParallelConfig, RankMesh, StepCache, comm_log, load_pipeline, parallelize
+from xdit_lab.models import Controls
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import save_tiny_pipeline, tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
+
+PROMPTS, NEGATIVES = ["a red cat", "a blue dog"], ["", "a photo"]
+STEPS = 2
+
+
+def _call():
+    return dict(tiny_pipeline_kwargs("ltx2"), num_inference_steps=STEPS, negative_prompt=list(NEGATIVES))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_pipeline("ltx2", tmp_path_factory.mktemp("ltx2"))
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """diffusers' LTX2Pipeline from the folder, run serially: the video's and the audio's latents, and the decoded
+    frames and waveform."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    outputs = {}
+    for output_type in ("latent", "pt"):
+        out = pipe(prompt=list(PROMPTS), generator=torch.Generator().manual_seed(0), output_type=output_type, **_call())
+        outputs[output_type] = (out.frames, out.audio)
+    return outputs
+
+
+def _errors(got, expected) -> list[tuple[float, float]]:
+    """(max abs error, bound) of the video's and the audio's."""
+    return [((g - e).abs().max().item(), 1e-4 * max(1.0, e.abs().max().item())) for g, e in zip(got, expected)]
+
+
+def _runs(folder, configs, reference, decoded_under, control_under):
+    """On every rank: each configuration's latents against diffusers' and its traffic against the closed form; the
+    decoded video and audio under `decoded_under`; the control under `control_under`."""
+    rows = []
+    runs = [(config, None) for config in configs] + [(control_under, Controls(merges_whole_queries=False))]
+    for config, controls in runs:
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, controls=controls)
+        planned = pipe.memory_plan_for(PROMPTS, **_call()).activation_bytes
+        session = pipe.session(PROMPTS, seed=0, **_call()).run()
+        result = session.result(output_type="latent")
+        extra = session.prepared.extra
+        row = dict(
+            config=config.short(),
+            control=controls is not None,
+            errors=_errors((result.frames, result.audio), reference["latent"]),
+            traffic=session_traffic(session),
+            planned=planned["latents"][1],
+            held=sum(t.numel() * t.element_size() for t in (session.prepared.latents, extra["audio_latents"])),
+        )
+        if config == decoded_under and controls is None:
+            decoded = pipe(PROMPTS, generator=torch.Generator().manual_seed(0), output_type="pt", **_call())
+            row["decoded"] = _errors((decoded.frames, decoded.audio), reference["pt"])
+        rows.append(row)
+    return rows
+
+
+def _check(per_rank, configs):
+    for rank, rows in enumerate(per_rank):
+        assert [row["config"] for row in rows[:-1]] == [config.short() for config in configs]
+        for row in rows:
+            where = f"ltx2 {row['config']}{' control' if row['control'] else ''} rank {rank}"
+            video, audio = row["errors"]
+            if row["control"]:  # the audio read one rank's video: both streams drift past the bound
+                assert video[0] > video[1] and audio[0] > audio[1], f"{where}: {row['errors']} within the bound"
+                continue
+            assert video[0] <= video[1] and audio[0] <= audio[1], f"{where}: {row['errors']}"
+            assert len(row["traffic"]) == STEPS, where
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+            config = next(c for c in configs if c.short() == row["config"])
+            degrees = {g for g in ("ulysses", "ring", "cfg", "dp") if getattr(config, g) > 1}
+            assert degrees <= {g for step in row["traffic"] for g in step["moved"]}, where
+            assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
+            for error, bound in row.get("decoded", ()):
+                assert error <= bound, f"{where} decoded: {error:.3g} > {bound:.3g}"
+
+
+def test_ltx2_equals_diffusers_pipeline_on_two_ranks(folder, reference):
+    """ulysses 2, ring 2, cfg 2, dp 2: the video's and the audio's latents equal diffusers' LTX2Pipeline, each step's
+    bytes the closed form's (under ulysses and ring the sp group moves the video's gather and the video-to-audio
+    partials), the plan's latents what the rank holds; the decoded frames and waveform too (ulysses 2). Control:
+    the audio attending to its rank's half of the video misses the bound. Every rank refuses PipeFusion, a
+    StepCache and the pipeline's default guidance, by name."""
+    configs = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+    per_rank = run_on_ranks(_runs, 2, folder, configs, reference, configs[0], ParallelConfig(ulysses=2), timeout_s=400)
+    _check(per_rank, configs)
+    assert all("decoded" in rows[0] for rows in per_rank)
+
+
+def test_ltx2_equals_diffusers_pipeline_on_four_ranks(folder, reference):
+    """ulysses 2 × ring 2 and cfg 2 × ulysses 2, as on two ranks (the control under ring 2 × ulysses 2)."""
+    configs = [ParallelConfig(ulysses=2, ring=2), ParallelConfig(cfg=2, ulysses=2)]
+    per_rank = run_on_ranks(_runs, 4, folder, configs, reference, None, configs[0], timeout_s=500)
+    _check(per_rank, configs)
+
+
+def _forward_and_refusals(folder):
+    """The transformer with LTX-2's interleaved rotary ([B, S, D] tables, where the pipeline's split rotary gives
+    [B, H, S, D / 2]) under ulysses 2, against its serial forward, video and audio; then what is refused."""
+    model = tiny_transformer("ltx2", rope_type="interleaved")
+    inputs = tiny_inputs("ltx2", batch=2, height=6, width=6)  # 72 video tokens, 5 audio tokens
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)
+        model = parallelize(model, ParallelConfig(ulysses=2))
+        with comm_log() as log:
+            got = model(**inputs, return_dict=False)
+    refused = {}
+    for name, attempt in (
+        ("pipefusion", lambda: load_pipeline(folder, ParallelConfig(pipefusion=2), progress=False)),
+        ("cache", lambda: load_pipeline(folder, ParallelConfig(ulysses=2), cache=StepCache(0.1), progress=False)),
+        ("guidance", lambda: load_pipeline(folder, ParallelConfig(ulysses=2), progress=False).session(PROMPTS)),
+    ):
+        try:
+            attempt()
+        except Exception as error:  # noqa: BLE001 - the refusal's text is what is checked
+            refused[name] = str(error)
+    return dict(errors=_errors(got, expected), traffic=traffic_row(model, inputs, log, step=0), refused=refused)
+
+
+def test_ltx2_forward_with_interleaved_rotary_and_refusals(folder):
+    for rank, row in enumerate(run_on_ranks(_forward_and_refusals, 2, folder, timeout_s=300)):
+        for error, bound in row["errors"]:
+            assert error <= bound, f"rank {rank}: {row['errors']}"
+        assert row["traffic"]["moved"] == row["traffic"]["expected"], row["traffic"]
+        refused = row["refused"]
+        assert "PipeFusion" in refused["pipefusion"] and "audio beside the video" in refused["pipefusion"], refused
+        assert "StepCache" in refused["cache"] and "return two" in refused["cache"], refused
+        assert "stg_scale=1.0" in refused["guidance"] and "give stg_scale=0.0" in refused["guidance"], refused
+
+
+def _real_layout_vae():
+    """LTX-2's video VAE as published (4 × 4 pixels a latent's patch, residual upsamplings that halve the channels,
+    32x and 8x), its widths divided by 32: what the tiny one (parts.ltx2_vae) leaves out."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    torch.manual_seed(0)
+    return AutoencoderKLLTX2Video(
+        latent_channels=4, block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+    ).eval()  # fmt: skip
+
+
+def _decode_in_bands(config, kind, shape):
+    from xdit_lab.sharding import shard_range
+    from xdit_lab.tiny import parts
+    from xdit_lab.vae import DECODED, apply_parallel_vae, band_group, ltx2_halo_bytes
+
+    vae = parts.ltx2_vae(0, 4) if kind == "tiny" else _real_layout_vae()
+    z = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    mesh = RankMesh(config)
+    group = band_group(mesh)
+    me, parts_ = mesh.group_rank(group), mesh.group_size(group)
+    start, stop = shard_range(shape[-2], parts_, me)
+    with torch.no_grad():
+        whole = vae.decode(z).sample
+        scale = whole.shape[-2] // shape[-2]
+        alone = vae.decode(z[..., start:stop, :]).sample  # the control: a band decoded by itself
+        assert apply_parallel_vae(vae, mesh)
+        with comm_log() as log:
+            video = vae.decode(z).sample
+    images = getattr(vae, DECODED)["images"]
+    return dict(
+        error=(video - whole).abs().max().item(),
+        bound=1e-4 * max(1.0, whole.abs().max().item()),
+        alone=(alone - whole[..., start * scale : stop * scale, :]).abs().max().item(),
+        tags={(r.group, r.tag) for r in log.records},
+        halo=sum(r.bytes_out for r in log.records if r.tag == "vae_halo"),
+        expected=ltx2_halo_bytes(vae.config, (images, *shape[1:]), 4, (me > 0) + (me < parts_ - 1)),
+    )
+
+
+@pytest.mark.parametrize(
+    "config, kind, shape",
+    [
+        (ParallelConfig(ulysses=2), "tiny", (2, 4, 3, 7, 5)),  # 4x: two bands of 4 and 3 latent rows
+        (ParallelConfig(ulysses=2, ring=2), "published layout", (1, 4, 2, 9, 3)),  # 4 bands, two with both neighbours
+    ],
+    ids=lambda v: v.short() if isinstance(v, ParallelConfig) else None,
+)
+def test_ltx2_video_vae_decodes_in_bands(config, kind, shape):
+    """LTX-2's video VAE in row bands equals its whole decode within 1e-4, its halo bytes vae.ltx2_halo_bytes'
+    closed form, every collective tagged vae; the control, a band decoded alone, is far off."""
+    for rank, out in enumerate(run_on_ranks(_decode_in_bands, config.world_size, config, kind, shape, timeout_s=300)):
+        where = f"{config.short()} {kind} rank {rank}"
+        assert out["error"] <= out["bound"], f"{where}: {out['error']:.3g} > {out['bound']:.3g}"
+        assert out["alone"] > 100 * out["bound"], f"{where}: a band alone is not far off ({out['alone']:.3g})"
+        assert out["tags"] == {("sp", "vae_halo"), ("sp", "vae_gather")}, where
+        assert out["halo"] == out["expected"] > 0, where

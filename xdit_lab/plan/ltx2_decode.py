@@ -39,8 +39,12 @@ def ltx2_decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *
     """The most bytes one rank's AutoencoderKLLTX2Video decode holds at once (weights and the latent not counted),
     for a latent of `latent_shape` (batch, channels, frames, rows, cols) decoded whole or as the largest of `bands`
     row bands (xdit_lab/vae.py), `element_bytes` per activation. Its decoder as LTX-2.0 sets it: no timestep
-    conditioning, no noise injected (a decoder with noise decodes whole, vae.py)."""
+    conditioning and no noise injected (neither's tensors are counted); a decoder that injects noise decodes whole
+    on every rank (vae.apply_parallel_vae), and is counted whole here."""
     c = vae_config
+    noise = c.get("decoder_inject_noise") or ()
+    if any(noise) if isinstance(noise, (list, tuple)) else noise:
+        bands = 1
     batch, z, frames, rows, cols = latent_shape
     band_rows = -(-rows // bands)
     blocks = len(c.get("decoder_layers_per_block", (5, 5, 5, 5)))

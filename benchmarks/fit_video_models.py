@@ -5,25 +5,28 @@
 
 Each model's folder is rebuilt from its published configs (xdit_lab.real_models.save_header_only: every
 safetensors header, the data a sparse hole) and planned by xdit_lab.plan.plan_model for N GPUs of each memory
-in bfloat16, at 832 × 480 and 1280 × 720 pixels and `--frames` frames (81: five seconds at 16 fps). Printed as a
-markdown table: per model, size and GPU set, the best row that fits (ranked by the cost model: work, then bytes
-sent per step with FSDP2's gathers) and its terms per rank, the VAE decode's peak among them (the video VAE's
-closed form, whole or the largest row band: plan.wan_decode_peak_bytes, cogvideox_decode_peak_bytes,
-hunyuan_decode_peak_bytes, hunyuan15_decode_peak_bytes; "?" where the planner has none for the VAE, said in the
-notes); where nothing fits, the smallest row. Nothing here reads a weight: the figures are the plan's, not a
-measurement.
+in bfloat16, at 832 × 480 and 1280 × 720 pixels (each side rounded down to what the model draws: LTX-2's to a
+multiple of 32, 704 × 1280, said in the size column) and `--frames` frames (81: five seconds at 16 fps; LTX-2 at
+its pipeline's 121, FRAMES, unless `--frames` is given). Printed as a markdown table: per model, size and GPU set,
+the best row that fits (ranked by the cost model: work, then bytes sent per step with FSDP2's gathers) and its
+terms per rank, the VAE decode's peak among them (the video VAE's closed form, whole or the largest row band:
+plan.wan_decode_peak_bytes, cogvideox_decode_peak_bytes, hunyuan_decode_peak_bytes, hunyuan15_decode_peak_bytes,
+ltx2_decode_peak_bytes; "?" where the planner has none for the VAE, said in the notes); where nothing fits, the
+smallest row. Nothing here reads a weight: the figures are the plan's, not a measurement.
 """
 
 import argparse
 import tempfile
 from pathlib import Path
 
+from xdit_lab.model_folder import read_model_folder
 from xdit_lab.plan import GB, plan_model
 from xdit_lab.plan.command import memory_size
 from xdit_lab.real_models import REAL_MODELS, save_header_only
 
 DEFAULT_MODELS = ["Wan2.1-T2V-14B", "Wan2.2-T2V-A14B", "HunyuanVideo", "CogVideoX-5b", "HunyuanVideo-1.5-720p_t2v"]
 SIZES = {"480p": (480, 832), "720p": (720, 1280)}  # (height, width)
+FRAMES = {"LTX-2": 121}  # the pipeline's own default where it is not 81 (LTX2Pipeline: 5 seconds at 24 fps, + 1)
 
 
 def _gb(n) -> str:
@@ -49,7 +52,7 @@ def main():
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(REAL_MODELS))
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--memory", type=memory_size, nargs="+", default=[24 * GB, 80 * GB])
-    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--frames", type=int, help="frames of every video (default: 81, or FRAMES' for the model)")
     parser.add_argument("--folders", type=Path, help="where to build the folders (default: a temporary one)")
     args = parser.parse_args()
     notes = set()
@@ -62,11 +65,17 @@ def main():
         print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name in args.models:
             folder = save_header_only(name, root / name.replace("Σ", "S"))
+            frames = args.frames or FRAMES.get(name, 81)
+            model = read_model_folder(folder)
+            multiple = model.recipe.planned_multiple(model.configs)
             for size, (height, width) in SIZES.items():
+                height, width = height // multiple * multiple, width // multiple * multiple
+                if (height, width) != SIZES[size]:
+                    size = f"{size} ({height} × {width})"
                 for gpus in args.gpus:
                     for memory in args.memory:
                         rows = plan_model(
-                            folder, gpus, memory, height=height, width=width, options={"num_frames": args.frames}
+                            folder, gpus, memory, height=height, width=width, options={"num_frames": frames}
                         )
                         fitting = [row for row in rows if row.fits]
                         row = fitting[0] if fitting else min(rows, key=lambda r: r.per_rank_bytes)

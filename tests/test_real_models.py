@@ -4,8 +4,8 @@ Each folder is built once for this module (xdit_lab.real_models.save_header_only
 classes save them, safetensors headers at the stored dtype, the data a sparse hole). The bytes per
 component are read back with safetensors' own reader and compared with the published totals of
 /work/shared/REAL-MODELS.md: exactly where it gives bytes, within 0.5% where it gives ~ or GB. Then
-the planner (xdit_lab.plan.plan_model) plans FLUX.1-dev, SD3.5-large, Wan2.1-T2V-14B and CogVideoX-5b
-on 2, 4 and 8 GPUs of 24 and 80 GB: the targets below, each beside its control (the replicated row,
+the planner (xdit_lab.plan.plan_model) plans FLUX.1-dev, SD3.5-large, Wan2.1-T2V-14B, CogVideoX-5b and
+LTX-2 on 2, 4 and 8 GPUs of 24 and 80 GB: the targets below, each beside its control (the replicated row,
 which must not fit). No weight is ever materialized and no rank is spawned."""
 
 import json
@@ -41,7 +41,7 @@ PUBLISHED = {
     "FLUX.2-klein-4B": dict(text_encoder=8_044_936_192),
     "Z-Image-Turbo": dict(transformer=6.15e9 * 2),  # 6.15B parameters in bfloat16 (no byte total is published)
 }
-PLANNED = ["FLUX.1-dev", "SD3.5-large", "Wan2.1-T2V-14B", "CogVideoX-5b"]
+PLANNED = ["FLUX.1-dev", "SD3.5-large", "Wan2.1-T2V-14B", "CogVideoX-5b", "LTX-2"]
 GPU_SETS = [(n, memory) for n in (2, 4, 8) for memory in (24 * GB, 80 * GB)]
 
 
@@ -142,6 +142,36 @@ def test_ltx2_holds_its_published_shapes(folders):
     assert {
         dtype for part in ("transformer", "vae", "vocoder") for dtype, _ in stored(folders["LTX-2"] / part).values()
     } == {"BF16"}
+
+
+def test_ltx2_plans_every_component_its_audio_latents_and_its_decode(folders):
+    """`xdit-lab plan --model` for LTX-2 on two 80 GB GPUs at the pipeline's defaults (768 × 512, 121 frames, guidance
+    4: two branches): every component's bytes are its stored parameters × 2 (bfloat16), the transformer's 18.9B
+    included; the latents are the video's (128 channels × 16 latent frames × 16 × 24, float32 as the pipeline keeps
+    them) and beside them the audio's (126 latent frames of 121 / 24 seconds at 25 a second, 8 channels × 16 mel bins,
+    float32); the decode peak is LTX-2's video VAE's closed form, whole on one rank and the largest of 2 bands under
+    ulysses 2, and nothing is left unknown."""
+    from xdit_lab.plan import ltx2_decode_peak_bytes
+
+    folder = folders["LTX-2"]
+    rows = plan_model(folder, 2, 80 * GB)
+    assert {row.request.branches for row in rows} == {2} and any(row.config.cfg == 2 for row in rows)
+    ulysses = _row(rows, "ulysses2", False, "gpu")
+    components = ("transformer", "connectors", "text_encoder", "vae", "audio_vae", "vocoder")
+    stored_bytes = {c: 2 * sum(math.prod(shape) for _, shape in stored(folder / c).values()) for c in components}
+    assert ulysses.weights == stored_bytes and ulysses.weights["transformer"] == 18_876_174_592 * 2
+    assert (ulysses.request.height, ulysses.request.width) == (512, 768)
+    assert ulysses.latents == (128 * 16 * 16 * 24 + 126 * 8 * 16) * 4
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    latent = (1, 128, 16, 16, 24)
+    assert (
+        ulysses.decode_peak
+        == ltx2_decode_peak_bytes(vae, latent, 2, bands=2)
+        < 0.6 * ltx2_decode_peak_bytes(vae, latent, 2)
+    )
+    cfg = _row(rows, "cfg2", False, "gpu")
+    assert cfg.decode_peak == ltx2_decode_peak_bytes(vae, latent, 2)
+    assert not any(row.unknown for row in rows) and ulysses.fits
 
 
 def test_qwen_image_edit_2511_is_qwen_image_with_its_references_at_t_0(folders):

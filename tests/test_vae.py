@@ -755,6 +755,24 @@ def _attention_heavy_vae(kind):
     ).eval()
 
 
+def _ltx2_peak_vae(kind):
+    """LTX-2's video VAE as published in its upsampling (upsample_residual, factor 2: channels halved into pixels,
+    a 2 × 2 patch at the end), and one whose channels widen towards the latent (an up block's conv_in resnet, with
+    its LayerNorm and 1×1×1 shortcut)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    twice = ("spatiotemporal", "spatiotemporal")
+    factor, layers = ((2, 2), (1, 1, 1)) if kind == "ltx2 residual" else ((1, 1), (1, 2, 1))
+    return diffusers.AutoencoderKLLTX2Video(
+        latent_channels=4, block_out_channels=(8, 16), decoder_block_out_channels=(8, 16),
+        down_block_types=("LTX2VideoDownBlock3D",) * 2, layers_per_block=(1, 1, 1), decoder_layers_per_block=layers,
+        spatio_temporal_scaling=(True, True), decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False), downsample_type=twice, upsample_type=twice,
+        upsample_residual=(True, True), upsample_factor=factor, patch_size=2, patch_size_t=1, decoder_causal=False,
+    ).eval()  # fmt: skip
+
+
 def _video_peak_specimen(kind):
     from xdit_lab.tiny import parts
 
@@ -763,15 +781,22 @@ def _video_peak_specimen(kind):
         "hunyuan15 widening": _widening_vae,
         "hunyuan attention": lambda: _attention_heavy_vae("hunyuan attention").eval(),
         "hunyuan15 attention": lambda: _attention_heavy_vae("hunyuan15 attention"),
+        "ltx2 residual": lambda: _ltx2_peak_vae("ltx2 residual"),
+        "ltx2 widening": lambda: _ltx2_peak_vae("ltx2 widening"),
     }
     return special[kind]() if kind in special else getattr(parts, kind)(0, 4)
 
 
 def _video_measured_and_planned_peaks(ranks, cases):
-    """(measured, planned) decode peaks of CogVideoX's and both HunyuanVideos' VAEs: PeakTensorBytes around
+    """(measured, planned) decode peaks of CogVideoX's, both HunyuanVideos' and LTX-2's VAEs: PeakTensorBytes around
     diffusers' decode (in `ranks` bands), against the closed form for the same latent (the largest band's)."""
     from xdit_lab.lab.measure import PeakTensorBytes
-    from xdit_lab.plan import cogvideox_decode_peak_bytes, hunyuan15_decode_peak_bytes, hunyuan_decode_peak_bytes
+    from xdit_lab.plan import (
+        cogvideox_decode_peak_bytes,
+        hunyuan15_decode_peak_bytes,
+        hunyuan_decode_peak_bytes,
+        ltx2_decode_peak_bytes,
+    )
     from xdit_lab.vae import hunyuan_decoder_frames
 
     peaks = []
@@ -790,6 +815,8 @@ def _video_measured_and_planned_peaks(ranks, cases):
         elif name == "AutoencoderKLHunyuanVideo":
             calls = hunyuan_decoder_frames(vae, frames)
             planned = hunyuan_decode_peak_bytes(vae.config, shape, element, bands=ranks, calls=calls)
+        elif name == "AutoencoderKLLTX2Video":
+            planned = ltx2_decode_peak_bytes(vae.config, shape, element, bands=ranks)
         else:  # CPU's SDPA runs the whole decode's 3D mask on its math path, which writes the scores
             planned = hunyuan15_decode_peak_bytes(vae.config, shape, element, bands=ranks, scores=True)
         peaks.append((meter.peak, planned))
@@ -840,6 +867,37 @@ def test_the_video_decode_peak_closed_forms_match_the_measured_peak():
     whole = run_on_ranks(_video_measured_and_planned_peaks, 1, 1, VIDEO_WHOLE, timeout_s=300)[0]
     table += [(case, 1, *peak) for case, peak in zip(VIDEO_WHOLE, whole)]
     for ranks, cases in VIDEO_BANDS.items():
+        per_rank = run_on_ranks(_video_measured_and_planned_peaks, ranks, ranks, cases, timeout_s=300)
+        for i, case in enumerate(cases):
+            table.append((case, ranks, max(peaks[i][0] for peaks in per_rank), per_rank[0][i][1]))
+    for case, ranks, measured, planned in table:
+        assert 0.9 * measured <= planned <= 1.1 * measured, f"{case} in {ranks}: planned {planned}, measured {measured}"
+    print("\n".join(f"{case} bands {ranks}: measured {m}, planned {p} ({p / m:.3f})" for case, ranks, m, p in table))
+
+
+# (specimen, latent frames, rows, cols[, dtype]): LTX-2's tiny VAE (xdit_lab.tiny: no residual in its upsampling),
+# one with the published upsampling (residual, factor 2, a patch unpacked at the end) and one that widens (conv_in)
+LTX2_WHOLE = [
+    ("ltx2_vae", 2, 8, 8),
+    ("ltx2_vae", 3, 6, 5, "bfloat16"),
+    ("ltx2 residual", 2, 6, 5),
+    ("ltx2 residual", 3, 4, 5, "bfloat16"),
+    ("ltx2 widening", 2, 4, 5),
+]
+LTX2_BANDS = {
+    2: [("ltx2_vae", 2, 7, 5), ("ltx2 residual", 3, 5, 5, "bfloat16"), ("ltx2 widening", 2, 5, 4)],
+    3: [("ltx2_vae", 2, 7, 5), ("ltx2 residual", 2, 7, 4, "bfloat16")],
+}
+
+
+def test_the_ltx2_decode_peak_closed_form_matches_the_measured_peak():
+    """plan.ltx2_decode_peak_bytes, the memory plan's decode row for LTX-2's video VAE, against the tensors the decode
+    really made (PeakTensorBytes), within 10% whole (float32 and bfloat16) and in 2 and 3 bands of an odd number of
+    rows (the largest band's, its gathered video included)."""
+    table = []
+    whole = run_on_ranks(_video_measured_and_planned_peaks, 1, 1, LTX2_WHOLE, timeout_s=300)[0]
+    table += [(case, 1, *peak) for case, peak in zip(LTX2_WHOLE, whole)]
+    for ranks, cases in LTX2_BANDS.items():
         per_rank = run_on_ranks(_video_measured_and_planned_peaks, ranks, ranks, cases, timeout_s=300)
         for i, case in enumerate(cases):
             table.append((case, ranks, max(peaks[i][0] for peaks in per_rank), per_rank[0][i][1]))

@@ -32,7 +32,8 @@ A row says what one rank holds, by term, and whether the sum fits:
     conditioning  every row's text conditioning (both branches under CFG), whole on every rank
     stale K/V     PipeFusion's buffers on the busiest stage (attention/stale.py)
     decode peak   the VAE decode's activations in row bands (terms.planned_decode_peak: AutoencoderKL's 2D
-                  decoder; the video VAEs' in video_decode.py (Wan's), cogvideox_decode.py, hunyuan_decode.py)
+                  decoder; the video VAEs' in video_decode.py (Wan's), cogvideox_decode.py, hunyuan_decode.py,
+                  ltx2_decode.py)
 
     e.g. FLUX.1-dev, ulysses 4, shard_weights, text encoders sharded, 4 GPUs:
         rank r:  transformer ¼ of each parameter (5.95 GB) | T5 + CLIP ¼ (2.4 GB) | VAE whole (0.17 GB)
@@ -52,6 +53,7 @@ from .check import MemoryPlan, MemoryPlanError, available_bytes, check_plan, hum
 from .cogvideox_decode import cogvideox_decode_peak_bytes
 from .hunyuan_decode import hunyuan15_decode_peak_bytes, hunyuan_decode_peak_bytes
 from .load import plan_memory
+from .ltx2_decode import ltx2_decode_peak_bytes
 from .rows import (
     GB,
     LINKS,
@@ -90,6 +92,7 @@ __all__ = [
     "decode_peak_bytes",
     "hunyuan15_decode_peak_bytes",
     "hunyuan_decode_peak_bytes",
+    "ltx2_decode_peak_bytes",
     "wan_decode_peak_bytes",
     "fit_rank_key",
     "fit_ranking_reasons",

@@ -11,7 +11,8 @@ stale K/V      PipeFusion's buffers on the busiest rank of the busiest stage: th
                edge rows per patch (Sana's: stale_sums_and_halos)
 decode peak    the VAE decode's activations, whole or in row bands (planned_decode_peak): the 2D decoder's
                (decode_peak_bytes; AutoencoderKL, Flux.2's), Wan's causal 3D one's (video_decode.py),
-               CogVideoX's (cogvideox_decode.py), HunyuanVideo's and HunyuanVideo-1.5's (hunyuan_decode.py)
+               CogVideoX's (cogvideox_decode.py), HunyuanVideo's and HunyuanVideo-1.5's (hunyuan_decode.py), LTX-2's
+               (ltx2_decode.py)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..sharding import batch_rows
 from ..vae import CAUSAL_VAES, PLANAR_VAES
 from .cogvideox_decode import cogvideox_decode_peak_bytes
 from .hunyuan_decode import hunyuan15_decode_peak_bytes, hunyuan_decode_peak_bytes
+from .ltx2_decode import ltx2_decode_peak_bytes
 from .video_decode import wan_decode_peak_bytes
 
 VIDEO_DECODE_PEAKS = {  # each video VAE's closed form, checked against measured peaks in tests/test_vae.py
@@ -34,13 +36,10 @@ VIDEO_DECODE_PEAKS = {  # each video VAE's closed form, checked against measured
     "AutoencoderKLCogVideoX": cogvideox_decode_peak_bytes,
     "AutoencoderKLHunyuanVideo": hunyuan_decode_peak_bytes,
     "AutoencoderKLHunyuanVideo15": hunyuan15_decode_peak_bytes,
+    "AutoencoderKLLTX2Video": ltx2_decode_peak_bytes,
 }
 UNPLANNED_DECODES = {  # the VAEs whose decode peak has no closed form here yet, and why
     "AutoencoderDC": "Sana's deep-compression decoder (its own blocks, linear attention) has no ledger here",
-    "AutoencoderKLLTX2Video": (
-        "LTX-2's video decoder (not causal, channels rearranged into pixels and frames at each upsampling, a 4 × 4 "
-        "unpatchify at the end; decoded whole: vae.py has no bands for it) has no ledger here yet"
-    ),
 }
 
 __all__ = ["Call", "RequestShape", "make_call", "request_shape"]

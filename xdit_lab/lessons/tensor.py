@@ -6,6 +6,8 @@
                                       the closed form (traffic.tp_bytes_per_forward)
     shard_table(results)              the shards of every rank, one line a layer
     collective_table(results, rank)   one rank's collectives in the block, each with its closed-form bytes
+    comparison_table(runs)            session summaries of several splits of one model: bytes per group in a step
+                                      (measured beside the closed form) and parameter bytes, per rank
 
 A weight is [out_features, in_features]: "colwise" splits its output features (the rows of the weight, the columns
 of the output: q, k, v, the MLP's first layer, the modulation), "rowwise" its input features (the weight's columns:
@@ -18,8 +20,9 @@ import torch
 
 from ..lab.table import text_table
 
-# one joint block's layers of each kind, and the single-stream block's packed output (diffusers' FluxTransformer
-# _tp_plan, with the adapter's modulations)
+# a joint block's image-stream layers, one of each kind (diffusers' FluxTransformer _tp_plan, with the adapter's
+# modulation); its text stream's add_*/to_add_out/ff_context are split alike. A single-stream block's proj_out is
+# packed (its attention and MLP columns cut one by one), not one contiguous range, so it is not listed here
 LAYERS = (
     "attn.to_q",
     "attn.to_k",

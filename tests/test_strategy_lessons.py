@@ -192,3 +192,24 @@ def test_tp_block_shards_are_the_whole_weight_s_slices_and_its_bytes_the_closed_
         assert r["forward_tp_bytes"] == r["forward_formula"] > 0
         assert r["held_bytes"] < 0.6 * r["whole_bytes"]
     assert "NO" not in shard_table(results) and "all_reduce" in collective_table(results, 1)
+
+
+def test_the_comparison_table_shows_the_groups_that_moved_and_a_disagreement_with_the_formula():
+    from xdit_lab.lessons.tensor import comparison_table
+
+    def summary(rank, measured, expected, params):
+        return dict(
+            rank=rank,
+            comm=dict(measured=[measured], expected=[expected]),
+            memory=dict(parameter_bytes=dict(transformer=params)),
+        )
+
+    text = comparison_table(
+        {
+            "tp2": [summary(0, {"tp": 100, "sp": 0}, {"tp": 100}, 50), None],
+            "ulysses2": [summary(1, {"ulysses": 30, "sp": 4}, {"ulysses": 31, "sp": 4}, 90)],
+        }
+    )
+    lines = text.splitlines()
+    assert len(lines) == 3 and "tp 100 " in lines[1] and "sp" not in lines[1] and lines[1].split()[-1] == "50"
+    assert "sp 4, ulysses 30≠31" in lines[2] and lines[2].split()[-2:] == ["34", "90"]

@@ -154,3 +154,62 @@ def test_the_price_of_stale_kv_is_drawn_as_the_table_prints_it():
     accuracy = {line.get_label(): list(line.get_ydata()) for line in accuracy_axis.get_lines()}
     assert accuracy["2 patches"] == accuracy["4 patches"] == [50, 100, 100] and accuracy["serial"] == [100, 100]
     assert not legibility_problems(fig), legibility_problems(fig)
+
+
+# ---- tensor parallelism's part of tutorial 07 (xdit_lab.lessons.tensor) ------------------------------------------
+
+
+def test_tp_block_shards_are_the_whole_weight_s_slices_and_its_bytes_the_closed_form():
+    """On 2 ranks and 3 (the third idle under tp 2): rank r's q holds rows [r·n/2, (r+1)·n/2) of the whole q and its
+    output projection those columns; the block's collectives are its four rowwise all-reduces and its two
+    modulations' all-gathers, each with the closed form's bytes, and the forward's tp bytes are
+    traffic.tp_bytes_per_forward's."""
+    from xdit_lab.lessons.tensor import collective_table, shard_table, tp_block
+
+    results = dict(enumerate(run_on_ranks(tp_block, 3, {}, ParallelConfig(tp=2), timeout_s=240)))
+    assert results[2] is None
+    for rank in (0, 1):
+        r = results[rank]
+        shards = {s["layer"]: s for s in r["shards"]}
+        q, out = shards["attn.to_q"], shards["attn.to_out.0"]
+        assert (q["dim"], q["start"], q["stop"]) == ("out (rows)", rank * q["of"] // 2, (rank + 1) * q["of"] // 2)
+        assert (out["dim"], out["start"], out["stop"]) == (
+            "in (columns)",
+            rank * out["of"] // 2,
+            (rank + 1) * out["of"] // 2,
+        )
+        assert all(s["exact"] for s in r["shards"]), r["shards"]
+        assert q["held"] == [q["whole"][0] // 2, q["whole"][1]] and out["held"] == [
+            out["whole"][0],
+            out["whole"][1] // 2,
+        ]
+        ops = [(c["op"], c["layer"]) for c in r["collectives"]]
+        assert sorted(ops) == sorted(
+            [("all_reduce", name) for name in ("attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2")]
+            + [("all_gather", name) for name in ("norm1.linear", "norm1_context.linear")]
+        ), ops
+        assert all(c["bytes_out"] == c["formula"] > 0 for c in r["collectives"]), r["collectives"]
+        assert r["forward_tp_bytes"] == r["forward_formula"] > 0
+        assert r["held_bytes"] < 0.6 * r["whole_bytes"]
+    assert "NO" not in shard_table(results) and "all_reduce" in collective_table(results, 1)
+
+
+def test_the_comparison_table_shows_the_groups_that_moved_and_a_disagreement_with_the_formula():
+    from xdit_lab.lessons.tensor import comparison_table
+
+    def summary(rank, measured, expected, params):
+        return dict(
+            rank=rank,
+            comm=dict(measured=[measured], expected=[expected]),
+            memory=dict(parameter_bytes=dict(transformer=params)),
+        )
+
+    text = comparison_table(
+        {
+            "tp2": [summary(0, {"tp": 100, "sp": 0}, {"tp": 100}, 50), None],
+            "ulysses2": [summary(1, {"ulysses": 30, "sp": 4}, {"ulysses": 31, "sp": 4}, 90)],
+        }
+    )
+    lines = text.splitlines()
+    assert len(lines) == 3 and "tp 100 " in lines[1] and "sp" not in lines[1] and lines[1].split()[-1] == "50"
+    assert "sp 4, ulysses 30≠31" in lines[2] and lines[2].split()[-2:] == ["34", "90"]

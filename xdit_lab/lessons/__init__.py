@@ -4,6 +4,7 @@ ipyparallel engines can import it; nothing in the runtime imports it.
     sequence.py    tutorials 02-04: the Ulysses exchange and the Ring passes, traced on real ranks, drawn
     links.py       tutorial 04: when each split wins, bytes at a realistic size on stated link speeds
     tables.py      tutorials 05-07: result tables of the strategy lessons (batch rows, quality, bytes)
+    tensor.py      tutorial 07: a block's rows and columns per tp rank, its collectives, tp beside ulysses and pf
     controls.py    deliberately wrong PipeFusion K/V buffers, which a staleness bound must catch
     schedules.py   tutorial 06: PipeFusion's drained and async schedules side by side, the bubble
     loading.py     tutorial 08: what a rank holds, mmap and plain reads

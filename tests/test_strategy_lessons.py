@@ -194,22 +194,26 @@ def test_tp_block_shards_are_the_whole_weight_s_slices_and_its_bytes_the_closed_
     assert "NO" not in shard_table(results) and "all_reduce" in collective_table(results, 1)
 
 
-def test_the_comparison_table_shows_the_groups_that_moved_and_a_disagreement_with_the_formula():
-    from xdit_lab.lessons.tensor import comparison_table
+def test_bytes_by_config_shows_tp_where_a_run_splits_over_it_and_a_disagreement_with_the_formula():
+    from xdit_lab.lessons.tables import bytes_by_config
 
-    def summary(rank, measured, expected, params):
+    def summary(rank, config, measured, expected, params):
+        coords = {name: 0 for name in ("dp", "cfg", "pipefusion", "ring", "ulysses", "tp")} | {next(iter(config)): rank}
         return dict(
             rank=rank,
+            coords=coords,
+            config={"dp": 1, "cfg": 1, "pipefusion": 1, "ring": 1, "ulysses": 1, "tp": 1} | config,
             comm=dict(measured=[measured], expected=[expected]),
             memory=dict(parameter_bytes=dict(transformer=params)),
         )
 
-    text = comparison_table(
-        {
-            "tp2": [summary(0, {"tp": 100, "sp": 0}, {"tp": 100}, 50), None],
-            "ulysses2": [summary(1, {"ulysses": 30, "sp": 4}, {"ulysses": 31, "sp": 4}, 90)],
-        }
-    )
-    lines = text.splitlines()
-    assert len(lines) == 3 and "tp 100 " in lines[1] and "sp" not in lines[1] and lines[1].split()[-1] == "50"
-    assert "sp 4, ulysses 30≠31" in lines[2] and lines[2].split()[-2:] == ["34", "90"]
+    runs = {
+        "tp2": [summary(1, {"tp": 2}, {"tp": 100}, {"tp": 100}, 50), None],
+        "ulysses2": [summary(1, {"ulysses": 2}, {"ulysses": 30, "sp": 4}, {"ulysses": 31, "sp": 4}, 90)],
+    }
+    header, tp_row, ulysses_row = bytes_by_config(runs).splitlines()  # the idle rank (None) has no row
+    assert header.split()[3:10] == ["dp", "cfg", "pipefusion", "ring", "ulysses", "tp", "sp"]
+    assert tp_row.split() == ["tp2", "1", "tp", "1", "-", "-", "-", "-", "-", "100", "-", "100", "50"]
+    assert ulysses_row.split()[-5:] == ["30≠31", "-", "4", "34", "90"]
+    # without a tp run, the five degrees' table reads as before: no tp column
+    assert "tp" not in bytes_by_config({"ulysses2": runs["ulysses2"]}).splitlines()[0].split()

@@ -21,11 +21,11 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..config import DEGREES, SHORT
-from ..mesh import CFG, DP, PIPEFUSION, RING, SP, ULYSSES, WORLD
+from ..config import GRID, SHORT
+from ..mesh import CFG, DP, PIPEFUSION, RING, SP, TP, ULYSSES, WORLD
 from ..plan import human_bytes
 
-GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, SP)  # the degrees in their one order, then the token gather
+GROUP_ORDER = (DP, CFG, PIPEFUSION, RING, ULYSSES, TP, SP)  # the degrees in their one order, then the token gather
 
 
 DPI = 100  # every figure of the package, at least; text at 9 pt or more (tests/test_lab_views.py checks)
@@ -101,7 +101,7 @@ def _by_rank(summaries) -> list[dict]:
 def role(summary) -> str:
     """Where a rank sits in the grid, the degrees above 1 only: 'cfg 1 · ulysses 0', or 'serial'."""
     c, config = summary["coords"], summary["config"]
-    used = [f"{SHORT[name]} {c[name]}" for name in DEGREES if config[name] > 1]
+    used = [f"{SHORT[name]} {c.get(name, 0)}" for name in GRID if config.get(name, 1) > 1]
     return " · ".join(used) or "serial"
 
 

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from ..lab.measure import compare_to_serial, significant
 from ..lab.table import text_table
 from ..lab.views import GROUP_ORDER, new_figure, role, spans
+from ..mesh import TP
 
 # ---- accuracy against the serial run --------------------------------------------------------------
 
@@ -109,20 +110,23 @@ def batch_table(summaries, prompts: list[str]) -> str:
 def bytes_by_config(runs: dict, step: int = -1) -> str:
     """One row per (configuration, rank): bytes out per group in one step ('measured' or
     'measured≠formula' when they disagree), and the transformer parameter bytes the rank holds.
-    `runs` maps a configuration's name to its ranks' summaries."""
-    header = ["config", "rank", "role", *GROUP_ORDER, "total B", "params B"]
+    `runs` maps a configuration's name to its ranks' summaries (None for a rank the configuration leaves idle)."""
+    rows = [
+        (name, s) for name, summaries in runs.items() for s in sorted(filter(None, summaries), key=lambda s: s["rank"])
+    ]
+    # tp's column only where a run splits over tp: the tables of the five other degrees read as before
+    groups = [g for g in GROUP_ORDER if g != TP or any(s["config"].get(TP, 1) > 1 for _, s in rows)]
     body = []
-    for name, summaries in runs.items():
-        for s in sorted((s for s in summaries if s is not None), key=lambda s: s["rank"]):
-            measured = s["comm"]["measured"][step] if s["comm"]["measured"] else {}
-            expected = s["comm"]["expected"][step] if s["comm"]["expected"] else {}
-            cells = []
-            for group in GROUP_ORDER:
-                m, e = measured.get(group, 0), expected.get(group, 0)
-                cells.append("-" if not (m or e) else f"{m:,}" if m == e else f"{m:,}≠{e:,}")
-            params = s["memory"]["parameter_bytes"].get("transformer", 0)
-            body.append([name, str(s["rank"]), role(s), *cells, f"{sum(measured.values()):,}", f"{params:,}"])
-    return text_table(header, body)
+    for name, s in rows:
+        measured = s["comm"]["measured"][step] if s["comm"]["measured"] else {}
+        expected = s["comm"]["expected"][step] if s["comm"]["expected"] else {}
+        cells = []
+        for group in groups:
+            m, e = measured.get(group, 0), expected.get(group, 0)
+            cells.append("-" if not (m or e) else f"{m:,}" if m == e else f"{m:,}≠{e:,}")
+        params = s["memory"]["parameter_bytes"].get("transformer", 0)
+        body.append([name, str(s["rank"]), role(s), *cells, f"{sum(measured.values()):,}", f"{params:,}"])
+    return text_table(["config", "rank", "role", *groups, "total B", "params B"], body)
 
 
 # ---- time per rank (runs on the engines) -----------------------------------------------------------

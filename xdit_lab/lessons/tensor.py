@@ -6,7 +6,6 @@
                                       the closed form (traffic.tp_bytes_per_forward)
     shard_table(results)              the shards of every rank, one line a layer
     collective_table(results, rank)   one rank's collectives in the block, each with its closed-form bytes
-    comparison_table(runs)            session summaries of several splits of one model: bytes per group in a step
                                       (measured beside the closed form) and parameter bytes, per rank
 
 A weight is [out_features, in_features]: "colwise" splits its output features (the rows of the weight, the columns
@@ -160,22 +159,3 @@ def collective_table(results: dict, rank: int = 0) -> str:
 
 def _active(results: dict) -> list[dict]:
     return [results[k] for k in sorted(results) if results[k] is not None]
-
-
-def comparison_table(runs: dict, step: int = -1) -> str:
-    """`{config name: session.summaries()}` on the same model as text, one row per active rank: the bytes it sent
-    in one step per group that moved any (measured; 'measured≠formula' where the closed form disagrees), their
-    total, and the transformer parameter bytes it holds."""
-    body = []
-    for name, summaries in runs.items():
-        for s in sorted((s for s in summaries if s is not None), key=lambda s: s["rank"]):
-            measured = s["comm"]["measured"][step] if s["comm"]["measured"] else {}
-            expected = s["comm"]["expected"][step] if s["comm"]["expected"] else {}
-            moved = [
-                f"{group} {m:,}" if m == expected.get(group, 0) else f"{group} {m:,}≠{expected.get(group, 0):,}"
-                for group, m in sorted(measured.items())
-                if m or expected.get(group, 0)
-            ]
-            params = s["memory"]["parameter_bytes"].get("transformer", 0)
-            body.append([name, str(s["rank"]), ", ".join(moved), f"{sum(measured.values()):,}", f"{params:,}"])
-    return text_table(["config", "rank", "bytes per group, one step", "total B", "params B"], body)

@@ -1,0 +1,222 @@
+"""diffusers' own cache configurations under parallelism, against diffusers' serial pipeline.
+
+`load_pipeline(folder, config, cache=<diffusers cache config>)` runs diffusers' hooks after parallelize, with one
+decision for every rank (xdit_lab/models/diffusers_cache.py). The reference is diffusers' stock pipeline loaded from
+the same tiny folder with `transformer.enable_cache(config)`, run serially; every method equals it (1e-4 relative)
+under ulysses 2, ring 2 and dp 2 on tiny Flux and tiny Wan, and under cfg 2 where Wan runs true CFG, with the steps
+skipped equal on every rank. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=False))
+under dp 2, whose ranks hold different prompts, misses. The refusals are asked without loading a weight."""
+
+import dataclasses
+
+import pytest
+import torch
+from diffusers.hooks import (
+    FasterCacheConfig,
+    FirstBlockCacheConfig,
+    MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
+    SeaCacheConfig,
+    TaylorSeerCacheConfig,
+    TextKVCacheConfig,
+)
+
+from xdit_lab import LoadOptions, ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
+from xdit_lab.accelerations import option_problems
+from xdit_lab.families import family, recipe_for
+from xdit_lab.model_folder import read_model_folder, resolve_folder
+from xdit_lab.models import Controls, parallel_state
+from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS, STEPS = ["a red cat", "a blue dog"], 6
+CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=2)]
+
+
+def _methods(family):
+    """name -> the configuration, each at settings where the tiny models skip at some steps and run at others.
+    Wan's attention modules are attn1 and attn2, which TaylorSeer's default patterns ("^blocks.*attn") miss: its
+    blocks are named instead."""
+    taylorseer = dict(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32)
+    if family == "wan":
+        taylorseer["cache_identifiers"] = [r"blocks\.\d+"]
+    return dict(
+        fbc=FirstBlockCacheConfig(threshold=THRESHOLDS[family]),
+        taylorseer=TaylorSeerCacheConfig(**taylorseer),
+        magcache=MagCacheConfig(threshold=0.5, num_inference_steps=STEPS, mag_ratios=[1.0] + [0.9] * (STEPS - 1)),
+        pab=PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(0, 1000)
+        ),
+    )
+
+
+# between the tiny models' measured changes (flux 0.469, 0.513, ...; wan 0.091, 0.093, 0.163, 0.190), each at least
+# 2% away from every change measured (parallel runs differ from serial by about 1e-6 relative)
+THRESHOLDS = {"flux": 0.5, "wan": 0.17}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return {f: save_tiny_pipeline(f, tmp_path_factory.mktemp(f)) for f in ("flux", "wan")}
+
+
+def _call_kwargs(family, cfg):
+    """Flux's pipeline has one branch; Wan's runs true CFG (two calls a step in diffusers) when `cfg`."""
+    kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=STEPS)
+    if family == "wan":
+        kwargs["guidance_scale"] = 5.0 if cfg else 1.0
+        if cfg:
+            kwargs["negative_prompt"] = ["", "a photo"]
+    return kwargs
+
+
+def _latents(output, family):
+    return output.frames if family == "wan" else output.images
+
+
+def _diffusers(folder, family, method, cfg=False):
+    """diffusers' pipeline with transformer.enable_cache(the method's configuration), serially: its latents (PAB
+    reads the pipeline's own current_timestep, as diffusers' docs show)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    config = _methods(family)[method]
+    if method == "pab":
+        config = dataclasses.replace(config, current_timestep_callback=lambda: pipe.current_timestep)
+    pipe.transformer.enable_cache(config)
+    output = pipe(
+        PROMPTS, generator=torch.Generator().manual_seed(0), output_type="latent", **_call_kwargs(family, cfg)
+    )
+    return _latents(output, family)
+
+
+def _ours(folder, family, runs, cfg=False):
+    """On every rank: each (configuration, method, controls) with load_pipeline's cache=; rows per run."""
+    rows = []
+    for config, method, controls in runs:
+        cache = _methods(family)[method]
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=cache, controls=controls)
+        session = pipe.session(PROMPTS, seed=0, **_call_kwargs(family, cfg)).run()
+        result = session.result(output_type="latent")
+        state = parallel_state(pipe.diffusers_pipeline.transformer)
+        rows.append(
+            dict(
+                config=config.short(),
+                method=method,
+                latents=_latents(result, family),
+                skips=result.cache_skips,
+                changes=list(session.cache_changes),
+                local_changes=state.cache.local_changes,
+                cache_bytes=[step.get("world", 0) for step in result.comm_per_step],
+            )
+        )
+        pipe.close()
+    return rows
+
+
+def _check(per_rank, references):
+    for rank, rows in enumerate(per_rank):
+        for row, first in zip(rows, per_rank[0]):
+            where = f"{row['method']} {row['config']} rank {rank}"
+            expected = references[row["method"]]
+            error, bound = (row["latents"] - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
+            assert error <= bound, f"{where}: {error:.3g} > {bound:.3g}"
+            assert row["skips"] == first["skips"], f"{where}: the ranks skipped at other steps"
+            assert any(row["skips"]) and not all(row["skips"]), f"{where}: {row['skips']} (nothing measured)"
+            if row["method"] == "fbc":  # two float32 all-reduced over the world at each step after the first
+                assert row["cache_bytes"][0] == 0 and all(b == 8 for b in row["cache_bytes"][1:]), where
+            else:  # decided from the schedule: nothing moves for the decision
+                assert not any(row["cache_bytes"]), where
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_every_method_equals_diffusers_serial_under_ulysses_ring_dp(folders, family):
+    methods = list(_methods(family))
+    references = {m: _diffusers(folders[family], family, m) for m in methods}
+    runs = [(config, method, None) for config in CONFIGS for method in methods]
+    _check(run_on_ranks(_ours, 2, folders[family], family, runs, timeout_s=300), references)
+
+
+def test_wan_true_cfg_under_cfg2_equals_diffusers_two_calls(folders):
+    """Wan's diffusers pipeline runs cond and uncond as two calls, each with its own hook state; xdit_lab runs
+    [uncond; cond] as one call, split by cfg 2: TaylorSeer and MagCache (elementwise, schedule-only) equal it."""
+    methods = ["taylorseer", "magcache"]
+    references = {m: _diffusers(folders["wan"], "wan", m, cfg=True) for m in methods}
+    runs = [(config, m, None) for config in (ParallelConfig(cfg=2), ParallelConfig(ulysses=2)) for m in methods]
+    _check(run_on_ranks(_ours, 2, folders["wan"], "wan", runs, cfg=True, timeout_s=300), references)
+
+
+def test_control_first_block_cache_decided_per_rank_misses(folders):
+    """CONTROL, deliberately wrong: First-Block Cache with each dp rank deciding from its own prompt's residual
+    (Controls(cache_agrees=False), as diffusers' hooks decide on each rank): the ranks skip at other steps, and the
+    latents miss diffusers' serial result, which the agreed run equals."""
+    family, config = "flux", ParallelConfig(dp=2)
+    reference = _diffusers(folders[family], family, "fbc")
+    runs = [(config, "fbc", None), (config, "fbc", Controls(cache_agrees=False))]
+    per_rank = run_on_ranks(_ours, 2, folders[family], family, runs, timeout_s=300)
+    _check([rows[:1] for rows in per_rank], {"fbc": reference})
+    alone = [rows[1] for rows in per_rank]
+    assert alone[0]["skips"] != alone[1]["skips"], [row["local_changes"] for row in alone]
+    bound = 1e-4 * max(1.0, reference.abs().max().item())
+    assert (alone[0]["latents"] - reference).abs().max().item() > bound
+
+
+def _enable_by_hand(folder):
+    """On every rank: pipe.enable_cache / disable_cache, then transformer.enable_cache by hand, refused."""
+    config = ParallelConfig(ulysses=2)
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+    kwargs = _call_kwargs("flux", False)
+    plain = _latents(pipe.session(PROMPTS, seed=0, **kwargs).run().result(output_type="latent"), "flux")
+    pipe.enable_cache(_methods("flux")["fbc"])
+    cached = pipe.session(PROMPTS, seed=0, **kwargs).run().result(output_type="latent")
+    pipe.disable_cache()
+    again = _latents(pipe.session(PROMPTS, seed=0, **kwargs).run().result(output_type="latent"), "flux")
+    pipe.diffusers_pipeline.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    try:
+        pipe.session(PROMPTS, seed=0, **kwargs).run()
+        refused = None
+    except ParallelConfigError as error:
+        refused = str(error)
+    pipe.close()
+    return dict(plain=plain, cached=_latents(cached, "flux"), skips=cached.cache_skips, again=again, refused=refused)
+
+
+def test_pipe_enable_cache_and_a_cache_enabled_by_hand(folders):
+    reference = _diffusers(folders["flux"], "flux", "fbc")
+    for rank, row in enumerate(run_on_ranks(_enable_by_hand, 2, folders["flux"], timeout_s=300)):
+        assert (row["cached"] - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item()), rank
+        assert any(row["skips"]), rank
+        assert torch.equal(row["again"], row["plain"]), f"rank {rank}: disable_cache left something behind"
+        assert row["refused"] and "enabled by hand (transformer.enable_cache)" in row["refused"], row["refused"]
+
+
+def test_refused_by_name_before_a_weight_is_read(tmp_path):
+    flux = family("flux").ADAPTER
+    ulysses = ParallelConfig(ulysses=2)
+
+    def said(cache, config=ulysses, adapter=flux, **options):
+        return "; ".join(sentence for sentence, _ in option_problems(config, adapter, cache=cache, **options))
+
+    assert "frequency domain over its tokens" in said(FasterCacheConfig())
+    assert "torch's default group" in said(SeaCacheConfig())
+    assert "NucleusMoE-Image" in said(TextKVCacheConfig())
+    assert "does not run under PipeFusion" in said(FirstBlockCacheConfig(), ParallelConfig(pipefusion=2))
+    assert "compile=True does not take diffusers' FirstBlockCacheConfig" in said(FirstBlockCacheConfig(), compile=True)
+    assert "calibrate on one rank" in said(MagCacheConfig(calibrate=True))
+    assert said(MagCacheConfig(calibrate=True), ParallelConfig()) == ""  # one rank measures the whole
+    assert "leave current_timestep_callback None" in said(
+        PyramidAttentionBroadcastConfig(current_timestep_callback=lambda: 0)
+    )
+    for cache in _methods("flux").values():
+        assert said(cache) == "", cache
+    # a family whose transformer has no CacheMixin: refused through LoadOptions, before a weight is read
+    folder = read_model_folder(resolve_folder(save_tiny_pipeline("pixart", tmp_path)))
+    problems = LoadOptions(cache=FirstBlockCacheConfig()).problems(recipe_for(folder.pipeline_class), folder, ulysses)
+    assert "PixArtTransformer2DModel takes no diffusers cache (it has no CacheMixin" in "; ".join(map(str, problems))
+    # an object cache= does not know, even one with a threshold
+    unknown = option_problems(ulysses, flux, cache=dataclasses.make_dataclass("Mine", [("threshold", float)])(0.1))
+    assert unknown[0][1] is TypeError and "is not a cache xdit_lab runs" in unknown[0][0]
+    assert option_problems(ulysses, flux, cache=StepCache(0.1)) == []

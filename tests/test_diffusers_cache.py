@@ -20,6 +20,7 @@ from diffusers.hooks import (
     TaylorSeerCacheConfig,
     TextKVCacheConfig,
 )
+from forward_traffic import session_traffic, traffic_mismatches
 
 from xdit_lab import LoadOptions, ParallelConfig, ParallelConfigError, RankMesh, StepCache, load_pipeline
 from xdit_lab.accelerations import option_problems
@@ -111,6 +112,7 @@ def _ours(folder, family, runs, cfg=False):
                 changes=list(session.cache_changes),
                 local_changes=state.cache.local_changes,
                 cache_bytes=[step.get("world", 0) for step in result.comm_per_step],
+                traffic=session_traffic(session),
             )
         )
         pipe.close()
@@ -130,6 +132,8 @@ def _check(per_rank, references):
                 assert row["cache_bytes"][0] == 0 and all(b == 8 for b in row["cache_bytes"][1:]), where
             else:  # decided from the schedule: nothing moves for the decision
                 assert not any(row["cache_bytes"]), where
+            # every step's bytes per group equal the closed form told the skips and the method
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])
@@ -147,6 +151,27 @@ def test_wan_true_cfg_under_cfg2_equals_diffusers_two_calls(folders):
     references = {m: _diffusers(folders["wan"], "wan", m, cfg=True) for m in methods}
     runs = [(config, m, None) for config in (ParallelConfig(cfg=2), ParallelConfig(ulysses=2)) for m in methods]
     _check(run_on_ranks(_ours, 2, folders["wan"], "wan", runs, cfg=True, timeout_s=300), references)
+
+
+def _with_true_cfg(folder, method):
+    """On every rank: Wan with true CFG under cfg 2 and the method's cache; the refusal said at the first step."""
+    config = ParallelConfig(cfg=2)
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=_methods("wan")[method])
+    try:
+        pipe.session(PROMPTS, seed=0, **_call_kwargs("wan", cfg=True)).run()
+        return None
+    except ParallelConfigError as error:
+        return str(error)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("method", ["fbc", "pab"])
+def test_wan_true_cfg_refuses_what_decides_per_branch(folders, method):
+    """First-Block Cache decides from each branch's residual and PAB advances per call in diffusers' two calls a
+    step; one call over [uncond; cond] would decide otherwise: refused by name at the first step, on every rank."""
+    for said in run_on_ranks(_with_true_cfg, 2, folders["wan"], method, timeout_s=300):
+        assert said and "with true CFG: diffusers' pipeline runs the two branches as two calls" in said, said
 
 
 def test_control_first_block_cache_decided_per_rank_misses(folders):
@@ -220,3 +245,20 @@ def test_refused_by_name_before_a_weight_is_read(tmp_path):
     unknown = option_problems(ulysses, flux, cache=dataclasses.make_dataclass("Mine", [("threshold", float)])(0.1))
     assert unknown[0][1] is TypeError and "is not a cache xdit_lab runs" in unknown[0][0]
     assert option_problems(ulysses, flux, cache=StepCache(0.1)) == []
+
+
+def test_the_cli_spelling():
+    """xdit-lab run --cache NAME:KEY=VALUE,...: diffusers' configuration of that name, its values read as JSON."""
+    import argparse
+
+    from xdit_lab.cli import _cache
+
+    assert _cache("fbc:threshold=0.2") == FirstBlockCacheConfig(threshold=0.2)
+    assert _cache("taylorseer:cache_interval=4") == TaylorSeerCacheConfig(cache_interval=4)
+    mag = _cache("magcache:mag_ratios=[1.0,0.9,0.8],num_inference_steps=3")
+    assert mag.mag_ratios.tolist() == pytest.approx([1.0, 0.9, 0.8]) and mag.num_inference_steps == 3
+    pab = _cache("pab:spatial_attention_block_skip_range=2,spatial_attention_timestep_skip_range=[0,1000]")
+    assert pab.spatial_attention_timestep_skip_range == [0, 1000]
+    for wrong in ("teacache:threshold=0.1", "fbc:threshold", "fbc:thresh=0.1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _cache(wrong)

@@ -78,6 +78,7 @@ def rank_summary(session) -> dict:
             step=i,
             cache_skips=cache.get("skips"),
             experts=summary["experts"],
+            cache_method=cache.get("method"),
         )
         for i in range(len(measured))
     ]

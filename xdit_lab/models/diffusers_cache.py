@@ -27,6 +27,10 @@ Each session step opens the hooks' cache context ("cond", the step index, the ti
 do) and records per step whether the cache skipped a computation (`skips`) and First-Block Cache's change
 (`changes`; `local_changes`: what this rank's share alone gave). A cache enabled on the transformer by hand
 (`transformer.enable_cache`) decides per rank: it is refused at parallelize and at the next forward.
+FasterCache, SeaCache and TextKVCache, PipeFusion, compile and MagCache's calibration on several ranks are
+refused by name before a weight is read (accelerations.diffusers_cache_problems says why). The model's
+`Controls(cache_agrees=False)` makes each rank take First-Block Cache's decision from its own sums: a
+deliberately wrong control, which misses diffusers' result where the ranks' shares differ.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 
 import torch
 
@@ -60,7 +65,7 @@ class DiffusersCache:
         self.timestep = None  # the running step's, for PAB
         if self.name == "PyramidAttentionBroadcastConfig":
             config = dataclasses.replace(config, current_timestep_callback=lambda: self.timestep)
-        self.transformer = transformer
+        self._transformer = weakref.ref(transformer)  # the state lives on the transformer: no cycle through it
         transformer.enable_cache(config)
         setattr(transformer, _OWNED, transformer._cache_config)
         self.hooks = [  # the hooks enable_cache registered, in module order (the head block's first)
@@ -71,6 +76,10 @@ class DiffusersCache:
         ]
         self.reset()
         self._wrap_decisions()
+
+    @property
+    def transformer(self):
+        return self._transformer()
 
     # ---- what the session and the views read -----------------------------------------------------------
     def reset(self) -> None:

@@ -301,6 +301,28 @@ def test_refused_by_name_before_a_weight_is_read(tmp_path):
         parallelize(transformer, ParallelConfig())
 
 
+def test_the_cli_runs_a_diffusers_cache(folders, tmp_path):
+    """`xdit-lab run --cache taylorseer:cache_interval=2,...` under ulysses 2 on 2 ranks given torchrun's
+    environment: the latents equal diffusers' serial TaylorSeer, and the report names the configuration."""
+    import json
+
+    from xdit_lab.lessons import production
+    from xdit_lab.testing import run_cli
+
+    argv = production.run_argv(
+        folders["flux"], PROMPTS, ParallelConfig(ulysses=2), tmp_path, seed=0, **_call_kwargs("flux", False)
+    )
+    spec = "taylorseer:cache_interval=2,disable_cache_before_step=2,taylor_factors_dtype=float32"
+    job = run_cli([*argv, "--output-type", "latent", "--cache", spec], 2, timeout_s=240)
+    assert job.codes == [0, 0], job
+    assert "TaylorSeerCacheConfig skipped 2 of 6 steps" in job.stdout, job
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["load_options"]["cache"]["diffusers"] == "TaylorSeerCacheConfig"
+    expected = _diffusers(folders["flux"], "flux", "taylorseer")
+    latents = torch.load(tmp_path / "latents.pt")
+    assert (latents - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max().item())
+
+
 def test_the_cli_spelling():
     """xdit-lab run --cache NAME:KEY=VALUE,...: diffusers' configuration of that name, its values read as JSON."""
     import argparse
@@ -309,10 +331,12 @@ def test_the_cli_spelling():
 
     assert _cache("fbc:threshold=0.2") == FirstBlockCacheConfig(threshold=0.2)
     assert _cache("taylorseer:cache_interval=4") == TaylorSeerCacheConfig(cache_interval=4)
+    taylorseer = _cache("taylorseer:taylor_factors_dtype=float32")
+    assert taylorseer.taylor_factors_dtype is torch.float32
     mag = _cache("magcache:mag_ratios=[1.0,0.9,0.8],num_inference_steps=3")
     assert mag.mag_ratios.tolist() == pytest.approx([1.0, 0.9, 0.8]) and mag.num_inference_steps == 3
     pab = _cache("pab:spatial_attention_block_skip_range=2,spatial_attention_timestep_skip_range=[0,1000]")
     assert pab.spatial_attention_timestep_skip_range == [0, 1000]
-    for wrong in ("teacache:threshold=0.1", "fbc:threshold", "fbc:thresh=0.1"):
+    for wrong in ("teacache:threshold=0.1", "fbc:threshold", "fbc:thresh=0.1", "taylorseer:taylor_factors_dtype=f3"):
         with pytest.raises(argparse.ArgumentTypeError):
             _cache(wrong)

@@ -191,15 +191,20 @@ CACHE_NAMES = dict(
 
 def _cache(text: str):
     """--cache fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[1.0,0.9,...]: one of diffusers'
-    cache configurations, each value read as JSON when it parses (a list for a range or the ratios), else as text."""
+    cache configurations, each value read as JSON when it parses (a list for a range or the ratios), else as text
+    (a dtype field's by its torch name: taylor_factors_dtype=float32)."""
+    import dataclasses
     import json
     import re
 
     import diffusers.hooks
+    import torch
 
     name, _, settings = text.partition(":")
     if name not in CACHE_NAMES:
         raise argparse.ArgumentTypeError(f"--cache {name!r}: name one of {', '.join(CACHE_NAMES)}")
+    kind = getattr(diffusers.hooks, CACHE_NAMES[name])
+    defaults = {field.name: field.default for field in dataclasses.fields(kind)}
     values = {}
     for item in filter(None, re.split(r",(?![^\[]*\])", settings)):  # commas outside [...]
         key, sep, value = item.partition("=")
@@ -209,8 +214,12 @@ def _cache(text: str):
             values[key] = json.loads(value)
         except json.JSONDecodeError:
             values[key] = value
+        if isinstance(defaults.get(key), torch.dtype):
+            if not isinstance(getattr(torch, value, None), torch.dtype):
+                raise argparse.ArgumentTypeError(f"--cache {text!r}: {key}={value!r} is no torch dtype (float32, ...)")
+            values[key] = getattr(torch, value)
     try:
-        return getattr(diffusers.hooks, CACHE_NAMES[name])(**values)
+        return kind(**values)
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(f"--cache {text!r}: {error}") from None
 

@@ -62,9 +62,10 @@ def _methods(family):
     )
 
 
-# between the tiny models' measured changes (flux 0.469, 0.513, ...; wan 0.091, 0.093, 0.163, 0.190), each at least
-# 2% away from every change measured (parallel runs differ from serial by about 1e-6 relative)
-THRESHOLDS = {"flux": 0.5, "wan": 0.17}
+# between the tiny models' measured changes (serially, flux: 0.469, 0.410, 0.500 skipped, 0.567 run, 0.483 skipped;
+# wan: 0.091, 0.093, 0.163 skipped, 0.190 run, 0.156 skipped), each at least 3.5% away from every change measured
+# (parallel runs differ from serial by about 1e-6 relative)
+THRESHOLDS = {"flux": 0.52, "wan": 0.17}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def _latents(output, family):
     return output.frames if family == "wan" else output.images
 
 
-def _diffusers(folder, family, method, cfg=False, prompts=PROMPTS):
+def _diffusers(folder, family, method, cfg=False, prompts=PROMPTS, threshold=None):
     """diffusers' pipeline with transformer.enable_cache(the method's configuration), serially: its latents (PAB
     reads the pipeline's own current_timestep, as diffusers' docs show)."""
     from diffusers import DiffusionPipeline
@@ -94,6 +95,8 @@ def _diffusers(folder, family, method, cfg=False, prompts=PROMPTS):
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     config = _methods(family)[method]
+    if threshold is not None:
+        config = dataclasses.replace(config, threshold=threshold)
     if method == "pab":
         config = dataclasses.replace(config, current_timestep_callback=lambda: pipe.current_timestep)
     pipe.transformer.enable_cache(config)
@@ -108,6 +111,9 @@ def _ours(folder, family, runs, cfg=False, prompts=PROMPTS):
     rows = []
     for config, method, options in runs:
         cache = _methods(family)[method]
+        if "threshold" in options:  # another threshold than THRESHOLDS'
+            options = dict(options)
+            cache = dataclasses.replace(cache, threshold=options.pop("threshold"))
         pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=cache, **options)
         session = pipe.session(prompts, seed=0, **_call_kwargs(family, cfg)).run()
         result = session.result(output_type="latent")
@@ -128,7 +134,7 @@ def _ours(folder, family, runs, cfg=False, prompts=PROMPTS):
     return rows
 
 
-def _check(per_rank, references):
+def _check(per_rank, references, measured=True):
     for rank, rows in enumerate(per_rank):
         for row, first in zip(rows, per_rank[0]):
             where = f"{row['method']} {row['config']} rank {rank}"
@@ -136,7 +142,8 @@ def _check(per_rank, references):
             error, bound = (row["latents"] - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
             assert error <= bound, f"{where}: {error:.3g} > {bound:.3g}"
             assert row["skips"] == first["skips"], f"{where}: the ranks skipped at other steps"
-            assert any(row["skips"]) and not all(row["skips"]), f"{where}: {row['skips']} (nothing measured)"
+            if measured:  # settings where some steps skip and some run
+                assert any(row["skips"]) and not all(row["skips"]), f"{where}: {row['skips']} (nothing measured)"
             if row["method"] == "fbc":  # two float32 all-reduced over the world at each step after the first
                 assert row["cache_bytes"][0] == 0 and all(b > 0 for b in row["cache_bytes"][1:]), where
             else:  # decided from the schedule: nothing moves for the decision
@@ -201,12 +208,14 @@ def test_wan_true_cfg_refuses_what_decides_per_branch(folders, method):
 def test_control_first_block_cache_decided_per_rank_misses(folders):
     """CONTROL, deliberately wrong: First-Block Cache with each dp rank deciding from its own prompt's residual
     (Controls(cache_agrees=False), as diffusers' hooks decide on each rank): the ranks skip at other steps, and the
-    latents miss diffusers' serial result, which the agreed run equals."""
-    family, config = "flux", ParallelConfig(dp=2)
-    reference = _diffusers(folders[family], family, "fbc")
-    runs = [(config, "fbc", {}), (config, "fbc", dict(controls=Controls(cache_agrees=False)))]
+    latents miss diffusers' serial result, which the agreed run equals. The threshold lies between the two ranks'
+    own changes at the second step (measured 0.4636 and 0.4734; together 0.4687, which runs the blocks)."""
+    family, config, threshold = "flux", ParallelConfig(dp=2), 0.466
+    reference = _diffusers(folders[family], family, "fbc", threshold=threshold)
+    agreed = dict(threshold=threshold)
+    runs = [(config, "fbc", agreed), (config, "fbc", dict(agreed, controls=Controls(cache_agrees=False)))]
     per_rank = run_on_ranks(_ours, 2, folders[family], family, runs, timeout_s=300)
-    _check([rows[:1] for rows in per_rank], {"fbc": reference})
+    _check([rows[:1] for rows in per_rank], {"fbc": reference}, measured=False)
     alone = [rows[1] for rows in per_rank]
     assert alone[0]["skips"] != alone[1]["skips"], [row["local_changes"] for row in alone]
     bound = 1e-4 * max(1.0, reference.abs().max().item())

@@ -293,6 +293,13 @@ def test_refused_by_name_before_a_weight_is_read(tmp_path):
     )
     for cache in _methods("flux").values():
         assert said(cache) == "", cache
+    # where diffusers' own hooks raise serially: refused by name (the rest of those families' methods run)
+    flux2, hunyuanvideo15 = family("flux2").ADAPTER, family("hunyuanvideo15").ADAPTER
+    assert "subtracts one from the other" in said(FirstBlockCacheConfig(), adapter=flux2)
+    assert said(_methods("flux")["magcache"], adapter=flux2) == ""
+    for cache in (FirstBlockCacheConfig(), _methods("flux")["magcache"]):
+        assert "TransformerBlockRegistry does not list" in said(cache, adapter=hunyuanvideo15)
+    assert said(_methods("flux")["taylorseer"], adapter=hunyuanvideo15) == ""
     # a family whose transformer has no CacheMixin: refused through LoadOptions, before a weight is read
     folder = read_model_folder(resolve_folder(save_tiny_pipeline("pixart", tmp_path)))
     problems = LoadOptions(cache=FirstBlockCacheConfig()).problems(recipe_for(folder.pipeline_class), folder, ulysses)

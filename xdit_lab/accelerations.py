@@ -119,6 +119,12 @@ REFUSED = dict(
     TextKVCacheConfig="it caches NucleusMoE-Image's text keys and values, a family xdit_lab does not run",
 )
 DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE)
+# (family, configuration) whose diffusers hooks raise in diffusers' own serial pipeline, and why
+RAISES_SERIALLY = {
+    ("flux2", "FirstBlockCacheConfig"): "its first block returns (text, image) and its last block one tensor of "
+    "[text; image], which diffusers' hook subtracts one from the other (a TypeError in diffusers' own pipeline); use "
+    "TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig",
+}
 DECIDES_IN_PYTHON = "whether a step, block or attention runs is decided in Python by its hooks; run the cache eagerly"
 
 
@@ -144,6 +150,15 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
         found.append(
             f"cache={name} is not run under a ParallelConfig: {REFUSED[name]}; use one of {', '.join(DIFFUSERS_CACHES)}"
         )
+    elif name in ("FirstBlockCacheConfig", "MagCacheConfig") and adapter.block_returns:
+        # their head and tail hooks look each block up in diffusers' TransformerBlockRegistry
+        found.append(
+            f"cache={name} does not run on {adapter.family}: diffusers' TransformerBlockRegistry does not list its "
+            f"blocks ({', '.join(adapter.block_returns)}), which the hooks look up, so diffusers' own pipeline raises "
+            f"on it; use TaylorSeerCacheConfig or PyramidAttentionBroadcastConfig"
+        )
+    elif (adapter.family, name) in RAISES_SERIALLY:
+        found.append(f"cache={name} does not run on {adapter.family}: {RAISES_SERIALLY[adapter.family, name]}")
     if getattr(config, PIPEFUSION) > 1:
         found.append(
             f"cache={name} does not run under PipeFusion: its hooks expect every block on one rank and one pass per "

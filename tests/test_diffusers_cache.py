@@ -63,19 +63,22 @@ def _methods(family):
 
 
 # between the tiny models' measured changes (serially, flux: 0.469, 0.410, 0.500 skipped, 0.567 run, 0.483 skipped;
-# wan: 0.091, 0.093, 0.163 skipped, 0.190 run, 0.156 skipped), each at least 3.5% away from every change measured
+# wan: 0.091, 0.093, 0.163 skipped, 0.190 run, 0.156 skipped; cogvideox with CFG: 0.355 skipped, 0.406 run, 0.331
+# skipped, 0.405, 0.442 run), each at least 3.5% away from every change measured
 # (parallel runs differ from serial by about 1e-6 relative)
-THRESHOLDS = {"flux": 0.52, "wan": 0.17}
+THRESHOLDS = {"flux": 0.52, "wan": 0.17, "cogvideox": 0.38}
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return {f: save_tiny_pipeline(f, tmp_path_factory.mktemp(f)) for f in ("flux", "wan")}
+    return {f: save_tiny_pipeline(f, tmp_path_factory.mktemp(f)) for f in ("flux", "wan", "cogvideox")}
 
 
 def _call_kwargs(family, cfg):
     """Flux's pipeline has one branch; Wan's runs true CFG (two calls a step in diffusers) when `cfg`."""
     kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=STEPS)
+    if family == "cogvideox":  # its pipeline batches [uncond; cond] in one call, as xdit_lab does
+        kwargs["negative_prompt"] = ["", "a photo"]
     if family == "wan":
         kwargs["guidance_scale"] = 5.0 if cfg else 1.0
         if cfg:
@@ -84,7 +87,7 @@ def _call_kwargs(family, cfg):
 
 
 def _latents(output, family):
-    return output.frames if family == "wan" else output.images
+    return output.frames if family in ("wan", "cogvideox") else output.images
 
 
 def _diffusers(folder, family, method, cfg=False, prompts=PROMPTS, threshold=None):
@@ -182,6 +185,15 @@ def test_usp_and_sharded_weights(folders):
     _check(run_on_ranks(_ours, 4, folders["flux"], "flux", usp, timeout_s=400), references)
     sharded = [(ParallelConfig(ulysses=2), m, dict(shard_weights=True)) for m in methods]
     _check(run_on_ranks(_ours, 2, folders["flux"], "flux", sharded, timeout_s=300), references)
+
+
+def test_cogvideox_cfg_in_one_call_takes_every_method_under_cfg2(folders):
+    """CogVideoX's diffusers pipeline batches [uncond; cond] in one call, as xdit_lab does: First-Block Cache and PAB,
+    refused with Wan's two calls, equal it under cfg 2 and ulysses 2 with CFG."""
+    methods = ["fbc", "pab"]
+    references = {m: _diffusers(folders["cogvideox"], "cogvideox", m) for m in methods}
+    runs = [(config, m, {}) for config in (ParallelConfig(cfg=2), ParallelConfig(ulysses=2)) for m in methods]
+    _check(run_on_ranks(_ours, 2, folders["cogvideox"], "cogvideox", runs, timeout_s=300), references)
 
 
 def _with_true_cfg(folder, method):

@@ -185,7 +185,9 @@ class DenoiseSession:
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
         cache_step = (  # diffusers' hooks read their cache context, as diffusers' pipelines open it
-            state.cache.step(self.step_index, self.num_steps, t, self.prepared.do_cfg)
+            state.cache.step(
+                self.step_index, self.num_steps, t, self.prepared.do_cfg and not self.recipe.cfg_in_one_call
+            )
             if isinstance(state.cache, DiffusersCache)
             else contextlib.nullcontext()
         )

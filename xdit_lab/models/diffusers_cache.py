@@ -18,10 +18,11 @@ diffusers' First-Block Cache takes means over the tensor it sees; the ratio of t
 two sums, so the sums of every rank's tokens and rows, all-reduced, give the serial decision (a dp stand-in row
 adds nothing). The decision method is replaced on the hook instance registered here, never in diffusers.
 
-diffusers' serial pipelines run true CFG as two calls a step, each with its own hook state ("cond", "uncond"),
-while xdit_lab runs [uncond; cond] as one call: TaylorSeer's and MagCache's states are elementwise or
-schedule-only, so one state over both branches equals two; First-Block Cache decides from each branch's own
-residual and PAB's counter advances per call, so with two branches they are refused at the step (by name).
+diffusers' serial pipelines run CFG as two calls a step, each with its own hook state ("cond", "uncond"; all
+but CogVideoX's, which batches them: Recipe.cfg_in_one_call), while xdit_lab runs [uncond; cond] as one call:
+TaylorSeer's and MagCache's states are elementwise or schedule-only, so one state over both branches equals two;
+First-Block Cache decides from each branch's own residual and PAB's counter advances per call, so with two calls
+in diffusers they are refused at the step (by name).
 
 Each session step opens the hooks' cache context ("cond", the step index, the timestep, as diffusers' pipelines
 do) and records per step whether the cache skipped a computation (`skips`) and First-Block Cache's change
@@ -106,9 +107,10 @@ class DiffusersCache:
         """The parallel forward's call: nothing to set up (diffusers' hooks hold their state)."""
 
     @contextlib.contextmanager
-    def step(self, step_index: int, num_steps: int, t, do_cfg: bool):
-        """One session step: the hooks' cache context open around it, then this step's decision recorded."""
-        if do_cfg and (self.name in BY_DATA or self.name == "PyramidAttentionBroadcastConfig"):
+    def step(self, step_index: int, num_steps: int, t, branches_apart: bool):
+        """One session step: the hooks' cache context open around it, then this step's decision recorded.
+        `branches_apart`: the step runs CFG, which diffusers' pipeline runs as one call per branch."""
+        if branches_apart and (self.name in BY_DATA or self.name == "PyramidAttentionBroadcastConfig"):
             raise ParallelConfigError(
                 f"cache={self.name} with true CFG: diffusers' pipeline runs the two branches as two calls, "
                 f"{'each deciding from its own residual' if self.name in BY_DATA else 'each advancing its counter'}, "

@@ -7,10 +7,11 @@ Each model's folder is rebuilt from its published configs (xdit_lab.real_models.
 safetensors header, the data a sparse hole) and planned by xdit_lab.plan.plan_model for N GPUs of each memory
 in bfloat16, at 832 × 480 and 1280 × 720 pixels and `--frames` frames (81: five seconds at 16 fps). Printed as a
 markdown table: per model, size and GPU set, the best row that fits (ranked by the cost model: work, then bytes
-sent per step with FSDP2's gathers) and its terms per rank, the VAE decode's peak among them (Wan's causal 3D
-VAE: plan.wan_decode_peak_bytes, whole or the largest row band; "?" where the planner has no closed form for
-the VAE, said in the notes); where nothing fits, the smallest row. Nothing here reads a weight: the figures
-are the plan's, not a measurement.
+sent per step with FSDP2's gathers) and its terms per rank, the VAE decode's peak among them (the video VAE's
+closed form, whole or the largest row band: plan.wan_decode_peak_bytes, cogvideox_decode_peak_bytes,
+hunyuan_decode_peak_bytes, hunyuan15_decode_peak_bytes; "?" where the planner has none for the VAE, said in the
+notes); where nothing fits, the smallest row. Nothing here reads a weight: the figures are the plan's, not a
+measurement.
 """
 
 import argparse
@@ -21,7 +22,7 @@ from xdit_lab.plan import GB, plan_model
 from xdit_lab.plan.command import memory_size
 from xdit_lab.real_models import REAL_MODELS, save_header_only
 
-DEFAULT_MODELS = ["Wan2.1-T2V-14B", "Wan2.2-T2V-A14B", "HunyuanVideo", "CogVideoX-5b"]
+DEFAULT_MODELS = ["Wan2.1-T2V-14B", "Wan2.2-T2V-A14B", "HunyuanVideo", "CogVideoX-5b", "HunyuanVideo-1.5-720p_t2v"]
 SIZES = {"480p": (480, 832), "720p": (720, 1280)}  # (height, width)
 
 

@@ -123,6 +123,7 @@ def test_the_memory_view_draws_shards_gathers_and_the_host(flux, tmp_path):
     from matplotlib.patches import Rectangle
 
     from xdit_lab.lab.views import draw_memory, legibility_problems
+    from xdit_lab.plan import human_bytes
 
     _, ranks = flux
     sharded = draw_memory([run["sharded"]["summary"] for run in ranks])
@@ -137,6 +138,11 @@ def test_the_memory_view_draws_shards_gathers_and_the_host(flux, tmp_path):
         "text_encoder_2 (in host memory)",
     ):
         assert expected in labels, labels
+    # the decode in two bands against the whole decode, both planned from the VAE's config
+    plan = ranks[0]["sharded"]["summary"]["memory"]["plan"]
+    banded, whole_decode = plan["activation_bytes"]["decode peak"], plan["decode_peak_whole"]
+    assert 0 < banded < whole_decode, (banded, whole_decode)
+    assert f"decode peak (planned, in bands; whole {human_bytes(whole_decode)})" in labels, labels
     measured, plan = sharded.axes[0], sharded.axes[1]
     # per rank: 3 components on the device, K/V buffers, activations, the gathers; and the host's bar
     assert len([p for p in measured.patches if isinstance(p, Rectangle)]) == 2 * (6 + 1)

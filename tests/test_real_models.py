@@ -94,6 +94,8 @@ def test_the_published_traps_are_kept(folders):
 
 def test_folders_are_sparse_and_load_as_diffusers_folders(folders):
     """du counts only the headers: the holes hold no disk; configs are what the classes read back."""
+    from importlib import import_module
+
     import diffusers
     import transformers
 
@@ -108,12 +110,38 @@ def test_folders_are_sparse_and_load_as_diffusers_folders(folders):
             assert index[component] == [spec.library, spec.class_name]
             if spec.dtype is None:
                 continue
-            if spec.library == "diffusers":
-                config = getattr(diffusers, spec.class_name).load_config(folder / component)
+            if spec.library != "transformers":  # diffusers', or a diffusers pipeline's own module (LTX-2's "ltx2")
+                library = (
+                    diffusers if spec.library == "diffusers" else import_module(f"diffusers.pipelines.{spec.library}")
+                )
+                config = getattr(library, spec.class_name).load_config(folder / component)
                 assert config["_class_name"] == spec.class_name
             else:
                 config = transformers.AutoConfig.from_pretrained(folder / component)
                 assert config.architectures == [spec.class_name]
+
+
+def test_ltx2_holds_its_published_shapes(folders):
+    """LTX-2 (LTX2Pipeline) as diffusers' scripts/convert_ltx2_to_diffusers.py builds it at version 2.0: the
+    audio-video transformer of 48 layers holds 18.9B parameters (the "19B" of ltx-2-19b-dev.safetensors, which
+    holds it with the VAEs and the vocoder), its text connectors 1.43B (a component of their own, listed as
+    ["ltx2", "LTX2TextConnectors"]: diffusers saves a pipeline's own modules under the pipeline's name), Gemma 3
+    12B's text model 11.77B beside its SigLIP tower (0.42B), every component in bfloat16 as the script's dtype
+    defaults say."""
+
+    def parameters(component):
+        return sum(math.prod(shape) for _, shape in stored(folders["LTX-2"] / component).values())
+
+    index = json.loads((folders["LTX-2"] / "model_index.json").read_text())
+    assert index["connectors"] == ["ltx2", "LTX2TextConnectors"] and index["vocoder"] == ["ltx2", "LTX2Vocoder"]
+    assert parameters("transformer") == 18_876_174_592 and parameters("connectors") == 1_431_475_200
+    encoder = stored(folders["LTX-2"] / "text_encoder")
+    language = sum(math.prod(shape) for key, (_, shape) in encoder.items() if "language_model" in key)
+    vision = sum(math.prod(shape) for key, (_, shape) in encoder.items() if "vision_tower" in key)
+    assert (language, vision) == (11_766_034_176, 416_866_032)
+    assert {
+        dtype for part in ("transformer", "vae", "vocoder") for dtype, _ in stored(folders["LTX-2"] / part).values()
+    } == {"BF16"}
 
 
 def test_qwen_image_edit_2511_is_qwen_image_with_its_references_at_t_0(folders):
@@ -185,6 +213,35 @@ def test_wan_plans_its_video_decode_peak_whole_and_in_bands(folders, plans):
     assert f"{row.decode_peak / GB:.2f}" in line.split() and "?" not in line.split()
     one = plan_model(folders["Wan2.1-T2V-14B"], 1, 80 * GB, height=720, width=1280)
     assert {r.decode_peak for r in one} == {wan_decode_peak_bytes(vae, (1, 16, 21, 90, 160), 2)}
+
+
+def test_cogvideox_and_hunyuanvideo_plan_their_video_decode_peak(folders, plans):
+    """CogVideoX-5b's and HunyuanVideo's rows count the decode of their video from their VAE's config (the closed
+    forms of plan.cogvideox_decode_peak_bytes and hunyuan_decode_peak_bytes, measured on tiny specimens in
+    tests/test_vae.py): CogVideoX-5b at its call defaults (49 frames at 720 × 480: 13 latent frames of 60 × 90) in
+    4 bands under ulysses 4; HunyuanVideo at 720 × 1280 × 129 frames (33 latent frames of 90 × 160, decoded in
+    tiles of 5 latent frames), where the mid attention's frame-causal mask of 72,000 tokens (a float32 `where`
+    of 5.2e9 entries and its bool comparison, 26 GB) is counted below the last up block's activations (37 GB
+    whole), and in 8 bands each rank holds its rows of both."""
+    from xdit_lab.plan import cogvideox_decode_peak_bytes, format_rows, hunyuan_decode_peak_bytes
+
+    cog = json.loads((folders["CogVideoX-5b"] / "vae" / "config.json").read_text())
+    row = _row(plans[("CogVideoX-5b", 4, 24 * GB)], "ulysses4", True, "sharded")
+    whole = cogvideox_decode_peak_bytes(cog, (1, 16, 13, 60, 90), 2)
+    assert row.decode_peak == cogvideox_decode_peak_bytes(cog, (1, 16, 13, 60, 90), 2, bands=4) and not row.unknown
+    assert 0.24 * whole < row.decode_peak < 0.3 * whole, (row.decode_peak, whole)
+    line = next(line for line in format_rows([row], wide=True).splitlines() if "ulysses4" in line)
+    assert f"{row.decode_peak / GB:.2f}" in line.split() and "?" not in line.split()
+    hunyuan = json.loads((folders["HunyuanVideo"] / "vae" / "config.json").read_text())
+    rows = plan_model(folders["HunyuanVideo"], 8, 80 * GB, height=720, width=1280)
+    decode = {(r.config.sp_degree * r.config.pipefusion, r.decode_peak) for r in rows if r.config.vae_parallel}
+    whole = hunyuan_decode_peak_bytes(hunyuan, (1, 16, 33, 90, 160), 2)
+    mask = 72_000**2 * (4 + 1)
+    assert (
+        mask < whole < 1.5 * mask
+        and (8, hunyuan_decode_peak_bytes(hunyuan, (1, 16, 33, 90, 160), 2, bands=8)) in decode
+    )
+    assert all(peak < whole / bands + mask / bands for bands, peak in decode if bands > 1)
 
 
 def test_wan_2_2_a14b_plans_both_experts_and_its_decode(folders):
@@ -405,8 +462,10 @@ def test_sana_plans_its_stages_whole_and_keeps_sums_and_edge_rows(folders):
     PipeFusion and sequence shards together (its convolution over rows would need halos between every rank's
     pieces of a patch: refused by name, so not planned). A stage keeps no K/V (its self-attention is linear) but
     each patch's sums, [rows, 70, 33, 32] float32 per layer, and each patch's two edge rows of every feed-forward's
-    input, [rows, 2240, 1, 32] (bfloat16) each. Gemma 2's 2,614,341,888 parameters in bfloat16, as stored."""
+    input, [rows, 2240, 1, 32] (bfloat16) each. Gemma 2's 2,614,341,888 parameters in bfloat16, as stored. Its
+    deep-compression VAE's decode peak has no closed form: every row says so, and why."""
     rows = plan_model(folders["Sana_1600M_1024px"], 4, 24 * GB)
+    assert all(row.decode_peak is None and "linear attention) has no ledger" in row.unknown[0] for row in rows)
     configs = [row.config for row in rows]
     assert any(c.pipefusion > 1 for c in configs) and any(c.ulysses > 1 for c in configs)
     assert any(c.ring > 1 for c in configs) and any(c.cfg > 1 for c in configs)
@@ -423,14 +482,22 @@ def test_sana_plans_its_stages_whole_and_keeps_sums_and_edge_rows(folders):
 
 def test_hunyuanvideo15_plans_its_fixed_text_lengths_at_720p(folders):
     """HunyuanVideo-1.5 720p text to video on two 80 GB GPUs: its transformer (8.33B parameters, "8.3B" as published)
-    and Qwen2.5-VL-7B's text model (7.07B) whole on a rank under ulysses 2, which fits; the guider's scale 6 gives two
+    and Qwen2.5-VL-7B's text model (7.07B) whole on a rank under ulysses 2, which would fit but for its VAE's decode:
+    diffusers' untiled decode of all 121 frames at once needs about 100 GB per rank in 2 bands
+    (plan.hunyuan15_decode_peak_bytes), so the row names the term that does not fit. The guider's scale 6 gives two
     branches, so cfg 2 is offered. At the default size (target_size 960 at 16:9: 720 × 1280, 121 frames: 31 × 45 × 80
     latents of 32 channels) a request keeps the latents in bfloat16 and per prompt and branch the pipeline's fixed
     lengths: Qwen's 1000 states and mask, ByT5's 256, the image's 729 embeddings (zeros for text to video)."""
-    rows = plan_model(folders["HunyuanVideo-1.5-720p_t2v"], 2, 80 * GB)
+    from xdit_lab.plan import hunyuan15_decode_peak_bytes
+
+    folder = folders["HunyuanVideo-1.5-720p_t2v"]
+    rows = plan_model(folder, 2, 80 * GB)
     assert {row.request.branches for row in rows} == {2} and any(row.config.cfg == 2 for row in rows)
     whole = _row(rows, "ulysses2", False, "gpu")
     assert whole.weights["transformer"] == 8_326_608_160 * 2 and whole.weights["text_encoder"] == 7_070_619_136 * 2
-    assert whole.fits and (whole.request.height, whole.request.width) == (720, 1280)
+    assert (whole.request.height, whole.request.width) == (720, 1280)
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    assert whole.decode_peak == hunyuan15_decode_peak_bytes(vae, (1, 32, 31, 45, 80), 2, bands=2) > 80 * GB
+    assert not whole.fits and whole.per_rank_bytes - whole.decode_peak <= 80 * GB
     assert whole.latents == 32 * 31 * 45 * 80 * 2
     assert whole.conditioning == 2 * (1000 * (3584 + 1) + 256 * (1472 + 1) + 729 * 1152) * 2

@@ -340,7 +340,7 @@ def _transformer_calls(family, configs, threshold):
     return rows, max(e.abs().max().item() for e in expected), [not r for r in ran]
 
 
-@pytest.mark.parametrize("family", ["dit", "wan"])  # Flux.2: diffusers' own cache raises, no reference
+@pytest.mark.parametrize("family", ["dit", "wan"])  # Flux.2: tests/test_step_cache_flux2_controlnet_compile.py
 def test_transformer_without_recipe_equals_diffusers_first_block_cache(family):
     """Six calls of the transformer alone under each strategy: the outputs and the steps skipped equal
     diffusers' First-Block Cache on the serial model's, and each call's bytes equal the closed form."""
@@ -510,8 +510,8 @@ def test_step_cache_without_a_reference_is_refused_by_name():
     from xdit_lab import parallelize
     from xdit_lab.tiny import tiny_transformer
 
-    with pytest.raises(ParallelConfigError, match="StepCache is not offered on flux2"):
-        parallelize(tiny_transformer("flux2"), ParallelConfig(), cache=StepCache(0.1))
+    with pytest.raises(ParallelConfigError, match="StepCache is not offered on sana"):
+        parallelize(tiny_transformer("sana"), ParallelConfig(), cache=StepCache(0.1))
     with pytest.raises(
         ParallelConfigError, match="StepCache is not offered on hunyuanvideo15 yet: diffusers' First-Block Cache"
     ):

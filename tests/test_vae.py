@@ -735,3 +735,114 @@ def test_the_wan_decode_peak_closed_form_matches_the_measured_peak():
     for case, ranks, measured, planned in table:
         assert 0.9 * measured <= planned <= 1.1 * measured, f"{case} in {ranks}: planned {planned}, measured {measured}"
     print("\n".join(f"{case} bands {ranks}: measured {m}, planned {p} ({p / m:.3f})" for case, ranks, m, p in table))
+
+
+def _attention_heavy_vae(kind):
+    """HunyuanVideo's and HunyuanVideo-1.5's VAEs with one spatial upsampling and 4 channels: many latent tokens
+    beside few channels, so the decode's peak is the mid attention's frame-causal mask (S × S), as at 720p."""
+    import diffusers
+
+    from xdit_lab.tiny import parts
+
+    torch.manual_seed(0)
+    if kind == "hunyuan attention":  # its temporal ratio must be 4 (or 8): three blocks, time upsampled twice
+        blocks = parts.vae_blocks("HunyuanVideoDownBlock3D", "HunyuanVideoUpBlock3D", (4, 4, 4), groups=2)
+        compression = dict(spatial_compression_ratio=2, temporal_compression_ratio=4)
+        return diffusers.AutoencoderKLHunyuanVideo(latent_channels=4, scaling_factor=0.5, **blocks, **compression)
+    compression = dict(spatial_compression_ratio=2, temporal_compression_ratio=1)
+    return diffusers.AutoencoderKLHunyuanVideo15(
+        latent_channels=4, block_out_channels=(4, 4), layers_per_block=1, **compression
+    ).eval()
+
+
+def _video_peak_specimen(kind):
+    from xdit_lab.tiny import parts
+
+    special = {
+        "video_vae": lambda: parts.video_vae(0),
+        "hunyuan15 widening": _widening_vae,
+        "hunyuan attention": lambda: _attention_heavy_vae("hunyuan attention").eval(),
+        "hunyuan15 attention": lambda: _attention_heavy_vae("hunyuan15 attention"),
+    }
+    return special[kind]() if kind in special else getattr(parts, kind)(0, 4)
+
+
+def _video_measured_and_planned_peaks(ranks, cases):
+    """(measured, planned) decode peaks of CogVideoX's and both HunyuanVideos' VAEs: PeakTensorBytes around
+    diffusers' decode (in `ranks` bands), against the closed form for the same latent (the largest band's)."""
+    from xdit_lab.lab.measure import PeakTensorBytes
+    from xdit_lab.plan import cogvideox_decode_peak_bytes, hunyuan15_decode_peak_bytes, hunyuan_decode_peak_bytes
+    from xdit_lab.vae import hunyuan_decoder_frames
+
+    peaks = []
+    for kind, frames, rows, cols, *dtype in cases:  # float32 unless a dtype is named
+        dtype = getattr(torch, dtype[0]) if dtype else torch.float32
+        vae = _video_peak_specimen(kind).to(dtype)
+        z = torch.randn(1, 4, frames, rows, cols, generator=torch.Generator().manual_seed(0)).to(dtype)
+        if ranks > 1:
+            apply_parallel_vae(vae, RankMesh(ParallelConfig(ring=ranks)))
+        with torch.no_grad(), PeakTensorBytes() as meter:
+            vae.decode(z)
+        shape, element = tuple(z.shape), z.element_size()
+        name = type(vae).__name__
+        if name == "AutoencoderKLCogVideoX":
+            planned = cogvideox_decode_peak_bytes(vae.config, shape, element, bands=ranks)
+        elif name == "AutoencoderKLHunyuanVideo":
+            calls = hunyuan_decoder_frames(vae, frames)
+            planned = hunyuan_decode_peak_bytes(vae.config, shape, element, bands=ranks, calls=calls)
+        else:  # CPU's SDPA runs the whole decode's 3D mask on its math path, which writes the scores
+            planned = hunyuan15_decode_peak_bytes(vae.config, shape, element, bands=ranks, scores=True)
+        peaks.append((meter.peak, planned))
+    return peaks
+
+
+# (specimen, latent frames, rows, cols[, dtype]): CogVideoX's tiny VAE on one frame, an odd count (a first batch of
+# 3) and an even one (two batches); HunyuanVideo's on one call and on two tiles of frames (6 > 4: framewise); HunyuanVideo-1.5's tiny one
+# and its widening one; and the attention-heavy ones of both, whose peak is the frame-causal mask
+VIDEO_WHOLE = [
+    ("video_vae", 1, 4, 5),
+    ("video_vae", 3, 4, 5),
+    ("video_vae", 4, 6, 6),
+    ("video_vae", 5, 4, 4, "bfloat16"),
+    ("hunyuan_vae", 3, 4, 5),
+    ("hunyuan_vae", 6, 4, 4),
+    ("hunyuan_vae", 3, 4, 5, "bfloat16"),
+    ("hunyuan attention", 3, 10, 10),
+    ("hunyuan attention", 3, 10, 10, "bfloat16"),
+    ("hunyuan15_vae", 1, 4, 5),
+    ("hunyuan15_vae", 3, 4, 5),
+    ("hunyuan15_vae", 3, 4, 5, "bfloat16"),
+    ("hunyuan15 widening", 2, 4, 4),
+    ("hunyuan15 attention", 3, 10, 10),
+    ("hunyuan15 attention", 3, 10, 10, "bfloat16"),
+]
+VIDEO_BANDS = {
+    2: [
+        ("video_vae", 3, 5, 5),
+        ("video_vae", 5, 4, 4, "bfloat16"),
+        ("hunyuan_vae", 6, 4, 4),
+        ("hunyuan_vae", 3, 5, 5, "bfloat16"),
+        ("hunyuan attention", 3, 10, 10),
+        ("hunyuan15_vae", 3, 5, 5),
+        ("hunyuan15 widening", 2, 4, 4),
+        ("hunyuan15 attention", 3, 10, 10, "bfloat16"),
+    ],
+    3: [("video_vae", 4, 7, 4), ("hunyuan_vae", 3, 7, 5), ("hunyuan attention", 3, 10, 10), ("hunyuan15_vae", 3, 7, 5)],
+}
+
+
+def test_the_video_decode_peak_closed_forms_match_the_measured_peak():
+    """plan.cogvideox_decode_peak_bytes, hunyuan_decode_peak_bytes and hunyuan15_decode_peak_bytes, the memory plan's
+    decode rows for the other video VAEs, against the tensors the decode really made (PeakTensorBytes), within 10%
+    whole (float32 and bfloat16) and in 2 and 3 bands of an odd number of rows (the largest band's, its gathered
+    video included); the attention-heavy specimens check the frame-causal mask, the peak at 720p."""
+    table = []
+    whole = run_on_ranks(_video_measured_and_planned_peaks, 1, 1, VIDEO_WHOLE, timeout_s=300)[0]
+    table += [(case, 1, *peak) for case, peak in zip(VIDEO_WHOLE, whole)]
+    for ranks, cases in VIDEO_BANDS.items():
+        per_rank = run_on_ranks(_video_measured_and_planned_peaks, ranks, ranks, cases, timeout_s=300)
+        for i, case in enumerate(cases):
+            table.append((case, ranks, max(peaks[i][0] for peaks in per_rank), per_rank[0][i][1]))
+    for case, ranks, measured, planned in table:
+        assert 0.9 * measured <= planned <= 1.1 * measured, f"{case} in {ranks}: planned {planned}, measured {measured}"
+    print("\n".join(f"{case} bands {ranks}: measured {m}, planned {p} ({p / m:.3f})" for case, ranks, m, p in table))

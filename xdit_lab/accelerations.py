@@ -1,6 +1,6 @@
 """The accelerations a user asks for, and what they refuse under a configuration, for a family: a StepCache's
 settings (its runtime, the hooks that skip blocks, is models/cache.py), torch.compile's backend, and the rules:
-compile with PipeFusion or a StepCache, a StepCache on a family that has none yet or under the async PipeFusion
+compile with PipeFusion, a StepCache on a family that has none yet or under the async PipeFusion
 schedule, a convolution over token rows (Sana's) under PipeFusion with ulysses or ring within a stage, diffusers'
 own cache configurations (their runtime, diffusers' hooks with one decision for every rank, is
 models/diffusers_cache.py) where they cannot be agreed, and any other cache object, refused by name, never run as
@@ -64,7 +64,7 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
             compile_backend(compile)
         except ValueError as error:
             found.append((str(error), ValueError))
-        found += [(sentence, ParallelConfigError) for sentence in compile_problems(config, cache)]
+        found += [(sentence, ParallelConfigError) for sentence in compile_problems(config)]
     if adapter.row_convolution is not None and getattr(config, PIPEFUSION) > 1 and config.sp_degree > 1:
         found.append(
             (
@@ -179,19 +179,15 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
     return found
 
 
-def compile_problems(config, cache=None) -> list[str]:
-    """Why compile=True cannot take this configuration whole, as sentences."""
+def compile_problems(config) -> list[str]:
+    """Why compile=True cannot take this configuration whole, as sentences. A StepCache it takes: the decision's
+    host sync breaks the graph there, and each decision's graphs are traced once (models/cache.py)."""
     found = []
     if getattr(config, PIPEFUSION) > 1:
         found.append(
             "compile=True does not take PipeFusion: a stage runs its blocks once per patch, reading and writing "
             "stale K/V buffers in place between sends, which torch.compile cannot trace as one graph; "
             "compile ulysses, ring, cfg and dp, or run PipeFusion eagerly"
-        )
-    if cache is not None:
-        found.append(
-            "compile=True does not take a StepCache: whether a step runs its blocks is decided from this step's "
-            "values, which splits the graph; run the cache eagerly"
         )
     return found
 

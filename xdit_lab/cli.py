@@ -540,7 +540,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--compile",
         action="store_true",
-        help="compile the transformer whole with torch.compile (not with PipeFusion or a cache); "
+        help="compile the transformer whole with torch.compile (not with PipeFusion; with a cache, a graph per decision); "
         "the first step pays for the compile, see timings",
     )
     run.add_argument(

@@ -10,7 +10,7 @@ is the other half (dtype, cache, compile, sharded, host-placed, quantized or ada
 class of the family) and says the same way what the model in `folder` refuses, before a weight is read:
 
     the pipeline class      another family's, or one xdit_lab does not run
-    cache, compile          an unknown compile backend, compile with PipeFusion or a StepCache, a StepCache on a family
+    cache, compile          an unknown compile backend, compile with PipeFusion, a StepCache on a family
                             that has none yet or under the async schedule (option_problems, which parallelize
                             asks too: accelerations.py)
     the refusal table       what a pipeline's components or class do not run with (families/refusals.py, which the

@@ -118,11 +118,13 @@ def expected_bytes_per_step(
         kv_sizes = forwards[0]
     skipped = bool(cache_skips and cache_skips[step])
     by_schedule = cache_method in BY_SCHEDULE  # a skipped step runs no attention layer, and nothing is agreed
-    # a ControlNet's layers run beside the transformer's (no StepCache with one)
-    self_layers = s["first_block_self_layers"] if skipped else s["self_layers"] + s.get("controlnet_self_layers", 0)
-    joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"] + s.get("controlnet_joint_layers", 0)
+    # a ControlNet's layers run beside the transformer's, at a step a StepCache skips too (its residuals are fresh)
+    self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]
+    joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"]
     if skipped and by_schedule:
         self_layers = joint_layers = 0
+    self_layers += s.get("controlnet_self_layers", 0)
+    joint_layers += s.get("controlnet_joint_layers", 0)
     joint = joint_layers if text else 0
     # sequence shards split the joint text like the image (sp-rank order); PipeFusion keeps it whole
     text_sharded = bool(text >= sp and joint and s.get("text_sharded", c.pipefusion == 1))

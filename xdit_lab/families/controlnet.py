@@ -24,13 +24,6 @@ CONTROLNET_OPTIONS = dict(
 )
 
 
-# why a ControlNet pipeline does not run with a StepCache (each family's recipe says it)
-CONTROLNET_NOT_CACHED = (
-    "its ControlNet's residuals change every block's states at every step, which a decision taken after the first "
-    "block does not see; run it without a StepCache"
-)
-
-
 def runs_controlnet(pipe) -> bool:
     return "controlnet" in pipe.components
 
@@ -89,8 +82,8 @@ class ControlNetRecipe(Recipe):
     `controlnet_model`) and the request's ControlNet arguments checked, the control image's latents kept beside
     the latents (keep_control, from the family's prepare), and at every step the family's ControlNet run on the
     step's input, its residuals added to the transformer's arguments (controlnet_kwargs). The family lists
-    CONTROLNET_OPTIONS among its options, and CONTROLNET_NOT_CACHED as its ControlNet pipeline's
-    step_cache_refused."""
+    CONTROLNET_OPTIONS among its options. A StepCache runs with it: the residuals the forward adds between blocks
+    are added fresh at a skipped step, never cached (models/cache.py)."""
 
     controlnet_model = ""  # the ControlNet class the family's pipeline runs
     image_inputs = (*Recipe.image_inputs, "control")  # the control image's latents

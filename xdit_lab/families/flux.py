@@ -49,7 +49,7 @@ import math
 import torch
 
 from .adapter import TOKENS, BlockResiduals, FamilyAdapter, PerToken
-from .controlnet import CONTROLNET_NOT_CACHED, CONTROLNET_OPTIONS, ControlNetRecipe, runs_controlnet
+from .controlnet import CONTROLNET_OPTIONS, ControlNetRecipe, runs_controlnet
 from .recipe import (
     PackedLatentsRecipe,
     RequestShape,
@@ -131,7 +131,6 @@ class FluxRecipe(ControlNetRecipe, PackedLatentsRecipe, TrueCFGRecipe):
         FluxKontextPipeline="editing",
         FluxControlNetPipeline="ControlNet",
     )
-    step_cache_refused = dict(FluxControlNetPipeline=CONTROLNET_NOT_CACHED)
     controlnet_model = "FluxControlNetModel"
     output_class = "diffusers.pipelines.flux.pipeline_output:FluxPipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=3.5)

@@ -39,7 +39,6 @@ ADAPTER = FamilyAdapter(
     "Flux2Transformer2DModel",
     from_cp_plan=True,  # the text and its ids cut at the input, the image's ids with its tokens: cp_plan.py
     joined_block_lists=("single_transformer_blocks",),
-    step_cache_refused="diffusers' First-Block Cache, the reference it is checked against, raises on it",
     **FLUX_LAYOUT,
 )
 

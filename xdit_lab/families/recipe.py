@@ -103,7 +103,8 @@ class Recipe:
     tasks: dict = {}
     pipefusion_refused: dict = {}
     pipefusion_async_refused: dict = {}  # pipeline class -> why PipeFusion's async schedule does not run with it
-    step_cache_refused: dict = {}  # pipeline class -> why a StepCache does not run with it (beside the adapter's)
+    # pipeline class -> why a StepCache does not run with it (beside the adapter's); none today: a ControlNet's runs
+    step_cache_refused: dict = {}
     # diffusers' pipeline runs CFG's [uncond; cond] in one transformer call (its cache hooks then keep one state for
     # both, as xdit_lab's one call does), rather than one call per branch (models/diffusers_cache.py)
     cfg_in_one_call: bool = False

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .adapter import BlockResiduals, FamilyAdapter, PerToken
-from .controlnet import CONTROLNET_NOT_CACHED, CONTROLNET_OPTIONS, ControlNetRecipe, runs_controlnet
+from .controlnet import CONTROLNET_OPTIONS, ControlNetRecipe, runs_controlnet
 from .recipe import (
     RequestShape,
     prompt_embeds,
@@ -58,7 +58,6 @@ CONTROLNET_ADAPTER = FamilyAdapter(
 class SD3Recipe(ControlNetRecipe):
     pipeline_classes = ("StableDiffusion3Pipeline", "StableDiffusion3ControlNetPipeline")
     tasks = dict(StableDiffusion3ControlNetPipeline="ControlNet")
-    step_cache_refused = dict(StableDiffusion3ControlNetPipeline=CONTROLNET_NOT_CACHED)
     controlnet_model = "SD3ControlNetModel"
     output_class = "diffusers.pipelines.stable_diffusion_3.pipeline_output:StableDiffusion3PipelineOutput"
     defaults = dict(num_inference_steps=28, guidance_scale=7.0)

@@ -113,12 +113,15 @@ def component_holdings(pipe) -> dict[str, dict]:
 def plan_terms(plan) -> dict:
     """The load's MemoryPlan as plain numbers: what one rank (the busiest) holds per component on its
     device, each whole, the activation terms per rank ("weight gathers", "decode peak", "stale K/V"),
-    the components kept in host memory (planned 0 on the device, their whole in host memory), the notes."""
+    the decode's peak on one rank decoding whole (beside the per-rank one, in bands where the ranks share an
+    image; None without a planned decode), the components kept in host memory (planned 0 on the device, their
+    whole in host memory), the notes."""
     host = [name for name, size in plan.per_rank_bytes.items() if size == 0 and plan.component_bytes.get(name)]
     return dict(
         per_rank_bytes=dict(plan.per_rank_bytes),
         component_bytes=dict(plan.component_bytes),
         activation_bytes={name: per_rank for name, (_, per_rank) in plan.activation_bytes.items()},
+        decode_peak_whole=plan.activation_bytes.get("decode peak", (None,))[0],
         on_host=host,
         notes=list(plan.notes),
     )

@@ -227,7 +227,7 @@ def draw_memory(summaries) -> Figure:
     once, from this rank's FSDP2 units; hatched: held only while a forward runs). A text encoder kept in
     host memory (load_pipeline(on_host=...)) is a bar of its own beside, cross-hatched: not on the
     device. A component whose linear weights are quantized (load_pipeline(quantization=...)) says its scheme. Right: the load's plan (pipe.memory_plan, from the headers before a byte was read: the
-    busiest rank), term by term in the same colours."""
+    busiest rank), term by term in the same colours; a decode in row bands names the whole decode's peak beside."""
     import matplotlib
 
     summaries = _by_rank(summaries)
@@ -255,8 +255,15 @@ def draw_memory(summaries) -> Figure:
     on_host = [(name, f"{name} (in host memory)", component(name, "held_bytes"), "xx") for name in host]
     term = {"weight gathers": "gathers", "stale K/V": "kv"}  # the plan's activation terms by colour key
     planned = [(name, name, [plan["per_rank_bytes"].get(name, 0)], None) for name in device]
+    whole_decode = plan.get("decode_peak_whole")
+
+    def planned_label(name, size):  # the decode in bands says what the whole decode would hold instead
+        if name == "decode peak" and whole_decode and whole_decode != size:
+            return f"decode peak (planned, in bands; whole {human_bytes(whole_decode)})"
+        return f"{name} (planned)"
+
     planned += [
-        (term.get(name, name), f"{name} (planned)", [size], "//" if name == "weight gathers" else None)
+        (term.get(name, name), planned_label(name, size), [size], "//" if name == "weight gathers" else None)
         for name, size in plan["activation_bytes"].items()
     ]
     planned_host = [(name, name, [plan["component_bytes"].get(name, 0)], "xx") for name in plan["on_host"]]

@@ -7,6 +7,12 @@ decode_peak(rows, sp)        (engine) the digits VAE decodes one rows × rows la
 decode_bytes_table(summaries)  per rank: images, latent rows, bytes out per collective of the decode
 own_work_table(summaries)    per rank: the prompts it encoded, the images it decoded, the bytes its
                              encode and decode sent
+video_bands(frames, rows, sp)  (engine) a tiny Wan VAE decodes one video of `frames` latent frames of
+                             `rows` rows, in bands over an sp group of `sp` ranks: the latent rows its
+                             decoder saw at each call, the halo bytes it sent against their closed form,
+                             the largest difference from `vae.decode` of the whole latent (and its bound),
+                             and the decode peak measured and planned, whole and banded
+video_bands_table(results)   per rank: latent rows, decoder calls, halo bytes and formula, difference
 """
 
 from __future__ import annotations
@@ -71,4 +77,64 @@ def own_work_table(summaries) -> str:
             ]
         )
     header = ["rank", "dp group", "prompts encoded", "images decoded", "encode bytes", "decode bytes"]
+    return text_table(header, rows)
+
+
+def video_bands(frames: int, rows: int, sp: int, cols: int = 6) -> dict:
+    import torch
+
+    from ..comm import comm_log
+    from ..config import ParallelConfig
+    from ..lab.measure import PeakTensorBytes
+    from ..mesh import RankMesh
+    from ..plan import wan_decode_peak_bytes
+    from ..sharding import shard_range
+    from ..tiny.parts import wan_vae
+    from ..vae import apply_parallel_vae, causal_halo_bytes
+
+    vae = wan_vae(0, 4)  # Wan 2.1's causal 3D VAE at its smallest: 8× rows, 4× frames
+    latent = torch.randn(1, 4, frames, rows, cols, generator=torch.Generator().manual_seed(0))
+    mesh = RankMesh(ParallelConfig(ulysses=sp))
+    me = mesh.group_rank("sp")
+    seen = []  # the latent rows diffusers' decoder runs on, one call per latent frame
+    vae.decoder.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[-2]))
+    with torch.no_grad():
+        with PeakTensorBytes() as whole_meter:
+            whole = vae.decode(latent).sample
+        seen.clear()
+        apply_parallel_vae(vae, mesh)
+        with comm_log() as log, PeakTensorBytes() as band_meter:
+            video = vae.decode(latent).sample
+    mesh.close()
+    neighbours = (me > 0) + (me < sp - 1)
+    return dict(
+        band=shard_range(rows, sp, me),
+        calls=list(seen),
+        halo=sum(r.bytes_out for r in log.records if r.tag == "vae_halo"),
+        halo_expected=causal_halo_bytes(vae.config, tuple(latent.shape), 4, neighbours),
+        difference=float((video - whole).abs().max()),
+        bound=1e-4 * max(1.0, float(whole.abs().max())),
+        frames=tuple(video.shape[2:]),
+        peak_whole=whole_meter.peak,
+        peak_band=band_meter.peak,
+        planned_whole=wan_decode_peak_bytes(vae.config, tuple(latent.shape), 4),
+        planned_band=wan_decode_peak_bytes(vae.config, tuple(latent.shape), 4, bands=sp),
+    )
+
+
+def video_bands_table(results: dict) -> str:
+    rows = []
+    for rank, r in sorted(results.items()):
+        start, stop = r["band"]
+        rows.append(
+            [
+                str(rank),
+                f"{start}-{stop - 1}",
+                f"{len(r['calls'])} × {r['calls'][0]} rows",
+                f"{r['halo']:,}",
+                f"{r['halo_expected']:,}",
+                f"{r['difference']:.1e} (bound {r['bound']:.1e})",
+            ]
+        )
+    header = ["rank", "latent rows", "decoder calls", "halo bytes", "halo formula", "max |band - whole|"]
     return text_table(header, rows)

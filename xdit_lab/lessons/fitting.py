@@ -9,6 +9,9 @@ In the notebook's own process (no engine):
     traffic_table(rows)                    bytes sent per step (activations, weight gathers) and seconds
                                            on the planner's links
     draw_terms(rows, gpu_memory)           those terms as stacked bars against one GPU's memory
+    decode_bands_table(folder, height, width, frames)
+                                           a Wan folder's VAE decode peak per rank, whole and in 2, 4, 8
+                                           row bands (plan.wan_decode_peak_bytes, from vae/config.json)
     header_shares(folder, n)               the bytes each of n ranks holds of a component, from its
                                            safetensors headers (torch.chunk's rows on dim 0)
 
@@ -73,6 +76,8 @@ def label(row) -> str:
     """A row's name as the tables print it: configuration, weights (sharded, whole, or whole in a quantized
     scheme), text encoders."""
     weights = "sharded" if row.shard_weights else f"{row.quantize} whole" if row.quantize else "whole"
+    if row.offload_blocks:
+        weights += f" (blocks on the host, {row.offload_blocks} at a time on the GPU)"
     return f"{row.config.short()}, weights {weights}, text enc. {row.text_encoders}"
 
 
@@ -101,6 +106,26 @@ def terms_table(rows) -> str:
             ]
         )
     return text_table(header, lines)
+
+
+def decode_bands_table(folder, height: int, width: int, frames: int, bands=(1, 2, 4, 8)) -> str:
+    """What one rank holds at the peak of the VAE decode of one video of `frames` frames at `height` × `width`, in
+    bfloat16, decoded whole or in row bands (xdit_lab/vae.py): Wan's closed form (plan.wan_decode_peak_bytes) from
+    the folder's vae/config.json, and each band's share of the whole decode's peak."""
+    import json
+
+    from ..families.recipe import vae_scale
+    from ..plan import wan_decode_peak_bytes
+
+    vae = json.loads((Path(folder) / "vae" / "config.json").read_text())
+    spatial, temporal = vae_scale(vae)
+    latent = (1, vae["z_dim"], (frames - 1) // temporal + 1, height // spatial, width // spatial)
+    whole = wan_decode_peak_bytes(vae, latent, 2)
+    lines = []
+    for n in bands:
+        peak = wan_decode_peak_bytes(vae, latent, 2, bands=n)
+        lines.append([str(n), f"{-(-latent[3] // n)} of {latent[3]}", _gb(peak), f"{peak / whole:.2f}"])
+    return text_table(["bands", "latent rows per rank", "decode peak GB", "of the whole decode's"], lines)
 
 
 def traffic_table(rows) -> str:

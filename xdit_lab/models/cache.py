@@ -27,6 +27,22 @@ Each rank caches what its own blocks added (after the first), per patch of its t
 under sequence shards), and adds it after its last block when skipping: summed over the stages,
 that is what the whole tail added. At threshold 0 every step runs in full, exactly as without a
 cache. Skipping costs one host sync per step (the decision steers Python), as in diffusers.
+
+Blocks that take [text; image] as one tensor (Flux.2's single-stream blocks, the adapter's
+joined_block_lists) are read as their two parts: what the tail added to the image is the same
+tokens' difference whether the tail ends joined or not (diffusers' own First-Block Cache subtracts
+the head block's [text, image] pair from the joined tensor, and raises on Flux.2).
+
+A ControlNet's residuals (the adapter's block_residuals) are added by the forward between blocks, fresh
+at every step and at every scale (0 outside control_guidance_start/end). What is cached is what the
+tail's blocks themselves added: the residuals added between two of its blocks at the full step are
+taken out, and a skipped step's pass through the tail adds its own. Kept in (the control,
+Controls(cache_keeps_block_residuals=True)), a skipped step would add the full step's residuals as well
+as its own.
+
+Under torch.compile the decision's host sync breaks the graph where it is taken: the graphs before it,
+and after it one set per decision (run the blocks, or add what was cached), each traced once; later
+steps reuse them without recompiling (tests/test_step_cache_flux2_controlnet_compile.py counts them).
 """
 
 from __future__ import annotations
@@ -54,14 +70,17 @@ class FirstBlockCache:
     The model's `Controls(cache_agrees=False)` makes each rank decide from its own sums only: a deliberately
     wrong control for tests and the tutorial (the ranks diverge and a collective times out)."""
 
-    def __init__(self, settings: StepCache, state, blocks: list, holds_first_block: bool):
+    def __init__(self, settings: StepCache, state, blocks: list, holds_first_block: bool, joined: list[bool]):
         self.settings, self.state = settings, state
         meta = [block_metadata(block) for block in blocks]
         if holds_first_block:
+            if joined[0]:
+                raise TypeError("StepCache reads the first block's image states alone; this one takes [text; image]")
             _wrap(state.hooks, blocks[0], functools.partial(self._first, meta[0]))
-            blocks, meta = blocks[1:], meta[1:]
-        for index, (block, block_meta) in enumerate(zip(blocks, meta)):
-            _wrap(state.hooks, block, functools.partial(self._rest, block_meta, index == 0, index == len(blocks) - 1))
+            blocks, meta, joined = blocks[1:], meta[1:], joined[1:]
+        for index, (block, block_meta, block_joined) in enumerate(zip(blocks, meta, joined)):
+            last = index == len(blocks) - 1
+            _wrap(state.hooks, block, functools.partial(self._rest, block_meta, block_joined, index == 0, last))
         self.passes_first = False  # PipeFusion's pipelined pass: the first block's outputs are known
         self.reset()
 
@@ -75,14 +94,21 @@ class FirstBlockCache:
         self.added: dict = {}  # per patch (and per patch set, for text): what this rank's other blocks added
         self.first_outputs: dict = {}
         self.sums, self.shape, self.run_rest, self.has_reference = None, None, True, False
+        self.image_tokens = None  # this rank's image tokens in the running forward, as the first block took them
+        self.between = None  # a ControlNet's residuals added between the tail's blocks this call, summed
+        self.takes_out_between = False  # ... which this call takes out of what it caches
+        self._image_out = None  # the image states the last block run returned (where the next gap starts)
 
     # ---- one transformer call ------------------------------------------------------------------------
-    def begin(self, latents: torch.Tensor) -> None:
+    def begin(self, latents: torch.Tensor, block_residuals: bool = False) -> None:
+        """A transformer call on `latents`; `block_residuals`: it carries a ControlNet's residuals, which the
+        forward adds between blocks (the module's docstring)."""
         if tuple(latents.shape) != self.shape:  # a new size: nothing cached fits
             self.reset()
             self.shape = tuple(latents.shape)
         self.sums = torch.zeros(2, device=latents.device, dtype=torch.float32)
         self.candidate, self.first_outputs = {}, {}
+        self.takes_out_between = block_residuals and not self.state.controls.cache_keeps_block_residuals
 
     def decide(self) -> bool:
         """Run the other blocks this call? One answer on every rank; recorded in skips/changes."""
@@ -132,6 +158,7 @@ class FirstBlockCache:
     # ---- the block wrappers ----------------------------------------------------------------------------
     def _first(self, meta, forward, *args, **kwargs):
         hidden_in = meta._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
+        self.image_tokens = hidden_in.shape[1]
         patches = self.state.strategy.token_patches(hidden_in.shape[1])
         key = tuple(p for p, _ in patches)
         if self.passes_first:
@@ -150,42 +177,78 @@ class FirstBlockCache:
         self.decide()
         return output
 
-    def _rest(self, meta, first, last, forward, *args, **kwargs):
+    def _rest(self, meta, joined, first, last, forward, *args, **kwargs):
         hidden = meta._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
         text = None
         if meta.return_encoder_hidden_states_index is not None:
             text = meta._get_parameter_from_args_kwargs("encoder_hidden_states", args, kwargs)
-        patches = self.state.strategy.token_patches(hidden.shape[1])
+        image, text = self._parts(hidden, text, joined)
+        patches = self.state.strategy.token_patches(image.shape[1])
         key = tuple(p for p, _ in patches)
         if self.run_rest:
             if first:
-                self._inputs = (hidden, text)
+                self._inputs, self.between = (image, text), None
+            elif self.takes_out_between:  # what the forward added since the block before: a ControlNet's residual
+                gap = image - self._image_out
+                self.between = gap if self.between is None else self.between + gap
             output = forward(*args, **kwargs)
+            image_out, text_out = self._parts(_hidden(meta, output), _text(meta, output), joined)
+            self._image_out = image_out
             if last:
-                hidden_0, text_0 = self._inputs
-                added = torch.split(_hidden(meta, output) - hidden_0, [n for _, n in patches], dim=1)
-                self.added.update(zip(key, added))
-                text_out = _text(meta, output)
+                image_0, text_0 = self._inputs
+                added = image_out - image_0 if self.between is None else image_out - image_0 - self.between
+                self.added.update(zip(key, torch.split(added, [n for _, n in patches], dim=1)))
                 self.added[key] = None if text_out is None or text_0 is None else text_out - text_0
             return output
-        if last:  # what this rank's blocks added at the last full step
-            hidden = hidden + torch.cat([self.added[p] for p in key], dim=1)
-            if text is not None and self.added.get(key) is not None:
-                text = text + self.added[key]
+        if not last:
+            return _passed_on(meta, args, kwargs, hidden)
+        # what this rank's blocks added at the last full step
+        image = image + torch.cat([self.added[p] for p in key], dim=1)
+        if text is not None and self.added.get(key) is not None:
+            text = text + self.added[key]
+        if joined:
+            return self._join(image, text)
         if meta.return_encoder_hidden_states_index is None:
-            return hidden
+            return image
         output = [None, None]
-        output[meta.return_hidden_states_index] = hidden
+        output[meta.return_hidden_states_index] = image
         output[meta.return_encoder_hidden_states_index] = text
         return tuple(output)
+
+    def _parts(self, hidden, text, joined: bool):
+        """(image, text) of a block's states: a joined block's one tensor cut at this rank's image tokens (the
+        first block's, or the PipeFusion patches' count: token_patches), the others' as they are."""
+        if not joined:
+            return hidden, text
+        image = sum(n for _, n in self.state.strategy.token_patches(self.image_tokens))
+        if self.state.adapter.joined_text_last:
+            return hidden[:, :image], hidden[:, image:]
+        return hidden[:, hidden.shape[1] - image :], hidden[:, : hidden.shape[1] - image]
+
+    def _join(self, image, text):
+        return torch.cat([image, text] if self.state.adapter.joined_text_last else [text, image], dim=1)
 
 
 def apply_step_cache(transformer, state, settings: StepCache) -> FirstBlockCache:
     """Wrap the blocks of a module that parallelize has set up (a PipeFusion stage holds some)."""
-    blocks = state.adapter.blocks(transformer)
+    adapter = state.adapter
+    blocks = adapter.blocks(transformer)
     if not blocks:
         raise TypeError(f"StepCache found no transformer blocks in {type(transformer).__name__}")
-    return FirstBlockCache(settings, state, blocks, holds_first_block=state.mesh.is_first_stage)
+    joined = [name in adapter.joined_block_lists for name in adapter.block_lists for _ in getattr(transformer, name)]
+    return FirstBlockCache(settings, state, blocks, holds_first_block=state.mesh.is_first_stage, joined=joined)
+
+
+def _passed_on(meta, args, kwargs, hidden):
+    """A skipped block's output: its input states as they came (a joined block's one tensor)."""
+    if meta.return_encoder_hidden_states_index is None:
+        return hidden
+    output = [None, None]
+    output[meta.return_hidden_states_index] = hidden
+    output[meta.return_encoder_hidden_states_index] = meta._get_parameter_from_args_kwargs(
+        "encoder_hidden_states", args, kwargs
+    )
+    return tuple(output)
 
 
 def _hidden(meta, output):

@@ -103,8 +103,9 @@ class DiffusersCache:
             out.append(differing / total if total > 0 else math.inf)
         return out
 
-    def begin(self, latents) -> None:
-        """The parallel forward's call: nothing to set up (diffusers' hooks hold their state)."""
+    def begin(self, latents, block_residuals: bool = False) -> None:
+        """The parallel forward's call: nothing to set up (diffusers' hooks hold their state; a ControlNet's
+        residuals are added between blocks by the model's own forward, around the hooks, as serially)."""
 
     @contextlib.contextmanager
     def step(self, step_index: int, num_steps: int, t, branches_apart: bool):

@@ -195,7 +195,8 @@ def _parallel_forward(transformer, state):
         dp_sizes = split_batch(state, bound.arguments)
         forward = get_forward()
         if state.cache is not None:
-            state.cache.begin(bound.arguments["hidden_states"])
+            residuals = any(bound.arguments.get(entry.argument) is not None for entry in state.adapter.block_residuals)
+            state.cache.begin(bound.arguments["hidden_states"], block_residuals=residuals)
         output = state.strategy.forward(lambda: run_forward(state, forward, bound), bound)
         if state.adapter.gather_at is None:  # a ControlNet: its residual lists stay this rank's
             return _rank_local(output)

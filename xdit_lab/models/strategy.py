@@ -121,6 +121,9 @@ class Controls:
                             indexes them: the mistake rebasing prevents
     cache_agrees            False: a StepCache's ranks each decide from their own tokens' sums, not the
                             whole batch's (they diverge, and a collective times out): models/cache.py
+    cache_keeps_block_residuals  True: a StepCache caches a ControlNet's residuals added between its blocks with what
+                            the blocks added, so a skipped step adds the full step's as well as its own: the
+                            mistake taking them out prevents (models/cache.py)
     exchanges_halo          False: a convolution over token rows (Sana's feed-forward) convolves each rank's band
                             alone, zeros beyond its edges: the mistake the halo rows prevent (models/row_halo.py)
     wrong_comm_scales       True: with ParallelConfig.comm_dtype, each row of float8 on the wire is unpacked
@@ -133,6 +136,7 @@ class Controls:
     drops_returned_latents: bool = False
     rebases_block_residuals: bool = True
     cache_agrees: bool = True
+    cache_keeps_block_residuals: bool = False
     exchanges_halo: bool = True
     wrong_comm_scales: bool = False
 

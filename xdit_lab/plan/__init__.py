@@ -32,7 +32,7 @@ A row says what one rank holds, by term, and whether the sum fits:
     conditioning  every row's text conditioning (both branches under CFG), whole on every rank
     stale K/V     PipeFusion's buffers on the busiest stage (attention/stale.py)
     decode peak   the VAE decode's activations in row bands (terms.planned_decode_peak: AutoencoderKL's 2D
-                  decoder, Wan's causal 3D one in video_decode.py)
+                  decoder; the video VAEs' in video_decode.py (Wan's), cogvideox_decode.py, hunyuan_decode.py)
 
     e.g. FLUX.1-dev, ulysses 4, shard_weights, text encoders sharded, 4 GPUs:
         rank r:  transformer ¼ of each parameter (5.95 GB) | T5 + CLIP ¼ (2.4 GB) | VAE whole (0.17 GB)
@@ -40,7 +40,7 @@ A row says what one rank holds, by term, and whether the sum fits:
 
 Latents and conditioning come from each family recipe's closed form (Recipe.planned_request), checked against
 what the family's own encode and prepare hold on tiny pipelines (tests/test_fit.py). Where a term has no
-closed form here (CogVideoX's and HunyuanVideo's decode peaks) or cannot be known from the configs (Qwen-Image's
+closed form here (Sana's AutoencoderDC's decode peak) or cannot be known from the configs (Qwen-Image's
 text length, which depends on the prompt), the row says so (`unknown`, `bounds`) instead of guessing. Transient
 activations of a forward (attention, MLP intermediates) are not planned: they are measured.
 
@@ -49,6 +49,8 @@ includes FSDP2's gathers, turned into bytes per step and into seconds on NVLink 
 """
 
 from .check import MemoryPlan, MemoryPlanError, available_bytes, check_plan, human_bytes
+from .cogvideox_decode import cogvideox_decode_peak_bytes
+from .hunyuan_decode import hunyuan15_decode_peak_bytes, hunyuan_decode_peak_bytes
 from .load import plan_memory
 from .rows import (
     GB,
@@ -84,7 +86,10 @@ __all__ = [
     "block_bytes",
     "check_plan",
     "component_tensor_bytes",
+    "cogvideox_decode_peak_bytes",
     "decode_peak_bytes",
+    "hunyuan15_decode_peak_bytes",
+    "hunyuan_decode_peak_bytes",
     "wan_decode_peak_bytes",
     "fit_rank_key",
     "fit_ranking_reasons",

@@ -19,8 +19,18 @@ from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
 from ..quantization import SCHEMES
-from ..vae import CAUSAL_VAES, PLANAR_VAES
-from .terms import Call, RequestShape, decode_bands, make_call, planned_decode_peak, request_shape, stale_kv
+from ..vae import PLANAR_VAES
+from .terms import (
+    UNPLANNED_DECODES,
+    VIDEO_DECODE_PEAKS,
+    Call,
+    RequestShape,
+    decode_bands,
+    make_call,
+    planned_decode_peak,
+    request_shape,
+    stale_kv,
+)
 from .weights import held_weights
 
 # Link bandwidths the planner turns traffic into seconds with (one direction, per GPU, peak; NCCL
@@ -392,13 +402,14 @@ def plan_row(
     hidden = heads * head_dim
     unknown = []
     decode = None
-    # the 2D decoder's (AutoencoderKL's, Flux.2's) and Wan's causal 3D one's (measured: tests/test_vae.py)
+    # the 2D decoder's (AutoencoderKL's, Flux.2's) and every video VAE's (measured: tests/test_vae.py)
     if known:
         decode = planned_decode_peak(model, call, shape, decode_bands(config))
         if decode is None:
             vae = model.configs.get("vae", {}).get("_class_name", "no VAE")
-            formed = " and ".join((*PLANAR_VAES, *CAUSAL_VAES))
-            unknown.append(f"decode peak: {vae} has no closed form here (only {formed} have one); measure it")
+            formed = ", ".join((*PLANAR_VAES, *VIDEO_DECODE_PEAKS))
+            why = UNPLANNED_DECODES.get(vae, f"only {formed} have one")
+            unknown.append(f"decode peak: {vae} has no closed form here ({why}); measure it")
     else:
         unknown.append("latents, conditioning, stale K/V, decode peak: no closed form for this request here")
     if isinstance(placement, dict):  # a load's: each text encoder's own (one word where they agree)

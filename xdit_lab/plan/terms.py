@@ -10,7 +10,8 @@ stale K/V      PipeFusion's buffers on the busiest rank of the busiest stage: th
                attention/stale.py's stale_kv_bytes; and a linear attention's sums and a convolution's
                edge rows per patch (Sana's: stale_sums_and_halos)
 decode peak    the VAE decode's activations, whole or in row bands (planned_decode_peak): the 2D decoder's
-               (decode_peak_bytes; AutoencoderKL, Flux.2's), Wan's causal 3D one's (video_decode.py)
+               (decode_peak_bytes; AutoencoderKL, Flux.2's), Wan's causal 3D one's (video_decode.py),
+               CogVideoX's (cogvideox_decode.py), HunyuanVideo's and HunyuanVideo-1.5's (hunyuan_decode.py)
 """
 
 from __future__ import annotations
@@ -19,11 +20,28 @@ import inspect
 
 from ..config import ParallelConfig
 from ..families import RECIPES, Recipe, Request
-from ..families.recipe import Call, RequestShape, vae_scale
+from ..families.recipe import Call, RequestShape, latent_frames, vae_scale
 from ..model_folder import ModelFolder, ModelFolderError, read_call_defaults
 from ..sharding import batch_rows
 from ..vae import CAUSAL_VAES, PLANAR_VAES
+from .cogvideox_decode import cogvideox_decode_peak_bytes
+from .hunyuan_decode import hunyuan15_decode_peak_bytes, hunyuan_decode_peak_bytes
 from .video_decode import wan_decode_peak_bytes
+
+VIDEO_DECODE_PEAKS = {  # each video VAE's closed form, checked against measured peaks in tests/test_vae.py
+    "AutoencoderKLWan": wan_decode_peak_bytes,
+    "AutoencoderKLQwenImage": wan_decode_peak_bytes,
+    "AutoencoderKLCogVideoX": cogvideox_decode_peak_bytes,
+    "AutoencoderKLHunyuanVideo": hunyuan_decode_peak_bytes,
+    "AutoencoderKLHunyuanVideo15": hunyuan15_decode_peak_bytes,
+}
+UNPLANNED_DECODES = {  # the VAEs whose decode peak has no closed form here yet, and why
+    "AutoencoderDC": "Sana's deep-compression decoder (its own blocks, linear attention) has no ledger here",
+    "AutoencoderKLLTX2Video": (
+        "LTX-2's video decoder (not causal, channels rearranged into pixels and frames at each upsampling, a 4 × 4 "
+        "unpatchify at the end; decoded whole: vae.py has no bands for it) has no ledger here yet"
+    ),
+}
 
 __all__ = ["Call", "RequestShape", "make_call", "request_shape"]
 
@@ -196,28 +214,32 @@ def decode_bands(config: ParallelConfig) -> int:
 
 def planned_decode_peak(folder: ModelFolder, call: Call, shape: RequestShape, bands: int = 1) -> int | None:
     """The decode peak of one image or video of `call` on a rank holding the largest of `bands` row bands: the 2D
-    decoder's (decode_peak_bytes) or Wan's causal 3D one's (video_decode.wan_decode_peak_bytes); None for a VAE
-    with no closed form here (decoded_latent says which)."""
+    decoder's (decode_peak_bytes) or the video VAE's (VIDEO_DECODE_PEAKS); None for a VAE with no closed form here
+    (decoded_latent says which)."""
     latent = decoded_latent(folder, call, shape)
     if latent is None:
         return None
     vae = folder.configs["vae"]
     if len(latent) == 5:
-        return wan_decode_peak_bytes(vae, latent, folder.element, bands=bands)
+        return VIDEO_DECODE_PEAKS[vae["_class_name"]](vae, latent, folder.element, bands=bands)
     return decode_peak_bytes(vae, latent, folder.element, bands=bands)
 
 
 def decoded_latent(folder: ModelFolder, call: Call, shape: RequestShape) -> tuple[int, ...] | None:
     """The latent one decode takes, (1, channels, rows, cols) for the 2D decoder (PLANAR_VAES, the recipe's
-    decode_latent), (1, channels, frames, rows, cols) for Wan's causal 3D one (CAUSAL_VAES); None for the others
-    (Sana's AutoencoderDC, CogVideoX's and HunyuanVideo's 3D VAEs: no closed form yet)."""
+    decode_latent), (1, channels, frames, rows, cols) for a video VAE (VIDEO_DECODE_PEAKS: the video's latent
+    frames, as the VAE compresses time); None for the others (Sana's AutoencoderDC: no closed form yet)."""
     vae = folder.configs.get("vae", {})
     kind = vae.get("_class_name")
     if kind in PLANAR_VAES and shape.decode_latent is not None:
         return (1, *shape.decode_latent)
-    if kind in CAUSAL_VAES:
+    if kind in VIDEO_DECODE_PEAKS:
         scale = vae_scale(vae)[0]
-        return (1, vae.get("z_dim", 16), shape.frames, call.height // scale, call.width // scale)
+        # Wan's: the frames the recipe planned; the others': the video's own (CogVideoX 1.5 pads the latent
+        # frames to its temporal patch for the transformer and decodes them without the padding)
+        frames = shape.frames if kind in CAUSAL_VAES else latent_frames(folder.configs, call)
+        channels = vae.get("z_dim", 16) if kind in CAUSAL_VAES else vae.get("latent_channels", 16)
+        return (1, channels, frames, call.height // scale, call.width // scale)
     return None
 
 

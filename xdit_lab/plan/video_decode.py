@@ -13,7 +13,7 @@ bytes alive at any moment are
                               copy) beside the caches; in bands the gather of every band's video
 
 Each call's frames: one latent frame, doubled by every temporal upsampling except in the first call (its
-time convolution is skipped, "Rep"). The ledger below (_Ledger) follows diffusers' decoder step by step,
+time convolution is skipped, "Rep"). The ledger below (Ledger) follows diffusers' decoder step by step,
 allocating and freeing what each step does, and keeps the largest sum: a closed form in the sense that it
 reads only the configuration and the latent's shape, checked against the tensors the decode really makes
 (lab.measure.PeakTensorBytes, tests/test_vae.py) within 10%, whole and in bands.
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from ..sharding import shard_sizes
 
-__all__ = ["wan_decode_peak_bytes"]
+__all__ = ["Ledger", "gathered_video_bytes", "wan_decode_peak_bytes"]
 
 
-class _Ledger:
+class Ledger:
     """Bytes alive, and the most ever alive, as the decoder allocates and frees."""
 
     def __init__(self):
@@ -65,7 +65,7 @@ def wan_decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *,
     z, blocks = vae_config.get("z_dim", 16), vae_config.get("num_res_blocks", 2)
     out_channels, patch = vae_config.get("out_channels", 3), vae_config.get("patch_size") or 1
     dims = [base * m for m in [mult[-1], *reversed(mult)]]
-    ledger, caches = _Ledger(), {}  # caches: each caching convolution's frames, by its place in the call
+    ledger, caches = Ledger(), {}  # caches: each caching convolution's frames, by its place in the call
 
     def size(channels, t, scale, element=element_bytes, pad=0):  # a tensor of t frames at `scale`× the latent
         return batch * channels * t * (band_rows * scale + pad) * (cols * scale + pad) * element
@@ -254,12 +254,15 @@ def wan_decode_peak_bytes(vae_config: dict, latent_shape, element_bytes: int, *,
         video = unpatched
     clamped = ledger.new(video)
     ledger.free(video, last, *caches.values())
-    if bands > 1:  # the gather, on the rank whose band makes it largest: its video, the band padded to the
-        # largest (a copy, when shorter), a receive buffer of the largest band per rank, then their concatenation
-        per_row = clamped // band_rows  # video bytes per latent row
-        ledger.new(
-            max(n + (n < band_rows) * band_rows + bands * band_rows for n in shard_sizes(rows, bands)) * per_row
-            - clamped
-            + rows * per_row
-        )
+    if bands > 1:
+        ledger.new(gathered_video_bytes(clamped, band_rows, rows, bands) - clamped)
     return ledger.peak
+
+
+def gathered_video_bytes(band_video: int, band_rows: int, rows: int, bands: int) -> int:
+    """The bytes of the gather of every band's video (vae.py) on the rank whose band makes it largest, given the
+    largest band's video of `band_video` bytes: its video, the band padded to the largest (a copy, when shorter), a
+    receive buffer of the largest band per rank, then their concatenation."""
+    per_row = band_video // band_rows  # video bytes per latent row
+    padded = max(n + (n < band_rows) * band_rows + bands * band_rows for n in shard_sizes(rows, bands))
+    return (padded + rows) * per_row

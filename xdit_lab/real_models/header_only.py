@@ -55,13 +55,21 @@ def build_on_meta(component: Component) -> torch.nn.Module:
     """The component's module with every parameter and buffer on the meta device (shapes, no memory).
     The classes get a copy of the arguments: transformers' configs fill in nested dicts they are given
     (Qwen2.5-VL's rope_scaling), which would change REAL_MODELS and every later folder."""
-    library = __import__(component.library)
+    library = _library(component.library)
     cls = getattr(library, component.class_name)
     kwargs = copy.deepcopy(component.kwargs)
     with torch.device("meta"):
         if component.config_class is None:
             return cls(**kwargs)
         return cls(getattr(library, component.config_class)(**kwargs))
+
+
+def _library(name: str):
+    """diffusers, transformers, or a diffusers pipeline's own module, as model_index.json names it (LTX-2's
+    "ltx2": its text connectors and vocoder live in diffusers.pipelines.ltx2)."""
+    import importlib
+
+    return importlib.import_module(name if name in ("diffusers", "transformers") else f"diffusers.pipelines.{name}")
 
 
 def stored_tensors(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, tuple[str, list[int]]]:
@@ -87,7 +95,7 @@ def _save_component(component: Component, path: Path) -> None:
         _save_config(lambda where: scheduler.save_config(where), path, "scheduler_config.json")
         return
     module = build_on_meta(component)
-    if component.library == "diffusers":
+    if component.library != "transformers":  # diffusers' models, a diffusers pipeline's own ones too
         _save_config(lambda where: module.save_config(where), path, "config.json")
         stem = "diffusion_pytorch_model"
     else:  # what PreTrainedModel.save_pretrained sets before it saves the configuration

@@ -15,18 +15,12 @@ stage hands over the patch's image tokens and the text states its blocks produce
 (whole, on every sp rank). Their attention keeps image K/V per patch and recomputes text K/V (and
 its padding mask) with each patch. The blocks are the adapter's stack (Flux: double-stream, then
 single-stream), cut into stages as one list; rotary rows and per-token arguments follow the patches.
-<<<<<<< HEAD
-Where other images' tokens follow the drawn one's (an edit's reference images: Qwen-Image-Edit, Kontext,
-Flux.2), patch i is row band i of every image (sharding.patch_layout), and the output buffer holds every
-image's tokens, as the model's own output does.
-=======
 Z-Image's stack starts with blocks over the image alone, and its forward joins the caption to the image
 before its first main layer: a stage starting there takes the image states alone and joins its own
 caption (FamilyAdapter.text_joined_at); the padding tokens that model adds after the image go with the
-last patch. Where other images' tokens follow the drawn one's (Qwen-Image-Edit's reference images),
-patch i is row band i of every image (sharding.patch_layout), and the output buffer holds every image's
-tokens, as the model's own output does.
->>>>>>> zpf
+last patch. Where other images' tokens follow the drawn one's (an edit's reference images: Qwen-Image-Edit,
+Kontext, Flux.2), patch i is row band i of every image (sharding.patch_layout), and the output buffer holds
+every image's tokens, as the model's own output does.
 The last stage's output tokens fill one buffer per step, patch by patch (gather), so the last
 patch's forward unpatchifies the whole image; that prediction is broadcast to every stage (all
 step the scheduler alike). Within a stage, tokens may also be split over ulysses × ring: every

@@ -122,8 +122,9 @@ DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE)
 # (family, configuration) whose diffusers hooks raise in diffusers' own serial pipeline, and why
 RAISES_SERIALLY = {
     ("flux2", "FirstBlockCacheConfig"): "its first block returns (text, image) and its last block one tensor of "
-    "[text; image], which diffusers' hook subtracts one from the other (a TypeError in diffusers' own pipeline); use "
-    "TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig",
+    "[text; image], which diffusers' hook subtracts one from the other (a TypeError when diffusers runs it serially, "
+    "in a cache context opened by hand: Flux2Pipeline opens none); use TaylorSeerCacheConfig, MagCacheConfig or "
+    "PyramidAttentionBroadcastConfig",
 }
 DECIDES_IN_PYTHON = "whether a step, block or attention runs is decided in Python by its hooks; run the cache eagerly"
 

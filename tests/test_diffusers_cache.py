@@ -2,10 +2,14 @@
 
 `load_pipeline(folder, config, cache=<diffusers cache config>)` runs diffusers' hooks after parallelize, with one
 decision for every rank (xdit_lab/models/diffusers_cache.py). The reference is diffusers' stock pipeline loaded from
-the same tiny folder with `transformer.enable_cache(config)`, run serially; every method equals it (1e-4 relative)
-under ulysses 2, ring 2 and dp 2 on tiny Flux and tiny Wan, and under cfg 2 where Wan runs true CFG, with the steps
-skipped equal on every rank. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=False))
-under dp 2, whose ranks hold different prompts, misses. The refusals are asked without loading a weight."""
+the same tiny folder with `transformer.enable_cache(config)`, run serially. First-Block Cache, TaylorSeer, MagCache
+and PAB each equal it (1e-4 relative) under ulysses 2, ring 2 and dp 2 on tiny Flux and tiny Wan, at settings where
+some steps skip and some run, with the steps skipped equal on every rank and every step's bytes equal to the closed
+form; TaylorSeer and MagCache under cfg 2 with Wan's true CFG (two calls a step in diffusers); First-Block Cache and
+PAB under cfg 2 with CogVideoX's CFG (one call, as ours), and refused with Wan's; ulysses x ring, FSDP2-sharded
+weights and a dp stand-in row. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=
+False)) under dp 2, whose ranks hold different prompts, misses. pipe.enable_cache / disable_cache, a cache enabled
+by hand (refused), unparallelize, the refusals (asked without loading a weight) and the CLI's spelling."""
 
 import dataclasses
 

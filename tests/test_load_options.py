@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from xdit_lab import LoadOptions, ParallelConfig, StepCache, load_pipeline
+from xdit_lab import LoadOptions, ParallelConfig, ParallelConfigError, StepCache, load_pipeline
 from xdit_lab.families import recipe_for
 from xdit_lab.lora import LoraError
 from xdit_lab.model_folder import read_model_folder, resolve_folder
@@ -108,8 +108,11 @@ def test_what_parallelize_refuses_of_a_cache_or_compile_is_said_before_loading(d
 
 
 def test_a_cache_that_is_no_step_cache_is_refused_by_name(digits):
-    """diffusers' cache configurations are refused by name, before a weight is read and by parallelize, not run
-    as a StepCache with their threshold (a MagCacheConfig once ran as one, giving another image than diffusers')."""
+    """diffusers' cache configurations on a transformer without diffusers' CacheMixin (the digits model is a PixArt,
+    whose diffusers pipeline runs no cache) are refused by name, before a weight is read and by parallelize, not run
+    as a StepCache with their threshold (a MagCacheConfig once ran as one, giving another image than diffusers').
+    An object cache= does not know is refused as a TypeError. (Where diffusers runs them, they run with one decision
+    for every rank: tests/test_diffusers_cache.py.)"""
     import diffusers
 
     from xdit_lab import parallelize
@@ -118,12 +121,15 @@ def test_a_cache_that_is_no_step_cache_is_refused_by_name(digits):
     caches = (diffusers.MagCacheConfig(threshold=0.1, calibrate=True), diffusers.FirstBlockCacheConfig(0.1))
     for config in (*caches, diffusers.TaylorSeerCacheConfig()):
         (said,) = _said(LoadOptions(cache=config), digits)
-        assert said[0] == "TypeError" and f"cache=diffusers's {type(config).__name__} is not a cache" in said[1]
+        assert said[0] == "ParallelConfigError", said
+        assert f"cache={type(config).__name__}: pixart's PixArtTransformer2DModel takes no diffusers cache" in said[1]
         assert "xdit_lab.StepCache(threshold)" in said[1]
-        with pytest.raises(TypeError, match=type(config).__name__):
+        with pytest.raises(ParallelConfigError, match=type(config).__name__):
             load_pipeline("digits", cache=config)  # before a weight is read: no world is joined for it
-        with pytest.raises(TypeError, match=type(config).__name__):
+        with pytest.raises(ParallelConfigError, match=type(config).__name__):
             parallelize(tiny_transformer("pixart"), SERIAL, cache=config)
+    (said,) = _said(LoadOptions(cache=dataclasses.make_dataclass("Mine", [("threshold", float)])(0.1)), digits)
+    assert said[0] == "TypeError" and "is not a cache xdit_lab runs" in said[1]
     assert _said(LoadOptions(cache=StepCache(0.1)), digits) == []  # the control: our own cache
 
 

@@ -1,9 +1,10 @@
 """The accelerations a user asks for, and what they refuse under a configuration, for a family: a StepCache's
 settings (its runtime, the hooks that skip blocks, is models/cache.py), torch.compile's backend, and the rules:
 compile with PipeFusion, a StepCache on a family that has none yet or under the async PipeFusion
-schedule, a convolution over token rows (Sana's) under PipeFusion with ulysses or ring within a stage, and a cache
-object that is no StepCache (diffusers' cache configurations are not run here yet: each is
-refused by name, never run as something else).
+schedule, a convolution over token rows (Sana's) under PipeFusion with ulysses or ring within a stage, diffusers'
+own cache configurations (their runtime, diffusers' hooks with one decision for every rank, is
+models/diffusers_cache.py) where they cannot be agreed, and any other cache object, refused by name, never run as
+something else.
 
     option_problems(config, adapter, cache=StepCache(0.1), compile=True)   # [(sentence, exception type), ...]
 
@@ -50,7 +51,12 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
     (compile_problems), a family that has no StepCache yet, a StepCache under the async schedule. LoadOptions.problems
     asks the same before a weight is read."""
     found = []
-    if cache is not None and not isinstance(cache, StepCache):
+    if is_diffusers_cache(cache):
+        found += [(sentence, ParallelConfigError) for sentence in diffusers_cache_problems(config, adapter, cache)]
+        if compile:
+            found.append((f"compile=True does not take {_named(cache)}: {DECIDES_IN_PYTHON}", ParallelConfigError))
+        compile, cache = False, None  # the rules below are a StepCache's and compile's with one
+    elif cache is not None and not isinstance(cache, StepCache):
         found.append((_unknown_cache(cache), TypeError))
         cache = None  # the rules below are a StepCache's
     if compile:
@@ -85,13 +91,93 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
 
 
 def _unknown_cache(cache) -> str:
-    kind = f"{type(cache).__module__.split('.')[0]}'s {type(cache).__name__}"
     return (
-        f"cache={kind} is not a cache xdit_lab runs: cache= takes xdit_lab.StepCache(threshold) (First-Block Cache, "
-        f"one decision for the whole batch taken by every rank together); diffusers' own cache configurations are "
-        f"not run under a ParallelConfig yet, and running one as a StepCache would give another image than "
-        f"diffusers' without a word"
+        f"cache={_named(cache)} is not a cache xdit_lab runs: cache= takes xdit_lab.StepCache(threshold) (First-Block "
+        f"Cache, one decision for the whole batch taken by every rank together) or one of diffusers' cache "
+        f"configurations ({', '.join(DIFFUSERS_CACHES)}), run by diffusers' own hooks with one decision for every rank"
     )
+
+
+def _named(cache) -> str:
+    owner = type(cache).__module__.split(".")[0]
+    return f"{owner}{chr(39) if owner.endswith('s') else chr(39) + 's'} {type(cache).__name__}"
+
+
+# diffusers' cache configurations (diffusers.hooks), by how every rank comes to the same decision
+# (models/diffusers_cache.py runs them): from the schedule alone (the step counted, the timestep, MagCache's
+# precomputed ratios), or from the data (First-Block Cache's relative change: its two sums all-reduced over the
+# configuration's ranks); the rest are refused under parallelism, each for its own reason.
+BY_SCHEDULE = ("TaylorSeerCacheConfig", "MagCacheConfig", "PyramidAttentionBroadcastConfig")
+BY_DATA = ("FirstBlockCacheConfig",)
+REFUSED = dict(
+    FasterCacheConfig="it filters each attention output in the frequency domain over its tokens (a 2-D FFT of "
+    "[tokens, channels]), of which a sequence shard holds a piece, and it cuts [uncond; cond] batches in half at the "
+    "transformer's input, which cfg and dp have split already",
+    SeaCacheConfig="its spectral filter runs over the tokens of a sequence shard rather than the whole sequence, and "
+    "its ranks vote with an all-reduce of their own on torch's default group, outside the configuration's groups and "
+    "their records",
+    TextKVCacheConfig="it caches NucleusMoE-Image's text keys and values, a family xdit_lab does not run",
+)
+DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE)
+# (family, configuration) whose diffusers hooks raise in diffusers' own serial pipeline, and why
+RAISES_SERIALLY = {
+    ("flux2", "FirstBlockCacheConfig"): "its first block returns (text, image) and its last block one tensor of "
+    "[text; image], which diffusers' hook subtracts one from the other (a TypeError when diffusers runs it serially, "
+    "in a cache context opened by hand: Flux2Pipeline opens none); use TaylorSeerCacheConfig, MagCacheConfig or "
+    "PyramidAttentionBroadcastConfig",
+}
+DECIDES_IN_PYTHON = "whether a step, block or attention runs is decided in Python by its hooks; run the cache eagerly"
+
+
+def is_diffusers_cache(cache) -> bool:
+    """One of diffusers' cache configurations (diffusers.hooks.*CacheConfig, PyramidAttentionBroadcastConfig)."""
+    return type(cache).__module__.startswith("diffusers.") and type(cache).__name__ in (*DIFFUSERS_CACHES, *REFUSED)
+
+
+def diffusers_cache_problems(config, adapter, cache) -> list[str]:
+    """Why diffusers' cache configuration `cache` cannot run agreed on `adapter`'s family under `config`, as
+    sentences: a transformer without diffusers' CacheMixin (whose serial pipeline runs no cache: nothing to equal),
+    a configuration that cannot be agreed, PipeFusion, MagCache's calibration on several ranks."""
+    import diffusers
+    from diffusers.models.cache_utils import CacheMixin
+
+    name, found = type(cache).__name__, []
+    if not issubclass(getattr(diffusers, adapter.class_name), CacheMixin):
+        found.append(
+            f"cache={name}: {adapter.family}'s {adapter.class_name} takes no diffusers cache (it has no CacheMixin, "
+            f"so diffusers' own pipeline runs none to compare with); use xdit_lab.StepCache(threshold) or no cache"
+        )
+    elif name in REFUSED:
+        found.append(
+            f"cache={name} is not run under a ParallelConfig: {REFUSED[name]}; use one of {', '.join(DIFFUSERS_CACHES)}"
+        )
+    elif name in ("FirstBlockCacheConfig", "MagCacheConfig") and adapter.block_returns:
+        # their head and tail hooks look each block up in diffusers' TransformerBlockRegistry
+        found.append(
+            f"cache={name} does not run on {adapter.family}: diffusers' TransformerBlockRegistry does not list its "
+            f"blocks ({', '.join(adapter.block_returns)}), which the hooks look up, so diffusers' own pipeline raises "
+            f"on it; use TaylorSeerCacheConfig or PyramidAttentionBroadcastConfig"
+        )
+    elif (adapter.family, name) in RAISES_SERIALLY:
+        found.append(f"cache={name} does not run on {adapter.family}: {RAISES_SERIALLY[adapter.family, name]}")
+    if getattr(config, PIPEFUSION) > 1:
+        found.append(
+            f"cache={name} does not run under PipeFusion: its hooks expect every block on one rank and one pass per "
+            f"step, while a stage holds some blocks and runs them once per patch; use ulysses, ring, cfg or dp, or "
+            f"xdit_lab.StepCache(threshold), which PipeFusion takes"
+        )
+    if name == "MagCacheConfig" and cache.calibrate and config.world_size > 1:
+        found.append(
+            "MagCacheConfig(calibrate=True) measures its ratios from the residuals a rank holds, a shard or a share "
+            "of the batch under a ParallelConfig; calibrate on one rank and pass the ratios it prints as mag_ratios"
+        )
+    if name == "PyramidAttentionBroadcastConfig" and cache.current_timestep_callback is not None:
+        found.append(
+            "PyramidAttentionBroadcastConfig: leave current_timestep_callback None: xdit_lab gives its hooks the "
+            "timestep of the step its session runs (a callback reading a diffusers pipeline's current_timestep "
+            "would read a pipeline that never runs here)"
+        )
+    return found
 
 
 def compile_problems(config) -> list[str]:

@@ -177,6 +177,53 @@ def _option(text: str) -> tuple[str, object]:
         return key, value
 
 
+# --cache NAME[:KEY=VALUE,...]: diffusers' cache configurations by a short name
+CACHE_NAMES = dict(
+    fbc="FirstBlockCacheConfig",
+    taylorseer="TaylorSeerCacheConfig",
+    magcache="MagCacheConfig",
+    pab="PyramidAttentionBroadcastConfig",
+    fastercache="FasterCacheConfig",
+    seacache="SeaCacheConfig",
+    textkv="TextKVCacheConfig",
+)
+
+
+def _cache(text: str):
+    """--cache fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[1.0,0.9,...]: one of diffusers'
+    cache configurations, each value read as JSON when it parses (a list for a range or the ratios), else as text
+    (a dtype field's by its torch name: taylor_factors_dtype=float32)."""
+    import dataclasses
+    import json
+    import re
+
+    import diffusers.hooks
+    import torch
+
+    name, _, settings = text.partition(":")
+    if name not in CACHE_NAMES:
+        raise argparse.ArgumentTypeError(f"--cache {name!r}: name one of {', '.join(CACHE_NAMES)}")
+    kind = getattr(diffusers.hooks, CACHE_NAMES[name])
+    defaults = {field.name: field.default for field in dataclasses.fields(kind)}
+    values = {}
+    for item in filter(None, re.split(r",(?![^\[]*\])", settings)):  # commas outside [...]
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--cache {text!r}: expected NAME:KEY=VALUE,..., got {item!r}")
+        try:
+            values[key] = json.loads(value)
+        except json.JSONDecodeError:
+            values[key] = value
+        if isinstance(defaults.get(key), torch.dtype):
+            if not isinstance(getattr(torch, value, None), torch.dtype):
+                raise argparse.ArgumentTypeError(f"--cache {text!r}: {key}={value!r} is no torch dtype (float32, ...)")
+            values[key] = getattr(torch, value)
+    try:
+        return kind(**values)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"--cache {text!r}: {error}") from None
+
+
 def _lora(text: str) -> tuple:
     """--lora PATH[=SCALE][@transformer_2]: the adapter's path, its scale (1 when not given) and, for Wan 2.2 A14B's
     second expert, the transformer it goes into (load_pipeline's lora entries)."""
@@ -196,14 +243,14 @@ RUN_ARGUMENTS_AS_NAMED = tuple("steps seed height width output_type".split())
 
 def load_options_of(args):
     """`run`'s flags that say how the weights load, as load_pipeline's LoadOptions (a --cache-threshold as a
-    StepCache of that threshold)."""
+    StepCache of that threshold, a --cache as the diffusers cache configuration it names)."""
     from .load_options import LoadOptions
     from .models import StepCache
 
     return LoadOptions(
         torch_dtype=args.dtype,
         progress=not args.no_progress,
-        cache=None if args.cache_threshold is None else StepCache(args.cache_threshold),
+        cache=args.cache if args.cache_threshold is None else StepCache(args.cache_threshold),
         compile=args.compile,
         shard_weights=args.shard_weights,
         on_host=tuple(args.on_host),
@@ -315,7 +362,8 @@ def cmd_run(args) -> int:
         cache = report["load_options"]["cache"]
         if cache is not None:
             skips = report["cache_skips"]
-            print(f"StepCache({cache['threshold']}) skipped {sum(skips)} of {len(skips)} steps: {skips}")
+            named = cache.get("diffusers") or f"StepCache({cache['threshold']})"
+            print(f"{named} skipped {sum(skips)} of {len(skips)} steps: {skips}")
         print(f"wrote {', '.join(report['outputs'])} and report.json to {args.output}")
     return 0
 
@@ -473,12 +521,21 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a pipeline argument of the family, e.g. use_resolution_binning=false",
     )
-    run.add_argument(
+    caches = run.add_mutually_exclusive_group()
+    caches.add_argument(
         "--cache-threshold",
         type=float,
         metavar="T",
         help="skip the blocks after the first at steps where the first block changed by at most T "
         "(StepCache; every rank takes the same decision). Default: no cache",
+    )
+    caches.add_argument(
+        "--cache",
+        type=_cache,
+        metavar="NAME:KEY=VALUE,...",
+        help="one of diffusers' cache configurations, run by its own hooks with one decision for every rank: "
+        "fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[...], "
+        "pab:spatial_attention_block_skip_range=2 (each key a field of its diffusers config). Default: no cache",
     )
     run.add_argument(
         "--compile",

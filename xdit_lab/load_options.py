@@ -68,7 +68,7 @@ class LoadOptions:
     torch_dtype: object = "auto"  # "auto" (bfloat16 on a GPU, float32 on a CPU), a torch.dtype or its name
     memory_limit_bytes: int | None = None
     progress: bool = True
-    cache: StepCache | None = None
+    cache: object = None  # a StepCache, or one of diffusers' cache configurations (accelerations.py)
     compile: bool | str = False
     shard_weights: bool = False
     on_host: tuple[str, ...] = ()
@@ -154,13 +154,18 @@ class LoadOptions:
 
     def to_record(self) -> dict:
         """The options as a run's records keep them (report.json, run.json): JSON values, each field by its name;
-        a dtype by its name, a StepCache by its threshold and method, a LoRA state dict as "a state dict"."""
+        a dtype by its name, a StepCache by its threshold and method, a diffusers cache configuration by its class
+        and repr, a LoRA state dict as "a state dict"."""
         cache = self.cache
         return dict(
             torch_dtype=self.torch_dtype if isinstance(self.torch_dtype, str) else str(self.torch_dtype),
             memory_limit_bytes=self.memory_limit_bytes,
             progress=self.progress,
-            cache=None if cache is None else dict(threshold=cache.threshold, method=cache.method),
+            cache=None
+            if cache is None
+            else dict(threshold=cache.threshold, method=cache.method)
+            if isinstance(cache, StepCache)
+            else dict(diffusers=type(cache).__name__, settings=repr(cache)),
             compile=self.compile,
             shard_weights=self.shard_weights,
             on_host=list(self.on_host),

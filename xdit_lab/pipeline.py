@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .accelerations import is_diffusers_cache
 from .config import ParallelConfig
 from .distributed import current_info, init_distributed
 from .families import Request, family, recipe_for
@@ -64,7 +65,8 @@ from .model_folder import (
     read_model_index,
     resolve_folder,
 )
-from .models import offload_blocks, parallelize
+from .models import offload_blocks, parallel_state, parallelize
+from .models.diffusers_cache import DiffusersCache
 from .plan import MemoryPlan, check_plan, plan_memory
 from .plan.loaded import plan_request
 from .quantization import TRANSFORMERS
@@ -135,7 +137,10 @@ def load_pipeline(
     `memory_limit_bytes` overrides the
     memory a rank is assumed to have (default: free GPU memory, or available RAM shared by this
     host's ranks). `cache=StepCache(threshold)` skips the blocks after the first at steps where the
-    first block barely changed, decided by all ranks together (results carry `cache_skips`).
+    first block barely changed, decided by all ranks together (results carry `cache_skips`); one of
+    diffusers' cache configurations (FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig,
+    PyramidAttentionBroadcastConfig) runs diffusers' own hooks with one decision for every rank
+    (models/diffusers_cache.py; `pipe.enable_cache(config)` / `pipe.disable_cache()` after loading).
     `compile=True` compiles the transformer whole (see `parallelize`); the first step pays for it.
 
     `shard_weights=True` shards the transformer's weights over the ranks that hold the same ones (the
@@ -477,6 +482,36 @@ class ParallelPipeline:
     @property
     def active(self) -> bool:
         return self.diffusers_pipeline is not None
+
+    def enable_cache(self, config) -> None:
+        """diffusers' cache configuration `config` (FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig,
+        PyramidAttentionBroadcastConfig) on this pipeline's transformers, as load_pipeline's cache= runs it:
+        diffusers' hooks with one decision for every rank (models/diffusers_cache.py). Call it on every rank."""
+        if not is_diffusers_cache(config):
+            raise TypeError(
+                f"pipe.enable_cache takes one of diffusers' cache configurations, not {type(config).__name__}; a "
+                f"StepCache wraps the blocks as parallelize sets them up: load with cache=StepCache(threshold)"
+            )
+        for transformer in self._transformers():
+            state = parallel_state(transformer)
+            if state.cache is not None:
+                raise ValueError(
+                    f"this pipeline runs a cache already ({type(state.cache.settings).__name__}); "
+                    f"call pipe.disable_cache() first"
+                )
+            state.cache = DiffusersCache(transformer, state, config)
+
+    def disable_cache(self) -> None:
+        """Remove the diffusers cache enable_cache (or load_pipeline's cache=) put on the transformers."""
+        for transformer in self._transformers():
+            state = parallel_state(transformer)
+            if not isinstance(state.cache, DiffusersCache):
+                raise ValueError("this pipeline runs no diffusers cache (a StepCache stays until the pipeline goes)")
+            state.cache.remove()
+            state.cache = None
+
+    def _transformers(self) -> list:
+        return [] if not self.active else self.recipe.transformers(self.diffusers_pipeline)
 
     def request(
         self,

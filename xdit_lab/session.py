@@ -39,6 +39,7 @@ from .families import Prepared, Request
 from .families.recipe import pad_text
 from .mesh import CFG, DP, WORLD
 from .models import StepContext, parallel_state
+from .models.diffusers_cache import DiffusersCache
 from .sharding import shard_sizes
 
 PHASES = ("encode", "prepare", "step", "decode")
@@ -183,7 +184,14 @@ class DenoiseSession:
             parallel_state(experts[self.step_experts[-1]]).strategy.reset()
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
-        with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans:
+        cache_step = (  # diffusers' hooks read their cache context, as diffusers' pipelines open it
+            state.cache.step(
+                self.step_index, self.num_steps, t, self.prepared.do_cfg and not self.recipe.cfg_in_one_call
+            )
+            if isinstance(state.cache, DiffusersCache)
+            else contextlib.nullcontext()
+        )
+        with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans, cache_step:
             state.strategy.run_step(self._context(), t)
         self.comm_per_step.append(log.bytes_by_group())
         if spans is not None:

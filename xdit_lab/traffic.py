@@ -8,6 +8,7 @@ test can put the formula beside what comm_log() measured, rank by rank and step 
 
 from __future__ import annotations
 
+from .accelerations import BY_SCHEDULE
 from .config import SCALE_BYTES, ParallelConfig
 from .mesh import CFG, DP, PIPEFUSION, RING, SP, TP, ULYSSES, WORLD
 from .sharding import patch_layout, shard_sizes
@@ -21,6 +22,7 @@ def expected_bytes_per_step(
     step: int | None = None,
     cache_skips: list[bool] | None = None,
     experts: list[int] | None = None,
+    cache_method: str | None = None,
 ) -> dict[str, int]:
     """Bytes out of one rank in one denoising step, per group, as the closed forms give them.
 
@@ -73,7 +75,10 @@ def expected_bytes_per_step(
                   decision's all-reduce of two float32; at a skipped step only the first block's
                   attention layers run (on PipeFusion's first stage). With two transformers
                   (`experts`: which one ran each step) each keeps its own state, so the
-                  all-reduce runs from each one's second step on
+                  all-reduce runs from each one's second step on. diffusers' FirstBlockCacheConfig
+                  (`cache_method`) moves the same; its TaylorSeer, MagCache and PyramidAttentionBroadcast
+                  decide from the schedule (nothing moves for it), and at a step they skip no attention
+                  layer runs (their hooks cover every block or attention layer of the families they run on)
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
     at a time after), its queries are that set's tokens and Ring passes the whole stale buffer; the
     joint text stays whole on every rank there. `shapes["text_sharded"]` says whether sequence shards
@@ -86,6 +91,7 @@ def expected_bytes_per_step(
         config, shapes, coords = summary["config"], summary["shapes"], summary["coords"]
         step = summary["step"] - 1 if step is None else step
         cache_skips = summary["cache"]["skips"] if summary.get("cache") else None
+        cache_method = summary["cache"].get("method") if summary.get("cache") else None
         experts = summary.get("experts")
     if isinstance(config, dict):
         config = ParallelConfig(**config)
@@ -122,9 +128,12 @@ def expected_bytes_per_step(
         forwards = [shard_sizes(sharded, sp)]
         kv_sizes = forwards[0]
     skipped = bool(cache_skips and cache_skips[step])
+    by_schedule = cache_method in BY_SCHEDULE  # a skipped step runs no attention layer, and nothing is agreed
     # a ControlNet's layers run beside the transformer's, at a step a StepCache skips too (its residuals are fresh)
     self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]
     joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"]
+    if skipped and by_schedule:
+        self_layers = joint_layers = 0
     self_layers += s.get("controlnet_self_layers", 0)
     joint_layers += s.get("controlnet_joint_layers", 0)
     joint = joint_layers if text else 0
@@ -135,7 +144,7 @@ def expected_bytes_per_step(
     # bytes of a run of elements on the attention exchanges: whole rows of d, each d + 4 bytes under float8
     row_bytes = d * e if c.comm_dtype is None else d + SCALE_BYTES
     out = dict.fromkeys((ULYSSES, RING, SP, PIPEFUSION, DP, CFG, WORLD, TP), 0)
-    if cache_skips is not None and experts[step] in experts[:step] and c.world_size > 1:
+    if cache_skips is not None and not by_schedule and experts[step] in experts[:step] and c.world_size > 1:
         out[WORLD] = 2 * 2 * 4 * (c.world_size - 1) // c.world_size
     for sizes in forwards:  # sizes: every sp rank's query tokens in this forward
         mine = slice(my_r * u, (my_r + 1) * u)

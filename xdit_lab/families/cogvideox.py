@@ -25,6 +25,7 @@ class CogVideoXRecipe(Recipe):
     output_field = "frames"
     defaults = dict(num_inference_steps=50, guidance_scale=6.0)
     options = dict(num_frames=None, eta=0.0, max_sequence_length=226)
+    cfg_in_one_call = True  # its pipeline's cache_context("cond_uncond")
 
     def text_cap(self, pipe):
         return pipe.transformer.config.max_text_seq_length  # the text positions its patch embedding has

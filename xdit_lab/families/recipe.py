@@ -109,6 +109,9 @@ class Recipe:
     pipefusion_async_refused: dict = {}  # pipeline class -> why PipeFusion's async schedule does not run with it
     # pipeline class -> why a StepCache does not run with it (beside the adapter's); none today: a ControlNet's runs
     step_cache_refused: dict = {}
+    # diffusers' pipeline runs CFG's [uncond; cond] in one transformer call (its cache hooks then keep one state for
+    # both, as xdit_lab's one call does), rather than one call per branch (models/diffusers_cache.py)
+    cfg_in_one_call: bool = False
     pipeline_defaults: dict = {}  # pipeline class -> its call defaults where they differ from `defaults`
     # prepared.extra's entries that hold a request's images, encoded, kept beside the latents over the steps: an
     # edit's reference tokens, inpainting's image latents, mask and first noise, Fill's masked image, an image to

@@ -38,7 +38,8 @@ def cache_savings(summary) -> dict:
 
 def draw_cache(summaries) -> Figure:
     """A StepCache's decisions (the same on every rank): per step, the first block's change against
-    the threshold, then each rank's step time and bytes out, skipped steps hatched."""
+    the threshold, then each rank's step time and bytes out, skipped steps hatched. A diffusers cache
+    (load_pipeline's cache=) is drawn the same, its change where it measures one (First-Block Cache's)."""
     summaries = _by_rank(summaries)
     if summaries[0]["cache"] is None:
         raise ValueError("this session runs without a StepCache: load with cache=StepCache(threshold)")
@@ -51,9 +52,10 @@ def draw_cache(summaries) -> Figure:
     change_ax.plot(steps, changes, "-", color="grey", lw=1)
     for step, change, skipped in zip(steps, changes, skips):
         change_ax.plot(step, change, "o", color="tab:green" if skipped else "tab:red")
-    change_ax.axhline(threshold, color="black", ls="--", lw=1, label=f"threshold {threshold:g}")
+    if threshold is not None and any(c is not None for c in first["cache"]["changes"]):
+        change_ax.axhline(threshold, color="black", ls="--", lw=1, label=f"threshold {threshold:g}")
+        change_ax.legend(fontsize=9, frameon=False, loc="upper right")
     change_ax.set_ylabel("first block's change", fontsize=9)
-    change_ax.legend(fontsize=9, frameon=False, loc="upper right")
     width = 0.8 / len(summaries)
     largest = max([1] + [sum(m.values()) for s in summaries for m in s["comm"]["measured"]])
     unit, unit_name = _scale(largest)
@@ -72,7 +74,7 @@ def draw_cache(summaries) -> Figure:
     bytes_ax.set_xticks(steps)
     saved = cache_savings(first)
     fig.suptitle(
-        f"StepCache skipped {saved['skipped']} of {saved['steps']} steps on every rank: rank {first['rank']} saved "
+        f"{first['cache'].get('method', 'StepCache')} skipped {saved['skipped']} of {saved['steps']} steps on every rank: rank {first['rank']} saved "
         f"about {saved['seconds']:.2f} s and {human_bytes(saved['bytes'])} out",
         fontsize=10,
     )

@@ -79,6 +79,7 @@ def rank_summary(session) -> dict:
             step=i,
             cache_skips=cache.get("skips"),
             experts=summary["experts"],
+            cache_method=cache.get("method"),
         )
         for i in range(len(measured))
     ]
@@ -100,7 +101,8 @@ def _cache(session, state) -> dict | None:
         local_changes.append(local[expert][calls[expert]])
         calls[expert] += 1
     return dict(
-        threshold=state.cache.settings.threshold,
+        threshold=getattr(state.cache.settings, "threshold", None),  # a StepCache's, or diffusers' config's
+        method=type(state.cache.settings).__name__,
         skips=list(session.cache_skips),
         changes=list(session.cache_changes),
         local_changes=local_changes,

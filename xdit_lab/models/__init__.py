@@ -7,6 +7,8 @@ sequence.py   token strategy: one contiguous shard per sequence-parallel rank (u
 pipefusion/   token strategy: a PipeFusion stage, patch by patch on stale K/V, and its two schedules
 step.py       one denoising step as one transformer call (every strategy's, PipeFusion's drained)
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
+diffusers_cache.py  diffusers' own cache hooks (First-Block Cache, TaylorSeer, MagCache, PAB) after
+              parallelize, one decision for every rank
 sharded_weights.py  torch's FSDP2 over the ranks that hold the same weights (shard_weights=True),
               and the closed form of its gathered bytes
 offload.py    offload_blocks: the weights in host memory, N blocks at a time on the device (diffusers' group

@@ -18,12 +18,13 @@ import weakref
 
 import torch
 
-from ..accelerations import StepCache, compile_backend, option_problems
+from ..accelerations import StepCache, compile_backend, is_diffusers_cache, option_problems
 from ..config import PIPEFUSION, TP, ParallelConfig, ParallelConfigError
 from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
 from ..mesh import RankMesh
 from .cache import apply_step_cache
+from .diffusers_cache import DiffusersCache, refuse_foreign_cache
 from .hooks import (
     STATE_ATTRIBUTE,
     ParallelState,
@@ -47,7 +48,7 @@ def parallelize(
     config: ParallelConfig,
     mesh: RankMesh | None = None,
     *,
-    cache: StepCache | None = None,
+    cache=None,
     compile: bool | str = False,
     shard_weights: bool = False,
     controls: Controls | None = None,
@@ -57,6 +58,10 @@ def parallelize(
     Call it on every rank after init_distributed. Every rank returns the same full output.
     `cache` skips the blocks after the first at steps where the first one barely changed
     (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over.
+    A diffusers cache configuration (FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig,
+    PyramidAttentionBroadcastConfig) runs diffusers' own hooks with one decision for every rank
+    (diffusers_cache.py); a session step opens their cache context. One enabled by hand
+    (transformer.enable_cache) is refused here and at the next forward.
     `compile=True` compiles the parallel forward with torch.compile, whole: one graph, in which each
     attention's parallel kernel and each gather is one operator that runs (and is recorded) as in
     eager. A compiled model runs under torch.no_grad (inference only). A string names torch.compile's
@@ -88,6 +93,7 @@ def parallelize(
             f"this {type(transformer).__name__} was sharded with fully_shard before parallelize: parallelize the "
             f"whole model first, then shard it (parallelize(..., shard_weights=True))"
         )
+    refuse_foreign_cache(transformer)
     unsupported = option_problems(config, adapter, cache=cache, compile=compile)
     if unsupported:
         raise unsupported[0][1]("; ".join(sentence for sentence, _ in unsupported))
@@ -120,10 +126,12 @@ def parallelize(
         state.strategy = PipeFusionStage.apply(transformer, state, config)
     else:
         state.strategy = SequenceShards(state)
-    if cache is not None:
+    if isinstance(cache, StepCache):
         state.cache = apply_step_cache(transformer, state, cache)
     install_hooks(transformer, state)
     state.hooks.replace("parallel_forward", transformer, forward=_parallel_forward(transformer, state))
+    if is_diffusers_cache(cache):  # diffusers' hooks around the forwards ours run (models/diffusers_cache.py)
+        state.cache = DiffusersCache(transformer, state, cache)
     if shard_weights:  # after the hooks: FSDP2 gathers before them and frees after them
         state.weights = shard_transformer(transformer, state)
     if compile:
@@ -162,6 +170,8 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
             f"this {type(transformer).__name__}'s blocks were offloaded after it was parallelized (offload_blocks), "
             f"whose hooks wrap the parallel forward; load it again without offload_blocks to run it serially"
         )
+    if isinstance(state.cache, DiffusersCache):  # diffusers' hooks wrap forwards ours replaced: they go first
+        state.cache.remove()
     state.hooks.remove_all()
     delattr(transformer, STATE_ATTRIBUTE)
     if state.owns_mesh:
@@ -209,6 +219,7 @@ def _parallel_forward(transformer, state):
     forward, gather the batch. It holds the module weakly: a module replaced by a reconfigure is
     freed as soon as its last user lets go (no cycle through its own forward attribute)."""
     signature = inspect.signature(transformer.forward)
+    owner = weakref.ref(transformer)
     if "forward" in vars(transformer):  # someone else's forward already on the instance: keep it as it is
         instance_forward = transformer.forward
         own_forward, get_forward = instance_forward, lambda: instance_forward
@@ -218,6 +229,7 @@ def _parallel_forward(transformer, state):
 
     @functools.wraps(own_forward)
     def parallel_forward(*args, **kwargs):
+        refuse_foreign_cache(owner())
         bound = signature.bind(*args, **kwargs)
         dp_sizes = split_batch(state, bound.arguments)
         forward = get_forward()

@@ -17,6 +17,7 @@ package builds it, the same way for every family:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -158,10 +159,16 @@ def tiny_qwen_image_edit(*, plus: bool = False, zero_cond_t: bool = False, seed:
 
 
 def save_tiny_pipeline(family: str, path, *, seed: int = 0, pipeline_class: str | None = None, **settings) -> Path:
-    """Build `tiny_pipeline(family, ...)` and save it as a diffusers folder (model_index.json + safetensors)."""
+    """Build `tiny_pipeline(family, ...)` and save it as a diffusers folder (model_index.json + safetensors), with
+    its tiny size as the folder's call defaults (call_defaults.json: height and width). A model's defaults belong to
+    its folder: without them a load plans one prompt at the pipeline's own default size (HunyuanVideo's 720 × 1280
+    × 129 frames), whose decode a tiny VAE would need gigabytes for, and refuses a load the tiny calls fit."""
     path = Path(path)
     pipe = tiny_pipeline(family, seed=seed, pipeline_class=pipeline_class, **settings)
     pipe.save_pretrained(path, safe_serialization=True)
+    size = {key: value for key, value in _spec(family).call.items() if key in ("height", "width")}
+    if size:
+        (path / "call_defaults.json").write_text(json.dumps(size, indent=2) + "\n")  # model_folder.CALL_DEFAULTS
     return path
 
 

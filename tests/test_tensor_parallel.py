@@ -289,6 +289,44 @@ def test_tp_refuses_a_family_without_a_plan_and_a_width_it_does_not_divide():
         parallelize(tiny_transformer("wan", image_dim=16, added_kv_proj_dim=64), ParallelConfig(tp=2))
 
 
+def test_the_planner_refuses_from_the_headers_what_parallelize_refuses(tmp_path):
+    """header_problems reads problems() off a checkpoint's names and shapes (a planner has no module); LoadOptions
+    refuses tp with sharded, compiled or quantized weights, so plan_model never lists such a row."""
+    import diffusers
+
+    from xdit_lab.families import adapter_for, recipe_for
+    from xdit_lab.load_options import LoadOptions
+    from xdit_lab.model_folder import read_model_folder
+    from xdit_lab.models.tensor_parallel import header_problems, problems
+
+    def both(model):
+        adapter = adapter_for(model)
+        headers = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+        return header_problems(headers, type(model), adapter, 2), problems(model, adapter, 2)
+
+    for model, named in [
+        (tiny_transformer("flux"), None),
+        (tiny_transformer("wan"), None),
+        (tiny_transformer("wan", ffn_dim=33), "blocks.0.ffn.net.0.proj"),
+        (tiny_transformer("wan", image_dim=16, added_kv_proj_dim=64), "attn2.add_k_proj"),
+    ]:
+        from_headers, from_module = both(model)
+        assert bool(from_headers) == bool(from_module) == (named is not None)
+        assert named is None or named in from_headers[0]
+
+    folder = read_model_folder(save_tiny_pipeline("flux", tmp_path / "flux"), torch.float32)
+    recipe = recipe_for(folder.pipeline_class)
+    assert LoadOptions().problems(recipe, folder, ParallelConfig(tp=2)) == []
+    for options, name in [
+        (LoadOptions(shard_weights=True), "shard_weights (FSDP2)"),
+        (LoadOptions(compile=True), "compile"),
+        (LoadOptions(quantization="int8"), "quantization 'int8'"),
+    ]:
+        said = " ".join(options.problems(recipe, folder, ParallelConfig(tp=2)))
+        assert f"{name} is not composed with tp 2 yet" in said, said
+    assert getattr(diffusers, folder.transformer.class_name)._tp_plan
+
+
 def test_tp_refuses_quantized_weights_by_name():
     pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_

@@ -384,7 +384,8 @@ def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
     assert [row[1] for row in rows] == ["2 × 24 GB", "4 × 24 GB"]
     for row in rows:  # the best fit's GB per rank within the GPU, the replicated row beside it above it
         best, exact = float(row[2].rsplit(", ", 1)[1]), float(row[3].rsplit(", ", 1)[1])
-        assert best <= 24 and exact <= 24 and "sharded" in row[3]
+        # without PipeFusion the transformer must be cut to fit: FSDP2's shards or a tp rank's half of it
+        assert best <= 24 and exact <= 24 and ("sharded" in row[3] or "tp2" in row[3])
     assert float(rows[0][4].rstrip(" |")) > 24  # replicated FLUX on 2 GPUs does not fit
 
 

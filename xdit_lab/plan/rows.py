@@ -216,6 +216,9 @@ def plan_model(
     shape = request_shape(model, call)
     t = model.transformer.config
     blocks = model.adapter.num_blocks(t)
+    # tp's rows where its family has a plan; not with blocks offloaded, whose groups a tp split was never run on
+    # and whose rows would count the offloaded weights, not a tp rank's
+    splits = has_plan(getattr(diffusers, model.transformer.class_name), model.adapter) and not offload_blocks
     configs = ParallelConfig.options(
         world_size,
         num_heads=model.adapter.attention_shape(t)[0],
@@ -223,7 +226,7 @@ def plan_model(
         seq_len=shape.image_tokens,
         use_cfg=call.branches == 2,
         batch=batch,
-        tensor_parallel=has_plan(getattr(diffusers, model.transformer.class_name), model.adapter),
+        tensor_parallel=splits,
     )
     configs = [c for c in configs if c.pipefusion == 1 or shape.grid[0] >= c.patches]
     # what load_pipeline refuses with this pipeline (two experts, a ControlNet) is not planned

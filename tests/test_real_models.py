@@ -217,9 +217,33 @@ def test_flux_under_ulysses_4_with_sharded_weights_fits_in_12_gb(plans):
     assert sharded.gather_traffic > 0 and control.gather_traffic == 0
 
 
+def test_flux_plans_tp2_ulysses2_beside_ulysses4_sharded_and_pf4(folders, plans):
+    """The ranked plan lists tp where Flux has a tp plan: a tp2·ulysses2 rank holds held_weights' bytes (1/2 of each
+    split tensor), beside ulysses4 with sharded weights and pf4; tp never with what parallelize refuses with it."""
+    import torch
+
+    from xdit_lab import ParallelConfig
+    from xdit_lab.model_folder import read_model_folder
+    from xdit_lab.plan.weights import held_weights
+
+    rows = plans[("FLUX.1-dev", 4, 24 * GB)]
+    tp = _row(rows, "ulysses2·tp2", False, "gpu")
+    model = read_model_folder(folders["FLUX.1-dev"], torch.bfloat16)
+    weights = held_weights(model, ParallelConfig(ulysses=2, tp=2), False, "gpu", None)[0]
+    assert tp.weights == weights and 0.5 * 23_802_816_640 < weights["transformer"] <= 0.505 * 23_802_816_640
+    assert _row(rows, "ulysses4", True, "sharded").fits and _row(rows, "pf4", False, "gpu")
+    whole = _row(rows, "ulysses4", False, "gpu")
+    assert tp.activation_traffic > whole.activation_traffic  # two all-reduces per block on top of its all-to-alls
+    assert tp.cost.work_fraction == whole.cost.work_fraction and tp.gather_traffic == 0
+    assert not [r for r in rows if r.config.tp > 1 and r.shard_weights]  # refused by the load: never listed
+    assert not [r for r in plans[("SD3.5-large", 4, 24 * GB)] if r.config.tp > 1]  # SD3 has no tp plan
+
+
 def test_flux_fits_two_24_gb_gpus_and_wan_fits_four_under_ulysses(plans):
     flux = plans[("FLUX.1-dev", 2, 24 * GB)]
-    assert flux[0].fits and all(not row.fits for row in flux if not row.shard_weights and row.config.pipefusion == 1)
+    whole = [row for row in flux if not row.shard_weights and row.config.pipefusion == 1]
+    assert flux[0].fits and all(not row.fits for row in whole if row.config.tp == 1)
+    assert all(row.fits for row in whole if row.config.tp == 2)  # half the transformer per rank, nothing gathered
     wan = [r for r in plans[("Wan2.1-T2V-14B", 4, 24 * GB)] if r.config.short() == "ulysses4"]
     assert any(r.fits for r in wan) and not _row(wan, "ulysses4", False, "gpu").fits
     assert all(r.decode_peak and not r.unknown for r in wan)  # its VAE's decode peak is planned (below)
@@ -321,7 +345,7 @@ def test_the_command_as_a_newcomer_calls_it(folders):
     (row,) = [
         r
         for r in rows
-        if r["degrees"] == dict(dp=1, cfg=1, pipefusion=1, ring=1, ulysses=4)
+        if r["degrees"] == dict(dp=1, cfg=1, pipefusion=1, ring=1, ulysses=4, tp=1)
         and r["shard_weights"]
         and r["text_encoders"] == "sharded"
     ]
@@ -360,7 +384,8 @@ def test_the_benchmark_prints_the_best_fit_per_gpu_set(tmp_path):
     assert [row[1] for row in rows] == ["2 × 24 GB", "4 × 24 GB"]
     for row in rows:  # the best fit's GB per rank within the GPU, the replicated row beside it above it
         best, exact = float(row[2].rsplit(", ", 1)[1]), float(row[3].rsplit(", ", 1)[1])
-        assert best <= 24 and exact <= 24 and "sharded" in row[3]
+        # without PipeFusion the transformer must be cut to fit: FSDP2's shards or a tp rank's half of it
+        assert best <= 24 and exact <= 24 and ("sharded" in row[3] or "tp2" in row[3])
     assert float(rows[0][4].rstrip(" |")) > 24  # replicated FLUX on 2 GPUs does not fit
 
 

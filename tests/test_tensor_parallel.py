@@ -252,6 +252,12 @@ def test_tp_in_the_config_its_cost_and_its_names():
     assert split.work_fraction == alone.work_fraction / 2 and split.params_fraction == 0.5
     # Ulysses moves half the heads; tp all-reduces [p/2, hs] twice a layer: 2 · 2(2-1)/2 / 2 · 28
     assert split.comm_p_hs == pytest.approx(alone.comm_p_hs / 2 + 28)
+    # options() ranks tp only when asked (a family with a plan), and never with PipeFusion
+    listed = [c.short() for c in ParallelConfig.options(4, num_heads=24, num_layers=28, tensor_parallel=True)]
+    assert {"ulysses2·tp2", "tp4", "cfg2·tp2"} <= set(listed) and not [n for n in listed if "pf" in n and "tp" in n]
+    assert listed.index("ulysses4") < listed.index("ulysses2·tp2")  # the same work; tp's all-reduces send more
+    assert not [c for c in ParallelConfig.options(4, num_heads=24) if c.tp > 1]
+    assert "ulysses2·tp2" not in [c.short() for c in ParallelConfig.options(4, num_heads=3, tensor_parallel=True)]
 
 
 # ---- refusals: each before a process group is made or a layer split ----------------------------------------------
@@ -287,6 +293,44 @@ def test_tp_refuses_a_family_without_a_plan_and_a_width_it_does_not_divide():
     # Wan 2.1 I2V's image keys and values, which its plan does not split beside the heads it splits
     with pytest.raises(ParallelConfigError, match=r"does not split beside the heads .*attn2\.add_k_proj.*use tp 1"):
         parallelize(tiny_transformer("wan", image_dim=16, added_kv_proj_dim=64), ParallelConfig(tp=2))
+
+
+def test_the_planner_refuses_from_the_headers_what_parallelize_refuses(tmp_path):
+    """header_problems reads problems() off a checkpoint's names and shapes (a planner has no module); LoadOptions
+    refuses tp with sharded, compiled or quantized weights, so plan_model never lists such a row."""
+    import diffusers
+
+    from xdit_lab.families import adapter_for, recipe_for
+    from xdit_lab.load_options import LoadOptions
+    from xdit_lab.model_folder import read_model_folder
+    from xdit_lab.models.tensor_parallel import header_problems, problems
+
+    def both(model):
+        adapter = adapter_for(model)
+        headers = [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
+        return header_problems(headers, type(model), adapter, 2), problems(model, adapter, 2)
+
+    for model, named in [
+        (tiny_transformer("flux"), None),
+        (tiny_transformer("wan"), None),
+        (tiny_transformer("wan", ffn_dim=33), "blocks.0.ffn.net.0.proj"),
+        (tiny_transformer("wan", image_dim=16, added_kv_proj_dim=64), "attn2.add_k_proj"),
+    ]:
+        from_headers, from_module = both(model)
+        assert bool(from_headers) == bool(from_module) == (named is not None)
+        assert named is None or named in from_headers[0]
+
+    folder = read_model_folder(save_tiny_pipeline("flux", tmp_path / "flux"), torch.float32)
+    recipe = recipe_for(folder.pipeline_class)
+    assert LoadOptions().problems(recipe, folder, ParallelConfig(tp=2)) == []
+    for options, name in [
+        (LoadOptions(shard_weights=True), "shard_weights (FSDP2)"),
+        (LoadOptions(compile=True), "compile"),
+        (LoadOptions(quantization="int8"), "quantization 'int8'"),
+    ]:
+        said = " ".join(options.problems(recipe, folder, ParallelConfig(tp=2)))
+        assert f"{name} is not composed with tp 2 yet" in said, said
+    assert getattr(diffusers, folder.transformer.class_name)._tp_plan
 
 
 def test_tp_refuses_quantized_weights_by_name():

@@ -63,8 +63,9 @@ SCHEDULES = ("drained", "async")  # PipeFusion's schedules (ParallelConfig.pipef
 # attention/wire.py): torch's dtype names. A row of head_dim elements travels as head_dim bytes and a scale.
 COMM_DTYPES = ("float8_e4m3fn",)
 SCALE_BYTES = 4  # the float32 scale beside each row (token × head) of float8 on the wire
-# The degrees the planner enumerates and the CLI, the tables and the explorer offer; tp is not among them yet
-# (options() does not rank it), but is a degree of the rank grid: GRID is every degree, slowest first.
+# The degrees the CLI's table and the explorer offer; tp is not among them (options() ranks it only when asked,
+# for a model whose family has a tp plan: xdit-lab plan --model), but is a degree of the rank grid: GRID is every
+# degree, slowest first.
 DEGREES = (DP, CFG, PIPEFUSION, RING, ULYSSES)
 GRID = (*DEGREES, TP)
 # The one short form of each degree, for compact names, tables and mesh coordinates: 'cfg2·pf2'.
@@ -386,8 +387,12 @@ class ParallelConfig:
         num_patches=None,
         warmup_steps=1,
         comm_dtype=None,
+        tensor_parallel=False,
     ) -> list[ParallelConfig]:
         """Every valid configuration for `world_size` ranks, best first.
+
+        `tensor_parallel`: tp degrees too, for a model whose family has a tp plan (models/tensor_parallel.py); by
+        default the five other degrees only, as for a model tp cannot split.
 
         `comm_dtype` (float8 on the wire) is given to every configuration whose Ulysses or Ring links can
         carry it; the others (no sequence parallelism, or PipeFusion with it) are listed without it.
@@ -400,8 +405,11 @@ class ParallelConfig:
             raise ParallelConfigError(f"world_size must be a positive int, got {world_size!r}")
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         found = []
-        for dp, cfg, pipefusion, ring in itertools.product(divisors, (1, 2) if use_cfg else (1,), divisors, divisors):
-            rest, leftover = divmod(world_size, dp * cfg * pipefusion * ring)
+        tps = divisors if tensor_parallel else (1,)
+        for dp, cfg, pipefusion, ring, tp in itertools.product(
+            divisors, (1, 2) if use_cfg else (1,), divisors, divisors, tps
+        ):
+            rest, leftover = divmod(world_size, dp * cfg * pipefusion * ring * tp)
             if leftover or rest < 1:
                 continue
             patches = None if num_patches is None else max(num_patches, pipefusion)
@@ -411,6 +419,7 @@ class ParallelConfig:
                 pipefusion=pipefusion,
                 ulysses=rest,
                 ring=ring,
+                tp=tp,
                 num_patches=patches,
                 warmup_steps=warmup_steps,
             )
@@ -441,7 +450,7 @@ def rank_key(config: ParallelConfig, num_layers=None, *, batch=1, use_cfg=True, 
     """What options() sorts by: compute per rank, then traffic, then parameter share, then the
     number of degrees above 1; remaining ties prefer cfg, then Ulysses (fast links), over dp."""
     cost = config.cost(num_layers, num_heads=num_heads, batch=batch, use_cfg=use_cfg)
-    dims = sum(getattr(config, n) > 1 for n in DEGREES)
+    dims = sum(getattr(config, n) > 1 for n in GRID)
     return (
         round(cost.work_fraction, 9),
         round(cost.comm_p_hs, 9),

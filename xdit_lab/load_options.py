@@ -20,6 +20,8 @@ class of the family) and says the same way what the model in `folder` refuses, b
     quantization            no such scheme or mapping (quantization.resolve); with shard_weights on several ranks
     lora                    an entry of the wrong form, a file that is not there, a pipeline with no LoRA loader,
                             adapters kept unfused, adapters on sharded or quantized weights
+    tp                      a family without a tp plan; with shard_weights, compile or quantization, which
+                            parallelize does not compose it with yet (models/tensor_parallel.option_refusals)
 
 Each sentence is a `Refusal`, a str that also knows the exception load_pipeline raises it as (ParallelConfigError,
 ValueError, QuantizationError, LoraError), so that load_pipeline raises every sentence at once, as the first one's
@@ -116,6 +118,7 @@ class LoadOptions:
         found += self._offload_problems(config)
         found += self._quantization_problems(folder, config)
         found += self._lora_problems(pipeline_class, folder, config)
+        found += self._tp_problems(folder, config)
         return found
 
     def check(self, recipe: Recipe, folder: ModelFolder, config: ParallelConfig | None = None) -> None:
@@ -260,6 +263,30 @@ class LoadOptions:
                 "every group; use one of the two"
             )
         return [Refusal(sentence, ValueError) for sentence in found]
+
+    def _tp_problems(self, folder: ModelFolder, config) -> list[Refusal]:
+        """tp where the family has no plan, or with what parallelize does not compose it with yet (its own rules)."""
+        if config.tp == 1:
+            return []
+        import diffusers
+
+        from .models.tensor_parallel import header_problems, model_plan, option_refusals
+
+        model_class = getattr(diffusers, folder.transformer.class_name)
+        try:
+            model_plan(model_class, folder.adapter)
+        except ParallelConfigError as error:  # the family has no plan
+            return [Refusal(str(error))]
+        weights = folder.transformer
+        tensors = [(t.name, t.shape) for t in (*weights.root, *(t for block in weights.blocks for t in block))]
+        found = [Refusal(s) for s in header_problems(tensors, model_class, folder.adapter, config.tp)]
+        found += [
+            Refusal(sentence, ValueError)
+            for sentence in option_refusals(
+                config, shard_weights=self.sharding(config), compile=self.compile, quantization=self.quantization
+            )
+        ]
+        return found
 
     def _quantization_problems(self, folder: ModelFolder, config) -> list[Refusal]:
         if self.quantization is None:

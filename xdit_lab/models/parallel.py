@@ -40,6 +40,7 @@ from .sequence import SequenceShards
 from .sharded_weights import shard_transformer
 from .strategy import Controls
 from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import option_refusals as tp_option_refusals
 from .tensor_parallel import problems as tp_problems
 
 
@@ -186,11 +187,9 @@ def _refuse_with_tp(transformer, adapter, config, *, compile, shard_weights) -> 
     if widths:
         raise ParallelConfigError("; ".join(widths))
     name = type(transformer).__name__
-    instead = f"use tp {config.tp} without it, or tp 1 ({config.replace(tp=1).short()} with it)"
-    if shard_weights:
-        raise ValueError(f"shard_weights (FSDP2) is not composed with tp {config.tp} yet; {instead}")
-    if compile:
-        raise ValueError(f"compile is not composed with tp {config.tp} yet; {instead}")
+    refused = tp_option_refusals(config, shard_weights=shard_weights, compile=compile, quantization=None)
+    if refused:
+        raise ValueError(refused[0])
     from ..quantization import quantized_form
 
     quantized = next((n for n, p in transformer.named_parameters() if quantized_form(p) is not None), None)

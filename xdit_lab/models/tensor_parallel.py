@@ -68,6 +68,25 @@ def model_plan(model_class, adapter) -> dict:
     return {**plan, **dict.fromkeys(adapter.tp_gathered, GATHERED)}
 
 
+def has_plan(model_class, adapter) -> bool:
+    """Whether tensor parallelism has a plan for this transformer class (model_plan would not refuse it)."""
+    return bool(getattr(model_class, "_tp_plan", None) or adapter.tp_plan)
+
+
+def option_refusals(config, *, shard_weights: bool, compile, quantization) -> list[str]:
+    """What tp is not composed with yet among a load's options, as sentences (empty under tp 1): asked by
+    parallelize and by LoadOptions.problems (so the planner lists no such row)."""
+    if config.tp == 1:
+        return []
+    instead = f"use tp {config.tp} without it, or tp 1 ({config.replace(tp=1).short()} with it)"
+    asked = [
+        ("shard_weights (FSDP2)", shard_weights),
+        ("compile", compile),
+        (f"quantization {quantization!r}", quantization is not None),
+    ]
+    return [f"{name} is not composed with tp {config.tp} yet; {instead}" for name, on in asked if on]
+
+
 def expand(transformer, plan: dict) -> dict[str, object]:
     """Each glob of `plan` ('transformer_blocks.*.attn.to_q': '*' a block's index) as the qualified names of the
     modules it names, in the model's order. A glob that names nothing is an error: a renamed layer would stay whole."""
@@ -160,6 +179,43 @@ def split_parameters(model_class, adapter):
     patterns += [rf"(?:{pattern})\.weight" for pattern in adapter.tp_head_norms]
     split = re.compile("|".join(f"(?:{p})" for p in patterns))
     return lambda name: split.fullmatch(name) is not None
+
+
+def header_problems(tensors, model_class, adapter, tp: int) -> list[str]:
+    """problems() from the tensors' names and shapes alone (a safetensors header's `(name, shape)` pairs), for a
+    planner that has no module: a 2-D weight left whole beside split heads, and a plainly split weight (packed
+    layers aside: their blocks are not in the header) whose split dim tp does not divide."""
+    is_split = split_parameters(model_class, adapter)
+    shapes = dict(tensors)
+    attentions = [
+        name.removesuffix("to_q.weight") for name in shapes if name.endswith(".to_q.weight") and is_split(name)
+    ]
+    whole = [
+        name.removesuffix(".weight")
+        for name, shape in shapes.items()
+        if name.endswith(".weight") and len(shape) == 2 and not is_split(name) and name.startswith(tuple(attentions))
+    ]
+    if whole:
+        return [
+            f"tp {tp}: {model_class.__name__} has projections its tp plan does not split beside the heads it "
+            f"splits ({', '.join(whole[:3])}{' and more' if len(whole) > 3 else ''}); use tp 1 for this model"
+        ]
+    styles = [
+        (re.compile(re.escape(glob).replace(r"\*", r"\d+") + r"\.weight"), _style_name(style))
+        for glob, style in model_plan(model_class, adapter).items()
+    ]
+    narrow = [
+        name.removesuffix(".weight")
+        for name, shape in shapes.items()
+        for pattern, style in styles
+        if style in (COLWISE, ROWWISE, GATHERED) and pattern.fullmatch(name) and shape[style == ROWWISE] % tp
+    ]
+    if not narrow:
+        return []
+    return [
+        f"tp {tp} does not divide the width of {len(narrow)} layer(s) of {model_class.__name__}: "
+        f"{', '.join(narrow[:4])}{' and more' if len(narrow) > 4 else ''}; use a tp that divides them, or tp 1"
+    ]
 
 
 def planned_bytes(transformer, adapter, tp: int) -> tuple[int, int]:

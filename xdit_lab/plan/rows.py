@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEGREES, CostEstimate, ParallelConfig
+from ..config import GRID, CostEstimate, ParallelConfig
 from ..families import CONTROLNETS
 from ..families.refusals import REFUSABLE, load_refusals, refusal_message
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
+from ..models.tensor_parallel import has_plan
 from ..quantization import SCHEMES
 from ..vae import PLANAR_VAES
 from .terms import (
@@ -151,7 +152,7 @@ class FitRow:
     def to_json(self) -> dict:
         return dict(
             config=self.config.short(),
-            degrees={d: getattr(self.config, d) for d in DEGREES},
+            degrees={d: getattr(self.config, d) for d in GRID},
             num_patches=self.config.patches if self.config.pipefusion > 1 else None,
             shard_weights=self.shard_weights,
             quantize=self.quantize,
@@ -208,11 +209,16 @@ def plan_model(
         raise ValueError(f"gpu_memory_bytes must be a positive whole number of bytes, got {gpu_memory_bytes!r}")
     if quantize is not None and quantize not in SCHEMES:
         raise ValueError(f"quantize must be one of {', '.join(SCHEMES)} (weight-only, torchao), got {quantize!r}")
+    import diffusers
+
     model = read_model_folder(folder, dtype)
     call = make_call(model, height=height, width=width, batch=batch, use_cfg=use_cfg, options=options)
     shape = request_shape(model, call)
     t = model.transformer.config
     blocks = model.adapter.num_blocks(t)
+    # tp's rows where its family has a plan; not with blocks offloaded, whose groups a tp split was never run on
+    # and whose rows would count the offloaded weights, not a tp rank's
+    splits = has_plan(getattr(diffusers, model.transformer.class_name), model.adapter) and not offload_blocks
     configs = ParallelConfig.options(
         world_size,
         num_heads=model.adapter.attention_shape(t)[0],
@@ -220,6 +226,7 @@ def plan_model(
         seq_len=shape.image_tokens,
         use_cfg=call.branches == 2,
         batch=batch,
+        tensor_parallel=splits,
     )
     configs = [c for c in configs if c.pipefusion == 1 or shape.grid[0] >= c.patches]
     # what load_pipeline refuses with this pipeline (two experts, a ControlNet) is not planned
@@ -307,7 +314,7 @@ def fit_rank_key(row: FitRow) -> tuple:
         row.traffic_per_step + row.offload_traffic,
         PLACEMENTS.index(row.text_encoders),
         row.per_rank_bytes,
-        sum(getattr(config, d) > 1 for d in DEGREES),
+        sum(getattr(config, d) > 1 for d in GRID),
         config.dp,
         -config.cfg,
         -config.ulysses,

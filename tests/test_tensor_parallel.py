@@ -120,7 +120,7 @@ def test_the_count_sees_dtensor_s_own_collectives():
         assert recorded == 0 and seen >= 1  # DTensor's all-reduce (a functional op and the c10d op it runs)
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "hunyuanvideo", "cogvideox"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "hunyuanvideo", "cogvideox", "sd3"])
 def test_tp2_forward_equals_serial_diffusers(family):
     """diffusers' _tp_plan (Flux, Flux.2, Qwen-Image) or the adapter's (Wan, with its RMSNorm over every head)."""
     _check(run_on_ranks(_forward, 2, family, [ParallelConfig(tp=2)], timeout_s=240), family)

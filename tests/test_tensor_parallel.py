@@ -120,7 +120,7 @@ def test_the_count_sees_dtensor_s_own_collectives():
         assert recorded == 0 and seen >= 1  # DTensor's all-reduce (a functional op and the c10d op it runs)
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "hunyuanvideo", "cogvideox", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan", "hunyuanvideo", "cogvideox", "sd3", "pixart"])
 def test_tp2_forward_equals_serial_diffusers(family):
     """diffusers' _tp_plan (Flux, Flux.2, Qwen-Image) or the adapter's (Wan, with its RMSNorm over every head)."""
     _check(run_on_ranks(_forward, 2, family, [ParallelConfig(tp=2)], timeout_s=240), family)
@@ -277,8 +277,8 @@ def test_tp_refuses_what_it_is_not_composed_with_by_name():
 
 
 def test_tp_refuses_a_family_without_a_plan_and_a_width_it_does_not_divide():
-    with pytest.raises(ParallelConfigError, match=r"no plan for pixart .*declares no _tp_plan.*use tp 1"):
-        parallelize(tiny_transformer("pixart"), ParallelConfig(tp=2))
+    with pytest.raises(ParallelConfigError, match=r"no plan for ltx2 .*declares no _tp_plan.*use tp 1"):
+        parallelize(tiny_transformer("ltx2"), ParallelConfig(tp=2))
     # Wan's MLP 33 wide: tp 2 divides the heads, not the MLP; the layers and the degrees that fit are named
     with pytest.raises(
         ParallelConfigError, match=r"tp 2 does not divide .*blocks\.0\.ffn\.net\.0\.proj.*use tp in \[1\]"

@@ -504,9 +504,9 @@ class FamilyAdapter:
     tp_plan: dict | None = None
     tp_gathered: tuple = ()
     tp_head_norms: tuple = ()
-    # the split layers (qualified-name regexes) that run on the text and the image joined ([text; image] in one
-    # tensor: CogVideoX's blocks), which the closed form of tp's all-reduces counts so
-    tp_joint: tuple = ()
+    # the tokens the split layers run on where their names do not say it (tensor_parallel.module_tokens):
+    # qualified-name regex -> "joint" (the text and the image joined: CogVideoX's blocks) or "text" (a text refiner)
+    tp_tokens: dict = field(default_factory=dict)
     # lists of residuals the forward hands its blocks by their index in the whole model (a ControlNet's: a
     # PipeFusion stage rebases them to the blocks it holds), BlockResiduals
     block_residuals: tuple = ()

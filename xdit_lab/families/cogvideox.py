@@ -26,7 +26,7 @@ ADAPTER = FamilyAdapter(
         "transformer_blocks.*.ff.net.2": "rowwise",
     },
     tp_gathered=("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm2.linear", "norm_out.linear"),
-    tp_joint=(r"transformer_blocks\.\d+\.(attn1\.to_out\.0|ff\.net\.2)",),
+    tp_tokens={r"transformer_blocks\.\d+\.(attn1\.to_out\.0|ff\.net\.2)": "joint"},
 )
 
 

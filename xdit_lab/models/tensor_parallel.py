@@ -300,12 +300,16 @@ def _head_norms(transformer, adapter, state, tp: int, rank: int) -> tuple[str, .
     return tuple(names)
 
 
-def module_tokens(name: str, joint: tuple = ()) -> str:
-    """Which tokens a planned layer of a diffusers DiT runs on, by diffusers' names: 'text' (a joint block's text
-    stream: add_*, *_context, txt_*; HunyuanVideo's token refiner), 'joint' (a single-stream block's [text; image]:
-    single_transformer_blocks, or what the adapter's tp_joint names), or 'image'. Cross attention's output (Wan's attn2) runs on
-    the image's queries. The closed form of tp's all-reduces (traffic.tp_bytes_per_forward) reads it."""
-    if name.startswith("single_transformer_blocks.") or any(re.fullmatch(pattern, name) for pattern in joint):
+def module_tokens(name: str, tokens: dict | None = None) -> str:
+    """Which tokens a planned layer of a diffusers DiT runs on: what the adapter's tp_tokens says of its name, else
+    by diffusers' names: 'text' (a joint block's text stream: add_*, *_context, txt_*; HunyuanVideo's token
+    refiner), 'joint' (a single-stream block's [text; image]: single_transformer_blocks), or 'image'. Cross
+    attention's output (Wan's attn2) runs on the image's queries. The closed form of tp's all-reduces
+    (traffic.tp_bytes_per_forward) reads it."""
+    said = [kind for pattern, kind in (tokens or {}).items() if re.fullmatch(pattern, name)]
+    if said:
+        return said[0]
+    if name.startswith("single_transformer_blocks."):
         return "joint"
     if re.search(r"(\.add_|_context\.|\.txt_|to_add_out|\.token_refiner\.)", name):
         return "text"
@@ -330,7 +334,7 @@ def tp_shapes(transformer, record: TensorParallel, adapter) -> dict:
         norms.append(["cross_text" if cross_keys else "image", always(name)])
     return dict(
         rowwise=[
-            [module_tokens(name, adapter.tp_joint), transformer.get_submodule(name).out_features, always(name)]
+            [module_tokens(name, adapter.tp_tokens), transformer.get_submodule(name).out_features, always(name)]
             for name in record.names(ROWWISE, "packed-rowwise")
         ],
         gathered=[[transformer.get_submodule(name).out_features, always(name)] for name in record.names(GATHERED)],

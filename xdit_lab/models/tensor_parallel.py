@@ -61,8 +61,9 @@ def model_plan(model_class, adapter) -> dict:
     `_tp_plan` where the class declares one, else the adapter's `tp_plan`; refused by name where neither does."""
     plan = getattr(model_class, "_tp_plan", None) or adapter.tp_plan
     if not plan:
+        why = f"{adapter.tp_refused}, so " if adapter.tp_refused else ""
         raise ParallelConfigError(
-            f"tensor parallelism has no plan for {adapter.family} ({model_class.__name__}): its diffusers class "
+            f"tensor parallelism has no plan for {adapter.family} ({model_class.__name__}): {why}its diffusers class "
             f"declares no _tp_plan and its adapter no tp_plan; use tp 1 (ulysses, ring, cfg or dp instead), or write "
             f"the adapter's tp_plan (xdit_lab/families/{adapter.family}.py)"
         )

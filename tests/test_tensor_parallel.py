@@ -18,6 +18,12 @@ from xdit_lab.testing import run_on_ranks
 from xdit_lab.tiny import save_tiny_pipeline, tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
 
 BATCH, TEXT = 2, 8
+HEADS = {"zimage": 4, "hunyuanvideo15": 4}  # the families whose tiny model has 3 heads, which tp 2 does not divide
+# the most of its tiny model a tp 2 rank holds: 0.6, or more where a layer of fixed size outweighs the blocks at
+# the tiny size (Z-Image's timestep MLP, 256 -> 1024 -> 256: 56% of it, 0.01% of Z-Image-Turbo; test_a_real_model_s
+# checks the real shapes)
+MOST = {"zimage": 0.8, "hunyuanvideo15": 0.97, "dit": 0.62}  # HunyuanVideo-1.5's ByT5 projection (2048 wide): 91%;
+# DiT's: the per-block timestep and class embedders
 
 
 def _held_bytes(model) -> int:
@@ -27,7 +33,7 @@ def _held_bytes(model) -> int:
 
 def _serial(family):
     """The tiny model, its inputs and its serial output."""
-    model = tiny_transformer(family, seed=0)
+    model = tiny_transformer(family, seed=0, heads=HEADS.get(family))
     inputs = tiny_inputs(family, BATCH, height=8, width=8, text_len=TEXT)
     with torch.no_grad():
         reference = sample(model(**inputs))
@@ -92,7 +98,9 @@ def _check(per_rank, family):
             where = f"{family} {row['config']} rank {rank}"
             assert row["error"] <= row["bound"], f"{where}: error {row['error']:.3g} > {row['bound']:.3g}"
             assert row["held"] == row["planned"] and row["planned_whole"] == row["whole"], where
-            assert row["held"] <= 0.6 * row["whole"], f"{where}: holds {row['held'] / row['whole']:.3f} of the model"
+            assert row["held"] <= MOST.get(family, 0.6) * row["whole"], (
+                f"{where}: holds {row['held'] / row['whole']:.3f} of the model"
+            )
             assert row["traffic"]["moved"] == row["traffic"]["expected"], where
             assert row["traffic"]["moved"]["tp"] > 0, where
             assert ("all_reduce", "tp") in row["ops"] and ("all_gather", "tp") in row["ops"], where
@@ -120,7 +128,22 @@ def test_the_count_sees_dtensor_s_own_collectives():
         assert recorded == 0 and seen >= 1  # DTensor's all-reduce (a functional op and the c10d op it runs)
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "wan"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "flux",
+        "flux2",
+        "qwenimage",
+        "wan",
+        "hunyuanvideo",
+        "cogvideox",
+        "sd3",
+        "pixart",
+        "zimage",
+        "hunyuanvideo15",
+        "dit",
+    ],
+)
 def test_tp2_forward_equals_serial_diffusers(family):
     """diffusers' _tp_plan (Flux, Flux.2, Qwen-Image) or the adapter's (Wan, with its RMSNorm over every head)."""
     _check(run_on_ranks(_forward, 2, family, [ParallelConfig(tp=2)], timeout_s=240), family)
@@ -179,6 +202,7 @@ PIPELINES = {  # family: the configurations its pipeline runs under (Flux.2 is g
     "flux2": [(2, ParallelConfig(tp=2))],
     "qwenimage": [(2, ParallelConfig(tp=2))],
     "wan": [(2, ParallelConfig(tp=2))],  # the adapter's plan
+    "pixart": [(2, ParallelConfig(tp=2))],  # self and cross attention, one shared modulation
 }
 
 
@@ -217,6 +241,13 @@ def test_pipeline_under_tp_equals_diffusers_pipeline(family, tmp_path):
         ("Flux2Transformer2DModel", {}),  # FLUX.2-dev's
         ("QwenImageTransformer2DModel", {}),  # Qwen-Image's
         ("WanTransformer3DModel", dict(num_attention_heads=40, ffn_dim=13824, num_layers=40)),  # Wan2.1-14B's
+        ("HunyuanVideoTransformer3DModel", {}),  # HunyuanVideo's
+        ("CogVideoXTransformer3DModel", {}),  # CogVideoX-2b's
+        ("SD3Transformer2DModel", {}),  # SD3 Medium's (its embedders whole: 0.506 of it, 0.259)
+        ("PixArtTransformer2DModel", {}),  # PixArt-α's
+        ("ZImageTransformer2DModel", {}),  # Z-Image-Turbo's
+        ("DiTTransformer2DModel", {}),  # DiT-XL/2's (each block's own timestep and class embedders whole: 0.552)
+        ("HunyuanVideo15Transformer3DModel", {}),  # HunyuanVideo-1.5's (its token refiner whole: 0.510, 0.265)
     ],
 )
 def test_a_real_model_s_tp_rank_holds_half_of_it(class_name, settings):
@@ -231,7 +262,9 @@ def test_a_real_model_s_tp_rank_holds_half_of_it(class_name, settings):
     with torch.device("meta"):
         model = getattr(diffusers, class_name)(**settings)
     adapter = adapter_for(model)
-    for tp, most in ((2, 0.505), (4, 0.255)):
+    slack = dict(SD3Transformer2DModel=0.005, HunyuanVideo15Transformer3DModel=0.01, DiTTransformer2DModel=0.075)
+    slack = slack.get(class_name, 0)
+    for tp, most in ((2, 0.505 + slack), (4, 0.255 + slack)):
         whole, held = planned_bytes(model, adapter, tp)
         assert held <= most * whole, f"{class_name} tp {tp}: {held / whole:.3f} of the model"
     # the control: diffusers' plan alone keeps the modulations whole (FLUX.1-dev's rank then holds 0.64 of it)
@@ -283,8 +316,10 @@ def test_tp_refuses_what_it_is_not_composed_with_by_name():
 
 
 def test_tp_refuses_a_family_without_a_plan_and_a_width_it_does_not_divide():
-    with pytest.raises(ParallelConfigError, match=r"no plan for pixart .*declares no _tp_plan.*use tp 1"):
-        parallelize(tiny_transformer("pixart"), ParallelConfig(tp=2))
+    with pytest.raises(ParallelConfigError, match=r"no plan for ltx2 .*audio stream.*declares no _tp_plan.*use tp 1"):
+        parallelize(tiny_transformer("ltx2"), ParallelConfig(tp=2))
+    with pytest.raises(ParallelConfigError, match=r"no plan for sana .*GLUMBConv\) is convolutions.*use tp 1"):
+        parallelize(tiny_transformer("sana"), ParallelConfig(tp=2))
     # Wan's MLP 33 wide: tp 2 divides the heads, not the MLP; the layers and the degrees that fit are named
     with pytest.raises(
         ParallelConfigError, match=r"tp 2 does not divide .*blocks\.0\.ffn\.net\.0\.proj.*use tp in \[1\]"

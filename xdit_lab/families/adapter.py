@@ -504,6 +504,11 @@ class FamilyAdapter:
     tp_plan: dict | None = None
     tp_gathered: tuple = ()
     tp_head_norms: tuple = ()
+    # the tokens the split layers run on where their names do not say it (tensor_parallel.module_tokens):
+    # qualified-name regex -> "joint" (the text and the image joined: CogVideoX's blocks) or "text" (a text refiner)
+    tp_tokens: dict = field(default_factory=dict)
+    # why a family has no tp plan yet, or None: said in tensor parallelism's refusal
+    tp_refused: str | None = None
     # lists of residuals the forward hands its blocks by their index in the whole model (a ControlNet's: a
     # PipeFusion stage rebases them to the blocks it holds), BlockResiduals
     block_residuals: tuple = ()

@@ -16,6 +16,17 @@ ADAPTER = FamilyAdapter(
     text_before_image_at_shard=True,
     per_token=(PerToken("", "image_rotary_emb", dim=-2),),  # rotary (cos, sin), a row per image token
     unbatched=("image_rotary_emb",),
+    # tensor parallelism (diffusers declares no _tp_plan for CogVideoX): attention split by heads (its qk
+    # LayerNorms are per head), the MLP by width, both over [text; image] joined; the two modulations a block
+    # [B, 6·dim] and the output's split and gathered
+    tp_plan={
+        **{f"transformer_blocks.*.attn1.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+        "transformer_blocks.*.attn1.to_out.0": "rowwise",
+        "transformer_blocks.*.ff.net.0.proj": "colwise",
+        "transformer_blocks.*.ff.net.2": "rowwise",
+    },
+    tp_gathered=("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm2.linear", "norm_out.linear"),
+    tp_tokens={r"transformer_blocks\.\d+\.(attn1\.to_out\.0|ff\.net\.2)": "joint"},
 )
 
 

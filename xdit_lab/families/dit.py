@@ -40,6 +40,15 @@ ADAPTER = FamilyAdapter(
     attention={r"\.attn1$": "self"},
     output_conditioning=output_conditioning_from_block_0,
     called_outside_their_block=("transformer_blocks.0.norm1.emb",),
+    # tensor parallelism (diffusers declares no _tp_plan for DiT): attention split by heads (no qk norm), the MLP
+    # by width; each block's modulation [B, 6·dim] and the output's [B, 2·dim] (proj_out_1) split and gathered
+    tp_plan={
+        **{f"transformer_blocks.*.attn1.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+        "transformer_blocks.*.attn1.to_out.0": "rowwise",
+        "transformer_blocks.*.ff.net.0.proj": "colwise",
+        "transformer_blocks.*.ff.net.2": "rowwise",
+    },
+    tp_gathered=("transformer_blocks.*.norm1.linear", "proj_out_1"),
 )
 
 RECIPE = None  # no pipeline: the transformer runs under every strategy, its pipeline is not offered

@@ -43,6 +43,33 @@ ADAPTER = FamilyAdapter(
     # hands each block, its num_tokens) at t = 0, the others at t
     per_token=(PerToken(r"^(single_)?transformer_blocks\.\d+$", "num_tokens", prefix=True),),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # tensor parallelism (diffusers declares no _tp_plan for HunyuanVideo), as Flux's: the double-stream blocks'
+    # image and text attention split by heads (their qk RMSNorms are per head) and both MLPs by width; the
+    # single-stream blocks' q, k, v and MLP split, their proj_out over [attention; MLP] cut block by block. The
+    # blocks' modulations [B, 6·dim] and [B, 3·dim] and the output's split and gathered. The token refiner (over the
+    # text alone) the same way, its gates [B, 2·dim] gathered
+    tp_plan={
+        **{f"context_embedder.token_refiner.refiner_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+        "context_embedder.token_refiner.refiner_blocks.*.attn.to_out.0": "rowwise",
+        "context_embedder.token_refiner.refiner_blocks.*.ff.net.0.proj": "colwise",
+        "context_embedder.token_refiner.refiner_blocks.*.ff.net.2": "rowwise",
+        **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+        **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("add_q_proj", "add_k_proj", "add_v_proj")},
+        "transformer_blocks.*.attn.to_out.0": "rowwise",
+        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        **{f"transformer_blocks.*.{ff}.net.0.proj": "colwise" for ff in ("ff", "ff_context")},
+        **{f"transformer_blocks.*.{ff}.net.2": "rowwise" for ff in ("ff", "ff_context")},
+        **{f"single_transformer_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+        "single_transformer_blocks.*.proj_mlp": "colwise",
+        "single_transformer_blocks.*.proj_out": "packed-rowwise",  # [attention (dim); MLP]
+    },
+    tp_gathered=(
+        "transformer_blocks.*.norm1.linear",
+        "transformer_blocks.*.norm1_context.linear",
+        "single_transformer_blocks.*.norm.linear",
+        "context_embedder.token_refiner.refiner_blocks.*.norm_out.linear",
+        "norm_out.linear",
+    ),
 )
 
 

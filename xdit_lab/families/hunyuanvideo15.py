@@ -73,6 +73,19 @@ ADAPTER = FamilyAdapter(
     block_returns={
         "HunyuanVideo15TransformerBlock": dict(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
     },
+    # tensor parallelism (diffusers declares no _tp_plan for it), as HunyuanVideo's double-stream blocks: image and
+    # text attention split by heads (qk RMSNorms per head), both MLPs by width; the modulations [B, 6·dim] and the
+    # output's split and gathered. The token refiner stays whole: it runs on the Qwen text alone, which the closed
+    # form does not count apart from the ByT5 and image tokens joined to it
+    tp_plan={
+        **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+        **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("add_q_proj", "add_k_proj", "add_v_proj")},
+        "transformer_blocks.*.attn.to_out.0": "rowwise",
+        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        **{f"transformer_blocks.*.{ff}.net.0.proj": "colwise" for ff in ("ff", "ff_context")},
+        **{f"transformer_blocks.*.{ff}.net.2": "rowwise" for ff in ("ff", "ff_context")},
+    },
+    tp_gathered=("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear", "norm_out.linear"),
 )
 
 

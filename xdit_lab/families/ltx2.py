@@ -146,6 +146,8 @@ ADAPTER = FamilyAdapter(
     beside=BesideStream("audio_hidden_states", audio_width),
     # from its _cp_plan (cp_plan.py): gathered at proj_out, the rotary tables at rope
     from_cp_plan=True,
+    tp_refused="its audio stream's layers run on the audio's tokens beside the video's, which the closed form of "
+    "tp's traffic does not count yet",
 )
 
 AUDIO_DOWNSAMPLE = 4  # the audio VAE's in time and in mel bins (AutoencoderKLLTX2Audio's LATENT_DOWNSAMPLE_FACTOR)

@@ -16,6 +16,21 @@ ADAPTER = FamilyAdapter(
     "PixArtTransformer2DModel",
     shard_at="pos_embed",
     attention={r"\.attn1$": "self", r"\.attn2$": "cross"},
+    # tensor parallelism (diffusers declares no _tp_plan for PixArt): self and cross attention split by heads (no
+    # qk norm), the MLP by width; the one modulation [B, 6·dim] (adaln_single, shared by every block's
+    # scale_shift_table) split and gathered
+    tp_plan={
+        **{
+            f"transformer_blocks.*.{attn}.{p}": "colwise"
+            for attn in ("attn1", "attn2")
+            for p in ("to_q", "to_k", "to_v")
+        },
+        "transformer_blocks.*.attn1.to_out.0": "rowwise",
+        "transformer_blocks.*.attn2.to_out.0": "rowwise",
+        "transformer_blocks.*.ff.net.0.proj": "colwise",
+        "transformer_blocks.*.ff.net.2": "rowwise",
+    },
+    tp_gathered=("adaln_single.linear",),
 )
 
 

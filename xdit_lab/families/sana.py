@@ -31,6 +31,8 @@ ADAPTER = FamilyAdapter(
     row_convolution=RowConvolution(blocks=r"^transformer_blocks\.\d+$", module=r"^transformer_blocks\.\d+\.ff$"),
     step_cache_refused="diffusers' SanaTransformer2DModel has no cache hooks (no CacheMixin): no First-Block Cache "
     "to check it against",
+    tp_refused="its MLP (GLUMBConv) is convolutions, not the Linear layers a tp plan splits, and attention alone "
+    "would leave a rank most of the model",
 )
 
 # the aspect-ratio bins SanaPipeline renders a model's sample size at: 512, 1024, 2048 and 4096 pixels

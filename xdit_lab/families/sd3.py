@@ -40,6 +40,19 @@ ADAPTER = FamilyAdapter(
     # PipeFusion each stage given its own blocks' (the forward picks block g's as int(g / (n / len(R))))
     per_token=(PerToken("", "block_controlnet_hidden_states"),),
     block_residuals=(BlockResiduals("block_controlnet_hidden_states", "transformer_blocks", _spread_residual),),
+    # tensor parallelism (diffusers declares no _tp_plan for SD3), as Flux's double-stream blocks: image and text
+    # attention split by heads (SD3.5's qk RMSNorms are per head), both MLPs by width (the last block has no text
+    # output or MLP: its globs match the others'); the modulations split and gathered. SD3.5 Medium's second
+    # (image-only) attention, in some blocks, stays whole: a glob must name a layer in every model of the family
+    tp_plan={
+        **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+        **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("add_q_proj", "add_k_proj", "add_v_proj")},
+        "transformer_blocks.*.attn.to_out.0": "rowwise",
+        "transformer_blocks.*.attn.to_add_out": "rowwise",
+        **{f"transformer_blocks.*.{ff}.net.0.proj": "colwise" for ff in ("ff", "ff_context")},
+        **{f"transformer_blocks.*.{ff}.net.2": "rowwise" for ff in ("ff", "ff_context")},
+    },
+    tp_gathered=("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.linear", "norm_out.linear"),
 )
 
 # the ControlNet: SD3's layout, its control image's tokens (pos_embed_input's) cut with the image's, no output

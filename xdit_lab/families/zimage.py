@@ -82,6 +82,8 @@ def attention_shape(config) -> tuple[int, int]:
     return config.get("n_heads"), config.get("dim") // config.get("n_heads")
 
 
+_STACKS = ("noise_refiner", "context_refiner", "layers")  # image, caption, [image; caption]
+
 ADAPTER = FamilyAdapter(
     "zimage",
     "ZImageTransformer2DModel",
@@ -108,6 +110,22 @@ ADAPTER = FamilyAdapter(
     per_sample_lists=("x", "cap_feats"),
     # PipeFusion's stack: the image refiner's blocks, then the main layers, which take [image; caption] joined
     block_lists=("noise_refiner", "layers"),
+    # tensor parallelism (diffusers declares no _tp_plan for Z-Image): each of its three stacks (the image's
+    # refiner, the caption's, the joint layers) split alike: attention by heads (qk RMSNorms per head), the SwiGLU
+    # MLP's w1, w3 by width and w2 by rows; the per-sample modulations [B, 4·dim] and the final layer's split and
+    # gathered (an omni model's per-token modulation runs them twice a block: the closed form counts once)
+    tp_plan={
+        **{f"{stack}.*.attention.{p}": "colwise" for stack in _STACKS for p in ("to_q", "to_k", "to_v")},
+        **{f"{stack}.*.attention.to_out.0": "rowwise" for stack in _STACKS},
+        **{f"{stack}.*.feed_forward.{p}": "colwise" for stack in _STACKS for p in ("w1", "w3")},
+        **{f"{stack}.*.feed_forward.w2": "rowwise" for stack in _STACKS},
+    },
+    tp_gathered=(
+        "noise_refiner.*.adaLN_modulation.0",
+        "layers.*.adaLN_modulation.0",
+        "all_final_layer.2-1.adaLN_modulation.1",
+    ),
+    tp_tokens={r"context_refiner\..*": "text", r"layers\..*": "joint"},
     block_counts=("n_refiner_layers", "n_layers"),
     joined_block_lists=("layers",),
     joined_text_last=True,

@@ -6,7 +6,8 @@ The plan is diffusers' own `_tp_plan` where the transformer's class declares one
 the family adapter's `tp_plan`, written the same way: module-name globs -> "colwise" (the output's columns split:
 q, k, v, an MLP's first layer), "rowwise" (the input's columns split, the outputs summed: attention's output
 projection, an MLP's last layer), or diffusers' PackedColwiseParallel / PackedRowwiseParallel (fused layers whose
-blocks are split one by one). Beside it, the adapter's `tp_gathered`: the AdaLN modulation linears, which
+blocks are split one by one; an adapter's "packed-rowwise" is a single-stream block's output projection over
+[attention; MLP], its attention block as wide as its output). Beside it, the adapter's `tp_gathered`: the AdaLN modulation linears, which
 diffusers' plan leaves whole (a quarter of FLUX.1's parameters). Their output is one vector per sample
 ([B, 6·dim]), so each rank computes its columns and an all-gather puts them together: bytes that do not count
 next to a block's activations.
@@ -60,8 +61,9 @@ def model_plan(model_class, adapter) -> dict:
     `_tp_plan` where the class declares one, else the adapter's `tp_plan`; refused by name where neither does."""
     plan = getattr(model_class, "_tp_plan", None) or adapter.tp_plan
     if not plan:
+        why = f"{adapter.tp_refused}, so " if adapter.tp_refused else ""
         raise ParallelConfigError(
-            f"tensor parallelism has no plan for {adapter.family} ({model_class.__name__}): its diffusers class "
+            f"tensor parallelism has no plan for {adapter.family} ({model_class.__name__}): {why}its diffusers class "
             f"declares no _tp_plan and its adapter no tp_plan; use tp 1 (ulysses, ring, cfg or dp instead), or write "
             f"the adapter's tp_plan (xdit_lab/families/{adapter.family}.py)"
         )
@@ -122,6 +124,8 @@ def _blocks(style, module) -> list[int]:
     carry proportions, or leave them on the Linear as `_tp_packed_col_blocks` / `_tp_packed_row_blocks`)."""
     colwise = _style_name(style) in (COLWISE, GATHERED, "packed-colwise")
     size = module.weight.shape[0 if colwise else 1]
+    if style == "packed-rowwise":  # an adapter's single-stream proj_out over [attention (as wide as its output); MLP]
+        return [module.out_features, size - module.out_features]
     if isinstance(style, str):
         return [size]
     blocks = style.blocks or getattr(module, "_tp_packed_col_blocks" if colwise else "_tp_packed_row_blocks", None)
@@ -353,14 +357,18 @@ def _head_norms(transformer, adapter, state, tp: int, rank: int) -> tuple[str, .
     return tuple(names)
 
 
-def module_tokens(name: str) -> str:
-    """Which tokens a planned layer of a diffusers DiT runs on, by diffusers' names: 'text' (a joint block's text
-    stream: add_*, *_context, txt_*), 'joint' (a single-stream block's [text; image]: the adapter's second block
-    list in Flux and Flux.2, single_transformer_blocks), or 'image'. Cross attention's output (Wan's attn2) runs on
-    the image's queries. The closed form of tp's all-reduces (traffic.tp_bytes_per_forward) reads it."""
+def module_tokens(name: str, tokens: dict | None = None) -> str:
+    """Which tokens a planned layer of a diffusers DiT runs on: what the adapter's tp_tokens says of its name, else
+    by diffusers' names: 'text' (a joint block's text stream: add_*, *_context, txt_*; HunyuanVideo's token
+    refiner), 'joint' (a single-stream block's [text; image]: single_transformer_blocks), or 'image'. Cross
+    attention's output (Wan's attn2) runs on the image's queries. The closed form of tp's all-reduces
+    (traffic.tp_bytes_per_forward) reads it."""
+    said = [kind for pattern, kind in (tokens or {}).items() if re.fullmatch(pattern, name)]
+    if said:
+        return said[0]
     if name.startswith("single_transformer_blocks."):
         return "joint"
-    if re.search(r"(\.add_|_context\.|\.txt_|to_add_out)", name):
+    if re.search(r"(\.add_|_context\.|\.txt_|to_add_out|\.token_refiner\.)", name):
         return "text"
     return "image"
 
@@ -383,7 +391,7 @@ def tp_shapes(transformer, record: TensorParallel, adapter) -> dict:
         norms.append(["cross_text" if cross_keys else "image", always(name)])
     return dict(
         rowwise=[
-            [module_tokens(name), transformer.get_submodule(name).out_features, always(name)]
+            [module_tokens(name, adapter.tp_tokens), transformer.get_submodule(name).out_features, always(name)]
             for name in record.names(ROWWISE, "packed-rowwise")
         ],
         gathered=[[transformer.get_submodule(name).out_features, always(name)] for name in record.names(GATHERED)],

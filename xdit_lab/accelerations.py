@@ -123,8 +123,8 @@ DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE)
 RAISES_SERIALLY = {
     ("flux2", "FirstBlockCacheConfig"): "its first block returns (text, image) and its last block one tensor of "
     "[text; image], which diffusers' hook subtracts one from the other (a TypeError when diffusers runs it serially, "
-    "in a cache context opened by hand: Flux2Pipeline opens none); use TaylorSeerCacheConfig, MagCacheConfig or "
-    "PyramidAttentionBroadcastConfig",
+    "in a cache context opened by hand: Flux2Pipeline opens none); use xdit_lab.StepCache (First-Block Cache's rule, "
+    "the joined blocks split per stream), TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig",
 }
 DECIDES_IN_PYTHON = "whether a step, block or attention runs is decided in Python by its hooks; run the cache eagerly"
 

@@ -46,6 +46,7 @@ LONGEST_FIRST = [
     "tutorials/12_skipping_steps.ipynb",  # 80
     "tests/test_pipefusion.py",  # 70
     "tests/test_step_cache.py",  # 65
+    "tests/test_tensor_parallel.py",  # 65 (an estimate from its runs beside other jobs; tp is new)
     "tutorials/11_model_families.ipynb",  # 64
     "tutorials/06_pipefusion.ipynb",  # 61
     "tutorials/04_usp.ipynb",  # 61

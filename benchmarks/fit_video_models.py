@@ -24,7 +24,14 @@ from xdit_lab.plan import GB, plan_model
 from xdit_lab.plan.command import memory_size
 from xdit_lab.real_models import REAL_MODELS, save_header_only
 
-DEFAULT_MODELS = ["Wan2.1-T2V-14B", "Wan2.2-T2V-A14B", "HunyuanVideo", "CogVideoX-5b", "HunyuanVideo-1.5-720p_t2v", "LTX-2"]
+DEFAULT_MODELS = [
+    "Wan2.1-T2V-14B",
+    "Wan2.2-T2V-A14B",
+    "HunyuanVideo",
+    "CogVideoX-5b",
+    "HunyuanVideo-1.5-720p_t2v",
+    "LTX-2",
+]
 SIZES = {"480p": (480, 832), "720p": (720, 1280)}  # (height, width)
 FRAMES = {"LTX-2": 121}  # the pipeline's own default where it is not 81 (LTX2Pipeline: 5 seconds at 24 fps, + 1)
 

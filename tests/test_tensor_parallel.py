@@ -336,9 +336,10 @@ def test_the_planner_refuses_from_the_headers_what_parallelize_refuses(tmp_path)
     import diffusers
 
     from xdit_lab.families import adapter_for, recipe_for
+    from xdit_lab.families.tp_plan import header_problems
     from xdit_lab.load_options import LoadOptions
     from xdit_lab.model_folder import read_model_folder
-    from xdit_lab.models.tensor_parallel import header_problems, problems
+    from xdit_lab.models.tensor_parallel import problems
 
     def both(model):
         adapter = adapter_for(model)

@@ -270,7 +270,7 @@ class LoadOptions:
             return []
         import diffusers
 
-        from .models.tensor_parallel import header_problems, model_plan, option_refusals
+        from .families.tp_plan import header_problems, model_plan, option_refusals
 
         model_class = getattr(diffusers, folder.transformer.class_name)
         try:

@@ -22,6 +22,7 @@ from ..accelerations import StepCache, compile_backend, is_diffusers_cache, opti
 from ..config import PIPEFUSION, TP, ParallelConfig, ParallelConfigError
 from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
+from ..families.tp_plan import option_refusals as tp_option_refusals
 from ..mesh import RankMesh
 from .cache import apply_step_cache
 from .diffusers_cache import DiffusersCache, refuse_foreign_cache
@@ -40,7 +41,6 @@ from .sequence import SequenceShards
 from .sharded_weights import shard_transformer
 from .strategy import Controls
 from .tensor_parallel import apply_tensor_parallel
-from .tensor_parallel import option_refusals as tp_option_refusals
 from .tensor_parallel import problems as tp_problems
 
 

@@ -36,9 +36,15 @@ import torch
 
 from .. import comm
 from ..config import ParallelConfigError
+from ..families.tp_plan import (
+    COLWISE,
+    GATHERED,
+    ROWWISE,
+    model_plan,
+    split_parameters,
+    style_name,
+)
 from ..mesh import TP
-
-COLWISE, ROWWISE, GATHERED = "colwise", "rowwise", "gathered"  # GATHERED: ours, a split modulation gathered back
 
 
 @dataclass
@@ -54,39 +60,6 @@ class TensorParallel:
 
     def names(self, *styles: str) -> list[str]:
         return [name for name, style in self.styles.items() if style in styles]
-
-
-def model_plan(model_class, adapter) -> dict:
-    """The plan of a transformer class as diffusers writes it, with the adapter's gathered modulations: diffusers'
-    `_tp_plan` where the class declares one, else the adapter's `tp_plan`; refused by name where neither does."""
-    plan = getattr(model_class, "_tp_plan", None) or adapter.tp_plan
-    if not plan:
-        why = f"{adapter.tp_refused}, so " if adapter.tp_refused else ""
-        raise ParallelConfigError(
-            f"tensor parallelism has no plan for {adapter.family} ({model_class.__name__}): {why}its diffusers class "
-            f"declares no _tp_plan and its adapter no tp_plan; use tp 1 (ulysses, ring, cfg or dp instead), or write "
-            f"the adapter's tp_plan (xdit_lab/families/{adapter.family}.py)"
-        )
-    return {**plan, **dict.fromkeys(adapter.tp_gathered, GATHERED)}
-
-
-def has_plan(model_class, adapter) -> bool:
-    """Whether tensor parallelism has a plan for this transformer class (model_plan would not refuse it)."""
-    return bool(getattr(model_class, "_tp_plan", None) or adapter.tp_plan)
-
-
-def option_refusals(config, *, shard_weights: bool, compile, quantization) -> list[str]:
-    """What tp is not composed with yet among a load's options, as sentences (empty under tp 1): asked by
-    parallelize and by LoadOptions.problems (so the planner lists no such row)."""
-    if config.tp == 1:
-        return []
-    instead = f"use tp {config.tp} without it, or tp 1 ({config.replace(tp=1).short()} with it)"
-    asked = [
-        ("shard_weights (FSDP2)", shard_weights),
-        ("compile", compile),
-        (f"quantization {quantization!r}", quantization is not None),
-    ]
-    return [f"{name} is not composed with tp {config.tp} yet; {instead}" for name, on in asked if on]
 
 
 def expand(transformer, plan: dict) -> dict[str, object]:
@@ -110,19 +83,10 @@ def expand(transformer, plan: dict) -> dict[str, object]:
     return found
 
 
-def _style_name(style) -> str:
-    """'colwise', 'rowwise', 'gathered', or 'packed-colwise' / 'packed-rowwise' for diffusers' packed markers."""
-    from diffusers.hooks.tensor_parallel import PackedColwiseParallel
-
-    if isinstance(style, str):
-        return style
-    return "packed-colwise" if isinstance(style, PackedColwiseParallel) else "packed-rowwise"
-
-
 def _blocks(style, module) -> list[int]:
     """The absolute sizes of a layer's blocks along its split dim: one block, or a packed style's (diffusers' markers
     carry proportions, or leave them on the Linear as `_tp_packed_col_blocks` / `_tp_packed_row_blocks`)."""
-    colwise = _style_name(style) in (COLWISE, GATHERED, "packed-colwise")
+    colwise = style_name(style) in (COLWISE, GATHERED, "packed-colwise")
     size = module.weight.shape[0 if colwise else 1]
     if style == "packed-rowwise":  # an adapter's single-stream proj_out over [attention (as wide as its output); MLP]
         return [module.out_features, size - module.out_features]
@@ -155,7 +119,7 @@ def problems(transformer, adapter, tp: int) -> list[str]:
         blocks = _blocks(style, transformer.get_submodule(name))
         sizes.update(blocks)
         if any(b % tp for b in blocks):
-            found.append(f"{name} ({_style_name(style)}, {'+'.join(map(str, blocks))} wide)")
+            found.append(f"{name} ({style_name(style)}, {'+'.join(map(str, blocks))} wide)")
     for pattern in adapter.tp_head_norms:
         for name, module in transformer.named_modules():
             if re.fullmatch(pattern, name):
@@ -168,57 +132,6 @@ def problems(transformer, adapter, tp: int) -> list[str]:
     return [
         f"tp {tp} does not divide the width of {len(found)} layer(s) of {type(transformer).__name__}: "
         f"{', '.join(found[:4])}{' and more' if len(found) > 4 else ''}; use tp in {fits or [1]}"
-    ]
-
-
-def split_parameters(model_class, adapter):
-    """Whether a parameter, by its qualified name (as a checkpoint's header names it), is split over the tp ranks:
-    a planned layer's weight, its bias unless rowwise (added once, after the sum: whole on every rank), a norm
-    over every head's weight. From the names alone, so that a planner can read it off safetensors headers."""
-    patterns = [
-        re.escape(glob).replace(r"\*", r"\d+")
-        + (r"\.weight" if _style_name(style) in (ROWWISE, "packed-rowwise") else r"\.(weight|bias)")
-        for glob, style in model_plan(model_class, adapter).items()
-    ]
-    patterns += [rf"(?:{pattern})\.weight" for pattern in adapter.tp_head_norms]
-    split = re.compile("|".join(f"(?:{p})" for p in patterns))
-    return lambda name: split.fullmatch(name) is not None
-
-
-def header_problems(tensors, model_class, adapter, tp: int) -> list[str]:
-    """problems() from the tensors' names and shapes alone (a safetensors header's `(name, shape)` pairs), for a
-    planner that has no module: a 2-D weight left whole beside split heads, and a plainly split weight (packed
-    layers aside: their blocks are not in the header) whose split dim tp does not divide."""
-    is_split = split_parameters(model_class, adapter)
-    shapes = dict(tensors)
-    attentions = [
-        name.removesuffix("to_q.weight") for name in shapes if name.endswith(".to_q.weight") and is_split(name)
-    ]
-    whole = [
-        name.removesuffix(".weight")
-        for name, shape in shapes.items()
-        if name.endswith(".weight") and len(shape) == 2 and not is_split(name) and name.startswith(tuple(attentions))
-    ]
-    if whole:
-        return [
-            f"tp {tp}: {model_class.__name__} has projections its tp plan does not split beside the heads it "
-            f"splits ({', '.join(whole[:3])}{' and more' if len(whole) > 3 else ''}); use tp 1 for this model"
-        ]
-    styles = [
-        (re.compile(re.escape(glob).replace(r"\*", r"\d+") + r"\.weight"), _style_name(style))
-        for glob, style in model_plan(model_class, adapter).items()
-    ]
-    narrow = [
-        name.removesuffix(".weight")
-        for name, shape in shapes.items()
-        for pattern, style in styles
-        if style in (COLWISE, ROWWISE, GATHERED) and pattern.fullmatch(name) and shape[style == ROWWISE] % tp
-    ]
-    if not narrow:
-        return []
-    return [
-        f"tp {tp} does not divide the width of {len(narrow)} layer(s) of {model_class.__name__}: "
-        f"{', '.join(narrow[:4])}{' and more' if len(narrow) > 4 else ''}; use a tp that divides them, or tp 1"
     ]
 
 
@@ -253,7 +166,7 @@ def apply_tensor_parallel(transformer, state) -> TensorParallel:
 
     for name, style in expand(transformer, model_plan(type(transformer), adapter)).items():
         module = transformer.get_submodule(name)
-        kind = _style_name(style)
+        kind = style_name(style)
         if kind in (COLWISE, GATHERED):
             torch_style = ColwiseParallel()
         elif kind == ROWWISE:

@@ -16,9 +16,9 @@ import torch
 from ..config import GRID, CostEstimate, ParallelConfig
 from ..families import CONTROLNETS
 from ..families.refusals import REFUSABLE, load_refusals, refusal_message
+from ..families.tp_plan import has_plan
 from ..load_options import LoadOptions
 from ..model_folder import ModelFolder, read_model_folder
-from ..models.tensor_parallel import has_plan
 from ..quantization import SCHEMES
 from ..vae import PLANAR_VAES
 from .terms import (

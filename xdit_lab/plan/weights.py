@@ -78,7 +78,7 @@ def tp_held(weights: Weights, tp: int) -> int:
     models/tensor_parallel.split_parameters), every other whole."""
     import diffusers
 
-    from ..models.tensor_parallel import split_parameters
+    from ..families.tp_plan import split_parameters
 
     is_split = split_parameters(getattr(diffusers, weights.class_name), FAMILIES[weights.class_name])
     tensors = [*weights.root, *(t for block in weights.blocks for t in block)]

@@ -82,6 +82,11 @@ def _runs(folder, configs, reference, decoded_under, control_under):
         if config == decoded_under and controls is None:
             decoded = pipe(PROMPTS, generator=torch.Generator().manual_seed(0), output_type="pt", **_call())
             row["decoded"] = _errors((decoded.frames, decoded.audio), reference["pt"])
+            # return_dict=False: (video, audio), as LTX2Pipeline returns them, not a one-tuple of the pair
+            plain = session.result(output_type="latent", return_dict=False)
+            row["plain"] = len(plain) == 2 and all(
+                torch.equal(a, b) for a, b in zip(plain, (result.frames, result.audio))
+            )
         rows.append(row)
     return rows
 
@@ -114,6 +119,7 @@ def _check(per_rank, configs):
             assert row["planned"] == row["held"], f"{where}: planned {row['planned']}, held {row['held']}"
             if "kv" in row:  # held, planned on the loaded stage, planned from the folder's headers
                 assert row["kv"][0] > 0 and len(set(row["kv"])) == 1, f"{where}: stale K/V {row['kv']}"
+            assert row.get("plain", True), f"{where}: return_dict=False is not (video, audio)"
             for error, bound in row.get("decoded", ()):
                 assert error <= bound, f"{where} decoded: {error:.3g} > {bound:.3g}"
 

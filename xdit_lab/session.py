@@ -234,7 +234,7 @@ class DenoiseSession:
         for r in log.records:
             self.comm_decode[r.group, r.tag] += r.bytes_out
         if not return_dict:
-            return (images,)
+            return self.recipe.output_tuple(images)
         output = self.recipe.wrap_output(images)
         output.timings = self.timings.as_dict()  # an attribute beside the diffusers fields
         output.comm_encode = dict(self.comm_encode)  # bytes out of this rank, per group, in each phase

@@ -371,6 +371,9 @@ class LTX2Recipe(VideoRecipe):
         video, audio = images
         return getattr(importlib.import_module(module), name)(frames=video, audio=audio)
 
+    def output_tuple(self, images) -> tuple:
+        return tuple(images)  # (video, audio), as LTX2Pipeline returns them with return_dict=False
+
     def planned_request(self, configs, call, element):
         # VideoRecipe's video latents and grid, and the audio's latents beside them (float32, as the pipeline keeps
         # them): the latent frames of num_frames / frame_rate seconds, latent channels × latent mel bins a frame

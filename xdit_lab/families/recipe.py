@@ -415,6 +415,10 @@ class Recipe:
         module, name = self.output_class.split(":")
         return getattr(importlib.import_module(module), name)(**{self.output_field: images})
 
+    def output_tuple(self, images) -> tuple:
+        """What the pipeline returns with return_dict=False: a one-tuple of its output, as diffusers' do."""
+        return (images,)
+
 
 class TrueCFGRecipe(Recipe):
     """A family whose pipeline runs true CFG as a second forward, when true_cfg_scale > 1 and negative

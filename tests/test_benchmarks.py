@@ -196,7 +196,7 @@ def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
     out, picture = tmp_path / "rows.json", tmp_path / "plot.png"
     done = subprocess.run(
         [sys.executable, "benchmarks/accelerations.py", "--thresholds", "0.2", "--flux-steps", "4"]
-        + ["--json", str(out), "--plot", str(picture)],
+        + ["--repeats", "1", "--json", str(out), "--plot", str(picture)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -185,3 +185,51 @@ def test_linear_rows_benchmark_on_a_tiny_size(tmp_path):
     # 5 token linears (to_q/k/v, proj_mlp, proj_out) each take the other rank's 12 text rows in the control;
     # adaLN's modulation linears take one row per sample either way
     assert control["rows"] - ours["rows"] == 12 * (6 + 5), rows
+
+
+def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
+    """benchmarks/accelerations.py at one StepCache threshold on the digits and 4 tiny-Flux steps: every method has
+    its row (the ranks agreed on every skip, or the run raised), the uncached rows equal themselves, our StepCache
+    equals diffusers' First-Block Cache at the same threshold (the same method), float8 on the wire sends under 0.55
+    of the uncached bytes with the digits still read, and diffusers' configurations are refused by name on PixArt
+    (no CacheMixin) and under PipeFusion."""
+    out, picture = tmp_path / "rows.json", tmp_path / "plot.png"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/accelerations.py", "--thresholds", "0.2", "--flux-steps", "4"]
+        + ["--repeats", "1", "--json", str(out), "--plot", str(picture)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    measured = {(r["model"], r["method"], r["setting"]): r for r in rows if "refused" not in r}
+    methods = {(model, method) for model, method, _ in measured}
+    assert methods >= {
+        ("digits ulysses2", "StepCache"),
+        ("digits ulysses2", "fp8 comm"),
+        ("digits pf2", "StepCache"),
+        ("tiny flux ulysses2", "FirstBlockCache"),
+        ("tiny flux ulysses2", "TaylorSeer"),
+        ("tiny flux ulysses2", "MagCache"),
+        ("tiny flux ulysses2", "PAB"),
+        ("tiny flux ulysses2", "fp8 comm"),
+        ("tiny flux pf2", "StepCache"),
+    }, methods
+    for (_, method, _), r in measured.items():
+        assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
+        if method == "none":
+            assert r["rel_l2"] == 0 and r["skipped"] == 0 and r.get("accuracy", "") in ("", "10/10"), r
+    for t in ("0.45", "0.52", "0.6"):
+        ours, theirs = (measured[("tiny flux ulysses2", m, f"threshold {t}")] for m in ("StepCache", "FirstBlockCache"))
+        assert (ours["skipped"], ours["bytes"]) == (theirs["skipped"], theirs["bytes"]), (ours, theirs)
+        assert abs(ours["rel_l2"] - theirs["rel_l2"]) <= 1e-4, (ours, theirs)
+    for model in ("digits ulysses2", "tiny flux ulysses2"):
+        fp8, base = measured[(model, "fp8 comm", "float8_e4m3fn")], measured[(model, "none", "uncached")]
+        assert fp8["bytes"] <= 0.55 * base["bytes"] and 0 < fp8["rel_l2"] < 0.05, (fp8, base)
+    assert measured[("digits ulysses2", "fp8 comm", "float8_e4m3fn")]["accuracy"] == "10/10"
+    refusals = {r["model"]: r["refused"] for r in rows if "refused" in r}
+    assert "has no CacheMixin" in refusals["digits ulysses2"]
+    assert "does not run under PipeFusion" in refusals["tiny flux pf2"]
+    assert picture.stat().st_size > 0 and "| digits ulysses2 | StepCache | threshold 0.2 |" in done.stdout

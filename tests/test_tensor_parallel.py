@@ -6,15 +6,19 @@ holds equal the plan's (at most 0.6 of the model under tp 2), every collective t
 (torch's dispatcher sees no other: DTensor sends nothing of its own), and the tp group's bytes equal
 the closed form (traffic.expected_bytes_per_step, its tp term tp_bytes_per_forward)."""
 
+import copy
 import dataclasses
+import json
 
 import pytest
 import torch
 from forward_traffic import sample, session_traffic, traffic_mismatches, traffic_row
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, comm_log, load_pipeline, parallelize, unparallelize
+from xdit_lab.families import family as family_module
 from xdit_lab.models import parallel_state
 from xdit_lab.testing import run_on_ranks
+from xdit_lab.tiny import PIPELINES as PIPELINE_CLASSES
 from xdit_lab.tiny import save_tiny_pipeline, tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
 
 BATCH, TEXT = 2, 8
@@ -184,54 +188,91 @@ def test_tp2_ulysses2_with_heads_and_text_that_do_not_split_evenly():
         assert traffic["moved"] == traffic["expected"] and {"tp", "ulysses"} <= set(traffic["moved"])
 
 
-def _pipeline(folder, config, kwargs, expected):
+def _pipeline(folder, configs, kwargs, expected):
     from xdit_lab.lessons.families import output_latents
     from xdit_lab.models.sharded_weights import held_checkpoint_bytes
 
-    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
-    session = pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run()
-    latents = output_latents(session.result(output_type="latent"))
-    error, bound = (latents - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
-    # the transformer's bytes on this rank, planned from the headers before a weight was read, and held
-    held = (pipe.memory_plan.per_rank_bytes["transformer"], held_checkpoint_bytes(pipe.diffusers_pipeline.transformer))
-    return error, bound, traffic_mismatches(session_traffic(session), config.short()), held
+    rows = []
+    for config in configs:  # several configurations a launch of ranks: the ranks start once
+        pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False)
+        session = pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run()
+        latents = output_latents(session.result(output_type="latent"))
+        error, bound = (latents - expected).abs().max().item(), 1e-4 * max(1.0, expected.abs().max().item())
+        # the transformer's bytes on this rank, planned from the headers before a weight was read, and held
+        held = (
+            pipe.memory_plan.per_rank_bytes["transformer"],
+            held_checkpoint_bytes(pipe.diffusers_pipeline.transformer),
+        )
+        traffic = session_traffic(session)
+        groups = {group for step in traffic for group in step["moved"]}
+        rows.append((config.short(), error, bound, traffic_mismatches(traffic, config.short()), held, groups))
+    return rows
 
 
-PIPELINES = {  # family: the configurations its pipeline runs under (Flux.2 is guidance-distilled: no cfg 2)
-    "flux": [(2, ParallelConfig(tp=2)), (4, ParallelConfig(tp=2, cfg=2))],
-    "flux2": [(2, ParallelConfig(tp=2))],
-    "qwenimage": [(2, ParallelConfig(tp=2))],
-    "wan": [(2, ParallelConfig(tp=2))],  # the adapter's plan
-    "pixart": [(2, ParallelConfig(tp=2))],  # self and cross attention, one shared modulation
+TP2 = ParallelConfig(tp=2)
+COMPOSED = [ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=2, cfg=2)]  # cfg 2: the families with true CFG
+PIPELINES = {  # family: the configurations its pipeline runs under, by world size (Flux.2 is guidance-distilled)
+    "flux": {2: [TP2], 4: [ParallelConfig(tp=2, cfg=2)]},
+    "flux2": {2: [TP2]},
+    "qwenimage": {2: [TP2]},
+    "wan": {2: [TP2]},  # the adapter's plan
+    "pixart": {2: [TP2]},  # self and cross attention, one shared modulation
+    "hunyuanvideo": {2: [TP2], 4: COMPOSED},  # double and single streams, the token refiner whole-text
+    "hunyuanvideo15": {2: [TP2], 4: COMPOSED},  # 4 heads (its tiny model's 3 do not split over tp 2)
+    "cogvideox": {2: [TP2], 4: COMPOSED},  # one joint stream of [text; image]
+    "sd3": {2: [TP2], 4: COMPOSED},
+    "zimage": {2: [TP2], 4: COMPOSED},  # 4 heads; the refiners' and the joint layers' tokens
 }
+TRUE_CFG = ("flux", "qwenimage", "hunyuanvideo")  # whose pipelines guide with negatives only at true_cfg_scale > 1
+
+
+def _folder(family, path):
+    """The family's tiny pipeline saved as a folder, its transformer with HEADS heads where its own do not split
+    over tp 2 (Z-Image's and HunyuanVideo-1.5's 3)."""
+    from xdit_lab.tiny import tiny_pipeline
+
+    if family not in HEADS:
+        return save_tiny_pipeline(family, path)
+    pipe = tiny_pipeline(family)
+    part = dict(family_module(family).TINY.parts_of(PIPELINE_CLASSES[family]))["transformer"]
+    pipe.transformer = tiny_transformer(family, seed=0, heads=HEADS[family], **part.kwargs)
+    pipe.save_pretrained(path, safe_serialization=True)
+    size = {key: value for key, value in family_module(family).TINY.call.items() if key in ("height", "width")}
+    (path / "call_defaults.json").write_text(json.dumps(size))
+    return path
 
 
 @pytest.mark.parametrize("family", PIPELINES)
 def test_pipeline_under_tp_equals_diffusers_pipeline(family, tmp_path):
+    """Each family's pipeline under tp 2, and composed with ulysses 2 or cfg 2 on 4 ranks, against diffusers'
+    serial pipeline; each step's bytes per group (tp's included) as the closed form."""
     from diffusers import DiffusionPipeline
 
     from xdit_lab.lessons.families import output_latents
 
-    folder = save_tiny_pipeline(family, tmp_path / family)
+    folder = _folder(family, tmp_path / family)
     kwargs = dict(tiny_pipeline_kwargs(family), num_inference_steps=3)
     if family != "flux2":  # real guidance: two branches, for cfg 2 to split
         kwargs["negative_prompt"] = ["", "a photo"]
-    if family in ("flux", "qwenimage"):
+    if family in TRUE_CFG:
         kwargs["true_cfg_scale"] = 2.0
     reference = DiffusionPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
+    # a copy of the negatives: ZImagePipeline writes its chat template into the list it is given
     expected = output_latents(
-        reference(prompt=["a red cat", "a blue dog"], generator=generator, output_type="latent", **kwargs)
+        reference(
+            prompt=["a red cat", "a blue dog"], generator=generator, output_type="latent", **copy.deepcopy(kwargs)
+        )
     )
-    for world, config in PIPELINES[family]:
-        per_rank = run_on_ranks(_pipeline, world, folder, config, kwargs, expected, timeout_s=300)
-        for error, bound, mismatches, (planned, held) in per_rank:
-            assert error <= bound, f"{family} {config.short()}: error {error:.3g} > {bound:.3g}"
-            assert planned == held, (
-                f"{family} {config.short()}: planned {planned} bytes of the transformer, held {held}"
-            )
-            assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
+    for world, configs in PIPELINES[family].items():
+        per_rank = run_on_ranks(_pipeline, world, folder, configs, kwargs, expected, timeout_s=300)
+        for rows in per_rank:
+            for config, error, bound, mismatches, (planned, held), groups in rows:
+                assert error <= bound, f"{family} {config}: error {error:.3g} > {bound:.3g}"
+                assert planned == held, f"{family} {config}: planned {planned} bytes of the transformer, held {held}"
+                assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
+                assert set(config.replace("2", "").split("·")) <= groups, f"{family} {config}: moved {groups}"
 
 
 @pytest.mark.parametrize(

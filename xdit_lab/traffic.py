@@ -65,8 +65,8 @@ def expected_bytes_per_step(
                   patch set's under PipeFusion)
       tp          a model split over tp ranks (`shapes["tp"]`: models/tensor_parallel.tp_shapes): each forward's
                   all-reduces and gathers, tp_bytes_per_forward below, over this rank's tokens (its sequence
-                  shard's, the text's shard where it is cut); the attention exchanges above then move the
-                  h/tp heads of this rank
+                  shard's, the text's shard where it is cut, the whole text in a refiner before the blocks);
+                  the attention exchanges above then move the h/tp heads of this rank
       dp, cfg     the output gather (dp pads to the largest share), with the outputs gathered beside the sample
                   (`also_gathered` elements a sample: LTX-2's audio)
       controlnet  a ControlNet's layers (`controlnet_self_layers`, `controlnet_joint_layers`) move what the
@@ -150,7 +150,7 @@ def expected_bytes_per_step(
         mine = slice(my_r * u, (my_r + 1) * u)
         if c.tp > 1:
             my_text = text_sizes[sp_rank] if text_sharded else text
-            tokens_of = dict(image=sizes[sp_rank], text=my_text, joint=sizes[sp_rank] + my_text)
+            tokens_of = dict(image=sizes[sp_rank], text=my_text, joint=sizes[sp_rank] + my_text, whole_text=text)
             tokens_of["cross_text"] = s.get("cross_text_len", 0)
             split = s["tp"]
             out[TP] += tp_bytes_per_forward(

@@ -505,7 +505,8 @@ class FamilyAdapter:
     tp_gathered: tuple = ()
     tp_head_norms: tuple = ()
     # the tokens the split layers run on where their names do not say it (tensor_parallel.module_tokens):
-    # qualified-name regex -> "joint" (the text and the image joined: CogVideoX's blocks) or "text" (a text refiner)
+    # qualified-name regex -> "joint" (the text and the image joined: CogVideoX's blocks), "text" (a joint block's
+    # text stream) or "whole_text" (a text refiner before the blocks: the whole text on every rank)
     tp_tokens: dict = field(default_factory=dict)
     # why a family has no tp plan yet, or None: said in tensor parallelism's refusal
     tp_refused: str | None = None

@@ -125,7 +125,7 @@ ADAPTER = FamilyAdapter(
         "layers.*.adaLN_modulation.0",
         "all_final_layer.2-1.adaLN_modulation.1",
     ),
-    tp_tokens={r"context_refiner\..*": "text", r"layers\..*": "joint"},
+    tp_tokens={r"context_refiner\..*": "whole_text", r"layers\..*": "joint"},  # the refiner: every rank's caption
     block_counts=("n_refiner_layers", "n_layers"),
     joined_block_lists=("layers",),
     joined_text_last=True,

@@ -272,8 +272,10 @@ def _head_norms(transformer, adapter, state, tp: int, rank: int) -> tuple[str, .
 
 def module_tokens(name: str, tokens: dict | None = None) -> str:
     """Which tokens a planned layer of a diffusers DiT runs on: what the adapter's tp_tokens says of its name, else
-    by diffusers' names: 'text' (a joint block's text stream: add_*, *_context, txt_*; HunyuanVideo's token
-    refiner), 'joint' (a single-stream block's [text; image]: single_transformer_blocks), or 'image'. Cross
+    by diffusers' names: 'whole_text' (a text refiner before the blocks, HunyuanVideo's token refiner: the whole
+    text on every rank, which sequence shards do not cut), 'text' (a joint block's text stream: add_*, *_context,
+    txt_*: the text's shard where it is cut), 'joint' (a single-stream block's [text; image]:
+    single_transformer_blocks), or 'image'. Cross
     attention's output (Wan's attn2) runs on the image's queries. The closed form of tp's all-reduces
     (traffic.tp_bytes_per_forward) reads it."""
     said = [kind for pattern, kind in (tokens or {}).items() if re.fullmatch(pattern, name)]
@@ -281,7 +283,9 @@ def module_tokens(name: str, tokens: dict | None = None) -> str:
         return said[0]
     if name.startswith("single_transformer_blocks."):
         return "joint"
-    if re.search(r"(\.add_|_context\.|\.txt_|to_add_out|\.token_refiner\.)", name):
+    if ".token_refiner." in name:
+        return "whole_text"
+    if re.search(r"(\.add_|_context\.|\.txt_|to_add_out)", name):
         return "text"
     return "image"
 

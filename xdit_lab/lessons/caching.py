@@ -3,6 +3,8 @@
 decisions_table(summaries)         per step: each rank's own change, the agreed one, the decision
 diverging_threshold(summaries)     a threshold between two ranks' own changes at one step
 decide_alone(config, threshold)    the digits on fresh ranks whose caches do not agree: the error
+steps_by_rank(summaries)           per step: what each rank did, whether they agreed, the bytes it cost
+diffusers_serial(folder, cache)    diffusers' own pipeline with the same cache configuration, serially
 """
 
 from __future__ import annotations
@@ -75,3 +77,41 @@ def decide_alone(config, threshold: float, *, per_digit: int = 1, collective_tim
         error = next((line for line in lines if "Timed out" in line or "Error:" in line), lines[0])
         return f"failed: {error.split('] ')[-1]}"
     return f"no hang: every rank skipped {skips[0]}"
+
+
+def steps_by_rank(summaries, group: str = "world") -> str:
+    """One line per step: each rank's decision (skip or run), whether every rank took the same, the bytes the
+    decision moved out of each rank (group `group`: First-Block Cache's all-reduce) and the bytes out of each rank
+    in the whole step (the byte columns list the ranks in order, separated by '/')."""
+    summaries = sorted((s for s in summaries if s is not None), key=lambda s: s["rank"])
+    rows = []
+    for step, decisions in enumerate(zip(*(s["cache"]["skips"] for s in summaries))):
+        measured = [s["comm"]["measured"][step] for s in summaries]
+        rows.append(
+            [
+                str(step + 1),
+                *("skip" if skipped else "run" for skipped in decisions),
+                "yes" if len(set(decisions)) == 1 else "NO",
+                " / ".join(f"{m.get(group, 0):,}" for m in measured),
+                " / ".join(f"{sum(m.values()):,}" for m in measured),
+            ]
+        )
+    header = ["step", *(f"rank {s['rank']}" for s in summaries), "agreed", f"{group} bytes", "bytes out"]
+    return text_table(header, rows)
+
+
+def diffusers_serial(folder, cache, prompts, **call):
+    """The latents of diffusers' own image pipeline from `folder`, on this process alone, with
+    `transformer.enable_cache(cache)` (None: no cache), as a user of diffusers would run it."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from ..pipeline import loading_bars_hidden
+
+    with loading_bars_hidden():  # a notebook would show them as widgets, one per component
+        pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    if cache is not None:
+        pipe.transformer.enable_cache(cache)
+    output = pipe(prompts, generator=torch.Generator().manual_seed(0), output_type="latent", **call)
+    return output.images

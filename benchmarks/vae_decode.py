@@ -14,9 +14,10 @@ seconds are not a speedup figure here, the memory is.
 --vae wan does the same for the tiny Wan 2.1 video VAE of xdit_lab.tiny (AutoencoderKLWan: 8× rows
 and cols, 4× frames, base_dim 4) on a latent of frames × rows × cols, planned by
 plan.wan_decode_peak_bytes, and checks every frame. Each rank ends holding the whole video (the
-bands are gathered), so at base_dim 4 (4 channels beside the video's 3) the gathered video weighs
-about as much as a band's activations; --base-dim widens every block as the published VAE's
-channels outweigh its video.
+bands are gathered): at base_dim 4 (4 channels beside the video's 3) and 5 latent frames of 64²
+that gathered video, not a band's activations, sets the peak on 2 and 4 ranks (0.66 and 0.59 of
+the whole decode's). --base-dim 32 widens every block so that the channels outweigh the video, as
+in the published VAE (base_dim 96): there the peak falls as 1/ranks (0.50, 0.25).
 """
 
 import argparse

@@ -40,6 +40,7 @@ from .families.recipe import pad_text
 from .mesh import CFG, DP, WORLD
 from .models import StepContext, parallel_state
 from .models.diffusers_cache import DiffusersCache
+from .models.teacache import TeaCacheRuntime
 from .sharding import shard_sizes
 
 PHASES = ("encode", "prepare", "step", "decode")
@@ -146,6 +147,11 @@ class DenoiseSession:
             with self.timings.measure("prepare"):
                 self.recipe.prepare(inner, request, self.prepared, pipe.device)
         check_same_inputs(pipe.mesh, request, self.prepared)
+        calls_per_step = 2 if self.prepared.do_cfg and not self.recipe.cfg_in_one_call else 1
+        for transformer in self.recipe.transformers(inner):  # TeaCache always runs a session's last call
+            cache = parallel_state(transformer).cache
+            if isinstance(cache, TeaCacheRuntime):
+                cache.calls = self.num_steps * calls_per_step
 
     # ---- state ------------------------------------------------------------------------------------
     @property

@@ -8,16 +8,18 @@ image input plus what the stack added at the last full call; the first and the l
 At threshold 0 nothing skips and every strategy equals the model without a cache; at a threshold that skips,
 every strategy skips the calls the rule skips and equals its outputs (1e-4). The control, each dp rank
 deciding from its own rows' sums (Controls(cache_agrees=False)), takes other decisions. Every call after the
-first all-reduces two float32 tagged "cache", and each call's bytes equal traffic.py's closed form."""
+first all-reduces two float32 tagged "cache", and each call's bytes equal traffic.py's closed form.
+Through load_pipeline and a session under ulysses 2, the latents equal diffusers' FluxPipeline run serially with
+the same hooks (at 0: without), and the session forces the last step's run, as the rule does."""
 
 import pytest
 import torch
-from forward_traffic import forward_shapes, moved, traffic_mismatches
+from forward_traffic import forward_shapes, moved, session_traffic, traffic_mismatches
 
-from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, comm_log, parallelize
+from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, comm_log, load_pipeline, parallelize
 from xdit_lab.models import Controls, parallel_state
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny import tiny_inputs, tiny_transformer
+from xdit_lab.tiny import save_tiny_pipeline, tiny_inputs, tiny_pipeline_kwargs, tiny_transformer
 from xdit_lab.traffic import expected_bytes_per_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,7 +38,7 @@ def _calls():
     return [dict(base, hidden_states=base["hidden_states"] + pace * i * noise) for i in range(STEPS)]
 
 
-def _by_hand(model, threshold, coefficients):
+def _by_hand(model, threshold, coefficients, calls=STEPS):
     """TeaCache's rule on the serial model by hooks on its stock blocks; returns the list of skips, one per call."""
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     memo, skips = dict(previous=None, accumulated=0.0), []
@@ -46,7 +48,7 @@ def _by_hand(model, threshold, coefficients):
         previous, call = memo["previous"], len(skips)
         memo["previous"] = modulated
         skip = False
-        if previous is not None and call < STEPS - 1:
+        if previous is not None and call < calls - 1:
             x = ((modulated - previous).abs().mean() / previous.abs().mean()).item()
             memo["accumulated"] += sum(c * x ** (len(coefficients) - 1 - i) for i, c in enumerate(coefficients))
             skip = memo["accumulated"] < threshold
@@ -152,3 +154,51 @@ def test_refused_where_not_built():
         parallelize(tiny_transformer("flux", layers=4), ParallelConfig(pipefusion=2), cache=teacache)
     with pytest.raises(ValueError, match="coefficients"):
         StepCache(0.1, coefficients=(1.0, 0.0))
+
+
+def _pipeline_runs(folder, threshold, expected, expected_skips):
+    """On every rank: load_pipeline under ulysses 2 with the TeaCache, one session: (error, skips, traffic, method)."""
+    from xdit_lab.lab.summaries import rank_summary
+
+    config = ParallelConfig(ulysses=2)
+    settings = StepCache(threshold, method="teacache", coefficients=COEFFICIENTS)
+    pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=settings)
+    kwargs = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=STEPS)
+    session = pipe.session(["a red cat", "a blue dog"], seed=0, **kwargs).run()
+    latents = session.result(output_type="latent").images
+    out = dict(
+        error=(latents - expected).abs().max().item(),
+        bound=1e-4 * max(1.0, expected.abs().max().item()),
+        skips=list(session.cache_skips),
+        traffic=session_traffic(session),
+        method=rank_summary(session)["cache"]["method"],
+    )
+    pipe.close()
+    return out
+
+
+# the pipeline's rescaled changes are about 0.059, 0.063, 0.071, 0.072, 0.075 (serial): at 0.15 the calls skip,
+# skip, run (0.193), skip, and the last runs though 0.147 would skip it (a session tells the cache its last call)
+@pytest.mark.parametrize("threshold", [0.0, 0.15])
+def test_a_session_equals_diffusers_flux_pipeline_with_the_rule(tmp_path, threshold):
+    """Through load_pipeline and a session (which tells the cache its last call): ulysses 2 equals diffusers'
+    FluxPipeline run serially, without a cache at 0, with the rule's hooks on its transformer above; the
+    session's steps moved what the closed form says of a TeaCache's skips."""
+    from diffusers import DiffusionPipeline
+
+    folder = save_tiny_pipeline("flux", tmp_path)
+    reference = DiffusionPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    expected_skips = _by_hand(reference.transformer, threshold, COEFFICIENTS)
+    kwargs = dict(tiny_pipeline_kwargs("flux"), num_inference_steps=STEPS)
+    with torch.no_grad():
+        output = reference(
+            ["a red cat", "a blue dog"], generator=torch.Generator().manual_seed(0), **kwargs, output_type="latent"
+        )
+    assert expected_skips == ([False, True, True, False, True, False] if threshold else [False] * STEPS), expected_skips
+    for rank, out in enumerate(run_on_ranks(_pipeline_runs, 2, folder, threshold, output.images, expected_skips)):
+        where = f"rank {rank}"
+        assert out["error"] <= out["bound"], f"{where}: {out['error']:.3g} > {out['bound']:.3g}"
+        assert out["skips"] == expected_skips, where
+        assert out["method"] == "StepCache(teacache)", where
+        assert not traffic_mismatches(out["traffic"], where), traffic_mismatches(out["traffic"], where)

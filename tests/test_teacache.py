@@ -202,3 +202,14 @@ def test_a_session_equals_diffusers_flux_pipeline_with_the_rule(tmp_path, thresh
         assert out["skips"] == expected_skips, where
         assert out["method"] == "StepCache(teacache)", where
         assert not traffic_mismatches(out["traffic"], where), traffic_mismatches(out["traffic"], where)
+
+
+def test_the_cli_and_the_load_record_name_it():
+    from xdit_lab.cli import _cache
+    from xdit_lab.load_options import LoadOptions
+
+    settings = _cache("teacache:threshold=0.15,coefficients=[2.0,0.5,0.0]")
+    assert settings == StepCache(0.15, method="teacache", coefficients=COEFFICIENTS)
+    record = LoadOptions(cache=settings).to_record()["cache"]
+    assert record == {"threshold": 0.15, "method": "teacache", "coefficients": [2.0, 0.5, 0.0]}
+    assert LoadOptions(cache=StepCache(0.2)).to_record()["cache"] == {"threshold": 0.2, "method": "first_block"}

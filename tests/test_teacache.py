@@ -152,6 +152,8 @@ def test_refused_where_not_built():
         parallelize(tiny_transformer("pixart", layers=2), ParallelConfig(), cache=teacache)
     with pytest.raises(ParallelConfigError, match="teacache.*PipeFusion"):
         parallelize(tiny_transformer("flux", layers=4), ParallelConfig(pipefusion=2), cache=teacache)
+    with pytest.raises(ParallelConfigError, match="compile=True does not take StepCache.method='teacache'"):
+        parallelize(tiny_transformer("flux", layers=4), ParallelConfig(), cache=teacache, compile=True)
     with pytest.raises(ValueError, match="coefficients"):
         StepCache(0.1, coefficients=(1.0, 0.0))
 

@@ -147,11 +147,6 @@ class DenoiseSession:
             with self.timings.measure("prepare"):
                 self.recipe.prepare(inner, request, self.prepared, pipe.device)
         check_same_inputs(pipe.mesh, request, self.prepared)
-        calls_per_step = 2 if self.prepared.do_cfg and not self.recipe.cfg_in_one_call else 1
-        for transformer in self.recipe.transformers(inner):  # TeaCache always runs a session's last call
-            cache = parallel_state(transformer).cache
-            if isinstance(cache, TeaCacheRuntime):
-                cache.calls = self.num_steps * calls_per_step
 
     # ---- state ------------------------------------------------------------------------------------
     @property
@@ -188,6 +183,8 @@ class DenoiseSession:
             # the expert ran last is done for now (Wan 2.2 A14B's switch at boundary_ratio): what its token strategy
             # keeps between steps goes (PipeFusion's stale K/V, which this one warms up anew); its cache state stays
             parallel_state(experts[self.step_experts[-1]]).strategy.reset()
+        if isinstance(state.cache, TeaCacheRuntime):  # TeaCache runs every call of a session's last step
+            state.cache.final = self.step_index == self.num_steps - 1
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
         cache_step = (  # diffusers' hooks read their cache context, as diffusers' pipelines open it

@@ -10,7 +10,7 @@ compared with the previous call's (not the last full one's):
                               full call (and the text what it added to the text)
     else:                     run every block, accumulated = 0
 
-The first call, and the last of a session (Session tells the runtime how many it makes: `calls`), always run.
+The first call, and those of a session's last step (Session sets `final` before it), always run.
 The two sums are taken over this rank's tokens and all-reduced over every rank (group "world", tag "cache", from
 the second call on, as First-Block Cache's: one closed form in traffic.py), so all ranks decide from the same
 two numbers; a dp stand-in row counts nothing. What the stack added is kept per patch of this rank's tokens by
@@ -36,8 +36,8 @@ from .cache import FirstBlockCache, _wrap
 
 class TeaCacheRuntime(FirstBlockCache):
     """The runtime of StepCache(method="teacache") on one parallelized module: `skips` and `changes` (the
-    rescaled change, None at the first call) per call since reset(); `calls`: the calls a session makes, whose
-    last always runs (None: only the first is forced)."""
+    rescaled change, None at the first call) per call since reset(); `final`: the calls now are a session's last
+    step's, which always run (set by Session; by hand, where a model is called step by step)."""
 
     def __init__(self, settings, state, blocks: list, joined: list[bool]):
         self.settings, self.state = settings, state
@@ -52,13 +52,13 @@ class TeaCacheRuntime(FirstBlockCache):
             else:
                 _wrap(state.hooks, block, rest)
         self.passes_first = False
-        self.calls = None
         self.reset()
 
     def reset(self) -> None:
         super().reset()
         self.previous = None  # this rank's modulated input at the previous call
         self.accumulated = 0.0
+        self.final = False
 
     def begin(self, latents: torch.Tensor, block_residuals: bool = False) -> None:
         if block_residuals:
@@ -87,7 +87,6 @@ class TeaCacheRuntime(FirstBlockCache):
         return rest(forward, *args, **kwargs)
 
     def _decide(self, has_previous: bool) -> None:
-        call = len(self.skips)
         change = None
         if has_previous:
             self._local_sums.append(self.sums.clone())  # no sync: read only when asked (local_changes)
@@ -95,7 +94,7 @@ class TeaCacheRuntime(FirstBlockCache):
                 comm.all_reduce(self.sums, self.state.mesh, WORLD, tag="cache")
             differing, total = self.sums.tolist()  # the one host sync of a call
             change = _rescaled(self.settings.coefficients, differing / total if total > 0 else math.inf)
-        forced = change is None or not self.has_reference or (self.calls is not None and call >= self.calls - 1)
+        forced = change is None or not self.has_reference or self.final
         if not forced:
             self.accumulated += change
         self.run_rest = forced or not self.accumulated < self.settings.threshold

@@ -362,6 +362,6 @@ def test_the_cli_spelling():
     assert mag.mag_ratios.tolist() == pytest.approx([1.0, 0.9, 0.8]) and mag.num_inference_steps == 3
     pab = _cache("pab:spatial_attention_block_skip_range=2,spatial_attention_timestep_skip_range=[0,1000]")
     assert pab.spatial_attention_timestep_skip_range == [0, 1000]
-    for wrong in ("teacache:threshold=0.1", "fbc:threshold", "fbc:thresh=0.1", "taylorseer:taylor_factors_dtype=f3"):
+    for wrong in ("nocache:threshold=0.1", "fbc:threshold", "fbc:thresh=0.1", "taylorseer:taylor_factors_dtype=f3"):
         with pytest.raises(argparse.ArgumentTypeError):
             _cache(wrong)

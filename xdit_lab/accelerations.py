@@ -22,23 +22,44 @@ import torch
 
 from .config import PIPEFUSION, ParallelConfigError
 
-METHODS = ("first_block",)
+METHODS = ("first_block", "teacache")
+# TeaCache's modulated input is the first block's norm1(hidden_states, emb=temb) (diffusers' AdaLayerNormZero):
+# the families whose first block takes it that way, with the blocks' plain (text, image) returns
+TEACACHE_FAMILIES = ("flux",)
 
 
 @dataclass(frozen=True)
 class StepCache:
-    """Skip the transformer's blocks after the first block when its residual changed by at most
-    `threshold` (relative, summed over the whole batch on every rank) since the last full step.
+    """Skip transformer blocks at steps where the model's input barely changed, one decision for the whole
+    batch taken by every rank together (sums all-reduced). Two methods:
+
+    first_block  (First-Block Cache) skip the blocks after the first when the first block's residual changed
+                 by at most `threshold` (relative) since the last full step.
+    teacache     (TeaCache, Liu et al.) the relative L1 change of the first block's timestep-modulated input
+                 since the previous step, rescaled by the polynomial `coefficients` (highest power first, as
+                 numpy.poly1d; default identity (1, 0); the paper publishes them per model), accumulated; while
+                 the sum stays below `threshold` every block is skipped and what the whole stack added at the
+                 last full step is added instead; else all run and the sum restarts. The first and the last step
+                 of a session always run. Flux only so far (TEACACHE_FAMILIES).
 
     Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
-    or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips."""
+    or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips (teacache: with a rescale that is never
+    negative, as the identity)."""
 
     threshold: float = 0.1
     method: str = "first_block"
+    coefficients: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"StepCache method {self.method!r} is not implemented; methods: {', '.join(METHODS)}")
+        if self.method == "teacache":
+            coefficients = (1.0, 0.0) if self.coefficients is None else tuple(float(c) for c in self.coefficients)
+            if not coefficients or not all(math.isfinite(c) for c in coefficients):
+                raise ValueError(f"StepCache coefficients must be finite numbers, got {self.coefficients!r}")
+            object.__setattr__(self, "coefficients", coefficients)
+        elif self.coefficients is not None:
+            raise ValueError(f"StepCache coefficients are TeaCache's rescale; method {self.method!r} takes none")
         if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold) or self.threshold < 0:
             raise ValueError(
                 f"StepCache threshold must be a finite number >= 0 (0 never skips), got {self.threshold!r}"
@@ -79,6 +100,8 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
         found.append(
             (f"StepCache is not offered on {adapter.family} yet: {adapter.step_cache_refused}", ParallelConfigError)
         )
+    if cache is not None and cache.method == "teacache":
+        found += [(sentence, ParallelConfigError) for sentence in _teacache_problems(config, adapter, compile)]
     if cache is not None and config.pipefusion_schedule == "async":
         found.append(
             (
@@ -86,6 +109,34 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
                 "any patch moves, while the async schedule has two steps in flight; use the drained schedule",
                 ParallelConfigError,
             )
+        )
+    return found
+
+
+def _teacache_problems(config, adapter, compile) -> list[str]:
+    """Why StepCache(method="teacache") does not run here yet, as sentences (each says what runs instead)."""
+    found = []
+    if adapter.family not in TEACACHE_FAMILIES:
+        found.append(
+            f"StepCache(method='teacache') is built for {', '.join(TEACACHE_FAMILIES)} only: its rule reads the "
+            f"first block's norm1(hidden_states, emb=temb), which {adapter.family}'s first block does not take that "
+            f"way; use StepCache(threshold) (First-Block Cache) there"
+        )
+    if getattr(config, PIPEFUSION) > 1:
+        found.append(
+            "StepCache(method='teacache') does not run under PipeFusion yet: it skips every block, the first stage's "
+            "too, so the stale K/V buffers would not be refreshed at a skipped step; use ulysses, ring, cfg or dp, "
+            "or StepCache(threshold) (First-Block Cache) under PipeFusion"
+        )
+    if config.tp > 1:
+        found.append(
+            "StepCache(method='teacache') does not run under tensor parallelism yet: it reads the first block's "
+            "modulation, whose layers tp splits; use ulysses, ring, cfg or dp"
+        )
+    if compile:
+        found.append(
+            "compile=True does not take StepCache(method='teacache') yet: its decision's graph breaks are not "
+            "counted as First-Block Cache's are; use compile=False with it, or StepCache(threshold) with compile"
         )
     return found
 

@@ -191,9 +191,11 @@ CACHE_NAMES = dict(
 
 def _cache(text: str):
     """--cache fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[1.0,0.9,...]: one of diffusers'
-    cache configurations, each value read as JSON when it parses (a list for a range or the ratios), else as text
-    (a dtype field's by its torch name: taylor_factors_dtype=float32)."""
+    cache configurations, or teacache:threshold=0.15,coefficients=[...] (ours: StepCache(method="teacache")); each
+    value read as JSON when it parses (a list for a range or the ratios), else as text (a dtype field's by its torch
+    name: taylor_factors_dtype=float32)."""
     import dataclasses
+    import functools
     import json
     import re
 
@@ -201,10 +203,16 @@ def _cache(text: str):
     import torch
 
     name, _, settings = text.partition(":")
-    if name not in CACHE_NAMES:
-        raise argparse.ArgumentTypeError(f"--cache {name!r}: name one of {', '.join(CACHE_NAMES)}")
-    kind = getattr(diffusers.hooks, CACHE_NAMES[name])
-    defaults = {field.name: field.default for field in dataclasses.fields(kind)}
+    if name not in (*CACHE_NAMES, "teacache"):
+        raise argparse.ArgumentTypeError(f"--cache {name!r}: name one of {', '.join(CACHE_NAMES)}, teacache")
+    if name == "teacache":  # ours: StepCache(threshold, method="teacache", coefficients=[...])
+        from .accelerations import StepCache
+
+        kind = functools.partial(StepCache, method="teacache")
+        defaults = {}
+    else:
+        kind = getattr(diffusers.hooks, CACHE_NAMES[name])
+        defaults = {field.name: field.default for field in dataclasses.fields(kind)}
     values = {}
     for item in filter(None, re.split(r",(?![^\[]*\])", settings)):  # commas outside [...]
         key, sep, value = item.partition("=")
@@ -362,7 +370,8 @@ def cmd_run(args) -> int:
         cache = report["load_options"]["cache"]
         if cache is not None:
             skips = report["cache_skips"]
-            named = cache.get("diffusers") or f"StepCache({cache['threshold']})"
+            method = "" if cache.get("method", "first_block") == "first_block" else f", method={cache['method']!r}"
+            named = cache.get("diffusers") or f"StepCache({cache['threshold']}{method})"
             print(f"{named} skipped {sum(skips)} of {len(skips)} steps: {skips}")
         print(f"wrote {', '.join(report['outputs'])} and report.json to {args.output}")
     return 0
@@ -535,7 +544,8 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="NAME:KEY=VALUE,...",
         help="one of diffusers' cache configurations, run by its own hooks with one decision for every rank: "
         "fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[...], "
-        "pab:spatial_attention_block_skip_range=2 (each key a field of its diffusers config). Default: no cache",
+        "pab:spatial_attention_block_skip_range=2 (each key a field of its diffusers config); or TeaCache, ours "
+        "(StepCache(method='teacache'), Flux): teacache:threshold=0.15,coefficients=[...]. Default: no cache",
     )
     run.add_argument(
         "--compile",

@@ -167,6 +167,7 @@ class LoadOptions:
             cache=None
             if cache is None
             else dict(threshold=cache.threshold, method=cache.method)
+            | ({} if cache.coefficients is None else dict(coefficients=list(cache.coefficients)))
             if isinstance(cache, StepCache)
             else dict(diffusers=type(cache).__name__, settings=repr(cache)),
             compile=self.compile,

@@ -40,6 +40,7 @@ from .families.recipe import pad_text
 from .mesh import CFG, DP, WORLD
 from .models import StepContext, parallel_state
 from .models.diffusers_cache import DiffusersCache
+from .models.teacache import TeaCacheRuntime
 from .sharding import shard_sizes
 
 PHASES = ("encode", "prepare", "step", "decode")
@@ -182,6 +183,8 @@ class DenoiseSession:
             # the expert ran last is done for now (Wan 2.2 A14B's switch at boundary_ratio): what its token strategy
             # keeps between steps goes (PipeFusion's stale K/V, which this one warms up anew); its cache state stays
             parallel_state(experts[self.step_experts[-1]]).strategy.reset()
+        if isinstance(state.cache, TeaCacheRuntime):  # TeaCache runs every call of a session's last step
+            state.cache.final = self.step_index == self.num_steps - 1
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
         cache_step = (  # diffusers' hooks read their cache context, as diffusers' pipelines open it

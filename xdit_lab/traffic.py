@@ -78,7 +78,9 @@ def expected_bytes_per_step(
                   all-reduce runs from each one's second step on. diffusers' FirstBlockCacheConfig
                   (`cache_method`) moves the same; its TaylorSeer, MagCache and PyramidAttentionBroadcast
                   decide from the schedule (nothing moves for it), and at a step they skip no attention
-                  layer runs (their hooks cover every block or attention layer of the families they run on)
+                  layer runs (their hooks cover every block or attention layer of the families they run on).
+                  StepCache(method="teacache") (`cache_method` "StepCache(teacache)") moves StepCache's all-reduce
+                  and at a step it skips no attention layer runs
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
     at a time after), its queries are that set's tokens and Ring passes the whole stale buffer; the
     joint text stays whole on every rank there. `shapes["text_sharded"]` says whether sequence shards
@@ -129,10 +131,11 @@ def expected_bytes_per_step(
         kv_sizes = forwards[0]
     skipped = bool(cache_skips and cache_skips[step])
     by_schedule = cache_method in BY_SCHEDULE  # a skipped step runs no attention layer, and nothing is agreed
+    every_block = by_schedule or cache_method == "StepCache(teacache)"  # ... or it is agreed, and none runs
     # a ControlNet's layers run beside the transformer's, at a step a StepCache skips too (its residuals are fresh)
     self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]
     joint_layers = s["first_block_joint_layers"] if skipped else s["joint_layers"]
-    if skipped and by_schedule:
+    if skipped and every_block:
         self_layers = joint_layers = 0
     self_layers += s.get("controlnet_self_layers", 0)
     joint_layers += s.get("controlnet_joint_layers", 0)

@@ -102,7 +102,7 @@ def _cache(session, state) -> dict | None:
         calls[expert] += 1
     return dict(
         threshold=getattr(state.cache.settings, "threshold", None),  # a StepCache's, or diffusers' config's
-        method=type(state.cache.settings).__name__,
+        method=_method(state.cache.settings),
         skips=list(session.cache_skips),
         changes=list(session.cache_changes),
         local_changes=local_changes,
@@ -303,3 +303,9 @@ def _memory(pipe, session, report) -> dict:
         weight_gather_bytes=gathers,
         plan=plan_terms(pipe.memory_plan),
     )
+
+
+def _method(settings) -> str:
+    """The cache's name in a summary: "StepCache", "StepCache(teacache)", or diffusers' configuration's class."""
+    method = getattr(settings, "method", "first_block")
+    return type(settings).__name__ + ("" if method == "first_block" else f"({method})")

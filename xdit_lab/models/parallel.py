@@ -40,6 +40,7 @@ from .pipefusion import PipeFusionStage
 from .sequence import SequenceShards
 from .sharded_weights import shard_transformer
 from .strategy import Controls
+from .teacache import apply_teacache
 from .tensor_parallel import apply_tensor_parallel
 from .tensor_parallel import problems as tp_problems
 
@@ -128,7 +129,8 @@ def parallelize(
     else:
         state.strategy = SequenceShards(state)
     if isinstance(cache, StepCache):
-        state.cache = apply_step_cache(transformer, state, cache)
+        apply = apply_teacache if cache.method == "teacache" else apply_step_cache
+        state.cache = apply(transformer, state, cache)
     install_hooks(transformer, state)
     state.hooks.replace("parallel_forward", transformer, forward=_parallel_forward(transformer, state))
     if is_diffusers_cache(cache):  # diffusers' hooks around the forwards ours run (models/diffusers_cache.py)

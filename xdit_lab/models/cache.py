@@ -131,15 +131,7 @@ class FirstBlockCache:
     def local_changes(self) -> list[float | None]:
         """Per call, the change this rank's own tokens alone would give (None where nothing was
         compared): what a per-rank decision would have used."""
-        local = iter(self._local_sums)
-        out = []
-        for change in self.changes:
-            if change is None:
-                out.append(None)
-                continue
-            differing, total = next(local).tolist()
-            out.append(differing / total if total > 0 else math.inf)
-        return out
+        return local_changes(self.changes, self._local_sums)
 
     def first_pass(self, run, patch_sets: list[list[int]], set_active) -> None:
         """PipeFusion's stage 0: the first block over every patch set, keeping its outputs."""
@@ -269,3 +261,16 @@ def _wrap(hooks, block, around) -> None:
         return around(functools.partial(own, module()), *args, **kwargs)
 
     hooks.replace(hooks.numbered("step_cache"), block, forward=forward)
+
+
+def local_changes(changes: list, local_sums: list) -> list[float | None]:
+    """Per call, the change one rank's own sums give (None where the call compared nothing): each of `local_sums`
+    a (differing, total) pair of this rank's tokens, one per call whose change is not None."""
+    local, out = iter(local_sums), []
+    for change in changes:
+        if change is None:
+            out.append(None)
+            continue
+        differing, total = next(local).tolist()
+        out.append(differing / total if total > 0 else math.inf)
+    return out

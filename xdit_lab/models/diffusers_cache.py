@@ -47,6 +47,7 @@ from .. import comm
 from ..accelerations import BY_DATA, option_problems
 from ..config import ParallelConfigError
 from ..mesh import WORLD
+from .cache import local_changes
 
 _OWNED = "_xdit_lab_cache_config"  # the configuration enable_cache was given here, on the transformer
 _CACHE_MODULES = {
@@ -94,14 +95,7 @@ class DiffusersCache:
     @property
     def local_changes(self) -> list[float | None]:
         """Per call, First-Block Cache's change from this rank's own share alone (None where none was taken)."""
-        local, out = iter(self._local_sums), []
-        for change in self.changes:
-            if change is None:
-                out.append(None)
-                continue
-            differing, total = next(local).tolist()
-            out.append(differing / total if total > 0 else math.inf)
-        return out
+        return local_changes(self.changes, self._local_sums)
 
     def begin(self, latents, block_residuals: bool = False) -> None:
         """The parallel forward's call: nothing to set up (diffusers' hooks hold their state; a ControlNet's

@@ -148,7 +148,7 @@ def test_every_strategy_equals_teacache_by_hand_and_the_per_rank_control_differs
 
 def test_refused_where_not_built():
     teacache = StepCache(0.1, method="teacache")
-    with pytest.raises(ParallelConfigError, match="teacache.*built for flux only"):
+    with pytest.raises(ParallelConfigError, match="teacache.*built for Flux only"):
         parallelize(tiny_transformer("pixart", layers=2), ParallelConfig(), cache=teacache)
     with pytest.raises(ParallelConfigError, match="teacache.*PipeFusion"):
         parallelize(tiny_transformer("flux", layers=4), ParallelConfig(pipefusion=2), cache=teacache)

@@ -23,9 +23,6 @@ import torch
 from .config import PIPEFUSION, ParallelConfigError
 
 METHODS = ("first_block", "teacache")
-# TeaCache's modulated input is the first block's norm1(hidden_states, emb=temb) (diffusers' AdaLayerNormZero):
-# the families whose first block takes it that way, with the blocks' plain (text, image) returns
-TEACACHE_FAMILIES = ("flux",)
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,7 @@ class StepCache:
                  numpy.poly1d; default identity (1, 0); the paper publishes them per model), accumulated; while
                  the sum stays below `threshold` every block is skipped and what the whole stack added at the
                  last full step is added instead; else all run and the sum restarts. The first and the last step
-                 of a session always run. Flux only so far (TEACACHE_FAMILIES).
+                 of a session always run. Flux only so far (its adapter's `teacache`).
 
     Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
     or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips (teacache: with a rescale that is never
@@ -116,9 +113,9 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
 def _teacache_problems(config, adapter, compile) -> list[str]:
     """Why StepCache(method="teacache") does not run here yet, as sentences (each says what runs instead)."""
     found = []
-    if adapter.family not in TEACACHE_FAMILIES:
+    if not adapter.teacache:
         found.append(
-            f"StepCache(method='teacache') is built for {', '.join(TEACACHE_FAMILIES)} only: its rule reads the "
+            f"StepCache(method='teacache') is built for Flux only: its rule reads the "
             f"first block's norm1(hidden_states, emb=temb), which {adapter.family}'s first block does not take that "
             f"way; use StepCache(threshold) (First-Block Cache) there"
         )
@@ -170,13 +167,6 @@ REFUSED = dict(
     TextKVCacheConfig="it caches NucleusMoE-Image's text keys and values, a family xdit_lab does not run",
 )
 DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE)
-# (family, configuration) whose diffusers hooks raise in diffusers' own serial pipeline, and why
-RAISES_SERIALLY = {
-    ("flux2", "FirstBlockCacheConfig"): "its first block returns (text, image) and its last block one tensor of "
-    "[text; image], which diffusers' hook subtracts one from the other (a TypeError when diffusers runs it serially, "
-    "in a cache context opened by hand: Flux2Pipeline opens none); use xdit_lab.StepCache (First-Block Cache's rule, "
-    "the joined blocks split per stream), TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig",
-}
 DECIDES_IN_PYTHON = "whether a step, block or attention runs is decided in Python by its hooks; run the cache eagerly"
 
 
@@ -209,8 +199,8 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
             f"blocks ({', '.join(adapter.block_returns)}), which the hooks look up, so diffusers' own pipeline raises "
             f"on it; use TaylorSeerCacheConfig or PyramidAttentionBroadcastConfig"
         )
-    elif (adapter.family, name) in RAISES_SERIALLY:
-        found.append(f"cache={name} does not run on {adapter.family}: {RAISES_SERIALLY[adapter.family, name]}")
+    elif name in adapter.diffusers_cache_refused:  # diffusers' own serial run raises: nothing to equal
+        found.append(f"cache={name} does not run on {adapter.family}: {adapter.diffusers_cache_refused[name]}")
     if getattr(config, PIPEFUSION) > 1:
         found.append(
             f"cache={name} does not run under PipeFusion: its hooks expect every block on one rank and one pass per "

@@ -495,6 +495,11 @@ class FamilyAdapter:
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
     step_cache_refused: str | None = None
+    # TeaCache (StepCache(method="teacache")) reads the first block's norm1(hidden_states, emb=temb), diffusers'
+    # AdaLayerNormZero, and takes the blocks' plain (text, image) returns: True where the family's first block does
+    teacache: bool = False
+    # diffusers' cache configurations (by class name) whose hooks raise in diffusers' own serial run, and why
+    diffusers_cache_refused: dict = field(default_factory=dict)
     # why PipeFusion is not offered, or None: it is offered
     pipefusion_refused: str | None = None
     # tensor parallelism (models/tensor_parallel.py): the plan as diffusers writes a `_tp_plan` (module-name globs ->

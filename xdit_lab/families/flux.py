@@ -90,6 +90,7 @@ ADAPTER = FamilyAdapter(
     "flux",
     "FluxTransformer2DModel",
     from_cp_plan=True,
+    teacache=True,  # its first block's norm1(hidden_states, emb=temb) is TeaCache's modulated input
     # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them (a
     # ControlNet parallelized on the same mesh hands them over cut already: RankLocal, taken as they are); under
     # PipeFusion each stage is given its own blocks' residuals

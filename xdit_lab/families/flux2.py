@@ -39,6 +39,12 @@ ADAPTER = FamilyAdapter(
     "Flux2Transformer2DModel",
     from_cp_plan=True,  # the text and its ids cut at the input, the image's ids with its tokens: cp_plan.py
     joined_block_lists=("single_transformer_blocks",),
+    diffusers_cache_refused=dict(
+        FirstBlockCacheConfig="its first block returns (text, image) and its last block one tensor of [text; image], "
+        "which diffusers' hook subtracts one from the other (a TypeError when diffusers runs it serially, in a cache "
+        "context opened by hand: Flux2Pipeline opens none); use xdit_lab.StepCache (First-Block Cache's rule, the "
+        "joined blocks split per stream), TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig"
+    ),
     # tensor parallelism: diffusers' _tp_plan, and the modulations it leaves whole (computed once a forward)
     tp_gathered=(
         "double_stream_modulation_img.linear",

@@ -479,3 +479,22 @@ def test_hunyuanvideo15_refuses_a_prompt_its_pipeline_would_cut():
     assert torch.equal(encoded(past), encoded(past[:-1] + "an"))
     kind, message = check('a sign that says "' + "x" * 300 + '"')
     assert message.startswith("prompt 0's quoted text is 310 tokens (ByT5Tokenizer") and "more than the 256" in message
+
+
+def test_wan_refuses_a_frame_count_its_vae_does_not_decode():
+    """WanPipeline.__call__ rounds num_frames to 4k + 1 with a warning in its log, but its prepare_latents (which the
+    recipe calls) does not: 80 frames would give 20 latent frames where diffusers' pipeline draws 21. Refused by
+    name with the counts that fit; control: 5 and 81 pass."""
+    pipe, recipe = tiny_pipeline("wan"), RECIPES["WanPipeline"]
+
+    def request(frames):
+        call = {k: v for k, v in tiny_pipeline_kwargs("wan").items() if k not in ("height", "width")}
+        options = recipe.check_options(dict(call, num_frames=frames))
+        return Request(["a red cat"], None, 2, 5.0, 64, 64, 0, options=options)
+
+    assert _error(lambda: recipe.check_inputs(pipe, request(5))) is None
+    assert _error(lambda: recipe.check_inputs(pipe, request(81))) is None
+    kind, message = _error(lambda: recipe.check_inputs(pipe, request(80)))
+    assert kind == "ValueError" and message.startswith("num_frames 80: Wan's VAE decodes 4k + 1 frames")
+    assert "give 77 or 81" in message and "round it to 81" in message
+    assert "give 1 or 5" in _error(lambda: recipe.check_inputs(pipe, request(6)))[1]

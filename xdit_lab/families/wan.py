@@ -92,6 +92,15 @@ class WanRecipe(VideoRecipe):
 
     def check_inputs(self, pipe, request):
         image = request.options.get("image")
+        frames, every = request.options["num_frames"], pipe.vae_scale_factor_temporal
+        if frames % every != 1:  # WanPipeline.__call__ rounds it with a logged warning; its prepare_latents does not
+            below = frames // every * every + 1 - every if frames > every else None
+            fits = [n for n in (below, frames // every * every + 1) if n and n > 0]
+            raise ValueError(
+                f"num_frames {frames}: Wan's VAE decodes {every}k + 1 frames ({every} frames a latent frame, then the "
+                f"first alone); give {' or '.join(map(str, fits))} (diffusers' WanPipeline would round it to "
+                f"{frames // every * every + 1} with a warning in its log)"
+            )
         if request.options.get("last_image") is not None:
             raise NotImplementedError(
                 "a last frame (last_image, Wan 2.1 FLF2V's first-and-last-frame video) is not run by xdit_lab yet: "

@@ -17,6 +17,7 @@ package builds it, the same way for every family:
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -166,7 +167,8 @@ def save_tiny_pipeline(family: str, path, *, seed: int = 0, pipeline_class: str 
     path = Path(path)
     pipe = tiny_pipeline(family, seed=seed, pipeline_class=pipeline_class, **settings)
     pipe.save_pretrained(path, safe_serialization=True)
-    size = {key: value for key, value in _spec(family).call.items() if key in ("height", "width")}
+    takes = inspect.signature(type(pipe).__call__).parameters  # an image to video at its image's bucket takes none
+    size = {key: value for key, value in _spec(family).call.items() if key in ("height", "width") and key in takes}
     if size:
         (path / "call_defaults.json").write_text(json.dumps(size, indent=2) + "\n")  # model_folder.CALL_DEFAULTS
     return path

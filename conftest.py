@@ -40,6 +40,7 @@ NBVAL_OUTPUT_TIMEOUT_S = 60
 LONGEST_FIRST = [
     "tests/test_lab_hosts.py",  # 280 s (b86ccdb's CI; the others below: estimates after #59's cuts)
     "tests/test_run_cli.py",  # 150
+    "tests/test_image_conditioned_pipelines.py",  # 433 core-s, the most of any file (CI of 2857710)
     "tutorials/10_notebook_to_production.ipynb",  # 110
     "tests/test_pipelines.py",  # 97
     "tests/test_quantization.py",  # 90

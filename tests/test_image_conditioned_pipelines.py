@@ -13,6 +13,7 @@ Each has a control, a deliberately wrong variant that must miss the reference; a
 (an image where none is taken, none where one is) is refused by name before anything runs.
 """
 
+import json
 import re
 
 import pytest
@@ -607,6 +608,10 @@ def _hunyuan_folders(root) -> dict:
             **(parts | {"transformer": transformer}), image_processor=clip_image_processor()
         )
         pipe.save_pretrained(root / condition, safe_serialization=True)
+        # its tiny size as the folder's call defaults, as save_tiny_pipeline writes a video folder's: the load plans
+        # one prompt at them, where the pipeline's own 720 × 1280 × 129 frames would need 27.6 GB of tiny decode
+        size = {k: v for k, v in tiny_pipeline_kwargs("hunyuanvideo").items() if k in ("height", "width")}
+        (root / condition / "call_defaults.json").write_text(json.dumps(size))
         folders[condition] = root / condition
     return folders
 

@@ -62,6 +62,10 @@ class StepCache:
                 f"StepCache threshold must be a finite number >= 0 (0 never skips), got {self.threshold!r}"
             )
 
+    def __repr__(self) -> str:  # as one writes it: First-Block Cache takes no coefficients, so they are not shown
+        extra = "" if self.coefficients is None else f", coefficients={self.coefficients!r}"
+        return f"StepCache(threshold={self.threshold!r}, method={self.method!r}{extra})"
+
 
 def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple[str, type[Exception]]]:
     """What parallelize refuses of its cache and compile options for a model of `adapter`'s family under `config`,

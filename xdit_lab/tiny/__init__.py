@@ -160,16 +160,18 @@ def tiny_qwen_image_edit(*, plus: bool = False, zero_cond_t: bool = False, seed:
 
 
 def save_tiny_pipeline(family: str, path, *, seed: int = 0, pipeline_class: str | None = None, **settings) -> Path:
-    """Build `tiny_pipeline(family, ...)` and save it as a diffusers folder (model_index.json + safetensors), with
-    its tiny size as the folder's call defaults (call_defaults.json: height and width). A model's defaults belong to
-    its folder: without them a load plans one prompt at the pipeline's own default size (HunyuanVideo's 720 × 1280
-    × 129 frames), whose decode a tiny VAE would need gigabytes for, and refuses a load the tiny calls fit."""
+    """Build `tiny_pipeline(family, ...)` and save it as a diffusers folder (model_index.json + safetensors); a video
+    pipeline's folder with its tiny size as its call defaults (call_defaults.json: height and width). A model's
+    defaults belong to its folder: a video pipeline's own default size is the real model's (HunyuanVideo's 720 × 1280
+    × 129 frames), whose decode a tiny VAE would need gigabytes for, so a load planning one prompt at it would refuse
+    what the tiny calls fit. An image pipeline's default size comes from its transformer's sample size: tiny already,
+    and an image drawn from reference images takes their size, which a default would override."""
     path = Path(path)
     pipe = tiny_pipeline(family, seed=seed, pipeline_class=pipeline_class, **settings)
     pipe.save_pretrained(path, safe_serialization=True)
     takes = inspect.signature(type(pipe).__call__).parameters  # an image to video at its image's bucket takes none
     size = {key: value for key, value in _spec(family).call.items() if key in ("height", "width") and key in takes}
-    if size:
+    if size and "num_frames" in takes:
         (path / "call_defaults.json").write_text(json.dumps(size, indent=2) + "\n")  # model_folder.CALL_DEFAULTS
     return path
 

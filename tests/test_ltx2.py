@@ -294,3 +294,43 @@ def test_ltx2_video_vae_decodes_in_bands(config, kind, shape):
         assert out["alone"] > 100 * out["bound"], f"{where}: a band alone is not far off ({out['alone']:.3g})"
         assert out["tags"] == {("sp", "vae_halo"), ("sp", "vae_gather")}, where
         assert out["halo"] == out["expected"] > 0, where
+
+
+def _generate(folder, output_dir):
+    from xdit_lab.run import run_generation
+
+    call = {k: v for k, v in _call().items() if k not in ("num_inference_steps", "negative_prompt", "height", "width")}
+    size = tiny_pipeline_kwargs("ltx2")
+    return run_generation(
+        folder,
+        list(PROMPTS),
+        ParallelConfig(ulysses=2),
+        output_dir,
+        negative_prompts=list(NEGATIVES),
+        steps=STEPS,
+        height=size["height"],
+        width=size["width"],
+        options=call,
+    )
+
+
+def test_ltx2_run_writes_each_videos_audio_as_wav(folder, reference, tmp_path):
+    """`xdit-lab run`'s generation (run_generation, under ulysses 2) writes each video's GIF and its audio beside
+    it as NNN.wav at the vocoder's sampling rate, samples equal to diffusers' waveform within 16-bit rounding."""
+    import json
+    import wave
+
+    from diffusers import DiffusionPipeline
+
+    report = run_on_ranks(_generate, 2, folder, tmp_path / "out", timeout_s=300)[0]
+    assert report["outputs"] == ["000.gif", "000.wav", "001.gif", "001.wav"]
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["complete"]
+    rate = DiffusionPipeline.from_pretrained(folder).vocoder.config.output_sampling_rate
+    expected = reference["pt"][1].clamp(-1, 1)
+    for i in range(len(PROMPTS)):
+        with wave.open(str(tmp_path / "out" / f"{i:03d}.wav")) as got:
+            assert (got.getframerate(), got.getnchannels(), got.getsampwidth()) == (rate, expected.shape[1], 2)
+            frames = got.readframes(got.getnframes())
+        samples = torch.frombuffer(bytearray(frames), dtype=torch.int16).view(-1, expected.shape[1]).T / 32767
+        assert samples.shape == expected[i].shape
+        assert (samples - expected[i]).abs().max().item() <= 1 / 32767 + 1e-4 * max(1.0, expected.abs().max().item())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import wave
 from pathlib import Path
 
 import torch
@@ -133,8 +134,14 @@ def run_generation(
         },
         ranks=ranks,
     )
-    write_outputs(result, Path(output_dir), output_type, report)
+    write_outputs(result, Path(output_dir), output_type, report, audio_rate=audio_sampling_rate(pipe))
     return report
+
+
+def audio_sampling_rate(pipe) -> int | None:
+    """The samples a second of the waveform a pipeline's vocoder returns beside its video (LTX-2's), else None."""
+    vocoder = getattr(pipe.diffusers_pipeline, "vocoder", None)
+    return None if vocoder is None else int(vocoder.config.output_sampling_rate)
 
 
 def run_prompts_file(
@@ -431,8 +438,9 @@ class Waiting:
         )
 
 
-def write_outputs(result, output_dir: Path, output_type: str, report: dict) -> None:
-    """Each output written atomically, its name added to report["outputs"] once it is in place, then
+def write_outputs(result, output_dir: Path, output_type: str, report: dict, audio_rate: int | None = None) -> None:
+    """Each output written atomically (a video's audio, where the result has one, as a WAV at `audio_rate`
+    samples a second beside it), its name added to report["outputs"] once it is in place, then
     report.json. A write that fails leaves report.json listing what was written before it (complete false,
     the error) and raises OutputWriteError."""
 
@@ -441,7 +449,7 @@ def write_outputs(result, output_dir: Path, output_type: str, report: dict) -> N
 
     name = None
     try:
-        for name, write in _outputs(result, output_type):
+        for name, write in _outputs(result, output_type, audio_rate):
             atomic_write(output_dir / name, write)
             report["outputs"].append(name)
         name = "report.json"
@@ -463,16 +471,35 @@ def write_outputs(result, output_dir: Path, output_type: str, report: dict) -> N
         ) from error
 
 
-def _outputs(result, output_type: str):
+def _outputs(result, output_type: str, audio_rate: int | None = None):
     """(file name, write(path)) for each output of a result: latents.pt, or one PNG per image, or one GIF per
-    video (its frames, 8 a second)."""
+    video (its frames, 8 a second); a result with audio (LTX-2's) adds each video's waveform as NNN.wav, or its
+    audio latents as audio_latents.pt."""
     images = result.frames if hasattr(result, "frames") else result.images
+    audio = getattr(result, "audio", None)
     if output_type == "latent":
         yield "latents.pt", lambda p: torch.save(images.cpu(), p)
+        if audio is not None:
+            yield "audio_latents.pt", lambda p: torch.save(audio.cpu(), p)
         return
     for i, image in enumerate(images):
         suffix, write = _one_output(image)
         yield f"{i:03d}{suffix}", write
+        if audio is not None:
+            yield f"{i:03d}.wav", lambda p, waveform=audio[i]: write_wav(p, waveform, audio_rate)
+
+
+def write_wav(path, waveform, rate: int) -> None:
+    """One waveform ([channels, samples] or [samples], in [-1, 1]) as 16-bit PCM WAV (Python's own wave module:
+    every player reads it, and no dependency for one file kind)."""
+    samples = torch.as_tensor(waveform).detach().float().cpu()
+    samples = samples.reshape(1, -1) if samples.dim() == 1 else samples
+    pcm = (samples.clamp(-1, 1) * 32767).round().to(torch.int16).T.contiguous()  # interleaved: frame by frame
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(samples.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(pcm.numpy().astype("<i2").tobytes())  # WAV is little-endian
 
 
 def _one_output(image) -> tuple[str, object]:

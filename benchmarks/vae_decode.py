@@ -33,7 +33,7 @@ def wan_vae(base_dim):
     """xdit_lab.tiny's Wan VAE, its blocks widened to `base_dim` channels (4 as it is)."""
     from diffusers import AutoencoderKLWan
 
-    from xdit_lab.tiny.parts import wan_vae
+    from xdit_lab.tiny.vaes import wan_vae
 
     vae = wan_vae(0, 4)
     if base_dim == vae.config.base_dim:
@@ -45,7 +45,7 @@ def wan_vae(base_dim):
 def decode(world_size, kind, frames, rows, cols, base_dim):
     from xdit_lab.lab.measure import PeakTensorBytes
     from xdit_lab.plan import decode_peak_bytes, wan_decode_peak_bytes
-    from xdit_lab.tiny.parts import image_vae
+    from xdit_lab.tiny.vaes import image_vae
     from xdit_lab.vae import apply_parallel_vae
 
     generator = torch.Generator().manual_seed(0)

@@ -596,7 +596,8 @@ def _hunyuan_folders(root) -> dict:
     mask on the channels: 2 × 4 + 1)."""
     from diffusers import HunyuanVideoImageToVideoPipeline
 
-    from xdit_lab.tiny.parts import clip_image_processor, llava_encoder, llava_tokenizer
+    from xdit_lab.tiny.encoders import llava_encoder
+    from xdit_lab.tiny.tokenizers import clip_image_processor, llava_tokenizer
 
     text_to_video, tokenizer = tiny_pipeline("hunyuanvideo"), llava_tokenizer()
     parts = dict(text_to_video.components, tokenizer=tokenizer, text_encoder=llava_encoder(1, len(tokenizer)))
@@ -619,7 +620,7 @@ def _hunyuan_folders(root) -> dict:
 def _hunyuan_call(prompts: int, **changes):
     """One prompt with a negative one and true CFG (diffusers' pipeline encodes one black image for the negatives:
     one prompt at a time), or two prompts without."""
-    from xdit_lab.tiny.parts import hunyuan_i2v_prompt_template
+    from xdit_lab.tiny.tokenizers import hunyuan_i2v_prompt_template
 
     call = dict(tiny_pipeline_kwargs("hunyuanvideo"), num_inference_steps=3, image=_picture(64))
     call["prompt_template"] = hunyuan_i2v_prompt_template()

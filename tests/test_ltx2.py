@@ -238,7 +238,7 @@ def test_ltx2_stale_pipefusion_within_its_bound():
 
 def _real_layout_vae():
     """LTX-2's video VAE as published (4 × 4 pixels a latent's patch, residual upsamplings that halve the channels,
-    32x and 8x), its widths divided by 32: what the tiny one (parts.ltx2_vae) leaves out."""
+    32x and 8x), its widths divided by 32: what the tiny one (vaes.ltx2_vae) leaves out."""
     from diffusers import AutoencoderKLLTX2Video
 
     torch.manual_seed(0)
@@ -250,10 +250,10 @@ def _real_layout_vae():
 
 def _decode_in_bands(config, kind, shape):
     from xdit_lab.sharding import shard_range
-    from xdit_lab.tiny import parts
+    from xdit_lab.tiny import vaes
     from xdit_lab.vae import DECODED, apply_parallel_vae, band_group, ltx2_halo_bytes
 
-    vae = parts.ltx2_vae(0, 4) if kind == "tiny" else _real_layout_vae()
+    vae = vaes.ltx2_vae(0, 4) if kind == "tiny" else _real_layout_vae()
     z = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     mesh = RankMesh(config)
     group = band_group(mesh)

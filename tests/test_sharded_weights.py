@@ -225,15 +225,15 @@ IDS = torch.arange(2 * 7).reshape(2, 7) % (VOCAB - 2)
 
 
 def _encoder(kind):
-    from xdit_lab.tiny import parts as tiny_parts
+    from xdit_lab.tiny import encoders
 
     if kind in ("t5", "umt5"):
-        return tiny_parts.t5_encoder(0, VOCAB, umt5=kind == "umt5")
+        return encoders.t5_encoder(0, VOCAB, umt5=kind == "umt5")
     if kind.startswith("clip"):
-        return tiny_parts.clip_encoder(0, VOCAB, 32, projection=kind == "clip_projection")
-    return {"llama": tiny_parts.llama_encoder, "qwen_vl": tiny_parts.qwen_vl_encoder}.get(
-        kind, tiny_parts.mistral3_encoder
-    )(0, VOCAB)
+        return encoders.clip_encoder(0, VOCAB, 32, projection=kind == "clip_projection")
+    return {"llama": encoders.llama_encoder, "qwen_vl": encoders.qwen_vl_encoder}.get(kind, encoders.mistral3_encoder)(
+        0, VOCAB
+    )
 
 
 def _encode(encoder):

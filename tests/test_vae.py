@@ -12,7 +12,7 @@ import torch
 from xdit_lab import ParallelConfig, RankMesh, comm_log
 from xdit_lab.lessons.controls import band_statistics_in_activation_dtype
 from xdit_lab.testing import run_on_ranks
-from xdit_lab.tiny.parts import vae_blocks
+from xdit_lab.tiny.vaes import vae_blocks
 from xdit_lab.vae import apply_parallel_vae, halo_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,7 +78,7 @@ def test_bands_equal_the_whole_decode(config, rows, kind):
 
 
 def _unbanded_vae_bands():
-    from xdit_lab.tiny.parts import dc_vae
+    from xdit_lab.tiny.vaes import dc_vae
 
     return apply_parallel_vae(dc_vae(0, 4, 0.41407), RankMesh(ParallelConfig(ulysses=2)))
 
@@ -107,7 +107,7 @@ def test_the_planners_vae_scale_is_the_decodes(which):
     pixels per latent row and the frames per latent frame after the first (Wan 2.2 TI2V's 2 × 2 patches too, where
     its blocks alone give half)."""
     from xdit_lab.families.recipe import vae_scale
-    from xdit_lab.tiny.parts import qwen_vae, wan_vae
+    from xdit_lab.tiny.vaes import qwen_vae, wan_vae
 
     vae = {"wan": lambda: wan_vae(0, 4), "wan 2.2": _wan_2_2_vae, "qwen": lambda: qwen_vae(0, 4)}[which]()
     frames = 1 if which == "qwen" else 2  # Qwen-Image's pipelines decode one frame
@@ -133,11 +133,11 @@ def _widening_vae():
 def _causal_decode_in_bands(config, kind, frames, rows, cols=5):
     from xdit_lab.lessons.controls import cached_frames_without_halos
     from xdit_lab.sharding import shard_range
-    from xdit_lab.tiny import parts
+    from xdit_lab.tiny import vaes
     from xdit_lab.vae import DECODED, band_group
 
-    special = {"wan 2.2": _wan_2_2_vae, "video_vae": lambda: parts.video_vae(0), "hunyuan15 widening": _widening_vae}
-    vae = special.get(kind, lambda: getattr(parts, kind)(0, 4))()
+    special = {"wan 2.2": _wan_2_2_vae, "video_vae": lambda: vaes.video_vae(0), "hunyuan15 widening": _widening_vae}
+    vae = special.get(kind, lambda: getattr(vaes, kind)(0, 4))()
 
     videos = 1 if kind in ONE_VIDEO_A_DECODE else 2
     z = torch.randn(videos, 4, frames, rows, cols, generator=torch.Generator().manual_seed(1))
@@ -503,7 +503,7 @@ def test_peak_tensor_bytes_counts_what_lives_at_once():
 
 def _band_peak(rows):
     from xdit_lab.lab.measure import PeakTensorBytes
-    from xdit_lab.tiny.parts import image_vae
+    from xdit_lab.tiny.vaes import image_vae
 
     vae = image_vae(0, 4)
     z = torch.randn(1, 4, rows, rows, generator=torch.Generator().manual_seed(0))
@@ -679,10 +679,10 @@ def _wan_wide_vae():
 def _wan_peak_specimen(kind):
     """Wan's causal 3D VAEs the decode peak is measured on: the tiny Wan 2.1 and Qwen-Image ones (xdit_lab.tiny),
     the patchified Wan 2.2 one and the wide one."""
-    from xdit_lab.tiny import parts
+    from xdit_lab.tiny import vaes
 
     special = {"wan 2.2": _wan_2_2_vae, "wan wide": _wan_wide_vae}
-    return special[kind]() if kind in special else getattr(parts, kind)(0, 4)
+    return special[kind]() if kind in special else getattr(vaes, kind)(0, 4)
 
 
 def _wan_measured_and_planned_peaks(ranks, cases):
@@ -742,11 +742,11 @@ def _attention_heavy_vae(kind):
     beside few channels, so the decode's peak is the mid attention's frame-causal mask (S × S), as at 720p."""
     import diffusers
 
-    from xdit_lab.tiny import parts
+    from xdit_lab.tiny import vaes
 
     torch.manual_seed(0)
     if kind == "hunyuan attention":  # its temporal ratio must be 4 (or 8): three blocks, time upsampled twice
-        blocks = parts.vae_blocks("HunyuanVideoDownBlock3D", "HunyuanVideoUpBlock3D", (4, 4, 4), groups=2)
+        blocks = vaes.vae_blocks("HunyuanVideoDownBlock3D", "HunyuanVideoUpBlock3D", (4, 4, 4), groups=2)
         compression = dict(spatial_compression_ratio=2, temporal_compression_ratio=4)
         return diffusers.AutoencoderKLHunyuanVideo(latent_channels=4, scaling_factor=0.5, **blocks, **compression)
     compression = dict(spatial_compression_ratio=2, temporal_compression_ratio=1)
@@ -774,17 +774,17 @@ def _ltx2_peak_vae(kind):
 
 
 def _video_peak_specimen(kind):
-    from xdit_lab.tiny import parts
+    from xdit_lab.tiny import vaes
 
     special = {
-        "video_vae": lambda: parts.video_vae(0),
+        "video_vae": lambda: vaes.video_vae(0),
         "hunyuan15 widening": _widening_vae,
         "hunyuan attention": lambda: _attention_heavy_vae("hunyuan attention").eval(),
         "hunyuan15 attention": lambda: _attention_heavy_vae("hunyuan15 attention"),
         "ltx2 residual": lambda: _ltx2_peak_vae("ltx2 residual"),
         "ltx2 widening": lambda: _ltx2_peak_vae("ltx2 widening"),
     }
-    return special[kind]() if kind in special else getattr(parts, kind)(0, 4)
+    return special[kind]() if kind in special else getattr(vaes, kind)(0, 4)
 
 
 def _video_measured_and_planned_peaks(ranks, cases):

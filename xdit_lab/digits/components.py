@@ -64,9 +64,9 @@ def build_tokenizer():
 
 
 def build_text_encoder(seed: int):
-    """The tiny pipelines' T5 encoder (xdit_lab.tiny.parts), 32 wide over WORDS, frozen: the trainer
+    """The tiny pipelines' T5 encoder (xdit_lab.tiny.encoders), 32 wide over WORDS, frozen: the trainer
     trains the transformer and the VAE, never the text encoder."""
-    from ..tiny.parts import t5_encoder
+    from ..tiny.encoders import t5_encoder
 
     return t5_encoder(seed, len(WORDS), width=32).requires_grad_(False)
 

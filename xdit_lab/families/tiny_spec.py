@@ -24,8 +24,8 @@ INNER = "heads × head_dim"  # a transformer setting that takes the model's atte
 
 @dataclass(frozen=True)
 class Part:
-    """One component of a tiny pipeline: `builder` names a function of xdit_lab.tiny.parts (or a diffusers
-    scheduler class), called with the pipeline's seed + `seed` where the part has weights (None: a
+    """One component of a tiny pipeline: `builder` names a function of xdit_lab.tiny's tokenizers.py, encoders.py
+    or vaes.py (or a diffusers scheduler class), called with the pipeline's seed + `seed` where the part has weights (None: a
     tokenizer, a scheduler) and, for a text encoder, the vocabulary size of the tokenizer component
     `vocab_of`; `kwargs` as given. "transformer": the family's tiny transformer, `kwargs` overriding its
     settings."""
@@ -62,7 +62,7 @@ class TinySpec:
 
 def text_parts(kind: str, seed: int, component: str = "", **kwargs) -> dict[str, Part]:
     """A text encoder and its tokenizer, the encoder sized by its tokenizer's vocabulary: `kind` names
-    both builders of xdit_lab.tiny.parts (`t5`: t5_encoder and t5_tokenizer), `component` the suffix of
+    both builders of xdit_lab.tiny (`t5`: encoders.t5_encoder and tokenizers.t5_tokenizer), `component` the suffix of
     both components ("_2": text_encoder_2 and tokenizer_2), `kwargs` the encoder's."""
     tokenizer = f"tokenizer{component}"
     encoder = Part(f"{kind}_encoder", seed=seed, vocab_of=tokenizer, kwargs=kwargs)

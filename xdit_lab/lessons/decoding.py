@@ -89,7 +89,7 @@ def video_bands(frames: int, rows: int, sp: int, cols: int = 6) -> dict:
     from ..mesh import RankMesh
     from ..plan import wan_decode_peak_bytes
     from ..sharding import shard_range
-    from ..tiny.parts import wan_vae
+    from ..tiny.vaes import wan_vae
     from ..vae import apply_parallel_vae, causal_halo_bytes
 
     vae = wan_vae(0, 4)  # Wan 2.1's causal 3D VAE at its smallest: 8× rows, 4× frames

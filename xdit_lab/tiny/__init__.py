@@ -8,7 +8,7 @@ package builds it, the same way for every family:
                                          seeded (every rank builds the same weights); milliseconds a forward
     tiny_inputs(family, batch)           its forward's keyword arguments
     tiny_pipeline(family)                a whole stock diffusers pipeline around it: text encoders, local
-                                         tokenizers, VAE, scheduler (parts.py), each part seeded
+                                         tokenizers, VAE, scheduler (tokenizers.py, encoders.py, vaes.py), each part seeded
     save_tiny_pipeline(family, path)     that pipeline saved as an ordinary diffusers folder
     tiny_pipeline_kwargs(family)         call arguments that run it in well under a second on a CPU
     tiny_wan_2_1_image_to_video()        other layouts of a family's pipeline, built from its tiny parts
@@ -26,7 +26,14 @@ import torch
 from ..families import MODULES
 from ..families import family as family_module
 from ..families.tiny_spec import HEAD_DIM, HEADS, INNER, MAX_TOKENS, TEXT_DIM, Part
-from . import parts as part_builders
+from . import encoders, tokenizers, vaes
+
+
+def _builder(name: str):
+    """The tiny part builder a family's TINY names (families/tiny_spec.Part), from this package's three kinds of
+    part, or None (then a diffusers class: a scheduler)."""
+    return next((getattr(kind, name) for kind in (tokenizers, encoders, vaes) if hasattr(kind, name)), None)
+
 
 # family -> the diffusers pipeline its tiny parts make by default (families without a pipeline left out)
 PIPELINES = {name: module.TINY.pipeline_classes[0] for name, module in MODULES.items() if module.TINY.pipeline_classes}
@@ -87,7 +94,7 @@ def _build(part: Part, family: str, seed: int, built: dict):
 
     if part.builder == "transformer":
         return tiny_transformer(family, seed=seed, **part.kwargs)
-    builder = getattr(part_builders, part.builder, None) or getattr(diffusers, part.builder)
+    builder = _builder(part.builder) or getattr(diffusers, part.builder)
     args = [] if part.seed is None else [seed + part.seed]
     if part.vocab_of is not None:
         args.append(len(built[part.vocab_of]))
@@ -123,7 +130,7 @@ def tiny_wan_2_1_image_to_video(*, seed: int = 0):
 
     wan = tiny_pipeline("wan", seed=seed)
     parts = {name: part for name, part in wan.components.items() if name != "transformer_2"}
-    vision = part_builders.clip_vision_encoder(5)
+    vision = encoders.clip_vision_encoder(5)
     z, temporal = wan.vae.config.z_dim, wan.vae_scale_factor_temporal
     transformer = tiny_transformer(
         "wan", seed=seed, in_channels=2 * z + temporal, out_channels=z, image_dim=vision.config.hidden_size,
@@ -132,7 +139,7 @@ def tiny_wan_2_1_image_to_video(*, seed: int = 0):
     return WanImageToVideoPipeline(
         **(parts | {"transformer": transformer}),
         image_encoder=vision,
-        image_processor=part_builders.clip_image_processor(),
+        image_processor=tokenizers.clip_image_processor(),
     )
 
 
@@ -141,18 +148,18 @@ def tiny_qwen_image_edit(*, plus: bool = False, zero_cond_t: bool = False, seed:
     QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's, several images), whose transformer with `zero_cond_t`
     (Qwen-Image-Edit-2511's) modulates the reference images' tokens at t = 0. The tiny Qwen-Image parts, but a
     transformer of 3 heads (an uneven count: Ulysses 2 splits them 2 + 1), a Qwen2.5-VL that sees the image (its
-    vision tokens in the tokenizer, parts.qwen_vl_processor) and a VAE of 32x (the pipelines encode the reference
-    at 1024² pixels: parts.qwen_edit_vae)."""
+    vision tokens in the tokenizer, tokenizers.qwen_vl_processor) and a VAE of 32x (the pipelines encode the reference
+    at 1024² pixels: vaes.qwen_edit_vae)."""
     import diffusers
 
     qwen = tiny_pipeline("qwenimage", seed=seed)
-    processor = part_builders.qwen_vl_processor()
+    processor = tokenizers.qwen_vl_processor()
     transformer = tiny_transformer("qwenimage", seed=seed, heads=3, zero_cond_t=zero_cond_t)
     pipeline = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
     return pipeline(
         scheduler=qwen.scheduler,
-        vae=part_builders.qwen_edit_vae(seed + 2, qwen.vae.config.z_dim),
-        text_encoder=part_builders.qwen_vl_encoder(seed + 1, len(processor.tokenizer), vision=True),
+        vae=vaes.qwen_edit_vae(seed + 2, qwen.vae.config.z_dim),
+        text_encoder=encoders.qwen_vl_encoder(seed + 1, len(processor.tokenizer), vision=True),
         tokenizer=processor.tokenizer,
         processor=processor,
         transformer=transformer,
@@ -181,7 +188,4 @@ def tiny_pipeline_kwargs(family: str) -> dict:
     spec = _spec(family)
     if not spec.pipeline_classes:
         raise ValueError(f"{family} has no tiny pipeline; families with one: {', '.join(PIPELINES)}")
-    return {
-        key: getattr(part_builders, value.builder)() if isinstance(value, Part) else value
-        for key, value in spec.call.items()
-    }
+    return {key: _builder(value.builder)() if isinstance(value, Part) else value for key, value in spec.call.items()}

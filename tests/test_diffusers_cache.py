@@ -9,7 +9,9 @@ form; TaylorSeer and MagCache under cfg 2 with Wan's true CFG (two calls a step 
 PAB under cfg 2 with CogVideoX's CFG (one call, as ours), and refused with Wan's; ulysses x ring, FSDP2-sharded
 weights and a dp stand-in row. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=
 False)) under dp 2, whose ranks hold different prompts, misses. pipe.enable_cache / disable_cache, a cache enabled
-by hand (refused), unparallelize, the refusals (asked without loading a weight) and the CLI's spelling."""
+by hand (refused), unparallelize, the refusals (asked without loading a weight) and the CLI's spelling. SeaCache
+equals it on tiny Wan (WanPipeline hands its hooks the scheduler's sigma; FluxPipeline does not: refused there) under
+ulysses 2, ring 2, dp 2 and cfg 2; its control, the indicator from each dp rank's own sample, misses."""
 
 import dataclasses
 
@@ -56,7 +58,7 @@ def _methods(family):
     taylorseer = dict(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32)
     if family == "wan":
         taylorseer["cache_identifiers"] = [r"blocks\.\d+"]
-    return dict(
+    methods = dict(
         fbc=FirstBlockCacheConfig(threshold=THRESHOLDS[family]),
         taylorseer=TaylorSeerCacheConfig(**taylorseer),
         magcache=MagCacheConfig(threshold=0.5, num_inference_steps=STEPS, mag_ratios=[1.0] + [0.9] * (STEPS - 1)),
@@ -64,6 +66,9 @@ def _methods(family):
             spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(0, 1000)
         ),
     )
+    if family == "wan":  # WanPipeline hands its cache context the sigma SeaCache needs (FluxPipeline does not)
+        methods["seacache"] = SeaCacheConfig(threshold=SEA_THRESHOLD)
+    return methods
 
 
 # between the tiny models' measured changes (serially, flux: 0.469, 0.410, 0.500 skipped, 0.567 run, 0.483 skipped;
@@ -71,6 +76,9 @@ def _methods(family):
 # skipped, 0.405, 0.442 run), each at least 3.5% away from every change measured
 # (parallel runs differ from serial by about 1e-6 relative)
 THRESHOLDS = {"flux": 0.52, "wan": 0.17, "cogvideox": 0.38}
+# SeaCache's spectral distances on the tiny Wan, serially (steps 1-4; 0 and 5 always run): 0.945, 0.582 run, 0.446
+# skipped, then 0.446 + 0.259 run; with true CFG 0.948, 0.582, 0.447, 0.447 + 0.264: the same steps
+SEA_THRESHOLD = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +181,9 @@ def test_every_method_equals_diffusers_serial_under_ulysses_ring_dp(folders, fam
 
 def test_wan_true_cfg_under_cfg2_equals_diffusers_two_calls(folders):
     """Wan's diffusers pipeline runs cond and uncond as two calls, each with its own hook state; xdit_lab runs
-    [uncond; cond] as one call, split by cfg 2: TaylorSeer and MagCache (elementwise, schedule-only) equal it."""
-    methods = ["taylorseer", "magcache"]
+    [uncond; cond] as one call, split by cfg 2: TaylorSeer and MagCache (elementwise, schedule-only) equal it, and
+    SeaCache, whose two contexts in diffusers see the same latents and so decide alike."""
+    methods = ["taylorseer", "magcache", "seacache"]
     references = {m: _diffusers(folders["wan"], "wan", m, cfg=True) for m in methods}
     runs = [(config, m, {}) for config in (ParallelConfig(cfg=2), ParallelConfig(ulysses=2)) for m in methods]
     _check(run_on_ranks(_ours, 2, folders["wan"], "wan", runs, cfg=True, timeout_s=300), references)
@@ -238,6 +247,24 @@ def test_control_first_block_cache_decided_per_rank_misses(folders):
     assert (alone[0]["latents"] - reference).abs().max().item() > bound
 
 
+def test_control_sea_cache_indicator_per_rank_misses(folders):
+    """CONTROL, deliberately wrong: SeaCache's spectral indicator from each dp rank's own sample (Controls(
+    cache_agrees=False): as if its hook ran after the batch was split), where diffusers' hook on the transformer reads
+    the whole batch, on every rank alike (so the agreed run moves nothing for it). The threshold lies between the two
+    prompts' own distances at step 4 (measured 0.2536 and 0.2647; together 0.2592, which runs the blocks): the first
+    rank alone skips there, and the latents miss diffusers' serial result, which the agreed run equals."""
+    config, threshold = ParallelConfig(dp=2), 0.257
+    reference = _diffusers(folders["wan"], "wan", "seacache", threshold=threshold)
+    agreed = dict(threshold=threshold)
+    runs = [(config, "seacache", agreed), (config, "seacache", dict(agreed, controls=Controls(cache_agrees=False)))]
+    per_rank = run_on_ranks(_ours, 2, folders["wan"], "wan", runs, timeout_s=300)
+    _check([rows[:1] for rows in per_rank], {"seacache": reference}, measured=False)
+    alone = [rows[1] for rows in per_rank]
+    assert alone[0]["skips"] == [False] * 4 + [True, False] and not any(alone[1]["skips"]), alone
+    bound = 1e-4 * max(1.0, reference.abs().max().item())
+    assert (alone[0]["latents"] - reference).abs().max().item() > bound
+
+
 def test_dp_stand_in_rows_add_nothing_to_the_decision(folders):
     """Two prompts on dp 3: the third group computes a stand-in copy of the last row, then drops it; counted in
     First-Block Cache's sums it would weigh that prompt twice. The skipped steps and latents equal diffusers'.
@@ -290,7 +317,7 @@ def test_pipe_enable_cache_and_a_cache_enabled_by_hand(folders):
         assert row["left"] == [] and not row["enabled"], f"rank {rank}: unparallelize left {row['left']}"
 
 
-def test_refused_by_name_before_a_weight_is_read(tmp_path):
+def test_refused_by_name_before_a_weight_is_read(tmp_path, folders):
     flux = family("flux").ADAPTER
     ulysses = ParallelConfig(ulysses=2)
 
@@ -298,7 +325,22 @@ def test_refused_by_name_before_a_weight_is_read(tmp_path):
         return "; ".join(sentence for sentence, _ in option_problems(config, adapter, cache=cache, **options))
 
     assert "frequency domain over its tokens" in said(FasterCacheConfig())
-    assert "torch's default group" in said(SeaCacheConfig())
+    # SeaCache reads the scheduler's sigma from the cache context, which FluxPipeline does not open with one (its
+    # hooks run every block in diffusers' own run): refused there; on Wan refused under tp, with FSDP2-sharded
+    # weights (diffusers' hook runs every parameter-sharded block) and with WanImageToVideoPipeline (no sigma)
+    assert "without the scheduler's sigma" in said(SeaCacheConfig())
+    wan = family("wan").ADAPTER
+    assert said(SeaCacheConfig(), adapter=wan) == ""
+    assert "does not run under tp" in said(SeaCacheConfig(), ParallelConfig(tp=2), adapter=wan)
+    wan_folder = read_model_folder(resolve_folder(folders["wan"]))
+    for options, pipeline_class, refusal in (
+        (dict(shard_weights=True), "WanPipeline", "does not take shard_weights=True"),
+        (dict(pipeline_class="WanImageToVideoPipeline"), "WanImageToVideoPipeline", "does not run with WanImageTo"),
+    ):
+        problems = LoadOptions(cache=SeaCacheConfig(), **options).problems(
+            recipe_for(pipeline_class), wan_folder, ulysses
+        )
+        assert refusal in "; ".join(map(str, problems)), problems
     assert "NucleusMoE-Image" in said(TextKVCacheConfig())
     assert "does not run under PipeFusion" in said(FirstBlockCacheConfig(), ParallelConfig(pipefusion=2))
     assert "compile=True does not take diffusers' FirstBlockCacheConfig" in said(FirstBlockCacheConfig(), compile=True)

@@ -187,9 +187,19 @@ class DenoiseSession:
             state.cache.final = self.step_index == self.num_steps - 1
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
+        # the scheduler's sigma goes into the context where the family's diffusers pipeline puts it (SeaCache's)
+        sigma = (
+            inner.scheduler.sigmas[self.step_index]
+            if type(inner).__name__ in state.adapter.cache_sigma_pipelines
+            else None
+        )
         cache_step = (  # diffusers' hooks read their cache context, as diffusers' pipelines open it
             state.cache.step(
-                self.step_index, self.num_steps, t, self.prepared.do_cfg and not self.recipe.cfg_in_one_call
+                self.step_index,
+                self.num_steps,
+                t,
+                self.prepared.do_cfg and not self.recipe.cfg_in_one_call,
+                sigma=None if sigma is None else float(sigma),
             )
             if isinstance(state.cache, DiffusersCache)
             else contextlib.nullcontext()

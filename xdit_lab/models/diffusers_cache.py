@@ -1,16 +1,19 @@
 """diffusers' own cache hooks on a parallelized transformer, with one decision for every rank.
 
 `load_pipeline(folder, config, cache=FirstBlockCacheConfig(0.2))` (or TaylorSeerCacheConfig, MagCacheConfig,
-PyramidAttentionBroadcastConfig) runs `transformer.enable_cache(config)` after parallelize: diffusers' hooks wrap
-the blocks (or attention modules) whose forwards our parallel hooks already run, so what a hook caches is what its
-module returned on this rank: a sequence shard's tokens, a dp or cfg share of the batch, per shard by construction.
-What is ours is the decision, which every rank must take alike (a rank that skips never calls the collectives its
-peers wait in):
+PyramidAttentionBroadcastConfig, SeaCacheConfig) runs `transformer.enable_cache(config)` after parallelize: diffusers'
+hooks wrap the blocks (or attention modules) whose forwards our parallel hooks already run, so what a hook caches is
+what its module returned on this rank: a sequence shard's tokens, a dp or cfg share of the batch, per shard by
+construction. What is ours is the decision, which every rank must take alike (a rank that skips never calls the
+collectives its peers wait in):
 
     config                           decides from                      every rank alike because
     TaylorSeerCacheConfig            the step counted                  every rank counts the same calls
     MagCacheConfig                   precomputed ratios, the step      the same (calibrate=True is refused on several)
     PyramidAttentionBroadcastConfig  the timestep, the call counted    the session hands every rank the same timestep
+    SeaCacheConfig                   a spectral filter of the latents  its hook on the transformer reads the whole
+                                     (FFT over frames, height, width)  input, before our forward splits batch and
+                                     and the scheduler's sigma         sequence: nothing to agree, nothing moves
     FirstBlockCacheConfig            Σ|r - r_prev| / Σ|r_prev| of the  its two sums all-reduced over the world group
                                      first block's residual            (tag "cache"), as models/cache.py's StepCache
 
@@ -28,10 +31,16 @@ Each session step opens the hooks' cache context ("cond", the step index, the ti
 do) and records per step whether the cache skipped a computation (`skips`) and First-Block Cache's change
 (`changes`; `local_changes`: what this rank's share alone gave). A cache enabled on the transformer by hand
 (`transformer.enable_cache`) decides per rank: it is refused at parallelize and at the next forward.
-FasterCache, SeaCache and TextKVCache, PipeFusion, compile and MagCache's calibration on several ranks are
+SeaCache's distance is a mean over samples of the same latents in both of diffusers' calls, so one call over
+[uncond; cond] decides as each of them; its leader and block hooks cache each rank's residual, elementwise. Its
+hooks read the scheduler's sigma from the context, which the session passes where the family's diffusers pipeline
+does (adapter.cache_sigma_pipelines: WanPipeline); elsewhere diffusers' own run computes every block, and SeaCache
+is refused, as under tp and with FSDP2-sharded weights (diffusers' hook never skips parameter-sharded blocks; its
+all-reduce on torch's default group belongs to Cosmos 3's decoder stack, a family we do not run).
+FasterCache and TextKVCache, PipeFusion, compile and MagCache's calibration on several ranks are
 refused by name before a weight is read (accelerations.diffusers_cache_problems says why). The model's
-`Controls(cache_agrees=False)` makes each rank take First-Block Cache's decision from its own sums: a
-deliberately wrong control, which misses diffusers' result where the ranks' shares differ.
+`Controls(cache_agrees=False)` makes each rank take First-Block Cache's decision from its own sums, and SeaCache's
+from its own samples: deliberately wrong controls, which miss diffusers' result where the ranks' shares differ.
 """
 
 from __future__ import annotations
@@ -44,15 +53,16 @@ import weakref
 import torch
 
 from .. import comm
-from ..accelerations import BY_DATA, option_problems
-from ..config import ParallelConfigError
+from ..accelerations import BY_DATA, SEA_CACHE_WITHOUT_SIGMA, option_problems
+from ..config import CFG, DP, ParallelConfigError
 from ..mesh import WORLD
+from ..sharding import batch_rows
 from .cache import local_changes
 
 _OWNED = "_xdit_lab_cache_config"  # the configuration enable_cache was given here, on the transformer
 _CACHE_MODULES = {
     f"diffusers.hooks.{name}"
-    for name in ("first_block_cache", "taylorseer_cache", "mag_cache", "pyramid_attention_broadcast")
+    for name in ("first_block_cache", "taylorseer_cache", "mag_cache", "pyramid_attention_broadcast", "sea_cache")
 }
 
 
@@ -78,6 +88,10 @@ class DiffusersCache:
         ]
         self.reset()
         self._wrap_decisions()
+        if self.name == "SeaCacheConfig" and not state.controls.cache_agrees:
+            root = next(h for h in self.hooks if type(h).__name__ == "SeaCacheRootHook")
+            if root.raw_vision_callback is not None:
+                root.raw_vision_callback = self._own_samples(root.raw_vision_callback)
 
     @property
     def transformer(self):
@@ -102,9 +116,12 @@ class DiffusersCache:
         residuals are added between blocks by the model's own forward, around the hooks, as serially)."""
 
     @contextlib.contextmanager
-    def step(self, step_index: int, num_steps: int, t, branches_apart: bool):
+    def step(self, step_index: int, num_steps: int, t, branches_apart: bool, sigma: float | None = None):
         """One session step: the hooks' cache context open around it, then this step's decision recorded.
-        `branches_apart`: the step runs CFG, which diffusers' pipeline runs as one call per branch."""
+        `branches_apart`: the step runs CFG, which diffusers' pipeline runs as one call per branch. `sigma`: the
+        scheduler's, where the family's diffusers pipeline hands it to the context (SeaCache reads it), else None."""
+        if self.name == "SeaCacheConfig" and sigma is None:
+            raise ParallelConfigError(f"cache=SeaCacheConfig does not run in this session: {SEA_CACHE_WITHOUT_SIGMA}")
         if branches_apart and (self.name in BY_DATA or self.name == "PyramidAttentionBroadcastConfig"):
             raise ParallelConfigError(
                 f"cache={self.name} with true CFG: diffusers' pipeline runs the two branches as two calls, "
@@ -115,8 +132,12 @@ class DiffusersCache:
         self.timestep = t
         self._computed, self._change, change = [], None, None
         expected = self._pab_skips() if self.name == "PyramidAttentionBroadcastConfig" else None
-        with self.transformer.cache_context("cond", step_index=step_index, num_inference_steps=num_steps, timestep=t):
+        where = dict(step_index=step_index, num_inference_steps=num_steps, timestep=t)
+        with self.transformer.cache_context("cond", **where, **({} if sigma is None else dict(sigma=sigma))):
             yield
+            if self.name == "SeaCacheConfig":  # its leader's state counts the reuses in a row (0: the blocks ran)
+                leader = next(h for h in self.hooks if type(h).__name__ == "SeaCacheLeaderBlockHook")
+                self._computed.append(leader.state_manager.get_state().consecutive_cached == 0)
             if self.name == "MagCacheConfig":  # its head hook's decision, kept in the shared state
                 head = next(h for h in self.hooks if type(h).__name__ == "MagCacheHeadHook")
                 self._computed.append(head.state_manager.get_state().should_compute)
@@ -172,6 +193,20 @@ class DiffusersCache:
             return run
 
         return decide
+
+    def _own_samples(self, raw_vision):
+        """CONTROL (Controls(cache_agrees=False)): SeaCache's indicator from this rank's samples alone (its cfg
+        and dp rows), as if its hook ran after the batch was split: the ranks' distances, and so decisions, differ."""
+        mesh, config = self.state.mesh, self.state.mesh.config
+
+        def own(module, args, kwargs):
+            latents = raw_vision(module, args, kwargs)
+            if not latents:
+                return latents
+            start, stop, _ = batch_rows(len(latents), config.cfg, config.dp, mesh.group_rank(CFG), mesh.group_rank(DP))
+            return latents[start:stop]
+
+        return own
 
     def _pab_skips(self) -> bool:
         """Whether PAB reuses an attention output this step: diffusers' own predicate on each hook's state before

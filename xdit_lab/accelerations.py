@@ -161,17 +161,16 @@ def _named(cache) -> str:
 # hook on the transformer reads before the batch and the sequence are split: the same on every rank), or from the
 # data (First-Block Cache's relative change: its two sums all-reduced over the configuration's ranks); the rest are
 # refused under parallelism, each for its own reason.
-BY_SCHEDULE = ("TaylorSeerCacheConfig", "MagCacheConfig", "PyramidAttentionBroadcastConfig")
+BY_SCHEDULE = ("TaylorSeerCacheConfig", "MagCacheConfig", "PyramidAttentionBroadcastConfig", "FasterCacheConfig")
 BY_INPUT = ("SeaCacheConfig",)
 BY_DATA = ("FirstBlockCacheConfig",)
 DECIDED_ALIKE = (*BY_SCHEDULE, *BY_INPUT)  # every rank decides alike with no collective: nothing moves for it
 REFUSED = dict(
-    FasterCacheConfig="it filters each attention output in the frequency domain over its tokens (a 2-D FFT of "
-    "[tokens, channels]), of which a sequence shard holds a piece, and it cuts [uncond; cond] batches in half at the "
-    "transformer's input, which cfg and dp have split already",
     TextKVCacheConfig="it caches NucleusMoE-Image's text keys and values, a family xdit_lab does not run",
 )
 DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE, *BY_INPUT)
+# those whose hooks read the running step's timestep from a callback (models/diffusers_cache.py gives them one)
+TIMESTEP_READERS = ("PyramidAttentionBroadcastConfig", "FasterCacheConfig")
 DECIDES_IN_PYTHON = "whether a step, block or attention runs is decided in Python by its hooks; run the cache eagerly"
 
 
@@ -221,11 +220,20 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
             "MagCacheConfig(calibrate=True) measures its ratios from the residuals a rank holds, a shard or a share "
             "of the batch under a ParallelConfig; calibrate on one rank and pass the ratios it prints as mag_ratios"
         )
-    if name == "PyramidAttentionBroadcastConfig" and cache.current_timestep_callback is not None:
+    if name in TIMESTEP_READERS and cache.current_timestep_callback is not None:
         found.append(
-            "PyramidAttentionBroadcastConfig: leave current_timestep_callback None: xdit_lab gives its hooks the "
-            "timestep of the step its session runs (a callback reading a diffusers pipeline's current_timestep "
-            "would read a pipeline that never runs here)"
+            f"{name}: leave current_timestep_callback None: xdit_lab gives its hooks the timestep of the step its "
+            f"session runs (a callback reading a diffusers pipeline's current_timestep would read a pipeline that "
+            f"never runs here)"
+        )
+    if name == "FasterCacheConfig" and not cache.is_guidance_distilled and config.world_size > 1:
+        found.append(
+            "FasterCacheConfig(is_guidance_distilled=False) runs its CFG-Cache: its hook on the transformer cuts the "
+            "input batch, taken as [uncond; cond], in half at some steps, and its attention hooks keep the second half "
+            "of the rows they see as the conditional branch and skip where a call's rows are fewer than the first "
+            "call's; under cfg or dp a rank's rows are its share of the batch, not [uncond; cond], and under ulysses "
+            "or ring the halved calls are not measured; pass is_guidance_distilled=True (its attention cache alone, "
+            "decided from the schedule) or run it on one rank"
         )
     return found
 

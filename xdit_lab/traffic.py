@@ -76,8 +76,8 @@ def expected_bytes_per_step(
                   attention layers run (on PipeFusion's first stage). With two transformers
                   (`experts`: which one ran each step) each keeps its own state, so the
                   all-reduce runs from each one's second step on. diffusers' FirstBlockCacheConfig
-                  (`cache_method`) moves the same; its TaylorSeer, MagCache and PyramidAttentionBroadcast
-                  decide from the schedule and its SeaCache from the transformer's whole input, which every
+                  (`cache_method`) moves the same; its TaylorSeer, MagCache, PyramidAttentionBroadcast and
+                  FasterCache decide from the schedule and its SeaCache from the transformer's whole input, which every
                   rank holds (nothing moves for it), and at a step they skip no attention
                   layer runs (their hooks cover every block or attention layer of the families they run on).
                   StepCache(method="teacache") (`cache_method` "StepCache(teacache)") moves StepCache's all-reduce

@@ -9,7 +9,12 @@ form; TaylorSeer and MagCache under cfg 2 with Wan's true CFG (two calls a step 
 PAB under cfg 2 with CogVideoX's CFG (one call, as ours), and refused with Wan's; ulysses x ring, FSDP2-sharded
 weights and a dp stand-in row. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=
 False)) under dp 2, whose ranks hold different prompts, misses. pipe.enable_cache / disable_cache, a cache enabled
-by hand (refused), unparallelize, the refusals (asked without loading a weight) and the CLI's spelling."""
+by hand (refused), unparallelize, the refusals (asked without loading a weight) and the CLI's spelling. SeaCache
+equals it on tiny Wan (WanPipeline hands its hooks the scheduler's sigma; FluxPipeline does not: refused there) under
+ulysses 2, ring 2, dp 2 and cfg 2; its control, the indicator from each dp rank's own sample, misses. FasterCache's
+attention cache (is_guidance_distilled=True) equals it under ulysses 2, ring 2 and dp 2 on tiny Flux and Wan; its
+control, the CFG-Cache (refused on several ranks) with the refusal lifted, misses diffusers' CogVideoX under cfg 2
+and dp 2."""
 
 import dataclasses
 
@@ -56,14 +61,33 @@ def _methods(family):
     taylorseer = dict(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32)
     if family == "wan":
         taylorseer["cache_identifiers"] = [r"blocks\.\d+"]
-    return dict(
+    methods = dict(
         fbc=FirstBlockCacheConfig(threshold=THRESHOLDS[family]),
         taylorseer=TaylorSeerCacheConfig(**taylorseer),
         magcache=MagCacheConfig(threshold=0.5, num_inference_steps=STEPS, mag_ratios=[1.0] + [0.9] * (STEPS - 1)),
         pab=PyramidAttentionBroadcastConfig(
             spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(0, 1000)
         ),
+        # its attention cache alone (CFG-Cache, is_guidance_distilled=False, is refused on several ranks); from the
+        # second step (t < 950), every other call extrapolates each attention output from the last two computed
+        fastercache=FasterCacheConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 950),
+            is_guidance_distilled=True,
+        ),
     )
+    if family == "wan":  # WanPipeline hands its cache context the sigma SeaCache needs (FluxPipeline does not)
+        methods["seacache"] = SeaCacheConfig(threshold=SEA_THRESHOLD)
+    if family == "cogvideox":  # FasterCache's CFG-Cache too, on a pipeline that batches [uncond; cond] in one call
+        methods["cfgcache"] = FasterCacheConfig(
+            spatial_attention_block_skip_range=2,
+            spatial_attention_timestep_skip_range=(-1, 950),
+            spatial_attention_block_identifiers=["transformer_blocks"],
+            unconditional_batch_skip_range=2,
+            unconditional_batch_timestep_skip_range=(-1, 950),
+            tensor_format="BFCHW",
+        )
+    return methods
 
 
 # between the tiny models' measured changes (serially, flux: 0.469, 0.410, 0.500 skipped, 0.567 run, 0.483 skipped;
@@ -71,6 +95,9 @@ def _methods(family):
 # skipped, 0.405, 0.442 run), each at least 3.5% away from every change measured
 # (parallel runs differ from serial by about 1e-6 relative)
 THRESHOLDS = {"flux": 0.52, "wan": 0.17, "cogvideox": 0.38}
+# SeaCache's spectral distances on the tiny Wan, serially (steps 1-4; 0 and 5 always run): 0.945, 0.582 run, 0.446
+# skipped, then 0.446 + 0.259 run; with true CFG 0.948, 0.582, 0.447, 0.447 + 0.264: the same steps
+SEA_THRESHOLD = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +131,7 @@ def _diffusers(folder, family, method, cfg=False, prompts=PROMPTS, threshold=Non
     config = _methods(family)[method]
     if threshold is not None:
         config = dataclasses.replace(config, threshold=threshold)
-    if method == "pab":
+    if method in ("pab", "fastercache", "cfgcache"):
         config = dataclasses.replace(config, current_timestep_callback=lambda: pipe.current_timestep)
     pipe.transformer.enable_cache(config)
     output = pipe(
@@ -173,8 +200,9 @@ def test_every_method_equals_diffusers_serial_under_ulysses_ring_dp(folders, fam
 
 def test_wan_true_cfg_under_cfg2_equals_diffusers_two_calls(folders):
     """Wan's diffusers pipeline runs cond and uncond as two calls, each with its own hook state; xdit_lab runs
-    [uncond; cond] as one call, split by cfg 2: TaylorSeer and MagCache (elementwise, schedule-only) equal it."""
-    methods = ["taylorseer", "magcache"]
+    [uncond; cond] as one call, split by cfg 2: TaylorSeer and MagCache (elementwise, schedule-only) equal it, and
+    SeaCache, whose two contexts in diffusers see the same latents and so decide alike."""
+    methods = ["taylorseer", "magcache", "seacache"]
     references = {m: _diffusers(folders["wan"], "wan", m, cfg=True) for m in methods}
     runs = [(config, m, {}) for config in (ParallelConfig(cfg=2), ParallelConfig(ulysses=2)) for m in methods]
     _check(run_on_ranks(_ours, 2, folders["wan"], "wan", runs, cfg=True, timeout_s=300), references)
@@ -213,10 +241,11 @@ def _with_true_cfg(folder, method):
         pipe.close()
 
 
-@pytest.mark.parametrize("method", ["fbc", "pab"])
+@pytest.mark.parametrize("method", ["fbc", "pab", "fastercache"])
 def test_wan_true_cfg_refuses_what_decides_per_branch(folders, method):
-    """First-Block Cache decides from each branch's residual and PAB advances per call in diffusers' two calls a
-    step; one call over [uncond; cond] would decide otherwise: refused by name at the first step, on every rank."""
+    """First-Block Cache decides from each branch's residual and PAB and FasterCache advance per call in diffusers'
+    two calls a step; one call over [uncond; cond] would decide otherwise: refused by name at the first step, on
+    every rank."""
     for said in run_on_ranks(_with_true_cfg, 2, folders["wan"], method, timeout_s=300):
         assert said and "with true CFG: diffusers' pipeline runs the two branches as two calls" in said, said
 
@@ -236,6 +265,50 @@ def test_control_first_block_cache_decided_per_rank_misses(folders):
     assert alone[0]["skips"] != alone[1]["skips"], [row["local_changes"] for row in alone]
     bound = 1e-4 * max(1.0, reference.abs().max().item())
     assert (alone[0]["latents"] - reference).abs().max().item() > bound
+
+
+def test_control_sea_cache_indicator_per_rank_misses(folders):
+    """CONTROL, deliberately wrong: SeaCache's spectral indicator from each dp rank's own sample (Controls(
+    cache_agrees=False): as if its hook ran after the batch was split), where diffusers' hook on the transformer reads
+    the whole batch, on every rank alike (so the agreed run moves nothing for it). The threshold lies between the two
+    prompts' own distances at step 4 (measured 0.2536 and 0.2647; together 0.2592, which runs the blocks): the first
+    rank alone skips there, and the latents miss diffusers' serial result, which the agreed run equals."""
+    config, threshold = ParallelConfig(dp=2), 0.257
+    reference = _diffusers(folders["wan"], "wan", "seacache", threshold=threshold)
+    agreed = dict(threshold=threshold)
+    runs = [(config, "seacache", agreed), (config, "seacache", dict(agreed, controls=Controls(cache_agrees=False)))]
+    per_rank = run_on_ranks(_ours, 2, folders["wan"], "wan", runs, timeout_s=300)
+    _check([rows[:1] for rows in per_rank], {"seacache": reference}, measured=False)
+    alone = [rows[1] for rows in per_rank]
+    assert alone[0]["skips"] == [False] * 4 + [True, False] and not any(alone[1]["skips"]), alone
+    bound = 1e-4 * max(1.0, reference.abs().max().item())
+    assert (alone[0]["latents"] - reference).abs().max().item() > bound
+
+
+def _with_refusal_lifted(folder, configs):
+    """On every rank: CogVideoX with FasterCache's CFG-Cache under each configuration, its refusal lifted (this
+    rank's process only): the latents, or the error raised."""
+    import xdit_lab.load_options
+    import xdit_lab.models.diffusers_cache
+    import xdit_lab.models.parallel
+
+    for module in (xdit_lab.load_options, xdit_lab.models.diffusers_cache, xdit_lab.models.parallel):
+        module.option_problems = lambda *args, **kwargs: []
+    return [row["latents"] for row in _ours(folder, "cogvideox", [(config, "cfgcache", {}) for config in configs])]
+
+
+def test_control_faster_cache_cfg_cache_on_cfg_and_dp_shares_misses(folders):
+    """CONTROL, deliberately wrong: FasterCache's CFG-Cache (is_guidance_distilled=False) with its refusal lifted.
+    Its hook on the transformer halves the whole [uncond; cond] batch, but its attention hooks see a cfg or dp
+    rank's share and take the second half of those rows as the conditional branch: under cfg 2 and dp 2 the latents
+    miss diffusers' serial CogVideoX (one call a step, as ours). (Under ulysses 2, measured once by hand, they equal
+    it, but the halved calls move half the bytes the closed form counts: refused there too.)"""
+    reference = _diffusers(folders["cogvideox"], "cogvideox", "cfgcache")
+    configs = [ParallelConfig(cfg=2), ParallelConfig(dp=2)]
+    bound = 1e-4 * max(1.0, reference.abs().max().item())
+    for rank, rows in enumerate(run_on_ranks(_with_refusal_lifted, 2, folders["cogvideox"], configs, timeout_s=300)):
+        for config, latents in zip(configs, rows):
+            assert (latents - reference).abs().max().item() > bound, f"{config.short()} rank {rank}"
 
 
 def test_dp_stand_in_rows_add_nothing_to_the_decision(folders):
@@ -290,15 +363,35 @@ def test_pipe_enable_cache_and_a_cache_enabled_by_hand(folders):
         assert row["left"] == [] and not row["enabled"], f"rank {rank}: unparallelize left {row['left']}"
 
 
-def test_refused_by_name_before_a_weight_is_read(tmp_path):
+def test_refused_by_name_before_a_weight_is_read(tmp_path, folders):
     flux = family("flux").ADAPTER
     ulysses = ParallelConfig(ulysses=2)
 
     def said(cache, config=ulysses, adapter=flux, **options):
         return "; ".join(sentence for sentence, _ in option_problems(config, adapter, cache=cache, **options))
 
-    assert "frequency domain over its tokens" in said(FasterCacheConfig())
-    assert "torch's default group" in said(SeaCacheConfig())
+    # FasterCache's CFG-Cache takes the rows its hooks see as [uncond; cond]: refused on several ranks
+    assert "runs its CFG-Cache" in said(FasterCacheConfig())
+    assert said(FasterCacheConfig(), ParallelConfig()) == ""
+    assert "leave current_timestep_callback None" in said(
+        FasterCacheConfig(is_guidance_distilled=True, current_timestep_callback=lambda: 0)
+    )
+    # SeaCache reads the scheduler's sigma from the cache context, which FluxPipeline does not open with one (its
+    # hooks run every block in diffusers' own run): refused there; on Wan refused under tp, with FSDP2-sharded
+    # weights (diffusers' hook runs every parameter-sharded block) and with WanImageToVideoPipeline (no sigma)
+    assert "without the scheduler's sigma" in said(SeaCacheConfig())
+    wan = family("wan").ADAPTER
+    assert said(SeaCacheConfig(), adapter=wan) == ""
+    assert "does not run under tp" in said(SeaCacheConfig(), ParallelConfig(tp=2), adapter=wan)
+    wan_folder = read_model_folder(resolve_folder(folders["wan"]))
+    for options, pipeline_class, refusal in (
+        (dict(shard_weights=True), "WanPipeline", "does not take shard_weights=True"),
+        (dict(pipeline_class="WanImageToVideoPipeline"), "WanImageToVideoPipeline", "does not run with WanImageTo"),
+    ):
+        problems = LoadOptions(cache=SeaCacheConfig(), **options).problems(
+            recipe_for(pipeline_class), wan_folder, ulysses
+        )
+        assert refusal in "; ".join(map(str, problems)), problems
     assert "NucleusMoE-Image" in said(TextKVCacheConfig())
     assert "does not run under PipeFusion" in said(FirstBlockCacheConfig(), ParallelConfig(pipefusion=2))
     assert "compile=True does not take diffusers' FirstBlockCacheConfig" in said(FirstBlockCacheConfig(), compile=True)
@@ -356,6 +449,8 @@ def test_the_cli_spelling():
 
     assert _cache("fbc:threshold=0.2") == FirstBlockCacheConfig(threshold=0.2)
     assert _cache("taylorseer:cache_interval=4") == TaylorSeerCacheConfig(cache_interval=4)
+    assert _cache("seacache:threshold=0.5") == SeaCacheConfig(threshold=0.5)
+    assert _cache("fastercache:is_guidance_distilled=true") == FasterCacheConfig(is_guidance_distilled=True)
     taylorseer = _cache("taylorseer:taylor_factors_dtype=float32")
     assert taylorseer.taylor_factors_dtype is torch.float32
     mag = _cache("magcache:mag_ratios=[1.0,0.9,0.8],num_inference_steps=3")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PIPEFUSION, ParallelConfigError
+from .config import PIPEFUSION, TP, ParallelConfigError
 
 METHODS = ("first_block", "teacache")
 
@@ -157,20 +157,20 @@ def _named(cache) -> str:
 
 # diffusers' cache configurations (diffusers.hooks), by how every rank comes to the same decision
 # (models/diffusers_cache.py runs them): from the schedule alone (the step counted, the timestep, MagCache's
-# precomputed ratios), or from the data (First-Block Cache's relative change: its two sums all-reduced over the
-# configuration's ranks); the rest are refused under parallelism, each for its own reason.
-BY_SCHEDULE = ("TaylorSeerCacheConfig", "MagCacheConfig", "PyramidAttentionBroadcastConfig")
+# precomputed ratios), from the transformer's whole input (SeaCache's spectral indicator of the latents, which its
+# hook on the transformer reads before the batch and the sequence are split: the same on every rank), or from the
+# data (First-Block Cache's relative change: its two sums all-reduced over the configuration's ranks); the rest are
+# refused under parallelism, each for its own reason.
+BY_SCHEDULE = ("TaylorSeerCacheConfig", "MagCacheConfig", "PyramidAttentionBroadcastConfig", "FasterCacheConfig")
+BY_INPUT = ("SeaCacheConfig",)
 BY_DATA = ("FirstBlockCacheConfig",)
+DECIDED_ALIKE = (*BY_SCHEDULE, *BY_INPUT)  # every rank decides alike with no collective: nothing moves for it
 REFUSED = dict(
-    FasterCacheConfig="it filters each attention output in the frequency domain over its tokens (a 2-D FFT of "
-    "[tokens, channels]), of which a sequence shard holds a piece, and it cuts [uncond; cond] batches in half at the "
-    "transformer's input, which cfg and dp have split already",
-    SeaCacheConfig="its spectral filter runs over the tokens of a sequence shard rather than the whole sequence, and "
-    "its ranks vote with an all-reduce of their own on torch's default group, outside the configuration's groups and "
-    "their records",
     TextKVCacheConfig="it caches NucleusMoE-Image's text keys and values, a family xdit_lab does not run",
 )
-DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE)
+DIFFUSERS_CACHES = (*BY_DATA, *BY_SCHEDULE, *BY_INPUT)
+# those whose hooks read the running step's timestep from a callback (models/diffusers_cache.py gives them one)
+TIMESTEP_READERS = ("PyramidAttentionBroadcastConfig", "FasterCacheConfig")
 DECIDES_IN_PYTHON = "whether a step, block or attention runs is decided in Python by its hooks; run the cache eagerly"
 
 
@@ -205,23 +205,62 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
         )
     elif name in adapter.diffusers_cache_refused:  # diffusers' own serial run raises: nothing to equal
         found.append(f"cache={name} does not run on {adapter.family}: {adapter.diffusers_cache_refused[name]}")
+    elif name == "SeaCacheConfig" and not adapter.cache_sigma_pipelines:
+        found.append(f"cache=SeaCacheConfig does not run on {adapter.family}: {SEA_CACHE_WITHOUT_SIGMA}")
     if getattr(config, PIPEFUSION) > 1:
         found.append(
             f"cache={name} does not run under PipeFusion: its hooks expect every block on one rank and one pass per "
             f"step, while a stage holds some blocks and runs them once per patch; use ulysses, ring, cfg or dp, or "
             f"xdit_lab.StepCache(threshold), which PipeFusion takes"
         )
+    if name == "SeaCacheConfig" and getattr(config, TP) > 1:
+        found.append(f"cache=SeaCacheConfig does not run under tp: {SEA_CACHE_SPLIT_WEIGHTS}")
     if name == "MagCacheConfig" and cache.calibrate and config.world_size > 1:
         found.append(
             "MagCacheConfig(calibrate=True) measures its ratios from the residuals a rank holds, a shard or a share "
             "of the batch under a ParallelConfig; calibrate on one rank and pass the ratios it prints as mag_ratios"
         )
-    if name == "PyramidAttentionBroadcastConfig" and cache.current_timestep_callback is not None:
+    if name in TIMESTEP_READERS and cache.current_timestep_callback is not None:
         found.append(
-            "PyramidAttentionBroadcastConfig: leave current_timestep_callback None: xdit_lab gives its hooks the "
-            "timestep of the step its session runs (a callback reading a diffusers pipeline's current_timestep "
-            "would read a pipeline that never runs here)"
+            f"{name}: leave current_timestep_callback None: xdit_lab gives its hooks the timestep of the step its "
+            f"session runs (a callback reading a diffusers pipeline's current_timestep would read a pipeline that "
+            f"never runs here)"
         )
+    if name == "FasterCacheConfig" and not cache.is_guidance_distilled and config.world_size > 1:
+        found.append(
+            "FasterCacheConfig(is_guidance_distilled=False) runs its CFG-Cache: its hook on the transformer cuts the "
+            "input batch, taken as [uncond; cond], in half at some steps, and its attention hooks keep the second half "
+            "of the rows they see as the conditional branch and skip where a call's rows are fewer than the first "
+            "call's; under cfg or dp a rank's rows are its share of the batch, not [uncond; cond], and under ulysses "
+            "or ring the halved calls are not measured; pass is_guidance_distilled=True (its attention cache alone, "
+            "decided from the schedule) or run it on one rank"
+        )
+    return found
+
+
+SEA_CACHE_WITHOUT_SIGMA = (
+    "its diffusers pipeline opens each call's cache context without the scheduler's sigma, which SeaCache's "
+    "spectral filter needs, so diffusers' own run computes every block (fail-open) and there is no cache to equal; "
+    "use TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig"
+)
+SEA_CACHE_SPLIT_WEIGHTS = (
+    "diffusers' SeaCache hook runs every block of a transformer whose block weights are DTensors or FSDP-managed "
+    "(it will not skip parameter-sharded blocks), while its serial run skips; run SeaCache on ulysses, ring, cfg "
+    "and dp with whole weights"
+)
+
+
+def sea_cache_load_problems(cache, adapter, pipeline_class: str, sharded: bool) -> list[str]:
+    """Why SeaCache cannot equal diffusers' run of `pipeline_class` as loaded (LoadOptions.problems asks before a
+    weight is read): a pipeline of a family that passes sigma which does not (Wan's image to video), weights
+    sharded with FSDP2 (shard_weights=True)."""
+    if type(cache).__name__ != "SeaCacheConfig" or not adapter.cache_sigma_pipelines:
+        return []  # not SeaCache, or refused for the whole family by diffusers_cache_problems
+    found = []
+    if pipeline_class not in adapter.cache_sigma_pipelines:
+        found.append(f"cache=SeaCacheConfig does not run with {pipeline_class}: {SEA_CACHE_WITHOUT_SIGMA}")
+    if sharded:
+        found.append(f"cache=SeaCacheConfig does not take shard_weights=True: {SEA_CACHE_SPLIT_WEIGHTS}")
     return found
 
 

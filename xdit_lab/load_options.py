@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .accelerations import StepCache, option_problems
+from .accelerations import StepCache, option_problems, sea_cache_load_problems
 from .config import ParallelConfig, ParallelConfigError
 from .families import RECIPES, recipe_for
 from .families.refusals import load_refusals, refusal_message
@@ -114,6 +114,8 @@ class LoadOptions:
         )  # what else is said of
         found += wrong_class
         found += self._refused(recipe, pipeline_class, folder, config)
+        sea = sea_cache_load_problems(self.cache, folder.adapter, pipeline_class, self.sharding(config))
+        found += [Refusal(sentence, ParallelConfigError) for sentence in sea]
         found += self._on_host_problems(folder)
         found += self._offload_problems(config)
         found += self._quantization_problems(folder, config)

@@ -139,8 +139,9 @@ def load_pipeline(
     host's ranks). `cache=StepCache(threshold)` skips the blocks after the first at steps where the
     first block barely changed, decided by all ranks together (results carry `cache_skips`); one of
     diffusers' cache configurations (FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig,
-    PyramidAttentionBroadcastConfig) runs diffusers' own hooks with one decision for every rank
-    (models/diffusers_cache.py; `pipe.enable_cache(config)` / `pipe.disable_cache()` after loading).
+    PyramidAttentionBroadcastConfig, SeaCacheConfig, FasterCacheConfig) runs diffusers' own hooks with one
+    decision for every rank (models/diffusers_cache.py; `pipe.enable_cache(config)` / `pipe.disable_cache()`
+    after loading).
     `compile=True` compiles the transformer whole (see `parallelize`); the first step pays for it.
 
     `shard_weights=True` shards the transformer's weights over the ranks that hold the same ones (the
@@ -485,8 +486,9 @@ class ParallelPipeline:
 
     def enable_cache(self, config) -> None:
         """diffusers' cache configuration `config` (FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig,
-        PyramidAttentionBroadcastConfig) on this pipeline's transformers, as load_pipeline's cache= runs it:
-        diffusers' hooks with one decision for every rank (models/diffusers_cache.py). Call it on every rank."""
+        PyramidAttentionBroadcastConfig, SeaCacheConfig, FasterCacheConfig) on this pipeline's transformers, as
+        load_pipeline's cache= runs it: diffusers' hooks with one decision for every rank (models/diffusers_cache.py).
+        Call it on every rank."""
         if not is_diffusers_cache(config):
             raise TypeError(
                 f"pipe.enable_cache takes one of diffusers' cache configurations, not {type(config).__name__}; a "

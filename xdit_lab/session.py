@@ -187,13 +187,14 @@ class DenoiseSession:
             state.cache.final = self.step_index == self.num_steps - 1
         timeline = comm.comm_timeline() if self.record_timeline else contextlib.nullcontext()
         self.prepared.step_index = self.step_index
-        cache_step = (  # diffusers' hooks read their cache context, as diffusers' pipelines open it
-            state.cache.step(
-                self.step_index, self.num_steps, t, self.prepared.do_cfg and not self.recipe.cfg_in_one_call
-            )
-            if isinstance(state.cache, DiffusersCache)
-            else contextlib.nullcontext()
-        )
+        cache_step = contextlib.nullcontext()
+        if isinstance(state.cache, DiffusersCache):  # diffusers' hooks read their cache context, opened as diffusers'
+            # pipeline opens it: the scheduler's sigma goes in where the family's pipeline puts it (SeaCache reads it)
+            sigma = None
+            if type(inner).__name__ in state.adapter.cache_sigma_pipelines:
+                sigma = float(inner.scheduler.sigmas[self.step_index])
+            cfg_apart = self.prepared.do_cfg and not self.recipe.cfg_in_one_call
+            cache_step = state.cache.step(self.step_index, self.num_steps, t, cfg_apart, sigma=sigma)
         with torch.no_grad(), self.timings.measure("step"), comm.comm_log() as log, timeline as spans, cache_step:
             state.strategy.run_step(self._context(), t)
         self.comm_per_step.append(log.bytes_by_group())

@@ -8,7 +8,7 @@ test can put the formula beside what comm_log() measured, rank by rank and step 
 
 from __future__ import annotations
 
-from .accelerations import BY_SCHEDULE
+from .accelerations import DECIDED_ALIKE
 from .config import SCALE_BYTES, ParallelConfig
 from .mesh import CFG, DP, PIPEFUSION, RING, SP, TP, ULYSSES, WORLD
 from .sharding import patch_layout, shard_sizes
@@ -76,8 +76,9 @@ def expected_bytes_per_step(
                   attention layers run (on PipeFusion's first stage). With two transformers
                   (`experts`: which one ran each step) each keeps its own state, so the
                   all-reduce runs from each one's second step on. diffusers' FirstBlockCacheConfig
-                  (`cache_method`) moves the same; its TaylorSeer, MagCache and PyramidAttentionBroadcast
-                  decide from the schedule (nothing moves for it), and at a step they skip no attention
+                  (`cache_method`) moves the same; its TaylorSeer, MagCache, PyramidAttentionBroadcast and
+                  FasterCache decide from the schedule and its SeaCache from the transformer's whole input, which every
+                  rank holds (nothing moves for it), and at a step they skip no attention
                   layer runs (their hooks cover every block or attention layer of the families they run on).
                   StepCache(method="teacache") (`cache_method` "StepCache(teacache)") moves StepCache's all-reduce
                   and at a step it skips no attention layer runs
@@ -130,7 +131,7 @@ def expected_bytes_per_step(
         forwards = [shard_sizes(sharded, sp)]
         kv_sizes = forwards[0]
     skipped = bool(cache_skips and cache_skips[step])
-    by_schedule = cache_method in BY_SCHEDULE  # a skipped step runs no attention layer, and nothing is agreed
+    by_schedule = cache_method in DECIDED_ALIKE  # a skipped step runs no attention layer, and nothing is agreed
     every_block = by_schedule or cache_method == "StepCache(teacache)"  # ... or it is agreed, and none runs
     # a ControlNet's layers run beside the transformer's, at a step a StepCache skips too (its residuals are fresh)
     self_layers = s["first_block_self_layers"] if skipped else s["self_layers"]

@@ -500,6 +500,9 @@ class FamilyAdapter:
     teacache: bool = False
     # diffusers' cache configurations (by class name) whose hooks raise in diffusers' own serial run, and why
     diffusers_cache_refused: dict = field(default_factory=dict)
+    # the family's diffusers pipelines (by class name) that open each call's cache context with the scheduler's
+    # sigma, which diffusers' SeaCache reads (without it its hooks run every block): WanPipeline's
+    cache_sigma_pipelines: tuple = ()
     # why PipeFusion is not offered, or None: it is offered
     pipefusion_refused: str | None = None
     # tensor parallelism (models/tensor_parallel.py): the plan as diffusers writes a `_tp_plan` (module-name globs ->

@@ -55,6 +55,7 @@ ADAPTER = FamilyAdapter(
     },
     tp_gathered=("condition_embedder.time_proj",),
     tp_head_norms=(r"blocks\.\d+\.attn[12]\.norm_[qk]",),
+    cache_sigma_pipelines=("WanPipeline",),  # its image to video opens the context without sigma
 )
 
 

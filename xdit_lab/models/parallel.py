@@ -61,8 +61,8 @@ def parallelize(
     `cache` skips the blocks after the first at steps where the first one barely changed
     (cache.py); one transformer call is one step, and `parallel_state(t).reset()` starts over.
     A diffusers cache configuration (FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig,
-    PyramidAttentionBroadcastConfig) runs diffusers' own hooks with one decision for every rank
-    (diffusers_cache.py); a session step opens their cache context. One enabled by hand
+    PyramidAttentionBroadcastConfig, SeaCacheConfig, FasterCacheConfig) runs diffusers' own hooks with one
+    decision for every rank (diffusers_cache.py); a session step opens their cache context. One enabled by hand
     (transformer.enable_cache) is refused here and at the next forward.
     `compile=True` compiles the parallel forward with torch.compile, whole: one graph, in which each
     attention's parallel kernel and each gather is one operator that runs (and is recorded) as in

@@ -120,7 +120,8 @@ class Controls:
     rebases_block_residuals False: a ControlNet's residuals reach a stage's blocks as the whole model
                             indexes them: the mistake rebasing prevents
     cache_agrees            False: a StepCache's ranks each decide from their own tokens' sums, not the
-                            whole batch's (they diverge, and a collective times out): models/cache.py
+                            whole batch's (they diverge, and a collective times out): models/cache.py; diffusers'
+                            SeaCache's each from their own samples (models/diffusers_cache.py)
     cache_keeps_block_residuals  True: a StepCache caches a ControlNet's residuals added between its blocks with what
                             the blocks added, so a skipped step adds the full step's as well as its own: the
                             mistake taking them out prevents (models/cache.py)

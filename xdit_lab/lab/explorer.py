@@ -22,12 +22,12 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..config import DEGREES, SCHEDULES, ParallelConfig
+from ..config import GRID, SCHEDULES, ParallelConfig
 from .errors import LabError
 from .planning import ModelShape, explain, plan, valid_configs
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes in ipyparallel's remote tracebacks
-PICKERS = (*DEGREES, "num_patches", "warmup_steps", "pipefusion_schedule")  # the ParallelConfig knobs offered
+PICKERS = (*GRID, "num_patches", "warmup_steps", "pipefusion_schedule")  # the ParallelConfig knobs offered
 
 
 # ---- on the engines ---------------------------------------------------------------------------------
@@ -39,6 +39,10 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
     families.recipe.TrueCFGRecipe, has two only with a negative prompt)."""
     import json
 
+    import diffusers
+
+    from ..config import ParallelConfigError
+    from ..families.tp_plan import model_plan
     from ..models import parallel_state
 
     pipe = state.get("pipe")
@@ -51,6 +55,11 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
     adapter = parallel_state(inner.transformer).adapter
+    tp_refused = None
+    try:  # tp where the family has a plan (diffusers' _tp_plan or the adapter's), as load_pipeline asks it
+        model_plan(getattr(diffusers, config["_class_name"]), adapter)
+    except ParallelConfigError as error:
+        tp_refused = str(error)
     heads, head_dim = adapter.attention_shape(config)  # as the family's config spells them (Z-Image: n_heads, dim)
     return dict(
         family=adapter.family,
@@ -63,6 +72,7 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
         # stands in, so that no token budget (max_sequence_length) can refuse it
         use_cfg=pipe.recipe.do_cfg(pipe.request("", **session_kwargs)),
         cfg_needs=pipe.recipe.cfg_needs,
+        tp_refused=tp_refused,
         num_inference_steps=defaults["num_inference_steps"],
     )
 
@@ -167,6 +177,10 @@ class ExplorerController:
         self.session, self.session_seed = None, None
         answer = lab.call(model_shape, self.session_kwargs, ranks=[0], what="explorer.model_shape")[0]
         recipe_steps = answer.pop("num_inference_steps")
+        options = lab.loaded.options  # what tp is not composed with yet is refused with the load's own options
+        answer["load_options"] = dict(
+            shard_weights=bool(options.shard_weights), compile=options.compile, quantization=options.quantization
+        )
         self.steps, self.shape = steps or default_steps or recipe_steps, ModelShape(**answer)
 
     # ---- what is valid ----------------------------------------------------------------------------
@@ -185,7 +199,7 @@ class ExplorerController:
         """The values each picker offers: those some valid configuration uses (num_patches: None
         is one per stage; warmup: 0 up to the steps, at most 4; PipeFusion's two schedules)."""
         options = self.options()
-        found = {name: sorted({getattr(c, name) for c in options}) for name in DEGREES}
+        found = {name: sorted({getattr(c, name) for c in options}) for name in GRID}
         found["num_patches"] = [None, *range(1, self.shape.rows + 1)]
         found["warmup_steps"] = list(range(0, min(self.steps, 4) + 1))
         found["pipefusion_schedule"] = list(SCHEDULES)

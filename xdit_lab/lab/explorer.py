@@ -9,7 +9,8 @@ returning a `Frame`: a status line, the figures to show, or the error text), so 
 without a browser. `Explorer` (explorer_widgets.py) only lays ipywidgets over it.
 
 What is valid comes from `ParallelConfig.options` and `ParallelConfig.problems` with the model's
-own sizes (heads, layers, image tokens), read from the loaded pipeline on rank 0. A configuration
+own sizes (heads, layers, image tokens), read from the loaded pipeline on rank 0, and whether tp can split it
+(its family's tp plan, the load's options): tp is picked like any other degree. A configuration
 may use fewer ranks than the Lab has (the others stay idle), so the options cover 1..n ranks.
 
 The engine-side helpers below (`model_shape`, `preview`) run on the engines like lab/engine.py's:

@@ -46,16 +46,18 @@ def test_plan_rows_match_options():
     assert not imported & {"diffusers", "transformers", "accelerate", "peft", "scipy"}, sorted(imported)
     assert result.stdout.startswith("Parallel configurations for 4 ranks (--world-size); heads 4,")
     header, rows = _table(result.stdout)
-    assert header[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "work"]
-    expected = ParallelConfig.options(4, num_heads=4)
+    assert header[:9] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "tp", "work"]
+    # tp ranked beside the others (a family with a tp plan; --no-tp: one without), at the degrees that divide the heads
+    expected = ParallelConfig.options(4, num_heads=4, tensor_parallel=True)
+    assert {"tp4", "cfg2·tp2", "ulysses2·tp2"} <= {c.short() for c in expected}
     assert [row[1] for row in rows] == [c.short() for c in expected]
     assert [int(row[0]) for row in rows] == list(range(1, len(expected) + 1))
     for row, c in zip(rows, expected):
-        assert [int(x) for x in row[2:7]] == [c.dp, c.cfg, c.pipefusion, c.ring, c.ulysses]
+        assert [int(x) for x in row[2:8]] == [c.dp, c.cfg, c.pipefusion, c.ring, c.ulysses, c.tp]
         cost = c.cost(None)
-        assert float(row[7]) == pytest.approx(cost.work_fraction, rel=1e-2)
-        assert float(row[8]) == pytest.approx(cost.comm_p_hs, rel=1e-2)
-        assert row[9] == ("1" if c.pipefusion == 1 else f"1/{c.pipefusion}")
+        assert float(row[8]) == pytest.approx(cost.work_fraction, rel=1e-2)
+        assert float(row[9]) == pytest.approx(cost.comm_p_hs, rel=1e-2)
+        assert row[10] == ("1" if c.pipefusion * c.tp == 1 else f"1/{c.pipefusion * c.tp}")
     assert "p·hs" in result.stdout and "ParallelConfig" in result.stdout.splitlines()[-1]
 
 
@@ -63,7 +65,9 @@ def test_plan_rows_match_options():
 def test_console_script_is_installed():
     result = _run("plan", "--world-size", "2", "--no-cfg", script=True)
     assert result.returncode == 0, result.stderr
-    assert [row[1] for row in _table(result.stdout)[1]] == [c.short() for c in ParallelConfig.options(2, use_cfg=False)]
+    assert [row[1] for row in _table(result.stdout)[1]] == [
+        c.short() for c in ParallelConfig.options(2, use_cfg=False, tensor_parallel=True)
+    ]
 
 
 def test_bad_world_size_exits_2_without_traceback():
@@ -114,7 +118,7 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
     assert message in captured.err and captured.out == ""
 
 
-def test_bytes_column_top_and_no_cfg(capsys):
+def test_bytes_column_top_no_cfg_and_no_tp(capsys):
     assert (
         main(
             [
@@ -128,6 +132,7 @@ def test_bytes_column_top_and_no_cfg(capsys):
                 "--hidden-size",
                 "1152",
                 "--no-cfg",
+                "--no-tp",
                 "--top",
                 "3",
             ]
@@ -142,6 +147,7 @@ def test_bytes_column_top_and_no_cfg(capsys):
     best = options[0].cost(None, use_cfg=False).comm_bytes(4096, 1152)
     assert f"{best / 1e6:.1f} MB" in " ".join(rows[0])
     assert all(row[3] == "1" for row in rows)  # the cfg column: --no-cfg leaves out cfg 2
+    assert all(row[7] == "1" for row in rows) and "tp off (--no-tp)" in out  # --no-tp: a family without a tp plan
 
 
 def _legend_names(stdout: str) -> list[str]:
@@ -175,12 +181,12 @@ def test_plan_keeps_to_100_columns_and_its_legend_names_each_column(capsys, args
     assert max(len(line) for line in out.splitlines()) <= 100, max(out.splitlines(), key=len)
     header_line = next(line for line in out.splitlines() if line.lstrip().startswith("# "))
     columns = re.split(r"\s{2,}", header_line.strip())
-    assert columns[:8] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "work"]
+    assert columns[:9] == ["#", "config", "dp", "cfg", "pf", "ring", "ulysses", "tp", "work"]
     assert _legend_names(out) == columns
     assert "GiB" not in out and "MiB" not in out
     if "--why" in args:
         assert "comm bytes" in columns and " MB" in out
-        options = ParallelConfig.options(8, num_heads=24, seq_len=4096)
+        options = ParallelConfig.options(8, num_heads=24, seq_len=4096, tensor_parallel=True)
         said = re.findall(r"^  #(\d+) (\S+): (.*(?:\n      .*)*)", out, flags=re.M)
         expected = ranking_reasons(options)
         assert [(int(i), name) for i, name, _ in said] == [(i, c.short()) for i, c in enumerate(options[:-1], 1)]
@@ -200,3 +206,13 @@ def test_default_world_size_is_the_local_machine(capsys):
             f"Parallel configurations for {cores} ranks (this machine: no CUDA GPU visible, so {cores} CPU core"
         )
         assert cores <= (os.cpu_count() or cores)
+
+
+def test_no_tp_is_refused_with_a_model_folder_whose_family_decides(capsys, tmp_path):
+    """--model ranks tp where the folder's family has a tp plan; --no-tp beside it is one line and exit 2, said
+    before the folder (which does not exist here) is read. Control: without it, the missing folder is what is said."""
+    common = ["plan", "--model", str(tmp_path / "absent"), "--world-size", "2", "--gpu-memory", "24GB"]
+    assert main([*common, "--no-tp"]) == 2
+    said = capsys.readouterr().err
+    assert "--no-tp is for plan without --model" in said and "absent" not in said
+    assert main(common) == 2 and "absent" in capsys.readouterr().err

@@ -104,3 +104,30 @@ def test_dp_with_guidance_at_batch_one_costs_what_cfg_costs():
     assert dp.work_fraction == cfg.work_fraction == 1
     ranked = [c.short() for c in ParallelConfig.options(2, num_heads=4, num_layers=4)]
     assert ranked.index("dp2") < ranked.index("pf2")
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(tp=2), ParallelConfig(ulysses=2, tp=2)], ids=lambda c: c.short())
+def test_the_cost_model_s_tp_term_is_the_traffic_model_s_with_the_text(config):
+    """The cost model's tp term is tp_bytes_per_forward, the exact model's closed form (config.py holds it, traffic.py
+    reuses it), over a rank's image and text tokens: for blocks whose two rowwise layers run on [text; image], its
+    p·hs times p·hs·e is the bytes expected_bytes_per_step gives the tp group, on every rank. Control: the image's
+    tokens alone (text_tokens=0, the cost model's term until now) fall short of them."""
+    from xdit_lab.traffic import expected_bytes_per_step
+
+    rows, cols, text, heads, head_dim, layers, e = 8, 8, 16, 4, 8, 3, 2
+    hidden = heads * head_dim
+    shapes = dict(
+        batch=2, rows=rows, cols=cols, heads=heads, head_dim=head_dim, text_len=text, self_layers=0,
+        joint_layers=layers, first_block_self_layers=0, first_block_joint_layers=1, proj_width=4, dtype_bytes=e,
+        tp=dict(rowwise=[["joint", hidden, True]] * 2 * layers, gathered=[], norms=[]),
+    )  # fmt: skip
+
+    def tp_term(text_tokens):  # the cost model's elements of tp alone: its Ulysses part is 1/tp of ulysses alone's
+        cost = config.cost(layers, num_heads=heads, text_tokens=text_tokens).comm_p_hs
+        return cost - config.replace(tp=1).cost(layers, num_heads=heads).comm_p_hs / config.tp
+
+    for ulysses_rank in range(config.ulysses):
+        coords = dict(dp=0, cfg=0, pipefusion=0, ring=0, ulysses=ulysses_rank, tp=0)
+        sent = expected_bytes_per_step(config, shapes, coords=coords)["tp"]
+        assert tp_term(text / (rows * cols)) * rows * cols * hidden * e == pytest.approx(sent, rel=1e-12)
+        assert tp_term(0) * rows * cols * hidden * e < 0.9 * sent  # the control: the text left out

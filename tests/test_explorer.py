@@ -4,11 +4,14 @@ controller and through the widgets (without a browser: the buttons' handlers are
 
 One cluster serves the module (starting one takes ~7 s; the whole module runs in ~30 s)."""
 
+import re
+
 import pytest
 
 from xdit_lab import ParallelConfig
+from xdit_lab.families.tp_plan import option_refusals
 from xdit_lab.lab import Lab, LabError
-from xdit_lab.lab.explorer import ExplorerController, ModelShape, explain, valid_configs
+from xdit_lab.lab.explorer import ExplorerController, ModelShape, explain, plan, valid_configs
 from xdit_lab.lab.views import legibility_problems
 from xdit_lab.tiny import save_tiny_pipeline, tiny_pipeline_kwargs
 
@@ -26,8 +29,43 @@ def shorts(configs):
 
 def test_two_engines_offer_every_pair_then_serial():
     offered = valid_configs(2, DIGITS)
-    assert shorts(offered) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "serial"]
+    assert shorts(offered) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "tp2", "serial"]
     assert all(not explain(c, 2, DIGITS) for c in offered)
+
+
+def test_tp_is_offered_only_where_the_family_has_a_plan_and_the_load_takes_it():
+    """tp is a degree like the others for a family with a tp plan (PixArt's), at the degrees that divide the heads;
+    a family without one (its refusal carried by the shape) and a load whose options tp is not composed with
+    (option_refusals) are offered none, and explain says why in their words."""
+    four = valid_configs(4, DIGITS)
+    assert {"tp2", "tp4", "cfg2·tp2", "ulysses2·tp2"} <= set(shorts(four)) and "tp3" not in shorts(four)
+    assert "4 attention heads do not split over tp 3" in " ".join(explain(ParallelConfig(tp=3), 4, DIGITS))
+    unplanned = ModelShape("sana", 4, 4, 8, 8, True, tp_refused="tensor parallelism has no plan for sana")
+    assert not [c for c in valid_configs(4, unplanned) if c.tp > 1] and "ulysses2" in shorts(
+        valid_configs(4, unplanned)
+    )
+    assert explain(ParallelConfig(tp=2), 2, unplanned) == ["tensor parallelism has no plan for sana"]
+    options = dict(shard_weights=True, compile=False, quantization=None)
+    sharded = ModelShape("pixart", 4, 4, 8, 8, True, load_options=options)
+    offered = valid_configs(4, sharded)
+    for config in (c for c in four if c.tp > 1):  # offered exactly where tp takes the load's options
+        assert (config in offered) == (not option_refusals(config, **options)), config
+        assert explain(config, 4, sharded) == option_refusals(config, **options)
+
+
+def test_the_lab_planner_ranks_tp_where_the_family_has_a_plan_and_names_only_what_fits():
+    """lab.explorer's Plan (planning.plan): tp rows beside the others for PixArt's plan, ranked as options() ranks
+    them; for a family without a plan none, no reason names one (they are left out before the reasons are said),
+    and tp alone is listed as refused for the model, in the refusal's words."""
+    with_plan = plan(4, DIGITS)
+    ranked = re.findall(r"^ *\d+  (\S+)", with_plan, flags=re.M)  # the table's rows: '10  ulysses4  ...'
+    expected = ParallelConfig.options(4, num_heads=4, num_layers=4, seq_len=64, tensor_parallel=True)
+    assert ranked == shorts(expected) and "tp4" in ranked
+    unplanned = ModelShape("sana", 4, 4, 8, 8, True, tp_refused="tensor parallelism has no plan for sana")
+    text = plan(4, unplanned)
+    table = text[: text.index("refused for this model:")]
+    assert "tp2" not in table and "tp4" not in table and "ulysses4" in table
+    assert "  tp4: tensor parallelism has no plan for sana" in text
 
 
 def test_four_engines_offer_hybrids_and_subsets():
@@ -89,9 +127,12 @@ def controller(lab):
 
 def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
     # the tiny PixArt: 4 heads of 16, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
+    # PixArt has a tp plan (tp_refused None), loaded with no option tp refuses (the load's own, beside it)
     expected = ModelShape(family="pixart", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True, hidden_size=64)
-    assert controller.shape == expected
-    assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "serial"]
+    load_options = dict(shard_weights=False, compile=False, quantization=None)
+    assert controller.shape == ModelShape(**{**expected.__dict__, "load_options": load_options})
+    assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "tp2", "serial"]
+    assert controller.choices()["tp"] == [1, 2]  # the tp picker offers what a valid configuration uses
     assert controller.choices()["num_patches"] == [None, 1, 2, 3, 4]
     assert controller.choices()["pipefusion_schedule"] == ["drained", "async"]
 
@@ -162,17 +203,21 @@ def test_planning_for_gpus_the_lab_does_not_have(controller):
     import itertools
 
     text = controller.plan(8)
-    expected = {
-        ParallelConfig(dp=dp, cfg=cfg, pipefusion=pf, ring=ring, ulysses=ulysses).short()
-        for dp, cfg, pf, ring, ulysses in itertools.product([1, 2, 4, 8], repeat=5)
-        if dp * cfg * pf * ring * ulysses == 8 and cfg <= 2 and pf <= 2 and ulysses <= 4
-    }
+    composed = not ParallelConfig(pipefusion=2, tp=2).problems()  # tp within a PipeFusion stage, where config.py has it
+    expected = {  # tp (PixArt has a plan): dividing the 4 heads, leaving each tp rank's to ulysses
+        ParallelConfig(dp=dp, cfg=cfg, pipefusion=pf, ring=ring, ulysses=ulysses, tp=tp).short()
+        for dp, cfg, pf, ring, ulysses, tp in itertools.product([1, 2, 4, 8], repeat=6)
+        if dp * cfg * pf * ring * ulysses * tp == 8 and cfg <= 2 and pf <= 2 and tp <= 4 and ulysses <= 4 // tp
+        and (tp == 1 or pf == 1 or composed)
+    }  # fmt: skip
     rows = [line.split() for line in text.splitlines()[2:] if line.split() and line.split()[0].isdigit()]
-    assert len(rows) == len(expected) == 24 and {row[1] for row in rows} == expected, [row[1] for row in rows]
-    assert [row[0] for row in rows] == [str(i) for i in range(1, 25)] and rows[0][1] == "dp4·pf2"
+    assert len(rows) == len(expected) and {row[1] for row in rows} == expected, [row[1] for row in rows]
+    assert {"dp2·tp4", "cfg2·ulysses2·tp2"} <= expected and len(expected) > 24  # tp rows among them
+    assert [row[0] for row in rows] == [str(i) for i in range(1, len(expected) + 1)] and rows[0][1] == "dp4·pf2"
     assert "the same cost as dp2·cfg2·pf2, fewer degrees above 1" in text.splitlines()[2]
     assert "ulysses8: 4 attention heads cannot give each of ulysses 8 ranks a head" in text
     assert "pf8: 2 transformer layers cannot fill 8 PipeFusion stages" in text
+    assert "tp8: 4 attention heads do not split over tp 8" in text
     assert "4.1 KB" in text  # dp4·pf2's patch hand-off: 2 p·hs = 2 × 16 tokens × 64 hidden × 2 bytes (bf16)
     with pytest.raises(ValueError, match="positive number of GPUs"):
         controller.plan(0)
@@ -275,6 +320,14 @@ def test_the_widgets(lab):
     panel.configs.value = ParallelConfig(ulysses=2)
     assert lab.config == ParallelConfig(ulysses=2) and "ulysses2 on 2 of 2 ranks; step 0" in panel.status.value
     assert panel.pickers["ulysses"].value == 2 and panel.pickers["dp"].value == 1 and not panel.apply_button.disabled
+    # tp is picked like any degree: from the pickers, applied, and a step runs under it
+    assert [value for _, value in panel.pickers["tp"].options] == [1, 2]
+    panel.pickers["ulysses"].value, panel.pickers["tp"].value = 1, 2
+    assert "cannot run" not in panel.verdict.value and not panel.apply_button.disabled
+    panel.apply_button.click()
+    assert lab.config == ParallelConfig(tp=2) and "tp2 on 2 of 2 ranks; step 0" in panel.status.value
+    panel.buttons["step"].click()
+    assert "step 1 of 2" in panel.status.value and not panel.error.value
     # a new prompt takes effect on the next Step, as a new generation
     panel.prompt.value = "a green car"
     panel.buttons["run"].click()

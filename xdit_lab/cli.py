@@ -1,7 +1,7 @@
 """xdit-lab: the command-line driver, one function per subcommand (registered in `_build_parser`).
 
     xdit-lab plan [--world-size N] [--heads H] [--layers L] [--seq-len S] [--hidden-size HS]
-                  [--batch B] [--no-cfg] [--top K] [--why]
+                  [--batch B] [--no-cfg] [--no-tp] [--top K] [--why]
     xdit-lab plan --model FOLDER --world-size N --gpu-memory 24GB [--dtype bfloat16] [--height H --width W]
                   [--json] [--top K] [--wide] [--why]
     torchrun --nproc_per_node N -m xdit_lab.cli run --model PATH --prompt TEXT [--cfg 2 --ulysses 2 ...]
@@ -104,6 +104,10 @@ def cmd_plan_model(args) -> int:
             "--comm-dtype weighs the links' bytes in the cost model's ranking (plan without --model); --model plans "
             "what each rank holds, which float8 on the links does not change: leave out one of them"
         )
+    if args.no_tp:  # the folder's family says it: plan_model ranks tp rows only where the family has a tp plan
+        raise ParallelConfigError(
+            "--no-tp is for plan without --model; --model ranks tp only where the folder's family has a tp plan"
+        )
     if args.gpu_memory is None:
         raise ParallelConfigError("--model needs --gpu-memory: the memory of one GPU, e.g. --gpu-memory 24GB")
     world_size = args.world_size if args.world_size is not None else local_world_size()[0]
@@ -140,7 +144,8 @@ def cmd_plan(args) -> int:
     layers = args.layers if args.layers is not None else "28 (cost-model default)"
     shape = (
         f"heads {args.heads or 'any'}, layers {layers}, seq_len {args.seq_len or 'any'}, batch {args.batch}, "
-        f"CFG {'off' if args.no_cfg else 'on'}" + (f", {args.comm_dtype} on sp links" if args.comm_dtype else "")
+        f"CFG {'off' if args.no_cfg else 'on'}, tp {'off (--no-tp)' if args.no_tp else 'on (a family with a tp plan)'}"
+        + (f", {args.comm_dtype} on sp links" if args.comm_dtype else "")
     )
     print(wrapped(f"Parallel configurations for {world_size} ranks ({source}); {shape}"))
     shape_arguments = {name: getattr(args, name) for name in MODEL_SHAPE_ARGUMENTS}
@@ -152,6 +157,7 @@ def cmd_plan(args) -> int:
         top=args.top,
         reasons=args.why,
         comm_dtype=args.comm_dtype,
+        tensor_parallel=not args.no_tp,
     )
     # the reasons go under the table, a line each, which keeps it within WIDTH columns
     reasons = [row.pop() for row in rows] if args.why else []
@@ -429,6 +435,12 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hidden-size", type=_count(1), metavar="HS", help="hidden size; with --seq-len, shows bytes")
     plan.add_argument("--batch", type=_count(1), default=1, metavar="B", help="prompts per step (default 1)")
     plan.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (one branch, no cfg 2)")
+    plan.add_argument(
+        "--no-tp",
+        action="store_true",
+        help="no tensor parallelism: for a model whose family has no tp plan (--model knows which: it ranks tp "
+        "only where the family has one)",
+    )
     plan.add_argument("--top", type=_count(0), default=10, metavar="K", help="rows to show (default 10; 0: all)")
     plan.add_argument("--why", action="store_true", help="say why each configuration ranks above the next")
     plan.add_argument(

@@ -23,10 +23,13 @@ layers, P = parameter bytes, N = the method's degree):
     Ring         2(N-1)/N·p·hs·L   K and V shards (1/N each) travel N-1 hops of the ring (of H_r/H
                                    of the heads under Ulysses)
     PipeFusion   2·p·hs            one patch activation handed to the next stage, and back
-    TP           4(N-1)/N·p·hs·L   two all-reduces of [p, hs] per layer (after attention's output projection and
-                                   after the MLP's), each 2(N-1)/N of it out of a rank; Ulysses and Ring then
-                                   move 1/N of the heads. Work and parameters are 1/N (the layers outside the
-                                   blocks stay whole: the exact bytes are models/tensor_parallel.py's plan)
+    TP           4(N-1)/N·(p+T)·hs·L  two all-reduces of [p+T, hs] per layer (after attention's output projection
+                                   and after the MLP's), each 2(N-1)/N of it out of a rank: tp_bytes_per_forward
+                                   below, the exact model's own (traffic.py), over the image's p tokens and the T
+                                   text tokens a joint layer carries beside them (text_tokens = T/p; 0 for cross
+                                   attention); Ulysses and Ring then move 1/N of the heads. Work and parameters are
+                                   1/N (the layers outside the blocks stay whole: the exact bytes are
+                                   models/tensor_parallel.py's plan)
     CFG, DP      ~0                only the final noise prediction is gathered
     parameters   P per rank under sequence/CFG/data parallelism, P/N under PipeFusion, P/world sharded
     gathers      F·(S-1)/S·P/N     with shard_weights (FSDP2 over the S = world/N ranks that hold the
@@ -63,11 +66,9 @@ SCHEDULES = ("drained", "async")  # PipeFusion's schedules (ParallelConfig.pipef
 # attention/wire.py): torch's dtype names. A row of head_dim elements travels as head_dim bytes and a scale.
 COMM_DTYPES = ("float8_e4m3fn",)
 SCALE_BYTES = 4  # the float32 scale beside each row (token × head) of float8 on the wire
-# The degrees the CLI's table and the explorer offer; tp is not among them (options() ranks it only when asked,
-# for a model whose family has a tp plan: xdit-lab plan --model), but is a degree of the rank grid: GRID is every
-# degree, slowest first.
-DEGREES = (DP, CFG, PIPEFUSION, RING, ULYSSES)
-GRID = (*DEGREES, TP)
+# Every degree of the rank grid, slowest first: the CLI's table, the explorer's pickers and the planners offer each
+# (tp only for a model whose family has a tp plan: options(tensor_parallel=True)).
+GRID = (DP, CFG, PIPEFUSION, RING, ULYSSES, TP)
 # The one short form of each degree, for compact names, tables and mesh coordinates: 'cfg2·pf2'.
 SHORT = {DP: "dp", CFG: "cfg", PIPEFUSION: "pf", RING: "ring", ULYSSES: "ulysses", TP: "tp"}
 
@@ -325,6 +326,7 @@ class ParallelConfig:
         forwards_per_step: int | None = None,
         head_dim: int = 128,
         dtype_bytes: int = 2,
+        text_tokens: float = 0.0,
     ) -> CostEstimate:
         """Per-rank work, communication and parameter share of one denoising step (table above).
 
@@ -335,7 +337,9 @@ class ParallelConfig:
         weights a rank all-gathers per step: (S-1)/S of its stage's share for each of
         `forwards_per_step` forwards (default: one, or one per patch under PipeFusion). `num_heads`: the
         model's attention heads, for Ulysses degrees that do not divide them (None: as if they did). `head_dim`
-        and `dtype_bytes` (the model's) weigh float8 on the wire against the model's dtype, with comm_dtype."""
+        and `dtype_bytes` (the model's) weigh float8 on the wire against the model's dtype, with comm_dtype.
+        `text_tokens`: the text tokens per image token that tp's all-reduces carry beside the image's (T/p: a
+        joint layer's text stream, a single-stream block's [text; image]); 0 for cross attention."""
         layers = num_layers if num_layers is not None else 28  # DiT-XL / PixArt depth
         branches = 2 if (use_cfg or self.cfg == 2) else 1
         images_per_rank = max(1, -(-(batch * branches) // (self.cfg * self.dp)))
@@ -359,8 +363,8 @@ class ParallelConfig:
                 sent += 2 * ((r - 1) / r) * share * (layers / n)
             by_share.append(sent * wire)
         per_image += max(by_share) / t  # a tp rank's Ulysses and Ring move its 1/t of the heads
-        if t > 1:  # two all-reduces of [p/(u·r), hs] per layer
-            per_image += 2 * 2 * (t - 1) / t / (u * r) * (layers / n)
+        if t > 1:  # two all-reduces per layer of this rank's tokens (1/(u·r) of the image's and the text's) × hs
+            per_image += tp_bytes_per_forward(t, 1, reduced=[2 * (1 + text_tokens) / (u * r) * (layers / n)])
         if n > 1:
             per_image += 2 / (u * r)
         shards = self.world_size // (n * t)  # ranks that hold the same stage's weights
@@ -472,6 +476,32 @@ def ranking_reasons(configs, num_layers=None, *, batch=1, use_cfg=True, num_head
         first = next((j for j, (a, b) in enumerate(zip(key, below)) if a != b), len(key))
         reasons.append((*_RANKED_BY, *_TIES, "the same as {}")[first].format(configs[i + 1].short()))
     return reasons + [""] * bool(configs)
+
+
+def tp_bytes_per_forward(tp: int, dtype_bytes: int, *, reduced, gathered=(), norm_rows=()) -> int | float:
+    """Bytes out of one rank of a tp group of N = `tp` in one forward of the transformer (models/tensor_parallel.py),
+    per collective as comm counts it (its direct model, floored per call):
+      reduced    each rowwise layer's output [b, tokens, width] (its elements here), all-reduced: 2·(N-1)/N of its
+                 bytes, twice a block (attention's output projection, the MLP's last layer; a joint block's text
+                 stream twice more)
+      gathered   each split modulation's whole output [b, width] (elements): this rank's columns, 1/N of them, to
+                 N-1 peers
+      norm_rows  each norm over every head (Wan's): its float32 sums of squares [b, tokens] (elements) all-reduced
+    A rank's tokens are its sequence shard's under ulysses or ring (and the text's shard where it is cut). The one
+    closed form of tp's traffic: the exact model (traffic.expected_bytes_per_step) gives it whole counts of
+    elements, the cost model (ParallelConfig.cost) fractions of p·hs, which are not floored."""
+    n, e = tp, dtype_bytes
+    if n == 1:
+        return 0
+
+    def share(sent, parts):  # a whole count floored per call, as comm records it; a fraction as it is
+        return sent // parts if isinstance(sent, int) else sent / parts
+
+    return (
+        sum(share(2 * elements * e * (n - 1), n) for elements in reduced)
+        + sum(share(elements, n) * e * (n - 1) for elements in gathered)
+        + sum(share(2 * elements * 4 * (n - 1), n) for elements in norm_rows)
+    )
 
 
 def _visible_gpus() -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import textwrap
 
-from .config import DEGREES, SHORT, ParallelConfig, ranking_reasons
+from .config import GRID, SHORT, ParallelConfig, ranking_reasons
 
 WIDTH = 100  # the columns a plan's text keeps to, its table and the lines around it (a terminal's, a review's)
 LEGEND_NAME = 14  # the longest column name a legend aligns its meanings after
@@ -39,11 +39,16 @@ def plan_table(
     top=10,
     reasons=False,
     comm_dtype=None,
+    tensor_parallel=True,
+    keep=None,
 ) -> tuple[list[list[str]], list[ParallelConfig]]:
     """The ranking as rows of strings, header first (the best `top`), and every configuration that
     fits, best first (kept apart from printing: the explorer's planning mode shows the same rows,
     with `reasons`: why each one ranks above the next). `comm_dtype`: float8 on sequence parallelism's
-    links where a configuration can carry it (ParallelConfig.options)."""
+    links where a configuration can carry it (ParallelConfig.options). `tensor_parallel`: tp degrees ranked
+    beside the others (those that divide `heads`), for a model whose family has a tp plan; False: tp 1 only.
+    `keep`: a configuration's test of the rules the degrees alone cannot know (a loaded model's call, its tp plan),
+    applied before the rows are numbered and said why, so that no row or reason names one that does not fit."""
     configs = ParallelConfig.options(
         world_size,
         num_heads=heads,
@@ -52,9 +57,11 @@ def plan_table(
         use_cfg=use_cfg,
         batch=batch,
         comm_dtype=comm_dtype,
+        tensor_parallel=tensor_parallel,
     )
+    configs = [c for c in configs if keep is None or keep(c)]
     show_bytes = seq_len is not None and hidden_size is not None
-    header = ["#", "config", *(SHORT[d] for d in DEGREES), "work", "comm (p·hs)"]
+    header = ["#", "config", *(SHORT[d] for d in GRID), "work", "comm (p·hs)"]
     header += ["comm bytes"] if show_bytes else []
     header += ["params"] + (["why above the next"] if reasons else [])
     rows = [header]
@@ -65,13 +72,14 @@ def plan_table(
         row = [
             str(i),
             c.short(),
-            *(str(getattr(c, d)) for d in DEGREES),
+            *(str(getattr(c, d)) for d in GRID),
             _number(cost.work_fraction),
             _number(cost.comm_p_hs),
         ]
         if show_bytes:
             row.append(_bytes(cost.comm_bytes(seq_len, hidden_size)))
-        row.append(f"1/{c.pipefusion}" if c.pipefusion > 1 else "1")
+        shares = round(1 / cost.params_fraction)  # a rank holds 1/(pf·tp) of the weights
+        row.append(f"1/{shares}" if shares > 1 else "1")
         rows.append(row + ([why[i - 1]] if reasons else []))
     return rows, configs
 
@@ -120,6 +128,8 @@ DEGREE_MEANINGS = {  # what each degree's column counts, for the legends
     "pf": "PipeFusion: the blocks in this many pipeline stages, the image in patches",
     "ring": "Ring attention: the tokens split this many ways, their K/V passed around a ring",
     "ulysses": "Ulysses: the tokens split this many ways, all-to-alls swap them for heads",
+    "tp": "tensor parallelism: each linear layer split this many ways by heads and width, its outputs "
+    "all-reduced twice a block (only where the family has a tp plan and tp divides the heads)",
 }
 
 
@@ -132,13 +142,13 @@ def plan_legend(show_bytes: bool = False) -> str:
             "which decided each row",
         ),
         ("config", "the degrees above 1, joined by · (cfg2·pf2: cfg 2 × pf 2 = 4 ranks)"),
-        *((SHORT[d], DEGREE_MEANINGS[SHORT[d]]) for d in DEGREES),
+        *((SHORT[d], DEGREE_MEANINGS[SHORT[d]]) for d in GRID),
         ("work", "single-image transformer forwards per rank per step (lower is faster)"),
         ("comm (p·hs)", "elements one rank sends per step, in units of p·hs (p tokens per image, hs hidden size)"),
     ]
     if show_bytes:
         entries.append(("comm bytes", "the same in bytes, at 2 bytes per element (bf16); MB = 10^6 bytes"))
-    entries.append(("params", "the share of the model's weights each rank holds"))
+    entries.append(("params", "the share of the model's weights each rank holds (1/pf of the blocks, 1/tp of each)"))
     return "Columns:\n" + legend(entries) + "\nCost model: see the docstring of xdit_lab.config (ParallelConfig)."
 
 

@@ -9,7 +9,7 @@ test can put the formula beside what comm_log() measured, rank by rank and step 
 from __future__ import annotations
 
 from .accelerations import DECIDED_ALIKE
-from .config import SCALE_BYTES, ParallelConfig
+from .config import SCALE_BYTES, ParallelConfig, tp_bytes_per_forward
 from .mesh import CFG, DP, PIPEFUSION, RING, SP, TP, ULYSSES, WORLD
 from .sharding import patch_layout, shard_sizes
 
@@ -64,8 +64,9 @@ def expected_bytes_per_step(
                   b·whole_query_rows·4 bytes to each of the sp-1 others, under "sp", in every forward (every
                   patch set's under PipeFusion)
       tp          a model split over tp ranks (`shapes["tp"]`: models/tensor_parallel.tp_shapes): each forward's
-                  all-reduces and gathers, tp_bytes_per_forward below, over this rank's tokens (its sequence
-                  shard's, the text's shard where it is cut, the whole text in a refiner before the blocks);
+                  all-reduces and gathers, tp_bytes_per_forward (config.py: the cost model's tp term too), over
+                  this rank's tokens (its sequence shard's, the text's shard where it is cut, the whole text in a
+                  refiner before the blocks);
                   the attention exchanges above then move the h/tp heads of this rank
       dp, cfg     the output gather (dp pads to the largest share), with the outputs gathered beside the sample
                   (`also_gathered` elements a sample: LTX-2's audio)
@@ -219,23 +220,3 @@ def expected_bytes_per_step(
     if c.cfg > 1:
         out[CFG] += gathers * per_branch * sample * e * (c.cfg - 1)
     return {group: n for group, n in out.items() if n}
-
-
-def tp_bytes_per_forward(tp: int, dtype_bytes: int, *, reduced, gathered=(), norm_rows=()) -> int:
-    """Bytes out of one rank of a tp group of N = `tp` in one forward of the transformer (models/tensor_parallel.py),
-    per collective as comm counts it (its direct model, floored per call):
-      reduced    each rowwise layer's output [b, tokens, width] (its elements here), all-reduced: 2·(N-1)/N of its
-                 bytes, twice a block (attention's output projection, the MLP's last layer; a joint block's text
-                 stream twice more)
-      gathered   each split modulation's whole output [b, width] (elements): this rank's columns, 1/N of them, to
-                 N-1 peers
-      norm_rows  each norm over every head (Wan's): its float32 sums of squares [b, tokens] (elements) all-reduced
-    A rank's tokens are its sequence shard's under ulysses or ring (and the text's shard where it is cut)."""
-    n, e = tp, dtype_bytes
-    if n == 1:
-        return 0
-    return (
-        sum(2 * elements * e * (n - 1) // n for elements in reduced)
-        + sum(elements // n * e * (n - 1) for elements in gathered)
-        + sum(2 * elements * 4 * (n - 1) // n for elements in norm_rows)
-    )

@@ -9,7 +9,8 @@ returning a `Frame`: a status line, the figures to show, or the error text), so 
 without a browser. `Explorer` (explorer_widgets.py) only lays ipywidgets over it.
 
 What is valid comes from `ParallelConfig.options` and `ParallelConfig.problems` with the model's
-own sizes (heads, layers, image tokens), read from the loaded pipeline on rank 0. A configuration
+own sizes (heads, layers, image tokens), read from the loaded pipeline on rank 0, and whether tp can split it
+(its family's tp plan, the load's options): tp is picked like any other degree. A configuration
 may use fewer ranks than the Lab has (the others stay idle), so the options cover 1..n ranks.
 
 The engine-side helpers below (`model_shape`, `preview`) run on the engines like lab/engine.py's:
@@ -22,12 +23,12 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..config import DEGREES, SCHEDULES, ParallelConfig
+from ..config import GRID, SCHEDULES, ParallelConfig
 from .errors import LabError
 from .planning import ModelShape, explain, plan, valid_configs
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes in ipyparallel's remote tracebacks
-PICKERS = (*DEGREES, "num_patches", "warmup_steps", "pipefusion_schedule")  # the ParallelConfig knobs offered
+PICKERS = (*GRID, "num_patches", "warmup_steps", "pipefusion_schedule")  # the ParallelConfig knobs offered
 
 
 # ---- on the engines ---------------------------------------------------------------------------------
@@ -39,6 +40,10 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
     families.recipe.TrueCFGRecipe, has two only with a negative prompt)."""
     import json
 
+    import diffusers
+
+    from ..config import ParallelConfigError
+    from ..families.tp_plan import model_plan
     from ..models import parallel_state
 
     pipe = state.get("pipe")
@@ -51,6 +56,11 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
     # the folder's config, not the module's: a PipeFusion stage may hold only its own blocks
     config = json.loads((pipe.folder / "transformer" / "config.json").read_text())
     adapter = parallel_state(inner.transformer).adapter
+    tp_refused = None
+    try:  # tp where the family has a plan (diffusers' _tp_plan or the adapter's), as load_pipeline asks it
+        model_plan(getattr(diffusers, config["_class_name"]), adapter)
+    except ParallelConfigError as error:
+        tp_refused = str(error)
     heads, head_dim = adapter.attention_shape(config)  # as the family's config spells them (Z-Image: n_heads, dim)
     return dict(
         family=adapter.family,
@@ -63,6 +73,7 @@ def model_shape(state: dict, session_kwargs: dict) -> dict:
         # stands in, so that no token budget (max_sequence_length) can refuse it
         use_cfg=pipe.recipe.do_cfg(pipe.request("", **session_kwargs)),
         cfg_needs=pipe.recipe.cfg_needs,
+        tp_refused=tp_refused,
         num_inference_steps=defaults["num_inference_steps"],
     )
 
@@ -167,6 +178,10 @@ class ExplorerController:
         self.session, self.session_seed = None, None
         answer = lab.call(model_shape, self.session_kwargs, ranks=[0], what="explorer.model_shape")[0]
         recipe_steps = answer.pop("num_inference_steps")
+        options = lab.loaded.options  # what tp is not composed with yet is refused with the load's own options
+        answer["load_options"] = dict(
+            shard_weights=bool(options.shard_weights), compile=options.compile, quantization=options.quantization
+        )
         self.steps, self.shape = steps or default_steps or recipe_steps, ModelShape(**answer)
 
     # ---- what is valid ----------------------------------------------------------------------------
@@ -185,7 +200,7 @@ class ExplorerController:
         """The values each picker offers: those some valid configuration uses (num_patches: None
         is one per stage; warmup: 0 up to the steps, at most 4; PipeFusion's two schedules)."""
         options = self.options()
-        found = {name: sorted({getattr(c, name) for c in options}) for name in DEGREES}
+        found = {name: sorted({getattr(c, name) for c in options}) for name in GRID}
         found["num_patches"] = [None, *range(1, self.shape.rows + 1)]
         found["warmup_steps"] = list(range(0, min(self.steps, 4) + 1))
         found["pipefusion_schedule"] = list(SCHEDULES)

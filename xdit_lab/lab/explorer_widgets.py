@@ -16,6 +16,7 @@ import traceback
 
 import ipywidgets as w
 
+from ..config import GRID
 from .explorer import PICKERS, ExplorerController, config_from, current_choice
 from .views import DPI
 
@@ -83,8 +84,8 @@ class Explorer:
             [
                 self.table,
                 self.configs,
-                w.HBox(list(self.pickers.values())[:4]),
-                w.HBox([*list(self.pickers.values())[4:], self.apply_button]),
+                w.HBox(list(self.pickers.values())[: len(GRID)]),  # the degrees, tp among them
+                w.HBox([*list(self.pickers.values())[len(GRID) :], self.apply_button]),  # PipeFusion's knobs
                 self.verdict,
                 w.HBox([self.gpus, w.Label("GPUs"), self.plan_button]),
                 w.HBox([self.plan_folder, self.plan_memory, self.plan_folder_button]),

@@ -6,6 +6,9 @@
                                     ranked by the cost model, each with why it ranks above the next,
                                     and why each single degree of that size is refused
 
+tp is a degree like the others here: ranked where the model's family has a tp plan (`ModelShape.tp_refused` says
+why otherwise) and the load's options do not refuse it (`load_options`), at the degrees that divide its heads.
+
 Pure functions over a ModelShape (the sizes the rules need, read from the loaded pipeline by the
 explorer): tested without engines, and the explorer's panel only shows what they return.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import DEGREES, SHORT, ParallelConfig
+from ..config import GRID, SHORT, ParallelConfig
+from ..families.tp_plan import option_refusals
 from ..plan_table import format_plan, plan_table
 
 
@@ -28,6 +32,9 @@ class ModelShape:
     use_cfg: bool  # the calls have two branches for cfg 2 to split (guidance > 1, for most families)
     hidden_size: int | None = None  # heads × head dim: the planning table's traffic in bytes
     cfg_needs: str | None = "a guidance_scale above 1"  # what gives a call two; None: never (the recipe's)
+    tp_refused: str | None = None  # why tp cannot split this model (its family has no tp plan); None: it can
+    # the load's shard_weights, compile and quantization: what tp may not be composed with yet (option_refusals)
+    load_options: dict | None = None
 
     @property
     def seq_len(self) -> int:
@@ -49,6 +56,7 @@ def valid_configs(engines: int, shape: ModelShape, *, num_patches=None, warmup_s
                 use_cfg=shape.use_cfg,
                 num_patches=num_patches,
                 warmup_steps=warmup_steps,
+                tensor_parallel=True,
             )
             if not _extra_problems(c, shape)
         ]
@@ -78,6 +86,10 @@ def _extra_problems(config: ParallelConfig, shape: ModelShape) -> list[str]:
             else "cfg 2 splits the unconditional and conditional branches, but these calls have one; "
             f"give them {shape.cfg_needs}, or use cfg 1"
         )
+    if config.tp > 1 and shape.tp_refused:
+        found.append(shape.tp_refused)
+    elif config.tp > 1 and shape.load_options:
+        found += option_refusals(config, **shape.load_options)
     if config.pipefusion > 1 and config.patches > shape.rows:
         found.append(f"{config.patches} PipeFusion patches are row bands, but the image has {shape.rows} token rows")
     return found
@@ -89,7 +101,7 @@ def plan(gpus: int, shape: ModelShape, *, batch: int = 1) -> str:
     ranks above the next, then each degree alone at `gpus` that the model refuses, and why."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"plan for a positive number of GPUs, got {gpus!r}")
-    rows, configs = plan_table(
+    rows, _ = plan_table(
         gpus,
         heads=shape.num_heads,
         layers=shape.num_layers,
@@ -99,16 +111,17 @@ def plan(gpus: int, shape: ModelShape, *, batch: int = 1) -> str:
         use_cfg=shape.use_cfg,
         top=0,
         reasons=True,
+        tensor_parallel=True,
+        # the call's own rules (guidance, patch rows, tp's plan) leave out what the degree rules alone allow
+        keep=lambda config: not _extra_problems(config, shape),
     )
-    # the call's own rules (guidance, patch rows) leave out what the degree rules alone allow
-    kept = [rows[0]] + [row for row, config in zip(rows[1:], configs) if not _extra_problems(config, shape)]
     lines = [
         f"{gpus} GPUs, {shape.family}: {shape.num_heads} heads, {shape.num_layers} layers, {shape.seq_len} image "
-        f"tokens, {batch} prompt(s){', guidance on' if shape.use_cfg else ''}; {len(kept) - 1} configurations, best first",
-        format_plan(kept) if len(kept) > 1 else "(none fits)",
+        f"tokens, {batch} prompt(s){', guidance on' if shape.use_cfg else ''}; {len(rows) - 1} configurations, best first",
+        format_plan(rows) if len(rows) > 1 else "(none fits)",
     ]
     refused = []
-    for name in (n for n in DEGREES if n != "cfg"):  # cfg is 1 or 2 whatever the model
+    for name in (n for n in GRID if n != "cfg"):  # cfg is 1 or 2 whatever the model
         single = ParallelConfig(**{name: gpus})
         problems = single.problems(gpus, num_heads=shape.num_heads, num_layers=shape.num_layers, seq_len=shape.seq_len)
         problems += _extra_problems(single, shape) if not problems else []
@@ -118,7 +131,8 @@ def plan(gpus: int, shape: ModelShape, *, batch: int = 1) -> str:
         lines += ["refused for this model:", *refused]
     lines.append(
         "work: transformer forwards per rank per step; comm: elements per rank per step in p·hs (bytes in bf16); "
-        "params: share of the weights per rank (cost model: xdit_lab/config.py)"
+        "params: share of the weights per rank; tp: only where the family has a tp plan and tp divides the heads "
+        "(cost model: xdit_lab/config.py)"
     )
     return "\n".join(lines)
 

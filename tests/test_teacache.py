@@ -38,22 +38,41 @@ def _wan_modulated(block, a):
     return (block.norm1(a["hidden_states"].float()) * (1 + scale) + shift).type_as(a["hidden_states"])
 
 
+def _norm1_zero(block, a):
+    """AdaLayerNormZero's first output: norm1(x, emb=temb)'s normed, shifted and scaled states."""
+    return block.norm1(a["hidden_states"], emb=a["temb"])[0]
+
+
+def _qwen_modulated(block, a):
+    """QwenImageTransformerBlock.forward: img_norm1(x) modulated by the shift and scale of img_mod(temb)'s first half."""
+    shift, scale = block.img_mod(a["temb"]).chunk(2, dim=-1)[0].chunk(3, dim=-1)[:2]
+    return block.img_norm1(a["hidden_states"]) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def _cogvideox_modulated(block, a):
+    """CogVideoXLayerNormZero's image part: norm(x) × (1 + scale) + shift, the first two of linear(silu(temb))."""
+    shift, scale = block.norm1.linear(block.norm1.silu(a["temb"])).chunk(6, dim=1)[:2]
+    return block.norm1.norm(a["hidden_states"]) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
 @dataclass(frozen=True)
 class Family:
     """What the rule needs of a family's stock model, read from diffusers' block code: its block lists in order, the
     first block's modulated input from its forward's arguments, where a block returns its image states (None: it
-    returns them alone), and a threshold at which the tiny model's calls skip some and run some."""
+    returns them alone), and a threshold at which the tiny model's calls skip some and run some (each family's
+    rescaled changes like Flux's below; its text as long as the tiny model's positional table where it has one)."""
 
     block_lists: tuple
     modulated: object
     image_at: int | None
     threshold: float
+    text_len: int = 6
 
 
 FAMILIES = dict(
     flux=Family(
         ("transformer_blocks", "single_transformer_blocks"),
-        lambda block, a: block.norm1(a["hidden_states"], emb=a["temb"])[0],
+        _norm1_zero,
         image_at=1,
         # rescaled changes about 0.056, 0.053, 0.048, 0.042 (whole batch): accumulated, 0.109 at the third call
         # crosses 0.1 (run), 0.090 at the fifth does not (skip); each rank's own rows alone (the control) give about
@@ -61,13 +80,16 @@ FAMILIES = dict(
         threshold=0.1,
     ),
     wan=Family(("blocks",), _wan_modulated, image_at=None, threshold=0.1),
+    hunyuanvideo=Family(("transformer_blocks", "single_transformer_blocks"), _norm1_zero, image_at=0, threshold=0.1),
+    qwenimage=Family(("transformer_blocks",), _qwen_modulated, image_at=1, threshold=0.1),
+    cogvideox=Family(("transformer_blocks",), _cogvideox_modulated, image_at=0, threshold=0.1, text_len=8),
 )
 
 
 def _calls(family):
     """Six transformer calls on a slowly changing latent, each batch row at its own pace (so a dp rank's own
     rows measure another change than the whole batch)."""
-    base = tiny_inputs(family, 2, height=8, width=8)
+    base = tiny_inputs(family, 2, height=8, width=8, text_len=FAMILIES[family].text_len)
     latents = base["hidden_states"]
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(3))
     pace = torch.tensor([0.02, 0.15]).view(2, *[1] * (latents.ndim - 1))

@@ -55,6 +55,16 @@ def _cogvideox_modulated(block, a):
     return block.norm1.norm(a["hidden_states"]) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
+def _token_replace_modulated(block, a):
+    """HunyuanVideoTokenReplaceAdaLayerNormZero: the first num_tokens tokens (the first frame's, this rank's share)
+    shifted and scaled by token_replace_emb's modulation (t = 0), the others by temb's."""
+    norm, n, x = block.norm1, a["num_tokens"], block.norm1.norm(a["hidden_states"])
+    shift, scale = norm.linear(norm.silu(a["temb"])).chunk(6, dim=1)[:2]
+    first_shift, first_scale = norm.linear(norm.silu(a["token_replace_emb"])).chunk(6, dim=1)[:2]
+    first = x[:, :n] * (1 + first_scale[:, None]) + first_shift[:, None]
+    return torch.cat([first, x[:, n:] * (1 + scale[:, None]) + shift[:, None]], dim=1)
+
+
 @dataclass(frozen=True)
 class Family:
     """What the rule needs of a family's stock model, read from diffusers' block code: its block lists in order, the
@@ -67,6 +77,8 @@ class Family:
     image_at: int | None
     threshold: float
     text_len: int = 6
+    family: str = ""  # the tiny model's family where the key names a variant of it (its transformer's `overrides`)
+    overrides: tuple = ()
 
 
 FAMILIES = dict(
@@ -81,15 +93,31 @@ FAMILIES = dict(
     ),
     wan=Family(("blocks",), _wan_modulated, image_at=None, threshold=0.1),
     hunyuanvideo=Family(("transformer_blocks", "single_transformer_blocks"), _norm1_zero, image_at=0, threshold=0.1),
+    hunyuanvideo_token_replace=Family(  # HunyuanVideo-I2V's: frame 0 modulated at t = 0
+        ("transformer_blocks", "single_transformer_blocks"),
+        _token_replace_modulated,
+        image_at=0,
+        threshold=0.1,
+        family="hunyuanvideo",
+        overrides=(("image_condition_type", "token_replace"),),
+    ),
     qwenimage=Family(("transformer_blocks",), _qwen_modulated, image_at=1, threshold=0.1),
     cogvideox=Family(("transformer_blocks",), _cogvideox_modulated, image_at=0, threshold=0.1, text_len=8),
 )
 
 
+def _family(key):
+    return FAMILIES[key].family or key
+
+
+def _model(key):
+    return tiny_transformer(_family(key), layers=4, **dict(FAMILIES[key].overrides))
+
+
 def _calls(family):
     """Six transformer calls on a slowly changing latent, each batch row at its own pace (so a dp rank's own
     rows measure another change than the whole batch)."""
-    base = tiny_inputs(family, 2, height=8, width=8, text_len=FAMILIES[family].text_len)
+    base = tiny_inputs(_family(family), 2, height=8, width=8, text_len=FAMILIES[family].text_len)
     latents = base["hidden_states"]
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(3))
     pace = torch.tensor([0.02, 0.15]).view(2, *[1] * (latents.ndim - 1))
@@ -146,13 +174,13 @@ def _by_hand(model, family, threshold, coefficients, steps=STEPS, calls_per_step
 
 def _runs(family, configs, threshold, controls=None):
     calls = _calls(family)
-    reference = tiny_transformer(family, layers=4)
+    reference = _model(family)
     expected_skips = _by_hand(reference, family, threshold, COEFFICIENTS)
     with torch.no_grad():
         expected = [reference(**x).sample for x in calls]
     rows = []
     for config in configs:
-        model = tiny_transformer(family, layers=4)
+        model = _model(family)
         settings = StepCache(threshold, method="teacache", coefficients=COEFFICIENTS)
         model = parallelize(model, config, RankMesh(config), cache=settings, controls=controls)
         cache = parallel_state(model).cache

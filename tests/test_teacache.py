@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
 from forward_traffic import forward_shapes, moved, session_traffic, traffic_mismatches
 
 from xdit_lab import ParallelConfig, ParallelConfigError, RankMesh, StepCache, comm_log, load_pipeline, parallelize
@@ -65,11 +66,17 @@ def _token_replace_modulated(block, a):
     return torch.cat([first, x[:, n:] * (1 + scale[:, None]) + shift[:, None]], dim=1)
 
 
+def _flux2_modulated(block, a):
+    """Flux2TransformerBlock.forward: (1 + scale_msa) × norm1(x) + shift_msa, Flux2Modulation.split's first set."""
+    (shift, scale, _), _ = Flux2Modulation.split(a["temb_mod_img"], 2)
+    return (1 + scale) * block.norm1(a["hidden_states"]) + shift
+
+
 @dataclass(frozen=True)
 class Family:
     """What the rule needs of a family's stock model, read from diffusers' block code: its block lists in order, the
-    first block's modulated input from its forward's arguments, where a block returns its image states (None: it
-    returns them alone), and a threshold at which the tiny model's calls skip some and run some (each family's
+    first block's modulated input from its forward's arguments, where a block that returns a pair returns its image
+    states (one that returns a tensor returns the image, or [text; image] joined), and a threshold at which the tiny model's calls skip some and run some (each family's
     rescaled changes like Flux's below; its text as long as the tiny model's positional table where it has one)."""
 
     block_lists: tuple
@@ -92,6 +99,7 @@ FAMILIES = dict(
         threshold=0.1,
     ),
     wan=Family(("blocks",), _wan_modulated, image_at=None, threshold=0.1),
+    flux2=Family(("transformer_blocks", "single_transformer_blocks"), _flux2_modulated, image_at=1, threshold=0.1),
     hunyuanvideo=Family(("transformer_blocks", "single_transformer_blocks"), _norm1_zero, image_at=0, threshold=0.1),
     hunyuanvideo_token_replace=Family(  # HunyuanVideo-I2V's: frame 0 modulated at t = 0
         ("transformer_blocks", "single_transformer_blocks"),
@@ -155,16 +163,22 @@ def _by_hand(model, family, threshold, coefficients, steps=STEPS, calls_per_step
 
     def after(block, args, kwargs, output):
         memo, last = memos[(len(skips) - 1) % calls_per_step], block is blocks[-1]
-        if skips[-1]:
-            a = arguments(block, args, kwargs)
-            image = memo["image_in"] + memo["added"] if last else a["hidden_states"]
-            if spec.image_at is None:
-                return image
-            passed = [a["encoder_hidden_states"], a["encoder_hidden_states"]]  # the text as it came
-            passed[spec.image_at] = image
-            return tuple(passed)
-        if last:
-            memo["added"] = (output if spec.image_at is None else output[spec.image_at]) - memo["image_in"]
+        image_in = memo["image_in"]
+        tokens = image_in.shape[1]  # a block returning one tensor returns the image's tokens last ([text; image])
+        if not skips[-1]:
+            if last:
+                image_out = output[:, -tokens:] if torch.is_tensor(output) else output[spec.image_at]
+                memo["added"] = image_out - image_in
+            return None
+        a = arguments(block, args, kwargs)
+        hidden = a["hidden_states"]  # a skipped block hands its input on ...
+        if last:  # ... the last, the image as the first block took it plus what the stack added at the last full call
+            hidden = torch.cat([hidden[:, : hidden.shape[1] - tokens], image_in + memo["added"]], dim=1)
+        if torch.is_tensor(output):
+            return hidden
+        passed = [a["encoder_hidden_states"], a["encoder_hidden_states"]]  # the text as it came
+        passed[spec.image_at] = hidden
+        return tuple(passed)
 
     blocks[0].register_forward_pre_hook(before_first, with_kwargs=True)
     for block in blocks:

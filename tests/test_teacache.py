@@ -1,16 +1,18 @@
-"""StepCache(method="teacache") on tiny Flux under ulysses 2, ring 2 and dp 2, against TeaCache's rule written
-here over diffusers' stock Flux transformer run serially.
+"""StepCache(method="teacache") on each family that offers it (tiny Flux, Flux.2, Wan, HunyuanVideo and its token
+replace, Qwen-Image, CogVideoX, PixArt) under ulysses 2, ring 2 and dp 2, against TeaCache's rule written here over
+diffusers' stock transformer run serially.
 
 The reference (_by_hand) is hooks on the stock blocks: before the first block, the relative L1 change of its
-norm1(hidden_states, emb=temb) against the previous call's, rescaled by the polynomial and accumulated; below
-the threshold every block hands its input on and the last block's image output becomes the first block's
-image input plus what the stack added at the last full call; the first and the last call always run.
-At threshold 0 nothing skips and every strategy equals the model without a cache; at a threshold that skips,
-every strategy skips the calls the rule skips and equals its outputs (1e-4). The control, each dp rank
-deciding from its own rows' sums (Controls(cache_agrees=False)), takes other decisions. Every call after the
-first all-reduces two float32 tagged "cache", and each call's bytes equal traffic.py's closed form.
-Through load_pipeline and a session under ulysses 2, the latents equal diffusers' FluxPipeline run serially with
-the same hooks (at 0: without), and the session forces the last step's run, as the rule does."""
+timestep-modulated input (written out per family below from diffusers' block code, not from the adapters) against
+the previous call's, rescaled by the polynomial and accumulated; below the threshold every block hands its input
+on and the last block's image output becomes the first block's image input plus what the stack added at the last
+full call; the first and the last call always run. At threshold 0 nothing skips and every strategy equals the model
+without a cache; at a threshold that skips, every strategy skips the calls the rule skips and equals its outputs
+(1e-4). The control, each dp rank deciding from its own rows' sums (Controls(cache_agrees=False)), takes other
+decisions. Every call after the first all-reduces two float32 tagged "cache", and each call's bytes equal
+traffic.py's closed form. Through load_pipeline and a session under ulysses 2, the latents equal diffusers'
+FluxPipeline and WanPipeline (true CFG: two calls a step) run serially with the same hooks (at 0: without), and the
+session forces the last step's run, as the rule does."""
 
 import inspect
 from dataclasses import dataclass
@@ -72,6 +74,13 @@ def _flux2_modulated(block, a):
     return (1 + scale) * block.norm1(a["hidden_states"]) + shift
 
 
+def _pixart_modulated(block, a):
+    """BasicTransformerBlock.forward, norm_type ada_norm_single: norm1(x) × (1 + scale_msa) + shift_msa."""
+    batch = a["hidden_states"].shape[0]
+    shift, scale = (block.scale_shift_table[None] + a["timestep"].reshape(batch, 6, -1)).chunk(6, dim=1)[:2]
+    return block.norm1(a["hidden_states"]) * (1 + scale) + shift
+
+
 @dataclass(frozen=True)
 class Family:
     """What the rule needs of a family's stock model, read from diffusers' block code: its block lists in order, the
@@ -100,6 +109,7 @@ FAMILIES = dict(
     ),
     wan=Family(("blocks",), _wan_modulated, image_at=None, threshold=0.1),
     flux2=Family(("transformer_blocks", "single_transformer_blocks"), _flux2_modulated, image_at=1, threshold=0.1),
+    pixart=Family(("transformer_blocks",), _pixart_modulated, image_at=None, threshold=0.1),
     hunyuanvideo=Family(("transformer_blocks", "single_transformer_blocks"), _norm1_zero, image_at=0, threshold=0.1),
     hunyuanvideo_token_replace=Family(  # HunyuanVideo-I2V's: frame 0 modulated at t = 0
         ("transformer_blocks", "single_transformer_blocks"),
@@ -260,8 +270,8 @@ def test_every_strategy_equals_teacache_by_hand_and_the_per_rank_control_differs
 
 def test_refused_where_not_built():
     teacache = StepCache(0.1, method="teacache")
-    with pytest.raises(ParallelConfigError, match="teacache.*not offered on pixart"):
-        parallelize(tiny_transformer("pixart", layers=2), ParallelConfig(), cache=teacache)
+    with pytest.raises(ParallelConfigError, match="teacache.*not offered on sd3"):
+        parallelize(tiny_transformer("sd3", layers=2), ParallelConfig(), cache=teacache)
     with pytest.raises(ParallelConfigError, match="teacache.*PipeFusion"):
         parallelize(tiny_transformer("flux", layers=4), ParallelConfig(pipefusion=2), cache=teacache)
     with pytest.raises(ParallelConfigError, match="compile=True does not take StepCache.method='teacache'"):

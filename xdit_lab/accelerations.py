@@ -38,7 +38,8 @@ class StepCache:
                  the sum stays below `threshold` every block is skipped and what the whole stack added at the
                  last full step is added instead; else all run and the sum restarts. The first and the last step
                  of a session always run. On the families whose adapter says how to compute the first
-                 block's modulated input (`teacache`: Flux, Wan, ...).
+                 block's modulated input (`teacache`: Flux, Flux.2, Wan, HunyuanVideo,
+                 Qwen-Image, CogVideoX, PixArt).
 
     Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
     or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips (teacache: with a rescale that is never

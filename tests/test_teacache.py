@@ -10,7 +10,7 @@ full call; the first and the last call always run. At threshold 0 nothing skips 
 without a cache; at a threshold that skips, every strategy skips the calls the rule skips and equals its outputs
 (1e-4). The control, each dp rank deciding from its own rows' sums (Controls(cache_agrees=False)), takes other
 decisions. Every call after the first all-reduces two float32 tagged "cache", and each call's bytes equal
-traffic.py's closed form. Through load_pipeline and a session under ulysses 2, the latents equal diffusers'
+traffic.py's closed form. Through load_pipeline and a session under ulysses 2 (Wan: and cfg 2), the latents equal diffusers'
 FluxPipeline and WanPipeline (true CFG: two calls a step) run serially with the same hooks (at 0: without), and the
 session forces the last step's run, as the rule does."""
 
@@ -280,11 +280,10 @@ def test_refused_where_not_built():
         StepCache(0.1, coefficients=(1.0, 0.0))
 
 
-def _pipeline_runs(folder, family, threshold, expected):
-    """On every rank: load_pipeline under ulysses 2 with the TeaCache, one session: (error, skips, traffic, method)."""
+def _pipeline_runs(folder, family, config, threshold, expected):
+    """On every rank: load_pipeline under `config` with the TeaCache, one session: (error, skips, traffic, method)."""
     from xdit_lab.lab.summaries import rank_summary
 
-    config = ParallelConfig(ulysses=2)
     settings = StepCache(threshold, method="teacache", coefficients=COEFFICIENTS)
     pipe = load_pipeline(folder, config, mesh=RankMesh(config), progress=False, cache=settings)
     session = pipe.session(PROMPTS, seed=0, **_call_kwargs(family)).run()
@@ -320,11 +319,20 @@ def _latents(output):
 PIPELINE_SKIPS = [False, True, True, False, True, False]
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.15])
-@pytest.mark.parametrize("family", ["flux", "wan"])
-def test_a_session_equals_diffusers_pipeline_with_the_rule(tmp_path, family, threshold):
-    """Through load_pipeline and a session (which tells the cache its last step): ulysses 2 equals diffusers'
-    pipeline run serially, without a cache at 0, with the rule's hooks on its transformer above; the session's
+@pytest.mark.parametrize(
+    "family, config, threshold",
+    [
+        ("flux", ParallelConfig(ulysses=2), 0.0),
+        ("flux", ParallelConfig(ulysses=2), 0.15),
+        ("wan", ParallelConfig(ulysses=2), 0.0),
+        ("wan", ParallelConfig(ulysses=2), 0.15),
+        ("wan", ParallelConfig(cfg=2), 0.15),  # uncond on one rank, cond on the other: one decision still
+    ],
+    ids=lambda value: value.short() if isinstance(value, ParallelConfig) else None,
+)
+def test_a_session_equals_diffusers_pipeline_with_the_rule(tmp_path, family, config, threshold):
+    """Through load_pipeline and a session (which tells the cache its last step): ulysses 2 (and Wan's cfg 2) equals
+    diffusers' pipeline run serially, without a cache at 0, with the rule's hooks on its transformer above; the session's
     steps moved what the closed form says of a TeaCache's skips.
 
     Wan under CFG: diffusers' WanPipeline calls the transformer with the text, then without it, and TeaCache's Wan
@@ -348,8 +356,8 @@ def test_a_session_equals_diffusers_pipeline_with_the_rule(tmp_path, family, thr
     expected_skips = by_hand[::per_step]
     assert by_hand[per_step - 1 :: per_step] == expected_skips, by_hand  # Wan: both branches decide alike
     assert expected_skips == (PIPELINE_SKIPS if threshold else [False] * STEPS), expected_skips
-    for rank, out in enumerate(run_on_ranks(_pipeline_runs, 2, folder, family, threshold, _latents(output))):
-        where = f"{family} rank {rank}"
+    for rank, out in enumerate(run_on_ranks(_pipeline_runs, 2, folder, family, config, threshold, _latents(output))):
+        where = f"{family} {config.short()} rank {rank}"
         assert out["error"] <= out["bound"], f"{where}: {out['error']:.3g} > {out['bound']:.3g}"
         assert out["skips"] == expected_skips, where
         assert out["method"] == "StepCache(teacache)", where

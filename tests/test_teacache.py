@@ -10,9 +10,9 @@ full call; the first and the last call always run. At threshold 0 nothing skips 
 without a cache; at a threshold that skips, every strategy skips the calls the rule skips and equals its outputs
 (1e-4). The control, each dp rank deciding from its own rows' sums (Controls(cache_agrees=False)), takes other
 decisions. Every call after the first all-reduces two float32 tagged "cache", and each call's bytes equal
-traffic.py's closed form. Through load_pipeline and a session under ulysses 2 (Wan: and cfg 2), the latents equal diffusers'
-FluxPipeline and WanPipeline (true CFG: two calls a step) run serially with the same hooks (at 0: without), and the
-session forces the last step's run, as the rule does."""
+traffic.py's closed form. Through load_pipeline and a session under ulysses 2 (Wan: and cfg 2), the latents equal
+diffusers' FluxPipeline and WanPipeline (true CFG: two calls a step) run serially with the same hooks (at 0:
+without), and the session forces the last step's run, as the rule does."""
 
 import inspect
 from dataclasses import dataclass

@@ -47,7 +47,8 @@ def _norm1_zero(block, a):
 
 
 def _qwen_modulated(block, a):
-    """QwenImageTransformerBlock.forward: img_norm1(x) modulated by the shift and scale of img_mod(temb)'s first half."""
+    """QwenImageTransformerBlock.forward: img_norm1(x) modulated by the shift and scale of img_mod(temb)'s first
+    half."""
     shift, scale = block.img_mod(a["temb"]).chunk(2, dim=-1)[0].chunk(3, dim=-1)[:2]
     return block.img_norm1(a["hidden_states"]) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
@@ -84,9 +85,10 @@ def _pixart_modulated(block, a):
 @dataclass(frozen=True)
 class Family:
     """What the rule needs of a family's stock model, read from diffusers' block code: its block lists in order, the
-    first block's modulated input from its forward's arguments, where a block that returns a pair returns its image
-    states (one that returns a tensor returns the image, or [text; image] joined), and a threshold at which the tiny model's calls skip some and run some (each family's
-    rescaled changes like Flux's below; its text as long as the tiny model's positional table where it has one)."""
+    first block's modulated input from its forward's arguments, where a block that returns a pair returns its
+    image states (one that returns a tensor returns the image, or [text; image] joined), and a threshold at
+    which the tiny model's calls skip some and run some (each family's rescaled changes like Flux's below; its
+    text as long as the tiny model's positional table where it has one)."""
 
     block_lists: tuple
     modulated: object
@@ -332,16 +334,16 @@ PIPELINE_SKIPS = [False, True, True, False, True, False]
 )
 def test_a_session_equals_diffusers_pipeline_with_the_rule(tmp_path, family, config, threshold):
     """Through load_pipeline and a session (which tells the cache its last step): ulysses 2 (and Wan's cfg 2) equals
-    diffusers' pipeline run serially, without a cache at 0, with the rule's hooks on its transformer above; the session's
-    steps moved what the closed form says of a TeaCache's skips.
+    diffusers' pipeline run serially, without a cache at 0, with the rule's hooks on its transformer above; the
+    session's steps moved what the closed form says of a TeaCache's skips.
 
-    Wan under CFG: diffusers' WanPipeline calls the transformer with the text, then without it, and TeaCache's Wan
-    code keeps a previous input, a sum and a cache for each of the two (the by-hand rule here does the same); the
-    session calls it once on [uncond; cond] and takes one decision from the sums over both halves. The two agree:
-    Wan's modulated input is the patch embedding of the latents, normed and modulated by the timestep alone (the
-    text enters by cross-attention, after it), so both halves' inputs and changes are the same and so are both
-    branches' decisions. (A family whose temb reads the text, Flux's pooled projection, would weigh its halves'
-    changes by their sizes; its pipeline has no true CFG to compare with.)"""
+    Wan under CFG: diffusers' WanPipeline calls the transformer with the text, then without it, and TeaCache's
+    Wan code keeps a previous input, a sum and a cache for each of the two (the by-hand rule here does the
+    same); the session calls it once on [uncond; cond] and takes one decision from the sums over both halves.
+    The two agree: Wan's modulated input is the patch embedding of the latents, normed and modulated by the
+    timestep alone (the text enters by cross-attention, after it), so both halves' inputs and changes are the
+    same and so are both branches' decisions. (A family whose temb reads the text, Flux's pooled projection,
+    would weigh its halves' changes by their sizes; Flux's session here runs without true CFG.)"""
     from diffusers import DiffusionPipeline
 
     folder = save_tiny_pipeline(family, tmp_path)

@@ -13,15 +13,15 @@ one's):
     else:                     run every block, accumulated = 0
 
 The first call, and those of a session's last step (Session sets `final` before it), always run.
-The two sums are taken over this rank's tokens and all-reduced over every rank (group "world", tag "cache", from
-the second call on, as First-Block Cache's: one closed form in traffic.py), so all ranks decide from the same
-two numbers; a dp stand-in row counts nothing. A batch of [uncond; cond] (on one rank, or split by cfg) takes one decision
-from the sums over both halves, where TeaCache's Wan code keeps a counter for each of diffusers' two calls a step:
-the same decisions wherever the modulated input does not read the text (Wan's: the timestep alone modulates the
-patch embedding, the text enters later by cross-attention), else one change for both, the halves' averaged,
-weighed by each half's Σ|m_prev| (Flux's temb reads the pooled text). What the stack added is kept per patch of this rank's tokens by
-First-Block Cache's block wrappers (cache.py), here wrapped around every block, the first one included: the
-decision is taken before the first block runs, where TeaCache takes it.
+The two sums are taken over this rank's tokens and all-reduced over every rank (group "world", tag "cache", from the
+second call on, as First-Block Cache's: one closed form in traffic.py), so all ranks decide from the same two
+numbers; a dp stand-in row counts nothing. A batch of [uncond; cond] (on one rank, or split by cfg) takes one
+decision from the sums over both halves, where TeaCache's Wan code keeps a counter for each of diffusers' two calls
+a step: the same decisions wherever the modulated input does not read the text (Wan's: the timestep alone modulates
+the patch embedding, the text enters later by cross-attention), else one change for both, the halves' averaged,
+weighed by each half's Σ|m_prev| (Flux's temb reads the pooled text). What the stack added is kept per patch of this
+rank's tokens by First-Block Cache's block wrappers (cache.py), here wrapped around every block, the first one
+included: the decision is taken before the first block runs, where TeaCache takes it.
 
 Sequence shards only (ulysses, ring, cfg, dp): accelerations.py refuses PipeFusion, tp, compile, a ControlNet's
 residuals and the families whose adapter does not say how to compute the modulated input (`teacache` None).

@@ -1,6 +1,6 @@
-"""StepCache(method="teacache") on each family that offers it (tiny Flux, Flux.2, Wan, HunyuanVideo and its token
-replace, Qwen-Image, CogVideoX, PixArt) under ulysses 2, ring 2 and dp 2, against TeaCache's rule written here over
-diffusers' stock transformer run serially.
+"""StepCache(method="teacache") on each family that offers it (tiny Flux, Flux.2, Wan and Wan 2.2's timestep per
+token, HunyuanVideo and its token replace, Qwen-Image, CogVideoX, PixArt) under ulysses 2, ring 2 and dp 2, against
+TeaCache's rule written here over diffusers' stock transformer run serially.
 
 The reference (_by_hand) is hooks on the stock blocks: before the first block, the relative L1 change of its
 timestep-modulated input (written out per family below from diffusers' block code, not from the adapters) against
@@ -36,8 +36,14 @@ CONFIGS = [ParallelConfig(ulysses=2), ParallelConfig(ring=2), ParallelConfig(dp=
 
 
 def _wan_modulated(block, a):
-    """WanTransformerBlock.forward's first lines, temb [B, 6, D]: norm1(x) × (1 + scale_msa) + shift_msa."""
-    shift, scale = (block.scale_shift_table + a["temb"].float()).chunk(6, dim=1)[:2]
+    """WanTransformerBlock.forward's first lines: norm1(x) × (1 + scale_msa) + shift_msa, of temb [B, 6, D] or, with a
+    timestep per token (Wan 2.2 TI2V), [B, S, 6, D]."""
+    temb = a["temb"]
+    if temb.ndim == 4:
+        shift, scale = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)[:2]
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    else:
+        shift, scale = (block.scale_shift_table + temb.float()).chunk(6, dim=1)[:2]
     return (block.norm1(a["hidden_states"].float()) * (1 + scale) + shift).type_as(a["hidden_states"])
 
 
@@ -97,6 +103,7 @@ class Family:
     text_len: int = 6
     family: str = ""  # the tiny model's family where the key names a variant of it (its transformer's `overrides`)
     overrides: tuple = ()
+    timestep_per_token: bool = False  # Wan 2.2 TI2V's [B, S]: 0 on the first latent frame's tokens, t on the others
 
 
 FAMILIES = dict(
@@ -110,6 +117,9 @@ FAMILIES = dict(
         threshold=0.1,
     ),
     wan=Family(("blocks",), _wan_modulated, image_at=None, threshold=0.1),
+    wan_timestep_per_token=Family(
+        ("blocks",), _wan_modulated, image_at=None, threshold=0.1, family="wan", timestep_per_token=True
+    ),
     flux2=Family(("transformer_blocks", "single_transformer_blocks"), _flux2_modulated, image_at=1, threshold=0.1),
     pixart=Family(("transformer_blocks",), _pixart_modulated, image_at=None, threshold=0.1),
     hunyuanvideo=Family(("transformer_blocks", "single_transformer_blocks"), _norm1_zero, image_at=0, threshold=0.1),
@@ -139,6 +149,11 @@ def _calls(family):
     rows measure another change than the whole batch)."""
     base = tiny_inputs(_family(family), 2, height=8, width=8, text_len=FAMILIES[family].text_len)
     latents = base["hidden_states"]
+    if FAMILIES[family].timestep_per_token:  # [B, F, H / 2, W / 2] tokens (Wan's 1 × 2 × 2 patches), frame-major
+        per_token = (
+            base["timestep"].view(2, 1, 1, 1).expand(2, *latents.shape[2:3], *[n // 2 for n in latents.shape[3:]])
+        )
+        base["timestep"] = torch.cat([torch.zeros_like(per_token[:, :1]), per_token[:, 1:]], dim=1).flatten(1)
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(3))
     pace = torch.tensor([0.02, 0.15]).view(2, *[1] * (latents.ndim - 1))
     return [dict(base, hidden_states=latents + pace * i * noise) for i in range(STEPS)]

@@ -37,7 +37,9 @@ class StepCache:
                  numpy.poly1d; default identity (1, 0); the paper publishes them per model), accumulated; while
                  the sum stays below `threshold` every block is skipped and what the whole stack added at the
                  last full step is added instead; else all run and the sum restarts. The first and the last step
-                 of a session always run. Flux only so far (its adapter's `teacache`).
+                 of a session always run. On the families whose adapter says how to compute the first
+                 block's modulated input (`teacache`: Flux, Flux.2, Wan, HunyuanVideo,
+                 Qwen-Image, CogVideoX, PixArt).
 
     Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
     or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips (teacache: with a rescale that is never
@@ -119,9 +121,9 @@ def _teacache_problems(config, adapter, compile) -> list[str]:
     found = []
     if not adapter.teacache:
         found.append(
-            f"StepCache(method='teacache') is built for Flux only: its rule reads the "
-            f"first block's norm1(hidden_states, emb=temb), which {adapter.family}'s first block does not take that "
-            f"way; use StepCache(threshold) (First-Block Cache) there"
+            f"StepCache(method='teacache') is not offered on {adapter.family} yet: its rule reads the first block's "
+            f"timestep-modulated input, which xdit_lab does not know how to compute for {adapter.family}'s first "
+            f"block (its adapter's `teacache` is None); use StepCache(threshold) (First-Block Cache) there"
         )
     if getattr(config, PIPEFUSION) > 1:
         found.append(

@@ -557,7 +557,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="one of diffusers' cache configurations, run by its own hooks with one decision for every rank: "
         "fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[...], "
         "pab:spatial_attention_block_skip_range=2 (each key a field of its diffusers config); or TeaCache, ours "
-        "(StepCache(method='teacache'), Flux): teacache:threshold=0.15,coefficients=[...]. Default: no cache",
+        "(StepCache(method='teacache'); Flux, Flux.2, Wan, HunyuanVideo, Qwen-Image, CogVideoX, PixArt): "
+        "teacache:threshold=0.15,coefficients=[...]. Default: no cache",
     )
     run.add_argument(
         "--compile",

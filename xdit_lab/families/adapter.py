@@ -45,6 +45,14 @@ SEQUENCE_PARALLEL_KINDS = ("self", "joint_first", "joint_last")
 # against the image's keys); a PipeFusion stage keeps stale K/V of the first only
 STRATEGY_KINDS = (*SEQUENCE_PARALLEL_KINDS, "whole_queries")
 
+
+def norm1_modulated(block, argument) -> torch.Tensor:
+    """TeaCache's modulated input (FamilyAdapter.teacache) of a block whose norm1 is diffusers' AdaLayerNormZero
+    (Flux's, HunyuanVideo's double-stream blocks): norm1(hidden_states, emb=temb)'s normed, shifted and scaled
+    states, what the block's attention takes."""
+    return block.norm1(argument("hidden_states"), emb=argument("temb"))[0]
+
+
 # ---- latent layouts --------------------------------------------------------------------------------------
 
 
@@ -495,9 +503,10 @@ class FamilyAdapter:
     not_batched_dicts: tuple = ("joint_attention_kwargs", "attention_kwargs", "cross_attention_kwargs")
     # why StepCache is not offered, or None: it is offered where it is checked against diffusers' First-Block Cache
     step_cache_refused: str | None = None
-    # TeaCache (StepCache(method="teacache")) reads the first block's norm1(hidden_states, emb=temb), diffusers'
-    # AdaLayerNormZero, and takes the blocks' plain (text, image) returns: True where the family's first block does
-    teacache: bool = False
+    # TeaCache (StepCache(method="teacache")): (first block, argument) -> the block's timestep-modulated input, the
+    # tensor TeaCache's rule compares from call to call, where `argument(name)` reads the block's forward argument
+    # (Flux: norm1(hidden_states, emb=temb)[0]); None: not offered on the family
+    teacache: Callable | None = None
     # diffusers' cache configurations (by class name) whose hooks raise in diffusers' own serial run, and why
     diffusers_cache_refused: dict = field(default_factory=dict)
     # the family's diffusers pipelines (by class name) that open each call's cache context with the scheduler's

@@ -3,9 +3,18 @@ the video in one tensor), rotary tables per image token passed to the forward, D
 
 from __future__ import annotations
 
+import torch
+
 from .adapter import FRAMES, FamilyAdapter, PerToken
 from .recipe import Recipe, RequestShape, generator_of, latent_frames, vae_scale, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, text_parts
+
+
+def teacache_input(block, argument) -> torch.Tensor:
+    """TeaCache's modulated input of a CogVideoXBlock: its norm1 (CogVideoXLayerNormZero) of the image and text
+    states at temb, the image's part, what its attention takes with the text's."""
+    return block.norm1(argument("hidden_states"), argument("encoder_hidden_states"), argument("temb"))[0]
+
 
 ADAPTER = FamilyAdapter(
     "cogvideox",
@@ -27,6 +36,7 @@ ADAPTER = FamilyAdapter(
     },
     tp_gathered=("transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm2.linear", "norm_out.linear"),
     tp_tokens={r"transformer_blocks\.\d+\.(attn1\.to_out\.0|ff\.net\.2)": "joint"},
+    teacache=teacache_input,
 )
 
 

@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from .adapter import TOKENS, BlockResiduals, FamilyAdapter, PerToken
+from .adapter import TOKENS, BlockResiduals, FamilyAdapter, PerToken, norm1_modulated
 from .controlnet import CONTROLNET_OPTIONS, ControlNetRecipe, runs_controlnet
 from .recipe import (
     PackedLatentsRecipe,
@@ -90,7 +90,7 @@ ADAPTER = FamilyAdapter(
     "flux",
     "FluxTransformer2DModel",
     from_cp_plan=True,
-    teacache=True,  # its first block's norm1(hidden_states, emb=temb) is TeaCache's modulated input
+    teacache=norm1_modulated,  # its first block's norm1(hidden_states, emb=temb) is TeaCache's modulated input
     # a ControlNet's residuals, [B, S, D] per block it feeds, added to the image states: cut with them (a
     # ControlNet parallelized on the same mesh hands them over cut already: RankLocal, taken as they are); under
     # PipeFusion each stage is given its own blocks' residuals

@@ -34,6 +34,17 @@ from .flux import FLUX_LAYOUT, FLUX_SCHEDULER, packed_inputs
 from .recipe import PackedLatentsRecipe, RequestShape, generator_of, prompt_embeds
 from .tiny_spec import TEXT_DIM, Part, TinySpec
 
+
+def teacache_input(block, argument) -> torch.Tensor:
+    """TeaCache's modulated input of Flux.2's first double-stream block: norm1(hidden_states) × (1 + scale) + shift,
+    the first two of the six modulations temb_mod_img holds ([B, 6·dim], or per token), what its attention takes."""
+    modulation = argument("temb_mod_img")
+    if modulation.ndim == 2:
+        modulation = modulation.unsqueeze(1)
+    shift, scale = modulation.chunk(6, dim=-1)[:2]
+    return (1 + scale) * block.norm1(argument("hidden_states")) + shift
+
+
 ADAPTER = FamilyAdapter(
     "flux2",
     "Flux2Transformer2DModel",
@@ -52,6 +63,7 @@ ADAPTER = FamilyAdapter(
         "single_stream_modulation.linear",
         "norm_out.linear",
     ),
+    teacache=teacache_input,
     **FLUX_LAYOUT,
 )
 

@@ -19,13 +19,26 @@ pipeline does: its text can be longer than the positive's, so the branches are p
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
-from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken
+from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter, PerToken, norm1_modulated
 from .qwenimage import padded_text_mask
 from .recipe import TrueCFGRecipe, VideoRecipe
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
+
+
+def teacache_input(block, argument) -> torch.Tensor:
+    """TeaCache's modulated input of HunyuanVideo's first double-stream block: norm1(hidden_states, emb=temb)'s
+    states, or with token replace (HunyuanVideo-I2V) its norm1 as the block calls it, the first frame's tokens (this
+    rank's share of num_tokens) modulated at t = 0."""
+    if "token_replace_emb" in inspect.signature(type(block).forward).parameters:
+        hidden, temb = argument("hidden_states"), argument("temb")
+        return block.norm1(hidden, temb, argument("token_replace_emb"), argument("num_tokens"))[0]
+    return norm1_modulated(block, argument)
+
 
 ADAPTER = FamilyAdapter(
     "hunyuanvideo",
@@ -70,6 +83,7 @@ ADAPTER = FamilyAdapter(
         "context_embedder.token_refiner.refiner_blocks.*.norm_out.linear",
         "norm_out.linear",
     ),
+    teacache=teacache_input,
 )
 
 

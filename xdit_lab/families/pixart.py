@@ -11,6 +11,17 @@ from .adapter import FamilyAdapter
 from .recipe import Recipe, RequestShape, binned_size, generator_of, vae_scale
 from .tiny_spec import INNER, MAX_TOKENS, TEXT_DIM, Part, TinySpec, text_parts
 
+
+def teacache_input(block, argument):
+    """TeaCache's modulated input of PixArt's first block (diffusers' BasicTransformerBlock, ada_norm_single):
+    norm1(hidden_states) × (1 + scale) + shift, the first two of the six modulations its scale_shift_table adds to
+    the embedded timestep [B, 6·dim] the forward hands every block, what its self-attention takes."""
+    hidden = argument("hidden_states")
+    modulations = block.scale_shift_table[None] + argument("timestep").reshape(hidden.shape[0], 6, -1)
+    shift, scale = modulations.chunk(6, dim=1)[:2]
+    return block.norm1(hidden) * (1 + scale) + shift
+
+
 ADAPTER = FamilyAdapter(
     "pixart",
     "PixArtTransformer2DModel",
@@ -31,6 +42,7 @@ ADAPTER = FamilyAdapter(
         "transformer_blocks.*.ff.net.2": "rowwise",
     },
     tp_gathered=("adaln_single.linear",),
+    teacache=teacache_input,
 )
 
 

@@ -43,6 +43,15 @@ from .recipe import (
 )
 from .tiny_spec import TEXT_DIM, Part, TinySpec, flow_scheduler
 
+
+def teacache_input(block, argument) -> torch.Tensor:
+    """TeaCache's modulated input of a QwenImageTransformerBlock: img_norm1(hidden_states) modulated by the first
+    half of img_mod(temb) (shift and scale; per token by modulate_index where the forward gives one), what its
+    image stream's attention takes."""
+    modulation = block.img_mod(argument("temb")).chunk(2, dim=-1)[0]
+    return block._modulate(block.img_norm1(argument("hidden_states")), modulation, argument("modulate_index"))[0]
+
+
 ADAPTER = FamilyAdapter(
     "qwenimage",
     "QwenImageTransformer2DModel",
@@ -57,6 +66,7 @@ ADAPTER = FamilyAdapter(
     per_sample_lists=("img_shapes",),
     # tensor parallelism: diffusers' _tp_plan, and the modulations it leaves whole
     tp_gathered=("transformer_blocks.*.img_mod.1", "transformer_blocks.*.txt_mod.1", "norm_out.linear"),
+    teacache=teacache_input,
 )
 
 

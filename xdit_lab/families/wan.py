@@ -32,6 +32,21 @@ from .adapter import IMAGE_ONLY, VIDEO, FamilyAdapter
 from .recipe import VideoRecipe, causal_vae_decoded, video_prompt_embeds
 from .tiny_spec import MAX_TOKENS, TEXT_DIM, Part, TinySpec, flow_scheduler, text_parts
 
+
+def teacache_input(block, argument) -> torch.Tensor:
+    """TeaCache's modulated input of a WanTransformerBlock (TeaCache's Wan variant): norm1(hidden_states) ×
+    (1 + scale) + shift, the first two of the six modulations the block's scale_shift_table adds to temb, what its
+    self-attention takes. temb [B, 6, D], or [B, S, 6, D] with a timestep per token (Wan 2.2 TI2V: this rank's
+    tokens' rows)."""
+    hidden, temb = argument("hidden_states"), argument("temb")
+    per_token = temb.ndim == 4
+    table = block.scale_shift_table.unsqueeze(0) if per_token else block.scale_shift_table
+    shift, scale = (table + temb.float()).chunk(6, dim=temb.ndim - 2)[:2]
+    if per_token:
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    return (block.norm1(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+
+
 ADAPTER = FamilyAdapter(
     "wan",
     "WanTransformer3DModel",
@@ -56,6 +71,7 @@ ADAPTER = FamilyAdapter(
     tp_gathered=("condition_embedder.time_proj",),
     tp_head_norms=(r"blocks\.\d+\.attn[12]\.norm_[qk]",),
     cache_sigma_pipelines=("WanPipeline",),  # its image to video opens the context without sigma
+    teacache=teacache_input,
 )
 
 

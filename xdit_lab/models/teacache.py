@@ -1,8 +1,10 @@
 """TeaCache (Liu et al., "Timestep Embedding Tells: It's Time to Cache for Video Diffusion Model"), with one
 decision for the whole batch that every rank takes together: StepCache(threshold, method="teacache").
 
-At every transformer call the first block's timestep-modulated input m = norm1(hidden_states, emb=temb) is
-compared with the previous call's (not the last full one's):
+At every transformer call the first block's timestep-modulated input m, what the family's adapter computes of the
+block's arguments (FamilyAdapter.teacache: Flux's norm1(hidden_states, emb=temb), Wan's norm1(hidden_states) ×
+(1 + scale) + shift from its scale_shift_table and temb), is compared with the previous call's (not the last full
+one's):
 
     change = poly(Σ|m - m_prev| / Σ|m_prev|)          over every token of every image in the batch
     accumulated += change
@@ -11,14 +13,18 @@ compared with the previous call's (not the last full one's):
     else:                     run every block, accumulated = 0
 
 The first call, and those of a session's last step (Session sets `final` before it), always run.
-The two sums are taken over this rank's tokens and all-reduced over every rank (group "world", tag "cache", from
-the second call on, as First-Block Cache's: one closed form in traffic.py), so all ranks decide from the same
-two numbers; a dp stand-in row counts nothing. What the stack added is kept per patch of this rank's tokens by
-First-Block Cache's block wrappers (cache.py), here wrapped around every block, the first one included: the
-decision is taken before the first block runs, where TeaCache takes it.
+The two sums are taken over this rank's tokens and all-reduced over every rank (group "world", tag "cache", from the
+second call on, as First-Block Cache's: one closed form in traffic.py), so all ranks decide from the same two
+numbers; a dp stand-in row counts nothing. A batch of [uncond; cond] (on one rank, or split by cfg) takes one
+decision from the sums over both halves, where TeaCache's Wan code keeps a counter for each of diffusers' two calls
+a step: the same decisions wherever the modulated input does not read the text (Wan's: the timestep alone modulates
+the patch embedding, the text enters later by cross-attention), else one change for both, the halves' averaged,
+weighed by each half's Σ|m_prev| (Flux's temb reads the pooled text). What the stack added is kept per patch of this
+rank's tokens by First-Block Cache's block wrappers (cache.py), here wrapped around every block, the first one
+included: the decision is taken before the first block runs, where TeaCache takes it.
 
 Sequence shards only (ulysses, ring, cfg, dp): accelerations.py refuses PipeFusion, tp, compile, a ControlNet's
-residuals and the families whose first block does not take norm1(hidden_states, emb=temb).
+residuals and the families whose adapter does not say how to compute the modulated input (`teacache` None).
 """
 
 from __future__ import annotations
@@ -74,10 +80,9 @@ class TeaCacheRuntime(FirstBlockCache):
 
     def _head(self, meta, block, rest, forward, *args, **kwargs):
         """The first block: measure its modulated input, decide for the whole stack, then run it (or pass on)."""
-        hidden = meta._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
-        temb = meta._get_parameter_from_args_kwargs("temb", args, kwargs)
-        self.image_tokens = hidden.shape[1]
-        modulated = block.norm1(hidden, emb=temb)[0]
+        argument = functools.partial(_argument, meta, args, kwargs)
+        self.image_tokens = argument("hidden_states").shape[1]
+        modulated = self.state.adapter.teacache(block, argument)
         if self.previous is not None and not self.state.stand_in:
             previous = self.previous
             self.sums += torch.stack([(modulated - previous).abs().sum(), previous.abs().sum()]).float()
@@ -110,6 +115,14 @@ class TeaCacheRuntime(FirstBlockCache):
         compared): what a per-rank decision would have used."""
         unscaled = super().local_changes
         return [None if c is None else _rescaled(self.settings.coefficients, c) for c in unscaled]
+
+
+def _argument(meta, args, kwargs, name: str):
+    """The block's forward argument `name` as this call passed it; None where the call left it to its default."""
+    try:
+        return meta._get_parameter_from_args_kwargs(name, args, kwargs)
+    except IndexError:  # a positional slot the call did not fill
+        return None
 
 
 def _rescaled(coefficients: tuple[float, ...], x: float) -> float:

@@ -23,12 +23,14 @@ BATCH = 4  # test_pipefusion._inputs' batch: every row on every rank (no cfg, no
 def _held(model, whole: int) -> dict:
     """What this rank holds after the steps: its parameter bytes (a DTensor's shard) against the tp plan's for its
     stage, the stage's parameter bytes against the whole model's, the stale K/V held against planned, and the
-    stale K/V a rank would keep of every head (what tp must halve)."""
+    stale K/V of every head of its layers, every token, every row (what a stage keeps without tp: tp halves it)."""
     state = parallel_state(model)
     stage, tensor = state.strategy, state.tensor
     grid, appended = stage.grid
-    buffers = [b for b in stage.buffers.values()]
-    every_head = sum(b.keys.numel() * b.keys.element_size() * 2 * state.mesh.group_size("tp") for b in buffers)
+    buffers = list(stage.buffers.values())
+    heads, head_dim = state.adapter.attention_shape(model.config)
+    tokens = grid[0] * grid[1] + sum(rows * cols for rows, cols in appended)
+    every_head = len(buffers) * 2 * BATCH * heads * tokens * head_dim * 4  # K and V, float32
     return dict(
         held=_held_bytes(model),
         planned=tensor.planned_bytes,
@@ -87,7 +89,7 @@ def test_tp2_pf2_equals_serial_diffusers_and_keeps_half_the_stale_kv():
                 assert held["held"] == held["planned"], f"{where}: held {held['held']}, planned {held['planned']}"
                 assert held["held"] < 0.6 * held["stage_whole"] and held["stage_whole"] < held["whole"], where
                 assert held["layers"] > 0 and held["kept"] == held["planned_kept"], f"{where} {name}: {held}"
-                assert 2 * held["kept"] == held["every_head"], where  # its own heads' K/V: half a stage's
+                assert 2 * held["kept"] == held["every_head"], where  # its own heads' K/V: half of every head's
             if run["controls"]:
                 _check_stale_bound(family, run["stale"], run["controls"], where)
         # stage 0 sends its patches on the pipefusion link; the last stage broadcasts the prediction

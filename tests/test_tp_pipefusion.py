@@ -105,3 +105,15 @@ def test_tp_refuses_the_async_schedule_and_a_cache_under_pipefusion():
     assert ParallelConfig(tp=2, pipefusion=2).problems() == []
     with pytest.raises(ParallelConfigError, match=r"a cache \(xdit_lab's StepCache\) is not composed with tp 2 under"):
         parallelize(tiny_transformer("flux"), TP_PF, cache=StepCache(threshold=0.1))
+
+
+def test_each_pipefusion_group_is_one_tp_coordinate_s_stages():
+    """The grid alone (no process): tp pairs are neighbours, each pipefusion group and link joins the stages of one
+    tp coordinate, and a stage's neighbours are the ranks of its own coordinate."""
+    from xdit_lab import RankMesh
+
+    meshes = [RankMesh(TP_PF, rank=r, world_size=4) for r in range(4)]
+    assert meshes[0].all_groups("tp") == [[0, 1], [2, 3]]
+    assert meshes[0].all_groups("pipefusion") == [[0, 2], [1, 3]]
+    assert meshes[0].all_links() == [(0, 2), (1, 3)]
+    assert [m.pipeline_next for m in meshes[:2]] == [2, 3] and [m.pipeline_prev for m in meshes[2:]] == [0, 1]

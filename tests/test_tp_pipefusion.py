@@ -117,3 +117,39 @@ def test_each_pipefusion_group_is_one_tp_coordinate_s_stages():
     assert meshes[0].all_groups("pipefusion") == [[0, 2], [1, 3]]
     assert meshes[0].all_links() == [(0, 2), (1, 3)]
     assert [m.pipeline_next for m in meshes[:2]] == [2, 3] and [m.pipeline_prev for m in meshes[2:]] == [0, 1]
+
+
+FAMILIES = ("flux", "flux2", "qwenimage", "wan", "hunyuanvideo", "cogvideox", "sd3", "pixart", "zimage", "dit")
+FAMILIES += ("hunyuanvideo15",)  # every family with a tp plan
+
+
+def test_the_layers_tp_counts_after_the_blocks_run_after_them_in_every_family():
+    """tensor_parallel.after_blocks names the planned layers outside the blocks that only PipeFusion's last stage
+    runs; each family's own forward (tiny, serial) runs exactly those after its last block, the others before its
+    first (PixArt's shared modulation, registered after its blocks, runs before them)."""
+    import torch
+    from test_tensor_parallel import BATCH as TP_BATCH
+    from test_tensor_parallel import HEADS, TEXT
+
+    from xdit_lab.families import adapter_for
+    from xdit_lab.families.tp_plan import model_plan
+    from xdit_lab.models.tensor_parallel import after_blocks, expand
+    from xdit_lab.tiny import tiny_inputs
+
+    for family in FAMILIES:
+        model = tiny_transformer(family, seed=0, heads=HEADS.get(family))
+        adapter = adapter_for(model)
+        inputs = tiny_inputs(family, TP_BATCH, height=8, width=8, text_len=TEXT)
+        blocks = [f"{name}.{i}" for name in adapter.block_lists for i in range(len(getattr(model, name)))]
+        outside = [n for n in expand(model, model_plan(type(model), adapter)) if not n.startswith(tuple(blocks))]
+        order, handles = [], []
+        for name in [*outside, *blocks]:
+            hook = lambda *_, name=name, order=order: order.append(name)  # noqa: E731
+            handles.append(model.get_submodule(name).register_forward_hook(hook))
+        with torch.no_grad():
+            model(**inputs)
+        for handle in handles:
+            handle.remove()
+        last = max(i for i, name in enumerate(order) if name in blocks)
+        ran_after = {name for name in outside if order.index(name) > last}
+        assert {name for name in outside if after_blocks(name)} == ran_after, f"{family}: {outside}, {order}"

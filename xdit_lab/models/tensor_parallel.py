@@ -303,39 +303,43 @@ def module_tokens(name: str, tokens: dict | None = None) -> str:
     return "image"
 
 
+def after_blocks(name: str) -> bool:
+    """Whether a planned layer outside the blocks runs after them, by diffusers' names of the output layers (norm_out,
+    proj_out*, Z-Image's all_final_layer): only PipeFusion's last stage runs it (the others hand over after their last
+    block). tests/test_tp_pipefusion.py checks it against the order every family's forward runs its layers in."""
+    return re.match(r"norm_out|proj_out|all_final_layer", name) is not None
+
+
 def tp_shapes(transformer, record: TensorParallel, adapter) -> dict:
     """What traffic.expected_bytes_per_step needs of a model split over tp (its `shapes["tp"]`), from the record
     apply_tensor_parallel made: each rowwise layer's [tokens it runs on (module_tokens), width, whether it runs at
     a step a StepCache skips, whether it runs after the blocks], each gathered modulation's [width, the same two],
     and the tokens each norm over every head runs on ('cross_text': a cross attention's keys) and the same. A skipped
-    step runs the first block and what is outside the blocks (the output's modulation). The output layers, after
-    the blocks (by diffusers' names: norm_out, proj_out*, Z-Image's all_final_layer), run on PipeFusion's last stage
-    alone: the others hand their activations on after their last block."""
+    step runs the first block and what is outside the blocks (the output's modulation). The output layers
+    (after_blocks) run on PipeFusion's last stage alone."""
 
     def always(name: str) -> bool:
         in_blocks = any(name.startswith(f"{blocks}.") for blocks in adapter.block_lists)
         return not in_blocks or name.startswith(f"{adapter.block_lists[0]}.0.")
 
-    def after(name: str) -> bool:
-        return re.match(r"norm_out|proj_out|all_final_layer", name) is not None
-
     norms = []
     for name in record.head_norms:
         attention, norm = name.rsplit(".", 1)
         cross_keys = adapter.attention_kind(attention) == "cross" and norm == "norm_k"
-        norms.append(["cross_text" if cross_keys else "image", always(name), after(name)])
+        norms.append(["cross_text" if cross_keys else "image", always(name), after_blocks(name)])
     return dict(
         rowwise=[
             [
                 module_tokens(name, adapter.tp_tokens),
                 transformer.get_submodule(name).out_features,
                 always(name),
-                after(name),
+                after_blocks(name),
             ]
             for name in record.names(ROWWISE, "packed-rowwise")
         ],
         gathered=[
-            [transformer.get_submodule(name).out_features, always(name), after(name)] for name in record.names(GATHERED)
+            [transformer.get_submodule(name).out_features, always(name), after_blocks(name)]
+            for name in record.names(GATHERED)
         ],
         norms=norms,
     )

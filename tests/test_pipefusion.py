@@ -37,12 +37,15 @@ def _inputs(family):
     return [dict(base, **{name: latents + DRIFT * i * noise}) for i in range(STEPS)]
 
 
-def _steps(config, family="pixart", control=None):
+def _steps(config, family="pixart", control=None, extra=None):
     """STEPS transformer calls (one per diffusion step), against diffusers' serial forward: per step the
     largest error, its 1e-4 bound, the relative L2 deviation, and the bytes sent beside the closed form.
-    `control` names deliberately wrong stale K/V buffers (xdit_lab.lessons.controls)."""
+    `control` names deliberately wrong stale K/V buffers (xdit_lab.lessons.controls); `extra(model, whole)`, a
+    module-level function, adds what it reads of the parallel model after the steps (`whole`: the serial model's
+    parameter bytes) under "extra"."""
     model = tiny_transformer(family, layers=LAYERS)
     per_block = [sum(p.numel() for p in block.parameters()) for block in adapter_for(model).blocks(model)]
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     inputs = _inputs(family)
     with torch.no_grad():
         reference = [sample(model(**x)) for x in inputs]
@@ -68,6 +71,7 @@ def _steps(config, family="pixart", control=None):
         block_params=sum(p.numel() for block in adapter_for(model).blocks(model) for p in block.parameters()),
         whole=sum(per_block),
         per_block=per_block,
+        extra=None if extra is None else extra(model, whole_bytes),
     )
 
 
@@ -590,6 +594,7 @@ def test_the_plan_for_a_request_counts_the_kv_buffers_a_stage_holds(tmp_path):
             ParallelConfig(pipefusion=2, ring=2),
             ParallelConfig(pipefusion=2, cfg=2),
             ParallelConfig(pipefusion=2, dp=2),
+            ParallelConfig(pipefusion=2, tp=2),  # a tp rank keeps the K/V of its heads: half the stage's
         ],
     }
     for world_size, configs in cases.items():

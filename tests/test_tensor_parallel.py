@@ -211,8 +211,9 @@ def _pipeline(folder, configs, kwargs, expected):
 
 TP2 = ParallelConfig(tp=2)
 COMPOSED = [ParallelConfig(tp=2, ulysses=2), ParallelConfig(tp=2, cfg=2)]  # cfg 2: the families with true CFG
+TP2_PF2 = ParallelConfig(tp=2, pipefusion=2, warmup_steps=3)  # every step of the 3 warms up: exact
 PIPELINES = {  # family: the configurations its pipeline runs under, by world size (Flux.2 is guidance-distilled)
-    "flux": {2: [TP2], 4: [ParallelConfig(tp=2, cfg=2)]},
+    "flux": {2: [TP2], 4: [ParallelConfig(tp=2, cfg=2), TP2_PF2]},
     "flux2": {2: [TP2]},
     "qwenimage": {2: [TP2]},
     "wan": {2: [TP2]},  # the adapter's plan
@@ -220,7 +221,7 @@ PIPELINES = {  # family: the configurations its pipeline runs under, by world si
     "hunyuanvideo": {2: [TP2], 4: COMPOSED},  # double and single streams, the token refiner whole-text
     "hunyuanvideo15": {2: [TP2], 4: COMPOSED},  # 4 heads (its tiny model's 3 do not split over tp 2)
     "cogvideox": {2: [TP2], 4: COMPOSED},  # one joint stream of [text; image]
-    "sd3": {2: [TP2], 4: COMPOSED},
+    "sd3": {2: [TP2], 4: [*COMPOSED, TP2_PF2]},
     "zimage": {2: [TP2], 4: COMPOSED},  # 4 heads; the refiners' and the joint layers' tokens
 }
 TRUE_CFG = ("flux", "qwenimage", "hunyuanvideo")  # whose pipelines guide with negatives only at true_cfg_scale > 1
@@ -244,10 +245,12 @@ def _folder(family, path):
 
 @pytest.mark.parametrize("family", PIPELINES)
 def test_pipeline_under_tp_equals_diffusers_pipeline(family, tmp_path):
-    """Each family's pipeline under tp 2, and composed with ulysses 2 or cfg 2 on 4 ranks, against diffusers'
-    serial pipeline; each step's bytes per group (tp's included) as the closed form."""
+    """Each family's pipeline under tp 2, and composed with ulysses 2, cfg 2 or PipeFusion 2 (each stage's blocks
+    split over its tp ranks) on 4 ranks, against diffusers' serial pipeline; each step's bytes per group (tp's
+    included) as the closed form, the transformer's bytes a rank holds as planned from the headers."""
     from diffusers import DiffusionPipeline
 
+    from xdit_lab.config import SHORT
     from xdit_lab.lessons.families import output_latents
 
     folder = _folder(family, tmp_path / family)
@@ -267,12 +270,15 @@ def test_pipeline_under_tp_equals_diffusers_pipeline(family, tmp_path):
     )
     for world, configs in PIPELINES[family].items():
         per_rank = run_on_ranks(_pipeline, world, folder, configs, kwargs, expected, timeout_s=300)
+        # the plan is the busiest rank's (under PipeFusion, the stage that holds the most): each holds at most that
+        busiest = [max(rows[i][4][1] for rows in per_rank) for i in range(len(configs))]
         for rows in per_rank:
-            for config, error, bound, mismatches, (planned, held), groups in rows:
+            for (config, error, bound, mismatches, (planned, held), groups), most in zip(rows, busiest):
                 assert error <= bound, f"{family} {config}: error {error:.3g} > {bound:.3g}"
-                assert planned == held, f"{family} {config}: planned {planned} bytes of the transformer, held {held}"
+                assert planned == most >= held, f"{family} {config}: planned {planned} bytes of the transformer, {held}"
                 assert not mismatches, mismatches  # each step's bytes per group, tp's included, as the closed form
-                assert set(config.replace("2", "").split("·")) <= groups, f"{family} {config}: moved {groups}"
+                named = {short: group for group, short in SHORT.items()}
+                assert {named[n] for n in config.replace("2", "").split("·")} <= groups, f"{family} {config}: {groups}"
 
 
 @pytest.mark.parametrize(
@@ -326,7 +332,7 @@ def test_tp_in_the_config_its_cost_and_its_names():
     assert split.work_fraction == alone.work_fraction / 2 and split.params_fraction == 0.5
     # Ulysses moves half the heads; tp all-reduces [p/2, hs] twice a layer: 2 · 2(2-1)/2 / 2 · 28
     assert split.comm_p_hs == pytest.approx(alone.comm_p_hs / 2 + 28)
-    # options() ranks tp only when asked (a family with a plan), and never with PipeFusion
+    # options() ranks tp only when asked (a family with a plan), and not yet with PipeFusion (which tp composes with)
     listed = [c.short() for c in ParallelConfig.options(4, num_heads=24, num_layers=28, tensor_parallel=True)]
     assert {"ulysses2·tp2", "tp4", "cfg2·tp2"} <= set(listed) and not [n for n in listed if "pf" in n and "tp" in n]
     assert listed.index("ulysses4") < listed.index("ulysses2·tp2")  # the same work; tp's all-reduces send more
@@ -346,8 +352,8 @@ def test_a_tp_degree_that_does_not_divide_the_heads_names_those_that_do():
 
 
 def test_tp_refuses_what_it_is_not_composed_with_by_name():
-    said = " ".join(ParallelConfig(tp=2, pipefusion=2).problems())
-    assert "not composed with PipeFusion" in said and "ulysses, ring, cfg or dp" in said
+    said = " ".join(ParallelConfig(tp=2, pipefusion=2, pipefusion_schedule="async").problems())
+    assert "not yet with pipefusion_schedule='async'" in said and "use the drained schedule with tp" in said
     said = " ".join(ParallelConfig(tp=2, ulysses=2, comm_dtype="float8_e4m3fn").problems())
     assert "comm_dtype 'float8_e4m3fn' is not composed with tp 2 yet" in said
     model = tiny_transformer("flux")

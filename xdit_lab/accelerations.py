@@ -72,9 +72,20 @@ class StepCache:
 def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple[str, type[Exception]]]:
     """What parallelize refuses of its cache and compile options for a model of `adapter`'s family under `config`,
     as (sentence, the exception it raises them as): an unknown compile backend, compile's own rules
-    (compile_problems), a family that has no StepCache yet, a StepCache under the async schedule. LoadOptions.problems
+    (compile_problems), a family that has no StepCache yet, a StepCache under the async schedule, a cache under tp
+    and PipeFusion together. LoadOptions.problems
     asks the same before a weight is read."""
     found = []
+    if cache is not None and config.tp > 1 and getattr(config, PIPEFUSION) > 1:
+        # a skipped step runs the model's first block (StepCache) or none on a stage split over tp, which neither
+        # the stage's stale K/V nor tp's closed form has been checked on yet
+        found.append(
+            (
+                f"a cache ({_named(cache)}) is not composed with tp {config.tp} under PipeFusion (pipefusion "
+                f"{config.pipefusion}) yet; use it with tp and ulysses, ring, cfg or dp, or with PipeFusion and tp 1",
+                ParallelConfigError,
+            )
+        )
     if is_diffusers_cache(cache):
         found += [(sentence, ParallelConfigError) for sentence in diffusers_cache_problems(config, adapter, cache)]
         if compile:

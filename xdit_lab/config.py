@@ -5,6 +5,9 @@ A hybrid-parallel run splits `world_size` ranks into a grid of
 tp (tensor parallelism, models/tensor_parallel.py) varies fastest: its ranks each hold 1/tp of every split linear
 layer and all-reduce a block's activations twice per block, the most frequent and largest collectives of the grid,
 so they get the nearest ranks (one NVLink island); Ulysses' all-to-alls, once per attention layer, come next.
+Under PipeFusion each stage's blocks are split over its tp ranks: the rank of tp coordinate t of stage s hands its
+patch activations (whole, after the rowwise all-reduce) to the rank of coordinate t of stage s+1, and keeps the
+stale K/V of its own heads, 1/tp of a stage's buffer.
 A grid without tp (tp=1) lays its ranks out exactly as before tp existed.
 The most common mistake is arithmetic: the degrees do not multiply to the number of
 processes. `validate()` names every broken rule at once and, on a world-size mismatch,
@@ -216,11 +219,10 @@ class ParallelConfig:
                 f"pipefusion_schedule='async' overlaps PipeFusion stages across steps, but pipefusion is "
                 f"{self.pipefusion}; use pipefusion >= 2 or the default schedule"
             )
-        if self.tp > 1 and self.pipefusion > 1:
+        if self.tp > 1 and self.pipefusion > 1 and self.pipefusion_schedule == "async":
             found.append(
-                f"tp {self.tp} is not composed with PipeFusion (pipefusion {self.pipefusion}) yet: a stage's layers "
-                f"are not split over tp ranks; use tp with ulysses, ring, cfg or dp, or pipefusion {self.pipefusion} "
-                f"with tp 1"
+                f"tp {self.tp} is composed with PipeFusion's drained schedule, not yet with "
+                f"pipefusion_schedule='async'; use the drained schedule with tp, or tp 1 with the async one"
             )
         if self.tp > 1 and self.comm_dtype is not None:
             found.append(
@@ -395,8 +397,8 @@ class ParallelConfig:
     ) -> list[ParallelConfig]:
         """Every valid configuration for `world_size` ranks, best first.
 
-        `tensor_parallel`: tp degrees too, for a model whose family has a tp plan (models/tensor_parallel.py); by
-        default the five other degrees only, as for a model tp cannot split.
+        `tensor_parallel`: tp degrees too, for a model whose family has a tp plan (models/tensor_parallel.py), not
+        yet with PipeFusion; by default the five other degrees only, as for a model tp cannot split.
 
         `comm_dtype` (float8 on the wire) is given to every configuration whose Ulysses or Ring links can
         carry it; the others (no sequence parallelism, or PipeFusion with it) are listed without it.
@@ -414,7 +416,9 @@ class ParallelConfig:
             divisors, (1, 2) if use_cfg else (1,), divisors, divisors, tps
         ):
             rest, leftover = divmod(world_size, dp * cfg * pipefusion * ring * tp)
-            if leftover or rest < 1:
+            # tp within PipeFusion stages runs (models/tensor_parallel.py) but is not ranked here yet: the planner's
+            # table and its lessons list tp beside the sequence degrees only
+            if leftover or rest < 1 or (tp > 1 and pipefusion > 1):
                 continue
             patches = None if num_patches is None else max(num_patches, pipefusion)
             config = ParallelConfig(

@@ -66,8 +66,10 @@ def expected_bytes_per_step(
       tp          a model split over tp ranks (`shapes["tp"]`: models/tensor_parallel.tp_shapes): each forward's
                   all-reduces and gathers, tp_bytes_per_forward (config.py: the cost model's tp term too), over
                   this rank's tokens (its sequence shard's, the text's shard where it is cut, the whole text in a
-                  refiner before the blocks);
-                  the attention exchanges above then move the h/tp heads of this rank
+                  refiner before the blocks; under PipeFusion each patch set's, the layers after the blocks on the
+                  last stage alone); the attention exchanges above then move the h/tp heads of this rank, and a
+                  stage hands on its patches whole (after the all-reduce) to the next stage's rank of the same tp
+                  coordinate
       dp, cfg     the output gather (dp pads to the largest share), with the outputs gathered beside the sample
                   (`also_gathered` elements a sample: LTX-2's audio)
       controlnet  a ControlNet's layers (`controlnet_self_layers`, `controlnet_joint_layers`) move what the
@@ -158,14 +160,16 @@ def expected_bytes_per_step(
             tokens_of = dict(image=sizes[sp_rank], text=my_text, joint=sizes[sp_rank] + my_text, whole_text=text)
             tokens_of["cross_text"] = s.get("cross_text_len", 0)
             split = s["tp"]
+
+            def runs(always, after):  # at this step (a StepCache's skip), on this stage (the last runs the output)
+                return (always or not skipped) and (last_stage or not after)
+
             out[TP] += tp_bytes_per_forward(
                 c.tp,
                 e,
-                reduced=[
-                    b * tokens_of[kind] * width for kind, width, always in split["rowwise"] if always or not skipped
-                ],
-                gathered=[b * width for width, always in split["gathered"] if always or not skipped],
-                norm_rows=[b * tokens_of[kind] for kind, always in split["norms"] if always or not skipped],
+                reduced=[b * tokens_of[kind] * width for kind, width, *when in split["rowwise"] if runs(*when)],
+                gathered=[b * width for width, *when in split["gathered"] if runs(*when)],
+                norm_rows=[b * tokens_of[kind] for kind, *when in split["norms"] if runs(*when)],
             )
         with_text = [n + t for n, t in zip(sizes, text_sizes)]  # a joint layer's tokens per sp rank
         if u > 1:

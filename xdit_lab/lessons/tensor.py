@@ -112,8 +112,8 @@ def tp_block(state, config, block: str = "transformer_blocks.0", batch: int = 2,
     forward_formula = tp_bytes_per_forward(
         tp,
         e,
-        reduced=[batch * tokens[kind] * width for kind, width, _ in shapes["rowwise"]],
-        gathered=[batch * width for width, _ in shapes["gathered"]],
+        reduced=[batch * tokens[kind] * width for kind, width, *_ in shapes["rowwise"]],
+        gathered=[batch * width for width, *_ in shapes["gathered"]],
     )
     return dict(
         rank=mesh.rank,

@@ -79,8 +79,10 @@ def parallelize(
 
     Under `config.tp` > 1 the planned linear layers are split over the tp group first (tensor_parallel.py), before
     the token strategy's hooks and the batch's: every later step sees the layers as each rank holds them, and the
-    sequence shards' attention attends this rank's heads. Not composed with tp yet, and refused by name:
-    PipeFusion, shard_weights, quantized weights and compile."""
+    sequence shards' attention attends this rank's heads. Under PipeFusion the stage keeps its blocks first, and tp
+    splits those: a stage's rank of each tp coordinate hands its patches to the next stage's rank of the same
+    coordinate and keeps the stale K/V of its own heads. Not composed with tp yet, and refused by name:
+    shard_weights, quantized weights, compile, PipeFusion's async schedule, and a cache under PipeFusion."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
@@ -122,11 +124,13 @@ def parallelize(
 
     state = ParallelState(adapter, mesh, controls or Controls())
     state.owns_mesh = owns_mesh
-    if getattr(config, TP) > 1:  # first: every hook after it sees the layers as this rank holds them
-        state.tensor = apply_tensor_parallel(transformer, state)
+    # a PipeFusion stage drops the other stages' blocks first, so that tp splits the blocks this rank runs; then the
+    # split, before any other hook: every hook after it sees the layers as this rank holds them
     if getattr(config, PIPEFUSION) > 1:
         state.strategy = PipeFusionStage.apply(transformer, state, config)
-    else:
+    if getattr(config, TP) > 1:
+        state.tensor = apply_tensor_parallel(transformer, state)
+    if getattr(config, PIPEFUSION) == 1:
         state.strategy = SequenceShards(state)
     if isinstance(cache, StepCache):
         apply = apply_teacache if cache.method == "teacache" else apply_step_cache

@@ -25,6 +25,15 @@ diffusers' processors reshape by head_dim (Flux, Flux.2, Qwen-Image); a module w
 count (Wan) is told its own (`heads`, `inner_dim` set to this rank's). A norm over one head's dims (the qk RMSNorms
 of Flux) is per head and runs as it is; a norm over every head at once (Wan's `rms_norm_across_heads`, the
 adapter's `tp_head_norms`) is computed exactly: its sum of squares all-reduced over the tp group.
+
+Under PipeFusion a stage first keeps its own blocks (pipefusion/stage.py), then tp splits those: one stage's tp
+ranks are neighbours on the grid, and each pipefusion group is one tp coordinate's stages (mesh.py), so the rank
+of coordinate t hands its patch activations, whole after the rowwise all-reduce, to the next stage's rank of
+coordinate t. Its attention runs on its own heads, so the stale K/V it keeps are theirs: 1/tp of the stage's.
+
+    tp2·pf2    rank 0 (stage 0, tp 0) ──patch──> rank 2 (stage 1, tp 0)
+               rank 1 (stage 0, tp 1) ──patch──> rank 3 (stage 1, tp 1)
+               all-reduces within {0, 1} and {2, 3}
 """
 
 from __future__ import annotations
@@ -64,7 +73,10 @@ class TensorParallel:
 
 def expand(transformer, plan: dict) -> dict[str, object]:
     """Each glob of `plan` ('transformer_blocks.*.attn.to_q': '*' a block's index) as the qualified names of the
-    modules it names, in the model's order. A glob that names nothing is an error: a renamed layer would stay whole."""
+    modules it names, in the model's order. A glob that names nothing is an error: a renamed layer would stay whole;
+    but for a glob into the blocks of a PipeFusion stage, which may hold none of its layers (a stage of Flux's
+    single-stream blocks alone; SD3's last block, whose text stream has no output layers), checked on the whole
+    model wherever tp runs without PipeFusion."""
     patterns = [(re.compile(re.escape(glob).replace(r"\*", r"\d+")), glob, style) for glob, style in plan.items()]
     found, used = {}, set()
     for name, module in transformer.named_modules():
@@ -74,7 +86,8 @@ def expand(transformer, plan: dict) -> dict[str, object]:
                     raise TypeError(f"the tp plan's {glob!r} names {name}, a {type(module).__name__}, not a Linear")
                 found[name] = style
                 used.add(glob)
-    missing = [glob for glob in plan if glob not in used]
+    stage = getattr(transformer, "_xdit_lab_stage_blocks", None) is not None  # (start, stop, total) on a stage
+    missing = [glob for glob in plan if glob not in used and not (stage and ".*." in glob)]
     if missing:
         raise TypeError(
             f"the tp plan of {type(transformer).__name__} names modules it does not have: {', '.join(missing)}; this "
@@ -290,12 +303,20 @@ def module_tokens(name: str, tokens: dict | None = None) -> str:
     return "image"
 
 
+def after_blocks(name: str) -> bool:
+    """Whether a planned layer outside the blocks runs after them, by diffusers' names of the output layers (norm_out,
+    proj_out*, Z-Image's all_final_layer): only PipeFusion's last stage runs it (the others hand over after their last
+    block). tests/test_tp_pipefusion.py checks it against the order every family's forward runs its layers in."""
+    return re.match(r"norm_out|proj_out|all_final_layer", name) is not None
+
+
 def tp_shapes(transformer, record: TensorParallel, adapter) -> dict:
     """What traffic.expected_bytes_per_step needs of a model split over tp (its `shapes["tp"]`), from the record
     apply_tensor_parallel made: each rowwise layer's [tokens it runs on (module_tokens), width, whether it runs at
-    a step a StepCache skips], each gathered modulation's [width, the same], and the tokens each norm over every
-    head runs on ('cross_text': a cross attention's keys) and the same. A skipped step runs the first block and what is outside
-    the blocks (the output's modulation)."""
+    a step a StepCache skips, whether it runs after the blocks], each gathered modulation's [width, the same two],
+    and the tokens each norm over every head runs on ('cross_text': a cross attention's keys) and the same. A skipped
+    step runs the first block and what is outside the blocks (the output's modulation). The output layers
+    (after_blocks) run on PipeFusion's last stage alone."""
 
     def always(name: str) -> bool:
         in_blocks = any(name.startswith(f"{blocks}.") for blocks in adapter.block_lists)
@@ -305,12 +326,20 @@ def tp_shapes(transformer, record: TensorParallel, adapter) -> dict:
     for name in record.head_norms:
         attention, norm = name.rsplit(".", 1)
         cross_keys = adapter.attention_kind(attention) == "cross" and norm == "norm_k"
-        norms.append(["cross_text" if cross_keys else "image", always(name)])
+        norms.append(["cross_text" if cross_keys else "image", always(name), after_blocks(name)])
     return dict(
         rowwise=[
-            [module_tokens(name, adapter.tp_tokens), transformer.get_submodule(name).out_features, always(name)]
+            [
+                module_tokens(name, adapter.tp_tokens),
+                transformer.get_submodule(name).out_features,
+                always(name),
+                after_blocks(name),
+            ]
             for name in record.names(ROWWISE, "packed-rowwise")
         ],
-        gathered=[[transformer.get_submodule(name).out_features, always(name)] for name in record.names(GATHERED)],
+        gathered=[
+            [transformer.get_submodule(name).out_features, always(name), after_blocks(name)]
+            for name in record.names(GATHERED)
+        ],
         norms=norms,
     )

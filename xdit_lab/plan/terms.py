@@ -210,10 +210,12 @@ def busiest_stale_kv_bytes(
     """The stale K/V buffers of a PipeFusion stage's busiest rank under `config` (the ring rank that keeps
     the most: stale_kv_bytes), for `layers` attention layers whose K/V it keeps, `rows` batch rows, a
     `grid` (rows, cols) of tokens (and the tokens the model pads it with) and the heads of the transformer's
-    config.json (`transformer`, read through the family's `adapter`), with `element` bytes per float."""
+    config.json (`transformer`, read through the family's `adapter`), with `element` bytes per float. A tp rank
+    keeps the K/V of its 1/tp of the heads."""
     from ..attention.stale import stale_kv_bytes
 
     heads, head_dim = adapter.attention_shape(transformer)
+    heads //= config.tp
 
     return max(
         stale_kv_bytes(

@@ -73,15 +73,17 @@ def block_bytes(tensors: dict[str, int], transformer_config: dict) -> tuple[dict
     return blocks, shared
 
 
-def tp_held(weights: Weights, tp: int) -> int:
-    """What a tp rank holds of a transformer: 1/tp of each tensor its plan splits (by the header's names:
-    models/tensor_parallel.split_parameters), every other whole."""
+def tp_held(weights: Weights, tp: int, blocks: tuple[int, int] | None = None) -> int:
+    """What a tp rank holds of a transformer, or of a PipeFusion stage's blocks [start, stop) and the root: 1/tp
+    of each tensor its plan splits (by the header's names: models/tensor_parallel.split_parameters), every other
+    whole."""
     import diffusers
 
     from ..families.tp_plan import split_parameters
 
     is_split = split_parameters(getattr(diffusers, weights.class_name), FAMILIES[weights.class_name])
-    tensors = [*weights.root, *(t for block in weights.blocks for t in block)]
+    start, stop = blocks if blocks is not None else (0, len(weights.blocks))
+    tensors = [*weights.root, *(t for block in weights.blocks[start:stop] for t in block)]
     return sum(t.nbytes // tp if is_split(t.name) else t.nbytes for t in tensors)
 
 
@@ -181,8 +183,8 @@ def held_weights(
             offloaded = max(each.values(), key=lambda o: o.device)
             held = {name: offloaded.device if name == experts[0][0] else 0 for name, _ in experts}
             host = sum(o.device + o.host for o in each.values()) - offloaded.device
-        elif config.tp > 1:  # never with a stage, shards or quantized weights: parallelize refuses them with tp
-            held = {name: tp_held(w, config.tp) for name, w in experts}
+        elif config.tp > 1:  # a stage's blocks split; never with shards or quantized weights: refused with tp
+            held = {name: tp_held(w, config.tp, span) for name, w in experts}
         else:
             held = {name: w.held(shards, span, scheme if name in quantized else None) for name, w in experts}
         gather = max(w.gather(shards, span) for _, w in experts)  # one expert runs at a time: one gather buffer

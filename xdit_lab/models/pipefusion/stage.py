@@ -46,7 +46,7 @@ from ...attention.stale import StaleKV, stale_attention, stale_kv_bytes
 from ...attention.usp import whole_query_attention
 from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
-from ...mesh import PIPEFUSION, RING, SP, ULYSSES
+from ...mesh import PIPEFUSION, RING, SP, TP, ULYSSES
 from ...sharding import PatchLayout, patch_layout, patch_ranges
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
@@ -179,11 +179,13 @@ class PipeFusionStage:
         """{"stale K/V": bytes} of the buffers this stage keeps between steps once a step ran with `rows`
         batch rows on this rank and `grid` (rows, cols) of tokens as PipeFusion cuts them (a video's
         frames stacked as rows: LatentLayout.token_grid), with the `appended` grids after it: stale_kv_bytes,
-        for its blocks' attention, and a linear attention's sums and a convolution's edge rows per patch (Sana's)."""
+        for its blocks' attention, and a linear attention's sums and a convolution's edge rows per patch (Sana's).
+        Under tp this rank attends its 1/tp of the heads, and keeps theirs alone."""
         config, element = transformer.config, torch.empty((), dtype=self.dtype).element_size()
         adapter, names = self.state.adapter, [name for name, _ in transformer.named_modules()]
         linear, convolving = (sum(counts) for counts in zip(*adapter.stale_mixing_layers(names, config)))
         heads, head_dim = adapter.attention_shape(config)
+        heads //= self.mesh.group_size(TP)
         kv = stale_kv_bytes(
             layers=sum(adapter.stale_kv_layers(names, config)),
             rows=rows,

@@ -230,6 +230,8 @@ def test_refused_where_not_built():
     dbcache = StepCache(0.1, method="dbcache", front=1, back=1)
     with pytest.raises(ParallelConfigError, match="dbcache.*PipeFusion"):
         parallelize(tiny_transformer("flux", layers=4), ParallelConfig(pipefusion=2), cache=dbcache)
+    with pytest.raises(ParallelConfigError, match="dbcache.*tensor parallelism"):
+        parallelize(tiny_transformer("wan", layers=4), ParallelConfig(tp=2), cache=dbcache)
     with pytest.raises(ParallelConfigError, match="compile=True does not take StepCache.method='dbcache'"):
         parallelize(tiny_transformer("flux", layers=4), ParallelConfig(), cache=dbcache, compile=True)
     refused = run_on_ranks(_refusal, 1, StepCache(0.1, "dbcache", front=4, back=2))[0]

@@ -3,7 +3,8 @@
     python benchmarks/accelerations.py [--per-digit 1] [--flux-steps 8] [--repeats 3] [--plot PNG]
 
 Each row is one run on 2 ranks (gloo, this machine's cores) beside the uncached run of the same configuration in the
-same invocation: our StepCache at a few thresholds, diffusers' FirstBlockCacheConfig, TaylorSeerCacheConfig,
+same invocation: our StepCache at a few thresholds (First-Block Cache, and DBCache with one front block, one back
+block and a first-order TaylorSeer: DBCACHE), diffusers' FirstBlockCacheConfig, TaylorSeerCacheConfig,
 MagCacheConfig (mag_ratios, one per step) and PyramidAttentionBroadcastConfig through `load_pipeline(...,
 cache=config)`, and float8 on Ulysses' wire (`ParallelConfig(ulysses=2, comm_dtype="float8_e4m3fn")`). Per row: the
 steps at which the cache skipped a computation, of the steps run (StepCache and First-Block Cache skip every block
@@ -13,7 +14,7 @@ one rank sent in the run (every group, the cache's own all-reduces included), th
 (same seeds), PSNR and SSIM of the decoded images against it (xdit_lab.compare) and, on the digits, how many the
 independent classifier reads as the prompted digit. A configuration a family or a strategy does not take is a row
 saying so, in the refusal's own words: the digits model is PixArt, whose transformer has no CacheMixin (no diffusers
-cache), and PipeFusion takes StepCache only. Under PipeFusion a skipped step still sends every patch through the
+cache), and PipeFusion takes First-Block Cache only. Under PipeFusion a skipped step still sends every patch through the
 stages (only the blocks' compute is skipped), so its bytes stay. Ranks share this machine's cores with whatever else
 runs: read the seconds as ratios within a configuration. The plot (--plot, default benchmarks/accelerations.png):
 PSNR against speed-up, one line per method, a panel per model and configuration.
@@ -32,6 +33,7 @@ from xdit_lab.testing import run_on_ranks
 
 ULYSSES, FP8 = ParallelConfig(ulysses=2), ParallelConfig(ulysses=2, comm_dtype="float8_e4m3fn")
 PF2 = ParallelConfig(pipefusion=2, num_patches=2, warmup_steps=1)
+DBCACHE = dict(method="dbcache", front=1, back=1, taylor_order=1)  # DBCache's rows: StepCache(t, **DBCACHE)
 PSNR_CAP = 80.0  # the plot's ceiling: an image equal to the uncached one has PSNR inf
 
 
@@ -235,16 +237,25 @@ def main():
         prompt=[prompt_for(d) for d in digits], generator=[s for _ in range(10) for s in range(args.per_digit)]
     )
     step_caches = [("StepCache", f"threshold {t:g}", StepCache(t)) for t in args.thresholds]
+    db_caches = [("DBCache", f"F1B1 taylor 1, threshold {t:g}", StepCache(t, **DBCACHE)) for t in args.thresholds]
+    db_refused = [("DBCache", StepCache(args.thresholds[0], **DBCACHE))]
     rows = []
     # the digits: PixArt, no CacheMixin: StepCache and float8 on the wire, diffusers' configurations refused
     fp8 = [("fp8 comm", "float8_e4m3fn", None, FP8)]
     middle = sorted(args.thresholds)[len(args.thresholds) // 2]  # StepCache beside float8 at one threshold
     fp8_cached = ("fp8 comm + StepCache", f"threshold {middle:g}", StepCache(middle), FP8)
     rows += measure(
-        "digits ulysses2", "digits", ULYSSES, step_caches + fp8 + [fp8_cached], digit_call, args.repeats, digits
+        "digits ulysses2",
+        "digits",
+        ULYSSES,
+        step_caches + db_caches + fp8 + [fp8_cached],
+        digit_call,
+        args.repeats,
+        digits,
     )
     rows += _refusals("digits ulysses2", "digits", ULYSSES, [("diffusers' caches", FirstBlockCacheConfig())])
     rows += measure("digits pf2", "digits", PF2, step_caches, digit_call, args.repeats, digits)
+    rows += _refusals("digits pf2", "digits", PF2, db_refused)
 
     with tempfile.TemporaryDirectory() as tmp:
         flux = str(save_tiny_pipeline("flux", tmp))
@@ -255,10 +266,12 @@ def main():
             num_inference_steps=args.flux_steps,
         )
         flux_steps = [("StepCache", f"threshold {t:g}", StepCache(t)) for t in (0.45, 0.52, 0.6)]
+        flux_db = [("DBCache", f"F1B1 taylor 1, threshold {t:g}", StepCache(t, **DBCACHE)) for t in (0.52, 0.6)]
         diffusers_caches = _diffusers_methods(args.flux_steps)
-        rows += measure("tiny flux ulysses2", flux, ULYSSES, flux_steps + diffusers_caches + fp8, call, args.repeats)
+        flux_rows = flux_steps + flux_db + diffusers_caches + fp8
+        rows += measure("tiny flux ulysses2", flux, ULYSSES, flux_rows, call, args.repeats)
         rows += measure("tiny flux pf2", flux, PF2, flux_steps, call, args.repeats)
-        rows += _refusals("tiny flux pf2", flux, PF2, [("diffusers' caches", diffusers_caches[0][2])])
+        rows += _refusals("tiny flux pf2", flux, PF2, [("diffusers' caches", diffusers_caches[0][2]), *db_refused])
 
     print(
         f"On {cpu_model()}, 2 gloo ranks; digits: {len(digits)} images, 20 steps; tiny Flux: 2 prompts, "

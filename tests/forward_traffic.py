@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from xdit_lab.models import local_mixing_layers, other_traffic_sizes, parallel_state
+from xdit_lab.models import kept_block_names, local_mixing_layers, other_traffic_sizes, parallel_state
 from xdit_lab.models.tensor_parallel import tp_shapes
 from xdit_lab.traffic import expected_bytes_per_step
 
@@ -37,10 +37,10 @@ def forward_shapes(model, inputs: dict) -> dict:
     heads, head_dim = adapter.attention_shape(model.config)
     named_kinds = [(name, adapter.attention_kind(name)) for name, _ in model.named_modules()]
     kinds = [kind for _, kind in named_kinds]
-    # the first block's attention layers: what a StepCache runs at a skipped step (on the first stage)
-    first = (
-        [k for n, k in named_kinds if n.startswith(f"{adapter.block_lists[0]}.0.")] if state.mesh.is_first_stage else []
-    )
+    # the attention layers a StepCache runs at a skipped step: the first block's (on the first stage), DBCache's
+    # front and back blocks'
+    kept = tuple(kept_block_names(model, state))
+    first = [k for n, k in named_kinds if n.startswith(kept)] if kept else []
     return dict(
         batch=len(latents),  # the model's batch: both CFG branches when cfg splits them
         rows=rows,

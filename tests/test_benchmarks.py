@@ -192,7 +192,7 @@ def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
     its row (the ranks agreed on every skip, or the run raised), the uncached rows equal themselves, our StepCache
     equals diffusers' First-Block Cache at the same threshold (the same method), float8 on the wire sends under 0.55
     of the uncached bytes with the digits still read, and diffusers' configurations are refused by name on PixArt
-    (no CacheMixin) and under PipeFusion."""
+    (no CacheMixin) and under PipeFusion, as DBCache is under PipeFusion."""
     out, picture = tmp_path / "rows.json", tmp_path / "plot.png"
     done = subprocess.run(
         [sys.executable, "benchmarks/accelerations.py", "--thresholds", "0.2", "--flux-steps", "4"]
@@ -209,6 +209,8 @@ def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
     assert methods >= {
         ("digits ulysses2", "StepCache"),
         ("digits ulysses2", "fp8 comm"),
+        ("digits ulysses2", "DBCache"),
+        ("tiny flux ulysses2", "DBCache"),
         ("digits pf2", "StepCache"),
         ("tiny flux ulysses2", "FirstBlockCache"),
         ("tiny flux ulysses2", "TaylorSeer"),
@@ -229,7 +231,9 @@ def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
         fp8, base = measured[(model, "fp8 comm", "float8_e4m3fn")], measured[(model, "none", "uncached")]
         assert fp8["bytes"] <= 0.55 * base["bytes"] and 0 < fp8["rel_l2"] < 0.05, (fp8, base)
     assert measured[("digits ulysses2", "fp8 comm", "float8_e4m3fn")]["accuracy"] == "10/10"
-    refusals = {r["model"]: r["refused"] for r in rows if "refused" in r}
-    assert "has no CacheMixin" in refusals["digits ulysses2"]
-    assert "does not run under PipeFusion" in refusals["tiny flux pf2"]
+    refusals = {(r["model"], r["method"]): r["refused"] for r in rows if "refused" in r}
+    assert "has no CacheMixin" in refusals[("digits ulysses2", "diffusers' caches")]
+    assert "does not run under PipeFusion" in refusals[("tiny flux pf2", "diffusers' caches")]
+    for model in ("digits pf2", "tiny flux pf2"):
+        assert "StepCache(method='dbcache') does not run under PipeFusion" in refusals[(model, "DBCache")]
     assert picture.stat().st_size > 0 and "| digits ulysses2 | StepCache | threshold 0.2 |" in done.stdout

@@ -443,8 +443,10 @@ def test_bad_settings_are_refused_by_name():
         StepCache(-0.1)
     with pytest.raises(ValueError, match="threshold must be"):
         StepCache(float("nan"))
-    with pytest.raises(ValueError, match="method 'dbcache' is not implemented; methods: first_block, teacache"):
-        StepCache(0.1, method="dbcache")
+    with pytest.raises(
+        ValueError, match="method 'magcache' is not implemented; methods: first_block, teacache, dbcache"
+    ):
+        StepCache(0.1, method="magcache")
 
 
 def _summaries_with_cache(folder, config):

@@ -22,13 +22,13 @@ import torch
 
 from .config import PIPEFUSION, TP, ParallelConfigError
 
-METHODS = ("first_block", "teacache")
+METHODS = ("first_block", "teacache", "dbcache")
 
 
 @dataclass(frozen=True)
 class StepCache:
     """Skip transformer blocks at steps where the model's input barely changed, one decision for the whole
-    batch taken by every rank together (sums all-reduced). Two methods:
+    batch taken by every rank together (sums all-reduced). Three methods:
 
     first_block  (First-Block Cache) skip the blocks after the first when the first block's residual changed
                  by at most `threshold` (relative) since the last full step.
@@ -40,6 +40,12 @@ class StepCache:
                  of a session always run. On the families whose adapter says how to compute the first
                  block's modulated input (`teacache`: Flux, Flux.2, Wan, HunyuanVideo,
                  Qwen-Image, CogVideoX, PixArt).
+    dbcache      (DBCache, cache-dit's Dual Block Cache) the first `front` blocks always run, and the relative
+                 change of what they added since the last full step decides as First-Block Cache's first block
+                 does; a skipped step passes the middle blocks over and adds what they added at the last full
+                 step (with `taylor_order` k > 0, a TaylorSeer's prediction of it: a Taylor expansion of order k
+                 from finite differences over the last full steps); the last `back` blocks always run.
+                 front=1, back=0, taylor_order=0 is First-Block Cache. Sequence shards only (models/dbcache.py).
 
     Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
     or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips (teacache: with a rescale that is never
@@ -48,6 +54,9 @@ class StepCache:
     threshold: float = 0.1
     method: str = "first_block"
     coefficients: tuple[float, ...] | None = None
+    front: int | None = None
+    back: int | None = None
+    taylor_order: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -59,13 +68,37 @@ class StepCache:
             object.__setattr__(self, "coefficients", coefficients)
         elif self.coefficients is not None:
             raise ValueError(f"StepCache coefficients are TeaCache's rescale; method {self.method!r} takes none")
+        self._dbcache_fields()
         if not isinstance(self.threshold, (int, float)) or not math.isfinite(self.threshold) or self.threshold < 0:
             raise ValueError(
                 f"StepCache threshold must be a finite number >= 0 (0 never skips), got {self.threshold!r}"
             )
 
-    def __repr__(self) -> str:  # as one writes it: First-Block Cache takes no coefficients, so they are not shown
+    def _dbcache_fields(self) -> None:
+        """DBCache's block counts and calibrator: defaults front=1, back=0, taylor_order=0 (First-Block Cache)."""
+        fields = dict(front=(self.front, 1, 1), back=(self.back, 0, 0), taylor_order=(self.taylor_order, 0, 0))
+        if self.method != "dbcache":
+            given = [name for name, (value, _, _) in fields.items() if value is not None]
+            if given:
+                raise ValueError(f"StepCache {', '.join(given)} are DBCache's; method {self.method!r} takes none")
+            return
+        for name, (value, default, least) in fields.items():
+            value = default if value is None else value
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"StepCache(method='dbcache') {name} must be a whole number >= {least}, got {value!r}")
+            object.__setattr__(self, name, value)
+
+    def record(self) -> dict:
+        """Its fields as a run's records keep them (JSON values): threshold, method and the fields its method takes."""
+        extra = dict(coefficients=self.coefficients, front=self.front, back=self.back, taylor_order=self.taylor_order)
+        return dict(threshold=self.threshold, method=self.method) | {
+            k: list(v) if isinstance(v, tuple) else v for k, v in extra.items() if v is not None
+        }
+
+    def __repr__(self) -> str:  # as one writes it: only the fields its method takes are shown
         extra = "" if self.coefficients is None else f", coefficients={self.coefficients!r}"
+        if self.method == "dbcache":
+            extra = f", front={self.front!r}, back={self.back!r}, taylor_order={self.taylor_order!r}"
         return f"StepCache(threshold={self.threshold!r}, method={self.method!r}{extra})"
 
 
@@ -116,6 +149,8 @@ def option_problems(config, adapter, *, cache=None, compile=False) -> list[tuple
         )
     if cache is not None and cache.method == "teacache":
         found += [(sentence, ParallelConfigError) for sentence in _teacache_problems(config, adapter, compile)]
+    if cache is not None and cache.method == "dbcache":
+        found += [(sentence, ParallelConfigError) for sentence in _dbcache_problems(config, compile)]
     if cache is not None and config.pipefusion_schedule == "async":
         found.append(
             (
@@ -150,6 +185,29 @@ def _teacache_problems(config, adapter, compile) -> list[str]:
     if compile:
         found.append(
             "compile=True does not take StepCache(method='teacache') yet: its decision's graph breaks are not "
+            "counted as First-Block Cache's are; use compile=False with it, or StepCache(threshold) with compile"
+        )
+    return found
+
+
+def _dbcache_problems(config, compile) -> list[str]:
+    """Why StepCache(method="dbcache") does not run here yet, as sentences (each says what runs instead)."""
+    found = []
+    if getattr(config, PIPEFUSION) > 1:
+        found.append(
+            "StepCache(method='dbcache') does not run under PipeFusion yet: its front and back blocks would sit on "
+            "different stages, and the decision would wait for the front's residual over every patch; use ulysses, "
+            "ring, cfg or dp, or StepCache(threshold) (First-Block Cache) under PipeFusion"
+        )
+    if config.tp > 1:
+        found.append(
+            "StepCache(method='dbcache') does not run under tensor parallelism yet: the closed form of tp's traffic "
+            "at a skipped step counts the first block's layers alone, not the back blocks'; use ulysses, ring, cfg "
+            "or dp"
+        )
+    if compile:
+        found.append(
+            "compile=True does not take StepCache(method='dbcache') yet: its decision's graph breaks are not "
             "counted as First-Block Cache's are; use compile=False with it, or StepCache(threshold) with compile"
         )
     return found

@@ -195,9 +195,13 @@ CACHE_NAMES = dict(
 )
 
 
+OURS = ("teacache", "dbcache")  # StepCache's methods that --cache names (First-Block Cache: --cache-threshold)
+
+
 def _cache(text: str):
     """--cache fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[1.0,0.9,...]: one of diffusers'
-    cache configurations, or teacache:threshold=0.15,coefficients=[...] (ours: StepCache(method="teacache")); each
+    cache configurations, or teacache:threshold=0.15,coefficients=[...], dbcache:threshold=0.1,front=2,back=1,
+    taylor_order=1 (ours: StepCache(method="teacache"), StepCache(method="dbcache")); each
     value read as JSON when it parses (a list for a range or the ratios), else as text (a dtype field's by its torch
     name: taylor_factors_dtype=float32)."""
     import dataclasses
@@ -209,12 +213,12 @@ def _cache(text: str):
     import torch
 
     name, _, settings = text.partition(":")
-    if name not in (*CACHE_NAMES, "teacache"):
-        raise argparse.ArgumentTypeError(f"--cache {name!r}: name one of {', '.join(CACHE_NAMES)}, teacache")
-    if name == "teacache":  # ours: StepCache(threshold, method="teacache", coefficients=[...])
+    if name not in (*CACHE_NAMES, *OURS):
+        raise argparse.ArgumentTypeError(f"--cache {name!r}: name one of {', '.join((*CACHE_NAMES, *OURS))}")
+    if name in OURS:  # ours: StepCache(threshold, method=name, ...), e.g. teacache:coefficients=[...], dbcache:front=2
         from .accelerations import StepCache
 
-        kind = functools.partial(StepCache, method="teacache")
+        kind = functools.partial(StepCache, method=name)
         defaults = {}
     else:
         kind = getattr(diffusers.hooks, CACHE_NAMES[name])
@@ -558,7 +562,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[...], "
         "pab:spatial_attention_block_skip_range=2 (each key a field of its diffusers config); or TeaCache, ours "
         "(StepCache(method='teacache'); Flux, Flux.2, Wan, HunyuanVideo, Qwen-Image, CogVideoX, PixArt): "
-        "teacache:threshold=0.15,coefficients=[...]. Default: no cache",
+        "teacache:threshold=0.15,coefficients=[...]; or DBCache, ours (StepCache(method='dbcache')): "
+        "dbcache:threshold=0.1,front=2,back=1,taylor_order=1. Default: no cache",
     )
     run.add_argument(
         "--compile",

@@ -159,7 +159,7 @@ class LoadOptions:
 
     def to_record(self) -> dict:
         """The options as a run's records keep them (report.json, run.json): JSON values, each field by its name;
-        a dtype by its name, a StepCache by its threshold and method, a diffusers cache configuration by its class
+        a dtype by its name, a StepCache by its threshold, method and its method's fields, a diffusers cache configuration by its class
         and repr, a LoRA state dict as "a state dict"."""
         cache = self.cache
         return dict(
@@ -168,8 +168,7 @@ class LoadOptions:
             progress=self.progress,
             cache=None
             if cache is None
-            else dict(threshold=cache.threshold, method=cache.method)
-            | ({} if cache.coefficients is None else dict(coefficients=list(cache.coefficients)))
+            else cache.record()
             if isinstance(cache, StepCache)
             else dict(diffusers=type(cache).__name__, settings=repr(cache)),
             compile=self.compile,

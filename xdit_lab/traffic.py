@@ -84,7 +84,9 @@ def expected_bytes_per_step(
                   rank holds (nothing moves for it), and at a step they skip no attention
                   layer runs (their hooks cover every block or attention layer of the families they run on).
                   StepCache(method="teacache") (`cache_method` "StepCache(teacache)") moves StepCache's all-reduce
-                  and at a step it skips no attention layer runs
+                  and at a step it skips no attention layer runs; StepCache(method="dbcache") moves the same
+                  all-reduce, and at a step it skips its front and back blocks' attention layers run (the
+                  `first_block_*` counts are a skipped step's blocks: models/cache.kept_block_names)
     Under PipeFusion attention runs once per patch set (all patches in warmup steps, one patch
     at a time after), its queries are that set's tokens and Ring passes the whole stale buffer; the
     joint text stays whole on every rank there. `shapes["text_sharded"]` says whether sequence shards

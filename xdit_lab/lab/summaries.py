@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..mesh import CFG, DP
-from ..models import local_mixing_layers, other_traffic_sizes, parallel_state
+from ..models import kept_block_names, local_mixing_layers, other_traffic_sizes, parallel_state
 from ..models.sharded_weights import local_parameter_bytes
 from ..models.tensor_parallel import tp_shapes
 from ..plan.loaded import held_bytes, rank_memory
@@ -162,12 +162,9 @@ def _shapes(session, transformer, state, report, rows, cols) -> dict:
     """Sizes the communication formulas need, read from the model this rank holds."""
     named_kinds = [(name, state.adapter.attention_kind(name)) for name, _ in transformer.named_modules()]
     kinds = [kind for _, kind in named_kinds]
-    # attention layers of the model's first block, the one a StepCache runs at a skipped step
-    first = (
-        [k for n, k in named_kinds if n.startswith(f"{state.adapter.block_lists[0]}.0.")]
-        if session.pipe.mesh.is_first_stage
-        else []
-    )
+    # attention layers of the blocks a StepCache runs at a skipped step: the first block (DBCache: front and back)
+    kept = tuple(kept_block_names(transformer, state))
+    first = [k for n, k in named_kinds if n.startswith(kept)] if kept else []
     gather, inner = transformer.get_submodule(state.adapter.gather_at), session.pipe.diffusers_pipeline
     config = transformer.config
     heads, head_dim = state.adapter.attention_shape(config)

@@ -7,6 +7,8 @@ sequence.py   token strategy: one contiguous shard per sequence-parallel rank (u
 pipefusion/   token strategy: a PipeFusion stage, patch by patch on stale K/V, and its two schedules
 step.py       one denoising step as one transformer call (every strategy's, PipeFusion's drained)
 cache.py      StepCache: skip the blocks after the first, one decision agreed by every rank
+dbcache.py    StepCache(method="dbcache"): front and back blocks always run, the middle by the same decision,
+              with a TaylorSeer calibrator
 diffusers_cache.py  diffusers' own cache hooks (First-Block Cache, TaylorSeer, MagCache, PAB) after
               parallelize, one decision for every rank
 sharded_weights.py  torch's FSDP2 over the ranks that hold the same weights (shard_weights=True),
@@ -21,6 +23,7 @@ strategy.py   the token strategy's interface (TokenStrategy), what a step is han
 """
 
 from ..accelerations import StepCache
+from .cache import kept_block_names
 from .hooks import ParallelState, local_mixing_layers, other_traffic_sizes, parallel_state
 from .offload import offload_blocks, offload_groups
 from .parallel import parallelize, unparallelize
@@ -31,6 +34,7 @@ from .strategy import Controls, StepContext, StrategyReport, TokenStrategy
 
 __all__ = [
     "StepCache",
+    "kept_block_names",
     "ParallelState",
     "parallel_state",
     "local_mixing_layers",

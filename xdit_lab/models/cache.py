@@ -73,10 +73,11 @@ class FirstBlockCache:
     def __init__(self, settings: StepCache, state, blocks: list, holds_first_block: bool, joined: list[bool]):
         self.settings, self.state = settings, state
         meta = [block_metadata(block) for block in blocks]
+        self.kept = [0] if holds_first_block else []  # the blocks of this rank a skipped step runs (their indices)
         if holds_first_block:
             if joined[0]:
                 raise TypeError("StepCache reads the first block's image states alone; this one takes [text; image]")
-            _wrap(state.hooks, blocks[0], functools.partial(self._first, meta[0]))
+            _wrap(state.hooks, blocks[0], functools.partial(self._first, meta[0], True))
             blocks, meta, joined = blocks[1:], meta[1:], joined[1:]
         for index, (block, block_meta, block_joined) in enumerate(zip(blocks, meta, joined)):
             last = index == len(blocks) - 1
@@ -95,6 +96,7 @@ class FirstBlockCache:
         self.first_outputs: dict = {}
         self.sums, self.shape, self.run_rest, self.has_reference = None, None, True, False
         self.image_tokens = None  # this rank's image tokens in the running forward, as the first block took them
+        self._front_in = None  # the image states the first block took this call
         self.between = None  # a ControlNet's residuals added between the tail's blocks this call, summed
         self.takes_out_between = False  # ... which this call takes out of what it caches
         self._image_out = None  # the image states the last block run returned (where the next gap starts)
@@ -148,9 +150,13 @@ class FirstBlockCache:
         self.passes_first, self.first_outputs = False, {}
 
     # ---- the block wrappers ----------------------------------------------------------------------------
-    def _first(self, meta, forward, *args, **kwargs):
-        hidden_in = meta._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
-        self.image_tokens = hidden_in.shape[1]
+    def _first(self, meta, starts: bool, forward, *args, **kwargs):
+        """The block whose residual decides: the first block (`starts`), or the last of DBCache's front, whose
+        residual is measured from the front's input (_front_in)."""
+        if starts:
+            self._front_in = meta._get_parameter_from_args_kwargs("hidden_states", args, kwargs)
+            self.image_tokens = self._front_in.shape[1]
+        hidden_in = self._front_in
         patches = self.state.strategy.token_patches(hidden_in.shape[1])
         key = tuple(p for p, _ in patches)
         if self.passes_first:
@@ -189,15 +195,16 @@ class FirstBlockCache:
             if last:
                 image_0, text_0 = self._inputs
                 added = image_out - image_0 if self.between is None else image_out - image_0 - self.between
-                self.added.update(zip(key, torch.split(added, [n for _, n in patches], dim=1)))
-                self.added[key] = None if text_out is None or text_0 is None else text_out - text_0
+                added = dict(zip(key, torch.split(added, [n for _, n in patches], dim=1)))
+                added[key] = None if text_out is None or text_0 is None else text_out - text_0
+                self._keep(added)
             return output
         if not last:
             return _passed_on(meta, args, kwargs, hidden)
         # what this rank's blocks added at the last full step
-        image = image + torch.cat([self.added[p] for p in key], dim=1)
+        image = image + torch.cat([self._cached(p) for p in key], dim=1)
         if text is not None and self.added.get(key) is not None:
-            text = text + self.added[key]
+            text = text + self._cached(key)
         if joined:
             return self._join(image, text)
         if meta.return_encoder_hidden_states_index is None:
@@ -206,6 +213,14 @@ class FirstBlockCache:
         output[meta.return_hidden_states_index] = image
         output[meta.return_encoder_hidden_states_index] = text
         return tuple(output)
+
+    def _keep(self, added: dict) -> None:
+        """A full step's: what this rank's skippable blocks added, per patch (image) and patch set (text)."""
+        self.added.update(added)
+
+    def _cached(self, name):
+        """What a skipped step adds for patch (or patch set) `name`: the last full step's (DBCache may predict it)."""
+        return self.added[name]
 
     def _parts(self, hidden, text, joined: bool):
         """(image, text) of a block's states: a joined block's one tensor cut at this rank's image tokens (the
@@ -274,3 +289,15 @@ def local_changes(changes: list, local_sums: list) -> list[float | None]:
         differing, total = next(local).tolist()
         out.append(differing / total if total > 0 else math.inf)
     return out
+
+
+def kept_block_names(transformer, state) -> list[str]:
+    """Module-name prefixes ("transformer_blocks.0.") of this rank's blocks that run at a step its StepCache skips,
+    where the closed forms count a skipped step's attention layers: the first block (on PipeFusion's first stage)
+    for First-Block Cache, and where no StepCache runs; DBCache's front and back blocks."""
+    adapter = state.adapter
+    names = [f"{name}.{i}." for name in adapter.block_lists for i in range(len(getattr(transformer, name)))]
+    kept = getattr(state.cache, "kept", None)
+    if kept is None:  # no StepCache: the first block's, as First-Block Cache's
+        return names[:1] if state.mesh.is_first_stage else []
+    return [names[i] for i in kept]

@@ -25,6 +25,7 @@ from ..families.adapter import RankLocal
 from ..families.tp_plan import option_refusals as tp_option_refusals
 from ..mesh import RankMesh
 from .cache import apply_step_cache
+from .dbcache import apply_dbcache
 from .diffusers_cache import DiffusersCache, refuse_foreign_cache
 from .hooks import (
     STATE_ATTRIBUTE,
@@ -133,7 +134,7 @@ def parallelize(
     if getattr(config, PIPEFUSION) == 1:
         state.strategy = SequenceShards(state)
     if isinstance(cache, StepCache):
-        apply = apply_teacache if cache.method == "teacache" else apply_step_cache
+        apply = dict(teacache=apply_teacache, dbcache=apply_dbcache).get(cache.method, apply_step_cache)
         state.cache = apply(transformer, state, cache)
     install_hooks(transformer, state)
     state.hooks.replace("parallel_forward", transformer, forward=_parallel_forward(transformer, state))

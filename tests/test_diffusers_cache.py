@@ -428,7 +428,8 @@ def test_refused_by_name_before_a_weight_is_read(tmp_path, folders):
 
 def test_the_cli_loads_what_it_names(folders):
     """`xdit-lab run FOLDER --cache taylorseer:...` loads with that configuration as cache= (the runs above), kept in
-    the report by its class; with --cache-threshold too, argparse refuses the pair. (In process: torchrun's ranks
+    the report by its class; `--cache stepcache:threshold=0.1` is our StepCache, as the Python call writes it.
+    (In process: torchrun's ranks
     would add fresh interpreters to make test's budget; tests/test_step_cache.py runs the CLI with a cache.)"""
     from xdit_lab.cli import _build_parser, load_options_of
 
@@ -437,8 +438,11 @@ def test_the_cli_loads_what_it_names(folders):
     options = load_options_of(_build_parser().parse_args([*run, "--cache", spec]))
     assert options.cache == _methods("flux")["taylorseer"]
     assert options.to_record()["cache"]["diffusers"] == "TaylorSeerCacheConfig"
-    with pytest.raises(SystemExit):
-        _build_parser().parse_args([*run, "--cache", "fbc", "--cache-threshold", "0.1"])
+    assert load_options_of(_build_parser().parse_args([*run, "--cache", "stepcache:threshold=0.1"])).cache == StepCache(
+        0.1
+    )
+    with pytest.raises(SystemExit):  # one spelling: the threshold flag of old is gone
+        _build_parser().parse_args([*run, "--cache-threshold", "0.1"])
 
 
 def test_the_cli_spelling():

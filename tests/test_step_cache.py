@@ -416,8 +416,8 @@ def test_pipefusion_with_stale_steps_skips_agreed_and_keeps_old_kv(folders):
     assert all(step["moved"]["pipefusion"] > 0 for step in ranks[0]["traffic"])
 
 
-def test_the_cli_cache_threshold_equals_diffusers_first_block_cache(folders, tmp_path):
-    """`xdit-lab run --cache-threshold T` under ulysses 2, on 2 ranks given torchrun's environment (run_cli): the
+def test_the_cli_step_cache_equals_diffusers_first_block_cache(folders, tmp_path):
+    """`xdit-lab run --cache stepcache:threshold=T` under ulysses 2, on 2 ranks given torchrun's environment (run_cli): the
     report's skipped steps and the latents equal diffusers' First-Block Cache run serially."""
     import json
 
@@ -428,7 +428,7 @@ def test_the_cli_cache_threshold_equals_diffusers_first_block_cache(folders, tmp
     argv = production.run_argv(
         folders["pixart"], PROMPTS, ParallelConfig(ulysses=2), tmp_path, seed=0, **_call_kwargs("pixart")
     )
-    job = run_cli([*argv, "--output-type", "latent", "--cache-threshold", str(threshold)], 2, timeout_s=240)
+    job = run_cli([*argv, "--output-type", "latent", "--cache", f"stepcache:threshold={threshold}"], 2, timeout_s=240)
     assert job.codes == [0, 0], job
     assert f"StepCache({threshold}) skipped" in job.stdout, job
     report = json.loads((tmp_path / "report.json").read_text())

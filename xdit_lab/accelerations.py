@@ -48,7 +48,7 @@ class StepCache:
                  front=1, back=0, taylor_order=0 is First-Block Cache. Sequence shards only (models/dbcache.py).
 
     Pass it as `load_pipeline(folder, config, cache=StepCache(0.1))`, `lab.load(..., cache=...)`
-    or `xdit-lab run --cache-threshold 0.1`. threshold 0 never skips (teacache: with a rescale that is never
+    or `xdit-lab run --cache stepcache:threshold=0.1`. threshold 0 never skips (teacache: with a rescale that is never
     negative, as the identity)."""
 
     threshold: float = 0.1

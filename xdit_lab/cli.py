@@ -195,13 +195,15 @@ CACHE_NAMES = dict(
 )
 
 
-OURS = ("teacache", "dbcache")  # StepCache's methods that --cache names (First-Block Cache: --cache-threshold)
+# --cache NAME[:KEY=VALUE,...]: ours, StepCache(method=...) by its method's short name
+OURS = dict(stepcache="first_block", teacache="teacache", dbcache="dbcache")
 
 
 def _cache(text: str):
     """--cache fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[1.0,0.9,...]: one of diffusers'
-    cache configurations, or teacache:threshold=0.15,coefficients=[...], dbcache:threshold=0.1,front=2,back=1,
-    taylor_order=1 (ours: StepCache(method="teacache"), StepCache(method="dbcache")); each
+    cache configurations, or stepcache:threshold=0.1, teacache:threshold=0.15,coefficients=[...],
+    dbcache:threshold=0.1,front=2,back=1,taylor_order=1 (ours: StepCache(0.1), StepCache(method="teacache"),
+    StepCache(method="dbcache")); each
     value read as JSON when it parses (a list for a range or the ratios), else as text (a dtype field's by its torch
     name: taylor_factors_dtype=float32)."""
     import dataclasses
@@ -215,10 +217,10 @@ def _cache(text: str):
     name, _, settings = text.partition(":")
     if name not in (*CACHE_NAMES, *OURS):
         raise argparse.ArgumentTypeError(f"--cache {name!r}: name one of {', '.join((*CACHE_NAMES, *OURS))}")
-    if name in OURS:  # ours: StepCache(threshold, method=name, ...), e.g. teacache:coefficients=[...], dbcache:front=2
+    if name in OURS:  # ours: StepCache(threshold, method=..., ...), e.g. teacache:coefficients=[...], dbcache:front=2
         from .accelerations import StepCache
 
-        kind = functools.partial(StepCache, method=name)
+        kind = functools.partial(StepCache, method=OURS[name])
         defaults = {}
     else:
         kind = getattr(diffusers.hooks, CACHE_NAMES[name])
@@ -260,15 +262,14 @@ RUN_ARGUMENTS_AS_NAMED = tuple("steps seed height width output_type".split())
 
 
 def load_options_of(args):
-    """`run`'s flags that say how the weights load, as load_pipeline's LoadOptions (a --cache-threshold as a
-    StepCache of that threshold, a --cache as the diffusers cache configuration it names)."""
+    """`run`'s flags that say how the weights load, as load_pipeline's LoadOptions (a --cache as the StepCache or
+    the diffusers cache configuration it names)."""
     from .load_options import LoadOptions
-    from .models import StepCache
 
     return LoadOptions(
         torch_dtype=args.dtype,
         progress=not args.no_progress,
-        cache=args.cache if args.cache_threshold is None else StepCache(args.cache_threshold),
+        cache=args.cache,
         compile=args.compile,
         shard_weights=args.shard_weights,
         on_host=tuple(args.on_host),
@@ -546,20 +547,13 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a pipeline argument of the family, e.g. use_resolution_binning=false",
     )
-    caches = run.add_mutually_exclusive_group()
-    caches.add_argument(
-        "--cache-threshold",
-        type=float,
-        metavar="T",
-        help="skip the blocks after the first at steps where the first block changed by at most T "
-        "(StepCache; every rank takes the same decision). Default: no cache",
-    )
-    caches.add_argument(
+    run.add_argument(
         "--cache",
         type=_cache,
         metavar="NAME:KEY=VALUE,...",
-        help="one of diffusers' cache configurations, run by its own hooks with one decision for every rank: "
-        "fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[...], "
+        help="a cache, one decision for every rank: ours, First-Block Cache as StepCache(0.1) "
+        "(stepcache:threshold=0.1; PipeFusion takes it too); or one of diffusers' cache configurations, run "
+        "by its own hooks: fbc:threshold=0.2, taylorseer:cache_interval=4, magcache:mag_ratios=[...], "
         "pab:spatial_attention_block_skip_range=2 (each key a field of its diffusers config); or TeaCache, ours "
         "(StepCache(method='teacache'); Flux, Flux.2, Wan, HunyuanVideo, Qwen-Image, CogVideoX, PixArt): "
         "teacache:threshold=0.15,coefficients=[...]; or DBCache, ours (StepCache(method='dbcache')): "

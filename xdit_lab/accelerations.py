@@ -182,7 +182,8 @@ def is_diffusers_cache(cache) -> bool:
 def diffusers_cache_problems(config, adapter, cache) -> list[str]:
     """Why diffusers' cache configuration `cache` cannot run agreed on `adapter`'s family under `config`, as
     sentences: a transformer without diffusers' CacheMixin (whose serial pipeline runs no cache: nothing to equal),
-    a configuration that cannot be agreed, PipeFusion, MagCache's calibration on several ranks."""
+    a configuration that cannot be agreed, First-Block Cache under PipeFusion (the others run with a state per
+    patch) and the async schedule, MagCache's calibration on several ranks."""
     import diffusers
     from diffusers.models.cache_utils import CacheMixin
 
@@ -205,11 +206,18 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
         )
     elif name in adapter.diffusers_cache_refused:  # diffusers' own serial run raises: nothing to equal
         found.append(f"cache={name} does not run on {adapter.family}: {adapter.diffusers_cache_refused[name]}")
-    if getattr(config, PIPEFUSION) > 1:
+    if getattr(config, PIPEFUSION) > 1 and name in BY_DATA:
         found.append(
-            f"cache={name} does not run under PipeFusion: its hooks expect every block on one rank and one pass per "
-            f"step, while a stage holds some blocks and runs them once per patch; use ulysses, ring, cfg or dp, or "
-            f"xdit_lab.StepCache(threshold), which PipeFusion takes"
+            f"cache={name} does not run under PipeFusion: its hooks decide inside each call from the first block's "
+            f"residual over what that call holds, while a stage runs its blocks once per patch, so stage 0 would "
+            f"decide per patch and the later stages, which hold no first block, could not; use "
+            f"xdit_lab.StepCache(threshold), which runs the first block over every patch before any moves and agrees "
+            f"on one decision, or TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig"
+        )
+    elif getattr(config, PIPEFUSION) > 1 and config.pipefusion_schedule == "async":
+        found.append(
+            f"cache={name} does not run under pipefusion_schedule='async': its hooks keep a state per patch that "
+            f"advances once a step, which the drained schedule's step runs patch by patch; use the drained schedule"
         )
     if name == "MagCacheConfig" and cache.calibrate and config.world_size > 1:
         found.append(

@@ -246,6 +246,30 @@ def test_schedule_decided_methods_under_pipefusion(folders, family):
             assert missed > bound, f"{where}: the control {missed:.3g} within {bound:.3g}"
 
 
+def test_pipefusion_with_dp_ulysses_and_true_cfg_on_four_ranks(folders):
+    """pf2 x dp 2 warmed up over every step equals diffusers' serial Flux, and pf2 x cfg 2 Wan's with true CFG (two
+    calls a step in diffusers, one state per branch); pf2 x ulysses 2 past one warm-up step cuts each patch's state
+    from the tokens each sp rank holds of it, within the pf2 bound (the same stale attention, on Wan: tiny Flux's
+    text is as long as a rank's image there, which is refused by name)."""
+    flux = {"taylorseer": _diffusers(folders["flux"], "flux", "taylorseer")}
+    runs = [(dataclasses.replace(_pf2(STEPS), dp=2), "taylorseer", {})]
+    _check(run_on_ranks(_ours, 4, folders["flux"], "flux", runs, timeout_s=400), flux)
+    wan = {m: _diffusers(folders["wan"], "wan", m, cfg=True) for m in ("taylorseer", "magcache")}
+    runs = [(dataclasses.replace(_pf2(STEPS), cfg=2), m, {}) for m in wan]
+    _check(run_on_ranks(_ours, 4, folders["wan"], "wan", runs, cfg=True, timeout_s=400), wan)
+    wan = {m: _diffusers(folders["wan"], "wan", m) for m in ("magcache", "pab")}
+    runs = [(dataclasses.replace(_pf2(1), ulysses=2), m, {}) for m in wan]
+    for rank, rows in enumerate(run_on_ranks(_ours, 4, folders["wan"], "wan", runs, timeout_s=400)):
+        for row in rows:
+            where, bound = (
+                f"wan {row['method']} {row['config']} rank {rank}",
+                PF_MARGIN * PF_STALE_L2["wan"][row["method"]],
+            )
+            deviation = _relative_l2(row["latents"], wan[row["method"]])
+            assert 1e-5 < deviation <= bound, f"{where}: stale {deviation:.3g}, bound {bound:.3g}"
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+
+
 def _with_true_cfg(folder, method):
     """On every rank: Wan with true CFG under cfg 2 and the method's cache; the refusal said at the first step."""
     config = ParallelConfig(cfg=2)

@@ -13,8 +13,9 @@ one rank sent in the run (every group, the cache's own all-reduces included), th
 (same seeds), PSNR and SSIM of the decoded images against it (xdit_lab.compare) and, on the digits, how many the
 independent classifier reads as the prompted digit. A configuration a family or a strategy does not take is a row
 saying so, in the refusal's own words: the digits model is PixArt, whose transformer has no CacheMixin (no diffusers
-cache), and PipeFusion takes StepCache only. Under PipeFusion a skipped step still sends every patch through the
-stages (only the blocks' compute is skipped), so its bytes stay. Ranks share this machine's cores with whatever else
+cache), and PipeFusion takes StepCache, TaylorSeer, MagCache and PAB (a hook state per patch), not First-Block Cache.
+Under PipeFusion a skipped step still sends every patch through the stages (only the blocks' compute is skipped),
+so its bytes stay. Ranks share this machine's cores with whatever else
 runs: read the seconds as ratios within a configuration. The plot (--plot, default benchmarks/accelerations.png):
 PSNR against speed-up, one line per method, a panel per model and configuration.
 """
@@ -257,8 +258,10 @@ def main():
         flux_steps = [("StepCache", f"threshold {t:g}", StepCache(t)) for t in (0.45, 0.52, 0.6)]
         diffusers_caches = _diffusers_methods(args.flux_steps)
         rows += measure("tiny flux ulysses2", flux, ULYSSES, flux_steps + diffusers_caches + fp8, call, args.repeats)
-        rows += measure("tiny flux pf2", flux, PF2, flux_steps, call, args.repeats)
-        rows += _refusals("tiny flux pf2", flux, PF2, [("diffusers' caches", diffusers_caches[0][2])])
+        # under PipeFusion the schedule-decided ones run with a state per patch; First-Block Cache is refused
+        by_schedule = [row for row in diffusers_caches if row[0] != "FirstBlockCache"]
+        rows += measure("tiny flux pf2", flux, PF2, flux_steps + by_schedule, call, args.repeats)
+        rows += _refusals("tiny flux pf2", flux, PF2, [("FirstBlockCache", diffusers_caches[0][2])])
 
     print(
         f"On {cpu_model()}, 2 gloo ranks; digits: {len(digits)} images, 20 steps; tiny Flux: 2 prompts, "

@@ -8,8 +8,11 @@ some steps skip and some run, with the steps skipped equal on every rank and eve
 form; TaylorSeer and MagCache under cfg 2 with Wan's true CFG (two calls a step in diffusers); First-Block Cache and
 PAB under cfg 2 with CogVideoX's CFG (one call, as ours), and refused with Wan's; ulysses x ring, FSDP2-sharded
 weights and a dp stand-in row. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=
-False)) under dp 2, whose ranks hold different prompts, misses. pipe.enable_cache / disable_cache, a cache enabled
-by hand (refused), unparallelize, the refusals (asked without loading a weight) and the CLI's spelling."""
+False)) under dp 2, whose ranks hold different prompts, misses. TaylorSeer, MagCache and PAB under PipeFusion (a
+hook state per patch): equal to it warmed up over every step (pf2, pf2 x dp 2, pf2 x cfg 2), within a measured bound
+on stale K/V (pf2, pf2 x ulysses 2), which the control (every patch on one state) exceeds. pipe.enable_cache /
+disable_cache, a cache enabled by hand (refused), unparallelize, the refusals (asked without loading a weight) and
+the CLI's spelling."""
 
 import dataclasses
 
@@ -270,6 +273,29 @@ def test_pipefusion_with_dp_ulysses_and_true_cfg_on_four_ranks(folders):
             assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
 
 
+def _hooks_outside_the_blocks():
+    """On every rank: a tiny Flux transformer parallelized under pf2 with TaylorSeer on proj_out; what it says."""
+    from xdit_lab.tiny import tiny_transformer
+
+    config = _pf2(1)
+    try:
+        parallelize(
+            tiny_transformer("flux"),
+            config,
+            mesh=RankMesh(config),
+            cache=TaylorSeerCacheConfig(cache_identifiers=[r"transformer_blocks\.0\.attn", "proj_out"]),
+        )
+    except ParallelConfigError as error:
+        return str(error)
+
+
+def test_pipefusion_refuses_hooks_outside_the_blocks():
+    """A stage keeps a hook state per patch of its blocks' tokens; proj_out runs over the whole image: refused by
+    name at parallelize, on every rank (use_lite_mode, which hooks it, before a weight is read: test above)."""
+    for said in run_on_ranks(_hooks_outside_the_blocks, 2, timeout_s=120):
+        assert said and "hooks proj_out, outside the blocks" in said, said
+
+
 def _with_true_cfg(folder, method):
     """On every rank: Wan with true CFG under cfg 2 and the method's cache; the refusal said at the first step."""
     config = ParallelConfig(cfg=2)
@@ -376,6 +402,7 @@ def test_refused_by_name_before_a_weight_is_read(tmp_path):
         assert said(_methods("flux")[method], pf2) == "", method
         async_pf2 = ParallelConfig(pipefusion=2, pipefusion_schedule="async")
         assert "does not run under pipefusion_schedule='async'" in said(_methods("flux")[method], async_pf2)
+    assert "use_lite_mode=True) does not run under PipeFusion" in said(TaylorSeerCacheConfig(use_lite_mode=True), pf2)
     assert "compile=True does not take diffusers' FirstBlockCacheConfig" in said(FirstBlockCacheConfig(), compile=True)
     assert "calibrate on one rank" in said(MagCacheConfig(calibrate=True))
     assert said(MagCacheConfig(calibrate=True), ParallelConfig()) == ""  # one rank measures the whole

@@ -214,7 +214,13 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
             f"xdit_lab.StepCache(threshold), which runs the first block over every patch before any moves and agrees "
             f"on one decision, or TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig"
         )
-    elif getattr(config, PIPEFUSION) > 1 and config.pipefusion_schedule == "async":
+    elif getattr(config, PIPEFUSION) > 1 and getattr(cache, "use_lite_mode", False):
+        found.append(
+            f"cache={name}(use_lite_mode=True) does not run under PipeFusion: it predicts proj_out, which a stage "
+            f"runs over the whole image while its hook state is kept per patch; use TaylorSeer's default patterns "
+            f"(the blocks' attention)"
+        )
+    if getattr(config, PIPEFUSION) > 1 and name not in BY_DATA and config.pipefusion_schedule == "async":
         found.append(
             f"cache={name} does not run under pipefusion_schedule='async': its hooks keep a state per patch that "
             f"advances once a step, which the drained schedule's step runs patch by patch; use the drained schedule"

@@ -66,7 +66,7 @@ from diffusers.hooks.hooks import CacheContext
 from .. import comm
 from ..accelerations import BY_DATA, option_problems
 from ..config import ParallelConfigError
-from ..mesh import SP, WORLD
+from ..mesh import PIPEFUSION, SP, WORLD
 from .cache import local_changes
 
 _OWNED = "_xdit_lab_cache_config"  # the configuration enable_cache was given here, on the transformer
@@ -90,12 +90,17 @@ class DiffusersCache:
         self._transformer = weakref.ref(transformer)  # the state lives on the transformer: no cycle through it
         transformer.enable_cache(config)
         setattr(transformer, _OWNED, transformer._cache_config)
-        self.hooks = [  # the hooks enable_cache registered, in module order (the head block's first)
-            hook
-            for module in transformer.modules()
-            for hook in getattr(getattr(module, "_diffusers_hook", None), "hooks", {}).values()
-            if type(hook).__module__ in _CACHE_MODULES
-        ]
+        hooked = [(name, hook) for name, module in transformer.named_modules() for hook in _cache_hooks(module)]
+        self.hooks = [hook for _, hook in hooked]  # the hooks enable_cache registered, in module order (head first)
+        outside = [name for name, _ in hooked if name.split(".")[0] not in state.adapter.block_lists]
+        if getattr(state.mesh.config, PIPEFUSION) > 1 and outside:
+            transformer.disable_cache()
+            delattr(transformer, _OWNED)
+            raise ParallelConfigError(
+                f"cache={self.name} under PipeFusion hooks {', '.join(outside)}, outside the blocks: a stage keeps a "
+                f"hook state per patch of the tokens its blocks run, while those modules run over the whole image; "
+                f"match only modules inside the blocks (cache_identifiers, skip_predict_identifiers), or no PipeFusion"
+            )
         self._pab_whole = {}
         self.reset()
         self._wrap_decisions()
@@ -258,6 +263,12 @@ class DiffusersCache:
                 if s.iteration % hook.block_skip_range != 0:
                     return True
         return False
+
+
+def _cache_hooks(module) -> list:
+    """The cache hooks diffusers' enable_cache registered on `module` (none: an empty list)."""
+    hooks = getattr(getattr(module, "_diffusers_hook", None), "hooks", {}).values()
+    return [hook for hook in hooks if type(hook).__module__ in _CACHE_MODULES]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -222,8 +222,9 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
         )
     if getattr(config, PIPEFUSION) > 1 and name not in BY_DATA and config.pipefusion_schedule == "async":
         found.append(
-            f"cache={name} does not run under pipefusion_schedule='async': its hooks keep a state per patch that "
-            f"advances once a step, which the drained schedule's step runs patch by patch; use the drained schedule"
+            f"cache={name} does not run under pipefusion_schedule='async': its hooks' state per patch advances with "
+            f"the session's step, while the async schedule has two steps in flight on the stages; use the drained "
+            f"schedule"
         )
     if name == "MagCacheConfig" and cache.calibrate and config.world_size > 1:
         found.append(

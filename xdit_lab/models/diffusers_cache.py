@@ -47,8 +47,8 @@ the call holds, which a stage cannot (xdit_lab.StepCache decides before any patc
 runs patches of two steps at once: both are refused.
 
 FasterCache, SeaCache and TextKVCache, First-Block Cache under PipeFusion, compile and MagCache's calibration on
-several ranks are refused by name before a weight is read (accelerations.diffusers_cache_problems says why). The model's
-`Controls(cache_agrees=False)` makes each rank take First-Block Cache's decision from its own sums: a
+several ranks are refused by name before a weight is read (accelerations.diffusers_cache_problems says why). The
+model's `Controls(cache_agrees=False)` makes each rank take First-Block Cache's decision from its own sums: a
 deliberately wrong control, which misses diffusers' result where the ranks' shares differ.
 """
 
@@ -205,11 +205,10 @@ class DiffusersCache:
             whole = manager._state_cache.get(self._context.name)
             for p in range(len(sizes)) if whole is not None else ():
                 manager._state_cache[f"{self._context.name} patch {p}"] = cut.state(whole, p)
-        for index, hook in enumerate(self.hooks):
-            if self.name == "PyramidAttentionBroadcastConfig":
-                self._pab_whole[hook] = hook.state
-                for p in range(len(sizes)):
-                    self._pab_patches[index, p] = cut.state(hook.state, p)
+        for index, hook in enumerate(self.hooks if self.name == "PyramidAttentionBroadcastConfig" else ()):
+            self._pab_whole[hook] = hook.state
+            for p in range(len(sizes)):
+                self._pab_patches[index, p] = cut.state(hook.state, p)
         self._per_patch = True
 
     # ---- the decisions ---------------------------------------------------------------------------------

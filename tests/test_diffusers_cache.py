@@ -10,7 +10,7 @@ PAB under cfg 2 with CogVideoX's CFG (one call, as ours), and refused with Wan's
 weights and a dp stand-in row. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=
 False)) under dp 2, whose ranks hold different prompts, misses. TaylorSeer, MagCache and PAB under PipeFusion (a
 hook state per patch): equal to it warmed up over every step (pf2, pf2 x dp 2, pf2 x cfg 2), within a measured bound
-on stale K/V (pf2, pf2 x ulysses 2), which the control (every patch on one state) exceeds. pipe.enable_cache /
+on stale K/V (pf2, pf2 x ulysses 2, no warm-up step), which the control (every patch on one state) exceeds. pipe.enable_cache /
 disable_cache, a cache enabled by hand (refused), unparallelize, the refusals (asked without loading a weight) and
 the CLI's spelling."""
 
@@ -212,6 +212,8 @@ PF_STALE_L2 = {
     "wan": dict(taylorseer=1.92e-3, magcache=1.78e-3, pab=1.62e-3),
 }
 PF_MARGIN = 1.25
+# ... and with no warm-up step (each patch's state starts empty, the stale K/V zeros before a patch first ran), Flux
+PF_COLD_L2 = dict(taylorseer=8.66e-4, magcache=2.62e-3, pab=1.59e-3)
 
 
 def _pf2(warmup_steps):
@@ -247,6 +249,21 @@ def test_schedule_decided_methods_under_pipefusion(folders, family):
             assert not traffic_mismatches(stale["traffic"], where), traffic_mismatches(stale["traffic"], where)
             missed = _relative_l2(wrong["latents"], references[method])
             assert missed > bound, f"{where}: the control {missed:.3g} within {bound:.3g}"
+
+
+def test_pipefusion_without_a_warm_up_step(folders):
+    """warmup_steps=0: no whole-image state to cut, so each patch's hook state starts empty at the first step, as
+    diffusers' does at its first call: within PF_MARGIN x the measured relative L2, the same skips on both stages."""
+    methods = ["taylorseer", "magcache", "pab"]
+    references = {m: _diffusers(folders["flux"], "flux", m) for m in methods}
+    per_rank = run_on_ranks(_ours, 2, folders["flux"], "flux", [(_pf2(0), m, {}) for m in methods], timeout_s=300)
+    for rank, rows in enumerate(per_rank):
+        for first, row in zip(per_rank[0], rows):
+            where, bound = f"flux {row['method']} rank {rank}", PF_MARGIN * PF_COLD_L2[row["method"]]
+            deviation = _relative_l2(row["latents"], references[row["method"]])
+            assert 1e-5 < deviation <= bound, f"{where}: {deviation:.3g}, bound {bound:.3g}"
+            assert row["skips"] == first["skips"] and any(row["skips"]), f"{where}: {row['skips']}"
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
 
 
 def test_pipefusion_with_dp_ulysses_and_true_cfg_on_four_ranks(folders):

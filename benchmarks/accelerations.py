@@ -4,18 +4,20 @@
 
 Each row is one run on 2 ranks (gloo, this machine's cores) beside the uncached run of the same configuration in the
 same invocation: our StepCache at a few thresholds (First-Block Cache, and DBCache with one front block, one back
-block and a first-order TaylorSeer: DBCACHE), diffusers' FirstBlockCacheConfig, TaylorSeerCacheConfig,
-MagCacheConfig (mag_ratios, one per step) and PyramidAttentionBroadcastConfig through `load_pipeline(...,
-cache=config)`, and float8 on Ulysses' wire (`ParallelConfig(ulysses=2, comm_dtype="float8_e4m3fn")`). Per row: the
+block and a first-order TaylorSeer: DBCACHE; TeaCache), diffusers' FirstBlockCacheConfig, TaylorSeerCacheConfig,
+MagCacheConfig (mag_ratios, one per step), PyramidAttentionBroadcastConfig and FasterCacheConfig (its attention
+cache) through `load_pipeline(..., cache=config)`, and float8 on Ulysses' wire (`ParallelConfig(ulysses=2, comm_dtype="float8_e4m3fn")`). Per row: the
 steps at which the cache skipped a computation, of the steps run (StepCache and First-Block Cache skip every block
-after the first, MagCache the blocks, TaylorSeer predicts its blocks' outputs, PAB reuses attention only), the bytes
+after the first, TeaCache every block, MagCache the blocks, TaylorSeer predicts its blocks' outputs, PAB reuses
+attention, FasterCache extrapolates it), the bytes
 one rank sent in the run (every group, the cache's own all-reduces included), the denoising seconds (the fastest of
 --repeats runs) and their ratio to the uncached run's, the relative L2 of the final latents against the uncached run
 (same seeds), PSNR and SSIM of the decoded images against it (xdit_lab.compare) and, on the digits, how many the
 independent classifier reads as the prompted digit. A configuration a family or a strategy does not take is a row
 saying so, in the refusal's own words: the digits model is PixArt, whose transformer has no CacheMixin (no diffusers
-cache), and PipeFusion takes First-Block Cache only. Under PipeFusion a skipped step still sends every patch through the
-stages (only the blocks' compute is skipped), so its bytes stay. Ranks share this machine's cores with whatever else
+cache), and PipeFusion takes StepCache, TaylorSeer, MagCache and PAB (a hook state per patch), not First-Block Cache
+or DBCache. Under PipeFusion a skipped step still sends every patch through the stages (only the blocks' compute is
+skipped), so its bytes stay. Ranks share this machine's cores with whatever else
 runs: read the seconds as ratios within a configuration. The plot (--plot, default benchmarks/accelerations.png):
 PSNR against speed-up, one line per method, a panel per model and configuration.
 """
@@ -34,13 +36,16 @@ from xdit_lab.testing import run_on_ranks
 ULYSSES, FP8 = ParallelConfig(ulysses=2), ParallelConfig(ulysses=2, comm_dtype="float8_e4m3fn")
 PF2 = ParallelConfig(pipefusion=2, num_patches=2, warmup_steps=1)
 DBCACHE = dict(method="dbcache", front=1, back=1, taylor_order=1)  # DBCache's rows: StepCache(t, **DBCACHE)
+TEACACHE_THRESHOLDS = (0.1, 0.3)  # TeaCache's accumulated change (its coefficients the identity: none published here)
 PSNR_CAP = 80.0  # the plot's ceiling: an image equal to the uncached one has PSNR inf
 
 
 def _diffusers_methods(steps):
-    """(method, setting, configuration) of diffusers' four hooks on tiny Flux, each at a few settings."""
+    """(method, setting, configuration) of diffusers' hooks on tiny Flux, each at a few settings (SeaCache runs
+    where the pipeline hands its hooks a sigma, WanPipeline, not on Flux)."""
     import torch
     from diffusers.hooks import (
+        FasterCacheConfig,
         FirstBlockCacheConfig,
         MagCacheConfig,
         PyramidAttentionBroadcastConfig,
@@ -69,6 +74,18 @@ def _diffusers_methods(steps):
             f"skip range {r}",
             PyramidAttentionBroadcastConfig(
                 spatial_attention_block_skip_range=r, spatial_attention_timestep_skip_range=(0, 1000)
+            ),
+        )
+        for r in (2, 3)
+    ]
+    rows += [  # its attention cache alone: Flux is guidance-distilled (the CFG-Cache is refused on several ranks)
+        (
+            "FasterCache",
+            f"skip range {r}",
+            FasterCacheConfig(
+                spatial_attention_block_skip_range=r,
+                spatial_attention_timestep_skip_range=(-1, 1000),
+                is_guidance_distilled=True,
             ),
         )
         for r in (2, 3)
@@ -239,6 +256,7 @@ def main():
     step_caches = [("StepCache", f"threshold {t:g}", StepCache(t)) for t in args.thresholds]
     db_caches = [("DBCache", f"F1B1 taylor 1, threshold {t:g}", StepCache(t, **DBCACHE)) for t in args.thresholds]
     db_refused = [("DBCache", StepCache(args.thresholds[0], **DBCACHE))]
+    tea_caches = [("TeaCache", f"threshold {t:g}", StepCache(t, method="teacache")) for t in TEACACHE_THRESHOLDS]
     rows = []
     # the digits: PixArt, no CacheMixin: StepCache and float8 on the wire, diffusers' configurations refused
     fp8 = [("fp8 comm", "float8_e4m3fn", None, FP8)]
@@ -248,7 +266,7 @@ def main():
         "digits ulysses2",
         "digits",
         ULYSSES,
-        step_caches + db_caches + fp8 + [fp8_cached],
+        step_caches + db_caches + tea_caches + fp8 + [fp8_cached],
         digit_call,
         args.repeats,
         digits,
@@ -268,10 +286,12 @@ def main():
         flux_steps = [("StepCache", f"threshold {t:g}", StepCache(t)) for t in (0.45, 0.52, 0.6)]
         flux_db = [("DBCache", f"F1B1 taylor 1, threshold {t:g}", StepCache(t, **DBCACHE)) for t in (0.52, 0.6)]
         diffusers_caches = _diffusers_methods(args.flux_steps)
-        flux_rows = flux_steps + flux_db + diffusers_caches + fp8
+        flux_rows = flux_steps + flux_db + tea_caches + diffusers_caches + fp8
         rows += measure("tiny flux ulysses2", flux, ULYSSES, flux_rows, call, args.repeats)
-        rows += measure("tiny flux pf2", flux, PF2, flux_steps, call, args.repeats)
-        rows += _refusals("tiny flux pf2", flux, PF2, [("diffusers' caches", diffusers_caches[0][2]), *db_refused])
+        # under PipeFusion the schedule-decided ones run with a state per patch; First-Block Cache is refused
+        by_schedule = [row for row in diffusers_caches if row[0] in ("TaylorSeer", "MagCache", "PAB")]
+        rows += measure("tiny flux pf2", flux, PF2, flux_steps + by_schedule, call, args.repeats)
+        rows += _refusals("tiny flux pf2", flux, PF2, [("FirstBlockCache", diffusers_caches[0][2]), *db_refused])
 
     print(
         f"On {cpu_model()}, 2 gloo ranks; digits: {len(digits)} images, 20 steps; tiny Flux: 2 prompts, "

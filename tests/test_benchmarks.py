@@ -191,8 +191,9 @@ def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
     """benchmarks/accelerations.py at one StepCache threshold on the digits and 4 tiny-Flux steps: every method has
     its row (the ranks agreed on every skip, or the run raised), the uncached rows equal themselves, our StepCache
     equals diffusers' First-Block Cache at the same threshold (the same method), float8 on the wire sends under 0.55
-    of the uncached bytes with the digits still read, and diffusers' configurations are refused by name on PixArt
-    (no CacheMixin) and under PipeFusion, as DBCache is under PipeFusion."""
+    of the uncached bytes with the digits still read, diffusers' configurations are refused by name on PixArt (no
+    CacheMixin), and under PipeFusion TaylorSeer, MagCache and PAB run while First-Block Cache and DBCache are refused
+    by name."""
     out, picture = tmp_path / "rows.json", tmp_path / "plot.png"
     done = subprocess.run(
         [sys.executable, "benchmarks/accelerations.py", "--thresholds", "0.2", "--flux-steps", "4"]
@@ -216,8 +217,14 @@ def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
         ("tiny flux ulysses2", "TaylorSeer"),
         ("tiny flux ulysses2", "MagCache"),
         ("tiny flux ulysses2", "PAB"),
+        ("tiny flux ulysses2", "FasterCache"),
+        ("tiny flux ulysses2", "TeaCache"),
+        ("digits ulysses2", "TeaCache"),
         ("tiny flux ulysses2", "fp8 comm"),
         ("tiny flux pf2", "StepCache"),
+        ("tiny flux pf2", "TaylorSeer"),
+        ("tiny flux pf2", "MagCache"),
+        ("tiny flux pf2", "PAB"),
     }, methods
     for (_, method, _), r in measured.items():
         assert math.isfinite(r["seconds"]) and r["seconds"] > 0, r
@@ -233,7 +240,7 @@ def test_accelerations_benchmark_on_a_tiny_size(tmp_path):
     assert measured[("digits ulysses2", "fp8 comm", "float8_e4m3fn")]["accuracy"] == "10/10"
     refusals = {(r["model"], r["method"]): r["refused"] for r in rows if "refused" in r}
     assert "has no CacheMixin" in refusals[("digits ulysses2", "diffusers' caches")]
-    assert "does not run under PipeFusion" in refusals[("tiny flux pf2", "diffusers' caches")]
+    assert "FirstBlockCacheConfig does not run under PipeFusion" in refusals[("tiny flux pf2", "FirstBlockCache")]
     for model in ("digits pf2", "tiny flux pf2"):
         assert "StepCache(method='dbcache') does not run under PipeFusion" in refusals[(model, "DBCache")]
     assert picture.stat().st_size > 0 and "| digits ulysses2 | StepCache | threshold 0.2 |" in done.stdout

@@ -8,13 +8,15 @@ some steps skip and some run, with the steps skipped equal on every rank and eve
 form; TaylorSeer and MagCache under cfg 2 with Wan's true CFG (two calls a step in diffusers); First-Block Cache and
 PAB under cfg 2 with CogVideoX's CFG (one call, as ours), and refused with Wan's; ulysses x ring, FSDP2-sharded
 weights and a dp stand-in row. The control: First-Block Cache deciding on each rank alone (Controls(cache_agrees=
-False)) under dp 2, whose ranks hold different prompts, misses. pipe.enable_cache / disable_cache, a cache enabled
-by hand (refused), unparallelize, the refusals (asked without loading a weight) and the CLI's spelling. SeaCache
-equals it on tiny Wan (WanPipeline hands its hooks the scheduler's sigma; FluxPipeline does not: refused there) under
-ulysses 2, ring 2, dp 2 and cfg 2; its control, the indicator from each dp rank's own sample, misses. FasterCache's
-attention cache (is_guidance_distilled=True) equals it under ulysses 2, ring 2 and dp 2 on tiny Flux and Wan; its
-control, the CFG-Cache (refused on several ranks) with the refusal lifted, misses diffusers' CogVideoX under cfg 2
-and dp 2."""
+False)) under dp 2, whose ranks hold different prompts, misses. TaylorSeer, MagCache and PAB under PipeFusion (a
+hook state per patch): equal to it warmed up over every step (pf2, pf2 x dp 2, pf2 x cfg 2), within a measured bound
+on stale K/V (pf2, pf2 x ulysses 2, no warm-up step), which the control (every patch on one state) exceeds.
+pipe.enable_cache / disable_cache, a cache enabled by hand (refused), unparallelize, the refusals (asked without
+loading a weight) and the CLI's spelling. SeaCache equals it on tiny Wan (WanPipeline hands its hooks the scheduler's
+sigma; FluxPipeline does not: refused there) under ulysses 2, ring 2, dp 2 and cfg 2; its control, the indicator
+from each dp rank's own sample, misses. FasterCache's attention cache (is_guidance_distilled=True) equals it under
+ulysses 2, ring 2 and dp 2 on tiny Flux and Wan; its control, the CFG-Cache (refused on several ranks) with the
+refusal lifted, misses diffusers' CogVideoX under cfg 2 and dp 2."""
 
 import dataclasses
 
@@ -228,6 +230,116 @@ def test_cogvideox_cfg_in_one_call_takes_every_method_under_cfg2(folders):
     _check(run_on_ranks(_ours, 2, folders["cogvideox"], "cogvideox", runs, timeout_s=300), references)
 
 
+# PipeFusion (pf2, two patches) with one warm-up step, then stale K/V: the relative L2 of the final latents against
+# diffusers' serial run with the same cache configuration, measured once (torch 2.13 CPU, deterministic); each bound
+# is PF_MARGIN x its figure. The control, every patch on one state (Controls(cache_state_per_patch=False)), measured
+# 0.0081, 0.0169, 0.0067 on Flux and 0.46, 0.021, 0.013 on Wan: at least 8x these.
+PF_STALE_L2 = {
+    "flux": dict(taylorseer=7.67e-4, magcache=8.09e-4, pab=6.64e-4),
+    "wan": dict(taylorseer=1.92e-3, magcache=1.78e-3, pab=1.62e-3),
+}
+PF_MARGIN = 1.25
+# ... and with no warm-up step (each patch's state starts empty, the stale K/V zeros before a patch first ran), Flux
+PF_COLD_L2 = dict(taylorseer=8.66e-4, magcache=2.62e-3, pab=1.59e-3)
+
+
+def _pf2(warmup_steps):
+    return ParallelConfig(pipefusion=2, num_patches=2, warmup_steps=warmup_steps)
+
+
+def _relative_l2(latents, reference):
+    return ((latents - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_schedule_decided_methods_under_pipefusion(folders, family):
+    """TaylorSeer, MagCache and PAB on a PipeFusion stage keep a hook state per patch, advanced once a step and cut
+    from the whole image's after the warm-up (models/diffusers_cache.py). Warmed up over every step PipeFusion is
+    exact: equal to diffusers' serial pipeline with the same configuration (1e-4), with the same skips on both stages
+    and each step's bytes as the closed form. With one warm-up step (stale K/V after it) within PF_MARGIN x the
+    measured relative L2; the control, every patch on one state, beyond it."""
+    methods = ["taylorseer", "magcache", "pab"]
+    references = {m: _diffusers(folders[family], family, m) for m in methods}
+    control = dict(controls=Controls(cache_state_per_patch=False))
+    runs = [(_pf2(STEPS), m, {}) for m in methods]
+    runs += [(_pf2(1), m, {}) for m in methods] + [(_pf2(1), m, control) for m in methods]
+    per_rank = run_on_ranks(_ours, 2, folders[family], family, runs, timeout_s=300)
+    _check([rows[:3] for rows in per_rank], references)
+    for rank, rows in enumerate(per_rank):
+        for first, stale, wrong in zip(per_rank[0][3:6], rows[3:6], rows[6:]):
+            method, where = stale["method"], f"{family} {stale['method']} rank {rank}"
+            bound = PF_MARGIN * PF_STALE_L2[family][method]
+            deviation = _relative_l2(stale["latents"], references[method])
+            assert 1e-5 < deviation <= bound, f"{where}: stale {deviation:.3g}, bound {bound:.3g}"
+            assert stale["skips"] == first["skips"], f"{where}: the stages skipped apart"
+            assert any(stale["skips"]) and not all(stale["skips"]), f"{where}: {stale['skips']}"
+            assert not traffic_mismatches(stale["traffic"], where), traffic_mismatches(stale["traffic"], where)
+            missed = _relative_l2(wrong["latents"], references[method])
+            assert missed > bound, f"{where}: the control {missed:.3g} within {bound:.3g}"
+
+
+def test_pipefusion_without_a_warm_up_step(folders):
+    """warmup_steps=0: no whole-image state to cut, so each patch's hook state starts empty at the first step, as
+    diffusers' does at its first call: within PF_MARGIN x the measured relative L2, the same skips on both stages."""
+    methods = ["taylorseer", "magcache", "pab"]
+    references = {m: _diffusers(folders["flux"], "flux", m) for m in methods}
+    per_rank = run_on_ranks(_ours, 2, folders["flux"], "flux", [(_pf2(0), m, {}) for m in methods], timeout_s=300)
+    for rank, rows in enumerate(per_rank):
+        for first, row in zip(per_rank[0], rows):
+            where, bound = f"flux {row['method']} rank {rank}", PF_MARGIN * PF_COLD_L2[row["method"]]
+            deviation = _relative_l2(row["latents"], references[row["method"]])
+            assert 1e-5 < deviation <= bound, f"{where}: {deviation:.3g}, bound {bound:.3g}"
+            assert row["skips"] == first["skips"] and any(row["skips"]), f"{where}: {row['skips']}"
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+
+
+def test_pipefusion_with_dp_ulysses_and_true_cfg_on_four_ranks(folders):
+    """pf2 x dp 2 warmed up over every step equals diffusers' serial Flux, and pf2 x cfg 2 Wan's with true CFG (two
+    calls a step in diffusers, one state per branch); pf2 x ulysses 2 past one warm-up step cuts each patch's state
+    from the tokens each sp rank holds of it, within the pf2 bound (the same stale attention, on Wan: tiny Flux's
+    text is as long as a rank's image there, which is refused by name)."""
+    flux = {"taylorseer": _diffusers(folders["flux"], "flux", "taylorseer")}
+    runs = [(dataclasses.replace(_pf2(STEPS), dp=2), "taylorseer", {})]
+    _check(run_on_ranks(_ours, 4, folders["flux"], "flux", runs, timeout_s=400), flux)
+    wan = {m: _diffusers(folders["wan"], "wan", m, cfg=True) for m in ("taylorseer", "magcache")}
+    runs = [(dataclasses.replace(_pf2(STEPS), cfg=2), m, {}) for m in wan]
+    _check(run_on_ranks(_ours, 4, folders["wan"], "wan", runs, cfg=True, timeout_s=400), wan)
+    wan = {m: _diffusers(folders["wan"], "wan", m) for m in ("magcache", "pab")}
+    runs = [(dataclasses.replace(_pf2(1), ulysses=2), m, {}) for m in wan]
+    for rank, rows in enumerate(run_on_ranks(_ours, 4, folders["wan"], "wan", runs, timeout_s=400)):
+        for row in rows:
+            where, bound = (
+                f"wan {row['method']} {row['config']} rank {rank}",
+                PF_MARGIN * PF_STALE_L2["wan"][row["method"]],
+            )
+            deviation = _relative_l2(row["latents"], wan[row["method"]])
+            assert 1e-5 < deviation <= bound, f"{where}: stale {deviation:.3g}, bound {bound:.3g}"
+            assert not traffic_mismatches(row["traffic"], where), traffic_mismatches(row["traffic"], where)
+
+
+def _hooks_outside_the_blocks():
+    """On every rank: a tiny Flux transformer parallelized under pf2 with TaylorSeer on proj_out; what it says."""
+    from xdit_lab.tiny import tiny_transformer
+
+    config = _pf2(1)
+    try:
+        parallelize(
+            tiny_transformer("flux"),
+            config,
+            mesh=RankMesh(config),
+            cache=TaylorSeerCacheConfig(cache_identifiers=[r"transformer_blocks\.0\.attn", "proj_out"]),
+        )
+    except ParallelConfigError as error:
+        return str(error)
+
+
+def test_pipefusion_refuses_hooks_outside_the_blocks():
+    """A stage keeps a hook state per patch of its blocks' tokens; proj_out runs over the whole image: refused by
+    name at parallelize, on every rank (use_lite_mode, which hooks it, before a weight is read: test above)."""
+    for said in run_on_ranks(_hooks_outside_the_blocks, 2, timeout_s=120):
+        assert said and "hooks proj_out, outside the blocks" in said, said
+
+
 def _with_true_cfg(folder, method):
     """On every rank: Wan with true CFG under cfg 2 and the method's cache; the refusal said at the first step."""
     config = ParallelConfig(cfg=2)
@@ -393,7 +505,15 @@ def test_refused_by_name_before_a_weight_is_read(tmp_path, folders):
         )
         assert refusal in "; ".join(map(str, problems)), problems
     assert "NucleusMoE-Image" in said(TextKVCacheConfig())
-    assert "does not run under PipeFusion" in said(FirstBlockCacheConfig(), ParallelConfig(pipefusion=2))
+    pf2 = ParallelConfig(pipefusion=2)
+    assert "stage 0 would decide per patch" in said(FirstBlockCacheConfig(), pf2)
+    for method in ("taylorseer", "magcache", "pab"):  # a state per patch (test_schedule_decided_methods_under_...)
+        assert said(_methods("flux")[method], pf2) == "", method
+        async_pf2 = ParallelConfig(pipefusion=2, pipefusion_schedule="async")
+        assert "does not run under pipefusion_schedule='async'" in said(_methods("flux")[method], async_pf2)
+    assert "use_lite_mode=True) does not run under PipeFusion" in said(TaylorSeerCacheConfig(use_lite_mode=True), pf2)
+    for cache in (FasterCacheConfig(is_guidance_distilled=True), SeaCacheConfig()):  # hooks on the transformer
+        assert "hooks the transformer itself" in said(cache, pf2, adapter=family("wan").ADAPTER), cache
     assert "compile=True does not take diffusers' FirstBlockCacheConfig" in said(FirstBlockCacheConfig(), compile=True)
     assert "calibrate on one rank" in said(MagCacheConfig(calibrate=True))
     assert said(MagCacheConfig(calibrate=True), ParallelConfig()) == ""  # one rank measures the whole

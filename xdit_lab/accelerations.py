@@ -253,7 +253,8 @@ def is_diffusers_cache(cache) -> bool:
 def diffusers_cache_problems(config, adapter, cache) -> list[str]:
     """Why diffusers' cache configuration `cache` cannot run agreed on `adapter`'s family under `config`, as
     sentences: a transformer without diffusers' CacheMixin (whose serial pipeline runs no cache: nothing to equal),
-    a configuration that cannot be agreed, PipeFusion, MagCache's calibration on several ranks."""
+    a configuration that cannot be agreed, First-Block Cache under PipeFusion (the others run with a state per
+    patch) and the async schedule, MagCache's calibration on several ranks."""
     import diffusers
     from diffusers.models.cache_utils import CacheMixin
 
@@ -278,11 +279,32 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
         found.append(f"cache={name} does not run on {adapter.family}: {adapter.diffusers_cache_refused[name]}")
     elif name == "SeaCacheConfig" and not adapter.cache_sigma_pipelines:
         found.append(f"cache=SeaCacheConfig does not run on {adapter.family}: {SEA_CACHE_WITHOUT_SIGMA}")
-    if getattr(config, PIPEFUSION) > 1:
+    if getattr(config, PIPEFUSION) > 1 and name in ("FasterCacheConfig", "SeaCacheConfig"):
         found.append(
-            f"cache={name} does not run under PipeFusion: its hooks expect every block on one rank and one pass per "
-            f"step, while a stage holds some blocks and runs them once per patch; use ulysses, ring, cfg or dp, or "
-            f"xdit_lab.StepCache(threshold), which PipeFusion takes"
+            f"cache={name} does not run under PipeFusion: it hooks the transformer itself, outside the blocks a "
+            f"stage holds, over the whole image and every block, while a stage runs its own blocks once per patch; "
+            f"use TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig, or "
+            f"xdit_lab.StepCache(threshold)"
+        )
+    elif getattr(config, PIPEFUSION) > 1 and name in BY_DATA:
+        found.append(
+            f"cache={name} does not run under PipeFusion: its hooks decide inside each call from the first block's "
+            f"residual over what that call holds, while a stage runs its blocks once per patch, so stage 0 would "
+            f"decide per patch and the later stages, which hold no first block, could not; use "
+            f"xdit_lab.StepCache(threshold), which runs the first block over every patch before any moves and agrees "
+            f"on one decision, or TaylorSeerCacheConfig, MagCacheConfig or PyramidAttentionBroadcastConfig"
+        )
+    elif getattr(config, PIPEFUSION) > 1 and getattr(cache, "use_lite_mode", False):
+        found.append(
+            f"cache={name}(use_lite_mode=True) does not run under PipeFusion: it predicts proj_out, which a stage "
+            f"runs over the whole image while its hook state is kept per patch; use TaylorSeer's default patterns "
+            f"(the blocks' attention)"
+        )
+    if getattr(config, PIPEFUSION) > 1 and name in BY_SCHEDULE[:3] and config.pipefusion_schedule == "async":
+        found.append(
+            f"cache={name} does not run under pipefusion_schedule='async': its hooks' state per patch advances with "
+            f"the session's step, while the async schedule has two steps in flight on the stages; use the drained "
+            f"schedule"
         )
     if name == "SeaCacheConfig" and getattr(config, TP) > 1:
         found.append(f"cache=SeaCacheConfig does not run under tp: {SEA_CACHE_SPLIT_WEIGHTS}")

@@ -42,25 +42,46 @@ all-reduce on torch's default group belongs to Cosmos 3's decoder stack, a famil
 FasterCache's 2-D FFT runs in its hook on the transformer, over the whole gathered output, but its CFG-Cache
 (is_guidance_distilled=False) halves the whole [uncond; cond] input while its attention hooks, inside our split,
 take the second half of a cfg or dp share's rows as the conditional branch: refused on several ranks.
-TextKVCache, PipeFusion, compile and MagCache's calibration on several ranks are refused by name before a weight is
-read (accelerations.diffusers_cache_problems says why). The model's
-`Controls(cache_agrees=False)` makes each rank take First-Block Cache's decision from its own sums, and SeaCache's
-from its own samples: deliberately wrong controls, which miss diffusers' result where the ranks' shares differ.
+
+Under PipeFusion each stage enables the hooks on the blocks it holds (MagCache's head and tail hooks on its own
+first and last: summed over the stages, what each stage's blocks added is what the whole stack added, and every
+stage takes the same schedule-decided step). A stage runs its blocks once per patch past the warm-up, so the hooks'
+state is kept per patch, as if each patch were its own serial run of the step (`patches`, called by the stage):
+
+    step      stage runs            hook state (TaylorSeer's, MagCache's context; PAB's swapped on its hooks)
+    warm-up   the whole image       "cond"                 one call a step, as diffusers' serial pipeline
+    first     patch 0, patch 1, ..  "cond patch 0", ...    cut from "cond": its counters, its tokens' pieces
+    later     patch 0, patch 1, ..  "cond patch 0", ...    each advanced once a step, caching its own tokens
+
+Warmed up over every step the result equals diffusers' serial run; past the warm-up the attention reads stale K/V
+(and a layer a hook skips leaves its K/V as last written), measured against diffusers' serial run with a bound.
+`Controls(cache_state_per_patch=False)` puts every patch on patch 0's state (one counter advanced once per patch):
+the deliberately wrong control. First-Block Cache decides inside the call from the first block's residual over what
+the call holds, which a stage cannot (xdit_lab.StepCache decides before any patch moves), and the async schedule
+runs patches of two steps at once: both are refused.
+
+TextKVCache, First-Block Cache, FasterCache and SeaCache under PipeFusion (the last two hook the transformer
+itself, outside the blocks a stage holds), compile and MagCache's calibration on several ranks are refused by name
+before a weight is read (accelerations.diffusers_cache_problems says why). The model's `Controls(cache_agrees=False)`
+makes each rank take First-Block Cache's decision from its own sums, and SeaCache's from its own samples:
+deliberately wrong controls, which miss diffusers' result where the ranks' shares differ.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import weakref
 
 import torch
+from diffusers.hooks.hooks import CacheContext
 
 from .. import comm
 from ..accelerations import BY_DATA, SEA_CACHE_WITHOUT_SIGMA, TIMESTEP_READERS, option_problems
 from ..config import CFG, DP, ParallelConfigError
-from ..mesh import WORLD
+from ..mesh import PIPEFUSION, SP, WORLD
 from ..sharding import batch_rows
 from .cache import local_changes
 
@@ -87,12 +108,18 @@ class DiffusersCache:
         self._transformer = weakref.ref(transformer)  # the state lives on the transformer: no cycle through it
         transformer.enable_cache(config)
         setattr(transformer, _OWNED, transformer._cache_config)
-        self.hooks = [  # the hooks enable_cache registered, in module order (the head block's first)
-            hook
-            for module in transformer.modules()
-            for hook in getattr(getattr(module, "_diffusers_hook", None), "hooks", {}).values()
-            if type(hook).__module__ in _CACHE_MODULES
-        ]
+        hooked = [(name, hook) for name, module in transformer.named_modules() for hook in _cache_hooks(module)]
+        self.hooks = [hook for _, hook in hooked]  # the hooks enable_cache registered, in module order (head first)
+        outside = [name for name, _ in hooked if name.split(".")[0] not in state.adapter.block_lists]
+        if getattr(state.mesh.config, PIPEFUSION) > 1 and outside:
+            transformer.disable_cache()
+            delattr(transformer, _OWNED)
+            raise ParallelConfigError(
+                f"cache={self.name} under PipeFusion hooks {', '.join(outside)}, outside the blocks: a stage keeps a "
+                f"hook state per patch of the tokens its blocks run, while those modules run over the whole image; "
+                f"match only modules inside the blocks (cache_identifiers, skip_predict_identifiers), or no PipeFusion"
+            )
+        self._pab_whole = {}
         self.reset()
         self._wrap_decisions()
         if self.name == "SeaCacheConfig" and not state.controls.cache_agrees:
@@ -107,6 +134,10 @@ class DiffusersCache:
     # ---- what the session and the views read -----------------------------------------------------------
     def reset(self) -> None:
         """A new generation: diffusers' hook states and the records start over."""
+        for hook, whole in self._pab_whole.items():  # PAB's own state back on its hook, to reset
+            hook.state = whole
+        self._pab_whole, self._pab_patches = {}, {}  # PAB's state of the whole image, and per (hook, patch)
+        self._per_patch = False  # PipeFusion's patch steps have begun: each patch has its own state
         self.transformer._reset_stateful_cache()
         self.skips: list[bool] = []
         self.changes: list[float | None] = []
@@ -140,7 +171,9 @@ class DiffusersCache:
         self._computed, self._change, change = [], None, None
         expected = self._attention_skips() if self.name in TIMESTEP_READERS else None
         where = dict(step_index=step_index, num_inference_steps=num_steps, timestep=t)
-        with self.transformer.cache_context("cond", **where, **({} if sigma is None else dict(sigma=sigma))):
+        where.update({} if sigma is None else dict(sigma=sigma))
+        self._context = CacheContext("cond", **where)  # a PipeFusion stage's patches take theirs from it
+        with self.transformer.cache_context("cond", **where):
             yield
             if self.name == "SeaCacheConfig":  # its leader's state counts the reuses in a row (0: the blocks ran)
                 leader = next(h for h in self.hooks if type(h).__name__ == "SeaCacheLeaderBlockHook")
@@ -159,6 +192,53 @@ class DiffusersCache:
         self.transformer.disable_cache()
         if hasattr(self.transformer, _OWNED):
             delattr(self.transformer, _OWNED)
+
+    # ---- PipeFusion: a state per patch ----------------------------------------------------------------------
+    def patches(self, active: list[int], layout) -> None:
+        """A PipeFusion stage is about to run its blocks over the patch set `active` (of `layout`): the hooks take
+        that set's state. A whole-image set (a warm-up step) runs on the step's own ("cond"), as serially; past the
+        warm-up each patch runs on its own ("cond patch 2"; PAB's, which keeps no context, swapped on its hooks),
+        advanced once a step as the whole one is serially and caching that patch's tokens. At the first patch step
+        each patch's state is cut from the whole one (its counters, its pieces of the cached tensors)."""
+        if len(active) == len(layout.patches):
+            if self._per_patch:  # its state is the patches' now, which nothing joins back
+                raise NotImplementedError(
+                    f"cache={self.name} under PipeFusion: a whole-image step after patch steps (a stage reset in "
+                    f"the middle of a generation); start a new session"
+                )
+            return
+        if not self._per_patch:
+            self._cut_states(layout)
+        (patch,) = active
+        patch = patch if self.state.controls.cache_state_per_patch else 0  # the control: patch 0's for every patch
+        context = dataclasses.replace(self._context, name=f"{self._context.name} patch {patch}")
+        for index, hook in enumerate(self.hooks):
+            if hasattr(hook, "state_manager"):
+                hook.state_manager.set_context(context)
+            elif self.name == "PyramidAttentionBroadcastConfig":
+                hook.state = self._pab_patches[index, patch]
+
+    def _cut_states(self, layout) -> None:
+        """Every hook's state per patch, from the whole image's (or none yet, without a warm-up step): tensors
+        over this rank's image tokens keep the patch's piece, the joint text's rows stay whole."""
+        sp_rank, text = self.state.mesh.group_rank(SP), self.state.text_len
+        sizes = [layout.chunk_len(p, sp_rank) for p in range(len(layout.patches))]
+        if text and text == sum(sizes):
+            raise NotImplementedError(
+                f"cache={self.name} under PipeFusion: the text ({text} tokens) is as long as this rank's image, so "
+                f"the hooks' cached tensors cannot be told apart; use another image size or no PipeFusion"
+            )
+        cut = _PatchCut(sizes, text, self.state.adapter.joined_text_last)
+        managers = {id(h.state_manager): h.state_manager for h in self.hooks if hasattr(h, "state_manager")}
+        for manager in managers.values():  # MagCache's hooks share one
+            whole = manager._state_cache.get(self._context.name)
+            for p in range(len(sizes)) if whole is not None else ():
+                manager._state_cache[f"{self._context.name} patch {p}"] = cut.state(whole, p)
+        for index, hook in enumerate(self.hooks if self.name == "PyramidAttentionBroadcastConfig" else ()):
+            self._pab_whole[hook] = hook.state
+            for p in range(len(sizes)):
+                self._pab_patches[index, p] = cut.state(hook.state, p)
+        self._per_patch = True
 
     # ---- the decisions ---------------------------------------------------------------------------------
     def _wrap_decisions(self) -> None:
@@ -229,6 +309,51 @@ class DiffusersCache:
             if self.name == "FasterCacheConfig" or (s.cache is not None and s.iteration != 0):
                 return True
         return False
+
+
+def _cache_hooks(module) -> list:
+    """The cache hooks diffusers' enable_cache registered on `module` (none: an empty list)."""
+    hooks = getattr(getattr(module, "_diffusers_hook", None), "hooks", {}).values()
+    return [hook for hook in hooks if type(hook).__module__ in _CACHE_MODULES]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PatchCut:
+    """One patch's part of a hook's state from the whole image's on this rank: a tensor [B, tokens, ...] over its
+    image tokens (`sizes`: this rank's tokens of each patch, patch by patch) keeps the patch's; over the joint text
+    and the image (`text` tokens first, or last) the text and the patch's; any other (the text's alone) stays."""
+
+    sizes: list
+    text: int
+    text_last: bool
+
+    def state(self, whole, patch: int):
+        part = copy.copy(whole)
+        for name, value in vars(whole).items():
+            setattr(part, name, self.value(value, patch))
+        return part
+
+    def value(self, value, patch: int):
+        if isinstance(value, torch.Size):  # TaylorSeer's shapes of an output it predicts as zeros
+            return torch.Size(self.value(torch.empty(value, device="meta"), patch).shape)
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, patch)
+        if isinstance(value, dict):
+            return {key: self.value(item, patch) for key, item in value.items()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.value(item, patch) for item in value)
+        return value
+
+    def tensor(self, tensor: torch.Tensor, patch: int) -> torch.Tensor:
+        image, start = sum(self.sizes), sum(self.sizes[:patch])
+        if tensor.dim() < 2 or tensor.shape[1] not in (image, image + self.text) or not image:
+            return tensor
+        offset = 0 if self.text_last or tensor.shape[1] == image else self.text
+        piece = tensor[:, offset + start : offset + start + self.sizes[patch]]
+        if tensor.shape[1] == image:
+            return piece
+        text = tensor[:, image:] if self.text_last else tensor[:, : self.text]
+        return torch.cat([piece, text] if self.text_last else [text, piece], dim=1)
 
 
 def refuse_foreign_cache(transformer) -> None:

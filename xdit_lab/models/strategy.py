@@ -125,6 +125,9 @@ class Controls:
     cache_keeps_block_residuals  True: a StepCache caches a ControlNet's residuals added between its blocks with what
                             the blocks added, so a skipped step adds the full step's as well as its own: the
                             mistake taking them out prevents (models/cache.py)
+    cache_state_per_patch   False: diffusers' cache hooks on a PipeFusion stage keep one state for every patch
+                            (one counter advanced once per patch, one cached tensor overwritten by each), not
+                            one per patch: the mistake a state per patch prevents (models/diffusers_cache.py)
     exchanges_halo          False: a convolution over token rows (Sana's feed-forward) convolves each rank's band
                             alone, zeros beyond its edges: the mistake the halo rows prevent (models/row_halo.py)
     merges_whole_queries    False: a "whole_queries" attention (LTX-2's audio asking the video) attends to this
@@ -140,6 +143,7 @@ class Controls:
     rebases_block_residuals: bool = True
     cache_agrees: bool = True
     cache_keeps_block_residuals: bool = False
+    cache_state_per_patch: bool = True
     exchanges_halo: bool = True
     merges_whole_queries: bool = True
     wrong_comm_scales: bool = False

@@ -48,6 +48,7 @@ from ...families import block_metadata
 from ...families.adapter import SEQUENCE_PARALLEL_KINDS
 from ...mesh import PIPEFUSION, RING, SP, TP, ULYSSES
 from ...sharding import PatchLayout, patch_layout, patch_ranges
+from ..diffusers_cache import DiffusersCache
 from ..hooks import join_text, keep_forward_per_token, refuse_per_block, refuse_unsplittable, split_text
 from ..step import whole_step
 from ..strategy import StrategyReport
@@ -310,7 +311,8 @@ class PipeFusionStage:
             return (image, text), comm.exchange([], buffers, mesh, PIPEFUSION)
 
         cache, pipelined = self.state.cache, self.pipelined
-        if cache is not None:  # one decision for the step before any patch moves (models/cache.py)
+        per_patch = isinstance(cache, DiffusersCache)  # diffusers' hooks: a state per patch (models/diffusers_cache.py)
+        if cache is not None and not per_patch:  # one decision for the step before any patch moves (models/cache.py)
             if mesh.is_first_stage:
                 cache.first_pass(run_active, patch_sets, self._set_active)
             cache.decide()
@@ -320,6 +322,8 @@ class PipeFusionStage:
             self.output = None
         for i, active in enumerate(patch_sets):
             self.active = active
+            if per_patch:
+                cache.patches(active, self.layout)
             if receiving is not None:
                 incoming, requests = receiving
                 if i + 1 < len(patch_sets):  # one patch ahead, arriving while this one computes
@@ -338,7 +342,7 @@ class PipeFusionStage:
         if pipelined:
             return self.schedule.end_patch(sends, output)
         comm.wait(sends)
-        if cache is not None:
+        if cache is not None and not per_patch:
             cache.end()
         if output is None:  # not the last stage: the prediction comes from there
             noise = first.new_empty(adapter.latents.prediction_shape(latents, self.model_config), dtype=self.dtype)

@@ -25,6 +25,16 @@ diffusers' processors reshape by head_dim (Flux, Flux.2, Qwen-Image); a module w
 count (Wan) is told its own (`heads`, `inner_dim` set to this rank's). A norm over one head's dims (the qk RMSNorms
 of Flux) is per head and runs as it is; a norm over every head at once (Wan's `rms_norm_across_heads`, the
 adapter's `tp_head_norms`) is computed exactly: its sum of squares all-reduced over the tp group.
+
+With the load options (tests/test_tp_options.py):
+
+    compile=True          one graph: DTensor's split layers trace as they are (they send nothing), and tp's
+                          all-reduces and gathers are opaque operators (xdit_lab::all_reduce, ::all_gather)
+                          that run and record as in eager
+    shard_weights=True    FSDP2 shards each rank's tp slices over its weights group (the ranks of one tp
+                          coordinate), on a 2-D [weights, tp] DeviceMesh whose children the two share
+                          (RankMesh.device_mesh); a rank holds ⌈d0/N⌉ rows of its slice's d0
+    quantized weights     refused: families/tp_plan.QUANTIZED_SPLIT says why
 """
 
 from __future__ import annotations

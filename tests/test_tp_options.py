@@ -10,7 +10,9 @@ shard_weights=True under tp2·ulysses2: load_pipeline's latents equal diffusers'
 rank's tp slices over its weights group (2 ranks), so a rank holds what the planner planned (the tp slice's FSDP2
 chunk) and the gather buffer planned (its tp slices whole), and each step's "weights" gathers are
 weight_gather_bytes of the tp-split model's units (the control: of the whole model's, which they are not); tp's
-and Ulysses' bytes are the closed form's."""
+and Ulysses' bytes are the closed form's. Both at once: exact, recorded as eager, no graph made after the first call.
+
+Quantized weights stay refused (tests/test_tensor_parallel.py: torchao's tensors implement no aten.split)."""
 
 import pytest
 import torch
@@ -166,3 +168,47 @@ def test_tp2_with_sharded_weights_equals_diffusers_pipeline(tmp_path):
             moved = dict(step["moved"])
             assert moved.pop("weights") == row["closed"] != row["control"], (where, step)
             assert moved == step["expected"] and {"tp", "ulysses"} <= set(moved), (where, step)
+
+
+def _sharded_and_compiled(config):
+    """tp with shard_weights and compile together: three calls against eager (sharded alike) and the serial model,
+    and dynamo's graphs after the first call and after the third."""
+    mesh = RankMesh(config)
+    serial = tiny_transformer("flux", seed=0)
+    eager = parallelize(tiny_transformer("flux", seed=0), config, mesh, shard_weights=True)
+    compiled = parallelize(tiny_transformer("flux", seed=0), config, mesh, shard_weights=True, compile="aot_eager")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    rows, graphs = [], []
+    for seed in (1, 2, 3):
+        inputs = _inputs("flux", seed)
+        with torch.no_grad():
+            reference = sample(serial(**inputs))
+            with comm_log() as eager_log:
+                sample(eager(**inputs))
+        with comm_log() as compiled_log:
+            output = sample(compiled(**inputs))
+        records = [[(r.op, r.group, r.bytes_out, r.tag) for r in log] for log in (eager_log, compiled_log)]
+        rows.append(
+            (
+                (output - reference).abs().max().item(),
+                1e-4 * max(1.0, reference.abs().max().item()),
+                records[0] == records[1],
+                {group for _, group, _, _ in records[1]},
+            )
+        )
+        graphs.append((counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())))
+    return rows, graphs
+
+
+@pytest.mark.timeout(960)
+def test_tp2_sharded_and_compiled_equals_serial_and_records_as_eager():
+    """FSDP2's gathers run eagerly between compiled pieces (parallelize's docstring: a break at every unit), tp's
+    collectives inside them: exact, recorded as eager records them, and no graph made after the first call."""
+    config = ParallelConfig(tp=2, ulysses=2)
+    for rank, (rows, graphs) in enumerate(run_on_ranks(_sharded_and_compiled, 4, config, timeout_s=900)):
+        for call, (error, bound, same, groups) in enumerate(rows):
+            where = f"rank {rank} call {call}"
+            assert error <= bound and same and {"tp", "ulysses", "weights"} <= groups, (where, error, same, groups)
+        assert graphs[0][0] > 1 and graphs[1:] == [graphs[0]] * 2 and graphs[0][1] == 0, graphs

@@ -405,7 +405,7 @@ def test_the_planner_refuses_from_the_headers_what_parallelize_refuses(tmp_path)
 
 def test_tp_refuses_quantized_weights_by_name():
     pytest.importorskip("torchao")
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     model = tiny_transformer("flux")
     quantize_(model, Int8WeightOnlyConfig())
@@ -416,6 +416,11 @@ def test_tp_refuses_quantized_weights_by_name():
     for split_or_view in (lambda w: w.split(w.shape[0] // 2), lambda w: w.view(w.shape[0] // 2, -1)):
         with pytest.raises(NotImplementedError, match=r"Int8Tensor dispatch: .*unimplemented operator"):
             split_or_view(weight)
+    model = tiny_transformer("flux")
+    quantize_(model, Float8WeightOnlyConfig())
+    weight = model.transformer_blocks[0].attn.to_q.weight
+    with pytest.raises(AssertionError, match=r"Only support viewing with match dimensions"):
+        weight.view(weight.shape[0] // 2, -1)
 
 
 def test_xdit_lab_run_takes_tp(tmp_path):

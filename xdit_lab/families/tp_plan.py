@@ -48,8 +48,9 @@ def option_refusals(config, *, quantization) -> list[str]:
 # why tp refuses quantized weights (torchao 0.18, torch 2.13: test_tp_refuses_quantized_weights_by_name asks torchao)
 QUANTIZED_SPLIT = (
     "load_pipeline quantizes each block as it reads it, before parallelize splits it, and torchao's quantized "
-    "weights (Int8Tensor, Float8Tensor) cannot be split by DTensor (they implement no aten.split) nor held as a "
-    "DTensor's local slice (no aten.view)"
+    "weights are not DTensor's to split: Int8Tensor implements no aten.split (the split) nor aten.view (a "
+    "DTensor's local slice), Float8Tensor views only as its own shape; quantizing the split layers after "
+    "parallelize is not done yet"
 )
 
 

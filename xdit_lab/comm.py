@@ -253,13 +253,35 @@ def _(x, mesh, group, dim, sizes, tag):
 
 
 def all_reduce(x: torch.Tensor, mesh, group: str, *, op=dist.ReduceOp.SUM, tag: str = "") -> torch.Tensor:
-    """In-place all-reduce of `x` over the group; returns x."""
+    """In-place all-reduce of `x` over the group; returns x.
+
+    Under torch.compile it is one opaque operator of the graph (xdit_lab::all_reduce), as all_gather is: dynamo
+    would otherwise turn dist.all_reduce into torch's functional collective, which stays in the graph, but the
+    record around it is Python that runs once, at trace time; dynamo replays that trace-time list of records after
+    each call (`log.records[:] = ...`), which drops what the graph's own operators recorded while it ran (tp's
+    gathered modulations). The operator records when it runs, every call."""
     n = mesh.group_size(group)
     if n == 1:
+        return x
+    if torch.compiler.is_compiling():
+        torch.ops.xdit_lab.all_reduce(x, mesh.handle, group, _REDUCE_OPS.index(op), tag)
         return x
     with _recorded("all_reduce", group, n, x, 2 * x.numel() * x.element_size() * (n - 1) // n, tag):
         dist.all_reduce(x, op=op, group=mesh.group(group))
     return x
+
+
+_REDUCE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)  # an operator takes the op by index
+
+
+@torch.library.custom_op("xdit_lab::all_reduce", mutates_args=("x",))
+def _all_reduce_op(x: torch.Tensor, mesh: int, group: str, op: int, tag: str) -> None:
+    all_reduce(x, from_handle(mesh), group, op=_REDUCE_OPS[op], tag=tag)
+
+
+@_all_reduce_op.register_fake
+def _(x, mesh, group, op, tag):
+    return None
 
 
 def all_gather_object(obj, mesh, group: str, *, tag: str = "") -> list:

@@ -20,8 +20,8 @@ class of the family) and says the same way what the model in `folder` refuses, b
     quantization            no such scheme or mapping (quantization.resolve); with shard_weights on several ranks
     lora                    an entry of the wrong form, a file that is not there, a pipeline with no LoRA loader,
                             adapters kept unfused, adapters on sharded or quantized weights
-    tp                      a family without a tp plan; with shard_weights, compile or quantization, which
-                            parallelize does not compose it with yet (models/tensor_parallel.option_refusals)
+    tp                      a family without a tp plan; with quantization, which parallelize does not compose
+                            it with yet (families/tp_plan.option_refusals)
 
 Each sentence is a `Refusal`, a str that also knows the exception load_pipeline raises it as (ParallelConfigError,
 ValueError, QuantizationError, LoraError), so that load_pipeline raises every sentence at once, as the first one's
@@ -282,12 +282,7 @@ class LoadOptions:
         weights = folder.transformer
         tensors = [(t.name, t.shape) for t in (*weights.root, *(t for block in weights.blocks for t in block))]
         found = [Refusal(s) for s in header_problems(tensors, model_class, folder.adapter, config.tp)]
-        found += [
-            Refusal(sentence, ValueError)
-            for sentence in option_refusals(
-                config, shard_weights=self.sharding(config), compile=self.compile, quantization=self.quantization
-            )
-        ]
+        found += [Refusal(sentence, ValueError) for sentence in option_refusals(config, quantization=self.quantization)]
         return found
 
     def _quantization_problems(self, folder: ModelFolder, config) -> list[Refusal]:

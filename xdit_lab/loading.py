@@ -223,10 +223,17 @@ def load_sharded_transformer(
 ) -> torch.nn.Module:
     """The transformer in `folder` parallelized under `config` with its weights sharded (FSDP2 over the ranks
     of its stage), built empty and filled with this rank's rows only: no rank reads or maps the whole
-    checkpoint. `parallel`: parallelize's other options (cache, compile, controls)."""
+    checkpoint. `parallel`: parallelize's other options (cache, compile, controls).
+
+    Under tp > 1 a rank's rows are an FSDP2 chunk of its tp slice (a rowwise weight's columns, a packed layer's
+    blocks), which is not one byte range of the file: the transformer is read whole into host memory (the loading
+    peak of tp without shards), split and sharded, then moved to the device, where it holds its shards only."""
     from .models import parallelize
 
     model = empty_model(folder, "diffusers", class_name, dtype)
+    if config.tp > 1:  # never with PipeFusion: parallelize refuses tp with it
+        load_weights(materialize(model, "cpu", dtype=dtype), folder, dtype=dtype, header=header)
+        return parallelize(model.to(device).eval(), config, mesh, shard_weights=True, **parallel)
     rename = None
     if config.pipefusion > 1:  # a stage keeps its own blocks, then shards them over the stage's ranks
         blocks = config.stage_ranges(FAMILIES[class_name].num_blocks(model.config))[mesh.coords[PIPEFUSION]]

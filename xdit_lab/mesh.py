@@ -242,11 +242,35 @@ class RankMesh:
         group = self.group(name)
         if group is None:
             return None
+        if name in (WEIGHTS, TP) and self.group_size(WEIGHTS) > 1 and self.group_size(TP) > 1:
+            return self._weights_by_tp(device_type)[name]
         key = (name, device_type)
         if key not in self._device_meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
             self._device_meshes[key] = DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
+        return self._device_meshes[key]
+
+    def _weights_by_tp(self, device_type: str):
+        """The 2-D DeviceMesh [weights, tp] of this rank's weights and tp groups, whose two 1-D children FSDP2 and
+        tensor parallelism use when both have several ranks: FSDP2 shards a tp-split DTensor parameter only over a
+        mesh of the same root as the parameter's (torch's FSDP2 + TP layout). Row i, column j: the rank at index i
+        of the weights group of tp coordinate j (the weights groups of a tp group's ranks differ only in tp)."""
+        key = ((WEIGHTS, TP), device_type)
+        if key not in self._device_meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            stride = self.rank_of(tp=1) - self.rank_of(tp=0)
+            rows = [
+                [rank + (j - self.coords[TP]) * stride for j in range(self.shape[TP])]
+                for rank in self.group_ranks(WEIGHTS)
+            ]
+            self._device_meshes[key] = DeviceMesh.from_group(
+                [self.group(WEIGHTS), self.group(TP)],
+                device_type,
+                mesh=torch.tensor(rows),
+                mesh_dim_names=(WEIGHTS, TP),
+            )
         return self._device_meshes[key]
 
     def group_ranks(self, name: str) -> list[int]:

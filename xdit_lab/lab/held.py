@@ -23,7 +23,12 @@ from __future__ import annotations
 import torch
 
 from ..models.offload import OFFLOADED, offload_groups
-from ..models.sharded_weights import gather_buffer_bytes, local_parameter_bytes, whole_parameter_bytes
+from ..models.sharded_weights import (
+    gather_buffer_bytes,
+    gathered_numel,
+    local_parameter_bytes,
+    whole_parameter_bytes,
+)
 from ..pipeline import ON_HOST
 from ..quantization import quantized_form
 
@@ -48,7 +53,7 @@ def persistent_buffers(module) -> list[torch.Tensor]:
 def fsdp_unit_bytes(module) -> dict[str, int]:
     """{FSDP2 unit name: whole bytes of the parameters it gathers} ("" the root, the parameters outside
     every other unit); empty for a module that is not sharded. A DTensor's numel() is the whole
-    parameter's, on every rank."""
+    parameter's, on every rank; under tp what FSDP2 gathers is this rank's tp slice (gathered_numel)."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
@@ -57,7 +62,7 @@ def fsdp_unit_bytes(module) -> dict[str, int]:
     found = dict.fromkeys(units, 0)
     for name, p in module.named_parameters():  # each parameter to the innermost unit that holds it
         unit = max((u for u in units if u == "" or name.startswith(f"{u}.")), key=len)
-        found[unit] += p.numel() * p.element_size()
+        found[unit] += gathered_numel(p) * p.element_size()
     return found
 
 
@@ -90,7 +95,7 @@ def holding(component) -> dict:
         parameter_bytes=local,
         sharded=bool(sharded),
         group=mesh.mesh_dim_names[0] if mesh is not None and mesh.mesh_dim_names else None,
-        shards=mesh.size() if mesh is not None else 1,
+        shards=mesh.size(0) if mesh is not None else 1,  # FSDP2's dim of a [weights, tp] mesh
         fraction=(local + buffered) / (whole + buffered) if whole + buffered else 1.0,
         on_host=on_host,
         offloaded=getattr(component, OFFLOADED, None),

@@ -22,7 +22,7 @@ from ..accelerations import StepCache, compile_backend, is_diffusers_cache, opti
 from ..config import PIPEFUSION, TP, ParallelConfig, ParallelConfigError
 from ..families import adapter_for, check_diffusers_version
 from ..families.adapter import RankLocal
-from ..families.tp_plan import option_refusals as tp_option_refusals
+from ..families.tp_plan import QUANTIZED_SPLIT
 from ..mesh import RankMesh
 from .cache import apply_step_cache
 from .dbcache import apply_dbcache
@@ -82,8 +82,10 @@ def parallelize(
     the token strategy's hooks and the batch's: every later step sees the layers as each rank holds them, and the
     sequence shards' attention attends this rank's heads. Under PipeFusion the stage keeps its blocks first, and tp
     splits those: a stage's rank of each tp coordinate hands its patches to the next stage's rank of the same
-    coordinate and keeps the stale K/V of its own heads. Not composed with tp yet, and refused by name:
-    shard_weights, quantized weights, compile, PipeFusion's async schedule, and a cache under PipeFusion."""
+    coordinate and keeps the stale K/V of its own heads. compile takes tp as one graph (tp's all-reduces and gathers
+    are opaque operators, recorded as they run: comm.all_reduce); shard_weights shards each rank's tp slices over
+    its weights group (FSDP2 on a [weights, tp] DeviceMesh: RankMesh.device_mesh). Not composed with tp yet, and
+    refused by name: quantized weights, PipeFusion's async schedule, and a cache under PipeFusion."""
     check_diffusers_version()
     adapter = adapter_for(transformer)
     if parallel_state(transformer) is not None:
@@ -105,7 +107,7 @@ def parallelize(
     if getattr(config, PIPEFUSION) > 1 and adapter.pipefusion_refused:
         raise ParallelConfigError(f"PipeFusion is not offered on {adapter.family} yet: {adapter.pipefusion_refused}")
     if getattr(config, TP) > 1:
-        _refuse_with_tp(transformer, adapter, config, compile=compile, shard_weights=shard_weights)
+        _refuse_with_tp(transformer, adapter, config)
     backend = compile_backend(compile) if compile else None
     model_config = transformer.config
     config.validate(
@@ -187,23 +189,21 @@ def unparallelize(transformer: torch.nn.Module) -> torch.nn.Module:
     return transformer
 
 
-def _refuse_with_tp(transformer, adapter, config, *, compile, shard_weights) -> None:
+def _refuse_with_tp(transformer, adapter, config) -> None:
     """What tensor parallelism is not composed with yet, refused by name before anything is split (and a family
     without a plan: model_plan names it)."""
     widths = tp_problems(transformer, adapter, config.tp)  # the plan, and the widths tp must divide
     if widths:
         raise ParallelConfigError("; ".join(widths))
     name = type(transformer).__name__
-    refused = tp_option_refusals(config, shard_weights=shard_weights, compile=compile, quantization=None)
-    if refused:
-        raise ValueError(refused[0])
     from ..quantization import quantized_form
 
     quantized = next((n for n, p in transformer.named_parameters() if quantized_form(p) is not None), None)
     if quantized is not None:
         raise ValueError(
             f"{name}'s weights are quantized ({quantized}: {quantized_form(transformer.get_parameter(quantized))}), "
-            f"which tp {config.tp} does not split yet; load it unquantized for tp, or quantized with tp 1"
+            f"which tp {config.tp} does not split yet: {QUANTIZED_SPLIT}; load it unquantized for tp, or quantized "
+            f"with tp 1"
         )
 
 

@@ -24,6 +24,10 @@ gathers_u = 1 for every unit under sequence shards, cfg and dp; under PipeFusion
 stage runs its blocks once per patch, and each run gathers them again (reshard after every forward):
 gathers = patches for the blocks, 1 for the root (weight_gather_bytes, weight_units).
 
+Under tp > 1 the weights group holds one tp coordinate, and each rank's parameters are its tp slices (DTensors on
+the tp mesh): FSDP2 shards those slices over the weights group, on a 2-D [weights, tp] DeviceMesh whose children the
+two share (RankMesh.device_mesh; torch's FSDP2 + TP layout), so d0 above is the slice's (weight_units).
+
 Sharding comes after parallelize (its hooks are installed first) and composes with every strategy:
 FSDP2 prepends its gather to a block's forward pre-hooks and appends its free to its forward hooks,
 so every hook parallelize put on a block sees whole weights. A block whose forward ends by an
@@ -44,7 +48,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..distributed import current_info
-from ..mesh import WEIGHTS, WORLD
+from ..mesh import TP, WEIGHTS, WORLD
 from ..quantization import stored_bytes
 from ..sharding import gather_buffer_bytes  # noqa: F401 - its closed form, read beside the shards (lab/held.py)
 from .installed import Installed
@@ -245,9 +249,15 @@ def weight_units(module, blocks, separate: Sequence[str] = ()) -> dict[str, list
     for unit in units:
         params = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
-        out[names[id(unit)]] = [(tuple(p.shape), p.element_size()) for p in params]
-    out[""] = [(tuple(p.shape), p.element_size()) for p in module.parameters() if id(p) not in seen]
+        out[names[id(unit)]] = [(_held_shape(p), p.element_size()) for p in params]
+    out[""] = [(_held_shape(p), p.element_size()) for p in module.parameters() if id(p) not in seen]
     return out
+
+
+def _held_shape(parameter) -> tuple[int, ...]:
+    """The shape FSDP2 shards of a parameter: a tp-split one's (a DTensor on the tp mesh) is the part this rank
+    holds, which FSDP2 cuts on dim 0 over the weights group as it cuts a whole one."""
+    return tuple((parameter.to_local() if hasattr(parameter, "to_local") else parameter).shape)
 
 
 def weight_gather_bytes(
@@ -278,6 +288,17 @@ def held_checkpoint_bytes(module) -> int:
     in no plan either)."""
     saved = set(module.state_dict())
     return local_parameter_bytes(module) + sum(stored_bytes(b) for name, b in module.named_buffers() if name in saved)
+
+
+def gathered_numel(parameter) -> int:
+    """Elements an FSDP2 gather makes whole of a sharded parameter: the whole parameter's (a DTensor's numel()),
+    or under tp this rank's tp slice of it (the parameter's mesh a [weights, tp] one: its tp dim's split left)."""
+    numel = parameter.numel()
+    mesh = getattr(parameter, "device_mesh", None)
+    for dim, placement in enumerate(getattr(parameter, "placements", ())):
+        if mesh.mesh_dim_names and mesh.mesh_dim_names[dim] == TP and placement.is_shard():
+            numel //= mesh.size(dim)
+    return numel
 
 
 def whole_parameter_bytes(module) -> int:

@@ -34,6 +34,16 @@ coordinate t. Its attention runs on its own heads, so the stale K/V it keeps are
     tp2·pf2    rank 0 (stage 0, tp 0) ──patch──> rank 2 (stage 1, tp 0)
                rank 1 (stage 0, tp 1) ──patch──> rank 3 (stage 1, tp 1)
                all-reduces within {0, 1} and {2, 3}
+
+With the load options (tests/test_tp_options.py):
+
+    compile=True          one graph: DTensor's split layers trace as they are (they send nothing), and tp's
+                          all-reduces and gathers are opaque operators (xdit_lab::all_reduce, ::all_gather)
+                          that run and record as in eager
+    shard_weights=True    FSDP2 shards each rank's tp slices over its weights group (the ranks of one tp
+                          coordinate), on a 2-D [weights, tp] DeviceMesh whose children the two share
+                          (RankMesh.device_mesh); a rank holds ⌈d0/N⌉ rows of its slice's d0
+    quantized weights     refused: families/tp_plan.QUANTIZED_SPLIT says why
 """
 
 from __future__ import annotations

@@ -73,18 +73,29 @@ def block_bytes(tensors: dict[str, int], transformer_config: dict) -> tuple[dict
     return blocks, shared
 
 
-def tp_held(weights: Weights, tp: int, blocks: tuple[int, int] | None = None) -> int:
-    """What a tp rank holds of a transformer, or of a PipeFusion stage's blocks [start, stop) and the root: 1/tp
-    of each tensor its plan splits (by the header's names: models/tensor_parallel.split_parameters), every other
-    whole."""
+def tp_local(weights: Weights, tp: int) -> Weights:
+    """A transformer as one tp rank holds it: each tensor its plan splits (by the header's names:
+    families/tp_plan.split_dim) with 1/tp of its split dim, every other whole; what FSDP2 then shards over the
+    weights group (shard_weights with tp) is this."""
+    import dataclasses
+
     import diffusers
 
-    from ..families.tp_plan import split_parameters
+    from ..families.tp_plan import split_dim
 
-    is_split = split_parameters(getattr(diffusers, weights.class_name), FAMILIES[weights.class_name])
-    start, stop = blocks if blocks is not None else (0, len(weights.blocks))
-    tensors = [*weights.root, *(t for block in weights.blocks[start:stop] for t in block)]
-    return sum(t.nbytes // tp if is_split(t.name) else t.nbytes for t in tensors)
+    dim_of = split_dim(getattr(diffusers, weights.class_name), FAMILIES[weights.class_name])
+
+    def local(tensor):
+        dim = dim_of(tensor.name)
+        if dim is None:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] //= tp
+        return dataclasses.replace(tensor, shape=tuple(shape))
+
+    return dataclasses.replace(
+        weights, root=[local(t) for t in weights.root], blocks=[[local(t) for t in block] for block in weights.blocks]
+    )
 
 
 def stage_spans(config, blocks: int) -> list[tuple[int, int]]:
@@ -171,9 +182,12 @@ def held_weights(
     never with `shard`), the transformer's blocks are in host memory, N at a time on the device (Offloaded): only
     the running expert is on the device, so Wan 2.2 A14B's second expert adds nothing there."""
     world = config.world_size
-    shards = world // config.pipefusion if shard else 1
-    # Wan 2.2 A14B's second expert is held as the first: the same stage of its blocks, sharded or quantized alike
+    shards = world // (config.pipefusion * config.tp) if shard else 1  # the weights group
+    # Wan 2.2 A14B's second expert is held as the first: the same stage of its blocks, sharded or quantized alike;
+    # under tp each as one tp rank holds it, which FSDP2 shards further
     experts = [(name, model.weights[name]) for name in model.named(TRANSFORMER, EXPERT)]
+    if config.tp > 1:  # a stage's blocks as its tp rank holds them; never quantized: parallelize refuses it with tp
+        experts = [(name, tp_local(w, config.tp)) for name, w in experts]
     per_stage = []  # ({expert: weights}, gather, stale K/V, host, offloaded) of each stage: the busiest is planned
     for span in stage_spans(config, len(model.transformer.blocks)):
         kept = stale(span) if stale is not None and config.pipefusion > 1 else 0  # one expert's: the other freed
@@ -183,8 +197,6 @@ def held_weights(
             offloaded = max(each.values(), key=lambda o: o.device)
             held = {name: offloaded.device if name == experts[0][0] else 0 for name, _ in experts}
             host = sum(o.device + o.host for o in each.values()) - offloaded.device
-        elif config.tp > 1:  # a stage's blocks split; never with shards or quantized weights: refused with tp
-            held = {name: tp_held(w, config.tp, span) for name, w in experts}
         else:
             held = {name: w.held(shards, span, scheme if name in quantized else None) for name, w in experts}
         gather = max(w.gather(shards, span) for _, w in experts)  # one expert runs at a time: one gather buffer

@@ -119,7 +119,7 @@ def test_the_cost_model_s_tp_term_is_the_traffic_model_s_with_the_text(config):
     shapes = dict(
         batch=2, rows=rows, cols=cols, heads=heads, head_dim=head_dim, text_len=text, self_layers=0,
         joint_layers=layers, first_block_self_layers=0, first_block_joint_layers=1, proj_width=4, dtype_bytes=e,
-        tp=dict(rowwise=[["joint", hidden, True]] * 2 * layers, gathered=[], norms=[]),
+        tp=dict(rowwise=[["joint", hidden, True, False]] * 2 * layers, gathered=[], norms=[]),
     )  # fmt: skip
 
     def tp_term(text_tokens):  # the cost model's elements of tp alone: its Ulysses part is 1/tp of ulysses alone's

@@ -47,6 +47,7 @@ LONGEST_FIRST = [
     "tutorials/12_skipping_steps.ipynb",  # 80
     "tests/test_tp_options.py",  # 75 (an estimate: 164 core-s of forked ranks, measured beside other jobs)
     "tests/test_pipefusion.py",  # 70
+    "tests/test_tp_pipefusion.py",  # 70 (an estimate: ~100 s beside other jobs, 4 forked ranks)
     "tests/test_step_cache.py",  # 65
     "tests/test_tensor_parallel.py",  # 65 (an estimate from its runs beside other jobs; tp is new)
     "tutorials/11_model_families.ipynb",  # 64

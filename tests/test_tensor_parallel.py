@@ -332,9 +332,9 @@ def test_tp_in_the_config_its_cost_and_its_names():
     assert split.work_fraction == alone.work_fraction / 2 and split.params_fraction == 0.5
     # Ulysses moves half the heads; tp all-reduces [p/2, hs] twice a layer: 2 · 2(2-1)/2 / 2 · 28
     assert split.comm_p_hs == pytest.approx(alone.comm_p_hs / 2 + 28)
-    # options() ranks tp only when asked (a family with a plan), and not yet with PipeFusion (which tp composes with)
+    # options() ranks tp only when asked (a family with a plan), PipeFusion's stages split over tp too
     listed = [c.short() for c in ParallelConfig.options(4, num_heads=24, num_layers=28, tensor_parallel=True)]
-    assert {"ulysses2·tp2", "tp4", "cfg2·tp2"} <= set(listed) and not [n for n in listed if "pf" in n and "tp" in n]
+    assert {"ulysses2·tp2", "tp4", "cfg2·tp2", "pf2·tp2"} <= set(listed)
     assert listed.index("ulysses4") < listed.index("ulysses2·tp2")  # the same work; tp's all-reduces send more
     assert not [c for c in ParallelConfig.options(4, num_heads=24) if c.tp > 1]
     assert "ulysses2·tp2" not in [c.short() for c in ParallelConfig.options(4, num_heads=3, tensor_parallel=True)]

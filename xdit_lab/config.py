@@ -397,8 +397,9 @@ class ParallelConfig:
     ) -> list[ParallelConfig]:
         """Every valid configuration for `world_size` ranks, best first.
 
-        `tensor_parallel`: tp degrees too, for a model whose family has a tp plan (models/tensor_parallel.py), not
-        yet with PipeFusion; by default the five other degrees only, as for a model tp cannot split.
+        `tensor_parallel`: tp degrees too, for a model whose family has a tp plan (models/tensor_parallel.py), within
+        PipeFusion's stages as beside the sequence degrees; by default the five other degrees only, as for a model
+        tp cannot split.
 
         `comm_dtype` (float8 on the wire) is given to every configuration whose Ulysses or Ring links can
         carry it; the others (no sequence parallelism, or PipeFusion with it) are listed without it.
@@ -416,9 +417,7 @@ class ParallelConfig:
             divisors, (1, 2) if use_cfg else (1,), divisors, divisors, tps
         ):
             rest, leftover = divmod(world_size, dp * cfg * pipefusion * ring * tp)
-            # tp within PipeFusion stages runs (models/tensor_parallel.py) but is not ranked here yet: the planner's
-            # table and its lessons list tp beside the sequence degrees only
-            if leftover or rest < 1 or (tp > 1 and pipefusion > 1):
+            if leftover or rest < 1:
                 continue
             patches = None if num_patches is None else max(num_patches, pipefusion)
             config = ParallelConfig(

@@ -45,12 +45,13 @@ def test_tp_is_offered_only_where_the_family_has_a_plan_and_the_load_takes_it():
         valid_configs(4, unplanned)
     )
     assert explain(ParallelConfig(tp=2), 2, unplanned) == ["tensor parallelism has no plan for sana"]
-    options = dict(shard_weights=True, compile=False, quantization=None)
-    sharded = ModelShape("pixart", 4, 4, 8, 8, True, load_options=options)
-    offered = valid_configs(4, sharded)
+    options = dict(quantization="int8")  # what tp is not composed with yet (shard_weights and compile it takes)
+    quantized = ModelShape("pixart", 4, 4, 8, 8, True, load_options=options)
+    offered = valid_configs(4, quantized)
+    assert not [c for c in offered if c.tp > 1] and "ulysses2" in shorts(offered)
     for config in (c for c in four if c.tp > 1):  # offered exactly where tp takes the load's options
         assert (config in offered) == (not option_refusals(config, **options)), config
-        assert explain(config, 4, sharded) == option_refusals(config, **options)
+        assert explain(config, 4, quantized) == option_refusals(config, **options)
 
 
 def test_the_lab_planner_ranks_tp_where_the_family_has_a_plan_and_names_only_what_fits():
@@ -129,7 +130,7 @@ def test_the_model_shape_comes_from_the_loaded_pipeline(controller):
     # the tiny PixArt: 4 heads of 16, 2 layers; 16 pixels over VAE factor 2 × patch 2 = a 4 × 4 token grid
     # PixArt has a tp plan (tp_refused None), loaded with no option tp refuses (the load's own, beside it)
     expected = ModelShape(family="pixart", num_heads=4, num_layers=2, rows=4, cols=4, use_cfg=True, hidden_size=64)
-    load_options = dict(shard_weights=False, compile=False, quantization=None)
+    load_options = dict(quantization=None)
     assert controller.shape == ModelShape(**{**expected.__dict__, "load_options": load_options})
     assert shorts(controller.options()) == ["cfg2", "dp2", "pf2", "ulysses2", "ring2", "tp2", "serial"]
     assert controller.choices()["tp"] == [1, 2]  # the tp picker offers what a valid configuration uses

@@ -235,7 +235,12 @@ def test_flux_plans_tp2_ulysses2_beside_ulysses4_sharded_and_pf4(folders, plans)
     whole = _row(rows, "ulysses4", False, "gpu")
     assert tp.activation_traffic > whole.activation_traffic  # two all-reduces per block on top of its all-to-alls
     assert tp.cost.work_fraction == whole.cost.work_fraction and tp.gather_traffic == 0
-    assert not [r for r in rows if r.config.tp > 1 and r.shard_weights]  # refused by the load: never listed
+    sharded = [r for r in rows if r.config.tp > 1 and r.shard_weights]  # tp's slices sharded over its weights group
+    assert sharded and all(r.config.world_size // (r.config.tp * r.config.pipefusion) > 1 for r in sharded)
+    for r in sharded:  # each tp rank's slices, FSDP2-sharded over the ranks of one tp coordinate (of one stage)
+        planned = held_weights(model, r.config, True, r.text_encoders, None)[0]["transformer"]
+        assert r.weights["transformer"] == planned < weights["transformer"], r.config.short()
+    assert [r for r in rows if r.config.tp > 1 and r.config.pipefusion > 1]  # PipeFusion's stages split over tp
     sd3 = [r for r in plans[("SD3.5-large", 4, 24 * GB)] if r.config.tp > 1]  # its adapter's plan: 38 heads, 19 a rank
     assert sd3 and not [r for r in sd3 if r.config.tp == 4]  # tp 4 does not divide 38 heads: never listed
 

@@ -179,9 +179,7 @@ class ExplorerController:
         answer = lab.call(model_shape, self.session_kwargs, ranks=[0], what="explorer.model_shape")[0]
         recipe_steps = answer.pop("num_inference_steps")
         options = lab.loaded.options  # what tp is not composed with yet is refused with the load's own options
-        answer["load_options"] = dict(
-            shard_weights=bool(options.shard_weights), compile=options.compile, quantization=options.quantization
-        )
+        answer["load_options"] = dict(quantization=options.quantization)  # tp_plan.option_refusals' arguments
         self.steps, self.shape = steps or default_steps or recipe_steps, ModelShape(**answer)
 
     # ---- what is valid ----------------------------------------------------------------------------

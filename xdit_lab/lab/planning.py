@@ -33,7 +33,7 @@ class ModelShape:
     hidden_size: int | None = None  # heads × head dim: the planning table's traffic in bytes
     cfg_needs: str | None = "a guidance_scale above 1"  # what gives a call two; None: never (the recipe's)
     tp_refused: str | None = None  # why tp cannot split this model (its family has no tp plan); None: it can
-    # the load's shard_weights, compile and quantization: what tp may not be composed with yet (option_refusals)
+    # the load's options that tp may not be composed with yet, as option_refusals takes them (its quantization)
     load_options: dict | None = None
 
     @property

@@ -263,8 +263,8 @@ def plan_model(
         for shard, placement in HOLDINGS:
             if placement != "gpu" and not model.text_encoders:
                 continue  # no text encoder to place: the whole and sharded rows say it all
-            if shard and world_size // config.pipefusion == 1:
-                continue  # nothing to shard: every rank of a stage is alone with its blocks
+            if shard and world_size // (config.pipefusion * config.tp) == 1:
+                continue  # nothing to shard: each rank of a stage (of a tp coordinate) is alone with its weights
             options = load_options_of(shard, placement, quantize, model.text_encoders, offload_blocks)
             if options.problems(recipe, model, config):
                 continue  # refused by load_pipeline (LoadOptions.problems): see _quantize_notes, _refused_notes

@@ -37,13 +37,13 @@ def _inputs(family):
     return [dict(base, **{name: latents + DRIFT * i * noise}) for i in range(STEPS)]
 
 
-def _steps(config, family="pixart", control=None, extra=None):
+def _steps(config, family="pixart", control=None, extra=None, heads=None):
     """STEPS transformer calls (one per diffusion step), against diffusers' serial forward: per step the
     largest error, its 1e-4 bound, the relative L2 deviation, and the bytes sent beside the closed form.
     `control` names deliberately wrong stale K/V buffers (xdit_lab.lessons.controls); `extra(model, whole)`, a
     module-level function, adds what it reads of the parallel model after the steps (`whole`: the serial model's
-    parameter bytes) under "extra"."""
-    model = tiny_transformer(family, layers=LAYERS)
+    parameter bytes) under "extra"; `heads` sets the tiny model's (None: its own)."""
+    model = tiny_transformer(family, layers=LAYERS, heads=heads)
     per_block = [sum(p.numel() for p in block.parameters()) for block in adapter_for(model).blocks(model)]
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     inputs = _inputs(family)

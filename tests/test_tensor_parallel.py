@@ -153,20 +153,14 @@ def test_tp2_forward_equals_serial_diffusers(family):
     _check(run_on_ranks(_forward, 2, family, [ParallelConfig(tp=2)], timeout_s=240), family)
 
 
-def test_tp2_composes_with_ulysses_cfg_ring_and_dp_on_4_ranks():
-    configs = [
-        ParallelConfig(tp=2, ulysses=2),
-        ParallelConfig(tp=2, cfg=2),
-        ParallelConfig(tp=2, ring=2),
-        ParallelConfig(tp=2, dp=2),
-    ]
+def test_tp2_composes_with_ring_and_dp_on_4_ranks():
+    """Flux's; every family's tp2·ulysses2, tp2·cfg2 and tp2·pf2 are in tests/test_tp_families.py."""
+    configs = [ParallelConfig(tp=2, ring=2), ParallelConfig(tp=2, dp=2)]
     per_rank = run_on_ranks(_forward, 4, "flux", configs, timeout_s=240)
     _check(per_rank, "flux")
     for rows in per_rank:
-        assert {"ulysses", "tp"} <= {group for _, group in rows[0]["ops"]}
-        assert {"cfg", "tp"} <= {group for _, group in rows[1]["ops"]}
-        assert {"ring", "tp"} <= {group for _, group in rows[2]["ops"]}
-        assert {"dp", "tp"} <= {group for _, group in rows[3]["ops"]}
+        assert {"ring", "tp"} <= {group for _, group in rows[0]["ops"]}
+        assert {"dp", "tp"} <= {group for _, group in rows[1]["ops"]}
 
 
 def _uneven(config):

@@ -5,7 +5,8 @@ and {1, 3}, so each stage's rank of tp coordinate t hands its patches (whole, af
 next stage's rank of coordinate t. Each rank holds its stage's blocks, split: the parameter bytes it holds equal the
 plan's, and the stale K/V it keeps are its heads' alone, half the stage's, as planned. Every step's bytes per group
 (tp's and pipefusion's) equal the closed form. The pipelines under tp2·pf2 are in tests/test_tensor_parallel.py,
-the planned and held K/V of a pipeline's request in tests/test_pipefusion.py."""
+the planned and held K/V of a pipeline's request in tests/test_pipefusion.py, every family's tp2·pf2 forward (every step
+warmed up) in tests/test_tp_families.py."""
 
 import pytest
 from test_pipefusion import CONTROLS, STEPS, _check_stale_bound, _steps

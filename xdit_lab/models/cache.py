@@ -236,13 +236,18 @@ class FirstBlockCache:
         return torch.cat([image, text] if self.state.adapter.joined_text_last else [text, image], dim=1)
 
 
-def apply_step_cache(transformer, state, settings: StepCache) -> FirstBlockCache:
-    """Wrap the blocks of a module that parallelize has set up (a PipeFusion stage holds some)."""
-    adapter = state.adapter
+def cached_blocks(transformer, adapter) -> tuple[list, list[bool]]:
+    """The blocks a StepCache wraps, in order, and whether each takes [text; image] joined (a joined block list)."""
     blocks = adapter.blocks(transformer)
     if not blocks:
         raise TypeError(f"StepCache found no transformer blocks in {type(transformer).__name__}")
     joined = [name in adapter.joined_block_lists for name in adapter.block_lists for _ in getattr(transformer, name)]
+    return blocks, joined
+
+
+def apply_step_cache(transformer, state, settings: StepCache) -> FirstBlockCache:
+    """Wrap the blocks of a module that parallelize has set up (a PipeFusion stage holds some)."""
+    blocks, joined = cached_blocks(transformer, state.adapter)
     return FirstBlockCache(settings, state, blocks, holds_first_block=state.mesh.is_first_stage, joined=joined)
 
 

@@ -31,7 +31,7 @@ import functools
 import math
 
 from ..families import block_metadata
-from .cache import FirstBlockCache, _wrap
+from .cache import FirstBlockCache, _wrap, cached_blocks
 
 
 class DBCache(FirstBlockCache):
@@ -108,9 +108,4 @@ class DBCache(FirstBlockCache):
 
 def apply_dbcache(transformer, state, settings) -> DBCache:
     """Wrap the front's ends and the middle blocks of a module that parallelize has set up under sequence shards."""
-    adapter = state.adapter
-    blocks = adapter.blocks(transformer)
-    if not blocks:
-        raise TypeError(f"StepCache found no transformer blocks in {type(transformer).__name__}")
-    joined = [name in adapter.joined_block_lists for name in adapter.block_lists for _ in getattr(transformer, name)]
-    return DBCache(settings, state, blocks, joined)
+    return DBCache(settings, state, *cached_blocks(transformer, state.adapter))

@@ -37,7 +37,7 @@ import torch
 from .. import comm
 from ..families import block_metadata
 from ..mesh import WORLD
-from .cache import FirstBlockCache, _wrap
+from .cache import FirstBlockCache, _wrap, cached_blocks
 
 
 class TeaCacheRuntime(FirstBlockCache):
@@ -137,9 +137,4 @@ def _rescaled(coefficients: tuple[float, ...], x: float) -> float:
 
 def apply_teacache(transformer, state, settings) -> TeaCacheRuntime:
     """Wrap every block of a module that parallelize has set up under sequence shards."""
-    adapter = state.adapter
-    blocks = adapter.blocks(transformer)
-    if not blocks:
-        raise TypeError(f"StepCache found no transformer blocks in {type(transformer).__name__}")
-    joined = [name in adapter.joined_block_lists for name in adapter.block_lists for _ in getattr(transformer, name)]
-    return TeaCacheRuntime(settings, state, blocks, joined)
+    return TeaCacheRuntime(settings, state, *cached_blocks(transformer, state.adapter))

@@ -232,7 +232,9 @@ def _named(cache) -> str:
 # hook on the transformer reads before the batch and the sequence are split: the same on every rank), or from the
 # data (First-Block Cache's relative change: its two sums all-reduced over the configuration's ranks); the rest are
 # refused under parallelism, each for its own reason.
-BY_SCHEDULE = ("TaylorSeerCacheConfig", "MagCacheConfig", "PyramidAttentionBroadcastConfig", "FasterCacheConfig")
+# the ones PipeFusion takes, with a hook state per patch (models/diffusers_cache.py); FasterCache hooks the transformer
+PER_PATCH = ("TaylorSeerCacheConfig", "MagCacheConfig", "PyramidAttentionBroadcastConfig")
+BY_SCHEDULE = (*PER_PATCH, "FasterCacheConfig")
 BY_INPUT = ("SeaCacheConfig",)
 BY_DATA = ("FirstBlockCacheConfig",)
 DECIDED_ALIKE = (*BY_SCHEDULE, *BY_INPUT)  # every rank decides alike with no collective: nothing moves for it
@@ -300,7 +302,7 @@ def diffusers_cache_problems(config, adapter, cache) -> list[str]:
             f"runs over the whole image while its hook state is kept per patch; use TaylorSeer's default patterns "
             f"(the blocks' attention)"
         )
-    if getattr(config, PIPEFUSION) > 1 and name in BY_SCHEDULE[:3] and config.pipefusion_schedule == "async":
+    if getattr(config, PIPEFUSION) > 1 and name in PER_PATCH and config.pipefusion_schedule == "async":
         found.append(
             f"cache={name} does not run under pipefusion_schedule='async': its hooks' state per patch advances with "
             f"the session's step, while the async schedule has two steps in flight on the stages; use the drained "
